@@ -1,0 +1,85 @@
+"""Public value types of the rollout engine: what a caller asks for and what it gets back.
+
+Plain dataclasses, no torch: they cross process boundaries (Ray) and config files unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one generate call (the names follow vLLM's SamplingParams)."""
+
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_p: float = 1.0  # nucleus truncation; 1.0 keeps the whole distribution
+    top_k: int = 0  # 0 keeps every token
+    max_new_tokens: int = 256
+    n: int = 1  # samples per prompt; they share the prompt's prefill
+    seed: int | None = None  # None draws fresh randomness each call
+    stop_token_ids: list[int] | None = None  # extra stop tokens besides the tokenizer's EOS
+    ignore_eos: bool = False  # benchmarks: always run to max_new_tokens
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SpecConfig:
+    """How the engine speculates. The default is no speculation (plain autoregressive decoding)."""
+
+    drafter: Literal["none", "ngram", "suffix", "eagle3", "auto"] = "none"
+    num_draft_tokens: int = 4  # k: drafted tokens per verify along one path
+    tree_width: int = 1  # children per node; 1 = a chain
+    selector: Literal["fixed", "adaptive"] = "fixed"
+    drafter_path: str | None = None  # a learned drafter's directory (eagle3)
+    # Long tail: speculate only when the live batch is at most this many sequences; None lets the
+    # engine derive it from measured verify costs. Hysteresis keeps it from flapping.
+    max_spec_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        valid = ("none", "ngram", "suffix", "eagle3", "auto")
+        if self.drafter not in valid:
+            raise ValueError(f"SpecConfig.drafter must be one of {valid}, got {self.drafter!r}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"SpecConfig.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.tree_width < 1:
+            raise ValueError(f"SpecConfig.tree_width must be >= 1, got {self.tree_width}")
+        if self.selector not in ("fixed", "adaptive"):
+            raise ValueError(f"SpecConfig.selector must be 'fixed' or 'adaptive', got {self.selector!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter != "none"
+
+
+@dataclass
+class RolloutResult:
+    """One sample of one prompt.
+
+    logprobs: one float per completion token, log p(token) under the target's
+    temperature-scaled distribution before top-k/top-p truncation (what TRL recomputes).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    policy_version: int
+    prompt_index: int = 0  # which prompt of the call this sample belongs to
+    sample_index: int = 0  # which of that prompt's n samples
+    extra: dict = field(default_factory=dict)
