@@ -1,0 +1,223 @@
+"""RolloutEngine: the loop admit -> (draft) -> forward -> verify -> commit -> retire.
+
+Bookkeeping (sequences, rows, stop rules) is plain Python; tensors live in the runner, sampling
+and verification. Without a drafter every step is plain autoregressive decoding: a verify of zero
+drafts, so there is one code path and speculation can only change speed, never the law sampled.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from rollout.errors import PromptTooLongError
+from rollout.metrics import RolloutMetrics
+from rollout.model import loader
+from rollout.runner import ModelRunner
+from rollout.sampling import logprobs_of, probs_from_logits, sample
+from rollout.sequence import Sequence
+from rollout.types import RolloutResult, SamplingParams, SpecConfig
+from rollout.verify import verify_chain
+
+
+class RolloutEngine:
+    def __init__(self, model, tokenizer, spec: SpecConfig | None = None, max_model_len: int = 2048,
+                 max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = spec or SpecConfig()
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        p = next(model.parameters())
+        self.runner = ModelRunner(model, p.device, p.dtype)
+        eos = list(eos_token_ids or [])
+        if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = [tokenizer.eos_token_id]
+        self.eos_token_ids = set(eos)
+        self.policy_version = 0
+        self._metrics = RolloutMetrics()
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model: str, spec: SpecConfig | None = None, device="cpu", dtype="bfloat16",
+                        max_model_len: int = 2048, max_num_seqs: int = 64) -> "RolloutEngine":
+        """model: a local HF directory, a hub id, or the embedded alias "smollm2-135m-instruct"."""
+        from transformers import AutoTokenizer
+
+        from rollout.model.fetch import fetch_model
+
+        path = fetch_model(model)
+        runtime = loader.load_model(path, dtype=dtype, device=device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, _generation_eos(path, tokenizer))
+
+    @classmethod
+    def from_hf_model(cls, hf_model, tokenizer, spec: SpecConfig | None = None, dtype=None, device=None,
+                      max_model_len: int = 2048, max_num_seqs: int = 64) -> "RolloutEngine":
+        """Build from an in-memory transformers model (the trainer's policy); weights are copied."""
+        runtime = loader.from_hf_model(hf_model, loader.resolve_dtype(dtype) if dtype else None, device)
+        eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+        eos = [eos] if isinstance(eos, int) else eos
+        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, eos)
+
+    # ---- public surface ---------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Policy sync from the trainer (HF parameter names); bumps policy_version."""
+        loader.load_named_tensors(self.model, named_tensors)
+        self.policy_version += 1
+
+    def stats(self) -> dict[str, float]:
+        """Slash-named metrics accumulated since the previous call."""
+        out = self._metrics.as_dict()
+        out["rollout/policy_version"] = float(self.policy_version)
+        self._metrics = RolloutMetrics()
+        return out
+
+    @property
+    def last_batch_trace(self) -> list[tuple[float, int]]:
+        return self._metrics.batch_trace
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[RolloutResult]:
+        """Sample params.n completions per prompt; one flat list, prompt-major, in order."""
+        params = params or SamplingParams()
+        self._validate(prompt_token_ids, params)
+        gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else None
+        stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else self.eos_token_ids)
+        seqs = [
+            Sequence(i, j, list(p), min(params.max_new_tokens, self.max_model_len - len(p)))
+            for i, p in enumerate(prompt_token_ids) for j in range(params.n)
+        ]
+        longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
+        self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack())
+        t0 = time.perf_counter()
+        waiting = deque(seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids)))
+        live: list[Sequence] = []
+        bar = _progress(len(seqs), use_tqdm)
+        while waiting or live:
+            self._admit(waiting, live, params, gen, stop_ids)
+            live = self._retire(live, bar)  # a first token may already end a sample
+            if live:
+                self._metrics.batch_trace.append((time.perf_counter() - t0, len(live)))
+                self._decode_step(live, params, gen, stop_ids)
+                live = self._retire(live, bar)
+        if bar is not None:
+            bar.close()
+        self._record_call(seqs, time.perf_counter() - t0)
+        return [s.result(self.policy_version) for s in seqs]
+
+    # ---- the loop's stages --------------------------------------------------------------------
+    def _admit(self, waiting: deque, live: list[Sequence], params, gen, stop_ids) -> None:
+        """Prefill waiting prompt groups while rows are free; each group's n samples share one prefill."""
+        groups = []
+        while waiting and len(live) + sum(map(len, groups)) + len(waiting[0]) <= self.runner.cache.rows:
+            groups.append(waiting.popleft())
+        if not groups:
+            return
+        base = len(live)
+        heads = []
+        for g in groups:
+            for s in g:
+                s.row = base
+                base += 1
+            heads.append(g[0].row)
+        logits, _ = self.runner.prefill([g[0].prompt_ids for g in groups], heads)
+        for g, head_logits in zip(groups, logits):
+            self.runner.cache.copy_row(g[0].row, [s.row for s in g[1:]], len(g[0].prompt_ids))
+            first = self._sample_first(head_logits, len(g), params, gen)
+            for s, (tok, lp) in zip(g, first):
+                s.append([tok], [lp], stop_ids)
+            live.extend(g)
+
+    def _sample_first(self, logits: torch.Tensor, n: int, params, gen) -> list[tuple[int, float]]:
+        rows = logits[None].expand(n, -1)
+        toks = rows.argmax(-1) if params.greedy else sample(probs_from_logits(rows, params), gen)
+        return list(zip(toks.tolist(), logprobs_of(rows, toks, params).tolist()))
+
+    def _decode_step(self, live: list[Sequence], params, gen, stop_ids) -> None:
+        assert all(s.row == i for i, s in enumerate(live)), "live rows must be compact"
+        drafts = [[] for _ in live]  # speculation plugs in here (issue: lossless speculative rollouts)
+        K = max(map(len, drafts))
+        tokens = torch.zeros(len(live), 1 + K, dtype=torch.long)
+        for i, (s, d) in enumerate(zip(live, drafts)):
+            tokens[i, 0] = s.pending
+            tokens[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+        start = torch.tensor([s.cache_len for s in live])
+        logits, _ = self.runner.step(tokens, start)
+        logits = logits.to("cpu") if logits.device.type != "cpu" else logits
+        nd = torch.tensor([len(d) for d in drafts])
+        verdict = verify_chain(logits, tokens[:, 1:], nd, params, generator=gen)
+        emitted = tokens[:, 1:].clone() if K else torch.zeros(len(live), 0, dtype=torch.long)
+        emitted = torch.cat([emitted, torch.zeros(len(live), 1, dtype=torch.long)], 1)
+        emitted.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
+        lps = logprobs_of(logits, emitted, params)
+        acc = verdict.accepted.tolist()
+        emitted_l, lps_l = emitted.tolist(), lps.tolist()
+        for i, s in enumerate(live):
+            s.append(emitted_l[i][:acc[i] + 1], lps_l[i][:acc[i] + 1], stop_ids)
+        self._metrics.record_verify("none", [len(d) for d in drafts], acc)
+
+    def _retire(self, live: list[Sequence], bar) -> list[Sequence]:
+        """Drop finished sequences and compact the survivors into rows 0..B-1."""
+        survivors = [s for s in live if not s.finished]
+        if bar is not None and len(survivors) < len(live):
+            bar.update(len(live) - len(survivors))
+        for new_row, s in enumerate(survivors):
+            if s.row != new_row:
+                self.runner.cache.move(s.row, new_row, s.cache_len)
+                s.row = new_row
+        return survivors
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _draft_slack(self) -> int:
+        """Extra cache positions so padded drafts never write past the buffer."""
+        return 1 + (self.spec.num_draft_tokens * self.spec.tree_width if self.spec.enabled else 0)
+
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} samples per prompt exceed max_num_seqs={self.max_num_seqs}; "
+                             "raise max_num_seqs")
+        vocab = self.model.cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(p) >= self.max_model_len:
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(p)} tokens but the engine's context is {self.max_model_len} tokens "
+                    f"(max_model_len), leaving no room to generate; raise max_model_len (rollout.max_model_len "
+                    "in a config) or shorten the prompt")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab})")
+
+    def _record_call(self, seqs: list[Sequence], seconds: float) -> None:
+        m = self._metrics
+        m.time_s += seconds
+        m.generate_calls += 1
+        m.sequences += len(seqs)
+        m.generated_tokens += sum(len(s.completion_ids) for s in seqs)
+        m.completion_lens.extend(len(s.completion_ids) for s in seqs)
+
+
+def _generation_eos(path: str, tokenizer) -> list[int]:
+    """EOS ids as `generate` would use them: generation_config.json first, then the tokenizer."""
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollout", unit="seq", leave=False)

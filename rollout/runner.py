@@ -1,0 +1,67 @@
+"""ModelRunner: turns the engine's plain-Python batch description into tensors and runs the target.
+
+The only engine part that touches tensors besides sampling/verification. Owns the model and the
+KV cache; knows nothing of sequences, drafters or strategies.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollout.kv_cache import KVCache
+from rollout.model.llama import ForwardBatch, LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype):
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.cache: KVCache | None = None
+
+    def ensure_cache(self, rows: int, length: int) -> KVCache:
+        """Allocate once; grow only when a call needs more rows or positions than ever before."""
+        if self.cache is None or not self.cache.fits(rows, length):
+            old = self.cache
+            rows = max(rows, old.rows if old else 0)
+            length = max(length, old.length if old else 0)
+            self.cache = None  # free the old buffer first
+            del old
+            self.cache = KVCache(self.model.cfg, rows, length, self.dtype, self.device)
+            self.model.init_rope(length)
+        return self.cache
+
+    def prefill(self, prompts: list[list[int]], rows: list[int], hidden_layers=()):
+        """Fresh prompts into the given rows; returns (last-token logits [P, V], hiddens)."""
+        P, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(P, T, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        lens = torch.tensor([len(p) for p in prompts])
+        pos = torch.arange(T).expand(P, T)
+        # causal, and padding keys (j >= len) hidden; padding queries still see key 0 (no NaN rows)
+        mask = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] < lens[:, None, None])
+        fb = ForwardBatch(
+            input_ids=ids.to(self.device), positions=pos.to(self.device), write_index=pos.to(self.device),
+            mask=mask[:, None].to(self.device), rows=torch.tensor(rows, device=self.device), self_only=True,
+        )
+        return self.model(fb, self.cache.k, self.cache.v, hidden_layers, logits_index=(lens - 1).to(self.device))
+
+    def step(self, tokens: torch.Tensor, start: torch.Tensor, depths=None, tree_mask=None, hidden_layers=()):
+        """T new tokens for each live row 0..B-1 whose cache holds `start[b]` entries.
+
+        tokens [B, T] long; start [B] long. A chain by default; a tree passes depths [T]
+        (RoPE offsets) and tree_mask [T, T] bool (node t may see node s). Returns logits [B, T, V].
+        """
+        B, T = tokens.shape
+        offs = torch.arange(T) if depths is None else depths
+        rel = torch.arange(int(start.max()) + T)[None, :] - start[:, None]  # key index minus start: [B, S]
+        if tree_mask is None:
+            new_ok = (rel[:, None, :] >= 0) & (rel[:, None, :] <= torch.arange(T)[None, :, None])
+        else:
+            seen = tree_mask[:, rel.clamp(0, T - 1)].permute(1, 0, 2)  # [B, T, S]
+            new_ok = seen & (rel[:, None, :] >= 0) & (rel[:, None, :] < T)
+        mask = (rel[:, None, :] < 0) | new_ok  # context (rel < 0) is always visible
+        write = start[:, None] + torch.arange(T)[None, :]
+        fb = ForwardBatch(
+            input_ids=tokens.to(self.device), positions=(start[:, None] + offs[None, :]).to(self.device),
+            write_index=write.to(self.device), mask=mask[:, None].to(self.device),
+        )
+        return self.model(fb, self.cache.k, self.cache.v, hidden_layers)

@@ -1,0 +1,64 @@
+"""Sequence: the engine's plain-Python record of one sample being generated (no tensors here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollout.types import RolloutResult
+
+
+@dataclass
+class Sequence:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    max_new_tokens: int  # already clipped so prompt + completion fits the context
+    row: int = -1  # KV cache row while live
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def cache_len(self) -> int:
+        """Entries in the KV cache: every token but the last sampled one (it is fed next step)."""
+        return len(self.prompt_ids) + len(self.completion_ids) - 1
+
+    @property
+    def pending(self) -> int:
+        return self.completion_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.completion_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def append(self, tokens: list[int], logprobs: list[float], stop_ids: set[int]) -> int:
+        """Append emitted tokens, stopping at a stop token or the length limit. Returns how many were kept."""
+        kept = 0
+        for tok, lp in zip(tokens, logprobs):
+            self.completion_ids.append(tok)
+            self.logprobs.append(lp)
+            kept += 1
+            if tok in stop_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.completion_ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        return kept
+
+    def result(self, policy_version: int) -> RolloutResult:
+        return RolloutResult(
+            prompt_ids=list(self.prompt_ids),
+            completion_ids=list(self.completion_ids),
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason or "length",
+            policy_version=policy_version,
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+        )

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random-weight Llama/Qwen2/Qwen3 models (fast) and the embedded SmolLM2 (real)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_VOCAB = 96
+
+
+def make_tiny_hf(kind: str = "llama", seed: int = 0, tie: bool = False, vocab: int = TINY_VOCAB):
+    """A 2-layer random model of the given layout, float32. Weights are drawn wide (std 0.1) so that
+    logits are peaked and greedy argmaxes are far from ties."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.1, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[kind]
+    extra = {"head_dim": 16} if kind == "qwen3" else {}
+    torch.manual_seed(seed)
+    model = cls[1](cls[0](**common, **extra)).float().eval()
+    if kind == "qwen2":  # random init leaves biases at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def tiny_hf(request):
+    return make_tiny_hf(request.param)
+
+
+def random_prompts(n: int, lo: int = 3, hi: int = 20, seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The embedded real model, converted once into the cache (see rollout/model/fetch.py)."""
+    from rollout.model.fetch import fetch_model
+
+    return fetch_model("smollm2-135m-instruct")
