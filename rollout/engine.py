@@ -12,19 +12,23 @@ from collections.abc import Iterable
 
 import torch
 
+from rollout.draft_batch import DraftBatch, build_draft_batch
+from rollout.drafters.base import Draft, Drafter, make_drafter
 from rollout.errors import PromptTooLongError
 from rollout.metrics import RolloutMetrics
 from rollout.model import loader
 from rollout.runner import ModelRunner
 from rollout.sampling import logprobs_of, probs_from_logits, sample
 from rollout.sequence import Sequence
+from rollout.strategy import OFF, Arm, LongTailSelector
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from rollout.verify import verify_chain
+from rollout.verify import verify_chain, verify_tree
 
 
 class RolloutEngine:
     def __init__(self, model, tokenizer, spec: SpecConfig | None = None, max_model_len: int = 2048,
-                 max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None):
+                 max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None):
+        """Prefer from_pretrained / from_hf_model. `drafter` plugs in a custom Drafter instance."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -38,6 +42,7 @@ class RolloutEngine:
         self.eos_token_ids = set(eos)
         self.policy_version = 0
         self._metrics = RolloutMetrics()
+        self.drafter, self.selector = self._make_speculation(self.spec, drafter)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -92,6 +97,7 @@ class RolloutEngine:
         ]
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
         self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack())
+        self._calibrate()
         t0 = time.perf_counter()
         waiting = deque(seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids)))
         live: list[Sequence] = []
@@ -130,6 +136,8 @@ class RolloutEngine:
             for s, (tok, lp) in zip(g, first):
                 s.append([tok], [lp], stop_ids)
             live.extend(g)
+        if self.drafter is not None:
+            self.drafter.begin(groups)
 
     def _sample_first(self, logits: torch.Tensor, n: int, params, gen) -> list[tuple[int, float]]:
         rows = logits[None].expand(n, -1)
@@ -137,27 +145,60 @@ class RolloutEngine:
         return list(zip(toks.tolist(), logprobs_of(rows, toks, params).tolist()))
 
     def _decode_step(self, live: list[Sequence], params, gen, stop_ids) -> None:
+        """One target forward for the whole live batch: plain decode, or verify of each row's draft."""
         assert all(s.row == i for i, s in enumerate(live)), "live rows must be compact"
-        drafts = [[] for _ in live]  # speculation plugs in here (issue: lossless speculative rollouts)
-        K = max(map(len, drafts))
-        tokens = torch.zeros(len(live), 1 + K, dtype=torch.long)
-        for i, (s, d) in enumerate(zip(live, drafts)):
-            tokens[i, 0] = s.pending
-            tokens[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+        arm = self.selector.choose(len(live)) if self.selector is not None else OFF
+        t0 = time.perf_counter()
+        drafts = self._propose(live, arm)
+        t1 = time.perf_counter()
+        batch = build_draft_batch([s.pending for s in live], drafts)
         start = torch.tensor([s.cache_len for s in live])
-        logits, _ = self.runner.step(tokens, start)
-        logits = logits.to("cpu") if logits.device.type != "cpu" else logits
-        nd = torch.tensor([len(d) for d in drafts])
-        verdict = verify_chain(logits, tokens[:, 1:], nd, params, generator=gen)
-        emitted = tokens[:, 1:].clone() if K else torch.zeros(len(live), 0, dtype=torch.long)
-        emitted = torch.cat([emitted, torch.zeros(len(live), 1, dtype=torch.long)], 1)
-        emitted.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
-        lps = logprobs_of(logits, emitted, params)
-        acc = verdict.accepted.tolist()
-        emitted_l, lps_l = emitted.tolist(), lps.tolist()
+        logits, _ = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask)
+        logits = logits.cpu()
+        path, accepted, next_token = self._verify(logits, batch, params, gen)
+        self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
+        drafted, acc = [len(d) for d in drafts], accepted.tolist()
+        if self.selector is not None:
+            self.selector.observe(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, acc)
+        self._metrics.record_verify(arm.drafter, drafted, acc)
+
+    def _propose(self, live: list[Sequence], arm: Arm) -> list[Draft]:
+        if not arm.speculative:
+            return [Draft() for _ in live]
+        room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the buffer
+        # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
+        caps = [max(0, min(arm.nodes, s.remaining - 1, room - s.cache_len)) for s in live]
+        return self.drafter.propose(live, caps, arm.width)
+
+    def _verify(self, logits, batch: DraftBatch, params, gen):
+        """Returns (path [B, N] accepted node indices, accepted [B], next_token [B])."""
+        if batch.is_chain:
+            v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, generator=gen)
+            N = batch.tokens.shape[1] - 1
+            steps = torch.arange(1, N + 1)[None, :].expand(len(v.accepted), N)
+            path = torch.where(steps <= v.accepted[:, None], steps, -1)
+            return path, v.accepted, v.next_token
+        v = verify_tree(logits, batch.tokens, batch.children, params, generator=gen)
+        return v.path, v.accepted, v.next_token
+
+    def _commit(self, live, logits, batch: DraftBatch, path, accepted, next_token, params, stop_ids) -> None:
+        """Append accepted drafts + the target's token with target logprobs; fix KV of tree paths."""
+        B = len(live)
+        at = torch.cat([torch.zeros(B, 1, dtype=torch.long), path.clamp(min=0)], 1)  # node predicting each token
+        emitted = batch.tokens.gather(1, path.clamp(min=0))
+        emitted = torch.cat([emitted, torch.zeros(B, 1, dtype=torch.long)], 1)
+        emitted.scatter_(1, accepted[:, None], next_token[:, None])
+        lps = logprobs_of(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), emitted, params)
+        acc, emitted_l, lps_l, path_l = accepted.tolist(), emitted.tolist(), lps.tolist(), path.tolist()
         for i, s in enumerate(live):
-            s.append(emitted_l[i][:acc[i] + 1], lps_l[i][:acc[i] + 1], stop_ids)
-        self._metrics.record_verify("none", [len(d) for d in drafts], acc)
+            a = acc[i]
+            if not batch.is_chain and path_l[i][:a] != list(range(1, a + 1)):
+                start = s.cache_len
+                self.runner.cache.gather_positions(s.row, [start + n for n in path_l[i][:a]],
+                                                   [start + 1 + j for j in range(a)])
+            s.append(emitted_l[i][:a + 1], lps_l[i][:a + 1], stop_ids)
+            if s.finished and self.drafter is not None:
+                self.drafter.finish(s)
 
     def _retire(self, live: list[Sequence], bar) -> list[Sequence]:
         """Drop finished sequences and compact the survivors into rows 0..B-1."""
@@ -171,6 +212,28 @@ class RolloutEngine:
         return survivors
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _make_speculation(self, spec: SpecConfig, drafter: Drafter | None):
+        if not spec.enabled:
+            return None, None
+        if drafter is not None:
+            name = getattr(drafter, "name", spec.drafter)
+            return drafter, LongTailSelector(name, spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
+        if spec.drafter in ("eagle3", "auto"):
+            raise ValueError(f"drafter {spec.drafter!r} is not available yet (the learned EAGLE-3 drafter lands "
+                             "later); use 'ngram' or 'suffix'")
+        drafter = make_drafter(spec.drafter)
+        selector = LongTailSelector(spec.drafter, spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
+        return drafter, selector
+
+    def _calibrate(self) -> None:
+        """Seed the cost model once: dummy forwards per batch bucket at every verify size."""
+        if self.selector is None or self.selector.costs.table:
+            return
+        sizes = sorted({1} | {1 + d * self.spec.tree_width for d in self.selector.depths()})
+        rows = self.runner.cache.rows
+        ctx = min(128, self.runner.cache.length - max(sizes) - 1)
+        self.selector.costs.calibrate(self.runner, rows, sizes, context=max(ctx, 1))
+
     def _draft_slack(self) -> int:
         """Extra cache positions so padded drafts never write past the buffer."""
         return 1 + (self.spec.num_draft_tokens * self.spec.tree_width if self.spec.enabled else 0)

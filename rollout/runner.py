@@ -47,21 +47,22 @@ class ModelRunner:
     def step(self, tokens: torch.Tensor, start: torch.Tensor, depths=None, tree_mask=None, hidden_layers=()):
         """T new tokens for each live row 0..B-1 whose cache holds `start[b]` entries.
 
-        tokens [B, T] long; start [B] long. A chain by default; a tree passes depths [T]
-        (RoPE offsets) and tree_mask [T, T] bool (node t may see node s). Returns logits [B, T, V].
+        tokens [B, T] long; start [B] long. A chain by default; a tree passes depths [B, T]
+        (RoPE offsets) and tree_mask [B, T, T] bool (node t may see node s). Returns logits [B, T, V].
         """
         B, T = tokens.shape
-        offs = torch.arange(T) if depths is None else depths
+        offs = torch.arange(T).expand(B, T) if depths is None else depths
         rel = torch.arange(int(start.max()) + T)[None, :] - start[:, None]  # key index minus start: [B, S]
+        rel_q = rel[:, None, :].expand(B, T, rel.shape[1])
         if tree_mask is None:
-            new_ok = (rel[:, None, :] >= 0) & (rel[:, None, :] <= torch.arange(T)[None, :, None])
+            new_ok = (rel_q >= 0) & (rel_q <= torch.arange(T)[None, :, None])
         else:
-            seen = tree_mask[:, rel.clamp(0, T - 1)].permute(1, 0, 2)  # [B, T, S]
-            new_ok = seen & (rel[:, None, :] >= 0) & (rel[:, None, :] < T)
-        mask = (rel[:, None, :] < 0) | new_ok  # context (rel < 0) is always visible
+            seen = tree_mask.gather(2, rel_q.clamp(0, T - 1))  # [B, T, S]
+            new_ok = seen & (rel_q >= 0) & (rel_q < T)
+        mask = (rel_q < 0) | new_ok  # context (rel < 0) is always visible
         write = start[:, None] + torch.arange(T)[None, :]
         fb = ForwardBatch(
-            input_ids=tokens.to(self.device), positions=(start[:, None] + offs[None, :]).to(self.device),
+            input_ids=tokens.to(self.device), positions=(start[:, None] + offs).to(self.device),
             write_index=write.to(self.device), mask=mask[:, None].to(self.device),
         )
         return self.model(fb, self.cache.k, self.cache.v, hidden_layers)

@@ -59,8 +59,8 @@ def test_tree_mask_matches_separate_chains():
     runner.prefill([p], [0])
     # nodes: 0 = pending token, 1 and 2 are children of 0, 3 is a child of 2
     tokens = torch.tensor([[10, 11, 12, 13]])
-    depths = torch.tensor([0, 1, 1, 2])
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    depths = torch.tensor([[0, 1, 1, 2]])
+    tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]], dtype=torch.bool)
     logits, _ = runner.step(tokens, torch.tensor([len(p)]), depths=depths, tree_mask=tree)
     with torch.no_grad():
         a = hf(torch.tensor([p + [10, 11]])).logits[0, -2:]

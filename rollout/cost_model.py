@@ -1,0 +1,97 @@
+"""Measured costs of target forwards and drafter acceptance, the facts strategy choices rest on.
+
+cost(B, T): seconds of one target forward over B live sequences with T new tokens each. Seeded by
+a short calibration (a few dummy forwards per batch bucket), then kept current by an exponential
+moving average of every real step. Acceptance is tracked per drafter as a geometric model:
+a = P(next draft accepted | the previous one was), the maximum-likelihood estimate from
+accepted counts and the number of verifies that stopped on a rejection.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+EMA = 0.2  # weight of a new observation
+
+
+def bucket(batch: int) -> int:
+    """Batch-size bucket: the next power of two (1, 2, 4, ...)."""
+    b = 1
+    while b < batch:
+        b *= 2
+    return b
+
+
+@dataclass
+class CostModel:
+    table: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, T) -> seconds
+
+    def observe(self, batch: int, T: int, seconds: float) -> None:
+        key = (bucket(batch), T)
+        old = self.table.get(key)
+        self.table[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def cost(self, batch: int, T: int) -> float | None:
+        """Seconds for (batch, T); interpolated along T within the bucket when not measured."""
+        b = bucket(batch)
+        if (b, T) in self.table:
+            return self.table[(b, T)]
+        known = sorted((t, s) for (bb, t), s in self.table.items() if bb == b)
+        if not known:
+            return None
+        lo = max(((t, s) for t, s in known if t <= T), default=known[0])
+        hi = min(((t, s) for t, s in known if t >= T), default=known[-1])
+        if hi[0] == lo[0]:
+            return lo[1] * (T / lo[0] if T > lo[0] else 1.0)  # beyond the table: grow linearly
+        return lo[1] + (hi[1] - lo[1]) * (T - lo[0]) / (hi[0] - lo[0])
+
+    def relative(self, batch: int, T: int) -> float | None:
+        """cost(B, T) / cost(B, 1): how many plain decode steps one verify of T tokens costs."""
+        c1, ct = self.cost(batch, 1), self.cost(batch, T)
+        return None if c1 is None or ct is None else ct / c1
+
+    def calibrate(self, runner, max_batch: int, Ts: list[int], context: int = 128, repeats: int = 2) -> None:
+        """Time dummy forwards at each batch bucket and T (a few seconds, once per engine)."""
+        b = 1
+        while b <= max_batch:
+            start = torch.full((b,), context, dtype=torch.long)
+            for T in Ts:
+                tokens = torch.zeros(b, T, dtype=torch.long)
+                runner.step(tokens, start)  # warm-up
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    runner.step(tokens, start)
+                self.table[(b, T)] = (time.perf_counter() - t0) / repeats
+            b *= 2
+
+
+@dataclass
+class AcceptanceTracker:
+    prior_accepts: float = 1.0  # a weak prior of a = 0.5 so that speculation gets tried at all
+    prior_rejects: float = 1.0
+    accepts: float = 0.0
+    rejects: float = 0.0
+    drafted_share: float = 1.0  # EMA of the share of sequences that received a non-empty draft
+
+    def observe(self, drafted: list[int], accepted: list[int]) -> None:
+        # decay old evidence so the estimate follows a policy (and drafter) that keeps changing
+        self.accepts *= 0.98
+        self.rejects *= 0.98
+        for n, a in zip(drafted, accepted):
+            if n > 0:
+                self.accepts += a
+                self.rejects += 1 if a < n else 0
+        share = sum(1 for n in drafted if n > 0) / max(len(drafted), 1)
+        self.drafted_share = (1 - EMA) * self.drafted_share + EMA * share
+
+    @property
+    def rate(self) -> float:
+        a = self.accepts + self.prior_accepts
+        return a / (a + self.rejects + self.prior_rejects)
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected tokens emitted per sequence per verify with k drafted: 1 + f (a + ... + a^k)."""
+        a = self.rate
+        return 1.0 + self.drafted_share * sum(a ** i for i in range(1, k + 1))

@@ -1,0 +1,49 @@
+"""Test drafters with known behaviour, so speculation is exercised whatever the model says."""
+from __future__ import annotations
+
+import random
+
+from rollout.drafters.base import Draft
+
+
+class ScriptedDrafter:
+    """Proposes chains (or trees) mixing the target's own greedy continuation with random tokens.
+
+    `oracle(seq)` gives tokens the target would likely emit; a share of proposals is corrupted so
+    that verification sees accepts, rejections and partial acceptances in one batch.
+    """
+
+    name = "scripted"
+    deterministic = True
+
+    def __init__(self, vocab: int, oracle=None, corrupt: float = 0.3, seed: int = 0, tree: bool = False):
+        self.vocab, self.oracle, self.corrupt, self.tree = vocab, oracle, corrupt, tree
+        self.rng = random.Random(seed)
+        self.finished = 0
+
+    def begin(self, groups) -> None:
+        pass
+
+    def finish(self, seq) -> None:
+        self.finished += 1
+
+    def _chain(self, seq, n: int) -> list[int]:
+        base = self.oracle(seq, n) if self.oracle else []
+        base = (base + [self.rng.randrange(self.vocab) for _ in range(n)])[:n]
+        return [t if self.rng.random() > self.corrupt else self.rng.randrange(self.vocab) for t in base]
+
+    def propose(self, seqs, max_tokens, width):
+        out = []
+        for s, cap in zip(seqs, max_tokens):
+            n = self.rng.randint(0, cap) if cap else 0
+            if not self.tree or width == 1 or n < 2:
+                out.append(Draft.chain(self._chain(s, n)))
+                continue
+            # two branches below the root: the oracle chain and a random one
+            a = self._chain(s, (n + 1) // 2)
+            b = [self.rng.randrange(self.vocab) for _ in range(n - len(a))]
+            toks = b[:1] + a + b[1:]
+            parents = [-1] + [-1] + list(range(1, len(a))) + ([0] + list(range(len(a) + 1, n - 1)) if len(b) > 1 else [])
+            parents = parents[:n]
+            out.append(Draft(toks, parents))
+        return out
