@@ -1,0 +1,406 @@
+"""Run configuration: one dataclass per YAML section, strict loading, `key=value` overrides.
+
+`load_config("grpo_math.yaml", ["grpo.max_steps=3"])` reads a YAML recipe, applies dotted
+overrides and checks every key and type against the dataclasses below. Mistakes fail early, before
+torch is imported, with a `ConfigError` that names the nearest valid key, the expected type or the
+valid choices. Keep this module free of heavy imports: the CLI parses its config first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message says what and how to fix it."""
+
+
+def _f(default: Any = None, help: str = "", factory: Any = None) -> Any:
+    """A dataclass field carrying its help string (shown by `python -m rlspec.train --help`)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DataConfig:
+    """Which prompts to train on."""
+
+    name: str = _f("embedded_math", "'embedded_math' (generated arithmetic, no download) or a hub dataset id "
+                                    "such as 'openai/gsm8k'")
+    subset: str | None = _f(None, "hub dataset config name, e.g. 'main' for openai/gsm8k")
+    split: str = _f("train", "dataset split to train on")
+    num_examples: int | None = _f(None, "keep this many examples (None = all; embedded_math then generates 256)")
+    max_operand: int = _f(9, "embedded_math: largest operand (9 = single-digit problems, on which "
+                             "SmolLM2-135M earns a mean reward of ~0.25)")
+    ops: list[str] = _f(help="embedded_math: operators to draw from (+, -, *)", factory=lambda: ["+"])
+    seed: int = _f(0, "seed for generating/shuffling the data")
+    extra: dict = _f(help="other keyword arguments of trainers.data.load_dataset_by_name (e.g. question_column)",
+                     factory=dict)
+
+
+@dataclass
+class GRPOSection:
+    """Fields copied onto trl.GRPOConfig (same names and meaning); `extra` passes any other GRPOConfig field."""
+
+    num_generations: int = _f(8, "completions sampled per prompt (the group size G)")
+    per_device_train_batch_size: int = _f(8, "completions per device per micro-batch (times "
+                                             "gradient_accumulation_steps: a multiple of num_generations)")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    max_completion_length: int = _f(256, "max new tokens per completion")
+    learning_rate: float = _f(1e-6, "AdamW learning rate")
+    max_steps: int = _f(100, "optimizer steps to run (-1 = run num_train_epochs)")
+    num_train_epochs: float = _f(1.0, "epochs over the data when max_steps is -1")
+    num_iterations: int = _f(1, "optimizer passes over each generated batch (mu in the GRPO paper)")
+    temperature: float = _f(1.0, "sampling temperature of the rollouts")
+    top_p: float = _f(1.0, "nucleus sampling of the rollouts (1.0 = off)")
+    top_k: int = _f(0, "top-k sampling of the rollouts (0 = off)")
+    beta: float = _f(0.0, "KL coefficient against a reference model (0 = no reference model, cheaper)")
+    logging_steps: int = _f(1, "log metrics every this many steps")
+    save_steps: int = _f(10, "write a checkpoint every this many steps")
+    save_total_limit: int | None = _f(2, "keep at most this many checkpoints (None = keep all)")
+    activation_checkpointing: bool | None = _f(None, "recompute activations in backward to save memory (slower); "
+                                                     "None = TRL's default (on)")
+    log_completions: bool = _f(False, "log sampled completions to the console/W&B")
+    extra: dict = _f(help="any other trl.GRPOConfig field, passed through unchanged (checked against GRPOConfig "
+                          "when training starts)", factory=dict)
+
+
+@dataclass
+class RolloutSection:
+    """The rollout engine's capacity."""
+
+    max_model_len: int = _f(2048, "prompt + completion tokens the engine's KV cache holds per sequence")
+    max_num_seqs: int = _f(64, "sequences decoded at once; larger batches are split")
+
+
+@dataclass
+class DrafterSection:
+    """Speculative decoding inside the engine; lossless at any temperature."""
+
+    name: Literal["none", "ngram", "suffix", "eagle3", "auto"] = _f(
+        "none", "drafter: none (plain decoding), ngram, suffix, eagle3 (learned) or auto")
+    num_draft_tokens: int = _f(4, "tokens drafted per verify pass along one path (k)")
+    tree_width: int = _f(1, "children per draft-tree node; 1 = a chain")
+    selector: Literal["fixed", "adaptive"] = _f("fixed", "fixed: always speculate as configured; adaptive: pick "
+                                                        "the arm per batch from measured costs")
+    path: str | None = _f(None, "directory of a learned (eagle3) drafter")
+    max_spec_batch: int | None = _f(None, "speculate only when at most this many sequences are live "
+                                          "(None = derive from measured costs)")
+
+
+@dataclass
+class WandbSection:
+    """Weights & Biases logging."""
+
+    project: str = _f("rlspec", "W&B project name")
+    mode: Literal["offline", "online", "disabled"] = _f(
+        "offline", "offline writes runs locally (sync later with `wandb sync`); online needs a login; "
+                   "disabled turns W&B off. The WANDB_MODE env var wins.")
+    run_name: str | None = _f(None, "run name (None = the output_dir's name)")
+    dir: str | None = _f(None, "where W&B writes runs (None = <output_dir>/wandb)")
+
+
+@dataclass
+class Config:
+    """A whole training run."""
+
+    trainer: Literal["grpo", "ppo"] = _f("grpo", "which RL algorithm trains the policy")
+    model: str = _f("smollm2-135m-instruct", "local HF directory, hub id, or the embedded alias "
+                                             "'smollm2-135m-instruct'")
+    dtype: Literal["bfloat16", "float32"] = _f(
+        "bfloat16", "bfloat16: rollouts in bf16, training under bf16 autocast with float32 master weights "
+                    "(pure bf16 weights would round lr=1e-6 updates away); float32: everything in fp32")
+    seed: int = _f(0, "global seed")
+    output_dir: str = _f("outputs/run", "checkpoints, final model, summary.json and W&B files go here")
+    rewards: list[str] = _f(help="reward function names, summed (e.g. accuracy, format)", factory=lambda: ["accuracy"])
+    data: DataConfig = _f(help="training prompts", factory=DataConfig)
+    grpo: GRPOSection = _f(help="GRPO hyperparameters (trl.GRPOConfig)", factory=GRPOSection)
+    rollout: RolloutSection = _f(help="rollout engine capacity", factory=RolloutSection)
+    drafter: DrafterSection = _f(help="speculative decoding", factory=DrafterSection)
+    wandb: WandbSection = _f(help="Weights & Biases logging", factory=WandbSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (for W&B's run config and summary.json)."""
+        return dataclasses.asdict(self)
+
+    def __post_init__(self) -> None:
+        _check_cross_fields(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+CONFIG_DIRS_ENV = "RLSPEC_CONFIG_DIR"  # extra place to look for recipes by name
+
+
+def load_config(path_or_name: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML recipe (a path, or a name found in configs/), apply `key=value` overrides, validate.
+
+    With no path the defaults of the dataclasses are used (plus overrides).
+    """
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path_or_name:
+        path = resolve_config_path(path_or_name)
+        source = str(path)
+        raw = _read_yaml(path)
+    for text in overrides or []:
+        _apply_override(raw, text)
+    return build(Config, raw, source)
+
+
+def config_search_dirs() -> list[Path]:
+    """Where a recipe named without a directory is looked for, in order."""
+    dirs = [Path.cwd(), Path.cwd() / "configs"]
+    if os.environ.get(CONFIG_DIRS_ENV):
+        dirs.insert(0, Path(os.environ[CONFIG_DIRS_ENV]))
+    dirs.append(Path(__file__).resolve().parent.parent / "configs")  # the repo's configs/ (source checkout)
+    dirs.append(Path(__file__).resolve().parent / "configs")  # packaged recipes, if installed as data
+    return list(dict.fromkeys(dirs))
+
+
+def resolve_config_path(path_or_name: str) -> Path:
+    """An existing path as given, else the name (with .yaml added if missing) in config_search_dirs()."""
+    given = Path(path_or_name).expanduser()
+    names = [given] if given.suffix in (".yaml", ".yml") else [given, given.with_name(given.name + ".yaml")]
+    tried: list[Path] = []
+    for name in names:
+        candidates = [name] if name.is_absolute() else [name] + [d / name for d in config_search_dirs()]
+        for cand in candidates:
+            tried.append(cand)
+            if cand.is_file():
+                return cand
+    looked = "\n  ".join(str(p) for p in dict.fromkeys(tried))
+    raise ConfigError(
+        f"config file {path_or_name!r} not found. Looked in:\n  {looked}\n"
+        f"Pass an existing path, a name from configs/ (e.g. config=grpo_math.yaml), or set {CONFIG_DIRS_ENV}."
+    )
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def _apply_override(raw: dict[str, Any], text: str) -> None:
+    """Set one dotted `key=value` into the raw dict, checking the key against the schema first."""
+    key, sep, value_text = text.partition("=")
+    key = key.strip().lstrip("-")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not key=value (e.g. grpo.max_steps=3 or drafter.name=suffix)")
+    parts = key.split(".")
+    where = f"override {text!r}"
+    tp = _schema_type(parts, where)
+    value = _parse_override_value(value_text, tp)
+    if tp is not Any:
+        value = _coerce(value, tp, key, where)  # type errors name the override, not the file
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = node[p] = {}
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _schema_type(parts: list[str], where: str) -> Any:
+    """The declared type at a dotted key; keys below a free-form dict field are accepted as Any."""
+    cls: Any = Config
+    for i, p in enumerate(parts):
+        hints = _hints(cls)
+        if p not in hints:
+            section = ".".join(parts[:i]) or None
+            raise ConfigError(_unknown_key_message(p, list(hints), section, where))
+        tp = hints[p]
+        if _is_dataclass_type(tp):
+            cls = tp
+            continue
+        if _base(tp) is dict:
+            return tp if i == len(parts) - 1 else Any  # free-form below a dict field (grpo.extra.<any>)
+        if i != len(parts) - 1:
+            name = ".".join(parts[: i + 1])
+            raise ConfigError(f"{where}: {name} has type {_type_name(tp)}, not a section; it has no sub-keys")
+        return tp
+    example = f"{'.'.join(parts)}.{next(iter(_hints(cls)))}=..."
+    raise ConfigError(f"{where}: {'.'.join(parts)} is a section; set one of its keys (e.g. {example})")
+
+
+def _parse_override_value(text: str, tp: Any) -> Any:
+    """Parse as a YAML scalar, except that string fields take the text verbatim (run_name=123 stays '123')."""
+    text = text.strip()
+    wants_str = _base(tp) is str or (get_origin(tp) is Literal and all(isinstance(a, str) for a in get_args(tp)))
+    if wants_str and text not in ("null", "None", "~"):
+        return text
+    try:
+        return yaml.safe_load(text) if text else None
+    except yaml.YAMLError:
+        return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def build(cls: Any, raw: Any, source: str, prefix: str = "") -> Any:
+    """Construct dataclass `cls` from a raw mapping, checking keys and types (recursing into sections)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {prefix or 'config'} must be a mapping of keys, got {type(raw).__name__} {raw!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            raise ConfigError(_unknown_key_message(str(key), list(hints), prefix or None, source))
+        name = f"{prefix}.{key}" if prefix else str(key)
+        kwargs[key] = _coerce(value, hints[key], name, source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _coerce(value: Any, tp: Any, name: str, source: str) -> Any:
+    if _is_dataclass_type(tp):
+        return build(tp, {} if value is None else value, source, name)
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{source}: {name} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin in (Union, _UnionType) and type(None) in args:
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], name, source)
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]  # rewards=accuracy on the command line means a one-item list
+        if not isinstance(value, list):
+            raise _type_error(name, tp, value, source)
+        return [_coerce(v, args[0], f"{name}[{i}]", source) for i, v in enumerate(value)] if args else value
+    return _coerce_scalar(value, _base(tp), name, source, tp)
+
+
+def _coerce_scalar(value: Any, base: Any, name: str, source: str, tp: Any) -> Any:
+    if base is bool:
+        ok = isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `1e-6` (no dot) as a string; accept it as the float the user meant.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif base is str:
+        ok = isinstance(value, str)
+    elif base is dict:
+        ok = isinstance(value, dict)
+        value = dict(value) if ok else value
+    else:
+        ok = True
+    if not ok:
+        raise _type_error(name, tp, value, source)
+    return value
+
+
+def _type_error(name: str, tp: Any, value: Any, source: str) -> ConfigError:
+    return ConfigError(f"{source}: {name} expects {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _unknown_key_message(key: str, valid: list[str], section: str | None, where: str) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    full = f"{section}.{key}" if section else key
+    place = f"in section '{section}'" if section else "at the top level"
+    hint = f" Did you mean '{section + '.' if section else ''}{close[0]}'?" if close else ""
+    return f"{where}: unknown key '{full}' {place}.{hint} Valid keys {place}: {', '.join(valid)}."
+
+
+def _check_cross_fields(cfg: Config) -> None:
+    """Checks that span fields; raised as ConfigError by build() with the source prepended."""
+    g = cfg.grpo
+    if g.num_generations < 2:
+        raise ConfigError(f"grpo.num_generations must be >= 2 (GRPO compares samples within a group), "
+                          f"got {g.num_generations}")
+    batch = g.per_device_train_batch_size * g.gradient_accumulation_steps
+    if not {"generation_batch_size", "steps_per_generation"} & set(g.extra) and batch % g.num_generations:
+        raise ConfigError(
+            f"grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps ({batch}) must be a multiple "
+            f"of grpo.num_generations ({g.num_generations}); e.g. set grpo.per_device_train_batch_size="
+            f"{max(g.num_generations, batch // g.num_generations * g.num_generations)}"
+        )
+    if cfg.rollout.max_model_len <= g.max_completion_length:
+        raise ConfigError(
+            f"rollout.max_model_len ({cfg.rollout.max_model_len}) must exceed grpo.max_completion_length "
+            f"({g.max_completion_length}) to leave room for the prompt"
+        )
+    if not cfg.rewards:
+        raise ConfigError("rewards is empty; name at least one reward function (e.g. rewards=[accuracy])")
+
+
+# ---------------------------------------------------------------------------------------------
+# Type helpers and --help
+
+
+_UnionType = type(int | None)
+
+
+def _hints(cls: Any) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _base(tp: Any) -> Any:
+    """Strip Optional[...] and generics: `int | None` -> int, `dict[str, Any]` -> dict."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, _UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _base(inner[0]) if len(inner) == 1 else tp
+    return origin or tp
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, _UnionType):
+        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def format_help(cls: Any = Config, prefix: str = "") -> str:
+    """Every key with its type, default and help string, one per line (for `--help`)."""
+    lines = []
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        name = f"{prefix}{f.name}"
+        if _is_dataclass_type(tp):
+            lines.append(f"\n[{name}] {f.metadata.get('help', '')}")
+            lines.append(format_help(tp, name + "."))
+            continue
+        default = getattr(defaults, f.name)
+        lines.append(f"  {name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,255 @@
+"""`python -m rlspec.train config=grpo_math.yaml [key=value ...]`: one RL training run from a recipe.
+
+The config is parsed and checked before torch is imported, so a typo fails in a fraction of a
+second. Then: W&B environment, model fetch, data, rewards, SpecGRPOTrainer, train. Checkpoints are
+written by the Trainer every grpo.save_steps; the final model goes to <output_dir>/final, and a
+crash (or Ctrl-C) saves what the policy is to <output_dir>/crash before re-raising. Every run ends
+with a summary table and <output_dir>/summary.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from rlspec.config import Config, ConfigError, format_help, load_config
+
+DEFAULT_CONFIG = "grpo_math.yaml"
+# GRPOConfig fields rlspec sets from other parts of the config; grpo.extra may still override them.
+_MANAGED = ("output_dir", "use_cpu", "bf16", "report_to", "run_name", "seed", "model_init_kwargs")
+
+USAGE = f"""usage: python -m rlspec.train [config=NAME_OR_PATH] [key=value ...]
+
+config defaults to {DEFAULT_CONFIG} (looked up in ./, ./configs/ and the repo's configs/).
+Overrides use dotted keys and YAML values: grpo.max_steps=3 drafter.name=suffix rewards=[accuracy,format]
+Keys:"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run training; returns the process exit code (2 for a config error, printed without a traceback)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(USAGE + "\n" + format_help())
+        return 0
+    try:
+        cfg = parse_args(argv)
+        run(cfg)
+    except ConfigError as e:
+        print(f"rlspec.train: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def parse_args(argv: list[str]) -> Config:
+    """`config=...` picks the recipe; every other argument is a key=value override."""
+    config_name, overrides = DEFAULT_CONFIG, []
+    for arg in argv:
+        if arg.lstrip("-").startswith("config="):
+            config_name = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    cfg = load_config(config_name, overrides)
+    if cfg.trainer == "ppo":
+        raise ConfigError(
+            "trainer 'ppo' is not available yet: PPO lands in a later rlspec release (TRL 1.16 no longer "
+            "ships a PPOTrainer and ours is not written). Use trainer=grpo."
+        )
+    return cfg
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train as configured; returns the summary (also written to <output_dir>/summary.json)."""
+    out = Path(cfg.output_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    setup_wandb_env(cfg, out)
+    trainer, summary_cb = build_trainer(cfg, out)
+    start, status, error = time.time(), "finished", None
+    try:
+        trainer.train()
+        trainer.save_model(str(out / "final"))
+    except (Exception, KeyboardInterrupt) as exc:
+        status, error = "crashed", f"{type(exc).__name__}: {exc}"
+        print(f"rlspec.train: training stopped by {error}; saving the current policy to {out / 'crash'}",
+              file=sys.stderr)
+        traceback.print_exc()
+        _save_quietly(trainer, out / "crash")
+        raise
+    finally:
+        _finish_wandb()  # first, so the summary table is the last thing printed
+        summary = summarize(cfg, out, summary_cb.rows, trainer.state.log_history, time.time() - start, status, error)
+    return summary
+
+
+def setup_wandb_env(cfg: Config, out: Path) -> None:
+    """W&B reads its settings from the environment: mode (an env WANDB_MODE wins), dir and project."""
+    os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
+    wandb_dir = Path(cfg.wandb.dir).expanduser() if cfg.wandb.dir else out / "wandb"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["WANDB_DIR"] = str(wandb_dir)
+    os.environ["WANDB_PROJECT"] = cfg.wandb.project
+
+
+def build_trainer(cfg: Config, out: Path):
+    """Fetch the model, load data and rewards, and construct SpecGRPOTrainer (heavy imports start here)."""
+    from transformers import AutoTokenizer
+
+    from rollout.model.fetch import fetch_model
+    from rollout.types import SpecConfig
+    from trainers.callbacks import RolloutSummaryCallback
+    from trainers.data import load_dataset_by_name
+    from trainers.grpo import SpecGRPOTrainer
+    from trainers.rewards import get_reward_funcs
+
+    args = build_grpo_args(cfg, out)  # before the model fetch: an extra-key typo should fail fast
+    reward_funcs = get_reward_funcs(cfg.rewards)
+    model_dir = fetch_model(cfg.model)
+    print(f"rlspec.train: model {cfg.model} -> {model_dir}; output_dir {out}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # TRL pads completions; SmolLM2-style models reuse EOS
+    summary_cb = RolloutSummaryCallback()
+    trainer = SpecGRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=load_data(cfg, load_dataset_by_name),
+        processing_class=tokenizer,
+        spec_config=SpecConfig(
+            drafter=cfg.drafter.name, num_draft_tokens=cfg.drafter.num_draft_tokens,
+            tree_width=cfg.drafter.tree_width, selector=cfg.drafter.selector,
+            drafter_path=cfg.drafter.path, max_spec_batch=cfg.drafter.max_spec_batch,
+        ),
+        engine_kwargs=dict(max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
+                           dtype=cfg.dtype),
+        callbacks=[summary_cb, _wandb_config_callback(cfg)],
+    )
+    return trainer, summary_cb
+
+
+def load_data(cfg: Config, load_dataset_by_name):
+    """The data section mapped onto trainers.data.load_dataset_by_name's keyword arguments."""
+    d = cfg.data
+    kwargs: dict[str, Any] = {}
+    if d.name == "embedded_math":
+        kwargs.update(max_operand=d.max_operand, ops=tuple(d.ops))
+    elif d.subset is not None:
+        kwargs["config"] = d.subset
+    kwargs.update(d.extra)
+    return load_dataset_by_name(d.name, split=d.split, num_examples=d.num_examples, seed=d.seed, **kwargs)
+
+
+def build_grpo_args(cfg: Config, out: Path):
+    """trl.GRPOConfig from the grpo section, the run settings, and grpo.extra (checked against its fields)."""
+    import dataclasses
+    import difflib
+
+    import torch
+    import trl
+
+    valid = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    section = {k: v for k, v in dataclasses.asdict(cfg.grpo).items() if k != "extra" and v is not None}
+    for key in cfg.grpo.extra:
+        if key in section:
+            raise ConfigError(f"grpo.extra.{key}: {key} is a grpo key; set grpo.{key} instead")
+        if key not in valid:
+            close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"grpo.extra.{key} is not a trl.GRPOConfig field.{hint}")
+    managed = dict(
+        output_dir=str(out),
+        use_cpu=not torch.cuda.is_available(),
+        # bf16 = autocast over float32 master weights: pure bf16 weights would round lr~1e-6 updates to zero.
+        bf16=cfg.dtype == "bfloat16",
+        model_init_kwargs={"dtype": "float32"},
+        report_to="none" if cfg.wandb.mode == "disabled" else ["wandb"],
+        run_name=cfg.wandb.run_name or out.name,
+        seed=cfg.seed,
+    )
+    return trl.GRPOConfig(**{**section, **managed, **cfg.grpo.extra})
+
+
+def summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict], wall_s: float, status: str,
+              error: str | None) -> dict:
+    """Print the per-step table and a one-line digest; write summary.json. Never raises: it also runs
+    on the crash path, where an error here must not hide the original one."""
+    try:
+        return _summarize(cfg, out, rows, log_history, wall_s, status, error)
+    except Exception as exc:  # noqa: BLE001
+        print(f"rlspec.train: could not write the summary: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return {"status": status, "error": error}
+
+
+def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict], wall_s: float, status: str,
+               error: str | None) -> dict:
+    from trainers.callbacks import format_summary_table
+
+    rewards = [r["reward"] for r in rows if r.get("reward") is not None]
+    timed = [r for r in rows if r.get("rollout_s") is not None and r.get("step_s")]
+    # Tokens over seconds summed across steps: a mean of per-step rates would overweight short steps.
+    gen = [(h["rollout/generated_tokens"], h["rollout/time_s"]) for h in log_history
+           if "rollout/generated_tokens" in h and h.get("rollout/time_s")]
+    summary = {
+        "status": status,
+        "error": error,
+        "steps": rows[-1]["step"] if rows else 0,
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "rollout_share": sum(r["rollout_s"] for r in timed) / sum(r["step_s"] for r in timed) if timed else None,
+        "tokens_per_s": sum(t for t, _ in gen) / sum(s for _, s in gen) if gen else None,
+        "wall_s": wall_s,
+        "final_model": str(out / "final") if status == "finished" else None,
+        "crash_model": str(out / "crash") if (out / "crash").is_dir() else None,
+        "checkpoints": sorted(str(p) for p in out.glob("checkpoint-*")),
+        "rows": rows,
+        "config": cfg.to_dict(),
+    }
+    print(format_summary_table(rows))
+    print(_digest(summary))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _digest(s: dict) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    share = None if s["rollout_share"] is None else 100 * s["rollout_share"]
+    return (f"{s['status']}: {s['steps']} steps in {s['wall_s']:.0f} s | reward {num(s['reward_first'], '.3f')} -> "
+            f"{num(s['reward_last'], '.3f')} | rollouts {num(share, '.0f')}% of step time | "
+            f"{num(s['tokens_per_s'], '.1f')} tok/s | final model: {s['final_model'] or '-'}")
+
+
+def _save_quietly(trainer, path: Path) -> None:
+    """Best-effort save on the crash path: a failing save must not hide the original error."""
+    try:
+        trainer.save_model(str(path))
+    except Exception as exc:  # noqa: BLE001
+        print(f"rlspec.train: could not save the crash model to {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def _wandb_config_callback(cfg: Config):
+    """A callback that adds the whole rlspec config to the W&B run (the Trainer only logs GRPOConfig)."""
+    from transformers import TrainerCallback
+
+    class WandbConfigCallback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            wandb = sys.modules.get("wandb")  # imported by transformers' WandbCallback, which runs first
+            if wandb is not None and getattr(wandb, "run", None) is not None:
+                wandb.run.config.update({"rlspec": cfg.to_dict()}, allow_val_change=True)
+
+    return WandbConfigCallback()
+
+
+def _finish_wandb() -> None:
+    """Close the W&B run so an offline run directory is complete when main() returns."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

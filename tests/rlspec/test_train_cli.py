@@ -1,0 +1,140 @@
+"""rlspec.train: config errors fail fast without torch, GRPOConfig is built as configured, and a whole
+run on a tiny random model writes checkpoints, the final model, summary.json and an offline W&B run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlspec.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_bad_key_exits_nonzero_with_suggestion_and_no_torch():
+    proc = _python(
+        "import sys\n"
+        "from rlspec.train import main\n"
+        "rc = main(['config=grpo_math.yaml', 'grpo.max_step=1'])\n"
+        "assert 'torch' not in sys.modules, 'config errors must come before heavy imports'\n"
+        "sys.exit(rc)\n"
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Did you mean 'grpo.max_steps'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_module_cli_rejects_unknown_key():
+    proc = subprocess.run([sys.executable, "-m", "rlspec.train", "config=grpo_math.yaml", "bogus=1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "unknown key 'bogus'" in proc.stderr and "Valid keys at the top level" in proc.stderr
+
+
+def test_ppo_is_refused_clearly(capsys):
+    from rlspec.train import main
+
+    assert main(["trainer=ppo"]) == 2
+    assert "later rlspec release" in capsys.readouterr().err
+
+
+def test_help_lists_keys(capsys):
+    from rlspec.train import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo.max_steps" in out and "drafter.name" in out and "config=" in out
+
+
+def test_grpo_args_follow_the_config(tmp_path):
+    pytest.importorskip("trl")
+    from rlspec.train import build_grpo_args
+
+    cfg = load_config("grpo_math.yaml", ["grpo.max_steps=5", "grpo.extra.warmup_steps=2", "wandb.mode=disabled"])
+    args = build_grpo_args(cfg, tmp_path)
+    assert args.max_steps == 5 and args.num_generations == 4 and args.warmup_steps == 2
+    assert args.output_dir == str(tmp_path) and args.seed == cfg.seed
+    assert args.bf16 is True and args.model_init_kwargs == {"dtype": "float32"}  # fp32 master weights
+    assert args.report_to in ("none", [], ["none"])
+    assert build_grpo_args(load_config("grpo_math.yaml", []), tmp_path).report_to == ["wandb"]
+
+
+def test_grpo_extra_is_checked_against_grpoconfig(tmp_path):
+    pytest.importorskip("trl")
+    from rlspec.train import build_grpo_args
+
+    with pytest.raises(ConfigError, match="Did you mean 'warmup_steps'"):
+        build_grpo_args(load_config(None, ["grpo.extra.warmup_step=2"]), tmp_path)
+    with pytest.raises(ConfigError, match="set grpo.max_steps instead"):
+        build_grpo_args(load_config(None, ["grpo.extra.max_steps=2"]), tmp_path)
+
+
+@pytest.fixture
+def tiny_run(tmp_path, monkeypatch):
+    """A tiny random Llama + char tokenizer saved to disk, W&B offline under tmp_path, and the CLI
+    arguments of a short run on it (append more overrides to the returned list)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("trainers.grpo")
+    pytest.importorskip("rollout.engine")
+    from tests.trainers.conftest import build_char_tokenizer, build_tiny_llama
+
+    model_dir = tmp_path / "tiny"
+    tok = build_char_tokenizer()
+    build_tiny_llama(len(tok), tok.eos_token_id, tok.pad_token_id).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    for var in ("WANDB_DIR", "WANDB_PROJECT"):  # main() sets them; monkeypatch restores them afterwards
+        monkeypatch.setenv(var, "unset")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    return ["config=grpo_math.yaml", f"model={model_dir}", f"output_dir={tmp_path / 'out'}",
+            "grpo.save_steps=1", "grpo.max_completion_length=8", "data.num_examples=16",
+            "rollout.max_model_len=256", "rollout.max_num_seqs=8", "grpo.extra.disable_tqdm=true"]
+
+
+def test_cli_end_to_end_on_a_tiny_model(tiny_run, tmp_path, capsys):
+    """Two GRPO steps through main(): checkpoints, final model, summary.json and the offline W&B run."""
+    from rlspec.train import main
+
+    out = tmp_path / "out"
+    assert main(tiny_run + ["grpo.max_steps=2"]) == 0
+    assert (out / "final" / "config.json").is_file() and (out / "final" / "model.safetensors").is_file()
+    assert (out / "checkpoint-2").is_dir()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 2 and len(summary["rows"]) == 2
+    assert summary["tokens_per_s"] > 0 and 0 < summary["rollout_share"] <= 1
+    assert summary["config"]["grpo"]["max_steps"] == 2
+    assert list((out / "wandb").glob("wandb/offline-run-*")), "an offline W&B run directory"
+    printed = capsys.readouterr().out
+    assert "rollout %" in printed and "finished: 2 steps" in printed
+
+
+def test_crash_keeps_checkpoints_and_saves_the_policy(tiny_run, tmp_path, monkeypatch):
+    """A failure in step 2 re-raises, keeps checkpoint-1, saves <output_dir>/crash and a summary."""
+    import trainers.rewards as rewards
+    from rlspec.train import main
+
+    calls = []
+
+    def failing_on_second_call(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("reward server went away")
+        return [0.0] * len(completions)
+
+    monkeypatch.setitem(rewards.REWARD_FUNCS, "accuracy", failing_on_second_call)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="reward server went away"):
+        main(tiny_run + ["grpo.max_steps=3"])
+    assert (out / "checkpoint-1").is_dir()
+    assert (out / "crash" / "model.safetensors").is_file()
+    assert not (out / "final").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "crashed" and "reward server went away" in summary["error"]
+    assert summary["crash_model"] == str(out / "crash")

@@ -1,0 +1,86 @@
+"""Run summary: per-step rollout time vs step time, reward and throughput, and the table a run ends with.
+
+The metrics themselves reach W&B through the trainer's own metric store (SpecGRPOTrainer appends
+them to `self._metrics`); this callback only reads each logged record back to keep a small table,
+so a run can say what share of its step time went to rollouts.
+"""
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+# Row field -> the logged key it comes from (TRL's names for reward and step time, ours for rollouts).
+ROW_KEYS = {
+    "reward": "reward",
+    "rollout_s": "rollout/wall_s",
+    "step_s": "step_time",
+    "tokens_per_s": "rollout/tokens_per_s",
+    "mean_len": "rollout/mean_len",
+    "accept_len": "rollout/accept_len",
+}
+
+
+class RolloutSummaryCallback(TrainerCallback):
+    """Keeps one row per training log record: step, reward, rollout_s, step_s, rollout_share, tokens_per_s.
+
+    With logging_steps=1 a row is one optimizer step; with logging_steps=N it is the mean over the N
+    steps ending at `step` (TRL averages its metric store per log call).
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "reward" not in logs and "rollout/wall_s" not in logs:
+            return  # eval records and the end-of-training summary carry no rollout metrics
+        row = {"step": state.global_step}
+        row.update({field: _number(logs.get(key)) for field, key in ROW_KEYS.items()})
+        rollout_s, step_s = row["rollout_s"], row["step_s"]
+        row["rollout_share"] = rollout_s / step_s if rollout_s is not None and step_s else None
+        self.rows.append(row)
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _mean(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _total_row(rows: list[dict]) -> dict:
+    """Means for reward and tok/s, sums for times, and the run's overall rollout share of step time."""
+    timed = [r for r in rows if r["rollout_s"] is not None and r["step_s"]]
+    rollout = sum(r["rollout_s"] for r in timed)
+    step = sum(r["step_s"] for r in timed)
+    return {
+        "step": "all",
+        "reward": _mean([r["reward"] for r in rows]),
+        "rollout_s": rollout if timed else None,
+        "step_s": step if timed else None,
+        "rollout_share": rollout / step if timed else None,
+        "tokens_per_s": _mean([r["tokens_per_s"] for r in rows]),
+    }
+
+
+def format_summary_table(rows: list[dict]) -> str:
+    """A plain-text table of the rows plus an "all" line (rollout share = total rollout s / total step s)."""
+    header = f"{'step':>5} {'reward':>7} {'rollout s':>10} {'step s':>8} {'rollout %':>10} {'tok/s':>8}"
+    rule = "-" * len(header)
+    if not rows:
+        return "\n".join([header, rule, "(no training steps logged)"])
+    lines = [header, rule, *(_format_row(row) for row in rows), rule, _format_row(_total_row(rows))]
+    return "\n".join(lines)
+
+
+def _format_row(row: dict) -> str:
+    share = None if row.get("rollout_share") is None else 100 * row["rollout_share"]
+    return (
+        f"{row['step']!s:>5} {_cell(row.get('reward'), '.3f'):>7} {_cell(row.get('rollout_s'), '.2f'):>10} "
+        f"{_cell(row.get('step_s'), '.2f'):>8} {_cell(share, '.1f'):>10} {_cell(row.get('tokens_per_s'), '.1f'):>8}"
+    )
