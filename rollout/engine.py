@@ -43,6 +43,7 @@ class RolloutEngine:
         self.policy_version = 0
         self._metrics = RolloutMetrics()
         self.drafter, self.selector = self._make_speculation(self.spec, drafter)
+        self._drafter_version = 0
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -77,6 +78,11 @@ class RolloutEngine:
         """Slash-named metrics accumulated since the previous call."""
         out = self._metrics.as_dict()
         out["rollout/policy_version"] = float(self.policy_version)
+        trainer = getattr(self.drafter, "source", None)
+        if trainer is not None and hasattr(trainer, "metrics"):
+            out.update(trainer.metrics(self.policy_version))
+        if self.drafter is not None:
+            out["drafter/accept_len"] = out.get("rollout/accept_len", 1.0)
         self._metrics = RolloutMetrics()
         return out
 
@@ -96,8 +102,12 @@ class RolloutEngine:
             for i, p in enumerate(prompt_token_ids) for j in range(params.n)
         ]
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
-        self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack())
+        extra = getattr(self.drafter, "extra_kv_layers", 0)
+        self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(), extra)
         self._calibrate()
+        if hasattr(self.drafter, "start"):  # learned drafters keep per-call state and share the cache
+            self.drafter.target_cache = self.runner.cache
+            self.drafter.start(seqs, self.runner.cache.length)
         t0 = time.perf_counter()
         waiting = deque(seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids)))
         live: list[Sequence] = []
@@ -112,6 +122,7 @@ class RolloutEngine:
         if bar is not None:
             bar.close()
         self._record_call(seqs, time.perf_counter() - t0)
+        self._signal_idle(True)  # between rollouts the drafter may train
         return [s.result(self.policy_version) for s in seqs]
 
     # ---- the loop's stages --------------------------------------------------------------------
@@ -129,7 +140,9 @@ class RolloutEngine:
                 s.row = base
                 base += 1
             heads.append(g[0].row)
-        logits, _ = self.runner.prefill([g[0].prompt_ids for g in groups], heads)
+        logits, hiddens = self.runner.prefill([g[0].prompt_ids for g in groups], heads, self._aux_layers())
+        if hiddens:
+            self.drafter.observe_prefill(groups, self._features(hiddens))
         for g, head_logits in zip(groups, logits):
             self.runner.cache.copy_row(g[0].row, [s.row for s in g[1:]], len(g[0].prompt_ids))
             first = self._sample_first(head_logits, len(g), params, gen)
@@ -153,14 +166,20 @@ class RolloutEngine:
         t1 = time.perf_counter()
         batch = build_draft_batch([s.pending for s in live], drafts)
         start = torch.tensor([s.cache_len for s in live])
-        logits, _ = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask)
+        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask, self._aux_layers())
         logits = logits.cpu()
         path, accepted, next_token = self._verify(logits, batch, params, gen)
+        if hiddens:
+            self.drafter.observe_verify(live, self._features(hiddens), path, accepted.tolist())
         self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
         drafted, acc = [len(d) for d in drafts], accepted.tolist()
         if self.selector is not None:
+            if getattr(self.drafter, "version", 0) != self._drafter_version:  # new weights: old evidence is stale
+                self._drafter_version = self.drafter.version
+                self.selector.acceptance = type(self.selector.acceptance)()
             self.selector.observe(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, acc)
         self._metrics.record_verify(arm.drafter, drafted, acc)
+        self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
     def _propose(self, live: list[Sequence], arm: Arm) -> list[Draft]:
         if not arm.speculative:
@@ -218,12 +237,38 @@ class RolloutEngine:
         if drafter is not None:
             name = getattr(drafter, "name", spec.drafter)
             return drafter, LongTailSelector(name, spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
-        if spec.drafter in ("eagle3", "auto"):
-            raise ValueError(f"drafter {spec.drafter!r} is not available yet (the learned EAGLE-3 drafter lands "
-                             "later); use 'ngram' or 'suffix'")
-        drafter = make_drafter(spec.drafter)
+        if spec.drafter == "auto":
+            raise ValueError("drafter 'auto' (per-batch choice among drafters) is not available yet; "
+                             "use 'ngram', 'suffix' or 'eagle3'")
+        if spec.drafter == "eagle3":
+            drafter = self._make_eagle3(spec)
+        else:
+            drafter = make_drafter(spec.drafter)
         selector = LongTailSelector(spec.drafter, spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
         return drafter, selector
+
+    def _make_eagle3(self, spec: SpecConfig):
+        from rollout.drafters.eagle3 import Eagle3Drafter
+
+        if spec.drafter_path:
+            from rollout.drafters.eagle3_io import load_eagle3
+
+            return Eagle3Drafter(self.model, load_eagle3(spec.drafter_path))
+        return Eagle3Drafter(self.model)  # cold: trained online (rollout/drafter_training.py)
+
+    def _signal_idle(self, idle: bool) -> None:
+        """Tell an online drafter trainer whether compute is spare: the tail (a quarter of the rows or
+        fewer still live) or between rollouts."""
+        trainer = getattr(self.drafter, "source", None)
+        if trainer is not None and hasattr(trainer, "set_idle"):
+            trainer.set_idle(idle)
+
+    def _aux_layers(self) -> tuple[int, ...]:
+        return getattr(self.drafter, "aux_layers", ())
+
+    def _features(self, hiddens: dict) -> torch.Tensor:
+        """EAGLE-3 features: the chosen layers' hidden states side by side [.., 3H]."""
+        return torch.cat([hiddens[i] for i in self._aux_layers()], dim=-1)
 
     def _calibrate(self) -> None:
         """Seed the cost model once: dummy forwards per batch bucket at every verify size."""

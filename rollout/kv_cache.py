@@ -13,8 +13,10 @@ from rollout.model.config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device):
-        shape = (cfg.num_layers, rows, cfg.num_kv_heads, length, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device, extra_layers: int = 0):
+        # extra layers after the target's belong to a learned drafter (EAGLE-3 keeps one layer of KV),
+        # so compaction, prompt sharing and tree fix-ups move its entries along with the target's
+        shape = (cfg.num_layers + extra_layers, rows, cfg.num_kv_heads, length, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

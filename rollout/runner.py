@@ -16,15 +16,16 @@ class ModelRunner:
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.cache: KVCache | None = None
 
-    def ensure_cache(self, rows: int, length: int) -> KVCache:
+    def ensure_cache(self, rows: int, length: int, extra_layers: int = 0) -> KVCache:
         """Allocate once; grow only when a call needs more rows or positions than ever before."""
-        if self.cache is None or not self.cache.fits(rows, length):
+        fits = self.cache is not None and self.cache.fits(rows, length)
+        if not fits or self.cache.k.shape[0] != self.model.cfg.num_layers + extra_layers:
             old = self.cache
             rows = max(rows, old.rows if old else 0)
             length = max(length, old.length if old else 0)
             self.cache = None  # free the old buffer first
             del old
-            self.cache = KVCache(self.model.cfg, rows, length, self.dtype, self.device)
+            self.cache = KVCache(self.model.cfg, rows, length, self.dtype, self.device, extra_layers)
             self.model.init_rope(length)
         return self.cache
 
