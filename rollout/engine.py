@@ -87,7 +87,8 @@ class RolloutEngine:
         return out
 
     @property
-    def last_batch_trace(self) -> list[tuple[float, int]]:
+    def batch_trace(self) -> list[tuple[float, int, int, bool]]:
+        """(seconds into the call, live batch, tokens emitted, speculated) per decode step since stats()."""
         return self._metrics.batch_trace
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None,
@@ -116,8 +117,8 @@ class RolloutEngine:
             self._admit(waiting, live, params, gen, stop_ids)
             live = self._retire(live, bar)  # a first token may already end a sample
             if live:
-                self._metrics.batch_trace.append((time.perf_counter() - t0, len(live)))
-                self._decode_step(live, params, gen, stop_ids)
+                emitted, spec = self._decode_step(live, params, gen, stop_ids)
+                self._metrics.batch_trace.append((time.perf_counter() - t0, len(live), emitted, spec))
                 live = self._retire(live, bar)
         if bar is not None:
             bar.close()
@@ -157,8 +158,9 @@ class RolloutEngine:
         toks = rows.argmax(-1) if params.greedy else sample(probs_from_logits(rows, params), gen)
         return list(zip(toks.tolist(), logprobs_of(rows, toks, params).tolist()))
 
-    def _decode_step(self, live: list[Sequence], params, gen, stop_ids) -> None:
-        """One target forward for the whole live batch: plain decode, or verify of each row's draft."""
+    def _decode_step(self, live: list[Sequence], params, gen, stop_ids) -> tuple[int, bool]:
+        """One target forward for the whole live batch: plain decode, or verify of each row's draft.
+        Returns (tokens emitted, whether the step speculated)."""
         assert all(s.row == i for i, s in enumerate(live)), "live rows must be compact"
         arm = self.selector.choose(len(live)) if self.selector is not None else OFF
         t0 = time.perf_counter()
@@ -171,7 +173,7 @@ class RolloutEngine:
         path, accepted, next_token = self._verify(logits, batch, params, gen)
         if hiddens:
             self.drafter.observe_verify(live, self._features(hiddens), path, accepted.tolist())
-        self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
+        emitted = self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
         drafted, acc = [len(d) for d in drafts], accepted.tolist()
         if self.selector is not None:
             if getattr(self.drafter, "version", 0) != self._drafter_version:  # new weights: old evidence is stale
@@ -180,6 +182,7 @@ class RolloutEngine:
             self.selector.observe(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, acc)
         self._metrics.record_verify(arm.drafter, drafted, acc)
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
+        return emitted, arm.speculative
 
     def _propose(self, live: list[Sequence], arm: Arm) -> list[Draft]:
         if not arm.speculative:
@@ -200,8 +203,9 @@ class RolloutEngine:
         v = verify_tree(logits, batch.tokens, batch.children, params, generator=gen)
         return v.path, v.accepted, v.next_token
 
-    def _commit(self, live, logits, batch: DraftBatch, path, accepted, next_token, params, stop_ids) -> None:
-        """Append accepted drafts + the target's token with target logprobs; fix KV of tree paths."""
+    def _commit(self, live, logits, batch: DraftBatch, path, accepted, next_token, params, stop_ids) -> int:
+        """Append accepted drafts + the target's token with target logprobs; fix KV of tree paths.
+        Returns the number of tokens kept."""
         B = len(live)
         at = torch.cat([torch.zeros(B, 1, dtype=torch.long), path.clamp(min=0)], 1)  # node predicting each token
         emitted = batch.tokens.gather(1, path.clamp(min=0))
@@ -209,15 +213,17 @@ class RolloutEngine:
         emitted.scatter_(1, accepted[:, None], next_token[:, None])
         lps = logprobs_of(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), emitted, params)
         acc, emitted_l, lps_l, path_l = accepted.tolist(), emitted.tolist(), lps.tolist(), path.tolist()
+        kept = 0
         for i, s in enumerate(live):
             a = acc[i]
             if not batch.is_chain and path_l[i][:a] != list(range(1, a + 1)):
                 start = s.cache_len
                 self.runner.cache.gather_positions(s.row, [start + n for n in path_l[i][:a]],
                                                    [start + 1 + j for j in range(a)])
-            s.append(emitted_l[i][:a + 1], lps_l[i][:a + 1], stop_ids)
+            kept += s.append(emitted_l[i][:a + 1], lps_l[i][:a + 1], stop_ids)
             if s.finished and self.drafter is not None:
                 self.drafter.finish(s)
+        return kept
 
     def _retire(self, live: list[Sequence], bar) -> list[Sequence]:
         """Drop finished sequences and compact the survivors into rows 0..B-1."""

@@ -18,7 +18,8 @@ class RolloutMetrics:
     accepted: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify -> count
     per_drafter: dict = field(default_factory=dict)  # name -> [drafted, accepted]
-    batch_trace: list[tuple[float, int]] = field(default_factory=list)  # (seconds into call, live batch)
+    # per decode step: (seconds into the call, live batch, tokens emitted, speculated)
+    batch_trace: list[tuple[float, int, int, bool]] = field(default_factory=list)
 
     def record_verify(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
         self.steps += 1
