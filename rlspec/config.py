@@ -88,11 +88,16 @@ class DrafterSection:
         "none", "drafter: none (plain decoding), ngram, suffix, eagle3 (learned) or auto")
     num_draft_tokens: int = _f(4, "tokens drafted per verify pass along one path (k)")
     tree_width: int = _f(1, "children per draft-tree node; 1 = a chain")
-    selector: Literal["fixed", "adaptive"] = _f("fixed", "fixed: always speculate as configured; adaptive: pick "
-                                                        "the arm per batch from measured costs")
+    selector: Literal["fixed", "adaptive"] = _f("fixed", "fixed: the configured drafter and shape, deeper as the "
+                                                        "live batch shrinks where measured costs say it pays; "
+                                                        "adaptive: a bandit over drafters and shapes per batch size")
     path: str | None = _f(None, "directory of a learned (eagle3) drafter")
     max_spec_batch: int | None = _f(None, "speculate only when at most this many sequences are live "
                                           "(None = derive from measured costs)")
+    online_training: bool = _f(True, "eagle3: train the drafter during the run on the rollouts' hidden states")
+    draft_vocab_size: int = _f(4096, "eagle3: size of the drafter's vocabulary (most frequent target tokens)")
+    export: bool = _f(True, "eagle3: export the drafter to <output_dir>/drafter at the end of the run (and on a "
+                            "crash), in the EAGLE-3 format vLLM and SGLang load")
 
 
 @dataclass

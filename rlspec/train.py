@@ -79,6 +79,7 @@ def run(cfg: Config) -> dict[str, Any]:
         _save_quietly(trainer, out / "crash")
         raise
     finally:
+        export_byproduct_drafter(cfg, trainer, out)  # on the crash path too: never lose the drafter
         _finish_wandb()  # first, so the summary table is the last thing printed
         summary = summarize(cfg, out, summary_cb.rows, trainer.state.log_history, time.time() - start, status, error)
     return summary
@@ -122,6 +123,7 @@ def build_trainer(cfg: Config, out: Path):
             drafter=cfg.drafter.name, num_draft_tokens=cfg.drafter.num_draft_tokens,
             tree_width=cfg.drafter.tree_width, selector=cfg.drafter.selector,
             drafter_path=cfg.drafter.path, max_spec_batch=cfg.drafter.max_spec_batch,
+            online_training=cfg.drafter.online_training, draft_vocab_size=cfg.drafter.draft_vocab_size,
         ),
         engine_kwargs=dict(max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
                            dtype=cfg.dtype),
@@ -221,6 +223,31 @@ def _digest(s: dict) -> str:
     return (f"{s['status']}: {s['steps']} steps in {s['wall_s']:.0f} s | reward {num(s['reward_first'], '.3f')} -> "
             f"{num(s['reward_last'], '.3f')} | rollouts {num(share, '.0f')}% of step time | "
             f"{num(s['tokens_per_s'], '.1f')} tok/s | final model: {s['final_model'] or '-'}")
+
+
+def export_byproduct_drafter(cfg: Config, trainer, out: Path) -> str | None:
+    """Export a learned drafter to <output_dir>/drafter (EAGLE-3 format) and stop its training thread.
+    Best effort: a failing export is reported, never raised over the run's own outcome."""
+    engine = getattr(trainer, "engine", None)
+    drafter = getattr(engine, "drafter", None)
+    if engine is None or getattr(drafter, "name", None) != "eagle3":
+        return None
+    engine.close()
+    if not cfg.drafter.export:
+        return None
+    try:
+        from rlspec.export import export_drafter
+
+        trainer_ = getattr(drafter, "source", None)
+        model = trainer_.model if trainer_ is not None else drafter.model  # the float32 master copy
+        meta = {"policy_version": engine.policy_version,
+                "train_steps": trainer_.stats.steps if trainer_ is not None else 0}
+        path = export_drafter(model, str(out / "drafter"), target=engine.model.cfg.hf_config, metadata=meta)
+        print(f"rlspec.train: exported the drafter to {path}", flush=True)
+        return path
+    except Exception as exc:  # noqa: BLE001
+        print(f"rlspec.train: could not export the drafter: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
 
 
 def _save_quietly(trainer, path: Path) -> None:

@@ -73,6 +73,8 @@ class RolloutEngine:
         """Policy sync from the trainer (HF parameter names); bumps policy_version."""
         loader.load_named_tensors(self.model, named_tensors)
         self.policy_version += 1
+        if self.drafter is not None:
+            self.drafter.policy_version = self.policy_version  # tags the drafter's training data
 
     def stats(self) -> dict[str, float]:
         """Slash-named metrics accumulated since the previous call."""
@@ -259,8 +261,20 @@ class RolloutEngine:
         if spec.drafter_path:
             from rollout.drafters.eagle3_io import load_eagle3
 
-            return Eagle3Drafter(self.model, load_eagle3(spec.drafter_path))
-        return Eagle3Drafter(self.model)  # cold: trained online (rollout/drafter_training.py)
+            drafter = Eagle3Drafter(self.model, load_eagle3(spec.drafter_path))
+        else:  # cold: only online training makes it useful; the selector keeps it off until it pays
+            drafter = Eagle3Drafter(self.model, draft_vocab_size=spec.draft_vocab_size)
+        if spec.online_training:
+            from rollout.drafter_training import DrafterTrainer
+
+            DrafterTrainer(drafter).start()  # attaches itself as the drafter's data sink and weight source
+        return drafter
+
+    def close(self) -> None:
+        """Stop background drafter training (the engine stays usable)."""
+        trainer = getattr(self.drafter, "source", None)
+        if trainer is not None and hasattr(trainer, "stop"):
+            trainer.stop()
 
     def _signal_idle(self, idle: bool) -> None:
         """Tell an online drafter trainer whether compute is spare: the tail (a quarter of the rows or

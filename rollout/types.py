@@ -50,6 +50,10 @@ class SpecConfig:
     # Long tail: speculate only when the live batch is at most this many sequences; None lets the
     # engine derive it from measured verify costs. Hysteresis keeps it from flapping.
     max_spec_batch: int | None = None
+    # eagle3: train the drafter online on the rollouts' own hidden states (in a background thread,
+    # on idle compute) and swap new weights in between decode iterations
+    online_training: bool = True
+    draft_vocab_size: int = 4096  # eagle3: the drafter predicts over the most frequent target tokens
 
     def __post_init__(self) -> None:
         valid = ("none", "ngram", "suffix", "eagle3", "auto")

@@ -4,39 +4,44 @@ A GRPO group samples one prompt n times, and a prompt returns every epoch, so th
 for how a sample continues is how its siblings (live right now) and its earlier rollouts went on
 from the same words (the idea of SuffixDecoding, Seer and RhymeRL). Sources, per query:
 
-- local (one `NgramIndex` per prompt): the prompt itself, every live sample of the prompt (each
-  indexed as it grows, so a sibling ahead of this one is found; a sample's own earlier text counts,
-  its own end cannot match itself), and up to `history_per_prompt` finished samples of it;
+- local (one `NgramIndex` per prompt while it has live samples): the prompt itself, every live
+  sample of the prompt (indexed as it grows, so a sibling ahead is found; a sample's own earlier
+  text counts, its own end cannot match itself) and up to `history_per_prompt` finished samples;
 - global: the last `global_docs` finished samples of any prompt (shared boilerplate, formats).
 
 Query: the longest suffix of the context found (anchor lengths from longest to shortest; at equal
-length the local index wins), up to `max_matches` newest occurrences. Their continuations make a
-count-weighted trie; the draft grows best-first by path count (the empirical probability of the
-path) taking at most `width` children per node, until `max_tokens` nodes or until the best
-remaining path falls under `min_prob` of the matches. Width 1 gives the most frequent path.
+length the local index wins), up to `max_matches` newest occurrences. Each continuation is cut to
+spec_factor x its match length (a long match earns a long draft). They make a count-weighted
+trie; the draft grows best-first by path count (the empirical probability of the path) taking at
+most `width` children per node, until `max_tokens` nodes or until the best remaining path falls
+under `min_prob` of the matches. Width 1 gives the most frequent path.
 
-Memory is bounded: finished samples per prompt (FIFO), prompts remembered (LRU, by count and by
-tokens held; prompts with live samples are kept), and the global window (by samples and tokens).
+Memory is bounded. An index costs ~300 bytes a token, raw tokens 4: so a prompt's history is kept
+cold (token arrays only) between its visits and indexed again when it returns (a few ms per
+group). Bounds: finished samples per prompt (FIFO), prompts remembered (LRU by count and by
+tokens; prompts with live samples are kept), the global window (by samples and by tokens).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from rollout.drafters.base import Draft, register
-from rollout.drafters.ngram import _SHIFT, NgramIndex, context_tail
+from rollout.drafters.ngram import NgramIndex, context_tail
 from rollout.sequence import Sequence
 
 
 @dataclass
 class _PromptStore:
-    index: NgramIndex
-    prompt_doc: int
-    live: set[int] = field(default_factory=set)  # doc ids of samples still generating
-    history: deque[int] = field(default_factory=deque)  # finished samples, oldest first
-    evicted: bool = False  # a history doc left since the prompt doc was indexed (chains cut)
+    prompt: array
+    history: deque = field(default_factory=deque)  # finished samples: (prompt tail + completion, tail)
+    tokens: int = 0  # prompt + history tokens: what the LRU budget counts
+    index: NgramIndex | None = None  # prompt + history + live samples, while any sample is live
+    live: set[int] = field(default_factory=set)  # index doc ids of samples still generating
 
 
 @dataclass
@@ -57,13 +62,16 @@ class SuffixDrafter:
     deterministic = True
 
     def __init__(self, anchors: tuple[int, ...] = (8, 5, 3, 2), max_matches: int = 16, min_prob: float = 0.1,
-                 history_per_prompt: int = 16, max_prompts: int = 1024, history_tokens: int = 262_144,
-                 global_docs: int = 256, global_tokens: int = 131_072, max_live: int = 4096):
+                 spec_factor: float = 1.0, max_match: int = 32, history_per_prompt: int = 16,
+                 max_prompts: int = 4096, history_tokens: int = 4_194_304, global_docs: int = 256,
+                 global_tokens: int = 65_536, max_live: int = 4096):
         self.anchors = tuple(sorted(set(anchors), reverse=True))
         self.max_matches, self.min_prob = max_matches, min_prob
+        self.spec_factor, self.max_match = spec_factor, max(max_match, self.anchors[0])
         self.history_per_prompt, self.max_prompts, self.history_tokens = history_per_prompt, max_prompts, history_tokens
         self.global_docs, self.global_tokens, self.max_live = global_docs, global_tokens, max_live
-        self._prompts: OrderedDict[tuple[int, ...], _PromptStore] = OrderedDict()  # LRU, oldest first
+        self._prompts: OrderedDict[int, _PromptStore] = OrderedDict()  # hash(prompt) -> store, LRU oldest first
+        self._held = 0  # sum of store.tokens
         self._global = NgramIndex(self.anchors)
         self._global_fifo: deque[int] = deque()
         self._seqs: dict[int, _SeqState] = {}  # id(seq) -> state; dropped at finish
@@ -71,9 +79,12 @@ class SuffixDrafter:
 
     # ---- the protocol -------------------------------------------------------------------------
     def begin(self, groups: list[list[Sequence]]) -> None:
+        for st in [st for st in self._seqs.values() if st.seq.finished]:  # finished without finish()
+            self.finish(st.seq)
         for group in groups:
             for seq in group:
-                self._new_state(seq)
+                if not seq.finished:  # a first token can end a sample before any step
+                    self._state(seq)
         self._drop_stale()
         self._trim_prompts()
 
@@ -89,31 +100,50 @@ class SuffixDrafter:
         self._sync(st)
         del self._seqs[id(seq)]
         store = st.store
-        store.live.discard(st.doc)
-        store.history.append(st.doc)
-        while len(store.history) > self.history_per_prompt:
-            store.index.remove(store.history.popleft())
-            store.evicted = True
-        tail = seq.prompt_ids[-st.tail:] if st.tail else []
-        self._global_fifo.append(self._global.add(tail + seq.completion_ids, start=st.tail))
+        doc = store.index.tokens_of(st.doc)  # stays in the hot index; the history shares the array
+        store.history.append((doc, st.tail))
+        store.tokens += len(doc)
+        self._held += len(doc)
+        while len(store.history) > self.history_per_prompt:  # the hot index keeps it until it cools
+            old, _ = store.history.popleft()
+            store.tokens -= len(old)
+            self._held -= len(old)
+        self._unpin(store, st.doc)
+        self._global_fifo.append(self._global.add(doc, start=st.tail))
         while self._global_fifo and (len(self._global_fifo) > self.global_docs
                                      or self._global.num_tokens > self.global_tokens):
             self._global.remove(self._global_fifo.popleft())
         self._trim_prompts()
 
+    def sizes(self) -> dict[str, int]:
+        """What the drafter holds now (all bounded by the constructor's limits)."""
+        return {"prompts": len(self._prompts), "prompt_tokens": self._held,
+                "hot_prompts": sum(s.index is not None for s in self._prompts.values()),
+                "global_docs": len(self._global_fifo), "global_tokens": self._global.num_tokens,
+                "live_samples": len(self._seqs)}
+
     # ---- bookkeeping --------------------------------------------------------------------------
     def _store(self, prompt: list[int]) -> _PromptStore:
-        key = tuple(prompt)
+        """The prompt's store, made hot: indexed prompt and history, ready for live samples."""
+        key = hash(tuple(prompt))
         store = self._prompts.get(key)
-        if store is None:
-            index = NgramIndex(self.anchors)
-            store = self._prompts[key] = _PromptStore(index, index.add(prompt))
-        else:
-            self._prompts.move_to_end(key)
-            if store.evicted and not store.live:  # re-index the prompt so chains reach it again
-                store.index.remove(store.prompt_doc)
-                store.prompt_doc, store.evicted = store.index.add(prompt), False
+        if store is None or store.prompt.tolist() != prompt:  # new, or a hash collision: start over
+            if store is not None:
+                self._held -= store.tokens
+            store = self._prompts[key] = _PromptStore(array("i", prompt), tokens=len(prompt))
+            self._held += len(prompt)
+        self._prompts.move_to_end(key)
+        if store.index is None:
+            store.index = NgramIndex(self.anchors)
+            store.index.add(store.prompt)
+            for doc, tail in store.history:  # oldest first, so chains meet the newest first
+                store.index.add(doc, start=tail)
         return store
+
+    def _unpin(self, store: _PromptStore, doc: int) -> None:
+        store.live.discard(doc)
+        if not store.live:  # cold: keep the raw tokens, drop the index (~75x their size)
+            store.index = None
 
     def _new_state(self, seq: Sequence) -> _SeqState:
         store = self._store(seq.prompt_ids)
@@ -127,7 +157,7 @@ class SuffixDrafter:
         st = self._seqs.get(id(seq))
         if st is None or st.seq is not seq:  # begin() not called, or a recycled id()
             if st is not None:
-                self._release(st)
+                self._unpin(st.store, st.doc)
             st = self._new_state(seq)
         st.last_used = self._calls
         return st
@@ -138,34 +168,32 @@ class SuffixDrafter:
             st.store.index.extend(st.doc, comp[st.seen:])
             st.seen = len(comp)
 
-    def _release(self, st: _SeqState) -> None:
-        """Forget a sample that will never finish (its generate call failed)."""
-        st.store.live.discard(st.doc)
-        st.store.index.remove(st.doc)
-        st.store.evicted = True
-
     def _drop_stale(self) -> None:
         """Bound live states: a generate call that raised never finishes its samples."""
         if len(self._seqs) <= self.max_live:
             return
         for key, st in sorted(self._seqs.items(), key=lambda kv: kv[1].last_used)[:len(self._seqs) - self.max_live]:
-            self._release(st)
+            self._unpin(st.store, st.doc)
             del self._seqs[key]
 
     def _trim_prompts(self) -> None:
         """LRU: forget whole prompts (never one with live samples) while over count or token budget."""
-        held = sum(s.index.num_tokens for s in self._prompts.values())
+        if not self._over_budget():
+            return
         for key in list(self._prompts):
-            if len(self._prompts) <= self.max_prompts and held <= self.history_tokens:
-                break
             store = self._prompts[key]
             if not store.live:
-                held -= store.index.num_tokens
+                self._held -= store.tokens
                 del self._prompts[key]
+                if not self._over_budget():
+                    return
+
+    def _over_budget(self) -> bool:
+        return len(self._prompts) > self.max_prompts or self._held > self.history_tokens
 
     # ---- drafting -----------------------------------------------------------------------------
     def _draft(self, st: _SeqState, m: int, width: int) -> Draft:
-        tail = context_tail(st.seq, self.anchors[0])
+        tail = context_tail(st.seq, self.max_match)
         local = st.store.index
         for ai in range(len(self.anchors)):
             addrs, src = local.find(tail, ai, self.max_matches), local
@@ -175,7 +203,15 @@ class SuffixDrafter:
                 break
         else:
             return Draft()
-        conts = [src.continuation(a, m, periodic=src is local and a >> _SHIFT == st.doc) for a in addrs]
+        conts = []
+        for a in addrs:
+            # a longer match earns a longer draft (SuffixDecoding's max_spec_factor); a local match
+            # reaching its document's start goes on through the prompt both texts share
+            matched = src.match_len(a, tail, self.max_match)
+            if src is local and matched == src.position_of(a):
+                matched = self.max_match
+            n = min(m, math.ceil(self.spec_factor * matched))
+            conts.append(src.continuation(a, n, periodic=src is local and src.doc_of(a) == st.doc))
         return best_first(conts, m, width, self.min_prob)
 
 

@@ -115,7 +115,7 @@ def test_overrides_nested_and_coerced():
     assert cfg.wandb.run_name == "123"  # string fields keep the text verbatim
     assert isinstance(cfg.grpo.temperature, float) and cfg.grpo.temperature == 1.0
     assert cfg.rewards == ["accuracy", "format"]
-    assert cfg.grpo.extra == {"warmup_steps": 2}
+    assert cfg.grpo.extra == {"vllm_importance_sampling_mode": "token_truncate", "warmup_steps": 2}  # merged
     assert cfg.drafter.path is None
     assert cfg.grpo.num_generations == 4  # untouched keys keep the file's values
 

