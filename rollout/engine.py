@@ -27,7 +27,8 @@ from rollout.verify import verify_chain, verify_tree
 
 class RolloutEngine:
     def __init__(self, model, tokenizer, spec: SpecConfig | None = None, max_model_len: int = 2048,
-                 max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None):
+                 max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None,
+                 graph_mode: str = "auto"):
         """Prefer from_pretrained / from_hf_model. `drafter` plugs in a custom Drafter instance."""
         self.model = model
         self.tokenizer = tokenizer
@@ -35,7 +36,8 @@ class RolloutEngine:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         p = next(model.parameters())
-        self.runner = ModelRunner(model, p.device, p.dtype)
+        # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
+        self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack())
         eos = list(eos_token_ids or [])
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]

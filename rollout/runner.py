@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import torch
 
+from rollout.graphs import make_step_runner
 from rollout.kv_cache import KVCache
 from rollout.model.llama import ForwardBatch, LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype):
+    def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype, graph_mode: str = "auto",
+                 max_graph_t: int = 16):
         self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
         self.cache: KVCache | None = None
+        self.steps = None  # EagerRunner or GraphPool over self.cache; rebuilt with it
 
     def ensure_cache(self, rows: int, length: int, extra_layers: int = 0) -> KVCache:
         """Allocate once; grow only when a call needs more rows or positions than ever before."""
@@ -23,10 +27,13 @@ class ModelRunner:
             old = self.cache
             rows = max(rows, old.rows if old else 0)
             length = max(length, old.length if old else 0)
+            self.steps = None  # graphs hold the old cache/RoPE addresses: drop them before freeing
             self.cache = None  # free the old buffer first
             del old
             self.cache = KVCache(self.model.cfg, rows, length, self.dtype, self.device, extra_layers)
             self.model.init_rope(length)
+            self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode,
+                                          max_t=self.max_graph_t)
         return self.cache
 
     def prefill(self, prompts: list[list[int]], rows: list[int], hidden_layers=()):
@@ -49,21 +56,7 @@ class ModelRunner:
         """T new tokens for each live row 0..B-1 whose cache holds `start[b]` entries.
 
         tokens [B, T] long; start [B] long. A chain by default; a tree passes depths [B, T]
-        (RoPE offsets) and tree_mask [B, T, T] bool (node t may see node s). Returns logits [B, T, V].
+        (RoPE offsets) and tree_mask [B, T, T] bool (node t may see node s). Returns
+        (logits [B, T, V] float32, hiddens). On CUDA a captured graph replays when one fits.
         """
-        B, T = tokens.shape
-        offs = torch.arange(T).expand(B, T) if depths is None else depths
-        rel = torch.arange(int(start.max()) + T)[None, :] - start[:, None]  # key index minus start: [B, S]
-        rel_q = rel[:, None, :].expand(B, T, rel.shape[1])
-        if tree_mask is None:
-            new_ok = (rel_q >= 0) & (rel_q <= torch.arange(T)[None, :, None])
-        else:
-            seen = tree_mask.gather(2, rel_q.clamp(0, T - 1))  # [B, T, S]
-            new_ok = seen & (rel_q >= 0) & (rel_q < T)
-        mask = (rel_q < 0) | new_ok  # context (rel < 0) is always visible
-        write = start[:, None] + torch.arange(T)[None, :]
-        fb = ForwardBatch(
-            input_ids=tokens.to(self.device), positions=(start[:, None] + offs).to(self.device),
-            write_index=write.to(self.device), mask=mask[:, None].to(self.device),
-        )
-        return self.model(fb, self.cache.k, self.cache.v, hidden_layers)
+        return self.steps.run(tokens, start, depths, tree_mask, hidden_layers)

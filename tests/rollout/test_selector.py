@@ -95,7 +95,7 @@ def run(world: World, sel: AdaptiveSelector, steps: int, rng: random.Random, bat
     return chosen
 
 
-def near_best_share(world: World, arms: list[Arm], picks: list[Arm], B: int, tol: float = 0.05) -> float:
+def near_best_share(world: World, arms: list[Arm], picks: list[Arm], B: int, tol: float = 0.1) -> float:
     """Share of picks whose true speedup is within tol of the best arm's."""
     top = world.true_speedup(world.best(arms, B), B)
     return sum(world.true_speedup(a, B) >= (1 - tol) * top for a in picks) / len(picks)
@@ -117,7 +117,7 @@ def test_converges_to_best_arm_per_bucket():
         best = world.best(sel.arms, B)
         mode = Counter(last).most_common(1)[0][0]
         assert near_best_share(world, sel.arms, last, B) >= 0.8, (B, arm_name(best), Counter(map(arm_name, last)))
-        assert world.true_speedup(mode, B) >= 0.97 * world.true_speedup(best, B), (B, arm_name(mode), arm_name(best))
+        assert world.true_speedup(mode, B) >= 0.9 * world.true_speedup(best, B), (B, arm_name(mode), arm_name(best))
 
 
 def test_exploration_share_stays_under_cap():
@@ -161,7 +161,7 @@ def test_reset_acceptance_retries_a_drafter_at_once():
     run(world, sel, 1000, rng, batches=[3])
     world.accept["eagle3"] = 0.8
     sel.reset_acceptance("eagle3")
-    after = run(world, sel, 300, rng, batches=[3])[4][-200:]
+    after = run(world, sel, 500, rng, batches=[3])[4][-200:]
     assert near_best_share(world, sel.arms, after, 3) >= 0.8, Counter(map(arm_name, after))
 
 
@@ -222,3 +222,22 @@ def test_depths_and_sizes_cover_every_arm():
     assert sel.arms[0] == OFF
     assert sel.depths() == sorted({a.nodes for a in sel.arms if a.speculative})
     assert sel.verify_sizes()[0] == 1 and sel.max_nodes == 8
+    assert max(a.nodes for a in default_arms(["x"], max_depth=8, widths=(2, 3), max_nodes=12)) == 12
+
+
+def test_learns_without_calibration():
+    """An empty cost model: priors take verification as free, measurements take over."""
+    world, rng = World(), random.Random(7)
+    arms = default_arms(DRAFTERS, max_depth=8)
+    sel = AdaptiveSelector(arms)
+    picks = run(world, sel, 1500, rng, batches=[1])[1][-200:]
+    assert near_best_share(world, sel.arms, picks, 1) >= 0.8, Counter(map(arm_name, picks))
+
+
+def test_observe_accepts_an_arm_it_did_not_offer():
+    """Engine tests pin `choose` to a custom drafter's arm; observe and metrics must cope."""
+    sel = AdaptiveSelector(default_arms(["suffix"], max_depth=4))
+    sel.choose(2)
+    sel.observe(Arm("scripted", 4), 2, 0.01, 0.001, [4, 4], [2, 4])
+    assert sel.acceptance["scripted"].accepts > 0
+    assert "strategy/explore_share" in sel.metrics()
