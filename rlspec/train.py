@@ -229,8 +229,8 @@ def export_byproduct_drafter(cfg: Config, trainer, out: Path) -> str | None:
     """Export a learned drafter to <output_dir>/drafter (EAGLE-3 format) and stop its training thread.
     Best effort: a failing export is reported, never raised over the run's own outcome."""
     engine = getattr(trainer, "engine", None)
-    drafter = getattr(engine, "drafter", None)
-    if engine is None or getattr(drafter, "name", None) != "eagle3":
+    drafter = engine.drafters.learned if getattr(engine, "drafters", None) is not None else None
+    if drafter is None:
         return None
     engine.close()
     if not cfg.drafter.export:

@@ -13,14 +13,15 @@ from collections.abc import Iterable
 import torch
 
 from rollout.draft_batch import DraftBatch, build_draft_batch
-from rollout.drafters.base import Draft, Drafter, make_drafter
+from rollout.drafters.base import Draft, Drafter
 from rollout.errors import PromptTooLongError
 from rollout.metrics import RolloutMetrics
 from rollout.model import loader
 from rollout.runner import ModelRunner
 from rollout.sampling import logprobs_of, probs_from_logits, sample
 from rollout.sequence import Sequence
-from rollout.strategy import OFF, Arm, LongTailSelector
+from rollout.speculation import build_speculation
+from rollout.strategy import OFF, Arm
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.verify import verify_chain, verify_tree
 
@@ -36,16 +37,16 @@ class RolloutEngine:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         p = next(model.parameters())
-        # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
-        self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack())
         eos = list(eos_token_ids or [])
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
         self.eos_token_ids = set(eos)
         self.policy_version = 0
         self._metrics = RolloutMetrics()
-        self.drafter, self.selector = self._make_speculation(self.spec, drafter)
+        self.drafters, self.selector = build_speculation(self.spec, model, drafter)
         self._drafter_version = 0
+        # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
+        self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack())
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -75,18 +76,20 @@ class RolloutEngine:
         """Policy sync from the trainer (HF parameter names); bumps policy_version."""
         loader.load_named_tensors(self.model, named_tensors)
         self.policy_version += 1
-        if self.drafter is not None:
-            self.drafter.policy_version = self.policy_version  # tags the drafter's training data
+        if self.drafters is not None:
+            self.drafters.set_policy_version(self.policy_version)
 
     def stats(self) -> dict[str, float]:
         """Slash-named metrics accumulated since the previous call."""
         out = self._metrics.as_dict()
         out["rollout/policy_version"] = float(self.policy_version)
-        trainer = getattr(self.drafter, "source", None)
-        if trainer is not None and hasattr(trainer, "metrics"):
-            out.update(trainer.metrics(self.policy_version))
-        if self.drafter is not None:
-            out["drafter/accept_len"] = out.get("rollout/accept_len", 1.0)
+        if self.selector is not None and hasattr(self.selector, "metrics"):
+            out.update(self.selector.metrics())
+        if self.drafters is not None and self.drafters.learned is not None:
+            name = self.drafters.learned.name
+            out["drafter/accept_len"] = out.get(f"rollout/accept_len/{name}", 1.0)
+            if self.drafters.trainer is not None:
+                out.update(self.drafters.trainer.metrics(self.policy_version))
         self._metrics = RolloutMetrics()
         return out
 
@@ -107,12 +110,13 @@ class RolloutEngine:
             for i, p in enumerate(prompt_token_ids) for j in range(params.n)
         ]
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
-        extra = getattr(self.drafter, "extra_kv_layers", 0)
+        learned = self.drafters.learned if self.drafters is not None else None
+        extra = self.drafters.extra_kv_layers if self.drafters is not None else 0
         self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(), extra)
         self._calibrate()
-        if hasattr(self.drafter, "start"):  # learned drafters keep per-call state and share the cache
-            self.drafter.target_cache = self.runner.cache
-            self.drafter.start(seqs, self.runner.cache.length)
+        if learned is not None:  # it keeps per-call state and a KV layer in the shared cache
+            learned.target_cache = self.runner.cache
+            learned.start(seqs, self.runner.cache.length)
         t0 = time.perf_counter()
         waiting = deque(seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids)))
         live: list[Sequence] = []
@@ -147,15 +151,15 @@ class RolloutEngine:
             heads.append(g[0].row)
         logits, hiddens = self.runner.prefill([g[0].prompt_ids for g in groups], heads, self._aux_layers())
         if hiddens:
-            self.drafter.observe_prefill(groups, self._features(hiddens))
+            self.drafters.learned.observe_prefill(groups, self._features(hiddens))
         for g, head_logits in zip(groups, logits):
             self.runner.cache.copy_row(g[0].row, [s.row for s in g[1:]], len(g[0].prompt_ids))
             first = self._sample_first(head_logits, len(g), params, gen)
             for s, (tok, lp) in zip(g, first):
                 s.append([tok], [lp], stop_ids)
             live.extend(g)
-        if self.drafter is not None:
-            self.drafter.begin(groups)
+        if self.drafters is not None:
+            self.drafters.begin(groups)
 
     def _sample_first(self, logits: torch.Tensor, n: int, params, gen) -> list[tuple[int, float]]:
         rows = logits[None].expand(n, -1)
@@ -176,13 +180,13 @@ class RolloutEngine:
         logits = logits.cpu()
         path, accepted, next_token = self._verify(logits, batch, params, gen)
         if hiddens:
-            self.drafter.observe_verify(live, self._features(hiddens), path, accepted.tolist())
+            self.drafters.learned.observe_verify(live, self._features(hiddens), path, accepted.tolist())
         emitted = self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
         drafted, acc = [len(d) for d in drafts], accepted.tolist()
         if self.selector is not None:
-            if getattr(self.drafter, "version", 0) != self._drafter_version:  # new weights: old evidence is stale
-                self._drafter_version = self.drafter.version
-                self.selector.acceptance = type(self.selector.acceptance)()
+            if self.drafters.version() != self._drafter_version:  # new weights: old evidence is stale
+                self._drafter_version = self.drafters.version()
+                self.selector.reset_acceptance(self.drafters.learned.name)
             self.selector.observe(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, acc)
         self._metrics.record_verify(arm.drafter, drafted, acc)
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
@@ -194,7 +198,7 @@ class RolloutEngine:
         room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the buffer
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
         caps = [max(0, min(arm.nodes, s.remaining - 1, room - s.cache_len)) for s in live]
-        return self.drafter.propose(live, caps, arm.width)
+        return self.drafters.propose(arm, live, caps)
 
     def _verify(self, logits, batch: DraftBatch, params, gen):
         """Returns (path [B, N] accepted node indices, accepted [B], next_token [B])."""
@@ -225,8 +229,8 @@ class RolloutEngine:
                 self.runner.cache.gather_positions(s.row, [start + n for n in path_l[i][:a]],
                                                    [start + 1 + j for j in range(a)])
             kept += s.append(emitted_l[i][:a + 1], lps_l[i][:a + 1], stop_ids)
-            if s.finished and self.drafter is not None:
-                self.drafter.finish(s)
+            if s.finished and self.drafters is not None:
+                self.drafters.finish(s)
         return kept
 
     def _retire(self, live: list[Sequence], bar) -> list[Sequence]:
@@ -241,52 +245,19 @@ class RolloutEngine:
         return survivors
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _make_speculation(self, spec: SpecConfig, drafter: Drafter | None):
-        if not spec.enabled:
-            return None, None
-        if drafter is not None:
-            name = getattr(drafter, "name", spec.drafter)
-            return drafter, LongTailSelector(name, spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
-        if spec.drafter == "auto":
-            raise ValueError("drafter 'auto' (per-batch choice among drafters) is not available yet; "
-                             "use 'ngram', 'suffix' or 'eagle3'")
-        if spec.drafter == "eagle3":
-            drafter = self._make_eagle3(spec)
-        else:
-            drafter = make_drafter(spec.drafter)
-        selector = LongTailSelector(spec.drafter, spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
-        return drafter, selector
-
-    def _make_eagle3(self, spec: SpecConfig):
-        from rollout.drafters.eagle3 import Eagle3Drafter
-
-        if spec.drafter_path:
-            from rollout.drafters.eagle3_io import load_eagle3
-
-            drafter = Eagle3Drafter(self.model, load_eagle3(spec.drafter_path))
-        else:  # cold: only online training makes it useful; the selector keeps it off until it pays
-            drafter = Eagle3Drafter(self.model, draft_vocab_size=spec.draft_vocab_size)
-        if spec.online_training:
-            from rollout.drafter_training import DrafterTrainer
-
-            DrafterTrainer(drafter).start()  # attaches itself as the drafter's data sink and weight source
-        return drafter
-
     def close(self) -> None:
         """Stop background drafter training (the engine stays usable)."""
-        trainer = getattr(self.drafter, "source", None)
-        if trainer is not None and hasattr(trainer, "stop"):
-            trainer.stop()
+        if self.drafters is not None and self.drafters.trainer is not None:
+            self.drafters.trainer.stop()
 
     def _signal_idle(self, idle: bool) -> None:
         """Tell an online drafter trainer whether compute is spare: the tail (a quarter of the rows or
         fewer still live) or between rollouts."""
-        trainer = getattr(self.drafter, "source", None)
-        if trainer is not None and hasattr(trainer, "set_idle"):
-            trainer.set_idle(idle)
+        if self.drafters is not None and self.drafters.trainer is not None:
+            self.drafters.trainer.set_idle(idle)
 
     def _aux_layers(self) -> tuple[int, ...]:
-        return getattr(self.drafter, "aux_layers", ())
+        return self.drafters.aux_layers if self.drafters is not None else ()
 
     def _features(self, hiddens: dict) -> torch.Tensor:
         """EAGLE-3 features: the chosen layers' hidden states side by side [.., 3H]."""
@@ -296,14 +267,14 @@ class RolloutEngine:
         """Seed the cost model once: dummy forwards per batch bucket at every verify size."""
         if self.selector is None or self.selector.costs.table:
             return
-        sizes = sorted({1} | {1 + d * self.spec.tree_width for d in self.selector.depths()})
+        sizes = sorted(set(self.selector.verify_sizes()))
         rows = self.runner.cache.rows
         ctx = min(128, self.runner.cache.length - max(sizes) - 1)
         self.selector.costs.calibrate(self.runner, rows, sizes, context=max(ctx, 1))
 
     def _draft_slack(self) -> int:
         """Extra cache positions so padded drafts never write past the buffer."""
-        return 1 + (self.spec.num_draft_tokens * self.spec.tree_width if self.spec.enabled else 0)
+        return 1 + (self.selector.max_nodes if self.selector is not None else 0)
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:

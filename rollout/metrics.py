@@ -17,7 +17,7 @@ class RolloutMetrics:
     drafted: int = 0
     accepted: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify -> count
-    per_drafter: dict = field(default_factory=dict)  # name -> [drafted, accepted]
+    per_drafter: dict = field(default_factory=dict)  # name -> [drafted, accepted, verifies]
     # per decode step: (seconds into the call, live batch, tokens emitted, speculated)
     batch_trace: list[tuple[float, int, int, bool]] = field(default_factory=list)
 
@@ -26,13 +26,14 @@ class RolloutMetrics:
         if sum(drafted) == 0:
             return
         self.spec_steps += 1
-        d = self.per_drafter.setdefault(drafter, [0, 0])
+        d = self.per_drafter.setdefault(drafter, [0, 0, 0])
         for n, a in zip(drafted, accepted):
             if n > 0:
                 self.drafted += n
                 self.accepted += a
                 d[0] += n
                 d[1] += a
+                d[2] += 1
                 self.accept_hist[a] += 1
 
     def as_dict(self) -> dict[str, float]:
@@ -54,6 +55,7 @@ class RolloutMetrics:
             out["rollout/accept_rate"] = self.accepted / max(self.drafted, 1)
             for a, c in sorted(self.accept_hist.items()):
                 out[f"rollout/accept_hist/{a}"] = c / verifies
-        for name, (n, a) in self.per_drafter.items():
+        for name, (n, a, v) in self.per_drafter.items():
             out[f"rollout/accept_rate/{name}"] = a / max(n, 1)
+            out[f"rollout/accept_len/{name}"] = 1.0 + a / max(v, 1)
         return out

@@ -62,6 +62,22 @@ class LongTailSelector:
             d *= 2
         return ds + [self.max_depth]
 
+    def verify_sizes(self) -> list[int]:
+        """Every T (tokens per row in one forward) the cost model should be calibrated at."""
+        return [1] + [1 + d * self.width for d in self.depths()]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.max_depth * self.width
+
+    def reset_acceptance(self, drafter: str) -> None:
+        """The drafter's weights changed: its acceptance evidence belongs to the old weights."""
+        self.acceptance = AcceptanceTracker()
+
+    def metrics(self) -> dict[str, float]:
+        return {"strategy/spec_on": float(self.on), "strategy/expected_speedup": self.last_gain,
+                "strategy/accept_rate": self.acceptance.rate}
+
     def gain(self, batch: int, depth: int) -> float:
         """Estimated tokens per second with `depth` drafts over tokens per second without."""
         arm = Arm(self.drafter, depth, self.width)
@@ -70,8 +86,8 @@ class LongTailSelector:
         if rel is None or not plain:
             return 0.0
         draft = self.draft_seconds.get(bucket(batch), 0.0) / plain
-        a_path = 1 - (1 - self.acceptance.rate) ** self.width  # any of `width` siblings accepted
-        expected = 1.0 + self.acceptance.drafted_share * sum(a_path ** i for i in range(1, depth + 1))
+        a = self.acceptance.rate  # per level of this shape: a chain token, or any of `width` siblings
+        expected = 1.0 + self.acceptance.drafted_share * sum(a ** i for i in range(1, depth + 1))
         return expected / (rel + draft)
 
     def choose(self, batch: int) -> Arm:
@@ -90,5 +106,7 @@ class LongTailSelector:
             key = bucket(batch)
             old = self.draft_seconds.get(key)
             self.draft_seconds[key] = draft_seconds if old is None else 0.8 * old + 0.2 * draft_seconds
-            self.acceptance.observe(drafted, accepted)
+            # evidence per level: a tree of n nodes offers n // width levels, each passed or not
+            levels = [n if self.width == 1 else max(1, n // self.width) for n in drafted]
+            self.acceptance.observe(levels, accepted)
 

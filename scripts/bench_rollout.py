@@ -45,8 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (both backends)")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS, help="what to measure")
     p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of the untimed warmup call")
-    p.add_argument("--out", default="bench_out/rollout.json", help="where to write the JSON results")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None, help="where to write the JSON results (default bench_out/<workload>.json)")
+    p.add_argument("--workload", default="fixed", choices=["fixed", "longtail"],
+                   help="fixed: equal-length samples vs HF; longtail: GRPO-shaped, natural EOS (scripts/longtail.py)")
+    p.add_argument("--prompts", type=int, default=4, help="longtail: prompts per rollout")
+    p.add_argument("--group", type=int, default=8, help="longtail: samples per prompt (GRPO group size)")
+    p.add_argument("--configs", nargs="+", default=["hf", "engine", "ngram", "suffix", "suffix-tree", "suffix-always"],
+                   help="longtail: which configurations to measure (see scripts/longtail.py CONFIGS)")
+    args = p.parse_args(argv)
+    args.out = args.out or f"bench_out/{'rollout' if args.workload == 'fixed' else 'longtail'}.json"
+    return args
 
 
 def build_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -164,6 +172,12 @@ def status(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.workload == "longtail":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from longtail import run_longtail
+
+        run_longtail(args)
+        return 0
     report = measure(args)
     print_table(report)
     out = Path(args.out)

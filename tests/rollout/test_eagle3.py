@@ -13,7 +13,8 @@ from tests.conftest import make_tiny_hf, random_prompts
 
 
 def eagle_engine(hf, width=1, k=4, force=True, **kw):
-    spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width)
+    # online_training off: each test drives its own DrafterTrainer synchronously
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], **kw)
     if force:
         eng.selector.choose = lambda batch: Arm("eagle3", k, width)
@@ -40,7 +41,7 @@ def test_incremental_drafting_equals_full_pass():
     hf = make_tiny_hf("llama", seed=7)
     eng = eagle_engine(hf, k=2)
     captured = {}
-    drafter: Eagle3Drafter = eng.drafter
+    drafter: Eagle3Drafter = eng.drafters.learned
     orig = drafter._draft
 
     def spy(seqs, h, depth, width):
@@ -74,7 +75,7 @@ def test_online_training_raises_acceptance_and_keeps_exactness():
     prompts = random_prompts(8, 4, 10, seed=9)
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     eng = eagle_engine(hf, k=4)
-    trainer = DrafterTrainer(eng.drafter, lr=3e-3, batch=8, window=32, min_tokens=64, publish_every=50)
+    trainer = DrafterTrainer(eng.drafters.learned, lr=3e-3, batch=8, window=32, min_tokens=64, publish_every=50)
     ref = plain(hf, prompts, params)
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
     cold = eng.stats()["rollout/accept_len"]
@@ -88,7 +89,7 @@ def test_online_training_raises_acceptance_and_keeps_exactness():
 def test_training_crash_keeps_engine_running(monkeypatch):
     hf = make_tiny_hf("llama", seed=10)
     eng = eagle_engine(hf)
-    trainer = DrafterTrainer(eng.drafter, min_tokens=1)
+    trainer = DrafterTrainer(eng.drafters.learned, min_tokens=1)
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
     eng.generate(random_prompts(2, 4, 6), params)
     monkeypatch.setattr(trainer, "_step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -105,7 +106,7 @@ def test_training_crash_keeps_engine_running(monkeypatch):
 def test_ttt_loss_is_finite_and_decreases():
     hf = make_tiny_hf("llama", seed=12)
     eng = eagle_engine(hf)
-    trainer = DrafterTrainer(eng.drafter, lr=3e-3, min_tokens=16, batch=4, window=16)
+    trainer = DrafterTrainer(eng.drafters.learned, lr=3e-3, min_tokens=16, batch=4, window=16)
     eng.generate(random_prompts(4, 4, 8), SamplingParams(temperature=1.0, max_new_tokens=30, seed=0, ignore_eos=True))
     first = trainer.train_steps(1)
     last = trainer.train_steps(60)

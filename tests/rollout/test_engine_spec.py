@@ -68,7 +68,7 @@ def test_eos_inside_accepted_drafts_stops_there():
     stop = max(set(sum(ref, [])), key=sum(ref, []).count)
     params_stop = SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=[stop])
     assert [r.completion_ids for r in eng.generate(prompts, params_stop)] == reference(hf, prompts, params_stop)
-    assert eng.drafter.finished == len(prompts)
+    assert eng.drafters.by_name["scripted"].finished == len(prompts)
 
 
 def test_n_samples_and_row_limit_with_speculation():
@@ -145,3 +145,37 @@ def test_spec_logprobs_are_target_logprobs():
         logits = hf(torch.tensor([prompt + r.completion_ids])).logits[0, len(prompt) - 1:-1]
     ref = torch.log_softmax(logits / 0.8, -1).gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(r.logprobs), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("selector", ["fixed", "adaptive"])
+def test_auto_drafters_and_selectors_are_exact(selector):
+    """Real drafters (suffix, n-gram, cold EAGLE-3) under either selector: arms change, output does not."""
+    hf = make_tiny_hf("llama", seed=13)
+    prompts = random_prompts(4, 3, 16, seed=13)
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=3)
+    spec = SpecConfig(drafter="auto", num_draft_tokens=4, selector=selector, online_training=False,
+                      max_spec_batch=None)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2])
+    for _ in range(2):  # the second call has the first call's rollouts in the suffix index
+        assert [r.completion_ids for r in eng.generate(prompts, params)] == reference(hf, prompts, params)
+    assert "strategy/explore_share" in eng.stats()
+
+
+def test_adaptive_selector_keeps_the_sampled_law():
+    from scipy.stats import chisquare
+
+    hf = make_tiny_hf("llama", vocab=6, seed=2)
+    prompt = [3, 4, 5, 1, 3, 4]
+    # 50 groups of 60 through 60 rows: small live batches, where the selector does speculate
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, n=60, seed=0, ignore_eos=True)
+    spec = SpecConfig(drafter="auto", num_draft_tokens=3, selector="adaptive", online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[], max_num_seqs=60)
+    counts = {}
+    for r in eng.generate([prompt] * 50, params):
+        counts[tuple(r.completion_ids)] = counts.get(tuple(r.completion_ids), 0) + 1
+    exact = exact_joint(hf, prompt, 3, params)
+    keys = [k for k, p in exact.items() if p * 3000 > 5]
+    obs = [counts.get(k, 0) for k in keys]
+    exp = [exact[k] * sum(obs) / sum(exact[k] for k in keys) for k in keys]
+    assert chisquare(obs, exp).pvalue > 1e-3
+    assert eng.stats()["rollout/spec_step_share"] > 0.2  # the law was tested under speculation

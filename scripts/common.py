@@ -1,0 +1,38 @@
+"""Shared bits of the benchmark scripts: the embedded math prompts, JSON output, a plain table."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+
+
+def math_prompts(tokenizer, n: int, seed: int = 0, max_operand: int = 9, ops=("+",)) -> list[list[int]]:
+    """Chat-templated token ids of the embedded arithmetic problems (the default run's data)."""
+    from trainers.data import make_math_dataset
+
+    ds = make_math_dataset(num_examples=n, seed=seed, max_operand=max_operand, ops=ops)
+    out = []
+    for conv in ds["prompt"]:
+        ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return out
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}")
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""The long-tail rollout workload of bench_rollout.py: GRPO-shaped, natural EOS, every config in one run.
+
+P prompts of the embedded math data x G samples at T=1 until EOS (or the cap), so completion lengths
+are long-tailed and the live batch drains over time, as in RL. In one process it measures
+transformers `generate`, our engine without speculation, and each speculative configuration, each
+after an untimed warm-up call on other prompts. Per config: wall time, tokens/s overall and per
+phase (full batch: more than a quarter of the sequences live; tail: a quarter or fewer), accepted
+length, share of steps that speculated. Writes JSON and a PNG (tokens/s per phase, live batch over
+time). Sampled outputs differ between configs (different random streams, same law), so compare
+tokens/s, which does not depend on which lengths were drawn as much as wall time does.
+"""
+from __future__ import annotations
+
+import time
+
+from common import math_prompts, table, write_json
+
+CONFIGS = {
+    # name: (drafter, k, width, selector); "always" forces speculation at every live batch size
+    "engine": ("none", 0, 1, "fixed"),
+    "ngram": ("ngram", 4, 1, "fixed"),
+    "suffix": ("suffix", 4, 1, "fixed"),
+    "suffix-k8": ("suffix", 8, 1, "fixed"),
+    "suffix-tree": ("suffix", 6, 2, "fixed"),
+    "suffix-always": ("suffix", 4, 1, "always"),
+    "adaptive": ("suffix", 8, 1, "adaptive"),
+}
+
+
+def phase_rates(trace, total_seqs: int) -> dict:
+    """Tokens/s while more than a quarter of the sequences are live (full) and after (tail)."""
+    out = {"full": [0, 0.0], "tail": [0, 0.0]}
+    prev = 0.0
+    for t, live, emitted, _ in trace:
+        phase = "tail" if live <= max(1, total_seqs // 4) else "full"
+        out[phase][0] += emitted
+        out[phase][1] += t - prev
+        prev = t
+    return {f"{k}_tokens_per_s": (n / s if s else 0.0) for k, (n, s) in out.items()} | {
+        f"{k}_seconds": s for k, (_, s) in out.items()}
+
+
+def run_engine(name, model, tokenizer, eos, prompts, warm_prompts, params, rows):
+    from rollout.engine import RolloutEngine
+    from rollout.strategy import Arm
+    from rollout.types import SpecConfig
+
+    drafter, k, width, selector = CONFIGS[name]
+    spec = SpecConfig(drafter=drafter, num_draft_tokens=max(k, 1), tree_width=width,
+                      selector="adaptive" if selector == "adaptive" else "fixed")
+    eng = RolloutEngine(model, tokenizer, spec=spec, max_model_len=1024, max_num_seqs=rows, eos_token_ids=eos)
+    if selector == "always":
+        eng.selector.choose = lambda batch: Arm(drafter, k, width)
+    eng.generate(warm_prompts, params)  # cache, calibration, drafter warm-up on other prompts
+    eng.stats()
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    trace = list(eng.batch_trace)
+    s = eng.stats()
+    tokens = sum(len(r.completion_ids) for r in out)
+    row = {"config": name, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+           "accept_len": s.get("rollout/accept_len", 1.0), "spec_share": s.get("rollout/spec_step_share", 0.0),
+           **phase_rates(trace, len(out))}
+    return row, trace, [len(r.completion_ids) for r in out]
+
+
+def run_hf(path, dtype, prompts, warm_prompts, params, seed):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+
+    def gen(ps):
+        batch = tok.pad({"input_ids": [p for p in ps for _ in range(params.n)]}, return_tensors="pt")
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = model.generate(**batch, max_new_tokens=params.max_new_tokens, do_sample=True, top_k=0,
+                                 temperature=params.temperature, pad_token_id=tok.pad_token_id)
+        new = out[:, batch["input_ids"].shape[1]:]
+        eos = tok.eos_token_id
+        return [int((row != eos).cumprod(0).sum()) + int((row == eos).any()) for row in new]
+
+    gen(warm_prompts)
+    t0 = time.perf_counter()
+    lens = gen(prompts)
+    wall = time.perf_counter() - t0
+    return {"config": "hf", "tokens": sum(lens), "wall_s": wall, "tokens_per_s": sum(lens) / wall}, lens
+
+
+def run_longtail(args) -> dict:
+    import torch
+
+    from rollout.model import loader
+    from rollout.model.fetch import fetch_model
+    from rollout.engine import RolloutEngine
+    from rollout.types import SamplingParams
+
+    torch.manual_seed(0)
+    path = fetch_model(args.model)
+    base = RolloutEngine.from_pretrained(path, dtype=args.dtype)
+    tokenizer, eos = base.tokenizer, list(base.eos_token_ids)
+    prompts = math_prompts(tokenizer, args.prompts, seed=7)
+    warm = math_prompts(tokenizer, 2, seed=8)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group, seed=args.seed)
+    rows, traces, lengths = [], {}, {}
+    for name in args.configs:
+        print(f"[longtail] {name} ...", flush=True)
+        if name == "hf":
+            row, lens = run_hf(path, getattr(torch, args.dtype), prompts, warm, params, args.seed)
+        else:
+            model = loader.load_model(path, dtype=args.dtype)
+            row, traces[name], lens = run_engine(name, model, tokenizer, eos, prompts, warm, params,
+                                                 args.prompts * args.group)
+        lengths[name] = lens
+        rows.append(row)
+        print(table([row], list(row)), flush=True)
+    ref = next((r for r in rows if r["config"] == "engine"), None)
+    for r in rows:
+        if ref:
+            r["speedup_vs_engine"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            for ph in ("full", "tail"):
+                if r.get(f"{ph}_tokens_per_s") and ref.get(f"{ph}_tokens_per_s"):
+                    r[f"{ph}_speedup"] = r[f"{ph}_tokens_per_s"] / ref[f"{ph}_tokens_per_s"]
+    cols = ["config", "tokens", "wall_s", "tokens_per_s", "speedup_vs_engine", "full_speedup", "tail_speedup",
+            "accept_len", "spec_share"]
+    print(table(rows, cols))
+    report = {"workload": "longtail", "config": vars(args), "results": rows, "lengths": lengths,
+              "traces": {k: [list(x) for x in v] for k, v in traces.items()}}
+    write_json(args.out, report)
+    plot(rows, traces, args.out.replace(".json", ".png"))
+    return report
+
+
+def plot(rows, traces, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    names = [r["config"] for r in rows]
+    x = range(len(rows))
+    for off, key in ((-0.25, "tokens_per_s"), (0.0, "full_tokens_per_s"), (0.25, "tail_tokens_per_s")):
+        a.bar([i + off for i in x], [r.get(key, 0) for r in rows], width=0.25, label=key.replace("_tokens_per_s", "")
+              .replace("tokens_per_s", "overall"))
+    a.set_xticks(list(x), names, rotation=30, ha="right")
+    a.set_ylabel("tokens/s")
+    a.legend()
+    a.set_title("long-tail rollout throughput")
+    for name, tr in traces.items():
+        b.step([t for t, *_ in tr], [live for _, live, *_ in tr], where="post", label=name)
+    b.set_xlabel("seconds into the rollout")
+    b.set_ylabel("live sequences")
+    b.legend()
+    b.set_title("live batch over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
