@@ -50,3 +50,22 @@ def smollm2_dir():
     from rollout.model.fetch import fetch_model
 
     return fetch_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(autouse=True)
+def _isolate_wandb():
+    """W&B keeps process-wide state (its settings singleton, WANDB_* variables set by our CLI):
+    restore both after every test so one test's offline run directory never captures the next's."""
+    import sys
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith("WANDB_")}
+    yield
+    if "wandb" in sys.modules:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+        wandb.teardown()
+    for k in [k for k in os.environ if k.startswith("WANDB_")]:
+        del os.environ[k]
+    os.environ.update(saved)
