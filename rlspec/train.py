@@ -207,12 +207,18 @@ def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict]
         "crash_model": str(out / "crash") if (out / "crash").is_dir() else None,
         "checkpoints": sorted(str(p) for p in out.glob("checkpoint-*")),
         "rows": rows,
+        # per logged step: the engine's, drafter's and TRL's sampling metrics (for benchmarks/plots)
+        "history": [{k: v for k, v in h.items() if k == "step" or k.startswith(_HISTORY_PREFIXES)}
+                    for h in log_history if any(k.startswith(_HISTORY_PREFIXES) for k in h)],
         "config": cfg.to_dict(),
     }
     print(format_summary_table(rows))
     print(_digest(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+_HISTORY_PREFIXES = ("rollout/", "drafter/", "strategy/", "sampling/", "reward")
 
 
 def _digest(s: dict) -> str:

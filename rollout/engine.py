@@ -116,7 +116,7 @@ class RolloutEngine:
         self._calibrate()
         if learned is not None:  # it keeps per-call state and a KV layer in the shared cache
             learned.target_cache = self.runner.cache
-            learned.start(seqs, self.runner.cache.length)
+            learned.start(seqs, self.runner.cache.length, params, gen)
         t0 = time.perf_counter()
         waiting = deque(seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids)))
         live: list[Sequence] = []
@@ -203,12 +203,12 @@ class RolloutEngine:
     def _verify(self, logits, batch: DraftBatch, params, gen):
         """Returns (path [B, N] accepted node indices, accepted [B], next_token [B])."""
         if batch.is_chain:
-            v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, generator=gen)
+            v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, gen)
             N = batch.tokens.shape[1] - 1
             steps = torch.arange(1, N + 1)[None, :].expand(len(v.accepted), N)
             path = torch.where(steps <= v.accepted[:, None], steps, -1)
             return path, v.accepted, v.next_token
-        v = verify_tree(logits, batch.tokens, batch.children, params, generator=gen)
+        v = verify_tree(logits, batch.tokens, batch.children, params, batch.q, gen)
         return v.path, v.accepted, v.next_token
 
     def _commit(self, live, logits, batch: DraftBatch, path, accepted, next_token, params, stop_ids) -> int:

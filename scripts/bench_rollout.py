@@ -50,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fixed: equal-length samples vs HF; longtail: GRPO-shaped, natural EOS (scripts/longtail.py)")
     p.add_argument("--prompts", type=int, default=4, help="longtail: prompts per rollout")
     p.add_argument("--group", type=int, default=8, help="longtail: samples per prompt (GRPO group size)")
-    p.add_argument("--configs", nargs="+", default=["hf", "engine", "ngram", "suffix", "suffix-tree", "suffix-always"],
+    p.add_argument("--reps", type=int, default=3, help="longtail: repetitions (fresh prompts each)")
+    p.add_argument("--configs", nargs="+", default=["hf", "engine", "ngram", "suffix", "suffix-tree", "suffix-always",
+                                                    "adaptive"],
                    help="longtail: which configurations to measure (see scripts/longtail.py CONFIGS)")
     args = p.parse_args(argv)
     args.out = args.out or f"bench_out/{'rollout' if args.workload == 'fixed' else 'longtail'}.json"

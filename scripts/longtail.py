@@ -2,8 +2,9 @@
 
 P prompts of the embedded math data x G samples at T=1 until EOS (or the cap), so completion lengths
 are long-tailed and the live batch drains over time, as in RL. In one process it measures
-transformers `generate`, our engine without speculation, and each speculative configuration, each
-after an untimed warm-up call on other prompts. Per config: wall time, tokens/s overall and per
+transformers `generate`, our engine without speculation, and each speculative configuration: all
+are warmed up first, then every repetition draws fresh prompts and runs every config on them in a
+rotating order (so machine noise spreads evenly); figures are totals over the repetitions. Per config: wall time, tokens/s overall and per
 phase (full batch: more than a quarter of the sequences live; tail: a quarter or fewer), accepted
 length, share of steps that speculated. Writes JSON and a PNG (tokens/s per phase, live batch over
 time). Sampled outputs differ between configs (different random streams, same law), so compare
@@ -40,84 +41,110 @@ def phase_rates(trace, total_seqs: int) -> dict:
         f"{k}_seconds": s for k, (_, s) in out.items()}
 
 
-def run_engine(name, model, tokenizer, eos, prompts, warm_prompts, params, rows):
+def make_engine(name, path, dtype, tokenizer, eos, rows):
     from rollout.engine import RolloutEngine
+    from rollout.model import loader
     from rollout.strategy import Arm
     from rollout.types import SpecConfig
 
     drafter, k, width, selector = CONFIGS[name]
     spec = SpecConfig(drafter=drafter, num_draft_tokens=max(k, 1), tree_width=width,
                       selector="adaptive" if selector == "adaptive" else "fixed")
-    eng = RolloutEngine(model, tokenizer, spec=spec, max_model_len=1024, max_num_seqs=rows, eos_token_ids=eos)
+    eng = RolloutEngine(loader.load_model(path, dtype=dtype), tokenizer, spec=spec, max_model_len=1024,
+                        max_num_seqs=rows, eos_token_ids=eos)
     if selector == "always":
         eng.selector.choose = lambda batch: Arm(drafter, k, width)
-    eng.generate(warm_prompts, params)  # cache, calibration, drafter warm-up on other prompts
+    return eng
+
+
+def run_engine(eng, prompts, params) -> dict:
+    """One timed rollout: tokens, wall time and the per-phase figures of its batch trace."""
     eng.stats()
     t0 = time.perf_counter()
     out = eng.generate(prompts, params)
     wall = time.perf_counter() - t0
     trace = list(eng.batch_trace)
     s = eng.stats()
-    tokens = sum(len(r.completion_ids) for r in out)
-    row = {"config": name, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-           "accept_len": s.get("rollout/accept_len", 1.0), "spec_share": s.get("rollout/spec_step_share", 0.0),
-           **phase_rates(trace, len(out))}
-    return row, trace, [len(r.completion_ids) for r in out]
+    return {"tokens": sum(len(r.completion_ids) for r in out), "wall_s": wall, "trace": trace,
+            "accept_len": s.get("rollout/accept_len", 1.0), "spec_share": s.get("rollout/spec_step_share", 0.0),
+            **phase_rates(trace, len(out))}
 
 
-def run_hf(path, dtype, prompts, warm_prompts, params, seed):
+def hf_generator(path, dtype, params, seed):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
 
-    def gen(ps):
+    def gen(ps) -> dict:
         batch = tok.pad({"input_ids": [p for p in ps for _ in range(params.n)]}, return_tensors="pt")
         torch.manual_seed(seed)
+        t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(**batch, max_new_tokens=params.max_new_tokens, do_sample=True, top_k=0,
                                  temperature=params.temperature, pad_token_id=tok.pad_token_id)
+        wall = time.perf_counter() - t0
         new = out[:, batch["input_ids"].shape[1]:]
         eos = tok.eos_token_id
-        return [int((row != eos).cumprod(0).sum()) + int((row == eos).any()) for row in new]
+        lens = [int((row != eos).cumprod(0).sum()) + int((row == eos).any()) for row in new]
+        return {"tokens": sum(lens), "wall_s": wall}
 
-    gen(warm_prompts)
-    t0 = time.perf_counter()
-    lens = gen(prompts)
-    wall = time.perf_counter() - t0
-    return {"config": "hf", "tokens": sum(lens), "wall_s": wall, "tokens_per_s": sum(lens) / wall}, lens
+    return gen
+
+
+def aggregate(name: str, reps: list[dict]) -> dict:
+    """Sum tokens and seconds over repetitions (per phase too): a rate over all the work done."""
+    tok, wall = sum(r["tokens"] for r in reps), sum(r["wall_s"] for r in reps)
+    row = {"config": name, "reps": len(reps), "tokens": tok, "wall_s": wall, "tokens_per_s": tok / wall,
+           "tokens_per_s_reps": [round(r["tokens"] / r["wall_s"], 1) for r in reps]}
+    if "trace" in reps[0]:
+        for ph in ("full", "tail"):
+            n = sum(r[f"{ph}_tokens_per_s"] * r[f"{ph}_seconds"] for r in reps)
+            secs = sum(r[f"{ph}_seconds"] for r in reps)
+            row[f"{ph}_tokens_per_s"] = n / secs if secs else 0.0
+            row[f"{ph}_seconds"] = secs
+        row["accept_len"] = sum(r["accept_len"] for r in reps) / len(reps)
+        row["spec_share"] = sum(r["spec_share"] for r in reps) / len(reps)
+    return row
 
 
 def run_longtail(args) -> dict:
     import torch
 
-    from rollout.model import loader
-    from rollout.model.fetch import fetch_model
     from rollout.engine import RolloutEngine
+    from rollout.model.fetch import fetch_model
     from rollout.types import SamplingParams
 
     torch.manual_seed(0)
     path = fetch_model(args.model)
     base = RolloutEngine.from_pretrained(path, dtype=args.dtype)
     tokenizer, eos = base.tokenizer, list(base.eos_token_ids)
-    prompts = math_prompts(tokenizer, args.prompts, seed=7)
-    warm = math_prompts(tokenizer, 2, seed=8)
+    del base
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group, seed=args.seed)
-    rows, traces, lengths = [], {}, {}
-    for name in args.configs:
-        print(f"[longtail] {name} ...", flush=True)
-        if name == "hf":
-            row, lens = run_hf(path, getattr(torch, args.dtype), prompts, warm, params, args.seed)
-        else:
-            model = loader.load_model(path, dtype=args.dtype)
-            row, traces[name], lens = run_engine(name, model, tokenizer, eos, prompts, warm, params,
-                                                 args.prompts * args.group)
-        lengths[name] = lens
-        rows.append(row)
-        print(table([row], list(row)), flush=True)
-    ref = next((r for r in rows if r["config"] == "engine"), None)
-    for r in rows:
+    rows = args.prompts * args.group
+    runners = {}
+    for name in args.configs:  # build everything first, then warm each up on the same warm-up prompts
+        runners[name] = (hf_generator(path, getattr(torch, args.dtype), params, args.seed) if name == "hf"
+                         else make_engine(name, path, args.dtype, tokenizer, eos, rows))
+    warm = math_prompts(tokenizer, 2, seed=8)
+    for name, r in runners.items():
+        r(warm) if name == "hf" else r.generate(warm, params)
+    results = {name: [] for name in args.configs}
+    traces = {}
+    for rep in range(args.reps):
+        # fresh prompts each repetition (no config sees a prompt twice), configs in rotating order
+        prompts = math_prompts(tokenizer, args.prompts, seed=100 + rep)
+        order = args.configs[rep % len(args.configs):] + args.configs[:rep % len(args.configs)]
+        for name in order:
+            res = runners[name](prompts) if name == "hf" else run_engine(runners[name], prompts, params)
+            results[name].append(res)
+            if "trace" in res and rep == 0:
+                traces[name] = res["trace"]
+            print(f"[longtail] rep {rep} {name}: {res['tokens'] / res['wall_s']:.1f} tok/s", flush=True)
+    table_rows = [aggregate(name, reps) for name, reps in results.items()]
+    ref = next((r for r in table_rows if r["config"] == "engine"), None)
+    for r in table_rows:
         if ref:
             r["speedup_vs_engine"] = r["tokens_per_s"] / ref["tokens_per_s"]
             for ph in ("full", "tail"):
@@ -125,11 +152,11 @@ def run_longtail(args) -> dict:
                     r[f"{ph}_speedup"] = r[f"{ph}_tokens_per_s"] / ref[f"{ph}_tokens_per_s"]
     cols = ["config", "tokens", "wall_s", "tokens_per_s", "speedup_vs_engine", "full_speedup", "tail_speedup",
             "accept_len", "spec_share"]
-    print(table(rows, cols))
-    report = {"workload": "longtail", "config": vars(args), "results": rows, "lengths": lengths,
+    print(table(table_rows, cols))
+    report = {"workload": "longtail", "config": vars(args), "results": table_rows,
               "traces": {k: [list(x) for x in v] for k, v in traces.items()}}
     write_json(args.out, report)
-    plot(rows, traces, args.out.replace(".json", ".png"))
+    plot(table_rows, traces, args.out.replace(".json", ".png"))
     return report
 
 

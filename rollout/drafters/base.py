@@ -5,13 +5,15 @@ KV is not cached yet). A chain is the tree with parents [-1, 0, 1, ...]. Drafter
 new prompt groups and finished samples so that model-free ones can index them.
 
 Deterministic drafters (n-gram, suffix) return no probabilities: verification then treats q as
-one-hot, which is exact for them (reference.md section 1).
+one-hot, which is exact for them (reference.md section 1). A drafter that samples its tokens
+(EAGLE-3 at temperature > 0) returns `q`, the processed distribution each token was drawn from;
+verification then accepts with min(1, p/q) and resamples rejections from the residual.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from rollout.sequence import Sequence
 
@@ -20,10 +22,13 @@ from rollout.sequence import Sequence
 class Draft:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # index into tokens, -1 = the pending token
+    # [len(tokens), V] float: the distribution each token was sampled from (siblings share their
+    # parent's); None for deterministic proposals
+    q: Any = None
 
     @classmethod
-    def chain(cls, tokens: list[int]) -> "Draft":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+    def chain(cls, tokens: list[int], q=None) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), q)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -7,8 +7,11 @@ with the target's) and a staging copy of the target features of every cached pos
 2. draft: feed the drafter's own output back for depth-1 more steps. These speculative steps attend
    over the cached context plus their own keys held locally, never written, so tree branches
    sharing a row cannot clobber each other and rejected drafts leave nothing behind.
-Drafts are greedy (top-w at the root for trees): verification treats them as one-hot proposals,
-which is exact. New weights from a trainer are swapped in here, between decode iterations, and
+At temperature 0 drafts are greedy (top-w at the root for trees) and verified as one-hot
+proposals. At temperature > 0 they are sampled from q, the drafter's distribution processed exactly
+like the target's (temperature, top-k, top-p), and returned with q so verification accepts with
+min(1, p/q): acceptance is then sum(min(p, q)), close to 1 where q matches p, while a greedy draft
+of a high-entropy target is accepted only with probability p(argmax q). New weights from a trainer are swapped in here, between decode iterations, and
 invalidate the drafter KV (it was computed by the old weights), which the staging copy rebuilds.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 
 from rollout.drafters.base import Draft, register
 from rollout.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rollout.sampling import probs_from_logits, sample
 from rollout.sequence import Sequence
 
 
@@ -49,9 +53,12 @@ class Eagle3Drafter:
         self.stage: torch.Tensor | None = None  # [sequences of the call, positions, 3H]
         self.slot: dict[int, int] = {}
         self.valid: dict[int, int] = {}
+        self.params = None  # the call's SamplingParams: drafts are processed like the target
+        self.generator = None
 
     # ---- engine hooks ---------------------------------------------------------------------------
-    def start(self, seqs: list[Sequence], length: int) -> None:
+    def start(self, seqs: list[Sequence], length: int, params=None, generator=None) -> None:
+        self.params, self.generator = params, generator
         H3 = 3 * self.model.cfg.hidden_size
         p = next(self.model.parameters())
         if self.stage is None or self.stage.shape[0] < len(seqs) or self.stage.shape[1] < length:
@@ -89,8 +96,8 @@ class Eagle3Drafter:
             return [Draft() for _ in seqs]
         h_last, ready = self._catch_up(seqs)
         depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
-        branches = self._draft(seqs, h_last, depth, width)  # [B, w, depth] target ids
-        return [_to_draft(branches[i], cap, width) if ready[i] else Draft()
+        branches, q = self._draft(seqs, h_last, depth, width)  # [B, w, depth] ids, [B, w, depth, V] or None
+        return [_to_draft(branches[i], None if q is None else q[i], cap, width) if ready[i] else Draft()
                 for i, cap in enumerate(max_tokens)]
 
     # ---- internals ------------------------------------------------------------------------------
@@ -138,13 +145,27 @@ class Eagle3Drafter:
         last = torch.tensor([max(c - 1, 0) for c in counts], device=dev)
         return out[torch.arange(B, device=dev), last], [c > 0 for c in counts]
 
-    def _draft(self, seqs, h: torch.Tensor, depth: int, width: int) -> torch.Tensor:
-        """Greedy chains (top-`width` at the root) -> target ids [B, width, depth]."""
+    def _pick(self, h: torch.Tensor, k: int):
+        """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, V] or None).
+        Greedy: the top k. Sampling: k i.i.d. draws from q, the processed full-vocabulary distribution."""
+        logits = self.model.logits(h)
+        if self.params is None or self.params.greedy:
+            return self.model.to_target(logits.topk(k, -1).indices), None
+        full = logits.new_full((len(h), self.model.cfg.vocab_size), float("-inf"))
+        full[:, self.model.to_target(torch.arange(logits.shape[-1], device=h.device))] = logits
+        q = probs_from_logits(full, self.params).repeat_interleave(k, 0)  # [R*k, V]
+        tok = sample(q, self.generator)
+        return tok.view(len(h), k), q.view(len(h), k, -1)
+
+    def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
+        """Chains, `width` of them branching at the root -> (target ids [B, width, depth],
+        q [B, width, depth, V] on the CPU or None for greedy drafts)."""
         B, dev = len(seqs), h.device
         cache, L = self.target_cache, self.target.cfg.num_layers
         with torch.inference_mode():
-            first = self.model.logits(h).topk(width, -1).indices  # [B, w] draft ids
-            tok = self.model.to_target(first).reshape(-1)  # [B*w]
+            first, q_first = self._pick(h, width)  # [B, w]
+            tok = first.reshape(-1)  # [B*w]
+            qs = None if q_first is None else [q_first.reshape(B * width, -1)]
             rows = torch.arange(B, device=dev).repeat_interleave(width)
             lens = torch.tensor([s.cache_len for s in seqs]).repeat_interleave(width)
             S = int(lens.max())
@@ -163,9 +184,13 @@ class Eagle3Drafter:
                     return F.scaled_dot_product_attention(q, keys, vals, attn_mask=m[:, None, None], enable_gqa=True)
 
                 h = self.model(h[:, None], self._embed(tok[:, None]), *self._rope(pos), attend)[:, 0]
-                tok = self.model.to_target(self.model.logits(h).argmax(-1))
+                nxt, q = self._pick(h, 1)
+                tok = nxt[:, 0]
                 out.append(tok)
-        return torch.stack(out, 1).view(B, width, depth).cpu()
+                if qs is not None:
+                    qs.append(q[:, 0])
+        ids = torch.stack(out, 1).view(B, width, depth).cpu()
+        return ids, None if qs is None else torch.stack(qs, 1).view(B, width, depth, -1).float().cpu()
 
     def _embed(self, toks: torch.Tensor) -> torch.Tensor:
         return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))
@@ -179,12 +204,12 @@ class Eagle3Drafter:
     target_cache = None  # the engine's KVCache; set by the engine when it allocates
 
 
-def _to_draft(branches: torch.Tensor, cap: int, width: int) -> Draft:
-    """[w, depth] target ids -> a Draft of at most `cap` nodes: w chains hanging below the root."""
+def _to_draft(branches: torch.Tensor, q, cap: int, width: int) -> Draft:
+    """[w, depth] target ids (+ q [w, depth, V]) -> a Draft of at most `cap` nodes: w chains below the root."""
     if cap <= 0:
         return Draft()
     if width == 1:
-        return Draft.chain(branches[0, :cap].tolist())
+        return Draft.chain(branches[0, :cap].tolist(), None if q is None else q[0, :cap])
     w = min(width, cap)
     depth = cap // w
     tokens, parents = [], []
@@ -192,4 +217,4 @@ def _to_draft(branches: torch.Tensor, cap: int, width: int) -> Draft:
         for d in range(depth):
             parents.append(-1 if d == 0 else len(tokens) - 1)
             tokens.append(int(branches[b, d]))
-    return Draft(tokens, parents)
+    return Draft(tokens, parents, None if q is None else q[:w, :depth].reshape(w * depth, -1))

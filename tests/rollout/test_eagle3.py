@@ -45,12 +45,12 @@ def test_incremental_drafting_equals_full_pass():
     orig = drafter._draft
 
     def spy(seqs, h, depth, width):
-        out = orig(seqs, h, depth, width)
+        ids, q = orig(seqs, h, depth, width)
         s = seqs[0]
         captured.setdefault("cases", []).append((list(s.all_ids()), s.cache_len,
                                                  drafter.stage[drafter.slot[id(s)], :s.cache_len].clone(),
-                                                 out[0, 0, 0].item()))
-        return out
+                                                 ids[0, 0, 0].item()))
+        return ids, q
 
     drafter._draft = spy
     prompt = random_prompts(1, 9, 9, seed=7)[0]
@@ -111,3 +111,26 @@ def test_ttt_loss_is_finite_and_decreases():
     first = trainer.train_steps(1)
     last = trainer.train_steps(60)
     assert torch.isfinite(torch.tensor(first)) and last < first
+
+
+@pytest.mark.parametrize("width,temperature,top_p", [(1, 1.0, 1.0), (1, 0.7, 0.8), (2, 1.0, 1.0)])
+def test_sampled_eagle3_drafts_keep_the_law(width, temperature, top_p):
+    """At T > 0 the drafter samples from its own q and verification uses min(1, p/q) + residual."""
+    from scipy.stats import chisquare
+
+    from tests.rollout.test_engine_spec import exact_joint
+
+    hf = make_tiny_hf("llama", vocab=6, seed=2)
+    eng = eagle_engine(hf, width=width, k=3, max_num_seqs=3000)
+    eng.eos_token_ids = set()
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=3, n=3000, seed=0,
+                            ignore_eos=True)
+    counts = {}
+    for r in eng.generate([[3, 4, 5, 1]], params):
+        counts[tuple(r.completion_ids)] = counts.get(tuple(r.completion_ids), 0) + 1
+    exact = exact_joint(hf, [3, 4, 5, 1], 3, params)
+    keys = [k for k, p in exact.items() if p * 3000 > 5]
+    obs = [counts.get(k, 0) for k in keys]
+    exp = [exact[k] * sum(obs) / sum(exact[k] for k in keys) for k in keys]
+    assert chisquare(obs, exp).pvalue > 1e-3
+    assert eng.stats()["rollout/accept_rate"] > 0.1  # sampled drafts of a 6-token vocabulary do get accepted
