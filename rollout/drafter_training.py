@@ -187,11 +187,18 @@ class DrafterTrainer:
         self._published = (self.version, state)
 
     def _choose_vocab(self) -> None:
-        """Draft vocabulary = the most frequent target tokens seen so far (chosen once)."""
+        """Draft vocabulary = the most frequent target tokens seen so far (chosen once). The head
+        starts as the target's own rows for those tokens (and its final norm): the drafter's output
+        lives in the target's residual space, so this is a far better start than random."""
         if self._vocab_chosen:
             return
         counts = torch.bincount(self.buffer.all_next_tokens().cpu(), minlength=self.model.cfg.vocab_size)
         self.model.set_draft_vocab(draft_vocab_from_counts(counts.float(), self.model.cfg.draft_vocab_size))
+        target = self.drafter.target
+        with torch.no_grad():
+            ids = self.model.to_target(torch.arange(self.model.cfg.draft_vocab_size, device=self.model.d2t.device))
+            self.model.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)].float())
+            self.model.norm.weight.copy_(target.model.norm.weight.float())
         self._vocab_chosen = True
 
     # ---- training ----------------------------------------------------------------------------------

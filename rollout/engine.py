@@ -83,6 +83,9 @@ class RolloutEngine:
         """Slash-named metrics accumulated since the previous call."""
         out = self._metrics.as_dict()
         out["rollout/policy_version"] = float(self.policy_version)
+        if self.runner.cache is not None:
+            out["rollout/kv_cache_mb"] = self.runner.cache.nbytes() / 2**20
+            out["rollout/graph_pool_mb"] = self.runner.steps.memory_bytes() / 2**20
         if self.selector is not None and hasattr(self.selector, "metrics"):
             out.update(self.selector.metrics())
         if self.drafters is not None and self.drafters.learned is not None:

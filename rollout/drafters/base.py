@@ -33,14 +33,6 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def depth(self, i: int) -> int:
-        """Depth of node i below the pending token (children of the pending token have depth 1)."""
-        d = 1
-        while self.parents[i] >= 0:
-            i = self.parents[i]
-            d += 1
-        return d
-
     @property
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self.tokens) - 1))
@@ -48,7 +40,6 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
-    deterministic: bool
 
     def begin(self, groups: list[list[Sequence]]) -> None:
         """New prompt groups were admitted (their n samples share the prompt)."""

@@ -28,7 +28,6 @@ from rollout.sequence import Sequence
 @register("eagle3")
 class Eagle3Drafter:
     name = "eagle3"
-    deterministic = True
     extra_kv_layers = 1
 
     def __init__(self, target, model: Eagle3Model | None = None, draft_vocab_size: int = 4096, seed: int = 0):

@@ -178,7 +178,6 @@ class NgramDrafter:
     """
 
     name = "ngram"
-    deterministic = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, max_matches: int = 16,
                  spec_factor: float | None = None, max_match: int = 32):

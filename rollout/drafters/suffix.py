@@ -59,7 +59,6 @@ class SuffixDrafter:
     """Suffix lookup over siblings, earlier rollouts of the prompt, recent rollouts and the prompt."""
 
     name = "suffix"
-    deterministic = True
 
     def __init__(self, anchors: tuple[int, ...] = (8, 5, 3, 2), max_matches: int = 16, min_prob: float = 0.1,
                  spec_factor: float = 1.0, max_match: int = 32, history_per_prompt: int = 16,

@@ -14,7 +14,6 @@ class ScriptedDrafter:
     """
 
     name = "scripted"
-    deterministic = True
 
     def __init__(self, vocab: int, oracle=None, corrupt: float = 0.3, seed: int = 0, tree: bool = False):
         self.vocab, self.oracle, self.corrupt, self.tree = vocab, oracle, corrupt, tree
