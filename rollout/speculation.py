@@ -72,7 +72,10 @@ def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None):
 
         widths = (spec.tree_width,) if spec.tree_width > 1 else (2, 3)
         arms = default_arms(dset.names, max_depth=spec.num_draft_tokens, widths=widths)
-        return dset, AdaptiveSelector(arms, max_spec_batch=spec.max_spec_batch)
+        # exploring a losing arm at a large batch costs up to ~2x a plain step on CPU (bench_out/
+        # longtail.json: 10% exploration made the bandit 7% slower than plain decoding), so the
+        # engine explores at most 3% of steps; the class default stays general
+        return dset, AdaptiveSelector(arms, max_spec_batch=spec.max_spec_batch, explore_cap=0.03)
     name = dset.names[0]
     return dset, LongTailSelector(name, spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
 

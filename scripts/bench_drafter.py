@@ -28,6 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts (the live batch)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3, help="repetitions of the final tail measurement")
     p.add_argument("--out", default="bench_out/drafter.json")
     return p.parse_args(argv)
 
@@ -78,16 +79,22 @@ def main(argv=None) -> dict:
         eng.generate(prompts, collect_params, use_tqdm=True)
         trainer.train_steps(args.train_steps)
         trainer.publish()
-    eng.selector.choose = choose
-    base_tps, _, _ = measure(plain, held_out, eval_params)
-    spec_tps, spec_acc, s = measure(eng, held_out, eval_params)
-    result = {
-        "config": vars(args), "curve": curve,
-        "tail": {"live_batch": args.eval_prompts, "no_spec_tokens_per_s": base_tps, "eagle3_tokens_per_s": spec_tps,
-                 "speedup": spec_tps / base_tps, "accept_len": spec_acc,
-                 "spec_step_share": s.get("rollout/spec_step_share", 0.0)},
-    }
-    print(table([result["tail"]], list(result["tail"])))
+    # the tail: live batch <= 4, plain vs forced speculation vs the selector's choice, round-robin
+    runs = {"no_spec": [], "eagle3_forced_k%d" % args.k: [], "eagle3_selector": []}
+    for rep in range(args.reps):
+        eval_params.seed = 1 + rep
+        runs["no_spec"].append(measure(plain, held_out, eval_params)[:2])
+        runs["eagle3_forced_k%d" % args.k].append(measure(eng, held_out, eval_params, forced)[:2])
+        eng.selector.choose = choose
+        tps, acc, s = measure(eng, held_out, eval_params)
+        runs["eagle3_selector"].append((tps, acc, s.get("rollout/spec_step_share", 0.0)))
+    base = sum(r[0] for r in runs["no_spec"]) / args.reps
+    tail = [{"config": name, "live_batch": args.eval_prompts, "tokens_per_s": sum(r[0] for r in rs) / len(rs),
+             "speedup": sum(r[0] for r in rs) / len(rs) / base, "accept_len": sum(r[1] for r in rs) / len(rs),
+             "spec_step_share": sum(r[2] for r in rs) / len(rs) if len(rs[0]) > 2 else None}
+            for name, rs in runs.items()]
+    result = {"config": vars(args), "curve": curve, "tail": tail}
+    print(table(tail, list(tail[0])))
     write_json(args.out, result)
     plot(curve, args.out.replace(".json", ".png"))
     return result

@@ -88,3 +88,36 @@ def test_two_grpo_steps_are_lossless_and_logged_to_wandb(tiny_llama, char_tokeni
     rows = trainer.summary_callback.rows
     assert [row["step"] for row in rows] == [1, 2]
     assert all(0 < row["rollout_share"] <= 1 for row in rows)
+
+
+def test_speculation_on_keeps_trl_importance_ratio_at_one(tiny_llama, char_tokenizer, tmp_path):
+    """Issue 3's end-to-end check: with every decode step speculating (k=4 drafts of random tokens,
+    so rejections and residual resampling happen all the time), TRL's recomputed logprobs still
+    equal ours, so its importance ratio stays 1 as with speculation off."""
+    from rollout.engine import RolloutEngine
+    from rollout.strategy import Arm
+    from rollout.types import SpecConfig
+    from tests.rollout.spec_helpers import ScriptedDrafter
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=16, max_steps=2, logging_steps=1, learning_rate=1e-2,
+        report_to="none", save_strategy="no", disable_tqdm=True,
+    )
+    from rollout.model import loader
+
+    engine = RolloutEngine(loader.from_hf_model(tiny_llama), char_tokenizer, spec=SpecConfig(drafter="ngram"),
+                           max_model_len=256, max_num_seqs=8, eos_token_ids=[char_tokenizer.eos_token_id],
+                           drafter=ScriptedDrafter(tiny_llama.config.vocab_size, corrupt=1.0))
+    engine.selector.choose = lambda batch: Arm("scripted", 4, 1)  # speculate at every step
+    trainer = SpecGRPOTrainer(
+        model=tiny_llama, reward_funcs=[distinct_chars_reward], args=args,
+        train_dataset=make_math_dataset(16, seed=0), processing_class=char_tokenizer, engine=engine,
+    )
+    trainer.train()
+    steps = [log for log in trainer.state.log_history if "reward" in log]
+    assert len(steps) == 2
+    for log in steps:
+        assert log["rollout/spec_step_share"] > 0.5
+        assert log["sampling/sampling_logp_difference/max"] < 1e-4
+        assert abs(log["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
