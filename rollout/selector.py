@@ -47,6 +47,10 @@ NOISE_EMA = 0.05
 THIN_PROBE_EVERY = 20  # steps between probes of a drafter whose tracker holds too little evidence
 
 
+LEARNED = ("eagle3",)
+STOP_RULES = ("max_conf", "entropy")
+
+
 def default_arms(drafters: list[str], max_depth: int = 8, widths: tuple[int, ...] = (2, 3),
                  max_nodes: int | None = None) -> list[Arm]:
     """OFF, then per drafter chains of 1, 2, 4, ... max_depth and trees of each width, depth >= 2
@@ -61,6 +65,8 @@ def default_arms(drafters: list[str], max_depth: int = 8, widths: tuple[int, ...
     for name in drafters:
         arms += [Arm(name, d, 1) for d in depths]
         arms += [Arm(name, d, w) for w in widths for d in depths if d >= 2 and d * w <= max_nodes]
+        if name in LEARNED:  # confidence/entropy stop rules need the drafter's distribution
+            arms += [Arm(name, max_depth, 1, stop) for stop in STOP_RULES]
     return arms
 
 
@@ -68,7 +74,8 @@ def arm_name(arm: Arm) -> str:
     """Metric-friendly name: off, suffix_k4, eagle3_k4w2."""
     if not arm.speculative:
         return "off"
-    return f"{arm.drafter}_k{arm.depth}" + (f"w{arm.width}" if arm.width > 1 else "")
+    name = f"{arm.drafter}_k{arm.depth}" + (f"w{arm.width}" if arm.width > 1 else "")
+    return name + (f"_{arm.stop}" if arm.stop != "none" else "")
 
 
 def expected_tokens(arm: Arm, tracker: AcceptanceTracker, rate: float | None = None) -> float:

@@ -42,7 +42,10 @@ class DrafterSet:
         return getattr(self.learned, "version", 0)
 
     def propose(self, arm: Arm, seqs, caps: list[int]) -> list[Draft]:
-        return self.by_name[arm.drafter].propose(seqs, caps, arm.width)
+        drafter = self.by_name[arm.drafter]
+        if hasattr(drafter, "stop_rule"):
+            drafter.stop_rule = arm.stop
+        return drafter.propose(seqs, caps, arm.width)
 
     def begin(self, groups) -> None:
         for d in self.by_name.values():

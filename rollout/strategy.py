@@ -22,6 +22,9 @@ class Arm:
     drafter: str  # "none" or a registered drafter name
     depth: int = 0  # drafted tokens along a path; 0 = no speculation
     width: int = 1  # children per node; 1 = chain
+    # learned drafters only: end a sequence's draft early when the drafter is unsure
+    # ("max_conf": top-1 probability < 0.4; "entropy": SVIP's sqrt(0.15 H) > 0.3, H in nats)
+    stop: str = "none"
 
     @property
     def nodes(self) -> int:

@@ -25,6 +25,10 @@ from rollout.sampling import probs_from_logits, sample
 from rollout.sequence import Sequence
 
 
+MAX_CONF = 0.4  # max-confidence stop rule: end the draft below this top-1 drafter probability
+SVIP_BOUND = 0.3  # SVIP: end the draft when sqrt(0.15 * entropy) exceeds this
+
+
 @register("eagle3")
 class Eagle3Drafter:
     name = "eagle3"
@@ -54,6 +58,7 @@ class Eagle3Drafter:
         self.valid: dict[int, int] = {}
         self.params = None  # the call's SamplingParams: drafts are processed like the target
         self.generator = None
+        self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
 
     # ---- engine hooks ---------------------------------------------------------------------------
     def start(self, seqs: list[Sequence], length: int, params=None, generator=None) -> None:
@@ -95,9 +100,9 @@ class Eagle3Drafter:
             return [Draft() for _ in seqs]
         h_last, ready = self._catch_up(seqs)
         depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
-        branches, q = self._draft(seqs, h_last, depth, width)  # [B, w, depth] ids, [B, w, depth, V] or None
-        return [_to_draft(branches[i], None if q is None else q[i], cap, width) if ready[i] else Draft()
-                for i, cap in enumerate(max_tokens)]
+        branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
+        return [_to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
+                else Draft() for i, cap in enumerate(max_tokens)]
 
     # ---- internals ------------------------------------------------------------------------------
     def _maybe_swap(self) -> None:
@@ -144,25 +149,40 @@ class Eagle3Drafter:
         last = torch.tensor([max(c - 1, 0) for c in counts], device=dev)
         return out[torch.arange(B, device=dev), last], [c > 0 for c in counts]
 
+    def _confident(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R] bool: may the chain go on, by the arm's stop rule (reference.md section 2)?"""
+        if self.stop_rule == "none":
+            return torch.ones(len(logits), dtype=torch.bool, device=logits.device)
+        probs = torch.softmax(logits, -1)
+        if self.stop_rule == "max_conf":
+            return probs.max(-1).values >= MAX_CONF
+        entropy = -(probs * torch.log(probs.clamp(min=1e-12))).sum(-1)
+        return torch.sqrt(0.15 * entropy) <= SVIP_BOUND
+
     def _pick(self, h: torch.Tensor, k: int):
-        """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, V] or None).
-        Greedy: the top k. Sampling: k i.i.d. draws from q, the processed full-vocabulary distribution."""
+        """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, V] or None,
+        confident [R]). Greedy: the top k. Sampling: k i.i.d. draws from q, the processed
+        full-vocabulary distribution."""
         logits = self.model.logits(h)
+        ok = self._confident(logits)
         if self.params is None or self.params.greedy:
-            return self.model.to_target(logits.topk(k, -1).indices), None
+            return self.model.to_target(logits.topk(k, -1).indices), None, ok
         full = logits.new_full((len(h), self.model.cfg.vocab_size), float("-inf"))
         full[:, self.model.to_target(torch.arange(logits.shape[-1], device=h.device))] = logits
         q = probs_from_logits(full, self.params).repeat_interleave(k, 0)  # [R*k, V]
         tok = sample(q, self.generator)
-        return tok.view(len(h), k), q.view(len(h), k, -1)
+        return tok.view(len(h), k), q.view(len(h), k, -1), ok
 
     def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
         """Chains, `width` of them branching at the root -> (target ids [B, width, depth],
-        q [B, width, depth, V] on the CPU or None for greedy drafts)."""
+        q [B, width, depth, V] on the CPU or None for greedy drafts, nodes to keep per row [B] by the
+        stop rule: a chain ends before the first token drawn from an unsure distribution)."""
         B, dev = len(seqs), h.device
         cache, L = self.target_cache, self.target.cfg.num_layers
         with torch.inference_mode():
-            first, q_first = self._pick(h, width)  # [B, w]
+            first, q_first, ok = self._pick(h, width)  # [B, w]
+            alive = ok.repeat_interleave(width)
+            kept = alive.long()
             tok = first.reshape(-1)  # [B*w]
             qs = None if q_first is None else [q_first.reshape(B * width, -1)]
             rows = torch.arange(B, device=dev).repeat_interleave(width)
@@ -183,13 +203,16 @@ class Eagle3Drafter:
                     return F.scaled_dot_product_attention(q, keys, vals, attn_mask=m[:, None, None], enable_gqa=True)
 
                 h = self.model(h[:, None], self._embed(tok[:, None]), *self._rope(pos), attend)[:, 0]
-                nxt, q = self._pick(h, 1)
+                nxt, q, ok = self._pick(h, 1)
+                alive &= ok
+                kept += alive.long()
                 tok = nxt[:, 0]
                 out.append(tok)
                 if qs is not None:
                     qs.append(q[:, 0])
         ids = torch.stack(out, 1).view(B, width, depth).cpu()
-        return ids, None if qs is None else torch.stack(qs, 1).view(B, width, depth, -1).float().cpu()
+        keep = (kept.view(B, width).min(-1).values * width).tolist()  # trees: every branch to the shortest
+        return ids, None if qs is None else torch.stack(qs, 1).view(B, width, depth, -1).float().cpu(), keep
 
     def _embed(self, toks: torch.Tensor) -> torch.Tensor:
         return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))

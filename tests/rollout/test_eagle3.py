@@ -26,14 +26,16 @@ def plain(hf, prompts, params):
     return [r.completion_ids for r in eng.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("width", [1, 2])
-def test_greedy_exact_with_cold_eagle3(width):
+@pytest.mark.parametrize("width,stop", [(1, "none"), (2, "none"), (1, "max_conf"), (1, "entropy")])
+def test_greedy_exact_with_cold_eagle3(width, stop):
     hf = make_tiny_hf("llama", seed=6)
     prompts = random_prompts(6, 3, 20, seed=6)
     params = SamplingParams(temperature=0, max_new_tokens=30)
     eng = eagle_engine(hf, width=width)
+    eng.selector.choose = lambda batch: Arm("eagle3", 4, width, stop)
     assert [r.completion_ids for r in eng.generate(prompts, params)] == plain(hf, prompts, params)
-    assert eng.stats()["rollout/spec_step_share"] > 0.8  # the last step of a sample has no room to draft
+    share = eng.stats()["rollout/spec_step_share"]
+    assert share > 0.8 if stop == "none" else share >= 0  # the last step of a sample has no room to draft
 
 
 def test_incremental_drafting_equals_full_pass():
@@ -45,12 +47,13 @@ def test_incremental_drafting_equals_full_pass():
     orig = drafter._draft
 
     def spy(seqs, h, depth, width):
-        ids, q = orig(seqs, h, depth, width)
+        out = orig(seqs, h, depth, width)
+        ids = out[0]
         s = seqs[0]
         captured.setdefault("cases", []).append((list(s.all_ids()), s.cache_len,
                                                  drafter.stage[drafter.slot[id(s)], :s.cache_len].clone(),
                                                  ids[0, 0, 0].item()))
-        return ids, q
+        return out
 
     drafter._draft = spy
     prompt = random_prompts(1, 9, 9, seed=7)[0]
@@ -134,3 +137,20 @@ def test_sampled_eagle3_drafts_keep_the_law(width, temperature, top_p):
     exp = [exact[k] * sum(obs) / sum(exact[k] for k in keys) for k in keys]
     assert chisquare(obs, exp).pvalue > 1e-3
     assert eng.stats()["rollout/accept_rate"] > 0.1  # sampled drafts of a 6-token vocabulary do get accepted
+
+
+@pytest.mark.parametrize("stop", ["max_conf", "entropy"])
+def test_stop_rules_end_drafts_of_an_unsure_drafter(stop):
+    """A drafter with a zeroed head is uniform (top-1 1/96, entropy ln 96): both rules stop at once,
+    while without a rule the same drafter drafts every step."""
+    hf = make_tiny_hf("llama", seed=6)
+    eng = eagle_engine(hf)
+    with torch.no_grad():
+        eng.drafters.learned.model.lm_head.weight.zero_()
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = random_prompts(2, 4, 8)
+    eng.generate(prompts, params)
+    assert eng.stats()["rollout/spec_step_share"] > 0.8
+    eng.selector.choose = lambda batch: Arm("eagle3", 4, 1, stop)
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == plain(hf, prompts, params)
+    assert eng.stats()["rollout/spec_step_share"] == 0.0
