@@ -232,8 +232,6 @@ class RolloutEngine:
                 self.runner.cache.gather_positions(s.row, [start + n for n in path_l[i][:a]],
                                                    [start + 1 + j for j in range(a)])
             kept += s.append(emitted_l[i][:a + 1], lps_l[i][:a + 1], stop_ids)
-            if s.finished and self.drafters is not None:
-                self.drafters.finish(s)
         return kept
 
     def _retire(self, live: list[Sequence], bar) -> list[Sequence]:
@@ -241,6 +239,10 @@ class RolloutEngine:
         survivors = [s for s in live if not s.finished]
         if bar is not None and len(survivors) < len(live):
             bar.update(len(live) - len(survivors))
+        if self.drafters is not None:  # model-free drafters index finished samples; eagle3 banks them
+            for s in live:
+                if s.finished:
+                    self.drafters.finish(s)
         for new_row, s in enumerate(survivors):
             if s.row != new_row:
                 self.runner.cache.move(s.row, new_row, s.cache_len)

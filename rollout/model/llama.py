@@ -155,7 +155,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin: torch.Tensor | None = None
 
     def init_rope(self, max_len: int) -> None:
-        """Precompute cos/sin tables in float32 exactly as HF computes them per position."""
+        """Precompute cos/sin tables in float32 exactly as HF computes them per position. Tables only
+        grow: engines (or a drafter trainer) sharing one model must never shrink another's."""
+        if self.rope_cos is not None and self.rope_cos.shape[0] >= max_len:
+            return
         inv_freq, scaling = rope_inv_freq(self.cfg)
         device = self.lm_head.weight.device
         freqs = torch.arange(max_len, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)[None]

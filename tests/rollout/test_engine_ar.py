@@ -120,3 +120,14 @@ def test_load_weights_rejects_unknown_names():
     eng = engine_for(make_tiny_hf("llama"))
     with pytest.raises(KeyError, match="no place"):
         eng.load_weights([("model.vision_tower.weight", torch.zeros(1))])
+
+
+def test_two_engines_can_share_one_model():
+    """A short-context engine must not shrink the RoPE table a long-context engine relies on."""
+    model = loader.from_hf_model(make_tiny_hf("llama"))
+    long_eng = RolloutEngine(model, None, eos_token_ids=[2], max_model_len=64)
+    short_eng = RolloutEngine(model, None, eos_token_ids=[2], max_model_len=16)
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    first = long_eng.generate([[3, 4, 5]], params)
+    short_eng.generate([[3, 4, 5]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    assert long_eng.generate([[3, 4, 5]], params)[0].completion_ids == first[0].completion_ids
