@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import math_prompts, table, write_json
+from common import line_plot, math_prompts, table, write_json
 
 
 def parse_args(argv=None):
@@ -101,20 +101,9 @@ def main(argv=None) -> dict:
 
 
 def plot(curve, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([c["train_steps"] for c in curve], [c["accept_len"] for c in curve], marker="o")
-    ax.set_xlabel("drafter optimizer steps")
-    ax.set_ylabel("accepted tokens per verify (k=4)")
-    ax.set_title("EAGLE-3 drafter trained online on rollouts (held-out prompts, T=1)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    pts = [(c["train_steps"], c["accept_len"]) for c in curve]
+    line_plot({"eagle3": pts}, "drafter optimizer steps", "accepted tokens per verify (k=4)",
+              "EAGLE-3 drafter trained online on rollouts (held-out prompts, T=1)", path)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import table, write_json
+from common import line_plot, table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,24 +59,8 @@ def main(argv=None):
 
 
 def plot(curves, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for d, pts in curves.items():
-        pts = [(s, a) for s, a, _ in pts if a is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=d)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("accepted tokens per verify")
-    ax.set_title("drafter acceptance while the policy trains")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    series = {d: [(s, a) for s, a, _ in pts if a is not None] for d, pts in curves.items()}
+    line_plot(series, "GRPO step", "accepted tokens per verify", "drafter acceptance while the policy trains", path)
 
 
 if __name__ == "__main__":

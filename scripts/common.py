@@ -36,3 +36,25 @@ def table(rows: list[dict], cols: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(fmt(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
     return "\n".join(lines)
+
+
+def line_plot(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str, title: str, path: str) -> None:
+    """One line per named series of (x, y) points, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, pts in series.items():
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if len(series) > 1:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
