@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 EMA = 0.2  # weight of a new observation
+ACCEPT_DECAY = 0.98  # old acceptance evidence fades by this per observed verify
 
 
 def bucket(batch: int) -> int:
@@ -77,8 +78,8 @@ class AcceptanceTracker:
 
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
         # decay old evidence so the estimate follows a policy (and drafter) that keeps changing
-        self.accepts *= 0.98
-        self.rejects *= 0.98
+        self.accepts *= ACCEPT_DECAY
+        self.rejects *= ACCEPT_DECAY
         for n, a in zip(drafted, accepted):
             if n > 0:
                 self.accepts += a
@@ -91,7 +92,8 @@ class AcceptanceTracker:
         a = self.accepts + self.prior_accepts
         return a / (a + self.rejects + self.prior_rejects)
 
-    def expected_tokens(self, k: int) -> float:
-        """Expected tokens emitted per sequence per verify with k drafted: 1 + f (a + ... + a^k)."""
-        a = self.rate
+    def expected_tokens(self, k: int, rate: float | None = None) -> float:
+        """Expected tokens emitted per sequence per verify with k drafted levels: 1 + f (a + ... + a^k),
+        a = the tracked rate unless a per-level rate is given."""
+        a = self.rate if rate is None else rate
         return 1.0 + self.drafted_share * sum(a ** i for i in range(1, k + 1))

@@ -182,10 +182,11 @@ class RolloutEngine:
         logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask, self._aux_layers())
         logits = logits.cpu()
         path, accepted, next_token = self._verify(logits, batch, params, gen)
+        acc = accepted.tolist()
         if hiddens:
-            self.drafters.learned.observe_verify(live, self._features(hiddens), path, accepted.tolist())
+            self.drafters.learned.observe_verify(live, self._features(hiddens), path, acc)
         emitted = self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
-        drafted, acc = [len(d) for d in drafts], accepted.tolist()
+        drafted = [len(d) for d in drafts]
         if self.selector is not None:
             if self.drafters.version() != self._drafter_version:  # new weights: old evidence is stale
                 self._drafter_version = self.drafters.version()

@@ -37,10 +37,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rollout.cost_model import EMA, AcceptanceTracker, CostModel, bucket
+from rollout.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket
 from rollout.strategy import OFF, Arm
 
-ACCEPT_DECAY = 0.98  # as AcceptanceTracker.observe: old acceptance evidence fades per use
 FRESH_DECAY = 0.5  # the change detector looks at the last ~2 uses of a drafter
 RECENT = 0.99  # the exploration cap also holds over ~100 bucket steps: no saved-up bursts
 NOISE_EMA = 0.05
@@ -83,7 +82,7 @@ def expected_tokens(arm: Arm, tracker: AcceptanceTracker, rate: float | None = N
     if not arm.speculative:
         return 1.0
     p = 1 - (1 - (tracker.rate if rate is None else rate)) ** arm.width
-    return 1.0 + tracker.drafted_share * sum(p ** i for i in range(1, arm.depth + 1))
+    return tracker.expected_tokens(arm.depth, p)
 
 
 def path_evidence(arm: Arm, drafted: list[int], accepted: list[int]) -> tuple[float, float]:

@@ -89,9 +89,8 @@ class LongTailSelector:
         if rel is None or not plain:
             return 0.0
         draft = self.draft_seconds.get(bucket(batch), 0.0) / plain
-        a = self.acceptance.rate  # per level of this shape: a chain token, or any of `width` siblings
-        expected = 1.0 + self.acceptance.drafted_share * sum(a ** i for i in range(1, depth + 1))
-        return expected / (rel + draft)
+        # the tracked rate is per level of this shape: a chain token, or any of `width` siblings
+        return self.acceptance.expected_tokens(depth) / (rel + draft)
 
     def choose(self, batch: int) -> Arm:
         if self.max_spec_batch is not None and batch > self.max_spec_batch:
