@@ -43,7 +43,6 @@ class FeatureBuffer:
         self.segments: deque[tuple[int, int, int]] = deque()  # (start, length, policy_version)
         self.head = 0
         self.lock = threading.Lock()
-        self.token_counts = torch.zeros(0)
 
     @property
     def tokens(self) -> int:
@@ -57,8 +56,6 @@ class FeatureBuffer:
             if self.head + n > cap:
                 self.head = 0
             lo, hi = self.head, self.head + n
-            while self.segments and _overlaps(self.segments[0], lo, hi):
-                self.segments.popleft()
             self.segments = deque(s for s in self.segments if not _overlaps(s, lo, hi))
             self.feats[lo:hi] = feats[:n].to(self.feats.dtype)
             self.next_tokens[lo:hi] = torch.tensor(token_ids[1:n + 1], device=self.next_tokens.device)
