@@ -11,8 +11,8 @@ At temperature 0 drafts are greedy (top-w at the root for trees) and verified as
 proposals. At temperature > 0 they are sampled from q, the drafter's distribution processed exactly
 like the target's (temperature, top-k, top-p), and returned with q so verification accepts with
 min(1, p/q): acceptance is then sum(min(p, q)), close to 1 where q matches p, while a greedy draft
-of a high-entropy target is accepted only with probability p(argmax q). New weights from a trainer are swapped in here, between decode iterations, and
-invalidate the drafter KV (it was computed by the old weights), which the staging copy rebuilds.
+of a high-entropy target is accepted only with probability p(argmax q).
+New weights from a trainer are swapped in here, between decode iterations, and invalidate the drafter KV (it was computed by the old weights), which the staging copy rebuilds.
 """
 from __future__ import annotations
 
