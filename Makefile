@@ -49,7 +49,7 @@ $(STAMP): pyproject.toml | $(PY)
 	@echo "venv ready: $(VENV) (torch $(TORCH_VERSION))"
 
 model: venv
-	$(PY) -m rollout.model.fetch $(MODEL)
+	$(PY) -m rollout.runtime.model.fetch $(MODEL)
 
 train: venv model
 	$(PY) -m rlspec.train config=$(CONFIG) $(ARGS)
@@ -63,7 +63,7 @@ bench: venv model
 	$(PY) scripts/bench_rollout.py --model $(MODEL) $(BENCH_ARGS)
 
 clean:
-	rm -rf .pytest_cache bench_out outputs
+	rm -rf .pytest_cache outputs  # bench_out/ holds the committed figures: kept
 	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean

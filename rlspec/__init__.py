@@ -16,7 +16,7 @@ _EXPORTS = {
     "SamplingParams": "rollout.types",
     "SpecConfig": "rollout.types",
     "RolloutResult": "rollout.types",
-    "fetch_model": "rollout.model.fetch",
+    "fetch_model": "rollout.runtime.model.fetch",
     "SpecGRPOTrainer": "trainers.grpo",
     "PPOTrainer": "trainers.ppo",
     "export_drafter": "rlspec.export",

@@ -98,7 +98,7 @@ def build_trainer(cfg: Config, out: Path):
     """Fetch the model, load data and rewards, and construct SpecGRPOTrainer (heavy imports start here)."""
     from transformers import AutoTokenizer
 
-    from rollout.model.fetch import fetch_model
+    from rollout.runtime.model.fetch import fetch_model
     from rollout.types import SpecConfig
     from trainers.callbacks import RolloutSummaryCallback
     from trainers.data import load_dataset_by_name

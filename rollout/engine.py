@@ -12,18 +12,18 @@ from collections.abc import Iterable
 
 import torch
 
-from rollout.draft_batch import DraftBatch, build_draft_batch
-from rollout.drafters.base import Draft, Drafter
+from rollout.spec.draft_batch import DraftBatch, build_draft_batch
+from rollout.spec.drafters.base import Draft, Drafter
 from rollout.errors import PromptTooLongError
 from rollout.metrics import RolloutMetrics
-from rollout.model import loader
-from rollout.runner import ModelRunner
-from rollout.sampling import logprobs_of, probs_from_logits, sample
-from rollout.sequence import Sequence
-from rollout.speculation import build_speculation
-from rollout.strategy import OFF, Arm
+from rollout.runtime.model import loader
+from rollout.runtime.runner import ModelRunner
+from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
+from rollout.runtime.sequence import Sequence
+from rollout.spec.speculation import build_speculation
+from rollout.spec.selectors.longtail import OFF, Arm
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from rollout.verify import verify_chain, verify_tree
+from rollout.spec.verify import verify_chain, verify_tree
 
 
 class RolloutEngine:
@@ -55,7 +55,7 @@ class RolloutEngine:
         """model: a local HF directory, a hub id, or the embedded alias "smollm2-135m-instruct"."""
         from transformers import AutoTokenizer
 
-        from rollout.model.fetch import fetch_model
+        from rollout.runtime.model.fetch import fetch_model
 
         path = fetch_model(model)
         runtime = loader.load_model(path, dtype=dtype, device=device)

@@ -51,9 +51,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from rollout.drafter_training import DrafterTrainer
+    from rollout.spec.drafter_training import DrafterTrainer
     from rollout.engine import RolloutEngine
-    from rollout.strategy import Arm
+    from rollout.spec.selectors.longtail import Arm
     from rollout.types import SamplingParams, SpecConfig
 
     torch.manual_seed(0)

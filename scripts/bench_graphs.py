@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rollout.graphs import EagerRunner, GraphPool  # noqa: E402
-from rollout.kv_cache import KVCache  # noqa: E402
-from rollout.model import loader  # noqa: E402
+from rollout.runtime.graphs import EagerRunner, GraphPool  # noqa: E402
+from rollout.runtime.kv_cache import KVCache  # noqa: E402
+from rollout.runtime.model import loader  # noqa: E402
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0)
@@ -69,7 +69,7 @@ def random_llama(shape: dict, dtype: torch.dtype, device) -> torch.nn.Module:
 
 def load(name: str, dtype: torch.dtype, device):
     if name == "smollm2-135m":
-        from rollout.model.fetch import fetch_model
+        from rollout.runtime.model.fetch import fetch_model
 
         try:
             return loader.load_model(fetch_model("smollm2-135m-instruct"), dtype=dtype, device=device)

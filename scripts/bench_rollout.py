@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rollout.model.fetch import fetch_model  # noqa: E402
+from rollout.runtime.model.fetch import fetch_model  # noqa: E402
 
 FALLBACK_QUESTIONS = [
     "What is 7 + 5?", "Tom has 3 apples and buys 4 more. How many apples does Tom have now?",

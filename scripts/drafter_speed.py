@@ -25,9 +25,9 @@ from pathlib import Path
 # Run as `python scripts/drafter_speed.py` from anywhere: make the repo's packages importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.drafters.base import make_drafter  # noqa: E402
-from rollout.drafters.ngram import NgramIndex  # noqa: E402
-from rollout.sequence import Sequence  # noqa: E402
+from rollout.spec.drafters.base import make_drafter  # noqa: E402
+from rollout.spec.drafters.ngram import NgramIndex  # noqa: E402
+from rollout.runtime.sequence import Sequence  # noqa: E402
 
 
 def phrase_text(rng: random.Random, bank: list[list[int]], n: int, noise: float = 0.2) -> list[int]:

@@ -43,8 +43,8 @@ def phase_rates(trace, total_seqs: int) -> dict:
 
 def make_engine(name, path, dtype, tokenizer, eos, rows):
     from rollout.engine import RolloutEngine
-    from rollout.model import loader
-    from rollout.strategy import Arm
+    from rollout.runtime.model import loader
+    from rollout.spec.selectors.longtail import Arm
     from rollout.types import SpecConfig
 
     drafter, k, width, selector = CONFIGS[name]
@@ -113,7 +113,7 @@ def run_longtail(args) -> dict:
     import torch
 
     from rollout.engine import RolloutEngine
-    from rollout.model.fetch import fetch_model
+    from rollout.runtime.model.fetch import fetch_model
     from rollout.types import SamplingParams
 
     torch.manual_seed(0)

@@ -29,9 +29,9 @@ def main(argv=None) -> str:
     args = p.parse_args(argv)
 
     from rlspec.export import export_drafter
-    from rollout.drafter_training import DrafterTrainer
+    from rollout.spec.drafter_training import DrafterTrainer
     from rollout.engine import RolloutEngine
-    from rollout.strategy import OFF
+    from rollout.spec.selectors.longtail import OFF
     from rollout.types import SamplingParams, SpecConfig
 
     spec = SpecConfig(drafter="eagle3", online_training=False, draft_vocab_size=args.draft_vocab_size)

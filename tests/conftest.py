@@ -47,7 +47,7 @@ def random_prompts(n: int, lo: int = 3, hi: int = 20, seed: int = 0, vocab: int 
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded real model, converted once into the cache (see rollout/model/fetch.py)."""
-    from rollout.model.fetch import fetch_model
+    from rollout.runtime.model.fetch import fetch_model
 
     return fetch_model("smollm2-135m-instruct")
 

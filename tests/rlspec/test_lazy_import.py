@@ -21,7 +21,7 @@ def test_value_types_resolve_without_torch():
 
 
 def test_lazy_names_are_the_defining_objects():
-    from rollout.model.fetch import fetch_model
+    from rollout.runtime.model.fetch import fetch_model
     from rollout.types import SamplingParams
 
     assert rlspec.SamplingParams is SamplingParams

@@ -17,8 +17,8 @@ def test_vllm_loads_and_runs_the_exported_drafter(smollm2_dir, tmp_path):
     import transformers as tf
 
     from rlspec.export import export_drafter
-    from rollout.drafters.eagle3_model import Eagle3Config, Eagle3Model
-    from rollout.model.config import ModelConfig
+    from rollout.spec.drafters.eagle3_model import Eagle3Config, Eagle3Model
+    from rollout.runtime.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(tf.AutoConfig.from_pretrained(smollm2_dir))
     torch.manual_seed(0)

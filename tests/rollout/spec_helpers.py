@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from rollout.drafters.base import Draft
+from rollout.spec.drafters.base import Draft
 
 
 class ScriptedDrafter:

@@ -6,7 +6,7 @@ import torch
 
 from rollout.engine import RolloutEngine
 from rollout.errors import PromptTooLongError
-from rollout.model import loader
+from rollout.runtime.model import loader
 from rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rollout.engine import RolloutEngine
-from rollout.model import loader
+from rollout.runtime.model import loader
 from rollout.types import SamplingParams, SpecConfig
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
 from tests.rollout.spec_helpers import ScriptedDrafter
@@ -17,7 +17,7 @@ def spec_engine(hf, drafter, width=1, k=4, **kw):
 
 
 def _arm(eng):
-    from rollout.strategy import Arm
+    from rollout.spec.selectors.longtail import Arm
 
     return Arm("scripted", eng.spec.num_draft_tokens, eng.spec.tree_width)
 
@@ -119,7 +119,7 @@ def test_sampled_law_unchanged_by_speculation(temperature, top_p, width):
 
 def exact_joint(hf, prompt, length, params) -> dict:
     """Exact law of `length` sampled tokens under temperature/top-p (enumerates the vocabulary)."""
-    from rollout.sampling import probs_from_logits
+    from rollout.runtime.sampling import probs_from_logits
 
     law = {(): 1.0}
     for _ in range(length):

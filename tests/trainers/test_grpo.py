@@ -95,7 +95,7 @@ def test_speculation_on_keeps_trl_importance_ratio_at_one(tiny_llama, char_token
     so rejections and residual resampling happen all the time), TRL's recomputed logprobs still
     equal ours, so its importance ratio stays 1 as with speculation off."""
     from rollout.engine import RolloutEngine
-    from rollout.strategy import Arm
+    from rollout.spec.selectors.longtail import Arm
     from rollout.types import SpecConfig
     from tests.rollout.spec_helpers import ScriptedDrafter
 
@@ -104,7 +104,7 @@ def test_speculation_on_keeps_trl_importance_ratio_at_one(tiny_llama, char_token
         num_generations=4, max_completion_length=16, max_steps=2, logging_steps=1, learning_rate=1e-2,
         report_to="none", save_strategy="no", disable_tqdm=True,
     )
-    from rollout.model import loader
+    from rollout.runtime.model import loader
 
     engine = RolloutEngine(loader.from_hf_model(tiny_llama), char_tokenizer, spec=SpecConfig(drafter="ngram"),
                            max_model_len=256, max_num_seqs=8, eos_token_ids=[char_tokenizer.eos_token_id],

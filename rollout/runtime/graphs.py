@@ -1,0 +1,313 @@
+"""CUDA graphs for the target's step forward (decode and verify), behind an eager fallback with the same API.
+
+`GraphPool` follows nano-vllm: one graph per bucket, one shared memory pool, static buffers sized for
+the largest graph, largest batch captured first, and a replay pads to the smallest graph that fits.
+A graph is keyed by (batch bucket b, T bucket t, key-length bucket s, hidden layers):
+  * b: 1, 2, 4, 8, then every 16 up to the cache's rows (and the row count itself).
+  * t: tokens per row (1 = decode, 1 + nodes = verify), padded up to a power of two <= max_t.
+  * s: cache positions attention reads, a power of two from min_s up to the cache length. Why not
+    always the full length: attention reads K/V for all S positions of every row whatever the mask
+    says; for SmolLM2 at 32 rows x 2048 positions that is 1.5 GB a step against 0.27 GB of weights.
+    Power-of-two buckets read at most twice the live context for ~4x more graphs, whose intermediates
+    share one pool (memory barely grows; capture time does).
+  * hidden layers: EAGLE-3's features are static outputs too, captured on first request.
+Only tokens, start, depths and tree mask are copied in (a few hundred bytes); the [b, 1, t, s] mask is
+built inside the graph from them (`build_step_batch`).
+
+Why padding is harmless:
+  * Padding rows B..b-1 run token 0 at start 0 and write positions 0..t-1 of cache rows B..b-1. Live
+    sequences are compacted into rows 0..B-1, so those rows are dead until a prefill rewrites them.
+    Hence buckets never exceed the cache's rows.
+  * Padding nodes T..t-1 of a real row extend it as a chain: real nodes never see them (the tree mask
+    is lower-triangular there) and they write past the row's length, where no mask looks again. They
+    need start + t <= cache length; otherwise the step runs eagerly.
+  * Every op is row-independent, so real rows change only by batch-size-dependent float rounding.
+
+Graphs hold raw addresses of the cache, RoPE tables and weights. Weight syncs copy in place and are
+seen; a reallocated cache (which always comes with new RoPE tables) needs a new pool: `run` checks.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollout.runtime.kv_cache import KVCache
+from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
+
+WARMUP_RUNS = 2  # first calls pick kernels and allocate workspaces; a capture must not see that
+MODES = ("auto", "off", "lazy", "eager_start")
+
+
+# ---- pure bucket and padding logic -------------------------------------------------------------
+def batch_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, 48, ... <= max_rows, then max_rows itself so no batch the cache holds goes eager."""
+    out = [b for b in (1, 2, 4, 8) if b <= max_rows] + list(range(16, max_rows + 1, 16))
+    return out if out[-1] == max_rows else out + [max_rows]
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """lo, 2*lo, 4*lo, ... below hi, then hi."""
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return out + [hi]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int | None:
+    """The smallest bucket >= n (buckets sorted ascending), or None when n is above them all."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def pad_batch(tokens, start, depths, tree_mask, rows: int, T: int):
+    """Pad a step of B rows x T0 tokens to [rows, T]; returns (tokens, start, depths, tree_mask) on CPU.
+
+    tokens [B, T0] long, start [B] long, depths [B, T0] long or None (chain), tree_mask [B, T0, T0]
+    bool or None (chain). Out: tokens [rows, T], start [rows], depths [rows, T], tree_mask [rows, T, T].
+    Padding rows: token 0, start 0, a chain. Padding nodes: a chain continuation (depth = index).
+    """
+    B, T0 = tokens.shape
+    out_tokens = torch.zeros(rows, T, dtype=torch.long)
+    out_tokens[:B, :T0] = tokens
+    out_start = torch.zeros(rows, dtype=torch.long)
+    out_start[:B] = start
+    out_depths = torch.arange(T).repeat(rows, 1)
+    if depths is not None:
+        out_depths[:B, :T0] = depths
+    # a chain is the tree whose mask is lower-triangular, so one graph serves chains and trees
+    out_tree = torch.ones(T, T, dtype=torch.bool).tril().repeat(rows, 1, 1)
+    if tree_mask is not None:
+        out_tree[:B, :T0, :T0] = tree_mask
+    return out_tokens, out_start, out_depths, out_tree
+
+
+def build_step_batch(tokens, start, S: int, depths=None, tree_mask=None) -> ForwardBatch:
+    """ModelRunner.step's ForwardBatch, built on tokens' device with no host sync (so it can be captured).
+
+    tokens [B, T], start [B] (cache entries each row holds), depths [B, T] RoPE offsets or None (chain),
+    tree_mask [B, T, T] (node t may see node u) or None (chain); S >= max(start) + T keys are read.
+    """
+    B, T = tokens.shape
+    dev = tokens.device
+    steps = torch.arange(T, device=dev)
+    offs = steps.expand(B, T) if depths is None else depths
+    rel = torch.arange(S, device=dev)[None, :] - start[:, None]  # key index minus start: [B, S]
+    rel_q = rel[:, None, :].expand(B, T, S)
+    if tree_mask is None:
+        new_ok = (rel_q >= 0) & (rel_q <= steps[None, :, None])
+    else:
+        seen = tree_mask.gather(2, rel_q.clamp(0, T - 1))  # [B, T, S]
+        new_ok = seen & (rel_q >= 0) & (rel_q < T)
+    mask = (rel_q < 0) | new_ok  # context (rel < 0) is always visible
+    return ForwardBatch(input_ids=tokens, positions=start[:, None] + offs,
+                        write_index=start[:, None] + steps, mask=mask[:, None])
+
+
+def _to(x, device):
+    return None if x is None else x.to(device)
+
+
+# ---- runners ------------------------------------------------------------------------------------
+class EagerRunner:
+    """The step forward without graphs: on CPU, and for every shape a GraphPool did not capture."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device):
+        self.model, self.cache, self.device = model, cache, torch.device(device)
+
+    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
+        """T new tokens for live rows 0..B-1; tokens [B, T], start [B] long on CPU; depths [B, T] and
+        tree_mask [B, T, T] for trees. Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]})."""
+        S = int(start.max()) + tokens.shape[1]
+        dev = self.device
+        fb = build_step_batch(tokens.to(dev), start.to(dev), S, _to(depths, dev), _to(tree_mask, dev))
+        return self.model(fb, self.cache.k, self.cache.v, hidden_layers)
+
+    def memory_bytes(self) -> int:
+        return 0
+
+
+class _StaticBuffers:
+    """Flat buffers sized for the largest (batch, T); graph (b, t) views their contiguous prefix as [b, t, ...]."""
+
+    def __init__(self, rows: int, max_t: int, vocab: int, hidden: int, dtype, device):
+        n = rows * max_t
+        self.hidden_size, self.vocab, self.dtype, self.device = hidden, vocab, dtype, device
+        with torch.inference_mode(False):  # in-place copies into them must work outside inference mode
+            self.tokens = torch.zeros(n, dtype=torch.long, device=device)
+            self.depths = torch.zeros(n, dtype=torch.long, device=device)
+            self.start = torch.zeros(rows, dtype=torch.long, device=device)
+            self.tree = torch.zeros(n * max_t, dtype=torch.bool, device=device)
+            self.logits = torch.zeros(n * vocab, dtype=torch.float32, device=device)
+        self.hidden: dict[int, torch.Tensor] = {}  # layer -> flat [rows * max_t * H], made on first request
+        self.n = n
+
+    def inputs(self, b: int, t: int):
+        return (self.tokens[: b * t].view(b, t), self.start[:b], self.depths[: b * t].view(b, t),
+                self.tree[: b * t * t].view(b, t, t))
+
+    def load(self, b: int, t: int, padded) -> None:
+        for dst, src in zip(self.inputs(b, t), padded):
+            dst.copy_(src)
+
+    def logits_view(self, b: int, t: int) -> torch.Tensor:
+        return self.logits[: b * t * self.vocab].view(b, t, self.vocab)
+
+    def hidden_view(self, layer: int, b: int, t: int) -> torch.Tensor:
+        if layer not in self.hidden:
+            with torch.inference_mode(False):
+                self.hidden[layer] = torch.zeros(self.n * self.hidden_size, dtype=self.dtype, device=self.device)
+        return self.hidden[layer][: b * t * self.hidden_size].view(b, t, self.hidden_size)
+
+    def nbytes(self) -> int:
+        bufs = [self.tokens, self.depths, self.start, self.tree, self.logits, *self.hidden.values()]
+        return sum(x.numel() * x.element_size() for x in bufs)
+
+
+class _CudaGraph:
+    def capture(self, fn, pool) -> None:
+        # warm up on a side stream, as torch.cuda.graph's documentation asks
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the online drafter trainer may issue CUDA calls from its own thread meanwhile
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _CallGraph:
+    """CPU stand-in for a CUDA graph: replay re-runs the closure, which reads only the static buffers,
+    so CPU tests exercise the pool's padding, bucketing and buffer plumbing."""
+
+    def capture(self, fn, pool) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+def _reserved_bytes(cuda: bool) -> int:
+    if not cuda:
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # drop warm-up blocks cached outside the pool so the delta is the pool's
+    return torch.cuda.memory_reserved()
+
+
+class GraphPool:
+    """Captured step forwards over one KV cache; `run` has EagerRunner's API and falls back to it.
+
+    capture_mode "lazy": capture a key the first time a step needs it, warming up on that step's own
+    inputs (warm-up runs execute and write KV, so they must write exactly what the step writes).
+    "eager_start": capture every (b, t, s) now, largest first; only while no sequence is live, since
+    those warm-ups write positions 0..t-1 of rows 0..b-1. backend "emulate" replays by calling (tests).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device, capture_mode: str = "lazy",
+                 max_rows: int | None = None, max_t: int = 16, min_s: int = 256,
+                 s_buckets: list[int] | None = None, hidden_layers=(), backend: str = "cuda"):
+        if capture_mode not in ("lazy", "eager_start"):
+            raise ValueError(f"capture_mode must be 'lazy' or 'eager_start', got {capture_mode!r}")
+        if backend not in ("cuda", "emulate") or (backend == "cuda" and torch.device(device).type != "cuda"):
+            raise ValueError(f"backend {backend!r} on device {device!s}: CUDA graphs need backend='cuda' on a "
+                             "CUDA device; use EagerRunner (or backend='emulate' in tests) elsewhere")
+        self.model, self.cache, self.device, self.backend = model, cache, torch.device(device), backend
+        self.eager = EagerRunner(model, cache, device)
+        self.batch_buckets = batch_buckets(min(max_rows or cache.rows, cache.rows))
+        self.t_buckets = pow2_buckets(1, max_t)
+        self.s_buckets = sorted(s_buckets) if s_buckets else pow2_buckets(min(min_s, cache.length), cache.length)
+        cfg = model.cfg
+        self.static = _StaticBuffers(self.batch_buckets[-1], self.t_buckets[-1], cfg.vocab_size,
+                                     cfg.hidden_size, model.lm_head.weight.dtype, self.device)
+        self.graphs: dict[tuple, _CudaGraph | _CallGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if backend == "cuda" else None
+        self.pool_bytes = 0
+        self.counts = {"replays": 0, "captures": 0, "eager": 0}
+        self._rope = model.rope_cos  # identity check: a new cache comes with new RoPE tables
+        if capture_mode == "eager_start":
+            self.capture_all(hidden_layers)
+
+    def key_for(self, tokens, start, hidden_layers=()) -> tuple | None:
+        """(b, t, s, hidden layers) of the graph that serves this step, or None to run eagerly."""
+        B, T = tokens.shape
+        b, t = bucket_for(B, self.batch_buckets), bucket_for(T, self.t_buckets)
+        if b is None or t is None:
+            return None
+        s = bucket_for(int(start.max()) + t, self.s_buckets)  # padded nodes write up to start + t - 1
+        return None if s is None else (b, t, s, tuple(sorted(hidden_layers)))
+
+    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
+        """EagerRunner.run's contract: tokens [B, T], start [B] on CPU -> (logits [B, T, V], {layer: [B, T, H]})."""
+        if self.model.rope_cos is not self._rope:
+            raise RuntimeError("the KV cache and RoPE tables were reallocated after these graphs were captured; "
+                               "build a new GraphPool over the new cache (ModelRunner.ensure_cache should)")
+        key = self.key_for(tokens, start, hidden_layers)
+        if key is None:
+            self.counts["eager"] += 1
+            return self.eager.run(tokens, start, depths, tree_mask, hidden_layers)
+        b, t, _, _ = key
+        self.static.load(b, t, pad_batch(tokens, start, depths, tree_mask, b, t))
+        graph = self.graphs.get(key) or self._capture(key)
+        graph.replay()
+        self.counts["replays"] += 1
+        B, T = tokens.shape
+        # clones: the next replay overwrites the static outputs
+        logits = self.static.logits_view(b, t)[:B, :T].clone()
+        return logits, {i: self.static.hidden_view(i, b, t)[:B, :T].clone() for i in hidden_layers}
+
+    def capture_all(self, hidden_layers=()) -> None:
+        """Capture every bucket, largest batch first so that smaller graphs reuse its pool blocks."""
+        hl = tuple(sorted(hidden_layers))
+        for b in reversed(self.batch_buckets):
+            for t in reversed(self.t_buckets):
+                for s in reversed(self.s_buckets):
+                    if s >= t and (b, t, s, hl) not in self.graphs:  # s < t is never asked for
+                        empty = torch.zeros(0, t, dtype=torch.long)
+                        self.static.load(b, t, pad_batch(empty, empty[:, 0], None, None, b, t))
+                        self._capture((b, t, s, hl))
+
+    def _capture(self, key: tuple):
+        b, t, s, hl = key
+        tokens, start, depths, tree = self.static.inputs(b, t)
+        logits_out = self.static.logits_view(b, t)
+        hidden_out = {i: self.static.hidden_view(i, b, t) for i in hl}  # allocated before capture
+        model, cache = self.model, self.cache
+
+        def forward():  # reads and writes only static buffers, the cache and the weights
+            with torch.inference_mode():
+                fb = build_step_batch(tokens, start, s, depths, tree)
+                logits, hiddens = model(fb, cache.k, cache.v, hl)
+                logits_out.copy_(logits)
+                for i in hl:
+                    hidden_out[i].copy_(hiddens[i])
+
+        cuda = self.backend == "cuda"
+        graph = _CudaGraph() if cuda else _CallGraph()
+        before = _reserved_bytes(cuda)
+        graph.capture(forward, self.pool)
+        self.pool_bytes += _reserved_bytes(cuda) - before
+        self.graphs[key] = graph
+        self.counts["captures"] += 1
+        return graph
+
+    def memory_bytes(self) -> int:
+        """Static buffers plus the growth of reserved CUDA memory across captures (the shared pool)."""
+        return self.static.nbytes() + self.pool_bytes
+
+
+def make_step_runner(model: LlamaForCausalLM, cache: KVCache, device, mode: str = "auto", **pool_kwargs):
+    """A GraphPool on CUDA unless mode is "off"; EagerRunner elsewhere.
+
+    mode: "auto" (= "lazy" on CUDA), "off", "lazy" or "eager_start"; pool_kwargs go to GraphPool.
+    """
+    if mode not in MODES:
+        raise ValueError(f"graph mode must be one of {MODES}, got {mode!r}")
+    device = torch.device(device)
+    if mode == "off" or device.type != "cuda" or not torch.cuda.is_available():
+        return EagerRunner(model, cache, device)
+    return GraphPool(model, cache, device, "lazy" if mode == "auto" else mode, **pool_kwargs)

@@ -1,0 +1,62 @@
+"""ModelRunner: turns the engine's plain-Python batch description into tensors and runs the target.
+
+The only engine part that touches tensors besides sampling/verification. Owns the model and the
+KV cache; knows nothing of sequences, drafters or strategies.
+"""
+from __future__ import annotations
+
+import torch
+
+from rollout.runtime.graphs import make_step_runner
+from rollout.runtime.kv_cache import KVCache
+from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype, graph_mode: str = "auto",
+                 max_graph_t: int = 16):
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
+        self.cache: KVCache | None = None
+        self.steps = None  # EagerRunner or GraphPool over self.cache; rebuilt with it
+
+    def ensure_cache(self, rows: int, length: int, extra_layers: int = 0) -> KVCache:
+        """Allocate once; grow only when a call needs more rows or positions than ever before."""
+        fits = self.cache is not None and self.cache.fits(rows, length)
+        if not fits or self.cache.k.shape[0] != self.model.cfg.num_layers + extra_layers:
+            old = self.cache
+            rows = max(rows, old.rows if old else 0)
+            length = max(length, old.length if old else 0)
+            self.steps = None  # graphs hold the old cache/RoPE addresses: drop them before freeing
+            self.cache = None  # free the old buffer first
+            del old
+            self.cache = KVCache(self.model.cfg, rows, length, self.dtype, self.device, extra_layers)
+            self.model.init_rope(length)
+            self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode,
+                                          max_t=self.max_graph_t)
+        return self.cache
+
+    def prefill(self, prompts: list[list[int]], rows: list[int], hidden_layers=()):
+        """Fresh prompts into the given rows; returns (last-token logits [P, V], hiddens)."""
+        P, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(P, T, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        lens = torch.tensor([len(p) for p in prompts])
+        pos = torch.arange(T).expand(P, T)
+        # causal, and padding keys (j >= len) hidden; padding queries still see key 0 (no NaN rows)
+        mask = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] < lens[:, None, None])
+        fb = ForwardBatch(
+            input_ids=ids.to(self.device), positions=pos.to(self.device), write_index=pos.to(self.device),
+            mask=mask[:, None].to(self.device), rows=torch.tensor(rows, device=self.device), self_only=True,
+        )
+        return self.model(fb, self.cache.k, self.cache.v, hidden_layers, logits_index=(lens - 1).to(self.device))
+
+    def step(self, tokens: torch.Tensor, start: torch.Tensor, depths=None, tree_mask=None, hidden_layers=()):
+        """T new tokens for each live row 0..B-1 whose cache holds `start[b]` entries.
+
+        tokens [B, T] long; start [B] long. A chain by default; a tree passes depths [B, T]
+        (RoPE offsets) and tree_mask [B, T, T] bool (node t may see node s). Returns
+        (logits [B, T, V] float32, hiddens). On CUDA a captured graph replays when one fits.
+        """
+        return self.steps.run(tokens, start, depths, tree_mask, hidden_layers)

@@ -1,0 +1,269 @@
+"""Online training of the EAGLE-3 drafter on features the rollouts already computed (TLT-style).
+
+Data: every finished sample leaves its target features (3 layers, every cached position) and its
+tokens in a bounded ring buffer on the device, tagged with the policy version that produced them.
+
+Loss (our choice, and why): cross-entropy of the drafter's prediction against the token the target
+actually sampled, over the draft vocabulary, unrolled for `ttt_steps` training-time-test steps
+(step s feeds the drafter's own output of step s-1 back, weights 0.8^(s-1), as SpecForge does).
+A sampled token is an unbiased draw from the target's distribution, so this is an unbiased
+estimate of the forward-KL gradient without storing a vocabulary-sized distribution per token
+(49k floats for SmolLM2); at temperature T the drafter learns the tempered law it must propose
+from anyway. No hidden-state regression term: with a shared LM head it mostly helps EAGLE-1-style
+feature prediction, which EAGLE-3 dropped.
+
+Scheduling: `train_steps` runs synchronously (scripts, tests); `start` runs a daemon thread that
+trains only while the engine reports idle compute (live batch in the tail, or between rollouts)
+and publishes versioned weights that the engine swaps in between decode iterations. An exception
+in the thread is logged and stops training; the engine keeps the last good drafter.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rollout.spec.drafters.eagle3_model import Eagle3Model, draft_vocab_from_counts
+
+log = logging.getLogger(__name__)
+
+
+class FeatureBuffer:
+    """Ring buffer of (features [n, 3H], next tokens [n]) segments, one per finished sample."""
+
+    def __init__(self, capacity: int, width: int, dtype, device):
+        self.feats = torch.zeros(capacity, width, dtype=dtype, device=device)
+        self.next_tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.segments: deque[tuple[int, int, int]] = deque()  # (start, length, policy_version)
+        self.head = 0
+        self.lock = threading.Lock()
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n, _ in self.segments)
+
+    def add(self, feats: torch.Tensor, token_ids: list[int], policy_version: int) -> None:
+        """feats [n, 3H] of positions 0..n-1; token_ids has n+1 tokens (position t predicts t+1)."""
+        cap = self.feats.shape[0]
+        n = min(len(feats), cap, len(token_ids) - 1)
+        with self.lock:
+            if self.head + n > cap:
+                self.head = 0
+            lo, hi = self.head, self.head + n
+            self.segments = deque(s for s in self.segments if not _overlaps(s, lo, hi))
+            self.feats[lo:hi] = feats[:n].to(self.feats.dtype)
+            self.next_tokens[lo:hi] = torch.tensor(token_ids[1:n + 1], device=self.next_tokens.device)
+            self.segments.append((lo, n, policy_version))
+            self.head = hi
+
+    def sample(self, batch: int, window: int, gen: torch.Generator):
+        """Random windows -> (feats [B, W, 3H], next_tokens [B, W], valid [B, W], mean policy version)."""
+        with self.lock:
+            segs = [s for s in self.segments if s[1] >= 4]
+            if not segs:
+                return None
+            pick = torch.randint(len(segs), (batch,), generator=gen).tolist()
+            feats = self.feats.new_zeros(batch, window, self.feats.shape[1])
+            nxt = torch.zeros(batch, window, dtype=torch.long, device=self.feats.device)
+            valid = torch.zeros(batch, window, dtype=torch.bool, device=self.feats.device)
+            versions = []
+            for b, i in enumerate(pick):
+                start, n, ver = segs[i]
+                off = int(torch.randint(max(n - window, 0) + 1, (1,), generator=gen))
+                w = min(window, n - off)
+                feats[b, :w] = self.feats[start + off:start + off + w]
+                nxt[b, :w] = self.next_tokens[start + off:start + off + w]
+                valid[b, :w] = True
+                versions.append(ver)
+        return feats, nxt, valid, sum(versions) / len(versions)
+
+    def all_next_tokens(self) -> torch.Tensor:
+        with self.lock:
+            return torch.cat([self.next_tokens[s:s + n] for s, n, _ in self.segments]) if self.segments \
+                else torch.zeros(0, dtype=torch.long)
+
+
+def _overlaps(seg, lo, hi) -> bool:
+    return seg[0] < hi and lo < seg[0] + seg[1]
+
+
+def ttt_loss(model: Eagle3Model, embed: torch.nn.Embedding, cos, sin, feats, nxt, valid, t2d, steps: int):
+    """Training-time-test loss over windows. feats [B, W, 3H], nxt [B, W] (token t+1 at t), valid [B, W].
+
+    Step s (1-based) at row t: input = (step s-1 output at t, or target features when s = 1;
+    token t+s), label = token t+s+1, RoPE position t+s-1. It attends to step-1 keys of
+    positions <= t and to its own chain's keys of earlier steps (the diagonal): what the engine's
+    speculative steps see at inference.
+    """
+    B, W, _ = feats.shape
+    idx = torch.arange(W, device=feats.device)
+    causal = idx[None, :] <= idx[:, None]  # [W, W]
+    eye = torch.eye(W, dtype=torch.bool, device=feats.device)
+    keys, vals, total, weight_sum = [], [], 0.0, 0.0
+    hidden = feats
+    for s in range(1, steps + 1):
+        shift = s - 1
+        tok = _shift(nxt, shift)  # token t+s sits at nxt[t+s-1]
+        label = _shift(nxt, shift + 1)
+        ok = _shift(valid, shift + 1) & valid
+        pos = (idx + shift).clamp(max=cos.shape[0] - 1)
+        mask = torch.cat([causal] + [eye] * shift, dim=1)  # [W, W * s]
+
+        def attend(q, k, v):
+            keys.append(k)
+            vals.append(v)
+            return F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(vals, 2), attn_mask=mask,
+                                                  enable_gqa=True)
+
+        hidden = model(hidden, embed(tok), cos[pos][None, :, None], sin[pos][None, :, None], attend)
+        logits = model.logits(hidden)
+        target = t2d[label]
+        ok = ok & (target >= 0)
+        if ok.any():
+            w = 0.8 ** shift
+            total = total + w * F.cross_entropy(logits[ok], target[ok])
+            weight_sum += w
+    return total / max(weight_sum, 1e-9)
+
+
+def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, t + k] at column t (zeros / False past the end)."""
+    if k == 0:
+        return x
+    out = torch.zeros_like(x)
+    out[:, :-k] = x[:, k:]
+    return out
+
+
+@dataclass
+class TrainerStats:
+    steps: int = 0
+    loss: float = float("nan")
+    train_time_s: float = 0.0
+    data_policy_version: float = 0.0
+    error: str | None = None
+
+
+class DrafterTrainer:
+    def __init__(self, drafter, lr: float = 1e-3, batch: int = 8, window: int = 64, ttt_steps: int = 3,
+                 buffer_tokens: int = 32768, min_tokens: int = 1024, publish_every: int = 10, seed: int = 0):
+        self.drafter = drafter
+        target = drafter.target
+        dev = next(target.parameters()).device
+        self.model: Eagle3Model = copy.deepcopy(drafter.model).float().train()
+        self.embed = torch.nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().float().clone())
+        self.cos, self.sin = (t.to(dev) for t in _rope_tables(target, window + ttt_steps + 1))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.buffer = FeatureBuffer(buffer_tokens, 3 * target.cfg.hidden_size, torch.bfloat16, dev)
+        self.batch, self.window, self.ttt_steps = batch, window, ttt_steps
+        self.min_tokens, self.publish_every = min_tokens, publish_every
+        self.gen = torch.Generator().manual_seed(seed)  # CPU generator: window picks are host-side ints
+        self.stats = TrainerStats()
+        self.version = 0
+        self._published: tuple[int, dict] | None = None
+        self._vocab_chosen = False
+        self._idle = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        drafter.sink = self.buffer.add
+        drafter.source = self
+
+    # ---- data and weights ------------------------------------------------------------------------
+    def latest(self) -> tuple[int, dict] | None:
+        return self._published
+
+    def publish(self) -> None:
+        self.version += 1
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self._published = (self.version, state)
+
+    def _choose_vocab(self) -> None:
+        """Draft vocabulary = the most frequent target tokens seen so far (chosen once). The head
+        starts as the target's own rows for those tokens (and its final norm): the drafter's output
+        lives in the target's residual space, so this is a far better start than random."""
+        if self._vocab_chosen:
+            return
+        counts = torch.bincount(self.buffer.all_next_tokens().cpu(), minlength=self.model.cfg.vocab_size)
+        self.model.set_draft_vocab(draft_vocab_from_counts(counts.float(), self.model.cfg.draft_vocab_size))
+        target = self.drafter.target
+        with torch.no_grad():
+            ids = self.model.to_target(torch.arange(self.model.cfg.draft_vocab_size, device=self.model.d2t.device))
+            self.model.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)].float())
+            self.model.norm.weight.copy_(target.model.norm.weight.float())
+        self._vocab_chosen = True
+
+    # ---- training ----------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return self.buffer.tokens >= self.min_tokens
+
+    def train_steps(self, n: int) -> float:
+        """n optimizer steps now; returns the last loss (nan when there is no data yet)."""
+        for _ in range(n):
+            if not self.ready():
+                break
+            self._step()
+            if self.stats.steps % self.publish_every == 0:
+                self.publish()
+        return self.stats.loss
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        self._choose_vocab()
+        feats, nxt, valid, ver = self.buffer.sample(self.batch, self.window, self.gen)
+        t2d = self.model.target_to_draft()
+        loss = ttt_loss(self.model, self.embed, self.cos, self.sin, feats.float(), nxt, valid, t2d, self.ttt_steps)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        s = self.stats
+        s.steps += 1
+        s.loss = float(loss.detach())
+        s.train_time_s += time.perf_counter() - t0
+        s.data_policy_version = ver
+
+    # ---- background -------------------------------------------------------------------------------
+    def set_idle(self, idle: bool) -> None:
+        """The engine says whether compute is spare (tail of a rollout, or between rollouts)."""
+        (self._idle.set if idle else self._idle.clear)()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="drafter-trainer", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._idle.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._idle.wait(timeout=0.5)
+                if self._stop.is_set() or not self._idle.is_set() or not self.ready():
+                    time.sleep(0.05)
+                    continue
+                self.train_steps(1)
+        except Exception as exc:  # never let drafter training take the RL run down
+            log.exception("drafter training stopped; the engine keeps the last published drafter")
+            self.stats.error = repr(exc)
+
+    def metrics(self, policy_version: int) -> dict[str, float]:
+        s = self.stats
+        return {"drafter/loss": s.loss, "drafter/version": float(self.version), "drafter/train_steps": float(s.steps),
+                "drafter/train_time_s": s.train_time_s, "drafter/buffer_tokens": float(self.buffer.tokens),
+                "drafter/policy_lag": float(policy_version - s.data_policy_version),
+                "drafter/failed": float(s.error is not None)}
+
+
+def _rope_tables(target, length: int):
+    target.init_rope(length)  # a no-op when the engine's tables already cover it (they only grow)
+    return target.rope_cos[:length].float().cpu(), target.rope_sin[:length].float().cpu()

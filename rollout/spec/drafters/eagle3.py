@@ -1,0 +1,242 @@
+"""The learned EAGLE-3 drafter inside the engine: catch up on the target's features, then draft.
+
+Per sequence the drafter keeps one layer of KV in the engine's cache (an extra layer, so rows move
+with the target's) and a staging copy of the target features of every cached position. Each step:
+1. catch-up: run positions valid..cache_len-1 (features of token t, embedding of token t+1),
+   writing the drafter's KV; the last output predicts the token after the pending one;
+2. draft: feed the drafter's own output back for depth-1 more steps. These speculative steps attend
+   over the cached context plus their own keys held locally, never written, so tree branches
+   sharing a row cannot clobber each other and rejected drafts leave nothing behind.
+At temperature 0 drafts are greedy (top-w at the root for trees) and verified as one-hot
+proposals. At temperature > 0 they are sampled from q, the drafter's distribution processed exactly
+like the target's (temperature, top-k, top-p), and returned with q so verification accepts with
+min(1, p/q): acceptance is then sum(min(p, q)), close to 1 where q matches p, while a greedy draft
+of a high-entropy target is accepted only with probability p(argmax q).
+New weights from a trainer are swapped in here, between decode iterations, and invalidate the drafter KV (it was computed by the old weights), which the staging copy rebuilds.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rollout.spec.drafters.base import Draft, register
+from rollout.spec.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rollout.runtime.sampling import probs_from_logits, sample
+from rollout.runtime.sequence import Sequence
+
+
+MAX_CONF = 0.4  # max-confidence stop rule: end the draft below this top-1 drafter probability
+SVIP_BOUND = 0.3  # SVIP: end the draft when sqrt(0.15 * entropy) exceeds this
+
+
+@register("eagle3")
+class Eagle3Drafter:
+    name = "eagle3"
+    extra_kv_layers = 1
+
+    def __init__(self, target, model: Eagle3Model | None = None, draft_vocab_size: int = 4096, seed: int = 0):
+        self.target = target
+        p = next(target.parameters())
+        if model is None:
+            torch.manual_seed(seed)
+            model = Eagle3Model(Eagle3Config.for_target(target.cfg, draft_vocab_size))
+        if model.cfg.vocab_size != target.cfg.vocab_size or model.cfg.hidden_size != target.cfg.hidden_size:
+            from rollout.errors import TokenizerMismatchError
+
+            raise TokenizerMismatchError(
+                f"drafter (vocab {model.cfg.vocab_size}, hidden {model.cfg.hidden_size}) does not fit the target "
+                f"(vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size}); train or export a drafter "
+                "for this target model")
+        self.model = model.to(device=p.device, dtype=p.dtype).eval()
+        self.aux_layers = tuple(model.cfg.aux_layer_ids)
+        self.version = 0
+        self.source = None  # a DrafterTrainer (or anything with .latest()) publishing new weights
+        self.sink = None  # callable(features [n, 3H], token_ids, policy_version) for finished samples
+        self.policy_version = 0
+        self.stage: torch.Tensor | None = None  # [sequences of the call, positions, 3H]
+        self.slot: dict[int, int] = {}
+        self.valid: dict[int, int] = {}
+        self.params = None  # the call's SamplingParams: drafts are processed like the target
+        self.generator = None
+        self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
+
+    # ---- engine hooks ---------------------------------------------------------------------------
+    def start(self, seqs: list[Sequence], length: int, params=None, generator=None) -> None:
+        self.params, self.generator = params, generator
+        H3 = 3 * self.model.cfg.hidden_size
+        p = next(self.model.parameters())
+        if self.stage is None or self.stage.shape[0] < len(seqs) or self.stage.shape[1] < length:
+            self.stage = torch.zeros(len(seqs), length, H3, dtype=p.dtype, device=p.device)
+        self.slot = {id(s): i for i, s in enumerate(seqs)}
+        self.valid = {id(s): 0 for s in seqs}
+
+    def begin(self, groups) -> None:
+        pass
+
+    def observe_prefill(self, groups: list[list[Sequence]], feats: torch.Tensor) -> None:
+        """feats [P, T, 3H]: the target's features of each group's prompt positions."""
+        for g, f in zip(groups, feats):
+            n = len(g[0].prompt_ids)
+            for s in g:
+                self.stage[self.slot[id(s)], :n] = f[:n]
+
+    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor, accepted) -> None:
+        """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept."""
+        nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long), path.clamp(min=0)], 1).to(feats.device)
+        kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
+        for i, (s, a) in enumerate(zip(seqs, accepted)):
+            start = s.cache_len
+            self.stage[self.slot[id(s)], start:start + a + 1] = kept[i, :a + 1]
+
+    def finish(self, seq: Sequence) -> None:
+        slot = self.slot.pop(id(seq), None)
+        self.valid.pop(id(seq), None)
+        if slot is not None and self.sink is not None and seq.cache_len > 2:
+            self.sink(self.stage[slot, :seq.cache_len], seq.all_ids()[:seq.cache_len + 1], self.policy_version)
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
+        self._maybe_swap()
+        if max(max_tokens, default=0) == 0:
+            return [Draft() for _ in seqs]
+        h_last, ready = self._catch_up(seqs)
+        depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
+        branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
+        return [_to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
+                else Draft() for i, cap in enumerate(max_tokens)]
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _maybe_swap(self) -> None:
+        latest = self.source.latest() if self.source is not None else None
+        if latest is not None and latest[0] > self.version:
+            self.version, state = latest
+            self.model.load_state_dict(state)
+            self.valid = {k: 0 for k in self.valid}  # drafter KV came from the old weights
+
+    def _catch_up(self, seqs: list[Sequence]):
+        """Run the positions each sequence has not yet shown the drafter; returns its last output [B, H]."""
+        B = len(seqs)
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        starts = [self.valid[id(s)] for s in seqs]
+        counts = [s.cache_len - st for s, st in zip(seqs, starts)]
+        C = max(max(counts), 1)
+        feats = self.stage.new_zeros(B, C, self.stage.shape[-1])
+        toks = torch.zeros(B, C, dtype=torch.long)
+        for i, (s, st, c) in enumerate(zip(seqs, starts, counts)):
+            feats[i, :c] = self.stage[self.slot[id(s)], st:st + c]
+            toks[i, :c] = torch.tensor(s.all_ids()[st + 1:st + 1 + c])
+        j = torch.arange(C)[None, :]
+        real = j < torch.tensor(counts)[:, None]
+        start = torch.tensor(starts)[:, None]
+        write = torch.where(real, start + j, cache.length - 1)  # padding lands in the unused tail
+        pos = write.clamp(max=self.target.rope_cos.shape[0] - 1)
+        S = int((start + C).max())
+        key = torch.arange(S)[None, None, :]
+        mask = (key < start[..., None]) | ((key >= start[..., None]) & (key <= (start + j)[..., None]))
+        dev = feats.device
+        k_cache, v_cache = cache.k[L], cache.v[L]
+        rows = torch.arange(B, device=dev)[:, None].expand(B, C)
+
+        def attend(q, k, v):
+            k_cache[rows, :, write.to(dev)] = k.transpose(1, 2)
+            v_cache[rows, :, write.to(dev)] = v.transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k_cache[:B, :, :S], v_cache[:B, :, :S],
+                                                  attn_mask=mask[:, None].to(dev), enable_gqa=True)
+
+        with torch.inference_mode():
+            out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
+        for s in seqs:
+            self.valid[id(s)] = s.cache_len
+        last = torch.tensor([max(c - 1, 0) for c in counts], device=dev)
+        return out[torch.arange(B, device=dev), last], [c > 0 for c in counts]
+
+    def _confident(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R] bool: may the chain go on, by the arm's stop rule (reference.md section 2)?"""
+        if self.stop_rule == "none":
+            return torch.ones(len(logits), dtype=torch.bool, device=logits.device)
+        probs = torch.softmax(logits, -1)
+        if self.stop_rule == "max_conf":
+            return probs.max(-1).values >= MAX_CONF
+        entropy = -(probs * torch.log(probs.clamp(min=1e-12))).sum(-1)
+        return torch.sqrt(0.15 * entropy) <= SVIP_BOUND
+
+    def _pick(self, h: torch.Tensor, k: int):
+        """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, V] or None,
+        confident [R]). Greedy: the top k. Sampling: k i.i.d. draws from q, the processed
+        full-vocabulary distribution."""
+        logits = self.model.logits(h)
+        ok = self._confident(logits)
+        if self.params is None or self.params.greedy:
+            return self.model.to_target(logits.topk(k, -1).indices), None, ok
+        full = logits.new_full((len(h), self.model.cfg.vocab_size), float("-inf"))
+        full[:, self.model.to_target(torch.arange(logits.shape[-1], device=h.device))] = logits
+        q = probs_from_logits(full, self.params).repeat_interleave(k, 0)  # [R*k, V]
+        tok = sample(q, self.generator)
+        return tok.view(len(h), k), q.view(len(h), k, -1), ok
+
+    def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
+        """Chains, `width` of them branching at the root -> (target ids [B, width, depth],
+        q [B, width, depth, V] on the CPU or None for greedy drafts, nodes to keep per row [B] by the
+        stop rule: a chain ends before the first token drawn from an unsure distribution)."""
+        B, dev = len(seqs), h.device
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        with torch.inference_mode():
+            first, q_first, ok = self._pick(h, width)  # [B, w]
+            alive = ok.repeat_interleave(width)
+            kept = alive.long()
+            tok = first.reshape(-1)  # [B*w]
+            qs = None if q_first is None else [q_first.reshape(B * width, -1)]
+            rows = torch.arange(B, device=dev).repeat_interleave(width)
+            lens = torch.tensor([s.cache_len for s in seqs]).repeat_interleave(width)
+            S = int(lens.max())
+            ctx_k, ctx_v = cache.k[L][rows, :, :S], cache.v[L][rows, :, :S]
+            ctx_mask = (torch.arange(S)[None, :] < lens[:, None]).to(dev)
+            local_k, local_v, out = [], [], [tok]
+            h = h.repeat_interleave(width, 0)
+            for step in range(1, depth):
+                pos = (lens + step - 1).clamp(max=self.target.rope_cos.shape[0] - 1)[:, None]
+
+                def attend(q, k, v):
+                    local_k.append(k)
+                    local_v.append(v)
+                    keys, vals = torch.cat([ctx_k, *local_k], 2), torch.cat([ctx_v, *local_v], 2)
+                    m = torch.cat([ctx_mask, ctx_mask.new_ones(len(rows), len(local_k))], 1)
+                    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=m[:, None, None], enable_gqa=True)
+
+                h = self.model(h[:, None], self._embed(tok[:, None]), *self._rope(pos), attend)[:, 0]
+                nxt, q, ok = self._pick(h, 1)
+                alive &= ok
+                kept += alive.long()
+                tok = nxt[:, 0]
+                out.append(tok)
+                if qs is not None:
+                    qs.append(q[:, 0])
+        ids = torch.stack(out, 1).view(B, width, depth).cpu()
+        keep = (kept.view(B, width).min(-1).values * width).tolist()  # trees: every branch to the shortest
+        return ids, None if qs is None else torch.stack(qs, 1).view(B, width, depth, -1).float().cpu(), keep
+
+    def _embed(self, toks: torch.Tensor) -> torch.Tensor:
+        return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))
+
+    def _rope(self, pos: torch.Tensor):
+        dtype = self.target.lm_head.weight.dtype
+        dev = self.target.rope_cos.device
+        return (self.target.rope_cos[pos.to(dev)].to(dtype).unsqueeze(2),
+                self.target.rope_sin[pos.to(dev)].to(dtype).unsqueeze(2))
+
+    target_cache = None  # the engine's KVCache; set by the engine when it allocates
+
+
+def _to_draft(branches: torch.Tensor, q, cap: int, width: int) -> Draft:
+    """[w, depth] target ids (+ q [w, depth, V]) -> a Draft of at most `cap` nodes: w chains below the root."""
+    if cap <= 0:
+        return Draft()
+    if width == 1:
+        return Draft.chain(branches[0, :cap].tolist(), None if q is None else q[0, :cap])
+    w = min(width, cap)
+    depth = cap // w
+    tokens, parents = [], []
+    for b in range(w):
+        for d in range(depth):
+            parents.append(-1 if d == 0 else len(tokens) - 1)
+            tokens.append(int(branches[b, d]))
+    return Draft(tokens, parents, None if q is None else q[:w, :depth].reshape(w * depth, -1))

@@ -1,0 +1,114 @@
+"""Choosing how to speculate for the live batch: the `Selector` interface and the long-tail policy.
+
+An Arm says which drafter runs and how deep/wide it drafts; depth 0 is plain decoding. The
+long-tail selector speculates where the measured costs say it pays: it compares, for every depth,
+the expected tokens per verify (from the tracked acceptance rate) with the measured cost of a
+verify of that size relative to one plain decode step at the same live batch (plus the drafting
+time). Verification is cheap relative to decode at small batches and dear at large ones, so the
+chosen depth grows as the batch shrinks into its tail, with no batch threshold written down.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rollout.spec.cost_model import AcceptanceTracker, CostModel, bucket
+
+HYSTERESIS = 0.05  # speculation turns on above 1.05x estimated gain, off below 0.95x
+
+
+@dataclass(frozen=True)
+class Arm:
+    drafter: str  # "none" or a registered drafter name
+    depth: int = 0  # drafted tokens along a path; 0 = no speculation
+    width: int = 1  # children per node; 1 = chain
+    # learned drafters only: end a sequence's draft early when the drafter is unsure
+    # ("max_conf": top-1 probability < 0.4; "entropy": SVIP's sqrt(0.15 H) > 0.3, H in nats)
+    stop: str = "none"
+
+    @property
+    def nodes(self) -> int:
+        """Draft tree size: a chain of `depth`, or `width` branches of `depth` each."""
+        return self.depth * self.width
+
+    @property
+    def speculative(self) -> bool:
+        return self.depth > 0 and self.drafter != "none"
+
+
+OFF = Arm("none")
+
+
+class Selector(Protocol):
+    def choose(self, batch: int) -> Arm: ...
+
+    def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
+                drafted: list[int], accepted: list[int]) -> None: ...
+
+
+@dataclass
+class LongTailSelector:
+    drafter: str
+    max_depth: int
+    width: int = 1
+    max_spec_batch: int | None = None  # a user override: never speculate above this live batch
+    costs: CostModel = field(default_factory=CostModel)
+    acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    draft_seconds: dict = field(default_factory=dict)  # batch bucket -> EMA seconds per propose
+    on: bool = False
+    last_gain: float = 0.0
+
+    def depths(self) -> list[int]:
+        ds, d = [], 1
+        while d < self.max_depth:
+            ds.append(d)
+            d *= 2
+        return ds + [self.max_depth]
+
+    def verify_sizes(self) -> list[int]:
+        """Every T (tokens per row in one forward) the cost model should be calibrated at."""
+        return [1] + [1 + d * self.width for d in self.depths()]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.max_depth * self.width
+
+    def reset_acceptance(self, drafter: str) -> None:
+        """The drafter's weights changed: its acceptance evidence belongs to the old weights."""
+        self.acceptance = AcceptanceTracker()
+
+    def metrics(self) -> dict[str, float]:
+        return {"strategy/spec_on": float(self.on), "strategy/expected_speedup": self.last_gain,
+                "strategy/accept_rate": self.acceptance.rate}
+
+    def gain(self, batch: int, depth: int) -> float:
+        """Estimated tokens per second with `depth` drafts over tokens per second without."""
+        arm = Arm(self.drafter, depth, self.width)
+        rel = self.costs.relative(batch, 1 + arm.nodes)
+        plain = self.costs.cost(batch, 1)
+        if rel is None or not plain:
+            return 0.0
+        draft = self.draft_seconds.get(bucket(batch), 0.0) / plain
+        # the tracked rate is per level of this shape: a chain token, or any of `width` siblings
+        return self.acceptance.expected_tokens(depth) / (rel + draft)
+
+    def choose(self, batch: int) -> Arm:
+        if self.max_spec_batch is not None and batch > self.max_spec_batch:
+            self.on = False
+            return OFF
+        best_depth, best = max(((d, self.gain(batch, d)) for d in self.depths()), key=lambda x: x[1])
+        self.last_gain = best
+        self.on = best > (1 - HYSTERESIS if self.on else 1 + HYSTERESIS)
+        return Arm(self.drafter, best_depth, self.width) if self.on else OFF
+
+    def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
+                drafted: list[int], accepted: list[int]) -> None:
+        self.costs.observe(batch, 1 + arm.nodes, seconds)
+        if arm.speculative:
+            key = bucket(batch)
+            old = self.draft_seconds.get(key)
+            self.draft_seconds[key] = draft_seconds if old is None else 0.8 * old + 0.2 * draft_seconds
+            # evidence per level: a tree of n nodes offers n // width levels, each passed or not
+            levels = [n if self.width == 1 else max(1, n // self.width) for n in drafted]
+            self.acceptance.observe(levels, accepted)
+
