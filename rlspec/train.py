@@ -235,20 +235,13 @@ def export_byproduct_drafter(cfg: Config, trainer, out: Path) -> str | None:
     """Export a learned drafter to <output_dir>/drafter (EAGLE-3 format) and stop its training thread.
     Best effort: a failing export is reported, never raised over the run's own outcome."""
     engine = getattr(trainer, "engine", None)
-    drafter = engine.drafters.learned if getattr(engine, "drafters", None) is not None else None
-    if drafter is None:
+    if engine is None or engine.speculation.learned is None:
         return None
     engine.close()
     if not cfg.drafter.export:
         return None
     try:
-        from rlspec.export import export_drafter
-
-        trainer_ = getattr(drafter, "source", None)
-        model = trainer_.model if trainer_ is not None else drafter.model  # the float32 master copy
-        meta = {"policy_version": engine.policy_version,
-                "train_steps": trainer_.stats.steps if trainer_ is not None else 0}
-        path = export_drafter(model, str(out / "drafter"), target=engine.model.cfg.hf_config, metadata=meta)
+        path = engine.export_drafter(str(out / "drafter"))
         print(f"rlspec.train: exported the drafter to {path}", flush=True)
         return path
     except Exception as exc:  # noqa: BLE001

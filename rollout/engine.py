@@ -13,15 +13,15 @@ from collections.abc import Iterable
 import torch
 
 from rollout.spec.draft_batch import DraftBatch, build_draft_batch
-from rollout.spec.drafters.base import Draft, Drafter
+from rollout.spec.drafters.base import Drafter
 from rollout.errors import PromptTooLongError
 from rollout.metrics import RolloutMetrics
 from rollout.runtime.model import loader
 from rollout.runtime.runner import ModelRunner
 from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
 from rollout.runtime.sequence import Sequence
-from rollout.spec.speculation import build_speculation
-from rollout.spec.selectors.longtail import OFF, Arm
+from rollout.spec.selectors.base import Arm
+from rollout.spec.speculation import Speculation, build_speculation
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.spec.verify import verify_chain, verify_tree
 
@@ -43,8 +43,7 @@ class RolloutEngine:
         self.eos_token_ids = set(eos)
         self.policy_version = 0
         self._metrics = RolloutMetrics()
-        self.drafters, self.selector = build_speculation(self.spec, model, drafter)
-        self._drafter_version = 0
+        self.speculation: Speculation = build_speculation(self.spec, model, drafter)
         # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
         self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack())
 
@@ -76,8 +75,7 @@ class RolloutEngine:
         """Policy sync from the trainer (HF parameter names); bumps policy_version."""
         loader.load_named_tensors(self.model, named_tensors)
         self.policy_version += 1
-        if self.drafters is not None:
-            self.drafters.set_policy_version(self.policy_version)
+        self.speculation.set_policy_version(self.policy_version)
 
     def stats(self) -> dict[str, float]:
         """Slash-named metrics accumulated since the previous call."""
@@ -86,13 +84,7 @@ class RolloutEngine:
         if self.runner.cache is not None:
             out["rollout/kv_cache_mb"] = self.runner.cache.nbytes() / 2**20
             out["rollout/graph_pool_mb"] = self.runner.steps.memory_bytes() / 2**20
-        if self.selector is not None and hasattr(self.selector, "metrics"):
-            out.update(self.selector.metrics())
-        if self.drafters is not None and self.drafters.learned is not None:
-            name = self.drafters.learned.name
-            out["drafter/accept_len"] = out.get(f"rollout/accept_len/{name}", 1.0)
-            if self.drafters.trainer is not None:
-                out.update(self.drafters.trainer.metrics(self.policy_version))
+        out.update(self.speculation.metrics(out, self.policy_version))
         self._metrics = RolloutMetrics()
         return out
 
@@ -113,13 +105,10 @@ class RolloutEngine:
             for i, p in enumerate(prompt_token_ids) for j in range(params.n)
         ]
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
-        learned = self.drafters.learned if self.drafters is not None else None
-        extra = self.drafters.extra_kv_layers if self.drafters is not None else 0
-        self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(), extra)
-        self._calibrate()
-        if learned is not None:  # it keeps per-call state and a KV layer in the shared cache
-            learned.target_cache = self.runner.cache
-            learned.start(seqs, self.runner.cache.length, params, gen)
+        cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(),
+                                         self.speculation.extra_kv_layers)
+        self.speculation.calibrate(self.runner, cache.rows, cache.length)
+        self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
         t0 = time.perf_counter()
         waiting = deque(seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids)))
         live: list[Sequence] = []
@@ -152,17 +141,15 @@ class RolloutEngine:
                 s.row = base
                 base += 1
             heads.append(g[0].row)
-        logits, hiddens = self.runner.prefill([g[0].prompt_ids for g in groups], heads, self._aux_layers())
-        if hiddens:
-            self.drafters.learned.observe_prefill(groups, self._features(hiddens))
+        logits, hiddens = self.runner.prefill([g[0].prompt_ids for g in groups], heads, self.speculation.aux_layers)
+        self.speculation.observe_prefill(groups, hiddens)
         for g, head_logits in zip(groups, logits):
             self.runner.cache.copy_row(g[0].row, [s.row for s in g[1:]], len(g[0].prompt_ids))
             first = self._sample_first(head_logits, len(g), params, gen)
             for s, (tok, lp) in zip(g, first):
                 s.append([tok], [lp], stop_ids)
             live.extend(g)
-        if self.drafters is not None:
-            self.drafters.begin(groups)
+        self.speculation.begin(groups)
 
     def _sample_first(self, logits: torch.Tensor, n: int, params, gen) -> list[tuple[int, float]]:
         rows = logits[None].expand(n, -1)
@@ -173,36 +160,30 @@ class RolloutEngine:
         """One target forward for the whole live batch: plain decode, or verify of each row's draft.
         Returns (tokens emitted, whether the step speculated)."""
         assert all(s.row == i for i, s in enumerate(live)), "live rows must be compact"
-        arm = self.selector.choose(len(live)) if self.selector is not None else OFF
+        arm = self.speculation.choose(len(live))
         t0 = time.perf_counter()
         drafts = self._propose(live, arm)
         t1 = time.perf_counter()
         batch = build_draft_batch([s.pending for s in live], drafts)
         start = torch.tensor([s.cache_len for s in live])
-        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask, self._aux_layers())
+        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
+                                           self.speculation.aux_layers)
         logits = logits.cpu()
         path, accepted, next_token = self._verify(logits, batch, params, gen)
         acc = accepted.tolist()
-        if hiddens:
-            self.drafters.learned.observe_verify(live, self._features(hiddens), path, acc)
+        self.speculation.observe_verify(live, hiddens, path, acc)
         emitted = self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
         drafted = [len(d) for d in drafts]
-        if self.selector is not None:
-            if self.drafters.version() != self._drafter_version:  # new weights: old evidence is stale
-                self._drafter_version = self.drafters.version()
-                self.selector.reset_acceptance(self.drafters.learned.name)
-            self.selector.observe(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, acc)
+        self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, acc)
         self._metrics.record_verify(arm.drafter, drafted, acc)
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
         return emitted, arm.speculative
 
     def _propose(self, live: list[Sequence], arm: Arm) -> list[Draft]:
-        if not arm.speculative:
-            return [Draft() for _ in live]
         room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the buffer
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
         caps = [max(0, min(arm.nodes, s.remaining - 1, room - s.cache_len)) for s in live]
-        return self.drafters.propose(arm, live, caps)
+        return self.speculation.propose(arm, live, caps)
 
     def _verify(self, logits, batch: DraftBatch, params, gen):
         """Returns (path [B, N] accepted node indices, accepted [B], next_token [B])."""
@@ -240,10 +221,9 @@ class RolloutEngine:
         survivors = [s for s in live if not s.finished]
         if bar is not None and len(survivors) < len(live):
             bar.update(len(live) - len(survivors))
-        if self.drafters is not None:  # model-free drafters index finished samples; eagle3 banks them
-            for s in live:
-                if s.finished:
-                    self.drafters.finish(s)
+        for s in live:
+            if s.finished:
+                self.speculation.finish(s)
         for new_row, s in enumerate(survivors):
             if s.row != new_row:
                 self.runner.cache.move(s.row, new_row, s.cache_len)
@@ -251,36 +231,32 @@ class RolloutEngine:
         return survivors
 
     # ---- helpers ------------------------------------------------------------------------------
+    @property
+    def selector(self):
+        return self.speculation.selector
+
+    def export_drafter(self, path: str, metadata: dict | None = None) -> str:
+        """Write the learned drafter (as trained so far) in the EAGLE-3 format vLLM and SGLang load."""
+        meta = {"policy_version": self.policy_version, **(metadata or {})}
+        return self.speculation.export_drafter(path, self.model.cfg.hf_config, meta)
+
     def close(self) -> None:
-        """Stop background drafter training (the engine stays usable)."""
-        if self.drafters is not None and self.drafters.trainer is not None:
-            self.drafters.trainer.stop()
+        """Stop background drafter training (the engine stays usable; the last drafter is kept)."""
+        self.speculation.close()
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _signal_idle(self, idle: bool) -> None:
-        """Tell an online drafter trainer whether compute is spare: the tail (a quarter of the rows or
-        fewer still live) or between rollouts."""
-        if self.drafters is not None and self.drafters.trainer is not None:
-            self.drafters.trainer.set_idle(idle)
-
-    def _aux_layers(self) -> tuple[int, ...]:
-        return self.drafters.aux_layers if self.drafters is not None else ()
-
-    def _features(self, hiddens: dict) -> torch.Tensor:
-        """EAGLE-3 features: the chosen layers' hidden states side by side [.., 3H]."""
-        return torch.cat([hiddens[i] for i in self._aux_layers()], dim=-1)
-
-    def _calibrate(self) -> None:
-        """Seed the cost model once: dummy forwards per batch bucket at every verify size."""
-        if self.selector is None or self.selector.costs.table:
-            return
-        sizes = sorted(set(self.selector.verify_sizes()))
-        rows = self.runner.cache.rows
-        ctx = min(128, self.runner.cache.length - max(sizes) - 1)
-        self.selector.costs.calibrate(self.runner, rows, sizes, context=max(ctx, 1))
+        """Compute is spare in the tail (a quarter of the rows or fewer still live) or between rollouts."""
+        self.speculation.set_idle(idle)
 
     def _draft_slack(self) -> int:
         """Extra cache positions so padded drafts never write past the buffer."""
-        return 1 + (self.selector.max_nodes if self.selector is not None else 0)
+        return 1 + self.speculation.max_nodes
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:

@@ -42,10 +42,15 @@ class SamplingParams:
 class SpecConfig:
     """How the engine speculates. The default is no speculation (plain autoregressive decoding)."""
 
-    drafter: Literal["none", "ngram", "suffix", "eagle3", "auto"] = "none"
+    # "none", "auto" (every registered drafter marked auto: suffix, ngram, eagle3), or a registered
+    # drafter name (rollout.spec.registry.DRAFTERS: ngram, suffix, eagle3, and plug-ins)
+    drafter: str = "none"
     num_draft_tokens: int = 4  # k: drafted tokens per verify along one path
     tree_width: int = 1  # children per node; 1 = a chain
-    selector: Literal["fixed", "adaptive"] = "fixed"
+    # a registered selector (rollout.spec.registry.SELECTORS): "fixed" (the configured shape where
+    # measured costs say it pays, deeper as the batch shrinks), "adaptive" (a bandit over drafters
+    # and shapes per live-batch bucket), "always" (the configured arm on every step: benchmarks, tests)
+    selector: str = "fixed"
     drafter_path: str | None = None  # a learned drafter's directory (eagle3)
     # Long tail: speculate only when the live batch is at most this many sequences; None lets the
     # engine derive it from measured verify costs. Hysteresis keeps it from flapping.
@@ -56,15 +61,15 @@ class SpecConfig:
     draft_vocab_size: int = 4096  # eagle3: the drafter predicts over the most frequent target tokens
 
     def __post_init__(self) -> None:
-        valid = ("none", "ngram", "suffix", "eagle3", "auto")
-        if self.drafter not in valid:
-            raise ValueError(f"SpecConfig.drafter must be one of {valid}, got {self.drafter!r}")
+        from rollout.spec.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
+
+        if self.drafter not in ("none", "auto"):
+            DRAFTERS.check(self.drafter)
         if self.num_draft_tokens < 1:
             raise ValueError(f"SpecConfig.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.tree_width < 1:
             raise ValueError(f"SpecConfig.tree_width must be >= 1, got {self.tree_width}")
-        if self.selector not in ("fixed", "adaptive"):
-            raise ValueError(f"SpecConfig.selector must be 'fixed' or 'adaptive', got {self.selector!r}")
+        SELECTORS.check(self.selector)
 
     @property
     def enabled(self) -> bool:

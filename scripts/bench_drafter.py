@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=args.k, online_training=False)  # trained below
     eng = RolloutEngine.from_pretrained(args.model, spec=spec, dtype=args.dtype, max_model_len=512)
     plain = RolloutEngine(eng.model, eng.tokenizer, eos_token_ids=eng.eos_token_ids, max_model_len=512)
-    trainer = DrafterTrainer(eng.drafters.learned, lr=1e-3, batch=8, window=64, ttt_steps=3, publish_every=10**9)
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, lr=1e-3, batch=8, window=64, ttt_steps=3, publish_every=10**9))
     held_out = math_prompts(eng.tokenizer, args.eval_prompts, seed=12345)
     eval_params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1)
     collect_params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=4)

@@ -171,10 +171,12 @@ class DrafterTrainer:
         self._idle = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        drafter.sink = self.buffer.add
-        drafter.source = self
 
     # ---- data and weights ------------------------------------------------------------------------
+    def add(self, feats: torch.Tensor, token_ids: list[int], policy_version: int) -> None:
+        """A finished sample: features [n, 3H] of its positions and its n+1 tokens."""
+        self.buffer.add(feats, token_ids, policy_version)
+
     def latest(self) -> tuple[int, dict] | None:
         return self._published
 

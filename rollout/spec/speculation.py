@@ -1,29 +1,62 @@
-"""Speculation setup: which drafters run, which selector picks the arm, and one object for their hooks.
+"""Speculation: the one object the engine talks to about drafting, whatever the configuration.
 
-`SpecConfig.drafter` names one drafter, or "auto" for all of them (suffix, n-gram and the learned
-EAGLE-3 one); `SpecConfig.selector` is "fixed" (the long-tail policy over the configured shape) or
-"adaptive" (a bandit over drafters and shapes per batch size). The engine talks to a `DrafterSet`:
-bookkeeping hooks reach every drafter, a proposal goes to the drafter the chosen arm names, and the
-learned drafter (if any) also receives the target's hidden states.
+`build_speculation(spec, target)` assembles what a `SpecConfig` asks for: the drafters (one by
+name, or every registered `auto` drafter for "auto"), the selector (by name from the selector
+registry) and, for a learned drafter trained online, its trainer, which this object owns (it
+starts, stops and exports through here). Speculation off is the same object with no drafters and
+a selector that always answers OFF, so the engine loop has no `if speculating` branches.
+
+Hooks fan out: bookkeeping reaches every drafter, a proposal goes to the drafter the chosen arm
+names, and the learned drafter (at most one: it needs the target's hidden states and a KV layer of
+its own) also receives features and the call's sampling state.
 """
 from __future__ import annotations
 
-from rollout.spec.drafters.base import Draft, Drafter, make_drafter
-from rollout.spec.selectors.longtail import Arm, LongTailSelector
+import torch
+
+from rollout.spec.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
+from rollout.spec.registry import DRAFTERS, SELECTORS
+from rollout.spec.selectors.base import OFF, Arm, Selector
+from rollout.spec.selectors.forced import ForcedSelector
 from rollout.types import SpecConfig
 
-AUTO_DRAFTERS = ("suffix", "ngram", "eagle3")
 
-
-class DrafterSet:
-    def __init__(self, drafters: dict[str, Drafter]):
+class Speculation:
+    def __init__(self, drafters: dict[str, Drafter], selector: Selector, trainer=None):
         self.by_name = drafters
-        # at most one learned drafter: it needs the target's features and a KV layer of its own
-        self.learned = next((d for d in drafters.values() if hasattr(d, "aux_layers")), None)
+        self.selector = selector
+        learned = [d for d in drafters.values() if isinstance(d, LearnedDrafter)]
+        if len(learned) > 1:
+            raise ValueError(f"at most one learned drafter per engine, got {[d.name for d in learned]}")
+        self.learned: LearnedDrafter | None = learned[0] if learned else None
+        self.trainer = None
+        if trainer is not None:
+            self.attach_trainer(trainer)
+        self._seen_version = self.version()
 
+    def attach_trainer(self, trainer):
+        """Make `trainer` (a DrafterTrainer of the learned drafter) the one that trains it: it receives
+        finished samples, publishes weights, is told when compute is idle, stopped by close()."""
+        if self.learned is None:
+            raise ValueError("no learned drafter to train; use drafter='eagle3' or 'auto'")
+        if self.trainer is not None and self.trainer is not trainer:
+            self.trainer.stop()
+        self.trainer = trainer
+        self.learned.attach(trainer)
+        return trainer
+
+    @classmethod
+    def off(cls) -> "Speculation":
+        return cls({}, ForcedSelector(OFF))
+
+    # ---- what the set holds ------------------------------------------------------------------
     @property
     def names(self) -> list[str]:
         return list(self.by_name)
+
+    @property
+    def learned_names(self) -> tuple[str, ...]:
+        return (self.learned.name,) if self.learned is not None else ()
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -31,69 +64,126 @@ class DrafterSet:
 
     @property
     def extra_kv_layers(self) -> int:
-        return getattr(self.learned, "extra_kv_layers", 0)
+        return self.learned.extra_kv_layers if self.learned is not None else 0
 
     @property
-    def trainer(self):
-        """The learned drafter's online trainer, if one is attached."""
-        return getattr(self.learned, "source", None)
+    def max_nodes(self) -> int:
+        return self.selector.max_nodes
 
     def version(self) -> int:
-        return getattr(self.learned, "version", 0)
+        return self.learned.version if self.learned is not None else 0
 
-    def propose(self, arm: Arm, seqs, caps: list[int]) -> list[Draft]:
-        drafter = self.by_name[arm.drafter]
-        if hasattr(drafter, "stop_rule"):
-            drafter.stop_rule = arm.stop
-        return drafter.propose(seqs, caps, arm.width)
+    # ---- the loop's hooks ----------------------------------------------------------------------
+    def start(self, seqs, cache, params, generator) -> None:
+        if self.learned is not None:
+            self.learned.start(seqs, cache, params, generator)
 
     def begin(self, groups) -> None:
         for d in self.by_name.values():
             d.begin(groups)
 
+    def choose(self, batch: int) -> Arm:
+        return self.selector.choose(batch)
+
+    def propose(self, arm: Arm, seqs, caps: list[int]) -> list[Draft]:
+        if not arm.speculative:
+            return [Draft() for _ in seqs]
+        drafter = self.by_name[arm.drafter]
+        if drafter is self.learned:
+            drafter.set_stop_rule(arm.stop)
+        return drafter.propose(seqs, caps, arm.width)
+
+    def observe_prefill(self, groups, hiddens: dict) -> None:
+        if self.learned is not None and hiddens:
+            self.learned.observe_prefill(groups, self._features(hiddens))
+
+    def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor, accepted: list[int]) -> None:
+        if self.learned is not None and hiddens:
+            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted)
+
+    def observe_step(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
+                     drafted: list[int], accepted: list[int]) -> None:
+        """Feed the selector; new drafter weights make the acceptance it measured stale."""
+        if self.version() != self._seen_version:
+            self._seen_version = self.version()
+            self.selector.reset_acceptance(self.learned.name)
+        self.selector.observe(arm, batch, seconds, draft_seconds, drafted, accepted)
+
     def finish(self, seq) -> None:
+        """Model-free drafters index finished samples; a learned one banks them for training."""
         for d in self.by_name.values():
             d.finish(seq)
 
     def set_policy_version(self, version: int) -> None:
         if self.learned is not None:
-            self.learned.policy_version = version  # tags the learned drafter's training data
+            self.learned.set_policy_version(version)
+
+    def set_idle(self, idle: bool) -> None:
+        """Tell the online trainer whether compute is spare (rollout tail, or between rollouts)."""
+        if self.trainer is not None:
+            self.trainer.set_idle(idle)
+
+    def _features(self, hiddens: dict) -> torch.Tensor:
+        """EAGLE-3 features: the chosen layers' hidden states side by side [.., 3H]."""
+        return torch.cat([hiddens[i] for i in self.aux_layers], dim=-1)
+
+    # ---- costs, metrics, lifetime ------------------------------------------------------------
+    def calibrate(self, runner, rows: int, length: int) -> None:
+        """Seed the cost model once: dummy forwards per batch bucket at every verify size."""
+        if not self.by_name or self.selector.costs.table:
+            return
+        sizes = sorted(set(self.selector.verify_sizes()))
+        ctx = min(128, length - max(sizes) - 1)
+        self.selector.costs.calibrate(runner, rows, sizes, context=max(ctx, 1))
+
+    def metrics(self, stats: dict[str, float], policy_version: int) -> dict[str, float]:
+        out = dict(self.selector.metrics())
+        if self.learned is not None:
+            out["drafter/accept_len"] = stats.get(f"rollout/accept_len/{self.learned.name}", 1.0)
+        if self.trainer is not None:
+            out.update(self.trainer.metrics(policy_version))
+        return out
+
+    def export_drafter(self, path: str, target_hf_config, metadata: dict | None = None) -> str:
+        """Write the learned drafter (the trainer's latest weights when training online) in the
+        EAGLE-3 format vLLM and SGLang load."""
+        if self.learned is None:
+            raise ValueError("this engine has no learned drafter to export; use drafter='eagle3' or 'auto'")
+        from rollout.spec.drafters.eagle3_io import save_eagle3
+
+        model = self.trainer.model if self.trainer is not None else self.learned.network()  # float32 master
+        meta = {"train_steps": self.trainer.stats.steps if self.trainer is not None else 0, **(metadata or {})}
+        return save_eagle3(model, target_hf_config, path, metadata=meta)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.stop()
 
 
-def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None):
-    """-> (DrafterSet, selector), or (None, None) without speculation."""
+def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None) -> Speculation:
+    """Drafters, selector and (for a learned drafter trained online) its trainer, as `spec` asks."""
     if not spec.enabled and custom is None:
-        return None, None
+        return Speculation.off()
     if custom is not None:
-        drafters = {getattr(custom, "name", spec.drafter): custom}
+        drafters = {custom.name: custom}
     else:
-        names = AUTO_DRAFTERS if spec.drafter == "auto" else (spec.drafter,)
-        drafters = {n: make_eagle3(spec, target) if n == "eagle3" else make_drafter(n) for n in names}
-    dset = DrafterSet(drafters)
-    if spec.selector == "adaptive" or spec.drafter == "auto":
-        from rollout.spec.selectors.bandit import AdaptiveSelector, default_arms
-
-        widths = (spec.tree_width,) if spec.tree_width > 1 else (2, 3)
-        arms = default_arms(dset.names, max_depth=spec.num_draft_tokens, widths=widths)
-        # exploring a losing arm at a large batch costs up to ~2x a plain step on CPU (bench_out/
-        # longtail.json: 10% exploration made the bandit 7% slower than plain decoding), so the
-        # engine explores at most 3% of steps; the class default stays general
-        return dset, AdaptiveSelector(arms, max_spec_batch=spec.max_spec_batch, explore_cap=0.03)
-    name = dset.names[0]
-    return dset, LongTailSelector(name, spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
-
-
-def make_eagle3(spec: SpecConfig, target):
-    from rollout.spec.drafters.eagle3 import Eagle3Drafter
-
-    if spec.drafter_path:
-        from rollout.spec.drafters.eagle3_io import load_eagle3
-
-        drafter = Eagle3Drafter(target, load_eagle3(spec.drafter_path))
-    else:  # cold: only online training makes it useful; the selector keeps it off until it pays
-        drafter = Eagle3Drafter(target, draft_vocab_size=spec.draft_vocab_size)
-    if spec.online_training:
+        names = [n for n in DRAFTERS.names() if DRAFTERS.meta(n).get("auto")] if spec.drafter == "auto" \
+            else [spec.drafter]
+        names.sort(key=lambda n: _AUTO_ORDER.get(n, len(_AUTO_ORDER)))  # the first drafter is the one "fixed" and "always" use
+        drafters = {n: make_drafter(n, target=target, spec=spec) for n in names}
+    trainer = None
+    learned = next((d for d in drafters.values() if isinstance(d, LearnedDrafter)), None)
+    if learned is not None and spec.online_training:
         from rollout.spec.drafter_training import DrafterTrainer
 
-        DrafterTrainer(drafter).start()  # attaches itself as the drafter's data sink and weight source
-    return drafter
+        trainer = DrafterTrainer(learned)
+        trainer.start()
+    # "auto" means choosing among drafters per batch: the fixed policy has one drafter, so auto is adaptive
+    selector_name = "adaptive" if spec.drafter == "auto" and spec.selector == "fixed" else spec.selector
+    learned_names = (learned.name,) if learned is not None else ()
+    return Speculation(drafters, SELECTORS.build(selector_name, spec, list(drafters), learned_names), trainer)
+
+
+# "auto" lists the cheap model-free drafters first; plug-ins marked auto come after them
+_AUTO_ORDER = {"suffix": 0, "ngram": 1, "eagle3": 2}
+

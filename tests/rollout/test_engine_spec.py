@@ -68,7 +68,7 @@ def test_eos_inside_accepted_drafts_stops_there():
     stop = max(set(sum(ref, [])), key=sum(ref, []).count)
     params_stop = SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=[stop])
     assert [r.completion_ids for r in eng.generate(prompts, params_stop)] == reference(hf, prompts, params_stop)
-    assert eng.drafters.by_name["scripted"].finished == len(prompts)
+    assert eng.speculation.by_name["scripted"].finished == len(prompts)
 
 
 def test_n_samples_and_row_limit_with_speculation():

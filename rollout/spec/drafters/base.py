@@ -5,17 +5,17 @@ KV is not cached yet). A chain is the tree with parents [-1, 0, 1, ...]. Drafter
 new prompt groups and finished samples so that model-free ones can index them.
 
 Deterministic drafters (n-gram, suffix) return no probabilities: verification then treats q as
-one-hot, which is exact for them (reference.md section 1). A drafter that samples its tokens
+one-hot, which is exact for them (docs/verification.md). A drafter that samples its tokens
 (EAGLE-3 at temperature > 0) returns `q`, the processed distribution each token was drawn from;
 verification then accepts with min(1, p/q) and resamples rejections from the residual.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from rollout.runtime.sequence import Sequence
+from rollout.spec.registry import DRAFTERS
 
 
 @dataclass
@@ -38,7 +38,11 @@ class Draft:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
 
+@runtime_checkable
 class Drafter(Protocol):
+    """What the engine calls on every drafter. One file per drafter, registered with
+    `@DRAFTERS.register(name)` on a factory `(target=None, spec=None, **overrides) -> Drafter`."""
+
     name: str
 
     def begin(self, groups: list[list[Sequence]]) -> None:
@@ -52,21 +56,39 @@ class Drafter(Protocol):
         """A sample finished; model-free drafters index it for later prompts and epochs."""
 
 
-_REGISTRY: dict[str, Callable[..., Drafter]] = {}
+@runtime_checkable
+class LearnedDrafter(Drafter, Protocol):
+    """A drafter that runs a network on the target's hidden states (EAGLE-3). Beyond `Drafter`, the
+    engine gives it the target's features, a few layers of the shared KV cache and the call's
+    sampling state, and its weights can be retrained online and exported."""
+
+    aux_layers: tuple[int, ...]  # target layers whose hidden states it reads (HF hidden_states indices)
+    extra_kv_layers: int  # KV layers it keeps as extra layers of the engine's cache (they move with rows)
+    version: int  # weights version; changes when a trainer publishes new weights
+
+    def start(self, seqs: list[Sequence], cache, params, generator) -> None:
+        """A generate call begins: its sequences, the engine's KVCache, SamplingParams and generator."""
+
+    def observe_prefill(self, groups: list[list[Sequence]], feats) -> None:
+        """feats [P, T, 3H]: the target's features at every prompt position of each admitted group."""
+
+    def observe_verify(self, seqs: list[Sequence], feats, path, accepted: list[int]) -> None:
+        """feats [B, N+1, 3H] at every verified node; path [B, N] the accepted nodes (-1 after)."""
+
+    def set_policy_version(self, version: int) -> None:
+        """The target's weights changed: tag data from now on with this version."""
+
+    def set_stop_rule(self, rule: str) -> None:
+        """How the next proposal ends its chains early: "none", "max_conf" or "entropy"."""
+
+    def attach(self, trainer) -> None:
+        """Send finished samples' features to trainer.add(...) and take new weights from trainer.latest()."""
+
+    def network(self):
+        """The drafter network (an Eagle3Model) as it drafts now, for export."""
 
 
-def register(name: str):
-    def deco(factory):
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def make_drafter(name: str, **kwargs) -> Drafter:
-    """Build a registered drafter by name (importing the built-in ones on first use)."""
-    from rollout.spec.drafters import ngram, suffix  # noqa: F401  (registration side effects)
-
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown drafter {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
+def make_drafter(name: str, target=None, spec=None, **overrides) -> Drafter:
+    """Build a registered drafter by name; the factory takes what it needs (the target model for a
+    learned drafter, the SpecConfig for its settings) and keyword overrides for its own fields."""
+    return DRAFTERS.build(name, target=target, spec=spec, **overrides)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout.spec.drafters.base import Draft, register
+from rollout.spec.drafters.base import DRAFTERS, Draft
 from rollout.spec.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rollout.runtime.sampling import probs_from_logits, sample
 from rollout.runtime.sequence import Sequence
@@ -29,7 +29,6 @@ MAX_CONF = 0.4  # max-confidence stop rule: end the draft below this top-1 draft
 SVIP_BOUND = 0.3  # SVIP: end the draft when sqrt(0.15 * entropy) exceeds this
 
 
-@register("eagle3")
 class Eagle3Drafter:
     name = "eagle3"
     extra_kv_layers = 1
@@ -50,8 +49,8 @@ class Eagle3Drafter:
         self.model = model.to(device=p.device, dtype=p.dtype).eval()
         self.aux_layers = tuple(model.cfg.aux_layer_ids)
         self.version = 0
-        self.source = None  # a DrafterTrainer (or anything with .latest()) publishing new weights
-        self.sink = None  # callable(features [n, 3H], token_ids, policy_version) for finished samples
+        self.trainer = None  # a DrafterTrainer: takes finished samples (add), publishes weights (latest)
+        self.target_cache = None  # the engine's KVCache, given at each start()
         self.policy_version = 0
         self.stage: torch.Tensor | None = None  # [sequences of the call, positions, 3H]
         self.slot: dict[int, int] = {}
@@ -61,8 +60,9 @@ class Eagle3Drafter:
         self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
 
     # ---- engine hooks ---------------------------------------------------------------------------
-    def start(self, seqs: list[Sequence], length: int, params=None, generator=None) -> None:
-        self.params, self.generator = params, generator
+    def start(self, seqs: list[Sequence], cache, params=None, generator=None) -> None:
+        self.target_cache, self.params, self.generator = cache, params, generator
+        length = cache.length
         H3 = 3 * self.model.cfg.hidden_size
         p = next(self.model.parameters())
         if self.stage is None or self.stage.shape[0] < len(seqs) or self.stage.shape[1] < length:
@@ -72,6 +72,18 @@ class Eagle3Drafter:
 
     def begin(self, groups) -> None:
         pass
+
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version = version  # tags the training data of samples finished from now on
+
+    def set_stop_rule(self, rule: str) -> None:
+        self.stop_rule = rule
+
+    def attach(self, trainer) -> None:
+        self.trainer = trainer
+
+    def network(self) -> Eagle3Model:
+        return self.model
 
     def observe_prefill(self, groups: list[list[Sequence]], feats: torch.Tensor) -> None:
         """feats [P, T, 3H]: the target's features of each group's prompt positions."""
@@ -91,8 +103,8 @@ class Eagle3Drafter:
     def finish(self, seq: Sequence) -> None:
         slot = self.slot.pop(id(seq), None)
         self.valid.pop(id(seq), None)
-        if slot is not None and self.sink is not None and seq.cache_len > 2:
-            self.sink(self.stage[slot, :seq.cache_len], seq.all_ids()[:seq.cache_len + 1], self.policy_version)
+        if slot is not None and self.trainer is not None and seq.cache_len > 2:
+            self.trainer.add(self.stage[slot, :seq.cache_len], seq.all_ids()[:seq.cache_len + 1], self.policy_version)
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
         self._maybe_swap()
@@ -106,7 +118,7 @@ class Eagle3Drafter:
 
     # ---- internals ------------------------------------------------------------------------------
     def _maybe_swap(self) -> None:
-        latest = self.source.latest() if self.source is not None else None
+        latest = self.trainer.latest() if self.trainer is not None else None
         if latest is not None and latest[0] > self.version:
             self.version, state = latest
             self.model.load_state_dict(state)
@@ -223,8 +235,6 @@ class Eagle3Drafter:
         return (self.target.rope_cos[pos.to(dev)].to(dtype).unsqueeze(2),
                 self.target.rope_sin[pos.to(dev)].to(dtype).unsqueeze(2))
 
-    target_cache = None  # the engine's KVCache; set by the engine when it allocates
-
 
 def _to_draft(branches: torch.Tensor, q, cap: int, width: int) -> Draft:
     """[w, depth] target ids (+ q [w, depth, V]) -> a Draft of at most `cap` nodes: w chains below the root."""
@@ -240,3 +250,17 @@ def _to_draft(branches: torch.Tensor, q, cap: int, width: int) -> Draft:
             parents.append(-1 if d == 0 else len(tokens) - 1)
             tokens.append(int(branches[b, d]))
     return Draft(tokens, parents, None if q is None else q[:w, :depth].reshape(w * depth, -1))
+
+
+@DRAFTERS.register("eagle3", learned=True, auto=True)
+def _build(target=None, spec=None, **overrides) -> Eagle3Drafter:
+    """A trained drafter from spec.drafter_path, or a cold one (only online training makes a cold
+    drafter useful; the selectors keep it off until its measured acceptance pays)."""
+    if target is None:
+        raise ValueError("the eagle3 drafter reads the target's hidden states: build it with target=<the model>")
+    if spec is not None and spec.drafter_path:
+        from rollout.spec.drafters.eagle3_io import load_eagle3
+
+        return Eagle3Drafter(target, load_eagle3(spec.drafter_path), **overrides)
+    vocab = spec.draft_vocab_size if spec is not None else 4096
+    return Eagle3Drafter(target, draft_vocab_size=vocab, **overrides)

@@ -19,7 +19,7 @@ import math
 from array import array
 from dataclasses import dataclass
 
-from rollout.spec.drafters.base import Draft, register
+from rollout.spec.drafters.base import DRAFTERS, Draft
 from rollout.runtime.sequence import Sequence
 
 _SHIFT = 24  # an address is doc_id << _SHIFT | position: documents up to 16M tokens
@@ -160,7 +160,6 @@ class _SeqIndex:
     seen: int  # completion tokens indexed so far
 
 
-@register("ngram")
 class NgramDrafter:
     """Prompt lookup decoding over each sequence's own prompt + completion.
 
@@ -247,3 +246,9 @@ class NgramDrafter:
             tokens += index.continuation(addr, size, periodic=True)
             parents += [-1] + list(range(start, start + size - 1))
         return Draft(tokens, parents)
+
+
+@DRAFTERS.register("ngram", learned=False, auto=True)
+def _build(target=None, spec=None, **overrides) -> NgramDrafter:
+    """Model-free: needs neither the target nor the SpecConfig."""
+    return NgramDrafter(**overrides)

@@ -30,7 +30,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from rollout.spec.drafters.base import Draft, register
+from rollout.spec.drafters.base import DRAFTERS, Draft
 from rollout.spec.drafters.ngram import NgramIndex, context_tail
 from rollout.runtime.sequence import Sequence
 
@@ -54,7 +54,6 @@ class _SeqState:
     last_used: int  # propose call counter, to drop states a failed generate left behind
 
 
-@register("suffix")
 class SuffixDrafter:
     """Suffix lookup over siblings, earlier rollouts of the prompt, recent rollouts and the prompt."""
 
@@ -247,3 +246,9 @@ def best_first(conts: list[list[int]], m: int, width: int, min_prob: float = 0.0
         parents.append(parent)
         expose(node, len(tokens) - 1)
     return Draft(tokens, parents)
+
+
+@DRAFTERS.register("suffix", learned=False, auto=True)
+def _build(target=None, spec=None, **overrides) -> SuffixDrafter:
+    """Model-free: needs neither the target nor the SpecConfig."""
+    return SuffixDrafter(**overrides)

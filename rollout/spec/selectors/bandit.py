@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 
 from rollout.spec.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket
-from rollout.spec.selectors.longtail import OFF, Arm
+from rollout.spec.selectors.base import OFF, SELECTORS, Arm
 
 FRESH_DECAY = 0.5  # the change detector looks at the last ~2 uses of a drafter
 RECENT = 0.99  # the exploration cap also holds over ~100 bucket steps: no saved-up bursts
@@ -46,14 +46,14 @@ NOISE_EMA = 0.05
 THIN_PROBE_EVERY = 20  # steps between probes of a drafter whose tracker holds too little evidence
 
 
-LEARNED = ("eagle3",)
 STOP_RULES = ("max_conf", "entropy")
 
 
 def default_arms(drafters: list[str], max_depth: int = 8, widths: tuple[int, ...] = (2, 3),
-                 max_nodes: int | None = None) -> list[Arm]:
+                 max_nodes: int | None = None, learned: tuple[str, ...] = ("eagle3",)) -> list[Arm]:
     """OFF, then per drafter chains of 1, 2, 4, ... max_depth and trees of each width, depth >= 2
-    and at most max_nodes nodes (default: no limit beyond max_depth * max(widths))."""
+    and at most max_nodes nodes (default: no limit beyond max_depth * max(widths)); learned drafters
+    also get the stop-rule arms."""
     max_nodes = max_nodes or max_depth * max(widths, default=1)
     depths, d = [], 1
     while d < max_depth:
@@ -64,7 +64,7 @@ def default_arms(drafters: list[str], max_depth: int = 8, widths: tuple[int, ...
     for name in drafters:
         arms += [Arm(name, d, 1) for d in depths]
         arms += [Arm(name, d, w) for w in widths for d in depths if d >= 2 and d * w <= max_nodes]
-        if name in LEARNED:  # confidence/entropy stop rules need the drafter's distribution
+        if name in learned:  # confidence/entropy stop rules need the drafter's distribution
             arms += [Arm(name, max_depth, 1, stop) for stop in STOP_RULES]
     return arms
 
@@ -391,3 +391,14 @@ class AdaptiveSelector:
 
     def _bucket(self, b: int) -> BucketState:
         return self.buckets.setdefault(b, BucketState())
+
+
+@SELECTORS.register("adaptive")
+def _adaptive(spec, drafters: list[str], learned: tuple[str, ...]) -> AdaptiveSelector:
+    """A bandit over every drafter of the set x chain depths x tree widths (x stop rules if learned)."""
+    widths = (spec.tree_width,) if spec.tree_width > 1 else (2, 3)
+    arms = default_arms(drafters, max_depth=spec.num_draft_tokens, widths=widths, learned=learned)
+    # exploring a losing arm at a large batch costs up to ~2x a plain step on CPU (bench_out/
+    # longtail.json: 10% exploration made the bandit 7% slower than plain decoding), so the
+    # engine explores at most 3% of steps; the class default stays general
+    return AdaptiveSelector(arms, max_spec_batch=spec.max_spec_batch, explore_cap=0.03)

@@ -1,6 +1,6 @@
-"""Choosing how to speculate for the live batch: the `Selector` interface and the long-tail policy.
+"""The long-tail selector ("fixed"): the configured drafter and shape, on where measured costs say it pays.
 
-An Arm says which drafter runs and how deep/wide it drafts; depth 0 is plain decoding. The
+The
 long-tail selector speculates where the measured costs say it pays: it compares, for every depth,
 the expected tokens per verify (from the tracked acceptance rate) with the measured cost of a
 verify of that size relative to one plain decode step at the same live batch (plus the drafting
@@ -10,40 +10,11 @@ chosen depth grows as the batch shrinks into its tail, with no batch threshold w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from rollout.spec.cost_model import AcceptanceTracker, CostModel, bucket
+from rollout.spec.selectors.base import OFF, Arm, SELECTORS
 
 HYSTERESIS = 0.05  # speculation turns on above 1.05x estimated gain, off below 0.95x
-
-
-@dataclass(frozen=True)
-class Arm:
-    drafter: str  # "none" or a registered drafter name
-    depth: int = 0  # drafted tokens along a path; 0 = no speculation
-    width: int = 1  # children per node; 1 = chain
-    # learned drafters only: end a sequence's draft early when the drafter is unsure
-    # ("max_conf": top-1 probability < 0.4; "entropy": SVIP's sqrt(0.15 H) > 0.3, H in nats)
-    stop: str = "none"
-
-    @property
-    def nodes(self) -> int:
-        """Draft tree size: a chain of `depth`, or `width` branches of `depth` each."""
-        return self.depth * self.width
-
-    @property
-    def speculative(self) -> bool:
-        return self.depth > 0 and self.drafter != "none"
-
-
-OFF = Arm("none")
-
-
-class Selector(Protocol):
-    def choose(self, batch: int) -> Arm: ...
-
-    def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
-                drafted: list[int], accepted: list[int]) -> None: ...
 
 
 @dataclass
@@ -112,3 +83,9 @@ class LongTailSelector:
             levels = [n if self.width == 1 else max(1, n // self.width) for n in drafted]
             self.acceptance.observe(levels, accepted)
 
+
+
+@SELECTORS.register("fixed")
+def _fixed(spec, drafters: list[str], learned: tuple[str, ...]) -> LongTailSelector:
+    """The configured drafter (the first of the set) and shape, deeper as the batch shrinks."""
+    return LongTailSelector(drafters[0], spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)

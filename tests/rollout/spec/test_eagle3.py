@@ -43,7 +43,7 @@ def test_incremental_drafting_equals_full_pass():
     hf = make_tiny_hf("llama", seed=7)
     eng = eagle_engine(hf, k=2)
     captured = {}
-    drafter: Eagle3Drafter = eng.drafters.learned
+    drafter: Eagle3Drafter = eng.speculation.learned
     orig = drafter._draft
 
     def spy(seqs, h, depth, width):
@@ -78,7 +78,7 @@ def test_online_training_raises_acceptance_and_keeps_exactness():
     prompts = random_prompts(8, 4, 10, seed=9)
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     eng = eagle_engine(hf, k=4)
-    trainer = DrafterTrainer(eng.drafters.learned, lr=3e-3, batch=8, window=32, min_tokens=64, publish_every=50)
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, lr=3e-3, batch=8, window=32, min_tokens=64, publish_every=50))
     ref = plain(hf, prompts, params)
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
     cold = eng.stats()["rollout/accept_len"]
@@ -92,7 +92,7 @@ def test_online_training_raises_acceptance_and_keeps_exactness():
 def test_training_crash_keeps_engine_running(monkeypatch):
     hf = make_tiny_hf("llama", seed=10)
     eng = eagle_engine(hf)
-    trainer = DrafterTrainer(eng.drafters.learned, min_tokens=1)
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, min_tokens=1))
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
     eng.generate(random_prompts(2, 4, 6), params)
     monkeypatch.setattr(trainer, "_step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -109,7 +109,7 @@ def test_training_crash_keeps_engine_running(monkeypatch):
 def test_ttt_loss_is_finite_and_decreases():
     hf = make_tiny_hf("llama", seed=12)
     eng = eagle_engine(hf)
-    trainer = DrafterTrainer(eng.drafters.learned, lr=3e-3, min_tokens=16, batch=4, window=16)
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, lr=3e-3, min_tokens=16, batch=4, window=16))
     eng.generate(random_prompts(4, 4, 8), SamplingParams(temperature=1.0, max_new_tokens=30, seed=0, ignore_eos=True))
     first = trainer.train_steps(1)
     last = trainer.train_steps(60)
@@ -146,7 +146,7 @@ def test_stop_rules_end_drafts_of_an_unsure_drafter(stop):
     hf = make_tiny_hf("llama", seed=6)
     eng = eagle_engine(hf)
     with torch.no_grad():
-        eng.drafters.learned.model.lm_head.weight.zero_()
+        eng.speculation.learned.model.lm_head.weight.zero_()
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     prompts = random_prompts(2, 4, 8)
     eng.generate(prompts, params)

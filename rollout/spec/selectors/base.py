@@ -1,0 +1,61 @@
+"""Arms, the `Selector` protocol every selector implements, and the selector registry.
+
+An arm says which drafter runs and how deep and wide it drafts; depth 0 is plain decoding. Each
+decode step the engine asks the selector for an arm for the live batch, then reports what the step
+cost and how much was accepted. The maths of each selector is in docs/selectors.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from rollout.spec.cost_model import CostModel
+from rollout.spec.registry import SELECTORS  # noqa: F401  (re-exported for selector modules)
+
+
+@dataclass(frozen=True)
+class Arm:
+    drafter: str  # "none" or a registered drafter name
+    depth: int = 0  # drafted tokens along a path; 0 = no speculation
+    width: int = 1  # children per node; 1 = chain
+    # learned drafters only: end a sequence's draft early when the drafter is unsure
+    # ("max_conf": top-1 probability < 0.4; "entropy": SVIP's sqrt(0.15 H) > 0.3, H in nats)
+    stop: str = "none"
+
+    @property
+    def nodes(self) -> int:
+        """Draft tree size: a chain of `depth`, or `width` branches of `depth` each."""
+        return self.depth * self.width
+
+    @property
+    def speculative(self) -> bool:
+        return self.depth > 0 and self.drafter != "none"
+
+
+OFF = Arm("none")
+
+
+class Selector(Protocol):
+    """Everything the engine calls on a selector."""
+
+    costs: CostModel  # measured forward costs per (batch bucket, tokens per row); the engine calibrates it
+
+    @property
+    def max_nodes(self) -> int:
+        """The largest draft any arm asks for (the engine reserves cache slack for it)."""
+
+    def verify_sizes(self) -> list[int]:
+        """Tokens per row of every forward an arm can cause (1 = plain decode): calibration points."""
+
+    def choose(self, batch: int) -> Arm:
+        """The arm for the next decode step of a live batch of this size."""
+
+    def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
+                drafted: list[int], accepted: list[int]) -> None:
+        """What the step cost (verify forward, drafting) and what each row drafted and accepted."""
+
+    def reset_acceptance(self, drafter: str) -> None:
+        """The drafter's weights changed: acceptance measured on the old weights is stale."""
+
+    def metrics(self) -> dict[str, float]:
+        """strategy/* metrics for engine.stats()."""
