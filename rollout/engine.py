@@ -171,7 +171,7 @@ class RolloutEngine:
         logits = logits.cpu()
         path, accepted, next_token = self._verify(logits, batch, params, gen)
         acc = accepted.tolist()
-        self.speculation.observe_verify(live, hiddens, path, acc)
+        self.speculation.observe_verify(live, hiddens, path, acc, logits)
         emitted = self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
         drafted = [len(d) for d in drafts]
         self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, acc)

@@ -97,9 +97,10 @@ class Speculation:
         if self.learned is not None and hiddens:
             self.learned.observe_prefill(groups, self._features(hiddens))
 
-    def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor, accepted: list[int]) -> None:
+    def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor, accepted: list[int],
+                       logits: torch.Tensor) -> None:
         if self.learned is not None and hiddens:
-            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted)
+            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, logits)
 
     def observe_step(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                      drafted: list[int], accepted: list[int]) -> None:

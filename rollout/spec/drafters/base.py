@@ -72,8 +72,9 @@ class LearnedDrafter(Drafter, Protocol):
     def observe_prefill(self, groups: list[list[Sequence]], feats) -> None:
         """feats [P, T, 3H]: the target's features at every prompt position of each admitted group."""
 
-    def observe_verify(self, seqs: list[Sequence], feats, path, accepted: list[int]) -> None:
-        """feats [B, N+1, 3H] at every verified node; path [B, N] the accepted nodes (-1 after)."""
+    def observe_verify(self, seqs: list[Sequence], feats, path, accepted: list[int], logits) -> None:
+        """feats [B, N+1, 3H] at every verified node; path [B, N] the accepted nodes (-1 after);
+        logits [B, N+1, V] float32: the target's raw logits at every node (a distillation target)."""
 
     def set_policy_version(self, version: int) -> None:
         """The target's weights changed: tag data from now on with this version."""

@@ -92,7 +92,8 @@ class Eagle3Drafter:
             for s in g:
                 self.stage[self.slot[id(s)], :n] = f[:n]
 
-    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor, accepted) -> None:
+    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor, accepted,
+                       logits: torch.Tensor | None = None) -> None:
         """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept."""
         nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long), path.clamp(min=0)], 1).to(feats.device)
         kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
