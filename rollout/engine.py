@@ -7,11 +7,12 @@ drafts, so there is one code path and speculation can only change speed, never t
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from rollout.runtime.scheduler import Scheduler
 from rollout.spec.draft_batch import DraftBatch, build_draft_batch
 from rollout.spec.drafters.base import Drafter
 from rollout.errors import PromptTooLongError
@@ -23,7 +24,7 @@ from rollout.runtime.sequence import Sequence
 from rollout.spec.selectors.base import Arm
 from rollout.spec.speculation import Speculation, build_speculation
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from rollout.spec.verify import verify_chain, verify_tree
+from rollout.spec.verify import TreeVerdict, verify_chain, verify_tree
 
 
 class RolloutEngine:
@@ -98,6 +99,7 @@ class RolloutEngine:
         """Sample params.n completions per prompt; one flat list, prompt-major, in order."""
         params = params or SamplingParams()
         self._validate(prompt_token_ids, params)
+        # the generator lives where sampling happens: on the engine's device
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else None
         stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else self.eos_token_ids)
         seqs = [
@@ -109,57 +111,42 @@ class RolloutEngine:
                                          self.speculation.extra_kv_layers)
         self.speculation.calibrate(self.runner, cache.rows, cache.length)
         self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
-        t0 = time.perf_counter()
-        waiting = deque(seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids)))
-        live: list[Sequence] = []
-        bar = _progress(len(seqs), use_tqdm)
-        while waiting or live:
-            self._admit(waiting, live, params, gen, stop_ids)
-            live = self._retire(live, bar)  # a first token may already end a sample
-            if live:
-                emitted, spec = self._decode_step(live, params, gen, stop_ids)
-                self._metrics.batch_trace.append((time.perf_counter() - t0, len(live), emitted, spec))
-                live = self._retire(live, bar)
-        if bar is not None:
-            bar.close()
-        self._record_call(seqs, time.perf_counter() - t0)
+        sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows)
+        ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter())
+        while sched.has_work:
+            groups = sched.admit()
+            if groups:
+                self._prefill(groups, ctx)
+                self._retire(sched, ctx)  # a first token may already end a sample
+            if sched.live:
+                self._decode_step(sched.live, ctx)
+                self._retire(sched, ctx)
+        if ctx.bar is not None:
+            ctx.bar.close()
+        self._record_call(seqs, time.perf_counter() - ctx.t0)
         self._signal_idle(True)  # between rollouts the drafter may train
         return [s.result(self.policy_version) for s in seqs]
 
     # ---- the loop's stages --------------------------------------------------------------------
-    def _admit(self, waiting: deque, live: list[Sequence], params, gen, stop_ids) -> None:
-        """Prefill waiting prompt groups while rows are free; each group's n samples share one prefill."""
-        groups = []
-        while waiting and len(live) + sum(map(len, groups)) + len(waiting[0]) <= self.runner.cache.rows:
-            groups.append(waiting.popleft())
-        if not groups:
-            return
-        base = len(live)
-        heads = []
-        for g in groups:
-            for s in g:
-                s.row = base
-                base += 1
-            heads.append(g[0].row)
+    def _prefill(self, groups: list[list[Sequence]], ctx: "_Call") -> None:
+        """Prefill each admitted group's prompt once, share its KV with the group's other rows and
+        sample every sequence's first token (one host transfer for all of them)."""
+        heads = [g[0].row for g in groups]
         logits, hiddens = self.runner.prefill([g[0].prompt_ids for g in groups], heads, self.speculation.aux_layers)
         self.speculation.observe_prefill(groups, hiddens)
-        for g, head_logits in zip(groups, logits):
+        for g in groups:
             self.runner.cache.copy_row(g[0].row, [s.row for s in g[1:]], len(g[0].prompt_ids))
-            first = self._sample_first(head_logits, len(g), params, gen)
-            for s, (tok, lp) in zip(g, first):
-                s.append([tok], [lp], stop_ids)
-            live.extend(g)
+        sizes = torch.tensor([len(g) for g in groups], device=logits.device)
+        rows = logits.repeat_interleave(sizes, dim=0)  # [sum n, V]
+        p = ctx.params
+        toks = rows.argmax(-1) if p.greedy else sample(probs_from_logits(rows, p), ctx.gen)
+        host = _to_host(toks, logprobs_of(rows, toks, p))
+        for s, (tok, lp) in zip((s for g in groups for s in g), host):
+            s.append([int(tok)], [lp], ctx.stop_ids)
         self.speculation.begin(groups)
 
-    def _sample_first(self, logits: torch.Tensor, n: int, params, gen) -> list[tuple[int, float]]:
-        rows = logits[None].expand(n, -1)
-        toks = rows.argmax(-1) if params.greedy else sample(probs_from_logits(rows, params), gen)
-        return list(zip(toks.tolist(), logprobs_of(rows, toks, params).tolist()))
-
-    def _decode_step(self, live: list[Sequence], params, gen, stop_ids) -> tuple[int, bool]:
-        """One target forward for the whole live batch: plain decode, or verify of each row's draft.
-        Returns (tokens emitted, whether the step speculated)."""
-        assert all(s.row == i for i, s in enumerate(live)), "live rows must be compact"
+    def _decode_step(self, live: list[Sequence], ctx: "_Call") -> None:
+        """schedule -> draft -> forward -> verify -> commit, for the whole live batch at once."""
         arm = self.speculation.choose(len(live))
         t0 = time.perf_counter()
         drafts = self._propose(live, arm)
@@ -168,44 +155,45 @@ class RolloutEngine:
         start = torch.tensor([s.cache_len for s in live])
         logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
                                            self.speculation.aux_layers)
-        logits = logits.cpu()
-        path, accepted, next_token = self._verify(logits, batch, params, gen)
-        acc = accepted.tolist()
-        self.speculation.observe_verify(live, hiddens, path, acc, logits)
-        emitted = self._commit(live, logits, batch, path, accepted, next_token, params, stop_ids)
+        verdict = self._verify(logits, batch.to(logits.device), ctx)
+        accepted, emitted = self._commit(live, logits, verdict, batch, ctx)
+        self.speculation.observe_verify(live, hiddens, verdict.path, accepted, logits)
         drafted = [len(d) for d in drafts]
-        self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, acc)
-        self._metrics.record_verify(arm.drafter, drafted, acc)
+        self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
+        self._metrics.record_verify(arm.drafter, drafted, accepted)
+        self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
-        return emitted, arm.speculative
 
-    def _propose(self, live: list[Sequence], arm: Arm) -> list[Draft]:
+    def _propose(self, live: list[Sequence], arm: Arm):
         room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the buffer
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
         caps = [max(0, min(arm.nodes, s.remaining - 1, room - s.cache_len)) for s in live]
         return self.speculation.propose(arm, live, caps)
 
-    def _verify(self, logits, batch: DraftBatch, params, gen):
-        """Returns (path [B, N] accepted node indices, accepted [B], next_token [B])."""
+    def _verify(self, logits, batch: DraftBatch, ctx: "_Call") -> TreeVerdict:
+        """On the logits' device. Returns path [B, N] accepted node indices (-1 after), accepted [B],
+        next_token [B]; a chain's path is 1..accepted."""
         if batch.is_chain:
-            v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, gen)
+            v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, ctx.params, batch.q, ctx.gen)
             N = batch.tokens.shape[1] - 1
-            steps = torch.arange(1, N + 1)[None, :].expand(len(v.accepted), N)
-            path = torch.where(steps <= v.accepted[:, None], steps, -1)
-            return path, v.accepted, v.next_token
-        v = verify_tree(logits, batch.tokens, batch.children, params, batch.q, gen)
-        return v.path, v.accepted, v.next_token
+            steps = torch.arange(1, N + 1, device=logits.device)[None, :].expand(len(v.accepted), N)
+            return TreeVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token)
+        return verify_tree(logits, batch.tokens, batch.children, ctx.params, batch.q, ctx.gen)
 
-    def _commit(self, live, logits, batch: DraftBatch, path, accepted, next_token, params, stop_ids) -> int:
+    def _commit(self, live, logits, verdict: TreeVerdict, batch: DraftBatch, ctx: "_Call"):
         """Append accepted drafts + the target's token with target logprobs; fix KV of tree paths.
-        Returns the number of tokens kept."""
-        B = len(live)
-        at = torch.cat([torch.zeros(B, 1, dtype=torch.long), path.clamp(min=0)], 1)  # node predicting each token
-        emitted = batch.tokens.gather(1, path.clamp(min=0))
-        emitted = torch.cat([emitted, torch.zeros(B, 1, dtype=torch.long)], 1)
-        emitted.scatter_(1, accepted[:, None], next_token[:, None])
-        lps = logprobs_of(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), emitted, params)
-        acc, emitted_l, lps_l, path_l = accepted.tolist(), emitted.tolist(), lps.tolist(), path.tolist()
+
+        Everything is computed on the device; the host receives, in ONE transfer, B x (2N + 3) numbers:
+        accepted counts, accepted paths, emitted tokens and their logprobs. Returns (accepted drafts
+        per row, tokens kept in total)."""
+        B, dev = len(live), logits.device
+        path, accepted = verdict.path, verdict.accepted
+        tokens = batch.tokens.to(dev)
+        at = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)  # predicting node
+        emitted = torch.cat([tokens.gather(1, path.clamp(min=0)), torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)
+        emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
+        lps = logprobs_of(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), emitted, ctx.params)
+        acc, path_l, emitted_l, lps_l = _unpack(_to_host(accepted[:, None], path, emitted, lps), path.shape[1])
         kept = 0
         for i, s in enumerate(live):
             a = acc[i]
@@ -213,22 +201,18 @@ class RolloutEngine:
                 start = s.cache_len
                 self.runner.cache.gather_positions(s.row, [start + n for n in path_l[i][:a]],
                                                    [start + 1 + j for j in range(a)])
-            kept += s.append(emitted_l[i][:a + 1], lps_l[i][:a + 1], stop_ids)
-        return kept
+            kept += s.append(emitted_l[i][:a + 1], lps_l[i][:a + 1], ctx.stop_ids)
+        return acc, kept
 
-    def _retire(self, live: list[Sequence], bar) -> list[Sequence]:
-        """Drop finished sequences and compact the survivors into rows 0..B-1."""
-        survivors = [s for s in live if not s.finished]
-        if bar is not None and len(survivors) < len(live):
-            bar.update(len(live) - len(survivors))
-        for s in live:
-            if s.finished:
-                self.speculation.finish(s)
-        for new_row, s in enumerate(survivors):
-            if s.row != new_row:
-                self.runner.cache.move(s.row, new_row, s.cache_len)
-                s.row = new_row
-        return survivors
+    def _retire(self, sched: Scheduler, ctx: "_Call") -> None:
+        """Drop finished sequences (drafters learn of them) and refill their rows from the tail."""
+        finished, moves = sched.retire()
+        for s in finished:
+            self.speculation.finish(s)
+        for src, dst, length in moves:
+            self.runner.cache.move(src, dst, length)
+        if ctx.bar is not None and finished:
+            ctx.bar.update(len(finished))
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -304,3 +288,30 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="rollout", unit="seq", leave=False)
+
+
+@dataclass
+class _Call:
+    """What one generate call's stages share."""
+
+    params: SamplingParams
+    gen: torch.Generator | None
+    stop_ids: set[int]
+    bar: object
+    t0: float
+
+
+def _to_host(*columns: torch.Tensor) -> list[list[float]]:
+    """The decode loop's one device-to-host transfer per step: small [B, *] columns (ids, counts,
+    logprobs) side by side as float64, which holds token ids and float32 logprobs exactly."""
+    cols = [c.reshape(c.shape[0], -1).to(torch.float64) for c in columns]
+    return torch.cat(cols, 1).tolist()
+
+
+def _unpack(rows: list[list[float]], N: int):
+    """Rows of [accepted, path (N), emitted (N+1), logprobs (N+1)] -> four per-row lists."""
+    acc = [int(r[0]) for r in rows]
+    path = [[int(x) for x in r[1:1 + N]] for r in rows]
+    emitted = [[int(x) for x in r[1 + N:2 + 2 * N]] for r in rows]
+    lps = [r[2 + 2 * N:] for r in rows]
+    return acc, path, emitted, lps

@@ -25,6 +25,12 @@ class DraftBatch:
     # distribution each node's children were drawn from. None for deterministic drafts.
     q: torch.Tensor | None = None
 
+    def to(self, device) -> "DraftBatch":
+        """The same batch with every tensor on `device` (verification runs where the logits are)."""
+        move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        return DraftBatch(move(self.tokens), move(self.num_drafts), self.is_chain, move(self.depths),
+                          move(self.tree_mask), move(self.children), move(self.q))
+
 
 def build_draft_batch(pending: list[int], drafts: list[Draft]) -> DraftBatch:
     B, N = len(drafts), max((len(d) for d in drafts), default=0)

@@ -225,7 +225,7 @@ class Eagle3Drafter:
                     qs.append(q[:, 0])
         ids = torch.stack(out, 1).view(B, width, depth).cpu()
         keep = (kept.view(B, width).min(-1).values * width).tolist()  # trees: every branch to the shortest
-        return ids, None if qs is None else torch.stack(qs, 1).view(B, width, depth, -1).float().cpu(), keep
+        return ids, None if qs is None else torch.stack(qs, 1).view(B, width, depth, -1).float(), keep
 
     def _embed(self, toks: torch.Tensor) -> torch.Tensor:
         return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))

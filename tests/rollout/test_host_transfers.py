@@ -1,0 +1,73 @@
+"""The decode loop keeps vocabulary-sized tensors on the engine's device.
+
+Two checks. Static (ast, nothing runs): in the engine's decode-loop stages, in verification and in
+sampling, no call moves a tensor to the host except `_to_host`'s one `.tolist()` per step. Dynamic:
+a speculative generate (sampled EAGLE-3 drafts, trees) with every host-transfer method of
+torch.Tensor wrapped, asserting that no transfer carries as many numbers as one vocabulary row.
+On CPU the "transfers" are no-ops, but the calls are the same ones a GPU would pay for.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.engine import RolloutEngine
+from rollout.runtime.model import loader
+from rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST_METHODS = {"cpu", "tolist", "item", "numpy"}
+DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_commit", "_retire", "_unpack"}
+# (file, function) -> host calls allowed there: the one packed transfer of each step
+ALLOWED = {("rollout/engine.py", "_to_host"): {"tolist"}}
+FILES = ["rollout/engine.py", "rollout/spec/verify.py", "rollout/runtime/sampling.py", "rollout/spec/draft_batch.py"]
+
+
+def host_calls(path: str) -> list[tuple[str, int, str]]:
+    """(enclosing function, line, method) for every .cpu()/.tolist()/.item()/.numpy() call in a file."""
+    tree = ast.parse((ROOT / path).read_text())
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in HOST_METHODS):
+                    found.append((fn.name, node.lineno, node.func.attr))
+    return found
+
+
+@pytest.mark.parametrize("path", FILES)
+def test_no_host_transfers_in_the_decode_path(path):
+    checked = DECODE_STAGES | {"_to_host"} if path == "rollout/engine.py" else None
+    bad = [(fn, line, m) for fn, line, m in host_calls(path)
+           if (checked is None or fn in checked) and m not in ALLOWED.get((path, fn), set())]
+    assert not bad, f"{path}: host transfers in the decode loop (use engine._to_host once per step): {bad}"
+
+
+def test_static_check_sees_the_one_allowed_transfer():
+    assert ("_to_host", "tolist") in {(fn, m) for fn, _, m in host_calls("rollout/engine.py")}
+
+
+def test_no_vocabulary_sized_tensor_reaches_the_host(monkeypatch):
+    vocab = 2048  # larger than any bookkeeping transfer of this batch (8 rows x (2 x 6 nodes + 3))
+    hf = make_tiny_hf("llama", seed=3, vocab=vocab)
+    spec = SpecConfig(drafter="eagle3", selector="always", num_draft_tokens=3, tree_width=2, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2])
+    sizes: list[int] = []
+    for name in HOST_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _original=original, **kw):
+            sizes.append(self.numel())
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    eng.generate(random_prompts(4, 3, 8, seed=3, vocab=vocab), SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=0))
+    monkeypatch.undo()
+    assert eng.stats()["rollout/spec_step_share"] > 0.5  # speculative steps (trees of sampled drafts) ran
+    assert sizes, "the wrapper saw no transfer at all: it is not wired"
+    assert max(sizes) < vocab, f"a transfer of {max(sizes)} numbers (vocabulary {vocab})"
