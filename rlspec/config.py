@@ -16,6 +16,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from rollout.types import SpecConfig  # plain dataclasses, no torch
+
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message says what and how to fix it."""
@@ -81,21 +83,10 @@ class RolloutSection:
 
 
 @dataclass
-class DrafterSection:
-    """Speculative decoding inside the engine; lossless at any temperature."""
+class DrafterSection(SpecConfig):
+    """Speculative decoding inside the engine, lossless at any temperature: the engine's SpecConfig
+    (same fields, same validation), plus what the run does with a learned drafter."""
 
-    name: Literal["none", "ngram", "suffix", "eagle3", "auto"] = _f(
-        "none", "drafter: none (plain decoding), ngram, suffix, eagle3 (learned) or auto")
-    num_draft_tokens: int = _f(4, "tokens drafted per verify pass along one path (k)")
-    tree_width: int = _f(1, "children per draft-tree node; 1 = a chain")
-    selector: Literal["fixed", "adaptive"] = _f("fixed", "fixed: the configured drafter and shape, deeper as the "
-                                                        "live batch shrinks where measured costs say it pays; "
-                                                        "adaptive: a bandit over drafters and shapes per batch size")
-    path: str | None = _f(None, "directory of a learned (eagle3) drafter")
-    max_spec_batch: int | None = _f(None, "speculate only when at most this many sequences are live "
-                                          "(None = derive from measured costs)")
-    online_training: bool = _f(True, "eagle3: train the drafter during the run on the rollouts' hidden states")
-    draft_vocab_size: int = _f(4096, "eagle3: size of the drafter's vocabulary (most frequent target tokens)")
     export: bool = _f(True, "eagle3: export the drafter to <output_dir>/drafter at the end of the run (and on a "
                             "crash), in the EAGLE-3 format vLLM and SGLang load")
 
@@ -207,7 +198,7 @@ def _apply_override(raw: dict[str, Any], text: str) -> None:
     key, sep, value_text = text.partition("=")
     key = key.strip().lstrip("-")
     if not sep or not key:
-        raise ConfigError(f"override {text!r} is not key=value (e.g. grpo.max_steps=3 or drafter.name=suffix)")
+        raise ConfigError(f"override {text!r} is not key=value (e.g. grpo.max_steps=3 or drafter.drafter=suffix)")
     parts = key.split(".")
     where = f"override {text!r}"
     tp = _schema_type(parts, where)
@@ -276,6 +267,8 @@ def build(cls: Any, raw: Any, source: str, prefix: str = "") -> Any:
         return cls(**kwargs)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+    except ValueError as e:  # a section's own validation (e.g. SpecConfig: an unknown drafter)
+        raise ConfigError(f"{source}: {prefix + '.' if prefix else ''}{e}") from None
 
 
 def _coerce(value: Any, tp: Any, name: str, source: str) -> Any:

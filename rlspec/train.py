@@ -25,7 +25,7 @@ _MANAGED = ("output_dir", "use_cpu", "bf16", "report_to", "run_name", "seed", "m
 USAGE = f"""usage: python -m rlspec.train [config=NAME_OR_PATH] [key=value ...]
 
 config defaults to {DEFAULT_CONFIG} (looked up in ./, ./configs/ and the repo's configs/).
-Overrides use dotted keys and YAML values: grpo.max_steps=3 drafter.name=suffix rewards=[accuracy,format]
+Overrides use dotted keys and YAML values: grpo.max_steps=3 drafter.drafter=suffix rewards=[accuracy,format]
 Keys:"""
 
 
@@ -99,7 +99,6 @@ def build_trainer(cfg: Config, out: Path):
     from transformers import AutoTokenizer
 
     from rollout.runtime.model.fetch import fetch_model
-    from rollout.types import SpecConfig
     from trainers.callbacks import RolloutSummaryCallback
     from trainers.data import load_dataset_by_name
     from trainers.grpo import SpecGRPOTrainer
@@ -119,12 +118,7 @@ def build_trainer(cfg: Config, out: Path):
         args=args,
         train_dataset=load_data(cfg, load_dataset_by_name),
         processing_class=tokenizer,
-        spec_config=SpecConfig(
-            drafter=cfg.drafter.name, num_draft_tokens=cfg.drafter.num_draft_tokens,
-            tree_width=cfg.drafter.tree_width, selector=cfg.drafter.selector,
-            drafter_path=cfg.drafter.path, max_spec_batch=cfg.drafter.max_spec_batch,
-            online_training=cfg.drafter.online_training, draft_vocab_size=cfg.drafter.draft_vocab_size,
-        ),
+        spec_config=cfg.drafter,  # the drafter section is the engine's SpecConfig
         engine_kwargs=dict(max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
                            dtype=cfg.dtype),
         callbacks=[summary_cb, _wandb_config_callback(cfg)],

@@ -38,38 +38,46 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _help(default, text: str):
+    """A field with a help string: the run config's `drafter:` section is this dataclass, and
+    `python -m rlspec.train --help` prints these."""
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass
 class SpecConfig:
     """How the engine speculates. The default is no speculation (plain autoregressive decoding)."""
 
-    # "none", "auto" (every registered drafter marked auto: suffix, ngram, eagle3), or a registered
-    # drafter name (rollout.spec.registry.DRAFTERS: ngram, suffix, eagle3, and plug-ins)
-    drafter: str = "none"
-    num_draft_tokens: int = 4  # k: drafted tokens per verify along one path
-    tree_width: int = 1  # children per node; 1 = a chain
-    # a registered selector (rollout.spec.registry.SELECTORS): "fixed" (the configured shape where
-    # measured costs say it pays, deeper as the batch shrinks), "adaptive" (a bandit over drafters
-    # and shapes per live-batch bucket), "always" (the configured arm on every step: benchmarks, tests)
-    selector: str = "fixed"
-    drafter_path: str | None = None  # a learned drafter's directory (eagle3)
-    # Long tail: speculate only when the live batch is at most this many sequences; None lets the
-    # engine derive it from measured verify costs. Hysteresis keeps it from flapping.
-    max_spec_batch: int | None = None
-    # eagle3: train the drafter online on the rollouts' own hidden states (in a background thread,
-    # on idle compute) and swap new weights in between decode iterations
-    online_training: bool = True
-    draft_vocab_size: int = 4096  # eagle3: the drafter predicts over the most frequent target tokens
+    drafter: str = _help("none", "none (plain decoding), auto (suffix + ngram + eagle3, chosen per batch), or a "
+                                 "registered drafter: ngram, suffix, eagle3 (learned), or a plug-in")
+    num_draft_tokens: int = _help(4, "k: tokens drafted per verify along one path")
+    tree_width: int = _help(1, "children per draft-tree node; 1 = a chain")
+    selector: str = _help("fixed", "fixed: the configured drafter and shape where measured costs say it pays, "
+                                   "deeper as the live batch shrinks; adaptive: a bandit over drafters and shapes "
+                                   "per batch size; always: the configured arm on every step (benchmarks, tests)")
+    drafter_path: str | None = _help(None, "directory of a trained learned (eagle3) drafter")
+    max_spec_batch: int | None = _help(None, "speculate only when at most this many sequences are live "
+                                             "(None = derive it from measured verify costs)")
+    online_training: bool = _help(True, "eagle3: train the drafter during the run on the rollouts' hidden "
+                                        "states, on idle compute, swapping new weights in between steps")
+    draft_vocab_size: int = _help(4096, "eagle3: size of the drafter's vocabulary (the most frequent target tokens)")
 
     def __post_init__(self) -> None:
         from rollout.spec.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
 
         if self.drafter not in ("none", "auto"):
-            DRAFTERS.check(self.drafter)
+            try:
+                DRAFTERS.check(self.drafter)
+            except ValueError as e:
+                raise ValueError(f"drafter: {e}; or 'none' / 'auto'") from None
         if self.num_draft_tokens < 1:
-            raise ValueError(f"SpecConfig.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.tree_width < 1:
-            raise ValueError(f"SpecConfig.tree_width must be >= 1, got {self.tree_width}")
-        SELECTORS.check(self.selector)
+            raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
+        try:
+            SELECTORS.check(self.selector)
+        except ValueError as e:
+            raise ValueError(f"selector: {e}") from None
 
     @property
     def enabled(self) -> bool:

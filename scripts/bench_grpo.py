@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(drafter: str, args) -> dict:
     out = Path(args.workdir) / drafter
     cmd = [sys.executable, "-m", "rlspec.train", f"config={args.config}", f"grpo.max_steps={args.steps}",
-           f"output_dir={out}", f"drafter.name={drafter}", "grpo.save_steps=1000", *args.overrides]
+           f"output_dir={out}", f"drafter.drafter={drafter}", "grpo.save_steps=1000", *args.overrides]
     print("[bench_grpo]", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
     return json.loads((out / "summary.json").read_text())

@@ -3,10 +3,10 @@
 A cold drafter is useless until online training catches up; this gives the run a head start.
 Rounds of: sample rollouts of the training prompts with the target (T=1, GRPO-shaped groups; the
 target's hidden states go straight into the drafter's buffer), then train the drafter. The result is
-an EAGLE-3 directory (vLLM/SGLang format) that a run loads with `drafter.path=<out>`:
+an EAGLE-3 directory (vLLM/SGLang format) that a run loads with `drafter.drafter_path=<out>`:
 
     python scripts/warm_start_drafter.py --rounds 8 --out outputs/drafter_warm
-    python -m rlspec.train config=grpo_math.yaml drafter.name=eagle3 drafter.path=outputs/drafter_warm
+    python -m rlspec.train config=grpo_math.yaml drafter.drafter=eagle3 drafter.drafter_path=outputs/drafter_warm
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ def _write(tmp_path: Path, text: str) -> str:
 def test_defaults_without_a_file():
     cfg = load_config(None, [])
     assert cfg == Config()
-    assert cfg.trainer == "grpo" and cfg.rewards == ["accuracy"] and cfg.drafter.name == "none"
+    assert cfg.trainer == "grpo" and cfg.rewards == ["accuracy"] and cfg.drafter.drafter == "none"
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -87,9 +87,9 @@ def test_bool_is_not_an_int(tmp_path):
 
 def test_bad_enum_lists_valid_values(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_config(_write(tmp_path, "drafter:\n  name: medusa\n"), [])
+        load_config(_write(tmp_path, "drafter:\n  drafter: medusa\n"), [])
     msg = str(err.value)
-    assert "drafter.name" in msg and "'medusa'" in msg
+    assert "drafter.drafter" in msg and "'medusa'" in msg
     for valid in ("none", "ngram", "suffix", "eagle3", "auto"):
         assert valid in msg
 
@@ -107,16 +107,16 @@ def test_yaml_exponent_without_dot_reads_as_float(tmp_path):
 
 def test_overrides_nested_and_coerced():
     cfg = load_config("grpo_math.yaml", [
-        "grpo.max_steps=3", "drafter.name=suffix", "grpo.learning_rate=2e-6", "wandb.run_name=123",
-        "grpo.temperature=1", "rewards=[accuracy,format]", "grpo.extra.warmup_steps=2", "drafter.path=null",
+        "grpo.max_steps=3", "drafter.drafter=suffix", "grpo.learning_rate=2e-6", "wandb.run_name=123",
+        "grpo.temperature=1", "rewards=[accuracy,format]", "grpo.extra.warmup_steps=2", "drafter.drafter_path=null",
     ])
-    assert cfg.grpo.max_steps == 3 and cfg.drafter.name == "suffix"
+    assert cfg.grpo.max_steps == 3 and cfg.drafter.drafter == "suffix"
     assert cfg.grpo.learning_rate == pytest.approx(2e-6)
     assert cfg.wandb.run_name == "123"  # string fields keep the text verbatim
     assert isinstance(cfg.grpo.temperature, float) and cfg.grpo.temperature == 1.0
     assert cfg.rewards == ["accuracy", "format"]
     assert cfg.grpo.extra == {"vllm_importance_sampling_mode": "token_truncate", "warmup_steps": 2}  # merged
-    assert cfg.drafter.path is None
+    assert cfg.drafter.drafter_path is None
     assert cfg.grpo.num_generations == 4  # untouched keys keep the file's values
 
 
@@ -168,15 +168,15 @@ def test_every_field_has_help():
 
     walk(Config)
     text = format_help()
-    assert "grpo.max_steps" in text and "drafter.name" in text
+    assert "grpo.max_steps" in text and "drafter.drafter" in text
 
 
 def test_to_dict_round_trips(tmp_path):
     import yaml
 
-    cfg = load_config("grpo_math.yaml", ["drafter.name=ngram", "grpo.extra.warmup_steps=2"])
+    cfg = load_config("grpo_math.yaml", ["drafter.drafter=ngram", "grpo.extra.warmup_steps=2"])
     d = cfg.to_dict()
-    assert d["drafter"]["name"] == "ngram" and d["data"]["name"] == "embedded_math"
+    assert d["drafter"]["drafter"] == "ngram" and d["data"]["name"] == "embedded_math"
     path = tmp_path / "dumped.yaml"
     path.write_text(yaml.safe_dump(d))
     assert load_config(str(path), []) == cfg

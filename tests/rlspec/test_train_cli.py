@@ -50,7 +50,7 @@ def test_help_lists_keys(capsys):
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "grpo.max_steps" in out and "drafter.name" in out and "config=" in out
+    assert "grpo.max_steps" in out and "drafter.drafter" in out and "config=" in out
 
 
 def test_grpo_args_follow_the_config(tmp_path):
