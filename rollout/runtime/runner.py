@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.runtime.graphs import make_step_runner
+from rollout.runtime.graphs import MODES, make_step_runner
 from rollout.runtime.kv_cache import KVCache
 from rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
@@ -16,6 +16,8 @@ from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype, graph_mode: str = "auto",
                  max_graph_t: int = 16):
+        if graph_mode not in MODES:  # fail at construction, not at the first generate()
+            raise ValueError(f"graph_mode must be one of {MODES}, got {graph_mode!r}")
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
         self.cache: KVCache | None = None

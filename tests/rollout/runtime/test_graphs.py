@@ -247,3 +247,12 @@ def test_cuda_pool_memory_is_reported():
     assert pool.memory_bytes() >= pool.static.nbytes() > 0
     print(f"pool: {len(pool.graphs)} graphs, {pool.memory_bytes() / 2**20:.1f} MiB "
           f"(static {pool.static.nbytes() / 2**20:.1f} MiB)")
+
+
+def test_engine_constructors_pass_graph_mode_and_reject_unknown_ones():
+    from rollout.engine import RolloutEngine
+
+    engine = RolloutEngine.from_hf_model(make_tiny_hf("llama"), None, graph_mode="eager_start", max_num_seqs=2)
+    assert engine.runner.graph_mode == "eager_start"
+    with pytest.raises(ValueError, match="graph_mode must be one of"):
+        RolloutEngine.from_hf_model(make_tiny_hf("llama"), None, graph_mode="always")
