@@ -207,10 +207,12 @@ def test_bench_script_smoke_run_writes_results(tmp_path):
 
 
 # ---- real CUDA graphs ---------------------------------------------------------------------------
-needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def needs_cuda(test):
+    """Marked gpu (so `make gpu-check` selects it) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")(test))
 
 
-def _cuda_setup(rows=32, length=64):
+def _cuda_setup(rows=32, length=128):
     """Tiny float32 Llama on the GPU with a random-filled cache (context values only need to be equal)."""
     model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, "cuda")
     cache = KVCache(model.cfg, rows, length, torch.float32, "cuda")
