@@ -65,8 +65,8 @@ bench: venv model
 	$(PY) scripts/bench_rollout.py --model $(MODEL) $(BENCH_ARGS)
 
 # A GPU machine has a preinstalled CUDA torch, transformers, scipy and pytest but no package registry and
-# no hub: this target installs nothing, uses no venv, and fits in 10 minutes on an H100 (the benchmark stops
-# starting new measurements after --budget-s). The benchmark runs even when a test fails; the target then
+# no hub: this target installs nothing, uses no venv, and is budgeted for 10 minutes on an H100 (the benchmark
+# stops starting new measurements after --budget-s). The benchmark runs even when a test fails; the target then
 # fails with the tests' status.
 gpu-check:
 	@$(PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else \

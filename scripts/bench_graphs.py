@@ -113,7 +113,7 @@ def bench_model(name: str, args, device, dtype) -> tuple[list[dict], dict]:
         tokens = torch.randint(0, model.cfg.vocab_size, (B, 1), generator=gen)
         start = torch.full((B,), args.context, dtype=torch.long)
         t0 = time.perf_counter()
-        pool.run(tokens, start)  # captures (b, 1, s)
+        pool.run(tokens, start)  # captures (b, 1)
         sync(device)
         capture_s = time.perf_counter() - t0
         eager_s = time_steps(eager.run, tokens, start, args.iters, device)
