@@ -194,11 +194,12 @@ def _mark_shapes(q, k, v, mask: AttnMask) -> None:
     from torch._dynamo import mark_dynamic, mark_static
 
     bm = mask.block
-    batched = [q, k, v, mask.start, mask.tree, bm.kv_num_blocks, bm.kv_indices,
-               bm.full_kv_num_blocks, bm.full_kv_indices]
+    batched = [q, k, v, mask.start, mask.tree, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+               bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
     if q.shape[0] > 1:
         for x in batched:
-            mark_dynamic(x, 0)
+            if x is not None:  # the q-side tables exist for the backward; torch may leave them out
+                mark_dynamic(x, 0)
     mark_static(q, 2)
     mark_static(mask.tree, 1)
     mark_static(mask.tree, 2)
