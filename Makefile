@@ -14,6 +14,7 @@ CONFIG ?= configs/grpo_math.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
 BENCH_ARGS  ?=
+GPU_BENCH_ARGS ?=
 # Install stamp: re-run pip only when pyproject.toml changes.
 STAMP  := $(VENV)/.rlspec-installed
 
@@ -24,12 +25,13 @@ RAY_AUTH_MODE ?= disabled
 TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE RAY_AUTH_MODE TOKENIZERS_PARALLELISM
 
-.PHONY: help venv model train test bench clean distclean
+.PHONY: help venv model train test bench gpu-check clean distclean
 
 help:
 	@echo "make train      venv + embedded model + python -m rlspec.train config=$(CONFIG) [ARGS='key=value ...']"
 	@echo "make test       venv + embedded model + pytest tests [PYTEST_ARGS='-k fetch']"
 	@echo "make bench      rollout benchmark: HF generate vs RolloutEngine [BENCH_ARGS='--batch-sizes 1 8']"
+	@echo "make gpu-check  on an NVIDIA GPU box, no venv/pip/hub: CUDA tests + scripts/bench_gpu.py -> bench_out/gpu_check.json"
 	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[dev])"
 	@echo "make model      fetch/convert $(MODEL) into the cache (\$$RLSPEC_CACHE, default ~/.cache/rlspec)"
 	@echo "make clean      remove caches and outputs of tests/benchmarks; distclean also removes $(VENV)"
@@ -61,6 +63,20 @@ test: venv model
 
 bench: venv model
 	$(PY) scripts/bench_rollout.py --model $(MODEL) $(BENCH_ARGS)
+
+# A GPU machine has a preinstalled CUDA torch, transformers, scipy and pytest but no package registry and
+# no hub: this target installs nothing, uses no venv, and is budgeted for 10 minutes on an H100 (the benchmark
+# stops starting new measurements after --budget-s). The benchmark runs even when a test fails; the target then
+# fails with the tests' status.
+gpu-check:
+	@$(PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else \
+	  'make gpu-check needs an NVIDIA GPU and a CUDA build of torch for $(PYTHON)')"
+	@status=0; \
+	HF_HUB_OFFLINE=1 PYTHONPATH=. $(PYTHON) -m pytest tests/gpu tests/rollout/runtime/test_graphs.py -m gpu \
+	  -p no:cacheprovider -q -rs || status=$$?; \
+	HF_HUB_OFFLINE=1 PYTHONPATH=. $(PYTHON) scripts/bench_gpu.py --out bench_out/gpu_check.json $(GPU_BENCH_ARGS) \
+	  || status=$$?; \
+	exit $$status
 
 clean:
 	rm -rf .pytest_cache outputs  # bench_out/ holds the committed figures: kept

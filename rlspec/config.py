@@ -80,6 +80,10 @@ class RolloutSection:
 
     max_model_len: int = _f(2048, "prompt + completion tokens the engine's KV cache holds per sequence")
     max_num_seqs: int = _f(64, "sequences decoded at once; larger batches are split")
+    graph_mode: Literal["auto", "off", "lazy", "eager_start"] = _f(
+        "auto", "CUDA graphs for decode/verify steps (GPU only; CPU always runs eagerly): auto (= lazy), off, "
+                "lazy (capture each batch/draft shape when first needed) or eager_start (capture every shape, "
+                "largest first, when the engine allocates its KV cache)")
 
 
 @dataclass

@@ -120,7 +120,7 @@ def build_trainer(cfg: Config, out: Path):
         processing_class=tokenizer,
         spec_config=cfg.drafter,  # the drafter section is the engine's SpecConfig
         engine_kwargs=dict(max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
-                           dtype=cfg.dtype),
+                           dtype=cfg.dtype, graph_mode=cfg.rollout.graph_mode),
         callbacks=[summary_cb, _wandb_config_callback(cfg)],
     )
     return trainer, summary_cb

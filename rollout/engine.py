@@ -51,8 +51,9 @@ class RolloutEngine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str, spec: SpecConfig | None = None, device="cpu", dtype="bfloat16",
-                        max_model_len: int = 2048, max_num_seqs: int = 64) -> "RolloutEngine":
-        """model: a local HF directory, a hub id, or the embedded alias "smollm2-135m-instruct"."""
+                        max_model_len: int = 2048, max_num_seqs: int = 64, graph_mode: str = "auto") -> "RolloutEngine":
+        """model: a local HF directory, a hub id, or the embedded alias "smollm2-135m-instruct".
+        graph_mode: CUDA graphs ("auto", "off", "lazy", "eager_start"; rollout/runtime/graphs.py)."""
         from transformers import AutoTokenizer
 
         from rollout.runtime.model.fetch import fetch_model
@@ -60,16 +61,18 @@ class RolloutEngine:
         path = fetch_model(model)
         runtime = loader.load_model(path, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, _generation_eos(path, tokenizer))
+        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, _generation_eos(path, tokenizer),
+                   graph_mode=graph_mode)
 
     @classmethod
     def from_hf_model(cls, hf_model, tokenizer, spec: SpecConfig | None = None, dtype=None, device=None,
-                      max_model_len: int = 2048, max_num_seqs: int = 64) -> "RolloutEngine":
-        """Build from an in-memory transformers model (the trainer's policy); weights are copied."""
+                      max_model_len: int = 2048, max_num_seqs: int = 64, graph_mode: str = "auto") -> "RolloutEngine":
+        """Build from an in-memory transformers model (the trainer's policy); weights are copied.
+        graph_mode: as in from_pretrained."""
         runtime = loader.from_hf_model(hf_model, loader.resolve_dtype(dtype) if dtype else None, device)
         eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else eos
-        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, eos)
+        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, eos, graph_mode=graph_mode)
 
     # ---- public surface ---------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

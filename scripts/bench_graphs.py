@@ -113,7 +113,7 @@ def bench_model(name: str, args, device, dtype) -> tuple[list[dict], dict]:
         tokens = torch.randint(0, model.cfg.vocab_size, (B, 1), generator=gen)
         start = torch.full((B,), args.context, dtype=torch.long)
         t0 = time.perf_counter()
-        pool.run(tokens, start)  # captures (b, 1, s)
+        pool.run(tokens, start)  # captures (b, 1)
         sync(device)
         capture_s = time.perf_counter() - t0
         eager_s = time_steps(eager.run, tokens, start, args.iters, device)
@@ -124,7 +124,7 @@ def bench_model(name: str, args, device, dtype) -> tuple[list[dict], dict]:
               f"x{row['speedup']:.2f} (capture {capture_s:.2f} s)", flush=True)
         results.append(row)
     info = dict(graphs=len(pool.graphs), memory_mib=pool.memory_bytes() / 2**20,
-                static_mib=pool.static.nbytes() / 2**20, s_bucket=pool.key_for(tokens, start)[2],
+                static_mib=pool.static.nbytes() / 2**20,
                 kv_cache_mib=cache.nbytes() / 2**20)
     del pool, eager, cache, model
     if device.type == "cuda":
@@ -138,7 +138,7 @@ def print_table(results: list[dict], pools: dict, skipped: dict) -> None:
         print(f"{r['model']:<18}{r['batch']:>6}{r['eager_ms']:>11.3f}{r['graph_ms']:>11.3f}{r['speedup']:>8.2f}x")
     for name, p in pools.items():
         print(f"{name}: {p['graphs']} graphs, pool {p['memory_mib']:.1f} MiB (static buffers "
-              f"{p['static_mib']:.1f} MiB), key length bucket {p['s_bucket']}, KV cache {p['kv_cache_mib']:.0f} MiB")
+              f"{p['static_mib']:.1f} MiB), KV cache {p['kv_cache_mib']:.0f} MiB")
     for name, why in skipped.items():
         print(f"{name}: skipped ({why})")
 

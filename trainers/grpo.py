@@ -37,7 +37,8 @@ class SpecGRPOTrainer(GRPOTrainer):
         weights are overwritten with the policy's before the first rollout.
     engine_kwargs: passed to `RolloutEngine.from_hf_model` when we build the engine: max_model_len
         (default: args.vllm_max_model_length, else min(model max positions, 2048)), max_num_seqs
-        (default: the per-process generation batch), dtype (default: the policy's dtype).
+        (default: the per-process generation batch), dtype (default: the policy's dtype), graph_mode
+        (CUDA graphs: "auto", "off", "lazy" or "eager_start"; default "auto").
     """
 
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, spec_config: SpecConfig | None = None,

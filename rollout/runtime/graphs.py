@@ -2,17 +2,22 @@
 
 `GraphPool` follows nano-vllm: one graph per bucket, one shared memory pool, static buffers sized for
 the largest graph, largest batch captured first, and a replay pads to the smallest graph that fits.
-A graph is keyed by (batch bucket b, T bucket t, key-length bucket s, hidden layers):
+A graph is keyed by (batch bucket b, T bucket t, hidden layers), never by context length:
   * b: 1, 2, 4, 8, then every 16 up to the cache's rows (and the row count itself).
   * t: tokens per row (1 = decode, 1 + nodes = verify), padded up to a power of two <= max_t.
-  * s: cache positions attention reads, a power of two from min_s up to the cache length. Why not
-    always the full length: attention reads K/V for all S positions of every row whatever the mask
-    says; for SmolLM2 at 32 rows x 2048 positions that is 1.5 GB a step against 0.27 GB of weights.
-    Power-of-two buckets read at most twice the live context for ~4x more graphs, whose intermediates
-    share one pool (memory barely grows; capture time does).
   * hidden layers: EAGLE-3's features are static outputs too, captured on first request.
-Only tokens, start, depths and tree mask are copied in (a few hundred bytes); the [b, 1, t, s] mask is
-built inside the graph from them (`build_step_batch`).
+At 512 rows that is 36 x 5 graphs per hidden-layer set; keying by context length as well (powers of
+two up to the cache length) multiplied that by 4-6 and made long rollouts capture all the time.
+Only tokens, start, depths and tree mask are copied in (a few hundred bytes); the attention mask is
+built inside the graph from them (`build_step_batch`), over the whole cache length S. What a
+graph then reads depends on the attention kernel (attention.py):
+  * FlexAttention (CUDA): the block mask is built in the graph from each row's start, and the kernel
+    reads only the KV blocks below start + t: reads follow the live context at any length, with no
+    shape depending on it. This is the point of keying without context length.
+  * dense fallback (no FlexAttention; the CPU `emulate` backend): a [b, 1, t, S] mask and every one of
+    the S positions of every row are read whatever the mask says. Correct at any context length, but
+    a step costs the full cache length in bandwidth: for SmolLM2 at 32 rows x 2048 positions, 1.5 GB
+    of KV a step against 0.27 GB of weights. Eager steps (EagerRunner) read max(start) + T instead.
 
 Why padding is harmless:
   * Padding rows B..b-1 run token 0 at start 0 and write positions 0..t-1 of cache rows B..b-1. Live
@@ -23,6 +28,10 @@ Why padding is harmless:
     need start + t <= cache length; otherwise the step runs eagerly.
   * Every op is row-independent, so real rows change only by batch-size-dependent float rounding.
 
+Captures never synchronise the device or empty the allocator's cache (torch.cuda.graph() does both on
+entry): a lazy capture mid-rollout only queues work, beside the drafter trainer's thread. Only
+`capture_all` (eager_start, before any sequence is live) synchronises, once, to measure the pool.
+
 Graphs hold raw addresses of the cache, RoPE tables and weights. Weight syncs copy in place and are
 seen; a reallocated cache (which always comes with new RoPE tables) needs a new pool: `run` checks.
 """
@@ -31,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from rollout.runtime.kv_cache import KVCache
+from rollout.runtime.model.attention import step_mask, use_flex
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 WARMUP_RUNS = 2  # first calls pick kernels and allocate workspaces; a capture must not see that
@@ -59,47 +69,40 @@ def bucket_for(n: int, buckets: list[int]) -> int | None:
 
 
 def pad_batch(tokens, start, depths, tree_mask, rows: int, T: int):
-    """Pad a step of B rows x T0 tokens to [rows, T]; returns (tokens, start, depths, tree_mask) on CPU.
+    """Pad a step of B rows x T0 tokens to [rows, T]; returns (tokens, start, depths, tree_mask) on
+    tokens' device (inputs already on the GPU then load into a graph's buffers without a host copy).
 
     tokens [B, T0] long, start [B] long, depths [B, T0] long or None (chain), tree_mask [B, T0, T0]
     bool or None (chain). Out: tokens [rows, T], start [rows], depths [rows, T], tree_mask [rows, T, T].
     Padding rows: token 0, start 0, a chain. Padding nodes: a chain continuation (depth = index).
     """
-    B, T0 = tokens.shape
-    out_tokens = torch.zeros(rows, T, dtype=torch.long)
+    (B, T0), dev = tokens.shape, tokens.device
+    out_tokens = torch.zeros(rows, T, dtype=torch.long, device=dev)
     out_tokens[:B, :T0] = tokens
-    out_start = torch.zeros(rows, dtype=torch.long)
+    out_start = torch.zeros(rows, dtype=torch.long, device=dev)
     out_start[:B] = start
-    out_depths = torch.arange(T).repeat(rows, 1)
+    out_depths = torch.arange(T, device=dev).repeat(rows, 1)
     if depths is not None:
         out_depths[:B, :T0] = depths
     # a chain is the tree whose mask is lower-triangular, so one graph serves chains and trees
-    out_tree = torch.ones(T, T, dtype=torch.bool).tril().repeat(rows, 1, 1)
+    out_tree = torch.ones(T, T, dtype=torch.bool, device=dev).tril().repeat(rows, 1, 1)
     if tree_mask is not None:
         out_tree[:B, :T0, :T0] = tree_mask
     return out_tokens, out_start, out_depths, out_tree
 
 
-def build_step_batch(tokens, start, S: int, depths=None, tree_mask=None) -> ForwardBatch:
+def build_step_batch(tokens, start, S: int, depths=None, tree_mask=None, flex: bool = False) -> ForwardBatch:
     """ModelRunner.step's ForwardBatch, built on tokens' device with no host sync (so it can be captured).
 
     tokens [B, T], start [B] (cache entries each row holds), depths [B, T] RoPE offsets or None (chain),
-    tree_mask [B, T, T] (node t may see node u) or None (chain); S >= max(start) + T keys are read.
+    tree_mask [B, T, T] (node t may see node u) or None (chain); S >= max(start) + T: cache positions
+    the attention spans; flex: FlexAttention's block mask (reads only live blocks) instead of a dense one.
     """
     B, T = tokens.shape
-    dev = tokens.device
-    steps = torch.arange(T, device=dev)
+    steps = torch.arange(T, device=tokens.device)
     offs = steps.expand(B, T) if depths is None else depths
-    rel = torch.arange(S, device=dev)[None, :] - start[:, None]  # key index minus start: [B, S]
-    rel_q = rel[:, None, :].expand(B, T, S)
-    if tree_mask is None:
-        new_ok = (rel_q >= 0) & (rel_q <= steps[None, :, None])
-    else:
-        seen = tree_mask.gather(2, rel_q.clamp(0, T - 1))  # [B, T, S]
-        new_ok = seen & (rel_q >= 0) & (rel_q < T)
-    mask = (rel_q < 0) | new_ok  # context (rel < 0) is always visible
-    return ForwardBatch(input_ids=tokens, positions=start[:, None] + offs,
-                        write_index=start[:, None] + steps, mask=mask[:, None])
+    return ForwardBatch(input_ids=tokens, positions=start[:, None] + offs, write_index=start[:, None] + steps,
+                        attn=step_mask(start, T, S, tree_mask, flex))
 
 
 def _to(x, device):
@@ -112,13 +115,15 @@ class EagerRunner:
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device):
         self.model, self.cache, self.device = model, cache, torch.device(device)
+        self.flex = use_flex(self.device)
 
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
-        """T new tokens for live rows 0..B-1; tokens [B, T], start [B] long on CPU; depths [B, T] and
-        tree_mask [B, T, T] for trees. Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]})."""
-        S = int(start.max()) + tokens.shape[1]
+        """T new tokens for live rows 0..B-1; tokens [B, T], start [B] long; depths [B, T] and
+        tree_mask [B, T, T] for trees. Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]}).
+        Dense attention reads max(start) + T positions (a host read of start); flex skips by block."""
         dev = self.device
-        fb = build_step_batch(tokens.to(dev), start.to(dev), S, _to(depths, dev), _to(tree_mask, dev))
+        S = self.cache.length if self.flex else int(start.max()) + tokens.shape[1]
+        fb = build_step_batch(tokens.to(dev), start.to(dev), S, _to(depths, dev), _to(tree_mask, dev), self.flex)
         return self.model(fb, self.cache.k, self.cache.v, hidden_layers)
 
     def memory_bytes(self) -> int:
@@ -163,18 +168,21 @@ class _StaticBuffers:
 
 
 class _CudaGraph:
-    def capture(self, fn, pool) -> None:
-        # warm up on a side stream, as torch.cuda.graph's documentation asks
-        stream = torch.cuda.Stream()
+    def capture(self, fn, pool, stream) -> None:
+        """Warm up, then capture `fn` on `stream` into `pool`, without torch.cuda.graph()'s device
+        synchronisation and cache emptying (see the module docstring)."""
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # warm-ups on a side stream, as torch.cuda.graph's documentation asks
             for _ in range(WARMUP_RUNS):
                 fn()
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: the online drafter trainer may issue CUDA calls from its own thread meanwhile
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                self.graph.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: the online drafter trainer may issue CUDA calls from its own thread meanwhile
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            fn()
 
     def replay(self) -> None:
         self.graph.replay()
@@ -184,7 +192,7 @@ class _CallGraph:
     """CPU stand-in for a CUDA graph: replay re-runs the closure, which reads only the static buffers,
     so CPU tests exercise the pool's padding, bucketing and buffer plumbing."""
 
-    def capture(self, fn, pool) -> None:
+    def capture(self, fn, pool, stream) -> None:
         self.fn = fn
 
     def replay(self) -> None:
@@ -192,11 +200,8 @@ class _CallGraph:
 
 
 def _reserved_bytes(cuda: bool) -> int:
-    if not cuda:
-        return 0
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # drop warm-up blocks cached outside the pool so the delta is the pool's
-    return torch.cuda.memory_reserved()
+    """Bytes the CUDA caching allocator holds (a host-side counter: no synchronisation)."""
+    return torch.cuda.memory_reserved() if cuda else 0
 
 
 class GraphPool:
@@ -204,13 +209,12 @@ class GraphPool:
 
     capture_mode "lazy": capture a key the first time a step needs it, warming up on that step's own
     inputs (warm-up runs execute and write KV, so they must write exactly what the step writes).
-    "eager_start": capture every (b, t, s) now, largest first; only while no sequence is live, since
+    "eager_start": capture every (b, t) now, largest first; only while no sequence is live, since
     those warm-ups write positions 0..t-1 of rows 0..b-1. backend "emulate" replays by calling (tests).
     """
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, device, capture_mode: str = "lazy",
-                 max_rows: int | None = None, max_t: int = 16, min_s: int = 256,
-                 s_buckets: list[int] | None = None, hidden_layers=(), backend: str = "cuda"):
+                 max_rows: int | None = None, max_t: int = 16, hidden_layers=(), backend: str = "cuda"):
         if capture_mode not in ("lazy", "eager_start"):
             raise ValueError(f"capture_mode must be 'lazy' or 'eager_start', got {capture_mode!r}")
         if backend not in ("cuda", "emulate") or (backend == "cuda" and torch.device(device).type != "cuda"):
@@ -218,14 +222,16 @@ class GraphPool:
                              "CUDA device; use EagerRunner (or backend='emulate' in tests) elsewhere")
         self.model, self.cache, self.device, self.backend = model, cache, torch.device(device), backend
         self.eager = EagerRunner(model, cache, device)
+        self.flex = use_flex(self.device)  # decided once: every graph of the pool attends the same way
         self.batch_buckets = batch_buckets(min(max_rows or cache.rows, cache.rows))
         self.t_buckets = pow2_buckets(1, max_t)
-        self.s_buckets = sorted(s_buckets) if s_buckets else pow2_buckets(min(min_s, cache.length), cache.length)
         cfg = model.cfg
         self.static = _StaticBuffers(self.batch_buckets[-1], self.t_buckets[-1], cfg.vocab_size,
                                      cfg.hidden_size, model.lm_head.weight.dtype, self.device)
         self.graphs: dict[tuple, _CudaGraph | _CallGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if backend == "cuda" else None
+        cuda = backend == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.stream = torch.cuda.Stream(self.device) if cuda else None  # one capture stream for all graphs
         self.pool_bytes = 0
         self.counts = {"replays": 0, "captures": 0, "eager": 0}
         self._rope = model.rope_cos  # identity check: a new cache comes with new RoPE tables
@@ -233,13 +239,13 @@ class GraphPool:
             self.capture_all(hidden_layers)
 
     def key_for(self, tokens, start, hidden_layers=()) -> tuple | None:
-        """(b, t, s, hidden layers) of the graph that serves this step, or None to run eagerly."""
+        """(b, t, hidden layers) of the graph that serves this step, or None to run eagerly."""
         B, T = tokens.shape
         b, t = bucket_for(B, self.batch_buckets), bucket_for(T, self.t_buckets)
-        if b is None or t is None:
+        # padded nodes write up to start + t - 1, which must stay inside the cache
+        if b is None or t is None or int(start.max()) + t > self.cache.length:
             return None
-        s = bucket_for(int(start.max()) + t, self.s_buckets)  # padded nodes write up to start + t - 1
-        return None if s is None else (b, t, s, tuple(sorted(hidden_layers)))
+        return b, t, tuple(sorted(hidden_layers))
 
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         """EagerRunner.run's contract: tokens [B, T], start [B] on CPU -> (logits [B, T, V], {layer: [B, T, H]})."""
@@ -250,7 +256,7 @@ class GraphPool:
         if key is None:
             self.counts["eager"] += 1
             return self.eager.run(tokens, start, depths, tree_mask, hidden_layers)
-        b, t, _, _ = key
+        b, t, _ = key
         self.static.load(b, t, pad_batch(tokens, start, depths, tree_mask, b, t))
         graph = self.graphs.get(key) or self._capture(key)
         graph.replay()
@@ -261,26 +267,35 @@ class GraphPool:
         return logits, {i: self.static.hidden_view(i, b, t)[:B, :T].clone() for i in hidden_layers}
 
     def capture_all(self, hidden_layers=()) -> None:
-        """Capture every bucket, largest batch first so that smaller graphs reuse its pool blocks."""
+        """Capture every bucket, largest batch first so that smaller graphs reuse its pool blocks.
+        Runs before any sequence is live, so it may synchronise once to measure the pool exactly."""
+        cuda = self.backend == "cuda"
+        if cuda:  # drop blocks cached outside the pool so that the reserved delta is the pool's
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        before, self.pool_bytes = _reserved_bytes(cuda), 0
         hl = tuple(sorted(hidden_layers))
         for b in reversed(self.batch_buckets):
             for t in reversed(self.t_buckets):
-                for s in reversed(self.s_buckets):
-                    if s >= t and (b, t, s, hl) not in self.graphs:  # s < t is never asked for
-                        empty = torch.zeros(0, t, dtype=torch.long)
-                        self.static.load(b, t, pad_batch(empty, empty[:, 0], None, None, b, t))
-                        self._capture((b, t, s, hl))
+                if (b, t, hl) not in self.graphs:
+                    empty = torch.zeros(0, t, dtype=torch.long)
+                    self.static.load(b, t, pad_batch(empty, empty[:, 0], None, None, b, t))
+                    self._capture((b, t, hl))
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self.pool_bytes = _reserved_bytes(cuda) - before
 
     def _capture(self, key: tuple):
-        b, t, s, hl = key
+        b, t, hl = key
         tokens, start, depths, tree = self.static.inputs(b, t)
         logits_out = self.static.logits_view(b, t)
         hidden_out = {i: self.static.hidden_view(i, b, t) for i in hl}  # allocated before capture
-        model, cache = self.model, self.cache
+        model, cache, flex = self.model, self.cache, self.flex
 
         def forward():  # reads and writes only static buffers, the cache and the weights
             with torch.inference_mode():
-                fb = build_step_batch(tokens, start, s, depths, tree)
+                fb = build_step_batch(tokens, start, cache.length, depths, tree, flex)
                 logits, hiddens = model(fb, cache.k, cache.v, hl)
                 logits_out.copy_(logits)
                 for i in hl:
@@ -289,14 +304,15 @@ class GraphPool:
         cuda = self.backend == "cuda"
         graph = _CudaGraph() if cuda else _CallGraph()
         before = _reserved_bytes(cuda)
-        graph.capture(forward, self.pool)
+        graph.capture(forward, self.pool, self.stream)
         self.pool_bytes += _reserved_bytes(cuda) - before
         self.graphs[key] = graph
         self.counts["captures"] += 1
         return graph
 
     def memory_bytes(self) -> int:
-        """Static buffers plus the growth of reserved CUDA memory across captures (the shared pool)."""
+        """Static buffers plus the shared pool: exact after capture_all; after lazy captures, the growth
+        of reserved CUDA memory across them, an upper bound (warm-up blocks cached outside the pool)."""
         return self.static.nbytes() + self.pool_bytes
 
 

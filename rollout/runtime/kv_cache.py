@@ -3,13 +3,15 @@
 A sequence owns a row. Rejecting drafted tokens costs nothing: their keys stay in the buffer but
 the sequence's length never advances over them, so no mask ever shows them again (gpt-fast's trick).
 Live sequences occupy rows 0..B-1 so that a forward reads a view, not a gather; when sequences
-finish, the survivors are compacted downwards (`move`).
+finish, the survivors are compacted downwards (`move`, or `move_rows` for many rows at once).
 """
 from __future__ import annotations
 
 import torch
 
 from rollout.runtime.model.config import ModelConfig
+
+MOVE_CHUNK_BYTES = 256 * 2**20  # move_rows' temporary copy stays under this (a 7B model: ~57 MB per 2k-token row)
 
 
 class KVCache:
@@ -45,6 +47,29 @@ class KVCache:
         """Compaction: row src's first `length` entries now live in row dst."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Compaction of many rows at once: row src[i]'s first `length` entries now live in row dst[i].
+
+        One indexed gather + scatter per buffer, whatever the number of rows (the engine fills the holes
+        finished rows leave with rows from the tail). Sources are read in full before anything is written,
+        so src and dst may overlap; dst rows must be distinct. `length` is the longest moved row's: copying
+        a shorter row's stale tail is harmless, no mask ever shows it. The gathered block is
+        [layers, rows, kv_heads, length, head_dim]; it goes a few layers at a time when it would be large.
+        """
+        if len(src) != len(dst):
+            raise ValueError(f"move_rows needs as many sources as destinations, got {len(src)} and {len(dst)}")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"move_rows: destination rows must be distinct, got {dst}")
+        if not src or length <= 0:
+            return
+        s = torch.tensor(src, device=self.k.device)
+        d = torch.tensor(dst, device=self.k.device)
+        per_layer = len(src) * self.k[0, 0, :, :length].numel() * self.k.element_size()
+        step = max(1, MOVE_CHUNK_BYTES // per_layer)
+        for lo in range(0, self.k.shape[0], step):
+            for buf in (self.k, self.v):
+                buf[lo:lo + step, d, :, :length] = buf[lo:lo + step, s, :, :length]
 
     def gather_positions(self, row: int, src: list[int], dst: list[int]) -> None:
         """After tree verification: move accepted nodes' entries to consecutive positions."""

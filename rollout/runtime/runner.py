@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from rollout.runtime.graphs import make_step_runner
+from rollout.runtime.graphs import MODES, make_step_runner
 from rollout.runtime.kv_cache import KVCache
+from rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype, graph_mode: str = "auto",
                  max_graph_t: int = 16):
+        if graph_mode not in MODES:  # fail at construction, not at the first generate()
+            raise ValueError(f"graph_mode must be one of {MODES}, got {graph_mode!r}")
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
         self.cache: KVCache | None = None
@@ -27,6 +30,8 @@ class ModelRunner:
             old = self.cache
             rows = max(rows, old.rows if old else 0)
             length = max(length, old.length if old else 0)
+            if use_flex(self.device):  # FlexAttention reads whole 128-position blocks: no ragged last one
+                length = -(-length // BLOCK) * BLOCK
             self.steps = None  # graphs hold the old cache/RoPE addresses: drop them before freeing
             self.cache = None  # free the old buffer first
             del old
@@ -37,20 +42,21 @@ class ModelRunner:
         return self.cache
 
     def prefill(self, prompts: list[list[int]], rows: list[int], hidden_layers=()):
-        """Fresh prompts into the given rows; returns (last-token logits [P, V], hiddens)."""
+        """Fresh prompts into the given rows; returns (last-token logits [P, V], hiddens).
+
+        Prompts are right-padded to the longest, T; attention is causal among the new tokens
+        (attention.attend_causal), so no [P, T, T] mask is built anywhere, and a padding position
+        writes cache entries past its row's length, which no later mask shows.
+        """
         P, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(P, T, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
-        lens = torch.tensor([len(p) for p in prompts])
-        pos = torch.arange(T).expand(P, T)
-        # causal, and padding keys (j >= len) hidden; padding queries still see key 0 (no NaN rows)
-        mask = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] < lens[:, None, None])
-        fb = ForwardBatch(
-            input_ids=ids.to(self.device), positions=pos.to(self.device), write_index=pos.to(self.device),
-            mask=mask[:, None].to(self.device), rows=torch.tensor(rows, device=self.device), self_only=True,
-        )
-        return self.model(fb, self.cache.k, self.cache.v, hidden_layers, logits_index=(lens - 1).to(self.device))
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        pos = torch.arange(T, device=self.device).expand(P, T)
+        fb = ForwardBatch(input_ids=ids.to(self.device), positions=pos, write_index=pos, attn=causal_mask(),
+                          rows=torch.tensor(rows, device=self.device))
+        return self.model(fb, self.cache.k, self.cache.v, hidden_layers, logits_index=last)
 
     def step(self, tokens: torch.Tensor, start: torch.Tensor, depths=None, tree_mask=None, hidden_layers=()):
         """T new tokens for each live row 0..B-1 whose cache holds `start[b]` entries.

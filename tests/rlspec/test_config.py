@@ -180,3 +180,15 @@ def test_to_dict_round_trips(tmp_path):
     path = tmp_path / "dumped.yaml"
     path.write_text(yaml.safe_dump(d))
     assert load_config(str(path), []) == cfg
+
+
+def test_rollout_graph_mode_offers_exactly_the_graph_pools_modes():
+    from typing import get_args, get_type_hints
+
+    from rlspec.config import RolloutSection
+    from rollout.runtime.graphs import MODES
+
+    assert get_args(get_type_hints(RolloutSection)["graph_mode"]) == MODES
+    assert load_config(None, ["rollout.graph_mode=eager_start"]).rollout.graph_mode == "eager_start"
+    with pytest.raises(ConfigError, match="rollout.graph_mode must be one of"):
+        load_config(None, ["rollout.graph_mode=always"])

@@ -1,7 +1,7 @@
 """Our compact Llama-family runtime (Llama, SmolLM2, Qwen2, Qwen3) over a preallocated KV cache.
 
 One forward takes T new tokens per sequence with their own RoPE positions, the cache indices to
-write their keys/values at, and a boolean attention mask over cache indices. That single shape
+write their keys/values at, and what they may attend to (attention.py). That single shape
 serves batched prefill, plain decode (T=1), chain verification (T=k+1) and tree verification
 (T=nodes, mask = ancestors), because rejected tokens are simply never made visible again.
 
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.runtime.model.attention import AttnMask, attend
 from rollout.runtime.model.config import ModelConfig
 
 
@@ -40,35 +41,16 @@ class ForwardBatch:
 
     input_ids, positions, write_index: [B, T] (long). positions are RoPE positions; write_index are
     cache indices (equal for chains, different for trees whose nodes share a depth).
+    attn: what the new tokens see (attention.py): a causal prefill among the new tokens only, or a
+    step over the first attn.kv_len cache positions of each row.
     rows: [B] cache rows, or None for the live prefix rows 0..B-1 (a view, no gather).
-    mask: [B, 1, T, S] bool over cache indices 0..S-1 (True = may attend).
-    self_only: prefill of fresh prompts; attend among the new tokens only (mask is [B, 1, T, T]).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     write_index: torch.Tensor
-    mask: torch.Tensor
+    attn: AttnMask
     rows: torch.Tensor | None = None
-    self_only: bool = False
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked attention with grouped KV heads. q [B, H, T, D], k/v [B, KV, S, D], mask [B, 1, T, S].
-
-    On CPU, for the few query tokens of decode and verify, two batched matmuls with the query heads
-    grouped by KV head beat scaled_dot_product_attention about 6x (0.11 vs 0.73 ms per layer at
-    batch 8, SmolLM2); softmax runs in float32. Prefill and CUDA keep the fused kernel.
-    """
-    B, H, T, D = q.shape
-    KV = k.shape[1]
-    if q.device.type != "cpu" or T > 32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != KV)
-    G = H // KV
-    scores = (q.reshape(B, KV, G * T, D) @ k.transpose(-1, -2)) * D ** -0.5  # [B, KV, G*T, S]
-    scores = scores.view(B, KV, G, T, -1).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, KV, G * T, -1)
-    return (probs @ v).view(B, H, T, D)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -99,12 +81,12 @@ class Attention(nn.Module):
         rows = fb.rows if fb.rows is not None else torch.arange(B, device=x.device)
         k_cache[rows[:, None].expand(B, T), :, fb.write_index] = k
         v_cache[rows[:, None].expand(B, T), :, fb.write_index] = v
-        if fb.self_only:
+        if fb.attn.causal:  # fresh prompts see only each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         else:
-            S = fb.mask.shape[-1]
+            S = fb.attn.kv_len
             keys, values = k_cache[:B, :, :S], v_cache[:B, :, :S]
-        out = attend(q.transpose(1, 2), keys, values, fb.mask)
+        out = attend(q.transpose(1, 2), keys, values, fb.attn)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 

@@ -72,7 +72,7 @@ def build_model(hf_config, dtype: torch.dtype, device: str | torch.device) -> Ll
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta: no float32 copy of the weights is ever made
     if cfg.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

@@ -107,7 +107,7 @@ def test_padding_rows_and_nodes_do_not_change_real_rows(tree_rows):
 
 # ---- the pool's static-buffer path on CPU (emulated replay) -------------------------------------------
 def _emulated_pool(runner, **kw):
-    return GraphPool(runner.model, runner.cache, "cpu", backend="emulate", max_t=8, min_s=16, **kw)
+    return GraphPool(runner.model, runner.cache, "cpu", backend="emulate", max_t=8, **kw)
 
 
 def test_emulated_pool_matches_eager_across_buckets_and_shapes():
@@ -161,10 +161,10 @@ def test_pool_falls_back_to_eager_outside_its_buckets():
 
 def test_eager_start_captures_every_bucket_largest_first():
     runner, _ = _runner(rows=4, length=32, n_prompts=1)
-    pool = GraphPool(runner.model, runner.cache, "cpu", "eager_start", max_t=2, min_s=16, backend="emulate")
-    assert pool.batch_buckets == [1, 2, 4] and pool.t_buckets == [1, 2] and pool.s_buckets == [16, 32]
+    pool = GraphPool(runner.model, runner.cache, "cpu", "eager_start", max_t=2, backend="emulate")
+    assert pool.batch_buckets == [1, 2, 4] and pool.t_buckets == [1, 2]
     keys = list(pool.graphs)
-    assert len(keys) == 3 * 2 * 2 and keys[0] == (4, 2, 32, ())
+    assert len(keys) == 3 * 2 and keys[0] == (4, 2, ())
     assert pool.memory_bytes() == pool.static.nbytes() > 0
 
 
@@ -207,10 +207,12 @@ def test_bench_script_smoke_run_writes_results(tmp_path):
 
 
 # ---- real CUDA graphs ---------------------------------------------------------------------------
-needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def needs_cuda(test):
+    """Marked gpu (so `make gpu-check` selects it) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")(test))
 
 
-def _cuda_setup(rows=32, length=64):
+def _cuda_setup(rows=32, length=128):
     """Tiny float32 Llama on the GPU with a random-filled cache (context values only need to be equal)."""
     model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, "cuda")
     cache = KVCache(model.cfg, rows, length, torch.float32, "cuda")
@@ -226,7 +228,7 @@ def _cuda_setup(rows=32, length=64):
 @pytest.mark.parametrize("shape", ["decode", "chain", "tree"])
 def test_cuda_graph_replay_equals_eager(B, shape):
     model, cache = _cuda_setup()
-    eager, pool = EagerRunner(model, cache, "cuda"), GraphPool(model, cache, "cuda", max_t=8, min_s=16)
+    eager, pool = EagerRunner(model, cache, "cuda"), GraphPool(model, cache, "cuda", max_t=8)
     T = {"decode": 1, "chain": 5, "tree": 4}[shape]
     depths, tree = _tree(B) if shape == "tree" else (None, None)
     for step in range(3):  # first call captures, later ones replay with new inputs
@@ -242,8 +244,17 @@ def test_cuda_graph_replay_equals_eager(B, shape):
 @needs_cuda
 def test_cuda_pool_memory_is_reported():
     model, cache = _cuda_setup()
-    pool = GraphPool(model, cache, "cuda", "eager_start", max_t=2, min_s=32)
-    assert len(pool.graphs) == len(pool.batch_buckets) * 2 * len(pool.s_buckets)
+    pool = GraphPool(model, cache, "cuda", "eager_start", max_t=2)
+    assert len(pool.graphs) == len(pool.batch_buckets) * 2
     assert pool.memory_bytes() >= pool.static.nbytes() > 0
     print(f"pool: {len(pool.graphs)} graphs, {pool.memory_bytes() / 2**20:.1f} MiB "
           f"(static {pool.static.nbytes() / 2**20:.1f} MiB)")
+
+
+def test_engine_constructors_pass_graph_mode_and_reject_unknown_ones():
+    from rollout.engine import RolloutEngine
+
+    engine = RolloutEngine.from_hf_model(make_tiny_hf("llama"), None, graph_mode="eager_start", max_num_seqs=2)
+    assert engine.runner.graph_mode == "eager_start"
+    with pytest.raises(ValueError, match="graph_mode must be one of"):
+        RolloutEngine.from_hf_model(make_tiny_hf("llama"), None, graph_mode="always")

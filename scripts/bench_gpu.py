@@ -1,0 +1,289 @@
+"""GPU benchmarks of `make gpu-check`: the engine against transformers' `generate` on random-weight models
+shaped like SmolLM2-135M, Qwen2.5-1.5B and Qwen2.5-7B (bf16, built on the device from a transformers
+config: no hub, no download; step time does not depend on the weights' values).
+
+Per model and batch (default 1, 8, 32, 128), with the same prompts, greedy, EOS ignored:
+  * tokens/s of HF `generate` and of RolloutEngine.generate (graphs on; captures warmed up first);
+  * the decode step at the rollout's mean context, eager and replayed from the CUDA graph pool;
+  * achieved memory bandwidth of a graph step: (weights + KV bytes read) / step time, and its fraction
+    of the device's bandwidth measured by a 1 GiB device-to-device copy;
+  * the KV cache's and the graph pool's memory.
+Models that would not fit in free memory, and whatever the --budget-s time bound leaves, are skipped and
+say why. Prints a table and writes JSON after every model (a cut-off run keeps what it measured):
+{device, torch, transformers, peak_gbs, elapsed_s, config, models: {name: {...}}, results: [...], skipped: {}}.
+
+    PYTHONPATH=. python3 scripts/bench_gpu.py                       # what make gpu-check runs
+    PYTHONPATH=. python3 scripts/bench_gpu.py --models qwen2.5-7b --batch-sizes 1 32
+    PYTHONPATH=. python3 scripts/bench_gpu.py --smoke               # tiny model, seconds, CPU or GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+
+import torch  # noqa: E402
+
+from rollout.engine import RolloutEngine  # noqa: E402
+from rollout.runtime.graphs import EagerRunner, GraphPool  # noqa: E402
+from rollout.types import SamplingParams  # noqa: E402
+
+# (transformers config class, shape, new tokens per sequence): fewer tokens for the larger models
+SHAPES = {
+    "smollm2-135m": ("LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                         tie_word_embeddings=True, rope_theta=100000.0), 128),
+    "qwen2.5-1.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                         tie_word_embeddings=True, rope_theta=1000000.0), 64),
+    "qwen2.5-7b": ("Qwen2Config", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                       tie_word_embeddings=False, rope_theta=1000000.0), 32),
+    "tiny": ("LlamaConfig", dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2), 4),
+}
+KNOWN_PEAK_GBS = {"H100": 3350.0, "H200": 4800.0}  # datasheet HBM bandwidth (SXM), for reference only
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b"],
+                   choices=list(SHAPES), help="model shapes to build with random weights")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128], help="sequences per generate")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per (random) prompt")
+    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence (default: per model)")
+    p.add_argument("--iters", type=int, default=20, help="timed decode steps per step-time measurement")
+    p.add_argument("--budget-s", type=float, default=360.0, help="stop starting new measurements after this")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV")
+    p.add_argument("--smoke", action="store_true", help="tiny model, batches 1 and 2, 4 tokens: runs on CPU too")
+    p.add_argument("--out", default="bench_out/gpu_check.json", help="where to write the JSON results")
+    return p.parse_args(argv)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_hf(name: str, dtype: torch.dtype, device: torch.device):
+    """A transformers model of the shape, random weights, built directly in `dtype` on `device`."""
+    import transformers
+
+    cls_name, shape, _ = SHAPES[name]
+    cfg = getattr(transformers, cls_name)(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # no float32 copy of a 7B model on the way
+    try:
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    hf.generation_config.eos_token_id = None  # every sequence runs its full length, as in the engine
+    return hf.eval()
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads of the weights: every parameter once, the embedding table only when tied
+    to the LM head (untied, a step gathers just B of its rows)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen or (name.endswith("embed_tokens.weight") and not model.cfg.tie_word_embeddings):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(model, rows: int, context: int, dtype: torch.dtype) -> int:
+    """K and V bytes of `context` positions in `rows` rows over all layers."""
+    c = model.cfg
+    return 2 * rows * context * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+
+
+def fits(name: str, args, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why this model cannot run here (None if it fits): two weight copies (HF's, then ours) + both KV caches."""
+    if device.type != "cuda":
+        return None
+    import transformers
+
+    cls_name, shape, _ = SHAPES[name]
+    with torch.device("meta"):
+        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, cls_name)(**shape)).parameters())
+    c, L = shape, args.prompt_len + new_tokens(name, args) + 32
+    kv = 2 * max(args.batch_sizes) * L * c["num_hidden_layers"] * c["num_key_value_heads"] * \
+        (c["hidden_size"] // c["num_attention_heads"]) * torch.finfo(dtype).bits // 8
+    need = 2 * n * torch.finfo(dtype).bits // 8 + 2 * kv + 4 * 2**30  # + activations, logits, workspaces
+    free, _ = torch.cuda.mem_get_info(device)
+    return None if need < free else f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"
+
+
+def new_tokens(name: str, args) -> int:
+    return args.new_tokens or SHAPES[name][2]
+
+
+def measure_peak_gbs(device: torch.device, smoke: bool) -> float:
+    """Device-to-device copy bandwidth (read + write) in GB/s: the attainable peak a step is compared with."""
+    n = (2**24 if smoke else 2**30)
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    iters = 3 if smoke else 20
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        y.copy_(x)
+    sync(device)
+    return 2 * n * iters / (time.perf_counter() - t0) / 1e9
+
+
+def time_generate(fn, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def time_steps(run, tokens, start, iters: int, device: torch.device) -> float:
+    """Seconds per decode step after 2 untimed ones (they capture, for a graph pool)."""
+    for _ in range(2):
+        run(tokens, start)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run(tokens, start)
+    sync(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def bench_hf(hf, prompts, batches, N: int, device) -> dict[int, float]:
+    """HF generate tokens/s per batch (greedy, N new tokens each, after one short warm-up call)."""
+    def gen(B, n):
+        ids = prompts[:B]
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    gen(1, 2)
+    return {B: B * N / time_generate(lambda: gen(B, N), device) for B in batches}
+
+
+def bench_engine(engine, prompts, batches, N: int, device, args, left) -> list[dict]:
+    """Engine tokens/s, step times eager vs graph, bandwidth, per batch; `left()` is the time budget left."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    engine.generate(prompts.tolist(), greedy)  # allocates the cache (all rows) and its graph pool
+    model, cache = engine.runner.model, engine.runner.cache
+    pool = engine.runner.steps if isinstance(engine.runner.steps, GraphPool) else \
+        GraphPool(model, cache, device, max_t=1, backend="emulate")  # CPU smoke: the pool's plumbing
+    eager = EagerRunner(model, cache, device)
+    ctx = args.prompt_len + N // 2
+    rows = []
+    for B in batches:
+        if left() <= 0:
+            break
+        ids = prompts[:B].tolist()
+        engine.generate(ids, greedy)  # captures this batch's graph, compiles its attention kernel
+        secs = time_generate(lambda: engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=N,
+                                                                         ignore_eos=True)), device)
+        tokens, start = prompts[:B, :1].cpu(), torch.full((B,), ctx)
+        eager_s = time_steps(eager.run, tokens, start, args.iters, device)
+        graph_s = time_steps(pool.run, tokens, start, args.iters, device)
+        moved = weight_bytes(model) + kv_bytes(model, B, ctx + 1, cache.k.dtype)
+        rows.append(dict(batch=B, engine_tok_s=B * N / secs, step_eager_ms=eager_s * 1e3,
+                         step_graph_ms=graph_s * 1e3, graph_speedup=eager_s / graph_s,
+                         achieved_gbs=moved / graph_s / 1e9, bytes_per_step=moved))
+        print(f"  batch {B}: engine {rows[-1]['engine_tok_s']:.0f} tok/s, step eager {eager_s * 1e3:.2f} ms, "
+              f"graph {graph_s * 1e3:.2f} ms, {rows[-1]['achieved_gbs']:.0f} GB/s", flush=True)
+    return rows
+
+
+def bench_model(name: str, args, device, dtype, peak_gbs: float, left) -> tuple[list[dict], dict]:
+    N = new_tokens(name, args)
+    hf = build_hf(name, dtype, device)
+    gen = torch.Generator().manual_seed(0)
+    vocab = hf.config.vocab_size
+    prompts = torch.randint(3, vocab, (max(args.batch_sizes), args.prompt_len), generator=gen).to(device)
+    print(f"{name}: HF generate", flush=True)
+    hf_tok_s = bench_hf(hf, prompts, args.batch_sizes, N, device)
+    engine = RolloutEngine.from_hf_model(hf, None, dtype=dtype, device=device, max_num_seqs=max(args.batch_sizes),
+                                         max_model_len=args.prompt_len + N + 8, graph_mode="lazy")
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # between models, not mid-rollout: HF's weights go before ours run
+    print(f"{name}: engine", flush=True)
+    rows = bench_engine(engine, prompts, args.batch_sizes, N, device, args, left)
+    for r in rows:
+        r.update(model=name, new_tokens=N, hf_tok_s=hf_tok_s[r["batch"]],
+                 speedup_vs_hf=r["engine_tok_s"] / hf_tok_s[r["batch"]], bw_fraction=r["achieved_gbs"] / peak_gbs)
+    steps = engine.runner.steps
+    info = dict(params_m=sum(p.numel() for p in engine.model.parameters()) / 1e6,
+                weight_mib=weight_bytes(engine.model) / 2**20, kv_cache_mib=engine.runner.cache.nbytes() / 2**20,
+                graph_pool_mib=steps.memory_bytes() / 2**20, graphs=len(getattr(steps, "graphs", {})),
+                new_tokens=N)
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, info
+
+
+def print_table(results: list[dict], models: dict, skipped: dict, peak_gbs: float) -> None:
+    print(f"\npeak (measured copy) {peak_gbs:.0f} GB/s")
+    head = ["model", "batch", "HF tok/s", "eng tok/s", "x HF", "eager ms", "graph ms", "x graph", "GB/s", "% peak"]
+    print("".join(f"{h:>11}" if i else f"{h:<14}" for i, h in enumerate(head)))
+    for r in results:
+        vals = [r["batch"], f"{r['hf_tok_s']:.0f}", f"{r['engine_tok_s']:.0f}", f"{r['speedup_vs_hf']:.2f}",
+                f"{r['step_eager_ms']:.2f}", f"{r['step_graph_ms']:.2f}", f"{r['graph_speedup']:.2f}",
+                f"{r['achieved_gbs']:.0f}", f"{100 * r['bw_fraction']:.0f}"]
+        print(f"{r['model']:<14}" + "".join(f"{v:>11}" for v in vals))
+    for name, m in models.items():
+        print(f"{name}: {m['params_m']:.0f}M params, weights {m['weight_mib']:.0f} MiB, KV cache "
+              f"{m['kv_cache_mib']:.0f} MiB, graph pool {m['graph_pool_mib']:.0f} MiB ({m['graphs']} graphs)")
+    for name, why in skipped.items():
+        print(f"{name}: skipped ({why})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.smoke:
+        args.models, args.batch_sizes, args.prompt_len, args.iters = ["tiny"], [1, 2], 8, 3
+    elif not cuda:
+        print("CUDA is unavailable: run with --smoke on a machine without a GPU.")
+        return 1
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" and not (args.smoke and not cuda) else torch.float32
+    import transformers
+
+    t0 = time.perf_counter()
+    peak = measure_peak_gbs(device, args.smoke)
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    payload = dict(device=name, torch=torch.__version__, transformers=transformers.__version__, peak_gbs=peak,
+                   datasheet_gbs=next((v for k, v in KNOWN_PEAK_GBS.items() if k in name), None),
+                   config=vars(args), models={}, results=[], skipped={})
+    for model in args.models:
+        left = lambda: args.budget_s - (time.perf_counter() - t0)  # noqa: E731
+        why = "time budget spent" if left() <= 0 else fits(model, args, dtype, device)
+        if why:
+            payload["skipped"][model] = why
+            continue
+        rows, payload["models"][model] = bench_model(model, args, device, dtype, peak, left)
+        payload["results"] += rows
+        payload["elapsed_s"] = time.perf_counter() - t0
+        write(args.out, payload)
+    payload["elapsed_s"] = time.perf_counter() - t0
+    print_table(payload["results"], payload["models"], payload["skipped"], peak)
+    write(args.out, payload)
+    return 0
+
+
+def write(out: str, payload: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(payload, indent=2))
+    print(f"wrote {out}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
