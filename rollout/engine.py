@@ -212,8 +212,9 @@ class RolloutEngine:
         finished, moves = sched.retire()
         for s in finished:
             self.speculation.finish(s)
-        for src, dst, length in moves:
-            self.runner.cache.move(src, dst, length)
+        if moves:  # one indexed copy for all of this step's moves
+            src, dst, lengths = zip(*moves)
+            self.runner.cache.move_rows(list(src), list(dst), max(lengths))
         if ctx.bar is not None and finished:
             ctx.bar.update(len(finished))
 
