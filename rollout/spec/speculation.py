@@ -12,6 +12,8 @@ its own) also receives features and the call's sampling state.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from rollout.spec.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
@@ -43,6 +45,9 @@ class Speculation:
             self.trainer.stop()
         self.trainer = trainer
         self.learned.attach(trainer)
+        # a training thread still running at interpreter exit aborts the process (torch's C++ side
+        # terminates); stop it at exit, or when this object is collected, whichever comes first
+        self._stop_at_exit = weakref.finalize(self, trainer.stop)
         return trainer
 
     @classmethod
