@@ -1,4 +1,4 @@
-"""Export a trained EAGLE-3 drafter to the directory vLLM and SGLang load (reference.md section 5).
+"""Export a trained EAGLE-3 drafter to the directory vLLM and SGLang load (docs/export_format.md).
 
     python -m rlspec.export --drafter runs/grpo/drafter --target smollm2-135m-instruct --out exports/eagle3
     vLLM:   LLM(model=TARGET, speculative_config={"method": "eagle3", "model": OUT, "num_speculative_tokens": 3})

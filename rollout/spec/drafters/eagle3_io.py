@@ -1,4 +1,4 @@
-"""Save and load EAGLE-3 drafters in the directory format vLLM and SGLang load (reference.md section 5).
+"""Save and load EAGLE-3 drafters in the directory format vLLM and SGLang load (docs/export_format.md).
 
 A drafter directory holds:
   config.json          a LlamaConfig for one decoder layer ("LlamaForCausalLMEagle3"), rope copied

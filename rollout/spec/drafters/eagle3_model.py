@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter network: one decoder layer over fused target features and token embeddings.
 
-Layout and forward follow reference.md section 5, so an exported drafter loads in vLLM and SGLang:
+Layout and forward follow docs/export_format.md#forward, so an exported drafter loads in vLLM and SGLang:
   features = cat(target hidden states after HF layers aux_layer_ids)    [.., 3H]
   h        = fc(features)                    (later draft steps feed the drafter's own h instead)
   x        = cat(input_layernorm(embed(token)), hidden_norm(h))          [.., 2H]

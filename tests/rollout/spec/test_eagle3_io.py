@@ -1,6 +1,6 @@
-"""EAGLE-3 save/load: the directory matches reference.md section 5 field by field, and round-trips.
+"""EAGLE-3 save/load: the directory matches docs/export_format.md field by field, and round-trips.
 
-The expected tables below are written out from reference.md for the tiny target of tests.conftest
+The expected tables below are written out from docs/export_format.md for the tiny target of tests.conftest
 (H=64, I=128, 4 heads, 2 kv heads, head_dim 16, V=96, 2 layers), not derived from the code under test.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rollout.runtime.model.llama import rope_inv_freq
 from tests.conftest import make_tiny_hf
 
 H, I, NH, NKV, HD, V, VD = 64, 128, 4, 2, 16, 96, 48
-EXPECTED_TENSORS = {  # name -> shape, from reference.md section 5 (q/k/v take 2H inputs, fc takes 3H)
+EXPECTED_TENSORS = {  # name -> shape, from docs/export_format.md#tensors (q/k/v take 2H inputs, fc takes 3H)
     "fc.weight": (H, 3 * H),
     "midlayer.input_layernorm.weight": (H,),
     "midlayer.hidden_norm.weight": (H,),
