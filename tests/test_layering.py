@@ -41,3 +41,26 @@ def test_checker_sees_imports_inside_functions(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f():\n    from trainers.grpo import X\n    import rlspec.config\n")
     assert [top for _, top in imported_top_levels(src)] == ["trainers", "rlspec"]
+
+
+# inside rollout/: engine -> spec -> runtime (the runtime never knows speculation exists)
+FORBIDDEN_INSIDE = {"rollout/runtime": ("rollout.spec", "rollout.engine"), "rollout/spec": ("rollout.engine",)}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN_INSIDE))
+def test_rollout_subpackages_point_one_way(folder):
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {mod}"
+           for path in sorted((ROOT / folder).rglob("*.py"))
+           for line, mod in imported_modules(path)
+           if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN_INSIDE[folder])]
+    assert not bad, f"{folder} must not import {FORBIDDEN_INSIDE[folder]}:\n" + "\n".join(bad)
