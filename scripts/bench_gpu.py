@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 import torch  # noqa: E402
 
+from common import sync, time_steps  # noqa: E402
+
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.runtime.graphs import EagerRunner, GraphPool  # noqa: E402
 from rollout.types import SamplingParams  # noqa: E402
@@ -62,11 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny model, batches 1 and 2, 4 tokens: runs on CPU too")
     p.add_argument("--out", default="bench_out/gpu_check.json", help="where to write the JSON results")
     return p.parse_args(argv)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_hf(name: str, dtype: torch.dtype, device: torch.device):
@@ -149,18 +146,6 @@ def time_generate(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def time_steps(run, tokens, start, iters: int, device: torch.device) -> float:
-    """Seconds per decode step after 2 untimed ones (they capture, for a graph pool)."""
-    for _ in range(2):
-        run(tokens, start)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run(tokens, start)
-    sync(device)
-    return (time.perf_counter() - t0) / iters
-
-
 def bench_hf(hf, prompts, batches, N: int, device) -> dict[int, float]:
     """HF generate tokens/s per batch (greedy, N new tokens each, after one short warm-up call)."""
     def gen(B, n):
@@ -189,8 +174,8 @@ def bench_engine(engine, prompts, batches, N: int, device, args, left) -> list[d
         secs = time_generate(lambda: engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=N,
                                                                          ignore_eos=True)), device)
         tokens, start = prompts[:B, :1].cpu(), torch.full((B,), ctx)
-        eager_s = time_steps(eager.run, tokens, start, args.iters, device)
-        graph_s = time_steps(pool.run, tokens, start, args.iters, device)
+        eager_s = time_steps(eager.run, tokens, start, args.iters, device, warmup=2)
+        graph_s = time_steps(pool.run, tokens, start, args.iters, device, warmup=2)
         moved = weight_bytes(model) + kv_bytes(model, B, ctx + 1, cache.k.dtype)
         rows.append(dict(batch=B, engine_tok_s=B * N / secs, step_eager_ms=eager_s * 1e3,
                          step_graph_ms=graph_s * 1e3, graph_speedup=eager_s / graph_s,

@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from common import sync, time_steps  # noqa: E402
+
 from rollout.runtime.graphs import EagerRunner, GraphPool  # noqa: E402
 from rollout.runtime.kv_cache import KVCache  # noqa: E402
 from rollout.runtime.model import loader  # noqa: E402
@@ -82,23 +84,6 @@ def load(name: str, dtype: torch.dtype, device):
     return random_llama(shapes[name], dtype, device)
 
 
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_steps(run, tokens, start, iters: int, device) -> float:
-    """Seconds per step after 3 untimed ones."""
-    for _ in range(3):
-        run(tokens, start)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run(tokens, start)
-    sync(device)
-    return (time.perf_counter() - t0) / iters
-
-
 def bench_model(name: str, args, device, dtype) -> tuple[list[dict], dict]:
     model = load(name, dtype, device)
     rows = max(args.batch_sizes)
@@ -116,8 +101,8 @@ def bench_model(name: str, args, device, dtype) -> tuple[list[dict], dict]:
         pool.run(tokens, start)  # captures (b, 1)
         sync(device)
         capture_s = time.perf_counter() - t0
-        eager_s = time_steps(eager.run, tokens, start, args.iters, device)
-        graph_s = time_steps(pool.run, tokens, start, args.iters, device)
+        eager_s = time_steps(eager.run, tokens, start, args.iters, device, warmup=3)
+        graph_s = time_steps(pool.run, tokens, start, args.iters, device, warmup=3)
         row = dict(model=name, batch=B, eager_ms=eager_s * 1e3, graph_ms=graph_s * 1e3,
                    speedup=eager_s / graph_s, capture_s=capture_s)
         print(f"  {name} batch {B}: eager {row['eager_ms']:.3f} ms, graph {row['graph_ms']:.3f} ms, "

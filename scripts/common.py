@@ -1,4 +1,7 @@
-"""Shared bits of the benchmark scripts: the embedded math prompts, JSON output, a plain table."""
+"""Shared bits of the benchmark scripts: the embedded math prompts, JSON output, a plain table, step timing.
+
+Imports nothing heavy at module level (torch only inside the timing helpers), so the GPU check can
+use it on a machine without TRL or W&B."""
 from __future__ import annotations
 
 import json
@@ -58,3 +61,25 @@ def line_plot(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def sync(device) -> None:
+    """Wait for queued GPU work, so wall-clock time covers it (a no-op on CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def time_steps(run, tokens, start, iters: int, device, warmup: int = 2) -> float:
+    """Seconds per `run(tokens, start)` after `warmup` untimed calls (they capture, for a graph pool)."""
+    import time
+
+    for _ in range(warmup):
+        run(tokens, start)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run(tokens, start)
+    sync(device)
+    return (time.perf_counter() - t0) / iters

@@ -13,20 +13,13 @@ from rollout.runtime.kv_cache import KVCache
 from rollout.runtime.model import attention, loader
 from rollout.types import SamplingParams
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
-from tests.rollout.runtime.test_graphs import _tokens, _tree
+from tests.rollout.runtime.test_graphs import _cuda_setup, _tokens, _tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _model_and_cache(rows=32, length=512):
-    """Tiny float32 Llama on the GPU with a random-filled cache (context values only need to be equal)."""
-    model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, "cuda")
-    cache = KVCache(model.cfg, rows, length, torch.float32, "cuda")
-    model.init_rope(length)
-    torch.manual_seed(0)
-    cache.k.normal_()
-    cache.v.normal_()
-    return model, cache
+    return _cuda_setup(rows, length)
 
 
 @pytest.mark.parametrize("shape", ["decode", "chain", "tree"])
