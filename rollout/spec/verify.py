@@ -1,4 +1,4 @@
-"""Lossless verification of drafted chains: one pure, batched function, no host sync inside.
+"""Lossless verification of drafted chains and trees: pure, batched functions, no host sync inside.
 
 Notation (reference.md section 1): p_i is the target's processed distribution at draft position i,
 q_i the drafter's (processed identically; one-hot for deterministic drafters such as n-gram or

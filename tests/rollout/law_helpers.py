@@ -7,12 +7,17 @@ so a bug in our logit processing, sampling or verification cannot hide in the re
 
 Significance: every law test passes at p > ALPHA = 1e-3. The Pearson statistic is chi-square under
 the null once every cell expects >= 5 samples (smaller cells are pooled), so a correct implementation
-fails a given law test for about 1 seed in 1000. Seeds are fixed, so each test is deterministic; with
-the ~40 law tests of the suite a fresh choice of seeds would see a spurious failure somewhere with
-probability about 4%. Each known-wrong variant must give p <= ALPHA under the same test.
+fails a given law test for about 1 seed in 1000. Seeds are fixed, so each test is deterministic: a
+failure after a change means the samples changed, and rerunning with a few other seeds tells a
+1-in-1000 fluke from a bias. With the suite's ~35 law tests, a fresh choice of all seeds would show
+a spurious failure somewhere with probability about 3.5%. Each known-wrong variant must give
+p <= ALPHA in the same test (the ones here do by many orders of magnitude).
 """
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 import torch
 from scipy.stats import chi2
 
@@ -132,3 +137,52 @@ def make_law_model(vocab: int = 8, seed: int = 0, std: float = 0.3):
                          pad_token_id=0)
     torch.manual_seed(seed)
     return tf.LlamaForCausalLM(cfg).float().eval()
+
+
+@pytest.fixture
+def one_thread():
+    """Law tests run thousands of small ops on 10k-40k rows: a second intra-op thread only adds
+    hand-offs (several times slower on a busy 2-core machine). Use with autouse in a test module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_for, width: int, k: int,
+                   seed: int = 0):
+    """n completions of `length` tokens from the engine with speculation forced on every decode step
+    (selector "always"), the drafter built by drafter_for(runtime model) -> (samples [n, length] long,
+    engine.stats())."""
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+    from rollout.types import SamplingParams, SpecConfig
+
+    runtime = loader.from_hf_model(hf)
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, selector="always",
+                      online_training=False)
+    eng = RolloutEngine(runtime, None, spec=spec, eos_token_ids=[], max_num_seqs=n, drafter=drafter_for(runtime))
+    eng.selector.costs.table[(1, 1)] = 1.0  # "always" never reads costs: skip calibrating n rows
+    run = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                         max_new_tokens=length, n=n, seed=seed, ignore_eos=True)
+    out = eng.generate([prompt], run)
+    return torch.tensor([r.completion_ids for r in out]), eng.stats()
+
+
+def spy_siblings(monkeypatch) -> Counter:
+    """Patch rollout.spec.verify._recursive_reject to count, over nodes verified with two or more
+    children, which child was accepted ("first", "later") or that all were rejected ("none")."""
+    import rollout.spec.verify as verify
+
+    seen, real = Counter(), verify._recursive_reject
+
+    def spy(p, xs, qs, valid, generator):
+        slot, rest = real(p, xs, qs, valid, generator)
+        several = valid.sum(-1) >= 2
+        seen["first"] += int((several & (slot == 0)).sum())
+        seen["later"] += int((several & (slot > 0)).sum())
+        seen["none"] += int((several & (slot < 0)).sum())
+        return slot, rest
+
+    monkeypatch.setattr(verify, "_recursive_reject", spy)
+    return seen

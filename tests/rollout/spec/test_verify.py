@@ -10,7 +10,7 @@ import torch
 
 import rollout.spec.verify as verify
 from rollout.types import SamplingParams
-from tests.rollout.law_helpers import ALPHA
+from tests.rollout.law_helpers import ALPHA, one_thread  # noqa: F401  (fixture)
 from tests.rollout.spec.markov import K, L, P_LOGITS, V, chain_step, sample_window, tree_step, window_pvalue
 
 B = 40_000
@@ -19,13 +19,8 @@ SETTINGS = {"T1": SamplingParams(temperature=1.0), "T0.7-top_p0.8": SamplingPara
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """These are thousands of small ops: a second intra-op thread only adds hand-offs (several times
-    slower on a busy 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _threads(one_thread):
+    pass
 
 
 def run(params, mode, seed=0, **kw):

@@ -13,8 +13,8 @@ import rollout.spec.verify as verify
 from rollout.runtime.sampling import probs_from_logits, sample
 from rollout.types import SamplingParams
 from tests.rollout.law_helpers import ALPHA
-from tests.rollout.spec.markov import window_pvalue
-from tests.rollout.spec.test_verify import one_thread, run  # noqa: F401  (fixture)
+from tests.rollout.spec.markov import V, window_pvalue
+from tests.rollout.spec.test_verify import _threads, one_thread, run  # noqa: F401  (fixtures)
 
 REAL_CHAIN = verify.verify_chain
 T1 = SamplingParams(temperature=1.0)
@@ -35,13 +35,7 @@ def _q_rows(q, drafts, idx):
     rows = torch.arange(len(drafts))
     if q is not None:
         return q[rows, idx]
-    return torch.zeros(len(drafts), q_like_vocab(drafts)).scatter_(-1, drafts[rows, idx][:, None], 1.0)
-
-
-def q_like_vocab(drafts):
-    from tests.rollout.spec.markov import V
-
-    return V
+    return torch.zeros(len(drafts), V).scatter_(-1, drafts[rows, idx][:, None], 1.0)
 
 
 def _bonus_wrong_position(logits, drafts, num, params, q=None, gen=None):
