@@ -2,8 +2,10 @@
 
 Each run samples B windows of L = 5 tokens through the real verify_chain / verify_tree with ragged
 draft lengths, garbage in the padding, sibling counts that vary per row, and compares their joint
-law with the exact one (tests/rollout/spec/markov.py) at the suite's threshold ALPHA. The table of
-known-wrong verifiers that this same test catches is in test_verify_flaws.py.
+law with the exact one (tests/rollout/spec/markov.py) at the suite's threshold ALPHA. Drafts have
+at most K = 3 tokens and the window is L = 5, so the token after a fully accepted draft (the bonus)
+lies inside it. The table of known-wrong verifiers that this same test catches, drawing the bonus
+wrongly among them, is in test_verify_flaws.py.
 """
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch
 import rollout.spec.verify as verify
 from rollout.types import SamplingParams
 from tests.rollout.law_helpers import ALPHA, one_thread  # noqa: F401  (fixture)
-from tests.rollout.spec.markov import K, L, P_LOGITS, V, chain_step, sample_window, tree_step, window_pvalue
+from tests.rollout.spec.markov import K, P_LOGITS, V, chain_step, sample_window, tree_step, window_pvalue
 
 B = 40_000
 SETTINGS = {"T1": SamplingParams(temperature=1.0), "T0.7-top_p0.8": SamplingParams(temperature=0.7, top_p=0.8),
