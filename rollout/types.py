@@ -17,7 +17,14 @@ class SamplingParams:
     top_k: int = 0  # 0 keeps every token
     max_new_tokens: int = 256
     n: int = 1  # samples per prompt; they share the prompt's prefill
-    seed: int | None = None  # None draws fresh randomness each call
+    # None draws fresh randomness each call. What a seed reproduces: on the same device and dtype, with
+    # the same prompts, params, weights and engine settings, identical rollouts (tokens and logprobs)
+    # when speculation is off. With speculation on, the drafts decide which random numbers are used,
+    # so identical rollouts also need the same arm at every step (selector "always"; "fixed" and
+    # "adaptive" choose from measured step times, which vary) and the same drafter state (a learned
+    # drafter's weights, a suffix/n-gram drafter's index of earlier rollouts). Rollouts with and
+    # without speculation, or with other arms, have the same law but are different samples.
+    seed: int | None = None
     stop_token_ids: list[int] | None = None  # extra stop tokens besides the tokenizer's EOS
     ignore_eos: bool = False  # benchmarks: always run to max_new_tokens
 

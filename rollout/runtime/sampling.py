@@ -20,27 +20,35 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingPara
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling distribution: softmax(logits / T) truncated by top-k then top-p, renormalised.
+    """Sampling distribution: softmax(logits / T) truncated by top-k then top-p.
 
-    logits [..., V] float32 -> probs [..., V] float32 (rows sum to 1).
+    logits [..., V] float32 -> probs [..., V] float32 (rows sum to 1). The same operations, in the
+    same order, as transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper (with
+    min_tokens_to_keep=1), so that which tokens survive a tie or a top-p boundary is decided exactly as
+    there (and as in vLLM, whose top-p is the same ascending-sort rule); tests/rollout/runtime/
+    test_sampling_parity.py holds them together.
     """
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    scores = logits / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th token stay
     if params.top_p < 1.0:
-        probs = _top_p(probs, params.top_p)
-    return probs
+        scores = _top_p(scores, params.top_p)
+    return torch.softmax(scores, dim=-1)
 
 
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return kept / kept.sum(-1, keepdim=True)
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Drop the least likely tokens while their cumulative mass stays <= 1 - top_p; the most likely
+    token always stays. scores [..., V] -> scores [..., V] with dropped tokens at -inf.
+
+    HF's rule, ascending sort included: a descending cumsum ("mass before >= top_p") is the same in
+    exact arithmetic but rounds differently at the boundary and keeps a different one of tied tokens.
+    """
+    sorted_scores, order = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - top_p)
+    drop[..., -1:] = False
+    return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -53,3 +61,24 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     cdf = probs.cumsum(-1)
     u = (1 - torch.rand(probs.shape[:-1] + (1,), generator=generator, device=probs.device)) * cdf[..., -1:]
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None):
+    """k distinct tokens per row of probs [R, V], one after another: x_1 ~ probs, then x_j ~ probs
+    with x_1..x_{j-1} removed and renormalised (what Recursive Speculative Decoding drafts).
+
+    Returns (tokens [R, k] long, dists [R, k, V]: the distribution each x_j was drawn from, which
+    verification needs as that child's q). When a row's support runs out before k draws, its later
+    dists are all zero and their tokens arbitrary: verification never accepts a token its q gives no
+    mass, so such children are inert.
+    """
+    tokens, dists = [], []
+    q = probs
+    for _ in range(k):
+        x = sample(q, generator)
+        tokens.append(x)
+        dists.append(q)
+        q = q.scatter(-1, x[..., None], 0.0)
+        mass = q.sum(-1, keepdim=True)
+        q = torch.where(mass > 0, q / mass.clamp(min=1e-30), torch.zeros_like(q))
+    return torch.stack(tokens, -1), torch.stack(dists, -2)

@@ -1,4 +1,4 @@
-"""Lossless verification of drafted chains: one pure, batched function, no host sync inside.
+"""Lossless verification of drafted chains and trees: pure, batched functions, no host sync inside.
 
 Notation (reference.md section 1): p_i is the target's processed distribution at draft position i,
 q_i the drafter's (processed identically; one-hot for deterministic drafters such as n-gram or
@@ -14,6 +14,13 @@ Greedy (temperature 0): accept while x_i == argmax p_i, then emit argmax p at th
 
 Rows are ragged: sequence b drafted num_drafts[b] <= K tokens; positions beyond are padding and
 never accepted. Every sequence advances by its own accepted count.
+
+Trees use recursive rejection sampling at each node (`_recursive_reject`): the children are tried in
+order against a running target p_i, child j with q_j, the distribution it was drawn from given the
+siblings drawn before it. That one rule covers i.i.d. children (q_j = q: SpecInfer), children drawn
+without replacement (q_j = q with x_1..x_{j-1} removed, renormalised: Recursive Speculative
+Decoding) and deterministic children (q_j = one-hot x_j: EAGLE's top-k), so the draft's q says how
+its children were drawn and verification needs no flag.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ def verify_chain(
     generator: torch.Generator | None = None,
 ) -> Verdict:
     B, K = draft_tokens.shape
+    _check_q(draft_probs, (B, K), target_logits.shape[-1], "verify_chain")
     in_range = torch.arange(K, device=draft_tokens.device)[None, :] < num_drafts[:, None]  # [B, K]
     if params.greedy:
         target_top = target_logits.argmax(-1)  # [B, K+1]
@@ -101,53 +109,88 @@ class TreeVerdict:
 def verify_tree(
     target_logits: torch.Tensor,  # [B, N+1, V]: node 0 is the pending token, node j+1 is draft j
     node_tokens: torch.Tensor,  # [B, N+1] long (node 0's entry unused)
-    children: torch.Tensor,  # [B, N+1, W] long: child node indices of each node, -1 = none
+    children: torch.Tensor,  # [B, N+1, W] long: child node indices of each node in drawing order, -1 = none
     params: SamplingParams,
-    draft_probs: torch.Tensor | None = None,  # [B, N+1, V]: q at each node, its children drawn i.i.d. from it
+    draft_probs: torch.Tensor | None = None,  # [B, N+1, V]: q_j of each node (node 0 unused); None = deterministic
     generator: torch.Generator | None = None,
 ) -> TreeVerdict:
-    """Walk the tree from the root, trying a node's children one at a time against a running p_i.
+    """Walk the tree from the root; at each node try its children with `_recursive_reject`.
 
-    Deterministic children (draft_probs None): accept x with probability p_i(x); on rejection
-    p_{i+1} = p_i with x removed, renormalised. Children drawn i.i.d. from q (SpecInfer): accept
-    with min(1, p_i(x) / q(x)); on rejection p_{i+1} = norm(max(0, p_i - q)). An accepted child
-    resets the running distribution to the target's p at that child; when every child of the
-    current node is rejected (or it is a leaf) the next token is drawn from the running p_i.
-    Greedy: descend into the child equal to argmax p, emit argmax p where none matches.
-    The loop runs a fixed N x W times (no data-dependent exit, so no host sync).
+    draft_probs[b, j] is the distribution node j's token was drawn from given the siblings drawn
+    before it (children[b, parent] lists siblings in that order). None: every child is a
+    deterministic proposal (q_j one-hot). An accepted child moves the walk there, where the running
+    distribution restarts at the target's p; where every child is rejected (or at a leaf) the next
+    token is drawn from the last running distribution.
+    Greedy: descend into the first child equal to argmax p, emit argmax p where none matches.
+    The loop runs a fixed N times over W children (no data-dependent exit, so no host sync).
     """
     B, N1, W = children.shape
+    _check_q(draft_probs, (B, N1), target_logits.shape[-1], "verify_tree")
     rows = torch.arange(B, device=node_tokens.device)
     cur = torch.zeros(B, dtype=torch.long, device=rows.device)
     alive = torch.ones(B, dtype=torch.bool, device=rows.device)
     path = torch.full((B, N1 - 1), -1, dtype=torch.long, device=rows.device)
     accepted = torch.zeros(B, dtype=torch.long, device=rows.device)
     greedy = params.greedy
-    top = target_logits.argmax(-1) if greedy else None
-    p = None if greedy else probs_from_logits(target_logits, params)
-    dist = None if greedy else p[:, 0]
+    top = target_logits.argmax(-1) if greedy else None  # [B, N+1]
+    p = None if greedy else probs_from_logits(target_logits, params)  # [B, N+1, V]
+    final = None if greedy else p[:, 0]  # [B, V]: where a row's next token comes from once it stops
     for depth in range(N1 - 1):
-        moved = torch.zeros(B, dtype=torch.bool, device=rows.device)
-        for w in range(W):
-            child = children[rows, cur, w]
-            cand = alive & ~moved & (child >= 0)
-            x = node_tokens[rows, child.clamp(min=0)]
-            if greedy:
-                ok = cand & (x == top[rows, cur])
-            else:
-                q_row = (draft_probs[rows, cur] if draft_probs is not None
-                         else torch.zeros_like(dist).scatter_(-1, x[:, None], 1.0))
-                u = torch.rand(B, generator=generator, device=rows.device)
-                ok = cand & _accept(u, dist, q_row.gather(-1, x[:, None]).squeeze(-1), x)
-                dist = torch.where((cand & ~ok)[:, None], _residual(dist, q_row), dist)
-                dist = torch.where(ok[:, None], p[rows, child.clamp(min=0)], dist)
-            cur = torch.where(ok, child, cur)
-            moved |= ok
+        kids = children[rows, cur]  # [B, W]
+        valid = alive[:, None] & (kids >= 0)
+        xs = node_tokens.gather(1, kids.clamp(min=0))  # [B, W]
+        if greedy:
+            match = valid & (xs == top[rows, cur][:, None])
+            slot = torch.where(match.any(-1), match.long().argmax(-1), -1)  # the first match
+        else:
+            qs = None if draft_probs is None else draft_probs[rows[:, None], kids.clamp(min=0)]  # [B, W, V]
+            slot, rest = _recursive_reject(p[rows, cur], xs, qs, valid, generator)
+            final = torch.where((alive & (slot < 0))[:, None], rest, final)
+        moved = slot >= 0
+        cur = torch.where(moved, kids.gather(1, slot.clamp(min=0)[:, None]).squeeze(1), cur)
         path[:, depth] = torch.where(moved, cur, path[:, depth])
         alive &= moved
         accepted += moved.long()
     if greedy:
-        next_token = top[rows, cur]
-    else:
-        next_token = sample(dist, generator)
-    return TreeVerdict(path, accepted, next_token)
+        return TreeVerdict(path, accepted, top[rows, cur])
+    final = torch.where(alive[:, None], p[rows, cur], final)  # rows that walked to a leaf at depth N
+    return TreeVerdict(path, accepted, sample(final, generator))
+
+
+def _recursive_reject(
+    p: torch.Tensor,  # [B, V] the target's processed distribution at the parent node
+    xs: torch.Tensor,  # [B, W] long: the children's tokens, in drawing order
+    qs: torch.Tensor | None,  # [B, W, V]: q_j each child was drawn from; None = deterministic (one-hot)
+    valid: torch.Tensor,  # [B, W] bool: which children exist
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling over one node's children -> (slot [B] long: the accepted child's
+    index in xs or -1, running [B, V]: the distribution to sample from where every child was rejected).
+
+    Child j is accepted with probability min(1, p_j(x_j) / q_j(x_j)); on a rejection
+    p_{j+1} = norm(max(0, p_j - q_j)). Exact whenever x_j ~ q_j given the earlier children: by
+    induction on the children left, the token that comes out (accepted child or final draw) has
+    law p_j given the history, the standard one-draft argument at each step. A child whose q_j gives
+    it no mass (a without-replacement draw past the end of q's support) cannot have been drawn from
+    q_j: it is skipped and changes nothing.
+    """
+    B, W = xs.shape
+    running = p
+    slot = torch.full((B,), -1, dtype=torch.long, device=p.device)
+    u = torch.rand(B, W, generator=generator, device=p.device)
+    for j in range(W):
+        x = xs[:, j]
+        q = qs[:, j] if qs is not None else torch.zeros_like(p).scatter_(-1, x[:, None], 1.0)
+        q_x = q.gather(-1, x[:, None]).squeeze(-1)
+        tried = valid[:, j] & (slot < 0) & (q_x > 0)
+        ok = tried & _accept(u[:, j], running, q_x, x)
+        slot = torch.where(ok, j, slot)
+        running = torch.where((tried & ~ok)[:, None], _residual(running, q), running)
+    return slot, running
+
+
+def _check_q(q: torch.Tensor | None, lead: tuple[int, int], vocab: int, where: str) -> None:
+    """Shapes only (no host sync): q must be [*lead, V] with the target's vocabulary V."""
+    if q is not None and (q.dim() != 3 or tuple(q.shape[:2]) != lead or q.shape[-1] != vocab):
+        raise ValueError(f"{where}: draft_probs has shape {tuple(q.shape)}, expected {(*lead, vocab)} "
+                         "(one processed drafter distribution over the target's vocabulary per draft node)")

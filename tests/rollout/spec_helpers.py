@@ -46,3 +46,53 @@ class ScriptedDrafter:
             parents = parents[:n]
             out.append(Draft(toks, parents))
         return out
+
+
+class OracleDrafter:
+    """Deterministic proposals (verified with a one-hot q) that the target often accepts.
+
+    `ranked(prefix)` gives the next tokens by decreasing target probability after a completion prefix
+    (from tests.rollout.law_helpers.hf_exact_law). Each step a sequence gets a draft of random length
+    1..cap (ragged rows in every batch); with width w the root gets w children, the oracle's top-1,
+    top-2, ..., each continued along the top-1 path; every token is replaced by a random one with
+    probability `corrupt`, so rejections happen at every depth and sibling. It counts the shapes it
+    proposed so that tests can prove they were exercised.
+    """
+
+    name = "oracle"
+
+    def __init__(self, ranked: dict, vocab: int, corrupt: float = 0.2, seed: int = 0):
+        self.ranked, self.vocab, self.corrupt = ranked, vocab, corrupt
+        self.rng = random.Random(seed)
+        self.multi = 0  # drafts of >= 2 tokens
+        self.branched = 0  # drafts whose root has >= 2 children
+
+    def begin(self, groups) -> None:
+        pass
+
+    def finish(self, seq) -> None:
+        pass
+
+    def propose(self, seqs, max_tokens, width):
+        out = []
+        for s, cap in zip(seqs, max_tokens):
+            if cap == 0:
+                out.append(Draft())
+                continue
+            n = self.rng.randint(1, cap)
+            w = min(width, n)
+            tokens, parents = [], []
+            for b in range(w):
+                prefix = tuple(s.completion_ids)
+                for d in range(n // w + (b < n % w)):
+                    options = self.ranked.get(prefix) or [self.rng.randrange(self.vocab)]
+                    t = options[min(b, len(options) - 1)] if d == 0 else options[0]
+                    if self.rng.random() < self.corrupt:
+                        t = self.rng.randrange(self.vocab)
+                    parents.append(-1 if d == 0 else len(tokens) - 1)
+                    tokens.append(t)
+                    prefix += (t,)
+            self.multi += n >= 2
+            self.branched += w >= 2
+            out.append(Draft(tokens, parents))
+        return out

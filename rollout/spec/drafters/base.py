@@ -22,8 +22,9 @@ from rollout.spec.registry import DRAFTERS
 class Draft:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # index into tokens, -1 = the pending token
-    # [len(tokens), V] float: the distribution each token was sampled from (siblings share their
-    # parent's); None for deterministic proposals
+    # [len(tokens), V] float: the distribution each token was sampled from, given the siblings listed
+    # before it (i.i.d. siblings share one q; siblings drawn without replacement each have q with the
+    # earlier ones removed, renormalised); None for deterministic proposals
     q: Any = None
 
     @classmethod

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from rollout.spec.drafters.base import DRAFTERS, Draft
 from rollout.spec.drafters.eagle3_model import Eagle3Config, Eagle3Model
-from rollout.runtime.sampling import probs_from_logits, sample
+from rollout.runtime.sampling import probs_from_logits, sample, sample_without_replacement
 from rollout.runtime.sequence import Sequence
 
 
@@ -33,7 +33,13 @@ class Eagle3Drafter:
     name = "eagle3"
     extra_kv_layers = 1
 
-    def __init__(self, target, model: Eagle3Model | None = None, draft_vocab_size: int = 4096, seed: int = 0):
+    def __init__(self, target, model: Eagle3Model | None = None, draft_vocab_size: int = 4096, seed: int = 0,
+                 tree_draws: str = "without_replacement"):
+        if tree_draws not in ("without_replacement", "iid"):
+            raise ValueError(f"tree_draws must be 'without_replacement' or 'iid', got {tree_draws!r}")
+        # how a tree's root children are sampled at T > 0: without replacement (distinct tokens, which
+        # recursive rejection sampling accepts more often) or i.i.d. (SpecInfer; kept to test both rules)
+        self.tree_draws = tree_draws
         self.target = target
         p = next(target.parameters())
         if model is None:
@@ -174,15 +180,20 @@ class Eagle3Drafter:
 
     def _pick(self, h: torch.Tensor, k: int):
         """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, V] or None,
-        confident [R]). Greedy: the top k. Sampling: k i.i.d. draws from q, the processed
-        full-vocabulary distribution."""
+        confident [R]). Greedy: the top k. Sampling from q, the processed full-vocabulary distribution:
+        k > 1 draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution
+        draw j came from given the earlier ones, which is what verification needs."""
         logits = self.model.logits(h)
         ok = self._confident(logits)
         if self.params is None or self.params.greedy:
             return self.model.to_target(logits.topk(k, -1).indices), None, ok
         full = logits.new_full((len(h), self.model.cfg.vocab_size), float("-inf"))
         full[:, self.model.to_target(torch.arange(logits.shape[-1], device=h.device))] = logits
-        q = probs_from_logits(full, self.params).repeat_interleave(k, 0)  # [R*k, V]
+        q = probs_from_logits(full, self.params)  # [R, V]
+        if k > 1 and self.tree_draws == "without_replacement":
+            tok, qs = sample_without_replacement(q, k, self.generator)
+            return tok, qs, ok
+        q = q.repeat_interleave(k, 0)  # [R*k, V]
         tok = sample(q, self.generator)
         return tok.view(len(h), k), q.view(len(h), k, -1), ok
 
