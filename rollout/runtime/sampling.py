@@ -1,7 +1,7 @@
 """Logit processing shared by the target and every drafter, so both see the same distribution.
 
 Speculative sampling is lossless only if p (target) and q (drafter) go through identical
-temperature, top-k and top-p processing (reference.md section 1); this is the one place it happens.
+temperature, top-k and top-p processing (docs/verification.md#processing); this is the one place it happens.
 """
 from __future__ import annotations
 

@@ -136,9 +136,9 @@ class Speculation:
     # ---- costs, metrics, lifetime ------------------------------------------------------------
     def calibrate(self, runner, rows: int, length: int) -> None:
         """Seed the cost model once: dummy forwards per batch bucket at every verify size."""
-        if not self.by_name or self.selector.costs.table:
-            return
         sizes = sorted(set(self.selector.verify_sizes()))
+        if not sizes or self.selector.costs.table:
+            return
         ctx = min(128, length - max(sizes) - 1)
         self.selector.costs.calibrate(runner, rows, sizes, context=max(ctx, 1))
 

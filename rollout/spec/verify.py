@@ -1,6 +1,6 @@
 """Lossless verification of drafted chains and trees: pure, batched functions, no host sync inside.
 
-Notation (reference.md section 1): p_i is the target's processed distribution at draft position i,
+Notation (docs/verification.md#chains, #trees): p_i is the target's processed distribution at draft position i,
 q_i the drafter's (processed identically; one-hot for deterministic drafters such as n-gram or
 suffix lookups), x_i the drafted token. For each sequence:
 

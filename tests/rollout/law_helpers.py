@@ -162,7 +162,6 @@ def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_f
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, selector="always",
                       online_training=False)
     eng = RolloutEngine(runtime, None, spec=spec, eos_token_ids=[], max_num_seqs=n, drafter=drafter_for(runtime))
-    eng.selector.costs.table[(1, 1)] = 1.0  # "always" never reads costs: skip calibrating n rows
     run = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                          max_new_tokens=length, n=n, seed=seed, ignore_eos=True)
     out = eng.generate([prompt], run)

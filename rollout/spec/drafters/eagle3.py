@@ -169,7 +169,7 @@ class Eagle3Drafter:
         return out[torch.arange(B, device=dev), last], [c > 0 for c in counts]
 
     def _confident(self, logits: torch.Tensor) -> torch.Tensor:
-        """[R] bool: may the chain go on, by the arm's stop rule (reference.md section 2)?"""
+        """[R] bool: may the chain go on, by the arm's stop rule (docs/drafters.md#stop-rules)?"""
         if self.stop_rule == "none":
             return torch.ones(len(logits), dtype=torch.bool, device=logits.device)
         probs = torch.softmax(logits, -1)

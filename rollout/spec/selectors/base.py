@@ -45,7 +45,8 @@ class Selector(Protocol):
         """The largest draft any arm asks for (the engine reserves cache slack for it)."""
 
     def verify_sizes(self) -> list[int]:
-        """Tokens per row of every forward an arm can cause (1 = plain decode): calibration points."""
+        """Tokens per row of every forward an arm can cause (1 = plain decode): the cost model's
+        calibration points; empty when the selector never reads costs."""
 
     def choose(self, batch: int) -> Arm:
         """The arm for the next decode step of a live batch of this size."""
