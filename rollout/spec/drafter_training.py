@@ -23,95 +23,53 @@ import copy
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from rollout.spec.distill_losses import draft_target, get_loss
 from rollout.spec.drafters.eagle3_model import Eagle3Model, draft_vocab_from_counts
+from rollout.spec.feature_buffer import Batch, Dist, FeatureBuffer  # noqa: F401 (FeatureBuffer re-exported)
 
 log = logging.getLogger(__name__)
 
-
-class FeatureBuffer:
-    """Ring buffer of (features [n, 3H], next tokens [n]) segments, one per finished sample."""
-
-    def __init__(self, capacity: int, width: int, dtype, device):
-        self.feats = torch.zeros(capacity, width, dtype=dtype, device=device)
-        self.next_tokens = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.segments: deque[tuple[int, int, int]] = deque()  # (start, length, policy_version)
-        self.head = 0
-        self.lock = threading.Lock()
-
-    @property
-    def tokens(self) -> int:
-        return sum(n for _, n, _ in self.segments)
-
-    def add(self, feats: torch.Tensor, token_ids: list[int], policy_version: int) -> None:
-        """feats [n, 3H] of positions 0..n-1; token_ids has n+1 tokens (position t predicts t+1)."""
-        cap = self.feats.shape[0]
-        n = min(len(feats), cap, len(token_ids) - 1)
-        with self.lock:
-            if self.head + n > cap:
-                self.head = 0
-            lo, hi = self.head, self.head + n
-            self.segments = deque(s for s in self.segments if not _overlaps(s, lo, hi))
-            self.feats[lo:hi] = feats[:n].to(self.feats.dtype)
-            self.next_tokens[lo:hi] = torch.tensor(token_ids[1:n + 1], device=self.next_tokens.device)
-            self.segments.append((lo, n, policy_version))
-            self.head = hi
-
-    def sample(self, batch: int, window: int, gen: torch.Generator):
-        """Random windows -> (feats [B, W, 3H], next_tokens [B, W], valid [B, W], mean policy version)."""
-        with self.lock:
-            segs = [s for s in self.segments if s[1] >= 4]
-            if not segs:
-                return None
-            pick = torch.randint(len(segs), (batch,), generator=gen).tolist()
-            feats = self.feats.new_zeros(batch, window, self.feats.shape[1])
-            nxt = torch.zeros(batch, window, dtype=torch.long, device=self.feats.device)
-            valid = torch.zeros(batch, window, dtype=torch.bool, device=self.feats.device)
-            versions = []
-            for b, i in enumerate(pick):
-                start, n, ver = segs[i]
-                off = int(torch.randint(max(n - window, 0) + 1, (1,), generator=gen))
-                w = min(window, n - off)
-                feats[b, :w] = self.feats[start + off:start + off + w]
-                nxt[b, :w] = self.next_tokens[start + off:start + off + w]
-                valid[b, :w] = True
-                versions.append(ver)
-        return feats, nxt, valid, sum(versions) / len(versions)
-
-    def all_next_tokens(self) -> torch.Tensor:
-        with self.lock:
-            return torch.cat([self.next_tokens[s:s + n] for s, n, _ in self.segments]) if self.segments \
-                else torch.zeros(0, dtype=torch.long)
+DEFAULT_LOSS = "ce"  # the distillation loss a trainer uses unless told otherwise (see scripts/bench_distill.py)
 
 
-def _overlaps(seg, lo, hi) -> bool:
-    return seg[0] < hi and lo < seg[0] + seg[1]
-
-
-def ttt_loss(model: Eagle3Model, embed: torch.nn.Embedding, cos, sin, feats, nxt, valid, t2d, steps: int):
-    """Training-time-test loss over windows. feats [B, W, 3H], nxt [B, W] (token t+1 at t), valid [B, W].
+def ttt_loss(model: Eagle3Model, embed: torch.nn.Embedding, cos, sin, feats, nxt, valid, t2d, steps: int,
+             dist: Dist | None = None, loss: str = "ce", temperature: torch.Tensor | None = None,
+             prompt_loss: bool = True):
+    """Training-time-test loss over windows. feats [B, W, 3H], nxt [B, W] (token t+1 at t), valid [B, W];
+    dist: the target's top-k distribution of token t+1 at t (Dist with [B, W, ..] fields) or None;
+    loss: a name in distill_losses.LOSSES; temperature [B] per window (drafter logits are divided by
+    it, as the drafter's are at inference); prompt_loss False drops positions without a
+    distribution (prompt positions) from the loss instead of training them on the sampled token.
 
     Step s (1-based) at row t: input = (step s-1 output at t, or target features when s = 1;
-    token t+s), label = token t+s+1, RoPE position t+s-1. It attends to step-1 keys of
-    positions <= t and to its own chain's keys of earlier steps (the diagonal): what the engine's
-    speculative steps see at inference.
+    token t+s), label = token t+s+1 and its distribution (both at column t+s), RoPE position
+    t+s-1. It attends to step-1 keys of positions <= t and to its own chain's keys of earlier steps
+    (the diagonal): what the engine's speculative steps see at inference. Step losses weigh 0.8^(s-1).
     """
     B, W, _ = feats.shape
+    fn = get_loss(loss)
     idx = torch.arange(W, device=feats.device)
     causal = idx[None, :] <= idx[:, None]  # [W, W]
     eye = torch.eye(W, dtype=torch.bool, device=feats.device)
+    if dist is None:  # no distributions kept: every position trains on its sampled token
+        k1 = torch.zeros(B, W, 1, dtype=torch.long, device=feats.device)
+        dist = Dist(k1, k1.float(), k1[..., 0].float(), torch.zeros_like(valid))
+    inv_t = None if temperature is None else (1.0 / temperature.clamp(min=1e-3))[:, None, None]
     keys, vals, total, weight_sum = [], [], 0.0, 0.0
     hidden = feats
     for s in range(1, steps + 1):
         shift = s - 1
         tok = _shift(nxt, shift)  # token t+s sits at nxt[t+s-1]
-        label = _shift(nxt, shift + 1)
-        ok = _shift(valid, shift + 1) & valid
+        at = shift + 1  # label token t+s+1 and its distribution sit at column t+s
+        ok = _shift(valid, at) & valid
+        has = _shift(dist.has, at)
+        if not prompt_loss:
+            ok = ok & has
         pos = (idx + shift).clamp(max=cos.shape[0] - 1)
         mask = torch.cat([causal] + [eye] * shift, dim=1)  # [W, W * s]
 
@@ -123,11 +81,16 @@ def ttt_loss(model: Eagle3Model, embed: torch.nn.Embedding, cos, sin, feats, nxt
 
         hidden = model(hidden, embed(tok), cos[pos][None, :, None], sin[pos][None, :, None], attend)
         logits = model.logits(hidden)
-        target = t2d[label]
-        ok = ok & (target >= 0)
-        if ok.any():
+        if inv_t is not None:
+            logits = logits * inv_t
+        if not ok.any():
+            continue
+        target = draft_target(_shift(dist.ids, at)[ok], _shift(dist.probs, at)[ok], _shift(dist.rest, at)[ok],
+                              has[ok], _shift(nxt, at)[ok], t2d)
+        per, counts = fn(logits[ok], target)
+        if counts.any():
             w = 0.8 ** shift
-            total = total + w * F.cross_entropy(logits[ok], target[ok])
+            total = total + w * per[counts].mean()
             weight_sum += w
     return total / max(weight_sum, 1e-9)
 
@@ -151,8 +114,17 @@ class TrainerStats:
 
 
 class DrafterTrainer:
+    """Trains a copy of the drafter's network on buffered rollouts and publishes its weights.
+
+    loss: a name in distill_losses.LOSSES; topk: entries of the target's distribution kept per
+    buffered position (0 keeps none: sampled tokens only); prompt_loss: train prompt positions on
+    their next token (they have no target distribution) or skip them; half_life: policy versions
+    after which a sample's sampling weight halves."""
+
     def __init__(self, drafter, lr: float = 1e-3, batch: int = 8, window: int = 64, ttt_steps: int = 3,
-                 buffer_tokens: int = 32768, min_tokens: int = 1024, publish_every: int = 10, seed: int = 0):
+                 buffer_tokens: int = 32768, min_tokens: int = 1024, publish_every: int = 10, seed: int = 0,
+                 loss: str = DEFAULT_LOSS, topk: int = 32, prompt_loss: bool = True, half_life: float = 2.0):
+        get_loss(loss)  # fail on an unknown name now, not in the training thread
         self.drafter = drafter
         target = drafter.target
         dev = next(target.parameters()).device
@@ -160,39 +132,54 @@ class DrafterTrainer:
         self.embed = torch.nn.Embedding.from_pretrained(target.model.embed_tokens.weight.detach().float().clone())
         self.cos, self.sin = (t.to(dev) for t in _rope_tables(target, window + ttt_steps + 1))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.buffer = FeatureBuffer(buffer_tokens, 3 * target.cfg.hidden_size, torch.bfloat16, dev)
+        # the drafter stages `topk` entries per position only when the loss reads them
+        self.topk = topk if loss != "ce" else 0
+        self.buffer = FeatureBuffer(buffer_tokens, 3 * target.cfg.hidden_size, torch.bfloat16, dev,
+                                    topk=self.topk, half_life=half_life)
         self.batch, self.window, self.ttt_steps = batch, window, ttt_steps
+        self.loss_name, self.prompt_loss = loss, prompt_loss
         self.min_tokens, self.publish_every = min_tokens, publish_every
         self.gen = torch.Generator().manual_seed(seed)  # CPU generator: window picks are host-side ints
         self.stats = TrainerStats()
         self.version = 0
         self._published: tuple[int, dict] | None = None
         self._vocab_chosen = False
+        # one optimizer step or publish at a time: the background thread, a synchronous caller
+        # (scripts, warm_start) and cache loads may all touch the network
+        self.lock = threading.RLock()
         self._idle = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ---- data and weights ------------------------------------------------------------------------
-    def add(self, feats: torch.Tensor, token_ids: list[int], policy_version: int) -> None:
-        """A finished sample: features [n, 3H] of its positions and its n+1 tokens."""
-        self.buffer.add(feats, token_ids, policy_version)
+    def add(self, feats: torch.Tensor, token_ids: list[int], policy_version: int, dist: Dist | None = None,
+            temperature: float = 1.0) -> None:
+        """A finished sample: features [n, 3H] of its positions, its n+1 tokens and, when the drafter
+        staged them, the target's top-k distributions (Dist, [n, ..] fields) and its temperature."""
+        self.buffer.add(feats, token_ids, policy_version, dist, temperature)
 
     def latest(self) -> tuple[int, dict] | None:
         return self._published
 
     def publish(self) -> None:
-        self.version += 1
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self._published = (self.version, state)
+        with self.lock:
+            self.version += 1
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self._published = (self.version, state)
+
+    def mark_vocab_chosen(self) -> None:
+        """The network's draft vocabulary (d2t) and head are set already (a loaded drafter): keep them."""
+        self._vocab_chosen = True
 
     def _choose_vocab(self) -> None:
-        """Draft vocabulary = the most frequent target tokens seen so far (chosen once). The head
+        """Draft vocabulary = the target tokens with the most probability mass seen so far (chosen once;
+        expected counts where distributions were kept, sampled counts elsewhere). The head
         starts as the target's own rows for those tokens (and its final norm): the drafter's output
         lives in the target's residual space, so this is a far better start than random."""
         if self._vocab_chosen:
             return
-        counts = torch.bincount(self.buffer.all_next_tokens().cpu(), minlength=self.model.cfg.vocab_size)
-        self.model.set_draft_vocab(draft_vocab_from_counts(counts.float(), self.model.cfg.draft_vocab_size))
+        counts = self.buffer.token_mass(self.model.cfg.vocab_size)
+        self.model.set_draft_vocab(draft_vocab_from_counts(counts, self.model.cfg.draft_vocab_size))
         target = self.drafter.target
         with torch.no_grad():
             ids = self.model.to_target(torch.arange(self.model.cfg.draft_vocab_size, device=self.model.d2t.device))
@@ -209,17 +196,20 @@ class DrafterTrainer:
         for _ in range(n):
             if not self.ready():
                 break
-            self._step()
-            if self.stats.steps % self.publish_every == 0:
-                self.publish()
+            with self.lock:
+                self._step()
+                if self.stats.steps % self.publish_every == 0:
+                    self.publish()
         return self.stats.loss
 
     def _step(self) -> None:
         t0 = time.perf_counter()
         self._choose_vocab()
-        feats, nxt, valid, ver = self.buffer.sample(self.batch, self.window, self.gen)
+        b = self.buffer.sample(self.batch, self.window, self.gen)
         t2d = self.model.target_to_draft()
-        loss = ttt_loss(self.model, self.embed, self.cos, self.sin, feats.float(), nxt, valid, t2d, self.ttt_steps)
+        loss = ttt_loss(self.model, self.embed, self.cos, self.sin, b.feats.float(), b.next_tokens, b.valid, t2d,
+                        self.ttt_steps, dist=b.dist, loss=self.loss_name, temperature=b.temperature,
+                        prompt_loss=self.prompt_loss)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -228,7 +218,7 @@ class DrafterTrainer:
         s.steps += 1
         s.loss = float(loss.detach())
         s.train_time_s += time.perf_counter() - t0
-        s.data_policy_version = ver
+        s.data_policy_version = b.policy_version
 
     # ---- background -------------------------------------------------------------------------------
     def set_idle(self, idle: bool) -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from rollout.spec.drafters.base import DRAFTERS, Draft
 from rollout.spec.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rollout.runtime.sampling import probs_from_logits, sample, sample_without_replacement
+from rollout.spec.feature_buffer import Dist
 from rollout.runtime.sequence import Sequence
 
 
@@ -59,6 +60,8 @@ class Eagle3Drafter:
         self.target_cache = None  # the engine's KVCache, given at each start()
         self.policy_version = 0
         self.stage: torch.Tensor | None = None  # [sequences of the call, positions, 3H]
+        # the target's top-k distribution per staged position, when the trainer's loss reads it
+        self.stage_dist: Dist | None = None  # fields [sequences, positions, k] / [sequences, positions]
         self.slot: dict[int, int] = {}
         self.valid: dict[int, int] = {}
         self.params = None  # the call's SamplingParams: drafts are processed like the target
@@ -75,6 +78,18 @@ class Eagle3Drafter:
             self.stage = torch.zeros(len(seqs), length, H3, dtype=p.dtype, device=p.device)
         self.slot = {id(s): i for i, s in enumerate(seqs)}
         self.valid = {id(s): 0 for s in seqs}
+        k = getattr(self.trainer, "topk", 0)
+        d = self.stage_dist
+        if k <= 0:
+            self.stage_dist = None
+        elif d is None or d.ids.shape[0] < len(seqs) or d.ids.shape[1] < length or d.ids.shape[2] != k:
+            S, dev = max(len(seqs), self.stage.shape[0]), p.device
+            self.stage_dist = Dist(torch.zeros(S, length, k, dtype=torch.int32, device=dev),
+                                   torch.zeros(S, length, k, dtype=torch.float16, device=dev),
+                                   torch.zeros(S, length, dtype=torch.float16, device=dev),
+                                   torch.zeros(S, length, dtype=torch.bool, device=dev))
+        if self.stage_dist is not None:
+            self.stage_dist.has.zero_()  # prompt positions never get one; rows are reused across calls
 
     def begin(self, groups) -> None:
         pass
@@ -106,12 +121,37 @@ class Eagle3Drafter:
         for i, (s, a) in enumerate(zip(seqs, accepted)):
             start = s.cache_len
             self.stage[self.slot[id(s)], start:start + a + 1] = kept[i, :a + 1]
+        if self.stage_dist is not None and logits is not None:
+            self._stage_dist(seqs, nodes.cpu(), accepted, logits)
+
+    def _stage_dist(self, seqs, nodes: torch.Tensor, accepted, logits: torch.Tensor) -> None:
+        """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
+        the pending token), staged at the position of that node's token: the law of the next token."""
+        rows = torch.cat([torch.full((a + 1,), i) for i, a in enumerate(accepted)])
+        cols = torch.cat([nodes[i, :a + 1] for i, a in enumerate(accepted)])
+        sel = logits[rows, cols.to(logits.device)]  # [K, V] only the kept nodes: ~2 per row
+        probs = torch.softmax(sel, -1) if self.params is None or self.params.greedy \
+            else probs_from_logits(sel, self.params)
+        top = probs.topk(self.stage_dist.ids.shape[-1], -1)
+        dev, d, j = self.stage.device, self.stage_dist, 0
+        ids, vals = top.indices.to(dev, torch.int32), top.values.to(dev)
+        rest = (1.0 - vals.sum(-1)).clamp(min=0.0)
+        for s, a in zip(seqs, accepted):
+            slot, start = self.slot[id(s)], s.cache_len
+            d.ids[slot, start:start + a + 1] = ids[j:j + a + 1]
+            d.probs[slot, start:start + a + 1] = vals[j:j + a + 1].to(d.probs.dtype)
+            d.rest[slot, start:start + a + 1] = rest[j:j + a + 1].to(d.rest.dtype)
+            d.has[slot, start:start + a + 1] = True
+            j += a + 1
 
     def finish(self, seq: Sequence) -> None:
         slot = self.slot.pop(id(seq), None)
         self.valid.pop(id(seq), None)
         if slot is not None and self.trainer is not None and seq.cache_len > 2:
-            self.trainer.add(self.stage[slot, :seq.cache_len], seq.all_ids()[:seq.cache_len + 1], self.policy_version)
+            n, d = seq.cache_len, self.stage_dist
+            dist = None if d is None else Dist(d.ids[slot, :n], d.probs[slot, :n], d.rest[slot, :n], d.has[slot, :n])
+            temp = 1.0 if self.params is None or self.params.greedy else self.params.temperature
+            self.trainer.add(self.stage[slot, :n], seq.all_ids()[:n + 1], self.policy_version, dist, temp)
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
         self._maybe_swap()
