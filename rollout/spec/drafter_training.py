@@ -15,10 +15,17 @@ feature prediction, which EAGLE-3 dropped.
 Scheduling: `train_steps` runs synchronously (scripts, tests); `start` runs a daemon thread that
 trains only while the engine reports idle compute (live batch in the tail, or between rollouts)
 and publishes versioned weights that the engine swaps in between decode iterations. An exception
-in the thread is logged and stops training; the engine keeps the last good drafter.
+in the thread is logged and stops training; the engine keeps the last good drafter. The same class
+also runs in a process of its own behind rollout/spec/trainer_process.py (SpecConfig.trainer).
+
+On CUDA the trainer works on a stream of its own, so its kernels overlap the engine's instead of
+queueing behind them; events order the shared buffer (the engine writes samples on its stream, the
+trainer reads windows on its own) and the published weights (read on the engine's stream). The loss
+stays a device tensor: reading it per step would sync the trainer with the GPU every step.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -43,6 +50,8 @@ class FeatureBuffer:
         self.segments: deque[tuple[int, int, int]] = deque()  # (start, length, policy_version)
         self.head = 0
         self.lock = threading.Lock()
+        self.written: torch.cuda.Event | None = None  # CUDA: the engine's last write into the buffer
+        self.read_done: torch.cuda.Event | None = None  # CUDA: the trainer's last read out of it
 
     @property
     def tokens(self) -> int:
@@ -57,8 +66,10 @@ class FeatureBuffer:
                 self.head = 0
             lo, hi = self.head, self.head + n
             self.segments = deque(s for s in self.segments if not _overlaps(s, lo, hi))
+            _wait(self.read_done, self.feats.device)  # never overwrite rows a pending trainer read still needs
             self.feats[lo:hi] = feats[:n].to(self.feats.dtype)
             self.next_tokens[lo:hi] = torch.tensor(token_ids[1:n + 1], device=self.next_tokens.device)
+            self.written = _record(self.feats.device)
             self.segments.append((lo, n, policy_version))
             self.head = hi
 
@@ -69,6 +80,7 @@ class FeatureBuffer:
             if not segs:
                 return None
             pick = torch.randint(len(segs), (batch,), generator=gen).tolist()
+            _wait(self.written, self.feats.device)  # the engine's writes (its stream) come first
             feats = self.feats.new_zeros(batch, window, self.feats.shape[1])
             nxt = torch.zeros(batch, window, dtype=torch.long, device=self.feats.device)
             valid = torch.zeros(batch, window, dtype=torch.bool, device=self.feats.device)
@@ -81,16 +93,33 @@ class FeatureBuffer:
                 nxt[b, :w] = self.next_tokens[start + off:start + off + w]
                 valid[b, :w] = True
                 versions.append(ver)
+            self.read_done = _record(self.feats.device)
         return feats, nxt, valid, sum(versions) / len(versions)
 
     def all_next_tokens(self) -> torch.Tensor:
         with self.lock:
+            _wait(self.written, self.feats.device)
             return torch.cat([self.next_tokens[s:s + n] for s, n, _ in self.segments]) if self.segments \
                 else torch.zeros(0, dtype=torch.long)
 
 
 def _overlaps(seg, lo, hi) -> bool:
     return seg[0] < hi and lo < seg[0] + seg[1]
+
+
+def _record(device: torch.device) -> torch.cuda.Event | None:
+    """An event at the current point of the calling thread's current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def _wait(ev: torch.cuda.Event | None, device: torch.device) -> None:
+    """Make the calling thread's current stream wait (on the GPU, not the host) for `ev`."""
+    if ev is not None:
+        torch.cuda.current_stream(device).wait_event(ev)
 
 
 def ttt_loss(model: Eagle3Model, embed: torch.nn.Embedding, cos, sin, feats, nxt, valid, t2d, steps: int):
@@ -144,7 +173,7 @@ def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
 @dataclass
 class TrainerStats:
     steps: int = 0
-    loss: float = float("nan")
+    loss: float | torch.Tensor = float("nan")  # a device tensor while training: read only when reported
     train_time_s: float = 0.0
     data_policy_version: float = 0.0
     error: str | None = None
@@ -164,6 +193,9 @@ class DrafterTrainer:
         self.batch, self.window, self.ttt_steps = batch, window, ttt_steps
         self.min_tokens, self.publish_every = min_tokens, publish_every
         self.gen = torch.Generator().manual_seed(seed)  # CPU generator: window picks are host-side ints
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # see the module docstring
+        self._publish_event: torch.cuda.Event | None = None
+        self._handed_out = 0  # CUDA: the last published version whose tensors were marked for the reader
         self.stats = TrainerStats()
         self.version = 0
         self._published: tuple[int, dict] | None = None
@@ -178,12 +210,25 @@ class DrafterTrainer:
         self.buffer.add(feats, token_ids, policy_version)
 
     def latest(self) -> tuple[int, dict] | None:
-        return self._published
+        """(version, state_dict) of the newest published weights; on CUDA usable on the caller's stream."""
+        pub = self._published
+        if pub is not None and self.stream is not None and pub[0] != self._handed_out:
+            reader = torch.cuda.current_stream(self.stream.device)
+            reader.wait_event(self._publish_event)  # recorded before _published was set: covers this version
+            for t in pub[1].values():  # made on the trainer's stream: not reused while the reader copies
+                t.record_stream(reader)
+            self._handed_out = pub[0]
+        return pub
 
     def publish(self) -> None:
-        self.version += 1
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        with self._on_stream():
+            self.version += 1
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self._publish_event = _record(self.cos.device)
         self._published = (self.version, state)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _choose_vocab(self) -> None:
         """Draft vocabulary = the most frequent target tokens seen so far (chosen once). The head
@@ -206,13 +251,21 @@ class DrafterTrainer:
 
     def train_steps(self, n: int) -> float:
         """n optimizer steps now; returns the last loss (nan when there is no data yet)."""
-        for _ in range(n):
-            if not self.ready():
-                break
-            self._step()
-            if self.stats.steps % self.publish_every == 0:
-                self.publish()
-        return self.stats.loss
+        self._train(n)
+        return self._loss_value()
+
+    def _train(self, n: int) -> None:
+        with self._on_stream():
+            for _ in range(n):
+                if not self.ready():
+                    break
+                self._step()
+                if self.stats.steps % self.publish_every == 0:
+                    self.publish()
+
+    def _loss_value(self) -> float:
+        with self._on_stream():  # .item() on the trainer's stream: ordered after the step that made it
+            return float(self.stats.loss)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -226,7 +279,7 @@ class DrafterTrainer:
         self.opt.step()
         s = self.stats
         s.steps += 1
-        s.loss = float(loss.detach())
+        s.loss = loss.detach()
         s.train_time_s += time.perf_counter() - t0
         s.data_policy_version = ver
 
@@ -253,14 +306,14 @@ class DrafterTrainer:
                 if self._stop.is_set() or not self._idle.is_set() or not self.ready():
                     time.sleep(0.05)
                     continue
-                self.train_steps(1)
+                self._train(1)
         except Exception as exc:  # never let drafter training take the RL run down
             log.exception("drafter training stopped; the engine keeps the last published drafter")
             self.stats.error = repr(exc)
 
     def metrics(self, policy_version: int) -> dict[str, float]:
         s = self.stats
-        return {"drafter/loss": s.loss, "drafter/version": float(self.version), "drafter/train_steps": float(s.steps),
+        return {"drafter/loss": self._loss_value(), "drafter/version": float(self.version), "drafter/train_steps": float(s.steps),
                 "drafter/train_time_s": s.train_time_s, "drafter/buffer_tokens": float(self.buffer.tokens),
                 "drafter/policy_lag": float(policy_version - s.data_policy_version),
                 "drafter/failed": float(s.error is not None)}
