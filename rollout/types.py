@@ -68,6 +68,15 @@ class SpecConfig:
     online_training: bool = _help(True, "eagle3: train the drafter during the run on the rollouts' hidden "
                                         "states, on idle compute, swapping new weights in between steps")
     draft_vocab_size: int = _help(4096, "eagle3: size of the drafter's vocabulary (the most frequent target tokens)")
+    online_trainer: Literal["auto", "process", "thread"] = _help(
+        "auto", "eagle3: where online training runs. process: a process of its own (its own threads, lowest "
+                "CPU priority, fed through shared memory), so it only takes cycles decoding and the policy "
+                "update leave idle; thread: inside the rollout process, on a CUDA stream of its own on GPU; "
+                "auto: process on CPU or when trainer_device is another device, else thread")
+    trainer_threads: int | None = _help(None, "eagle3, process trainer: its torch threads (None = half the cores, "
+                                              "at least 1)")
+    trainer_device: str | None = _help(None, "eagle3, process trainer: its device, e.g. cuda:1 (None = the "
+                                             "target's device)")
 
     def __post_init__(self) -> None:
         from rollout.spec.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
@@ -81,6 +90,10 @@ class SpecConfig:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.tree_width < 1:
             raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
+        if self.online_trainer not in ("auto", "process", "thread"):
+            raise ValueError(f"online_trainer must be one of 'auto', 'process', 'thread', got {self.online_trainer!r}")
+        if self.trainer_threads is not None and self.trainer_threads < 1:
+            raise ValueError(f"trainer_threads must be >= 1 (or None), got {self.trainer_threads}")
         try:
             SELECTORS.check(self.selector)
         except ValueError as e:

@@ -15,10 +15,17 @@ feature prediction, which EAGLE-3 dropped.
 Scheduling: `train_steps` runs synchronously (scripts, tests); `start` runs a daemon thread that
 trains only while the engine reports idle compute (live batch in the tail, or between rollouts)
 and publishes versioned weights that the engine swaps in between decode iterations. An exception
-in the thread is logged and stops training; the engine keeps the last good drafter.
+in the thread is logged and stops training; the engine keeps the last good drafter. The same class
+also runs in a process of its own behind rollout/spec/trainer_process.py (SpecConfig.trainer).
+
+On CUDA the trainer works on a stream of its own, so its kernels overlap the engine's instead of
+queueing behind them; events order the shared buffer (the engine writes samples on its stream, the
+trainer reads windows on its own) and the published weights (read on the engine's stream). The loss
+stays a device tensor: reading it per step would sync the trainer with the GPU every step.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -33,6 +40,21 @@ from rollout.spec.drafters.eagle3_model import Eagle3Model, draft_vocab_from_cou
 from rollout.spec.feature_buffer import Batch, Dist, FeatureBuffer  # noqa: F401 (FeatureBuffer re-exported)
 
 log = logging.getLogger(__name__)
+
+def _record(device: torch.device) -> torch.cuda.Event | None:
+    """An event at the current point of the calling thread's current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def _wait(ev: torch.cuda.Event | None, device: torch.device) -> None:
+    """Make the calling thread's current stream wait (on the GPU, not the host) for `ev`."""
+    if ev is not None:
+        torch.cuda.current_stream(device).wait_event(ev)
+
 
 DEFAULT_LOSS = "ce"  # the distillation loss a trainer uses unless told otherwise (see scripts/bench_distill.py)
 
@@ -107,7 +129,7 @@ def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
 @dataclass
 class TrainerStats:
     steps: int = 0
-    loss: float = float("nan")
+    loss: float | torch.Tensor = float("nan")  # a device tensor while training: read only when reported
     train_time_s: float = 0.0
     data_policy_version: float = 0.0
     error: str | None = None
@@ -140,6 +162,9 @@ class DrafterTrainer:
         self.loss_name, self.prompt_loss = loss, prompt_loss
         self.min_tokens, self.publish_every = min_tokens, publish_every
         self.gen = torch.Generator().manual_seed(seed)  # CPU generator: window picks are host-side ints
+        self.stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # see the module docstring
+        self._publish_event: torch.cuda.Event | None = None
+        self._handed_out = 0  # CUDA: the last published version whose tensors were marked for the reader
         self.stats = TrainerStats()
         self.version = 0
         self._published: tuple[int, dict] | None = None
@@ -159,17 +184,29 @@ class DrafterTrainer:
         self.buffer.add(feats, token_ids, policy_version, dist, temperature)
 
     def latest(self) -> tuple[int, dict] | None:
-        return self._published
+        """(version, state_dict) of the newest published weights; on CUDA usable on the caller's stream."""
+        pub = self._published
+        if pub is not None and self.stream is not None and pub[0] != self._handed_out:
+            reader = torch.cuda.current_stream(self.stream.device)
+            reader.wait_event(self._publish_event)  # recorded before _published was set: covers this version
+            for t in pub[1].values():  # made on the trainer's stream: not reused while the reader copies
+                t.record_stream(reader)
+            self._handed_out = pub[0]
+        return pub
 
     def publish(self) -> None:
-        with self.lock:
+        with self.lock, self._on_stream():
             self.version += 1
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self._publish_event = _record(self.cos.device)
             self._published = (self.version, state)
 
     def mark_vocab_chosen(self) -> None:
         """The network's draft vocabulary (d2t) and head are set already (a loaded drafter): keep them."""
         self._vocab_chosen = True
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def _choose_vocab(self) -> None:
         """Draft vocabulary = the target tokens with the most probability mass seen so far (chosen once;
@@ -193,14 +230,22 @@ class DrafterTrainer:
 
     def train_steps(self, n: int) -> float:
         """n optimizer steps now; returns the last loss (nan when there is no data yet)."""
-        for _ in range(n):
-            if not self.ready():
-                break
-            with self.lock:
-                self._step()
-                if self.stats.steps % self.publish_every == 0:
-                    self.publish()
-        return self.stats.loss
+        self._train(n)
+        return self._loss_value()
+
+    def _train(self, n: int) -> None:
+        with self._on_stream():
+            for _ in range(n):
+                if not self.ready():
+                    break
+                with self.lock:
+                    self._step()
+                    if self.stats.steps % self.publish_every == 0:
+                        self.publish()
+
+    def _loss_value(self) -> float:
+        with self._on_stream():  # .item() on the trainer's stream: ordered after the step that made it
+            return float(self.stats.loss)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -216,7 +261,7 @@ class DrafterTrainer:
         self.opt.step()
         s = self.stats
         s.steps += 1
-        s.loss = float(loss.detach())
+        s.loss = loss.detach()
         s.train_time_s += time.perf_counter() - t0
         s.data_policy_version = b.policy_version
 
@@ -243,14 +288,14 @@ class DrafterTrainer:
                 if self._stop.is_set() or not self._idle.is_set() or not self.ready():
                     time.sleep(0.05)
                     continue
-                self.train_steps(1)
+                self._train(1)
         except Exception as exc:  # never let drafter training take the RL run down
             log.exception("drafter training stopped; the engine keeps the last published drafter")
             self.stats.error = repr(exc)
 
     def metrics(self, policy_version: int) -> dict[str, float]:
         s = self.stats
-        return {"drafter/loss": s.loss, "drafter/version": float(self.version), "drafter/train_steps": float(s.steps),
+        return {"drafter/loss": self._loss_value(), "drafter/version": float(self.version), "drafter/train_steps": float(s.steps),
                 "drafter/train_time_s": s.train_time_s, "drafter/buffer_tokens": float(self.buffer.tokens),
                 "drafter/policy_lag": float(policy_version - s.data_policy_version),
                 "drafter/failed": float(s.error is not None)}

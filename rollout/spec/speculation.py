@@ -37,7 +37,8 @@ class Speculation:
         self._seen_version = self.version()
 
     def attach_trainer(self, trainer):
-        """Make `trainer` (a DrafterTrainer of the learned drafter) the one that trains it: it receives
+        """Make `trainer` (a DrafterTrainer of the learned drafter, or a ProcessTrainer running one in
+        a process of its own) the one that trains it: it receives
         finished samples, publishes weights, is told when compute is idle, stopped by close()."""
         if self.learned is None:
             raise ValueError("no learned drafter to train; use drafter='eagle3' or 'auto'")
@@ -46,7 +47,8 @@ class Speculation:
         self.trainer = trainer
         self.learned.attach(trainer)
         # a training thread still running at interpreter exit aborts the process (torch's C++ side
-        # terminates); stop it at exit, or when this object is collected, whichever comes first
+        # terminates), and a training process must not outlive us; stop it at exit, or when this
+        # object is collected, whichever comes first
         self._stop_at_exit = weakref.finalize(self, trainer.stop)
         return trainer
 
@@ -180,10 +182,9 @@ def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None) -
     trainer = None
     learned = next((d for d in drafters.values() if isinstance(d, LearnedDrafter)), None)
     if learned is not None and spec.online_training:
-        from rollout.spec.drafter_training import DrafterTrainer
+        from rollout.spec.trainer_process import make_trainer
 
-        trainer = DrafterTrainer(learned)
-        trainer.start()
+        trainer = make_trainer(learned, spec)  # a thread or a process of its own, as spec.online_trainer says
     # "auto" means choosing among drafters per batch: the fixed policy has one drafter, so auto is adaptive
     selector_name = "adaptive" if spec.drafter == "auto" and spec.selector == "fixed" else spec.selector
     learned_names = (learned.name,) if learned is not None else ()
