@@ -159,8 +159,10 @@ class RolloutEngine:
         logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
                                            self.speculation.aux_layers)
         verdict = self._verify(logits, batch.to(logits.device), ctx)
-        accepted, emitted = self._commit(live, logits, verdict, batch, ctx)
+        accepted, path, tokens, lps = self._fetch(logits, verdict, batch, ctx)
+        # before commit: the learned drafter stages features at the positions the sequences hold now
         self.speculation.observe_verify(live, hiddens, verdict.path, accepted, logits)
+        emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
         drafted = [len(d) for d in drafts]
         self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
         self._metrics.record_verify(arm.drafter, drafted, accepted)
@@ -183,29 +185,31 @@ class RolloutEngine:
             return TreeVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token)
         return verify_tree(logits, batch.tokens, batch.children, ctx.params, batch.q, ctx.gen)
 
-    def _commit(self, live, logits, verdict: TreeVerdict, batch: DraftBatch, ctx: "_Call"):
-        """Append accepted drafts + the target's token with target logprobs; fix KV of tree paths.
-
-        Everything is computed on the device; the host receives, in ONE transfer, B x (2N + 3) numbers:
-        accepted counts, accepted paths, emitted tokens and their logprobs. Returns (accepted drafts
-        per row, tokens kept in total)."""
-        B, dev = len(live), logits.device
+    def _fetch(self, logits, verdict: TreeVerdict, batch: DraftBatch, ctx: "_Call"):
+        """The emitted tokens and their target logprobs, computed on the device and brought to the host
+        in ONE transfer of B x (2N + 3) numbers. Returns per-row lists: accepted drafts, accepted path
+        (node indices, -1 after), emitted tokens (accepted drafts + the target's own), logprobs."""
+        B, dev = verdict.accepted.shape[0], logits.device
         path, accepted = verdict.path, verdict.accepted
-        tokens = batch.tokens.to(dev)
         at = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)  # predicting node
-        emitted = torch.cat([tokens.gather(1, path.clamp(min=0)), torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)
+        emitted = torch.cat([batch.tokens.to(dev).gather(1, path.clamp(min=0)),
+                             torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)
         emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
         lps = logprobs_of(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), emitted, ctx.params)
-        acc, path_l, emitted_l, lps_l = _unpack(_to_host(accepted[:, None], path, emitted, lps), path.shape[1])
+        return _unpack(_to_host(accepted[:, None], path, emitted, lps), path.shape[1])
+
+    def _commit(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call") -> int:
+        """Append each row's accepted drafts + the target's token (with target logprobs); move the KV of
+        an accepted tree path to consecutive slots. Returns the number of tokens kept."""
         kept = 0
         for i, s in enumerate(live):
-            a = acc[i]
-            if not batch.is_chain and path_l[i][:a] != list(range(1, a + 1)):
+            a = accepted[i]
+            if not is_chain and path[i][:a] != list(range(1, a + 1)):
                 start = s.cache_len
-                self.runner.cache.gather_positions(s.row, [start + n for n in path_l[i][:a]],
+                self.runner.cache.gather_positions(s.row, [start + n for n in path[i][:a]],
                                                    [start + 1 + j for j in range(a)])
-            kept += s.append(emitted_l[i][:a + 1], lps_l[i][:a + 1], ctx.stop_ids)
-        return acc, kept
+            kept += s.append(tokens[i][:a + 1], lps[i][:a + 1], ctx.stop_ids)
+        return kept
 
     def _retire(self, sched: Scheduler, ctx: "_Call") -> None:
         """Drop finished sequences (drafters learn of them) and refill their rows from the tail."""

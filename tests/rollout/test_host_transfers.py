@@ -21,7 +21,7 @@ from tests.conftest import make_tiny_hf, random_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_METHODS = {"cpu", "tolist", "item", "numpy"}
-DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_commit", "_retire", "_unpack"}
+DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_fetch", "_commit", "_retire", "_unpack"}
 # (file, function) -> host calls allowed there: the one packed transfer of each step
 ALLOWED = {("rollout/engine.py", "_to_host"): {"tolist"}}
 FILES = ["rollout/engine.py", "rollout/spec/verify.py", "rollout/runtime/sampling.py", "rollout/spec/draft_batch.py"]
