@@ -201,9 +201,13 @@ class DrafterTrainer:
             self._publish_event = _record(self.cos.device)
             self._published = (self.version, state)
 
-    def mark_vocab_chosen(self) -> None:
-        """The network's draft vocabulary (d2t) and head are set already (a loaded drafter): keep them."""
-        self._vocab_chosen = True
+    def load_weights(self, state: dict) -> None:
+        """Continue from these drafter weights (a warm-started drafter): its draft vocabulary (d2t)
+        and head are kept, never re-chosen, and the weights are published for the engine."""
+        with self.lock:
+            self.model.load_state_dict(state)
+            self._vocab_chosen = True
+            self.publish()
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

@@ -155,6 +155,10 @@ def _handle(msg: tuple, trainer, ch, stats: "_Stats", pub: "_Publisher") -> None
         pub.maybe()
         stats.maybe(trainer, force=True)
         ch.outbox.put((msg[1], float(loss)))
+    elif kind == "load":
+        trainer.load_weights(msg[2])
+        pub.flush()
+        ch.outbox.put((msg[1], pub.version))
     elif kind == "flush":
         pub.flush()
         stats.maybe(trainer, force=True)

@@ -115,6 +115,11 @@ class ProcessTrainer:
             self._idle_now = idle
             (self._idle.set if idle else self._idle.clear)()
 
+    def load_weights(self, state: dict) -> None:
+        """Continue training from these drafter weights (a warm-started drafter); they are published."""
+        self._request("load", {k: v.detach().cpu() for k, v in state.items()})
+        self.latest()
+
     def train_steps(self, n: int) -> float:
         """n optimizer steps in the child now; the last loss (nan without data, or if the child is gone)."""
         reply = self._request("train", n)

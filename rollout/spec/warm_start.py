@@ -91,11 +91,8 @@ def load_cached(engine, path: str | os.PathLike) -> bool:
     if drafter is None or model.cfg != drafter.model.cfg:
         return False
     trainer = spec.trainer
-    if trainer is not None:
-        with trainer.lock:
-            trainer.model.load_state_dict(model.state_dict())
-            trainer.mark_vocab_chosen()  # the loaded head and d2t are the vocabulary: never re-chosen
-            trainer.publish()  # the drafter swaps it in at its next proposal
+    if trainer is not None:  # the trainer publishes it; the drafter swaps it in at its next proposal
+        trainer.load_weights(model.state_dict())
     else:
         drafter.model.load_state_dict(model.state_dict())
         drafter.version += 1
