@@ -56,7 +56,8 @@ def _wait(ev: torch.cuda.Event | None, device: torch.device) -> None:
         torch.cuda.current_stream(device).wait_event(ev)
 
 
-DEFAULT_LOSS = "ce"  # the distillation loss a trainer uses unless told otherwise (see scripts/bench_distill.py)
+DEFAULT_LOSS = "kl"  # forward KL to the top-k target won the comparison (bench_out/distill.json: 1.61 accepted
+# per verify against 1.42 for the sampled-token cross-entropy and 1.07 for total variation, same data and steps)
 
 
 def ttt_loss(model: Eagle3Model, embed: torch.nn.Embedding, cos, sin, feats, nxt, valid, t2d, steps: int,
