@@ -93,6 +93,18 @@ class DrafterSection(SpecConfig):
 
     export: bool = _f(True, "eagle3: export the drafter to <output_dir>/drafter at the end of the run (and on a "
                             "crash), in the EAGLE-3 format vLLM and SGLang load")
+    warm_start_s: float = _f(180.0, "eagle3/auto: seconds of drafter warm-up before the first RL step, on the "
+                                    "target's own rollouts of the run's prompts (0 = off; skipped when "
+                                    "drafter_path is set). Cached under $RLSPEC_CACHE/drafters keyed by the "
+                                    "target's weights: a later run of the same model loads it in a second")
+    warm_start_prompts: int = _f(64, "eagle3/auto: how many of the run's prompts the warm-up samples")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.warm_start_s < 0:
+            raise ValueError(f"warm_start_s must be >= 0 seconds (0 turns warm-up off), got {self.warm_start_s}")
+        if self.warm_start_prompts < 1:
+            raise ValueError(f"warm_start_prompts must be >= 1, got {self.warm_start_prompts}")
 
 
 @dataclass

@@ -67,8 +67,9 @@ def run(cfg: Config) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     setup_wandb_env(cfg, out)
     trainer, summary_cb = build_trainer(cfg, out)
-    start, status, error = time.time(), "finished", None
+    start, status, error, warm = time.time(), "finished", None, None
     try:
+        warm = warm_start_drafter(cfg, trainer)
         trainer.train()
         trainer.save_model(str(out / "final"))
     except (Exception, KeyboardInterrupt) as exc:
@@ -81,7 +82,8 @@ def run(cfg: Config) -> dict[str, Any]:
     finally:
         export_byproduct_drafter(cfg, trainer, out)  # on the crash path too: never lose the drafter
         _finish_wandb()  # first, so the summary table is the last thing printed
-        summary = summarize(cfg, out, summary_cb.rows, trainer.state.log_history, time.time() - start, status, error)
+        summary = summarize(cfg, out, summary_cb.rows, trainer.state.log_history, time.time() - start, status, error,
+                            warm)
     return summary
 
 
@@ -124,6 +126,27 @@ def build_trainer(cfg: Config, out: Path):
         callbacks=[summary_cb, _wandb_config_callback(cfg)],
     )
     return trainer, summary_cb
+
+
+def warm_start_drafter(cfg: Config, trainer) -> dict | None:
+    """Warm the learned drafter on the target's own rollouts of the run's prompts before the first RL
+    step (or load the cached result for these weights); None when there is nothing to warm."""
+    from dataclasses import asdict
+
+    engine = trainer.engine
+    if engine.speculation.learned is None or cfg.drafter.warm_start_s <= 0 or cfg.drafter.drafter_path:
+        return None
+    from rollout.spec.warm_start import warm_start
+
+    from trainers.data import prompt_token_ids
+
+    prompts = prompt_token_ids(trainer.processing_class, trainer.train_dataset["prompt"][:cfg.drafter.warm_start_prompts])
+    result = warm_start(engine, prompts, budget_s=cfg.drafter.warm_start_s, group=cfg.grpo.num_generations,
+                        max_new_tokens=cfg.grpo.max_completion_length, temperature=cfg.grpo.temperature)
+    how = "loaded from the cache" if result.cached else \
+        f"{result.steps} steps on {result.tokens} tokens in {result.seconds:.0f} s, cached"
+    print(f"rlspec.train: drafter warm start {how}: {result.path}", flush=True)
+    return asdict(result)
 
 
 def load_data(cfg: Config, load_dataset_by_name):
@@ -169,18 +192,18 @@ def build_grpo_args(cfg: Config, out: Path):
 
 
 def summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict], wall_s: float, status: str,
-              error: str | None) -> dict:
+              error: str | None, warm_start: dict | None = None) -> dict:
     """Print the per-step table and a one-line digest; write summary.json. Never raises: it also runs
     on the crash path, where an error here must not hide the original one."""
     try:
-        return _summarize(cfg, out, rows, log_history, wall_s, status, error)
+        return _summarize(cfg, out, rows, log_history, wall_s, status, error, warm_start)
     except Exception as exc:  # noqa: BLE001
         print(f"rlspec.train: could not write the summary: {type(exc).__name__}: {exc}", file=sys.stderr)
         return {"status": status, "error": error}
 
 
 def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict], wall_s: float, status: str,
-               error: str | None) -> dict:
+               error: str | None, warm_start: dict | None) -> dict:
     from trainers.callbacks import format_summary_table
 
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
@@ -200,6 +223,7 @@ def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict]
         "final_model": str(out / "final") if status == "finished" else None,
         "crash_model": str(out / "crash") if (out / "crash").is_dir() else None,
         "checkpoints": sorted(str(p) for p in out.glob("checkpoint-*")),
+        "drafter_warm_start": warm_start,
         "rows": rows,
         # per logged step: the engine's, drafter's and TRL's sampling metrics (for benchmarks/plots)
         "history": [{k: v for k, v in h.items() if k == "step" or k.startswith(_HISTORY_PREFIXES)}

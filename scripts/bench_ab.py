@@ -7,6 +7,11 @@ engine/transformers ratio of two checkouts measured back to back, several times,
     python scripts/bench_ab.py --old /tmp/rlspec-old --reps 2 --out bench_out/cpu_ab.json
 
 Prints, per batch size, each run's engine/HF ratio and the medians; writes them to JSON.
+
+The ratio's two halves are timed minutes apart, and on a shared 2-core machine the speed itself
+drifts up to 1.5x within minutes (transformers at batch 8 measured 98-140 tok/s in one sitting), so
+`--direct` also times the two engines against each other: the same call (T=1, EOS ignored) in a
+fresh process per checkout, alternated, best of --direct-reps calls each; new/old is its speed ratio.
 """
 from __future__ import annotations
 
@@ -34,14 +39,62 @@ def run_once(tree: Path, batch_sizes: list[int], tokens: int) -> dict[str, float
         return {str(k): float(v) for k, v in json.loads(out.read_text())["ratio"].items()}
 
 
+ENGINE_TIME = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from rollout.engine import RolloutEngine
+from rollout.types import SamplingParams
+batch, tokens, reps = map(int, sys.argv[2:5])
+eng = RolloutEngine.from_pretrained("smollm2-135m-instruct", dtype="bfloat16", max_model_len=512)
+prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10 + i] * 5 for i in range(batch)]
+eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True, seed=0))
+best = float("inf")
+for _ in range(reps):
+    t = time.perf_counter()
+    eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=tokens, ignore_eos=True, seed=0))
+    best = min(best, time.perf_counter() - t)
+print(batch * tokens / best)
+"""
+
+
+def engine_tok_s(tree: Path, batch: int, tokens: int, reps: int) -> float:
+    """The engine's best tokens/s of `reps` equal calls, in a fresh process importing `tree`'s code."""
+    out = subprocess.run([sys.executable, "-c", ENGINE_TIME, str(tree), str(batch), str(tokens), str(reps)],
+                         cwd=tree, check=True, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def direct(args, old: Path) -> dict:
+    speeds: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+    for _ in range(args.reps):
+        for b in args.batch_sizes:
+            for name, tree in (("old", old), ("new", HERE)):
+                v = engine_tok_s(tree, b, args.max_new_tokens, args.direct_reps)
+                speeds[name].setdefault(str(b), []).append(v)
+                print(f"direct {name} batch {b}: {v:.1f} tok/s", flush=True)
+    ratio = {str(b): statistics.median(speeds["new"][str(b)]) / statistics.median(speeds["old"][str(b)])
+             for b in args.batch_sizes}
+    print(table([{"batch": b, "new/old engine speed": ratio[str(b)]} for b in args.batch_sizes],
+                ["batch", "new/old engine speed"]))
+    return {"tok_s": speeds, "new_over_old": ratio}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the other checkout (e.g. a git worktree of the base commit)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=2, help="alternations old, new, old, new, ...")
+    p.add_argument("--direct", action="store_true", help="also time the two engines against each other")
+    p.add_argument("--direct-only", action="store_true", help="only the direct engine-vs-engine timing")
+    p.add_argument("--direct-reps", type=int, default=3, help="calls per direct timing (the best counts)")
     p.add_argument("--out", default="bench_out/cpu_ab.json")
     args = p.parse_args()
+    if args.direct_only:
+        write_json(args.out, {"old": str(args.old), "max_new_tokens": args.max_new_tokens,
+                              "direct": direct(args, Path(args.old).resolve())})
+        return 0
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     for _ in range(args.reps):
         for name, tree in (("old", Path(args.old).resolve()), ("new", HERE)):
@@ -54,8 +107,10 @@ def main() -> int:
                             " ".join(f"{r[str(b)]:.2f}" for r in runs["new"]),
                             medians["old"][str(b)], medians["new"][str(b)]])) for b in args.batch_sizes]
     print(table(rows, cols))
-    write_json(args.out, {"old": str(args.old), "runs": runs, "median_ratio": medians,
-                          "max_new_tokens": args.max_new_tokens})
+    result = {"old": str(args.old), "runs": runs, "median_ratio": medians, "max_new_tokens": args.max_new_tokens}
+    if args.direct:
+        result["direct"] = direct(args, Path(args.old).resolve())
+    write_json(args.out, result)
     return 0
 
 

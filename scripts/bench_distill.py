@@ -54,8 +54,16 @@ def parse_args(argv=None):
     p.add_argument("--eval-prompts", type=int, default=12)
     p.add_argument("--eval-max-new-tokens", type=int, default=256)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--eval-at", type=int, nargs="*", default=[],
+                   help="also evaluate (chain of k) after these many steps: the learning curve")
+    p.add_argument("--trees", type=int, nargs="*", default=[],
+                   help="after training, also evaluate trees of these widths (each branch k deep, w x k nodes)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 beats 2 on a shared 2-core box)")
     p.add_argument("--cache", default=os.path.expanduser(os.environ.get("RLSPEC_CACHE", "~/.cache/rlspec")))
+    p.add_argument("--load", default=None, help="evaluate this saved drafter (chain, --trees, --ceiling) as run "
+                                                "'loaded', without collecting or training")
+    p.add_argument("--save", default=None, help="export the last run's drafter here (EAGLE-3 directory), e.g. "
+                                                "for bench_rollout.py --workload longtail --drafter-path")
     p.add_argument("--out", default="bench_out/distill.json")
     return p.parse_args(argv)
 
@@ -112,7 +120,7 @@ def _capacity(args) -> int:
     return args.collect_prompts * args.group * (args.max_new_tokens + 96)  # prompts are ~50-60 tokens
 
 
-def train(eng, data, init_state, args, name) -> dict:
+def train(eng, data, init_state, args, name, held_out=None) -> dict:
     """A fresh trainer on the cached data, from the same initial drafter; trained and published."""
     import torch
 
@@ -135,15 +143,40 @@ def train(eng, data, init_state, args, name) -> dict:
                              publish_every=10**9, topk=args.topk, min_tokens=1, **opts)
     eng.speculation.attach_trainer(trainer)
     load_data(trainer.buffer, data)
-    curve = []
-    for done in range(0, args.train_steps, 50):
-        trainer.train_steps(min(50, args.train_steps - done))
-        curve.append((trainer.stats.steps, trainer.stats.loss))
+    curve, learning = [], []
+    marks = sorted({*(s for s in args.eval_at if 0 < s < args.train_steps), *range(50, args.train_steps, 50),
+                    args.train_steps})
+    for mark in marks:
+        trainer.train_steps(mark - trainer.stats.steps)
+        curve.append((trainer.stats.steps, float(trainer.stats.loss)))
         print(f"[{name}] step {trainer.stats.steps} loss {trainer.stats.loss:.3f} "
               f"({trainer.stats.train_time_s:.0f} s)", flush=True)
+        if mark in args.eval_at and mark < args.train_steps:
+            trainer.publish()
+            ev = evaluate(eng, held_out, args)
+            learning.append({"steps": mark, "accept_len": ev["accept_len"], "one_minus_tv_pos1": ev["one_minus_tv_pos1"]})
+            print(f"[{name}] step {mark}: {ev['accept_len']:.3f} accepted / verify", flush=True)
     trainer.publish()
-    return {"train_steps": trainer.stats.steps, "final_loss": trainer.stats.loss, "loss_curve": curve,
-            "train_time_s": trainer.stats.train_time_s, **VARIANTS[name]}
+    return {"train_steps": trainer.stats.steps, "final_loss": float(trainer.stats.loss), "loss_curve": curve,
+            "train_time_s": trainer.stats.train_time_s, "learning_curve": learning, **VARIANTS[name]}
+
+
+def evaluate_trees(eng, prompts, args) -> dict:
+    """Accepted tokens per verify with forced trees: w branches of k drafts each below the root."""
+    from rollout.spec.selectors.forced import ForcedSelector
+    from rollout.spec.selectors.base import Arm
+
+    spec, out = eng.speculation, {}
+    chain = spec.selector
+    for w in args.trees:
+        spec.selector = ForcedSelector(Arm("eagle3", args.k * w, w))
+        try:
+            ev = evaluate(eng, prompts, args)
+        finally:
+            spec.selector = chain
+        out[str(w)] = {"nodes": args.k * w, "accept_len": ev["accept_len"], "verifies": ev["verifies"]}
+        print(f"tree {w} x {args.k}: {ev['accept_len']:.3f} accepted / verify", flush=True)
+    return out
 
 
 def evaluate(eng, prompts, args, ceiling_layers=()) -> dict:
@@ -232,15 +265,33 @@ def main(argv=None) -> dict:
     eng = RolloutEngine.from_pretrained(args.model, spec=spec, dtype=args.dtype, max_model_len=512)
     base = eng.speculation.learned.model
     init_state = {"model": base, "state": {k: v.clone() for k, v in base.state_dict().items()}}
-    data = collect(eng, args)
     held_out = math_prompts(eng.tokenizer, args.eval_prompts, seed=12345)
     result = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {"runs": {}}
     result["config"] = vars(args)
-    result["data"] = {k: v for k, v in data.items() if k != "chunks"}
     L = eng.model.cfg.num_layers
+    if args.load and args.runs:
+        raise SystemExit("--load evaluates a saved drafter: give it no --runs")
+    if args.load:
+        from rollout.spec.drafters.eagle3_io import read_metadata
+        from rollout.spec.warm_start import load_cached
+
+        if not load_cached(eng, args.load):
+            raise SystemExit(f"no drafter for this target at {args.load}")
+        run = {"loaded_from": args.load, "metadata": read_metadata(args.load), **evaluate(eng, held_out, args)}
+        if args.trees:
+            run["trees"] = evaluate_trees(eng, held_out, args)
+        result["runs"]["loaded"] = run
+        write_json(args.out, result)
+    else:
+        data = collect(eng, args)
+        result["data"] = {k: v for k, v in data.items() if k != "chunks"}
     for name in args.runs:
-        run = train(eng, data, init_state, args, name)
+        run = train(eng, data, init_state, args, name, held_out)
         run.update(evaluate(eng, held_out, args))
+        if args.trees:
+            run["trees"] = evaluate_trees(eng, held_out, args)
+        if args.save:
+            eng.export_drafter(args.save, metadata={"bench_distill_run": name, "train_steps": run["train_steps"]})
         result["runs"][name] = run
         print(table([_row(name, run)], list(_row(name, run))), flush=True)
         write_json(args.out, result)
@@ -260,7 +311,7 @@ def main(argv=None) -> dict:
 
 
 def _row(name, r) -> dict:
-    row = {"run": name, "steps": r["train_steps"], "accept/verify": r["accept_len"],
+    row = {"run": name, "steps": r.get("train_steps", r.get("metadata", {}).get("train_steps")), "accept/verify": r["accept_len"],
            "1-TV@1": r["one_minus_tv_pos1"], "p in vocab": r["p_mass_in_draft_vocab"]}
     for b, v in r["by_position"].items():
         row[f"acc {b}"] = v.get("accept_len", float("nan"))

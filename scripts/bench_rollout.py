@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=4, help="longtail: prompts per rollout")
     p.add_argument("--group", type=int, default=8, help="longtail: samples per prompt (GRPO group size)")
     p.add_argument("--reps", type=int, default=3, help="longtail: repetitions (fresh prompts each)")
+    p.add_argument("--tail-live", type=int, default=None,
+                   help="longtail: the tail is when at most this many sequences are live (default: a quarter)")
+    p.add_argument("--drafter-path", default=None, help="longtail: trained EAGLE-3 drafter for the eagle3/auto configs")
     p.add_argument("--configs", nargs="+", default=["hf", "engine", "ngram", "suffix", "suffix-tree", "suffix-always",
                                                     "adaptive"],
                    help="longtail: which configurations to measure (see scripts/longtail.py CONFIGS)")

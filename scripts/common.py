@@ -14,20 +14,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 def math_prompts(tokenizer, n: int, seed: int = 0, max_operand: int = 9, ops=("+",)) -> list[list[int]]:
     """Chat-templated token ids of the embedded arithmetic problems (the default run's data)."""
-    from trainers.data import make_math_dataset
+    from trainers.data import make_math_dataset, prompt_token_ids
 
-    ds = make_math_dataset(num_examples=n, seed=seed, max_operand=max_operand, ops=ops)
-    out = []
-    for conv in ds["prompt"]:
-        ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
-    return out
+    return prompt_token_ids(tokenizer, make_math_dataset(num_examples=n, seed=seed, max_operand=max_operand,
+                                                         ops=ops)["prompt"])
 
 
 def write_json(path: str, payload: dict) -> None:
+    text = json.dumps(payload, indent=2)  # first: a payload that fails to encode must not truncate the file
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+        f.write(text)
     print(f"wrote {path}")
 
 

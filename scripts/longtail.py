@@ -4,9 +4,9 @@ P prompts of the embedded math data x G samples at T=1 until EOS (or the cap), s
 are long-tailed and the live batch drains over time, as in RL. In one process it measures
 transformers `generate`, our engine without speculation, and each speculative configuration: all
 are warmed up first, then every repetition draws fresh prompts and runs every config on them in a
-rotating order (so machine noise spreads evenly); figures are totals over the repetitions. Per config: wall time, tokens/s overall and per
-phase (full batch: more than a quarter of the sequences live; tail: a quarter or fewer), accepted
-length, share of steps that speculated. Writes JSON and a PNG (tokens/s per phase, live batch over
+rotating order (so machine noise spreads evenly); figures are totals over the repetitions. Per
+config: wall time, tokens/s overall and per phase (full batch: more than --tail-live sequences
+live, default a quarter of them; tail: the rest), accepted length, share of steps that speculated. Writes JSON and a PNG (tokens/s per phase, live batch over
 time). Sampled outputs differ between configs (different random streams, same law), so compare
 tokens/s, which does not depend on which lengths were drawn as much as wall time does.
 """
@@ -25,15 +25,22 @@ CONFIGS = {
     "suffix-tree": ("suffix", 6, 2, "fixed"),
     "suffix-always": ("suffix", 4, 1, "always"),
     "adaptive": ("suffix", 8, 1, "adaptive"),
+    # the learned drafter (trained weights from --drafter-path, not trained further while measured)
+    "eagle3": ("eagle3", 4, 1, "fixed"),
+    "eagle3-always": ("eagle3", 4, 1, "always"),
+    "eagle3-tree-always": ("eagle3", 8, 2, "always"),
+    "auto": ("auto", 4, 1, "fixed"),  # suffix + ngram + eagle3, chosen per batch (the adaptive selector)
 }
 
 
-def phase_rates(trace, total_seqs: int) -> dict:
-    """Tokens/s while more than a quarter of the sequences are live (full) and after (tail)."""
+def phase_rates(trace, total_seqs: int, tail_live: int | None = None) -> dict:
+    """Tokens/s while more than `tail_live` sequences are live (full) and after (tail); tail_live
+    defaults to a quarter of the sequences."""
     out = {"full": [0, 0.0], "tail": [0, 0.0]}
     prev = 0.0
+    limit = tail_live or max(1, total_seqs // 4)
     for t, live, emitted, _ in trace:
-        phase = "tail" if live <= max(1, total_seqs // 4) else "full"
+        phase = "tail" if live <= limit else "full"
         out[phase][0] += emitted
         out[phase][1] += t - prev
         prev = t
@@ -41,23 +48,22 @@ def phase_rates(trace, total_seqs: int) -> dict:
         f"{k}_seconds": s for k, (_, s) in out.items()}
 
 
-def make_engine(name, path, dtype, tokenizer, eos, rows):
+def make_engine(name, path, dtype, tokenizer, eos, rows, drafter_path=None):
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
-    from rollout.spec.selectors.longtail import Arm
     from rollout.types import SpecConfig
 
     drafter, k, width, selector = CONFIGS[name]
-    spec = SpecConfig(drafter=drafter, num_draft_tokens=max(k, 1), tree_width=width,
-                      selector="adaptive" if selector == "adaptive" else "fixed")
-    eng = RolloutEngine(loader.load_model(path, dtype=dtype), tokenizer, spec=spec, max_model_len=1024,
-                        max_num_seqs=rows, eos_token_ids=eos)
-    if selector == "always":
-        eng.selector.choose = lambda batch: Arm(drafter, k, width)
-    return eng
+    learned = drafter in ("eagle3", "auto")
+    if learned and not drafter_path:
+        raise SystemExit(f"config {name} needs a trained drafter: --drafter-path DIR (scripts/bench_distill.py --save)")
+    spec = SpecConfig(drafter=drafter, num_draft_tokens=max(k, 1), tree_width=width, selector=selector,
+                      drafter_path=drafter_path if learned else None, online_training=False)
+    return RolloutEngine(loader.load_model(path, dtype=dtype), tokenizer, spec=spec, max_model_len=1024,
+                         max_num_seqs=rows, eos_token_ids=eos)
 
 
-def run_engine(eng, prompts, params) -> dict:
+def run_engine(eng, prompts, params, tail_live: int | None = None) -> dict:
     """One timed rollout: tokens, wall time and the per-phase figures of its batch trace."""
     eng.stats()
     t0 = time.perf_counter()
@@ -67,7 +73,7 @@ def run_engine(eng, prompts, params) -> dict:
     s = eng.stats()
     return {"tokens": sum(len(r.completion_ids) for r in out), "wall_s": wall, "trace": trace,
             "accept_len": s.get("rollout/accept_len", 1.0), "spec_share": s.get("rollout/spec_step_share", 0.0),
-            **phase_rates(trace, len(out))}
+            **phase_rates(trace, len(out), tail_live)}
 
 
 def hf_generator(path, dtype, params, seed):
@@ -126,7 +132,7 @@ def run_longtail(args) -> dict:
     runners = {}
     for name in args.configs:  # build everything first, then warm each up on the same warm-up prompts
         runners[name] = (hf_generator(path, getattr(torch, args.dtype), params, args.seed) if name == "hf"
-                         else make_engine(name, path, args.dtype, tokenizer, eos, rows))
+                         else make_engine(name, path, args.dtype, tokenizer, eos, rows, args.drafter_path))
     warm = math_prompts(tokenizer, 2, seed=8)
     for name, r in runners.items():
         r(warm) if name == "hf" else r.generate(warm, params)
@@ -137,7 +143,7 @@ def run_longtail(args) -> dict:
         prompts = math_prompts(tokenizer, args.prompts, seed=100 + rep)
         order = args.configs[rep % len(args.configs):] + args.configs[:rep % len(args.configs)]
         for name in order:
-            res = runners[name](prompts) if name == "hf" else run_engine(runners[name], prompts, params)
+            res = runners[name](prompts) if name == "hf" else run_engine(runners[name], prompts, params, args.tail_live)
             results[name].append(res)
             if "trace" in res and rep == 0:
                 traces[name] = res["trace"]

@@ -16,11 +16,13 @@ ROW_KEYS = {
     "tokens_per_s": "rollout/tokens_per_s",
     "mean_len": "rollout/mean_len",
     "accept_len": "rollout/accept_len",
+    "drafter_version": "drafter/version",
 }
 
 
 class RolloutSummaryCallback(TrainerCallback):
-    """Keeps one row per training log record: step, reward, rollout_s, step_s, rollout_share, tokens_per_s.
+    """Keeps one row per training log record: step, reward, rollout_s, step_s, rollout_share, tokens_per_s,
+    accept_len (tokens per verify, 1.0 without speculation) and drafter_version (learned drafter).
 
     With logging_steps=1 a row is one optimizer step; with logging_steps=N it is the mean over the N
     steps ending at `step` (TRL averages its metric store per log call).
@@ -65,12 +67,15 @@ def _total_row(rows: list[dict]) -> dict:
         "step_s": step if timed else None,
         "rollout_share": rollout / step if timed else None,
         "tokens_per_s": _mean([r["tokens_per_s"] for r in rows]),
+        "accept_len": _mean([r.get("accept_len") for r in rows]),
+        "drafter_version": rows[-1].get("drafter_version"),
     }
 
 
 def format_summary_table(rows: list[dict]) -> str:
     """A plain-text table of the rows plus an "all" line (rollout share = total rollout s / total step s)."""
-    header = f"{'step':>5} {'reward':>7} {'rollout s':>10} {'step s':>8} {'rollout %':>10} {'tok/s':>8}"
+    header = (f"{'step':>5} {'reward':>7} {'rollout s':>10} {'step s':>8} {'rollout %':>10} {'tok/s':>8} "
+              f"{'accepted':>9} {'drafter v':>9}")
     rule = "-" * len(header)
     if not rows:
         return "\n".join([header, rule, "(no training steps logged)"])
@@ -82,5 +87,6 @@ def _format_row(row: dict) -> str:
     share = None if row.get("rollout_share") is None else 100 * row["rollout_share"]
     return (
         f"{row['step']!s:>5} {_cell(row.get('reward'), '.3f'):>7} {_cell(row.get('rollout_s'), '.2f'):>10} "
-        f"{_cell(row.get('step_s'), '.2f'):>8} {_cell(share, '.1f'):>10} {_cell(row.get('tokens_per_s'), '.1f'):>8}"
+        f"{_cell(row.get('step_s'), '.2f'):>8} {_cell(share, '.1f'):>10} {_cell(row.get('tokens_per_s'), '.1f'):>8} "
+        f"{_cell(row.get('accept_len'), '.2f'):>9} {_cell(row.get('drafter_version'), '.0f'):>9}"
     )

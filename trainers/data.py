@@ -157,3 +157,13 @@ def _load_or_explain(name: str, config: str | None, split: str, **kwargs: Any):
             f"Looked in: {'; '.join(looked)}. Fix: check the name, download it once where the hub is reachable "
             "(it is then cached), or use name='embedded_math' for the built-in offline arithmetic set."
         ) from exc
+
+
+def prompt_token_ids(tokenizer, prompts: list) -> list[list[int]]:
+    """Token ids of prompts as TRL feeds them to generation: conversations through the chat template
+    (with the generation prompt), plain strings tokenized as they are."""
+    out = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template(p, add_generation_prompt=True) if isinstance(p, list) else tokenizer(p)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out

@@ -1,7 +1,8 @@
 """Drafter losses, one registry: how far the drafter's q is from the target's p at one position.
 
-At T > 0 a sampled draft is accepted with probability sum_x min(p, q) = 1 - TV(p, q) (reference.md
-section 5), so the drafter must match the target's whole processed distribution, not its samples.
+At T > 0 a sampled draft is accepted with probability sum_x min(p, q) = 1 - TV(p, q)
+(docs/drafter_training.md#acceptance), so the drafter must match the target's whole processed
+distribution, not its samples.
 Every loss here is a pure function of one batch of positions:
 
     loss(logits, target) -> (per-position loss [M], counts [M] bool)

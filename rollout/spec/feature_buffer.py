@@ -5,7 +5,7 @@ Per buffered position t of a sample (positions 0..n-1 of its cache):
   next_tok[t]  int64       token t+1, the token the target sampled (or the prompt's next token)
   top_ids[t]   [k] int32   the k most likely target ids for token t+1, and
   top_p[t]     [k] fp16    their probabilities after the call's processing (temperature, top-k,
-                           top-p): what a sampled draft must match (reference.md section 5)
+                           top-p): what a sampled draft must match (docs/drafter_training.md)
   rest[t]      fp16        1 - sum(top_p[t]): mass outside the top-k, kept so losses see it
   has_dist[t]  bool        False at prompt positions (the engine shows no logits there)
 Bytes per position for SmolLM2-135M (H = 576) and k = 32: 3456 + 8 + 128 + 64 + 2 + 1 = 3659, of

@@ -21,7 +21,8 @@ trainer's internals:
                          proxy only reads an integer unless a newer version exists, and never waits
                          for the child's lock (it keeps the previous version instead)
   set_idle(bool)         a shared event; metrics() / stats from a JSON snapshot the child writes
-  train_steps(n)         synchronous request/response (scripts, tests)
+  train_steps(n)         synchronous request/response (scripts, tests, warm start)
+  publish()              the child publishes its current weights now
   model                  float32 drafter network of the newest weights (export)
   stop()                 the child publishes its final weights and exits; joined, and at exit
 A crash in the child is reported (drafter/failed = 1); the engine keeps its last drafter. On CUDA
@@ -118,6 +119,11 @@ class ProcessTrainer:
     def load_weights(self, state: dict) -> None:
         """Continue training from these drafter weights (a warm-started drafter); they are published."""
         self._request("load", {k: v.detach().cpu() for k, v in state.items()})
+        self.latest()
+
+    def publish(self) -> None:
+        """Make the child publish its current weights now, and take them."""
+        self._request("flush")
         self.latest()
 
     def train_steps(self, n: int) -> float:

@@ -150,14 +150,11 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
         bar.close()
     trainer.publish()
     steps = trainer.stats.steps - steps0
+    tokens = int(trainer.metrics(0).get("drafter/buffer_tokens", 0))
     result = WarmStartResult(key, str(out), cached=False, steps=steps, seconds=time.perf_counter() - t0,
-                             tokens=trainer.buffer.tokens, loss=trainer.stats.loss)
-    if steps > 0:
-        from rollout.spec.drafters.eagle3_io import save_eagle3
-
-        with trainer.lock:
-            save_eagle3(trainer.model, engine.model.cfg.hf_config, str(out),
-                        metadata={"warm_start": asdict(result), "cache_key": key, "tag": tag})
+                             tokens=tokens, loss=float(trainer.stats.loss))
+    if steps > 0:  # the trainer's weights, in-thread or from its process (export reads either)
+        engine.export_drafter(str(out), metadata={"warm_start": asdict(result), "cache_key": key, "tag": tag})
     return result
 
 

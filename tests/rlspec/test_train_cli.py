@@ -138,3 +138,23 @@ def test_crash_keeps_checkpoints_and_saves_the_policy(tiny_run, tmp_path, monkey
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "crashed" and "reward server went away" in summary["error"]
     assert summary["crash_model"] == str(out / "crash")
+
+
+def test_learned_drafter_is_warm_started_then_loaded_from_the_cache(tiny_run, tmp_path, monkeypatch, capsys):
+    """drafter=eagle3: a bounded warm-up before step 1, cached by the target's weights; a second run of
+    the same model loads it instead of training; the summary table shows accepted length and version."""
+    from rlspec.train import main
+
+    monkeypatch.setenv("RLSPEC_CACHE", str(tmp_path / "cache"))
+    run = tiny_run + ["grpo.max_steps=1", "drafter.drafter=eagle3", "drafter.warm_start_s=4",
+                      "drafter.warm_start_prompts=8", "drafter.online_trainer=thread", "drafter.draft_vocab_size=32"]
+    assert main(run) == 0
+    first = json.loads((tmp_path / "out" / "summary.json").read_text())["drafter_warm_start"]
+    assert first["cached"] is False and first["steps"] > 0 and first["tokens"] > 0
+    assert (Path(first["path"]) / "config.json").is_file() and str(tmp_path / "cache") in first["path"]
+    printed = capsys.readouterr().out
+    assert "accepted" in printed and "drafter v" in printed and "drafter warm start" in printed
+
+    assert main(run + [f"output_dir={tmp_path / 'out2'}"]) == 0
+    second = json.loads((tmp_path / "out2" / "summary.json").read_text())["drafter_warm_start"]
+    assert second["cached"] is True and second["path"] == first["path"] and second["steps"] == 0

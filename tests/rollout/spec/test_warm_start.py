@@ -103,3 +103,26 @@ def test_warm_start_needs_a_budget_and_a_learned_drafter(tmp_path):
     plain = RolloutEngine(loader.from_hf_model(hf), None, spec=SpecConfig(drafter="suffix"), eos_token_ids=[2])
     with pytest.raises(ValueError, match="learned drafter"):
         warm_start(plain, [[3, 4]], root=tmp_path)
+
+
+def test_warm_start_trains_through_an_out_of_process_trainer(tmp_path):
+    """The engine's own online trainer in its child process does the warm-up and the export."""
+    hf = make_tiny_hf("llama", seed=7)
+    prompts = random_prompts(8, 4, 10, seed=7)
+    eng = engine(hf, online=True)
+    try:
+        from rollout.spec.trainer_process import ProcessTrainer
+
+        assert isinstance(eng.speculation.trainer, ProcessTrainer)  # CPU + "auto": a process
+        initial = {k: v.clone() for k, v in eng.speculation.learned.model.state_dict().items()}
+        # the child's trainer waits for 1024 buffered positions: rounds collect until it has them
+        res = warm_start(eng, prompts, budget_s=None, max_steps=3, group=4, max_new_tokens=48, root=tmp_path,
+                         use_tqdm=False)
+        # >= : the child also trains on its own whenever the engine reports idle compute
+        assert not res.cached and res.steps >= 3 and res.tokens >= 1024
+        saved = load_eagle3(res.path)  # the child's trained weights, its chosen draft vocabulary with them
+        assert not torch.equal(saved.fc.weight.float(), initial["fc.weight"].float())
+        assert torch.equal(saved.d2t, eng.speculation.trainer.model.d2t)
+        assert not torch.equal(saved.d2t, initial["d2t"])
+    finally:
+        eng.close()
