@@ -140,7 +140,8 @@ def warm_start_drafter(cfg: Config, trainer) -> dict | None:
 
     from trainers.data import prompt_token_ids
 
-    prompts = prompt_token_ids(trainer.processing_class, trainer.train_dataset["prompt"][:cfg.drafter.warm_start_prompts])
+    convs = trainer.train_dataset["prompt"][:cfg.drafter.warm_start_prompts]
+    prompts = prompt_token_ids(trainer.processing_class, convs)
     result = warm_start(engine, prompts, budget_s=cfg.drafter.warm_start_s, group=cfg.grpo.num_generations,
                         max_new_tokens=cfg.grpo.max_completion_length, temperature=cfg.grpo.temperature)
     how = "loaded from the cache" if result.cached else \

@@ -195,7 +195,10 @@ class RolloutEngine:
         emitted = torch.cat([batch.tokens.to(dev).gather(1, path.clamp(min=0)),
                              torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)
         emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
-        lps = logprobs_of(logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1])), emitted, ctx.params)
+        # plain decoding predicts from node 0 only: a view, not a vocabulary-sized gather
+        picked = logits[:, :1] if path.shape[1] == 0 else \
+            logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
+        lps = logprobs_of(picked, emitted, ctx.params)
         return _unpack(_to_host(accepted[:, None], path, emitted, lps), path.shape[1])
 
     def _commit(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call") -> int:

@@ -154,7 +154,8 @@ def train(eng, data, init_state, args, name, held_out=None) -> dict:
         if mark in args.eval_at and mark < args.train_steps:
             trainer.publish()
             ev = evaluate(eng, held_out, args)
-            learning.append({"steps": mark, "accept_len": ev["accept_len"], "one_minus_tv_pos1": ev["one_minus_tv_pos1"]})
+            learning.append({"steps": mark, "accept_len": ev["accept_len"],
+                             "one_minus_tv_pos1": ev["one_minus_tv_pos1"]})
             print(f"[{name}] step {mark}: {ev['accept_len']:.3f} accepted / verify", flush=True)
     trainer.publish()
     return {"train_steps": trainer.stats.steps, "final_loss": float(trainer.stats.loss), "loss_curve": curve,
@@ -311,7 +312,8 @@ def main(argv=None) -> dict:
 
 
 def _row(name, r) -> dict:
-    row = {"run": name, "steps": r.get("train_steps", r.get("metadata", {}).get("train_steps")), "accept/verify": r["accept_len"],
+    steps = r.get("train_steps", r.get("metadata", {}).get("train_steps"))
+    row = {"run": name, "steps": steps, "accept/verify": r["accept_len"],
            "1-TV@1": r["one_minus_tv_pos1"], "p in vocab": r["p_mass_in_draft_vocab"]}
     for b, v in r["by_position"].items():
         row[f"acc {b}"] = v.get("accept_len", float("nan"))

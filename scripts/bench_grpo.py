@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def run(label: str, args) -> dict:
     drafter = label.split("#")[0]
     out = Path(args.workdir) / label.replace("#", "_")
+    if args.reuse and (out / "summary.json").is_file() and json.loads((out / "summary.json").read_text())["status"] \
+            == "finished":
+        print(f"[bench_grpo] reusing the finished run in {out}", flush=True)
+        return json.loads((out / "summary.json").read_text())
     cmd = [sys.executable, "-m", "rlspec.train", f"config={args.config}", f"grpo.max_steps={args.steps}",
            f"output_dir={out}", f"drafter.drafter={drafter}", "grpo.save_steps=1000", *args.overrides]
     print("[bench_grpo]", " ".join(cmd), flush=True)
@@ -40,6 +44,7 @@ def main(argv=None):
     p.add_argument("--drafters", nargs="+", default=["none", "suffix", "eagle3"])
     p.add_argument("--workdir", default="outputs/bench_grpo")
     p.add_argument("--overrides", nargs="*", default=[], help="extra key=value for every run")
+    p.add_argument("--reuse", action="store_true", help="keep runs that already finished in --workdir")
     p.add_argument("--out", default="bench_out/grpo.json")
     args = p.parse_args(argv)
     labels = [d if args.drafters[:i].count(d) == 0 else f"{d}#{args.drafters[:i].count(d) + 1}"

@@ -6,8 +6,8 @@ transformers `generate`, our engine without speculation, and each speculative co
 are warmed up first, then every repetition draws fresh prompts and runs every config on them in a
 rotating order (so machine noise spreads evenly); figures are totals over the repetitions. Per
 config: wall time, tokens/s overall and per phase (full batch: more than --tail-live sequences
-live, default a quarter of them; tail: the rest), accepted length, share of steps that speculated. Writes JSON and a PNG (tokens/s per phase, live batch over
-time). Sampled outputs differ between configs (different random streams, same law), so compare
+live, default a quarter of them; tail: the rest), accepted length, share of steps that
+speculated. Writes JSON and a PNG (tokens/s per phase, live batch over time). Sampled outputs differ between configs (different random streams, same law), so compare
 tokens/s, which does not depend on which lengths were drawn as much as wall time does.
 """
 from __future__ import annotations

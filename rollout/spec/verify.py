@@ -56,6 +56,8 @@ def verify_chain(
         return Verdict(accepted, target_top.gather(1, accepted[:, None]).squeeze(1))
 
     p = probs_from_logits(target_logits, params)  # [B, K+1, V]
+    if K == 0:  # plain decoding: nothing to verify, the next token is drawn from p (same draws as below)
+        return Verdict(torch.zeros(B, dtype=torch.long, device=p.device), sample(p[:, 0], generator))
     if draft_probs is None:
         q_draft = torch.ones(B, K, device=p.device)  # one-hot q: q_i(x_i) = 1
     else:

@@ -60,13 +60,18 @@ def weights_fingerprint(model: torch.nn.Module, sample: int | None = 1 << 16) ->
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
         flat = t.reshape(-1)
         if sample is not None and flat.numel() > sample:
-            idx = torch.linspace(0, flat.numel() - 1, sample, device=flat.device).long()
-            flat = flat[idx]
+            flat = flat[sample_positions(flat.numel(), sample).to(flat.device)]
         # bytes of the raw values, whatever the dtype (bf16 has no numpy view: go through int16)
         raw = flat.contiguous().view(torch.int16 if flat.element_size() == 2 else flat.dtype) \
             if flat.dtype.is_floating_point else flat
         h.update(raw.cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def sample_positions(n: int, sample: int) -> torch.Tensor:
+    """`sample` evenly spaced positions in [0, n), first and last included, in exact integer
+    arithmetic (float32 linspace rounds n - 1 up to n for tensors past 2^24 elements)."""
+    return torch.arange(sample, dtype=torch.long) * (n - 1) // max(sample - 1, 1)
 
 
 def cache_key(target: torch.nn.Module, drafter_cfg, tag: str | None = None, sample: int | None = 1 << 16) -> str:

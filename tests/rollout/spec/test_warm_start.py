@@ -8,7 +8,7 @@ from rollout.runtime.model import loader
 from rollout.spec.drafters.eagle3_io import load_eagle3
 from rollout.spec.drafters.eagle3_model import Eagle3Config
 from rollout.spec.selectors.longtail import Arm
-from rollout.spec.warm_start import cache_dir, cache_key, warm_start, weights_fingerprint
+from rollout.spec.warm_start import cache_dir, cache_key, sample_positions, warm_start, weights_fingerprint
 from rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
@@ -38,6 +38,14 @@ def test_cache_key_follows_weights_config_and_tag():
     exact = weights_fingerprint(target, sample=None)
     assert exact != weights_fingerprint(loader.from_hf_model(hf), sample=None)
     assert weights_fingerprint(target.to(torch.bfloat16), sample=None) != exact  # .to() converts in place
+
+
+def test_fingerprint_positions_stay_inside_large_tensors():
+    """SmolLM2's embedding has 28,311,552 elements: a float32 linspace put its last index out of range."""
+    for n in (28_311_552, 2**24 + 1, 70_000, 65_537):
+        idx = sample_positions(n, 1 << 16)
+        assert idx[0] == 0 and idx[-1] == n - 1 and len(idx) == 1 << 16
+        assert bool((idx[1:] > idx[:-1]).all())
 
 
 def test_cache_dir_honours_rlspec_cache(monkeypatch, tmp_path):
