@@ -137,13 +137,13 @@ def warm_start_drafter(cfg: Config, trainer) -> dict | None:
     if engine.speculation.learned is None or cfg.drafter.warm_start_s <= 0 or cfg.drafter.drafter_path:
         return None
     from rollout.spec.warm_start import warm_start
-
     from trainers.data import prompt_token_ids
 
     convs = trainer.train_dataset["prompt"][:cfg.drafter.warm_start_prompts]
     prompts = prompt_token_ids(trainer.processing_class, convs)
     result = warm_start(engine, prompts, budget_s=cfg.drafter.warm_start_s, group=cfg.grpo.num_generations,
                         max_new_tokens=cfg.grpo.max_completion_length, temperature=cfg.grpo.temperature)
+    engine.stats()  # drop the warm-up's rollout metrics: step 1's figures are step 1's alone
     how = "loaded from the cache" if result.cached else \
         f"{result.steps} steps on {result.tokens} tokens in {result.seconds:.0f} s, cached"
     print(f"rlspec.train: drafter warm start {how}: {result.path}", flush=True)

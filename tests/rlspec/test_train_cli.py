@@ -149,7 +149,10 @@ def test_learned_drafter_is_warm_started_then_loaded_from_the_cache(tiny_run, tm
     run = tiny_run + ["grpo.max_steps=1", "drafter.drafter=eagle3", "drafter.warm_start_s=4",
                       "drafter.warm_start_prompts=8", "drafter.online_trainer=thread", "drafter.draft_vocab_size=32"]
     assert main(run) == 0
-    first = json.loads((tmp_path / "out" / "summary.json").read_text())["drafter_warm_start"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    first = summary["drafter_warm_start"]
+    # step 1's rollout metrics are its own: the warm-up's rollouts are not counted in them
+    assert summary["history"][0]["rollout/generated_tokens"] <= 8 * 8  # 8 completions x 8 tokens
     assert first["cached"] is False and first["steps"] > 0 and first["tokens"] > 0
     assert (Path(first["path"]) / "config.json").is_file() and str(tmp_path / "cache") in first["path"]
     printed = capsys.readouterr().out
