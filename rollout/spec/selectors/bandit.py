@@ -257,9 +257,21 @@ class AdaptiveSelector:
         return self.costs.relative(near, T) or 1.0
 
     def _draft_relative(self, arm: Arm, b: int) -> float:
-        """Drafting time in plain decode steps; unmeasured drafting is taken as free."""
+        """Drafting time in plain decode steps. A bucket where this drafter has not drafted yet
+        borrows the nearest bucket's seconds per level (taking it as free made every new bucket's
+        first guess optimistic: a learned drafter's levels cost a sizeable part of a step); a
+        drafter never measured anywhere is taken as free, so that it gets tried."""
         plain = self.costs.cost(b, 1)
-        return self.draft_level.get((arm.drafter, b), 0.0) * arm.depth / plain if plain else 0.0
+        if not plain:
+            return 0.0
+        level = self.draft_level.get((arm.drafter, b))
+        if level is None:
+            seen = [bb for d, bb in self.draft_level if d == arm.drafter]
+            if not seen:
+                return 0.0
+            near = min(seen, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
+            level = self.draft_level[(arm.drafter, near)]
+        return level * arm.depth / plain
 
     def _bias(self, st: BucketState, arm: Arm) -> float:
         """Measured / predicted for this drafter here; shrunk toward 1 by a pseudo step of speedup 2

@@ -241,3 +241,19 @@ def test_observe_accepts_an_arm_it_did_not_offer():
     sel.observe(Arm("scripted", 4), 2, 0.01, 0.001, [4, 4], [2, 4])
     assert sel.acceptance["scripted"].accepts > 0
     assert "strategy/explore_share" in sel.metrics()
+
+
+def test_a_new_bucket_borrows_the_nearest_measured_drafting_cost():
+    """Drafting is only free in the prior for a drafter never measured anywhere: a bucket it has not
+    drafted in yet takes the nearest bucket's seconds per level (free made first guesses optimistic)."""
+    arm = Arm("eagle3", 4, 1)
+    costs = CostModel()
+    for b in (1, 8):
+        costs.observe(b, 1, 0.05)
+        costs.observe(b, 5, 0.06)
+    sel = AdaptiveSelector([arm], costs=costs)
+    assert sel._draft_relative(arm, 8) == 0.0  # never measured: free, so that it gets tried
+    free = sel._prior(arm, 8)
+    sel.draft_level[("eagle3", 1)] = 0.01  # seconds per draft level, measured at batch 1 only
+    assert abs(sel._draft_relative(arm, 8) - 0.01 * 4 / 0.05) < 1e-12
+    assert sel._prior(arm, 8) < free
