@@ -87,12 +87,11 @@ def collect(eng, args) -> dict:
             trainer = DrafterTrainer(eng.speculation.learned, loss="kl", topk=args.topk,
                                      buffer_tokens=n * args.group * (args.max_new_tokens + 96))
             eng.speculation.attach_trainer(trainer)
-            choose, eng.selector.choose = eng.selector.choose, (lambda batch: OFF)  # plain decoding: cheapest
             t0 = time.perf_counter()
-            eng.generate(math_prompts(eng.tokenizer, n, seed=100 + i),
-                         SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group,
-                                        seed=100 + i), use_tqdm=True)
-            eng.selector.choose = choose
+            with eng.speculation.forced(OFF):  # plain decoding: cheapest
+                eng.generate(math_prompts(eng.tokenizer, n, seed=100 + i),
+                             SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group,
+                                            seed=100 + i), use_tqdm=True)
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"buffer": trainer.buffer.state(), "bytes_per_token": trainer.buffer.bytes_per_token(),
                         "collect_s": time.perf_counter() - t0}, path)
@@ -164,17 +163,12 @@ def train(eng, data, init_state, args, name, held_out=None) -> dict:
 
 def evaluate_trees(eng, prompts, args) -> dict:
     """Accepted tokens per verify with forced trees: w branches of k drafts each below the root."""
-    from rollout.spec.selectors.forced import ForcedSelector
     from rollout.spec.selectors.base import Arm
 
-    spec, out = eng.speculation, {}
-    chain = spec.selector
+    out = {}
     for w in args.trees:
-        spec.selector = ForcedSelector(Arm("eagle3", args.k * w, w))
-        try:
+        with eng.speculation.forced(Arm("eagle3", args.k * w, w)):
             ev = evaluate(eng, prompts, args)
-        finally:
-            spec.selector = chain
         out[str(w)] = {"nodes": args.k * w, "accept_len": ev["accept_len"], "verifies": ev["verifies"]}
         print(f"tree {w} x {args.k}: {ev['accept_len']:.3f} accepted / verify", flush=True)
     return out

@@ -118,7 +118,7 @@ def make_mode(setup: Setup, mode: str, rows: int, trainer_kwargs: dict):
     from rollout.types import SpecConfig
 
     eng = setup.engine(SpecConfig(drafter="eagle3", online_training=False), rows)
-    eng.selector.choose = lambda batch: OFF  # same tokens in every mode: only the trainer differs
+    eng.speculation.force(OFF)  # same tokens in every mode: only the trainer differs
     learned = eng.speculation.learned
     if mode == "thread":
         eng.speculation.attach_trainer(DrafterTrainer(learned, **trainer_kwargs)).start()

@@ -36,7 +36,7 @@ def main(argv=None) -> str:
 
     spec = SpecConfig(drafter="eagle3", online_training=False, draft_vocab_size=args.draft_vocab_size)
     eng = RolloutEngine.from_pretrained(args.model, spec=spec, dtype=args.dtype, max_model_len=512)
-    eng.selector.choose = lambda batch: OFF  # collect only: plain decoding, hidden states still captured
+    eng.speculation.force(OFF)  # collect only: plain decoding, hidden states still captured
     trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, publish_every=10**9))
     log = []
     for r in range(args.rounds):

@@ -12,6 +12,7 @@ its own) also receives features and the call's sampling state.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -35,6 +36,7 @@ class Speculation:
         if trainer is not None:
             self.attach_trainer(trainer)
         self._seen_version = self.version()
+        self._forced: Arm | None = None  # see force()
 
     def attach_trainer(self, trainer):
         """Make `trainer` (a DrafterTrainer of the learned drafter, or a ProcessTrainer running one in
@@ -75,7 +77,7 @@ class Speculation:
 
     @property
     def max_nodes(self) -> int:
-        return self.selector.max_nodes
+        return max(self.selector.max_nodes, self._forced.nodes if self._forced is not None else 0)
 
     def version(self) -> int:
         return self.learned.version if self.learned is not None else 0
@@ -90,7 +92,23 @@ class Speculation:
             d.begin(groups)
 
     def choose(self, batch: int) -> Arm:
-        return self.selector.choose(batch)
+        return self._forced if self._forced is not None else self.selector.choose(batch)
+
+    def force(self, arm: Arm | None) -> None:
+        """Use `arm` on every step from now on, whatever the selector would choose (OFF: decode plainly
+        while a learned drafter still captures features, e.g. to collect training data); None hands
+        the choice back. The selector keeps observing every step."""
+        self._forced = arm
+
+    @contextlib.contextmanager
+    def forced(self, arm: Arm):
+        """force(arm) for the duration of a `with` block."""
+        before = self._forced
+        self.force(arm)
+        try:
+            yield
+        finally:
+            self.force(before)
 
     def propose(self, arm: Arm, seqs, caps: list[int]) -> list[Draft]:
         if not arm.speculative:

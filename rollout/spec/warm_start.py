@@ -22,7 +22,6 @@ outcome. Pass sample=None for an exact hash of every byte.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -132,6 +131,7 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
         from rollout.spec.drafter_training import DrafterTrainer
 
         trainer = spec.attach_trainer(DrafterTrainer(spec.learned, publish_every=10**9, **trainer_kwargs))
+    from rollout.spec.selectors.base import OFF
     from rollout.types import SamplingParams
 
     t0, steps0, rnd = time.perf_counter(), trainer.stats.steps, 0
@@ -141,7 +141,7 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
     while left_s() > 0 and left_steps() > 0 and prompts:
         batch = [prompts[(rnd * prompts_per_round + i) % len(prompts)] for i in range(min(prompts_per_round,
                                                                                           len(prompts)))]
-        with _plain_decoding(engine):
+        with spec.forced(OFF):  # collect plainly (a cold drafter only costs time); features are still captured
             engine.generate(batch, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=group,
                                                   seed=rnd))
         _tick(bar, t0, budget_s, trainer.stats.loss, step=False)
@@ -161,24 +161,6 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
     if steps > 0:  # the trainer's weights, in-thread or from its process (export reads either)
         engine.export_drafter(str(out), metadata={"warm_start": asdict(result), "cache_key": key, "tag": tag})
     return result
-
-
-@contextlib.contextmanager
-def _plain_decoding(engine):
-    """Collect without speculating (a cold drafter only costs time); hidden states are still captured."""
-    from rollout.spec.selectors.base import OFF
-
-    selector = engine.selector
-    had = "choose" in vars(selector)
-    choose = selector.choose
-    selector.choose = lambda batch: OFF
-    try:
-        yield
-    finally:
-        if had:
-            selector.choose = choose
-        else:
-            del selector.choose
 
 
 def _bar(budget_s, max_steps, use_tqdm):

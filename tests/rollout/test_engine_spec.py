@@ -185,3 +185,30 @@ def test_adaptive_selector_keeps_the_sampled_law(monkeypatch):
     exp = [exact[k] * sum(obs) / sum(exact[k] for k in keys) for k in keys]
     assert chisquare(obs, exp).pvalue > 1e-3
     assert eng.stats()["rollout/spec_step_share"] > 0.2  # the law was tested under speculation
+
+
+def test_forced_arm_overrides_the_selector_for_a_block_and_hands_back():
+    """Speculation.forced(arm): every step uses `arm` (OFF: plain decoding) inside the block, the
+    cache slack follows a forced arm larger than any the selector offers, and the choice returns
+    to the selector afterwards; output stays exact either way."""
+    from rollout.spec.selectors.base import OFF, Arm
+
+    hf = make_tiny_hf("llama", seed=11)
+    prompts = random_prompts(3, 4, 9, seed=11)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    ref = reference(hf, prompts, params)
+    oracle = oracle_from({i: r for i, r in enumerate(ref)})
+    eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2],
+                        spec=SpecConfig(drafter="ngram", selector="always", num_draft_tokens=2),
+                        drafter=ScriptedDrafter(TINY_VOCAB, oracle, corrupt=0.0))
+    spec = eng.speculation
+    with spec.forced(OFF):
+        assert spec.choose(4) == OFF
+        assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
+        assert eng.stats().get("rollout/spec_step_share", 0.0) == 0.0
+    big = Arm("scripted", 6, 1)
+    with spec.forced(big):
+        assert spec.max_nodes == 6 and spec.choose(1) == big
+        assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
+        assert eng.stats()["rollout/accept_len"] > 2  # the oracle's 6-token drafts were used
+    assert spec.choose(4) == spec.selector.choose(4) and spec.max_nodes == spec.selector.max_nodes

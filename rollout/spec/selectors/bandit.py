@@ -101,6 +101,11 @@ def path_evidence(arm: Arm, drafted: list[int], accepted: list[int]) -> tuple[fl
     return acc, rej
 
 
+def _nearest(buckets, b: int) -> int:
+    """The bucket of `buckets` closest to b in log2 distance."""
+    return min(buckets, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
+
+
 class AcceptanceBook(dict):
     """drafter name -> AcceptanceTracker; an unknown drafter starts from the tracker's weak prior."""
 
@@ -253,8 +258,7 @@ class AdaptiveSelector:
         known = {bb for bb, _ in self.costs.table}
         if not known:
             return 1.0
-        near = min(known, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
-        return self.costs.relative(near, T) or 1.0
+        return self.costs.relative(_nearest(known, b), T) or 1.0
 
     def _draft_relative(self, arm: Arm, b: int) -> float:
         """Drafting time in plain decode steps. A bucket where this drafter has not drafted yet
@@ -269,8 +273,7 @@ class AdaptiveSelector:
             seen = [bb for d, bb in self.draft_level if d == arm.drafter]
             if not seen:
                 return 0.0
-            near = min(seen, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
-            level = self.draft_level[(arm.drafter, near)]
+            level = self.draft_level[(arm.drafter, _nearest(seen, b))]
         return level * arm.depth / plain
 
     def _bias(self, st: BucketState, arm: Arm) -> float:
