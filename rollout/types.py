@@ -65,8 +65,12 @@ class SpecConfig:
     drafter_path: str | None = _help(None, "directory of a trained learned (eagle3) drafter")
     max_spec_batch: int | None = _help(None, "speculate only when at most this many sequences are live "
                                              "(None = derive it from measured verify costs)")
-    online_training: bool = _help(True, "eagle3: train the drafter during the run on the rollouts' hidden "
-                                        "states, on idle compute, swapping new weights in between steps")
+    online_training: Literal["auto", True, False] = _help(
+        "auto", "eagle3: train the drafter during the run on the rollouts' hidden states, on idle compute, "
+                "swapping new weights in between steps. auto: on an accelerator; off on a CPU target, where "
+                "decoding and the policy update already use every core (bench_out/trainer_overlap.json: "
+                "decoding at live batch <= 4 runs 1.12-1.29x faster on 2 threads than on 1), so a trainer "
+                "there only takes cycles from the rollout; the warm-started drafter is kept as it is")
     draft_vocab_size: int = _help(4096, "eagle3: size of the drafter's vocabulary (the most frequent target tokens)")
     online_trainer: Literal["auto", "process", "thread"] = _help(
         "auto", "eagle3: where online training runs. process: a process of its own (its own threads, lowest "
@@ -90,6 +94,8 @@ class SpecConfig:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.tree_width < 1:
             raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
+        if self.online_training not in ("auto", True, False):
+            raise ValueError(f"online_training must be 'auto', true or false, got {self.online_training!r}")
         if self.online_trainer not in ("auto", "process", "thread"):
             raise ValueError(f"online_trainer must be one of 'auto', 'process', 'thread', got {self.online_trainer!r}")
         if self.trainer_threads is not None and self.trainer_threads < 1:

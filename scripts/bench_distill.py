@@ -213,7 +213,7 @@ def evaluate(eng, prompts, args, ceiling_layers=()) -> dict:
             recs.append(rec)
         return observe(seqs, hiddens, path, acc, logits)
 
-    spec.learned._maybe_swap()  # take the trained weights (and draft vocabulary) in now, as propose would
+    spec.learned.swap_latest()  # take the trained weights (and draft vocabulary) in now, as propose would
     m = spec.learned.model
     vocab = m.to_target(torch.arange(m.cfg.draft_vocab_size, device=m.d2t.device)).cpu()
     spec.propose, spec.observe_verify, runner.step = spy_propose, spy_observe, spy_step

@@ -36,7 +36,7 @@ def parse_args(argv=None):
 def measure(engine, prompts, params, force_arm=None):
     """(tokens/s, accept_len) of one generate call; optionally forcing the speculation arm."""
     if force_arm is not None:
-        engine.selector.choose = lambda batch: force_arm
+        engine.speculation.force(force_arm)
     warm = type(params)(**{**vars(params), "max_new_tokens": 8})
     engine.generate(prompts, warm)  # allocate caches, warm kernels
     engine.stats()
@@ -65,7 +65,6 @@ def main(argv=None) -> dict:
     eval_params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1)
     collect_params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=4)
     forced = Arm("eagle3", args.k, 1)
-    choose = eng.selector.choose
     curve = []
     for r in range(args.rounds + 1):
         _, acc, _ = measure(eng, held_out, eval_params, forced)
@@ -85,7 +84,7 @@ def main(argv=None) -> dict:
         eval_params.seed = 1 + rep
         runs["no_spec"].append(measure(plain, held_out, eval_params)[:2])
         runs["eagle3_forced_k%d" % args.k].append(measure(eng, held_out, eval_params, forced)[:2])
-        eng.selector.choose = choose
+        eng.speculation.force(None)  # the selector chooses again
         tps, acc, s = measure(eng, held_out, eval_params)
         runs["eagle3_selector"].append((tps, acc, s.get("rollout/spec_step_share", 0.0)))
     base = sum(r[0] for r in runs["no_spec"]) / args.reps

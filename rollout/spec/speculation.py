@@ -54,6 +54,18 @@ class Speculation:
         self._stop_at_exit = weakref.finalize(self, trainer.stop)
         return trainer
 
+    def detach_trainer(self) -> None:
+        """Stop training the learned drafter and keep the trainer's newest weights in it. With no
+        trainer the drafter no longer stages training data (target top-k at every verified token,
+        features of every finished sample): work nobody would read."""
+        if self.trainer is None:
+            return
+        self.learned.swap_latest()
+        self.trainer.stop()
+        self._stop_at_exit.detach()
+        self.learned.attach(None)
+        self.trainer = None
+
     @classmethod
     def off(cls) -> "Speculation":
         return cls({}, ForcedSelector(OFF))
@@ -199,7 +211,7 @@ def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None) -
         drafters = {n: make_drafter(n, target=target, spec=spec) for n in names}
     trainer = None
     learned = next((d for d in drafters.values() if isinstance(d, LearnedDrafter)), None)
-    if learned is not None and spec.online_training:
+    if learned is not None and trains_online(spec, learned.target):
         from rollout.spec.trainer_process import make_trainer
 
         trainer = make_trainer(learned, spec)  # a thread or a process of its own, as spec.online_trainer says
@@ -207,6 +219,15 @@ def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None) -
     selector_name = "adaptive" if spec.drafter == "auto" and spec.selector == "fixed" else spec.selector
     learned_names = (learned.name,) if learned is not None else ()
     return Speculation(drafters, SELECTORS.build(selector_name, spec, list(drafters), learned_names), trainer)
+
+
+def trains_online(spec: SpecConfig, target) -> bool:
+    """SpecConfig.online_training resolved: "auto" trains online on an accelerator only. A CPU has no
+    idle compute for it: decoding uses every core even in the tail and so does the policy update
+    (measured, see SpecConfig's help), so a trainer there slows the rollout it is meant to speed up."""
+    if spec.online_training != "auto":
+        return bool(spec.online_training)
+    return next(target.parameters()).device.type != "cpu"
 
 
 # "auto" lists the cheap model-free drafters first; plug-ins marked auto come after them

@@ -114,7 +114,8 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
     budget_s / max_steps: stop when either is spent (at least one must be set); a round that has
     started collecting finishes, so the wall time may exceed budget_s by one round's rollouts.
     Uses the engine's own online trainer when it has one (its buffer keeps the data); otherwise a
-    DrafterTrainer(**trainer_kwargs) built here and attached to the engine.
+    DrafterTrainer(**trainer_kwargs) built here for the warm-up and detached after it (the drafter
+    keeps its weights).
     """
     if budget_s is None and max_steps is None:
         raise ValueError("warm_start needs a budget: budget_s and/or max_steps")
@@ -126,8 +127,8 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
     if (out / "config.json").is_file() and load_cached(engine, out):
         return WarmStartResult(key, str(out), cached=True)
 
-    trainer = spec.trainer
-    if trainer is None:
+    trainer, own_trainer = spec.trainer, spec.trainer is None
+    if own_trainer:
         from rollout.spec.drafter_training import DrafterTrainer
 
         trainer = spec.attach_trainer(DrafterTrainer(spec.learned, publish_every=10**9, **trainer_kwargs))
@@ -160,6 +161,8 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
                              tokens=tokens, loss=float(trainer.stats.loss))
     if steps > 0:  # the trainer's weights, in-thread or from its process (export reads either)
         engine.export_drafter(str(out), metadata={"warm_start": asdict(result), "cache_key": key, "tag": tag})
+    if own_trainer:  # no online training follows: keep the weights, stop staging data nobody trains on
+        spec.detach_trainer()
     return result
 
 

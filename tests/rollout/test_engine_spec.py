@@ -12,7 +12,7 @@ from tests.rollout.spec_helpers import ScriptedDrafter
 def spec_engine(hf, drafter, width=1, k=4, **kw):
     spec = SpecConfig(drafter="ngram", num_draft_tokens=k, tree_width=width, max_spec_batch=10_000)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], drafter=drafter, **kw)
-    eng.selector.choose = lambda batch: _arm(eng)  # always speculate: exactness must hold for every arm
+    eng.speculation.force(_arm(eng))  # always speculate: exactness must hold for every arm
     return eng
 
 

@@ -109,7 +109,7 @@ def test_speculation_on_keeps_trl_importance_ratio_at_one(tiny_llama, char_token
     engine = RolloutEngine(loader.from_hf_model(tiny_llama), char_tokenizer, spec=SpecConfig(drafter="ngram"),
                            max_model_len=256, max_num_seqs=8, eos_token_ids=[char_tokenizer.eos_token_id],
                            drafter=ScriptedDrafter(tiny_llama.config.vocab_size, corrupt=1.0))
-    engine.selector.choose = lambda batch: Arm("scripted", 4, 1)  # speculate at every step
+    engine.speculation.force(Arm("scripted", 4, 1))  # speculate at every step
     trainer = SpecGRPOTrainer(
         model=tiny_llama, reward_funcs=[distinct_chars_reward], args=args,
         train_dataset=make_math_dataset(16, seed=0), processing_class=char_tokenizer, engine=engine,

@@ -84,7 +84,11 @@ class LearnedDrafter(Drafter, Protocol):
         """How the next proposal ends its chains early: "none", "max_conf" or "entropy"."""
 
     def attach(self, trainer) -> None:
-        """Send finished samples' features to trainer.add(...) and take new weights from trainer.latest()."""
+        """Send finished samples' features to trainer.add(...) and take new weights from trainer.latest()
+        (None: no trainer; stage no training data)."""
+
+    def swap_latest(self) -> None:
+        """Take the attached trainer's newest published weights now, if they are newer."""
 
     def network(self):
         """The drafter network (an Eagle3Model) as it drafts now, for export."""

@@ -154,7 +154,7 @@ class Eagle3Drafter:
             self.trainer.add(self.stage[slot, :n], seq.all_ids()[:n + 1], self.policy_version, dist, temp)
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
-        self._maybe_swap()
+        self.swap_latest()
         if max(max_tokens, default=0) == 0:
             return [Draft() for _ in seqs]
         h_last, ready = self._catch_up(seqs)
@@ -163,8 +163,8 @@ class Eagle3Drafter:
         return [_to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
                 else Draft() for i, cap in enumerate(max_tokens)]
 
-    # ---- internals ------------------------------------------------------------------------------
-    def _maybe_swap(self) -> None:
+    def swap_latest(self) -> None:
+        """Take the trainer's newest published weights, if newer than ours (between steps only)."""
         latest = self.trainer.latest() if self.trainer is not None else None
         if latest is not None and latest[0] > self.version:
             self.version, state = latest

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent('''
 
     MODE = {mode!r}
     hf = make_tiny_hf("llama", seed=1)
-    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=SpecConfig(drafter="auto", online_trainer=MODE),
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=SpecConfig(drafter="auto", online_training=True, online_trainer=MODE),
                         eos_token_ids=[2])
     if MODE == "thread":
         eng.speculation.trainer.min_tokens = 16
@@ -70,7 +70,7 @@ def test_script_with_online_training_exits_zero(mode):
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_close_and_with_stop_training_and_keep_the_drafter(tmp_path, mode):
     hf = make_tiny_hf("llama", seed=2)
-    spec = SpecConfig(drafter="eagle3", online_trainer=mode)
+    spec = SpecConfig(drafter="eagle3", online_training=True, online_trainer=mode)
     with RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2]) as eng:
         eng.generate(random_prompts(2, 3, 8, seed=2), SamplingParams(max_new_tokens=8, seed=0))
         trainer = eng.speculation.trainer

@@ -17,7 +17,7 @@ def eagle_engine(hf, width=1, k=4, force=True, **kw):
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], **kw)
     if force:
-        eng.selector.choose = lambda batch: Arm("eagle3", k, width)
+        eng.speculation.force(Arm("eagle3", k, width))
     return eng
 
 
@@ -32,7 +32,7 @@ def test_greedy_exact_with_cold_eagle3(width, stop):
     prompts = random_prompts(6, 3, 20, seed=6)
     params = SamplingParams(temperature=0, max_new_tokens=30)
     eng = eagle_engine(hf, width=width)
-    eng.selector.choose = lambda batch: Arm("eagle3", 4, width, stop)
+    eng.speculation.force(Arm("eagle3", 4, width, stop))
     assert [r.completion_ids for r in eng.generate(prompts, params)] == plain(hf, prompts, params)
     share = eng.stats()["rollout/spec_step_share"]
     assert share > 0.8 if stop == "none" else share >= 0  # the last step of a sample has no room to draft
@@ -151,6 +151,6 @@ def test_stop_rules_end_drafts_of_an_unsure_drafter(stop):
     prompts = random_prompts(2, 4, 8)
     eng.generate(prompts, params)
     assert eng.stats()["rollout/spec_step_share"] > 0.8
-    eng.selector.choose = lambda batch: Arm("eagle3", 4, 1, stop)
+    eng.speculation.force(Arm("eagle3", 4, 1, stop))
     assert [r.completion_ids for r in eng.generate(prompts, params)] == plain(hf, prompts, params)
     assert eng.stats()["rollout/spec_step_share"] == 0.0

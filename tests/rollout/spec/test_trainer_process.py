@@ -106,7 +106,7 @@ def test_a_killed_child_is_reported_and_the_last_drafter_kept():
 def test_spec_config_chooses_where_training_runs(mode, kind):  # on the CPU "auto" means a process
     hf = make_tiny_hf("llama", seed=12)
     eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2],
-                        spec=SpecConfig(drafter="eagle3", online_trainer=mode, trainer_threads=1))
+                        spec=SpecConfig(drafter="eagle3", online_training=True, online_trainer=mode, trainer_threads=1))
     trainer = eng.speculation.trainer
     assert isinstance(trainer, kind)
     eng.close()
@@ -114,3 +114,14 @@ def test_spec_config_chooses_where_training_runs(mode, kind):  # on the CPU "aut
         SpecConfig(drafter="eagle3", online_trainer="gpu")
     with pytest.raises(ValueError, match="trainer_threads"):
         SpecConfig(drafter="eagle3", trainer_threads=0)
+
+
+def test_online_training_auto_is_off_on_a_cpu_target():
+    """A CPU has no idle cores for the trainer (decoding and the policy update use them all): "auto"
+    keeps the drafter as loaded or warm-started; true still trains there, and a typo is refused."""
+    hf = make_tiny_hf("llama", seed=13)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2], spec=SpecConfig(drafter="eagle3"))
+    assert eng.spec.online_training == "auto" and eng.speculation.trainer is None
+    eng.close()
+    with pytest.raises(ValueError, match="online_training must be 'auto', true or false"):
+        SpecConfig(drafter="eagle3", online_training="yes")

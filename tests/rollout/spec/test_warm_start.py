@@ -63,8 +63,15 @@ def test_warm_start_trains_saves_then_loads(tmp_path):
     assert not res.cached and res.steps == 6 and res.tokens > 0
     assert (tmp_path / "drafters" / res.key / "config.json").is_file()
     saved = load_eagle3(res.path)
-    trained = eng.speculation.trainer.model
-    assert torch.equal(saved.d2t, trained.d2t)  # the chosen draft vocabulary went with it
+    # no online training follows: the warm-up's trainer is gone, its weights are in the drafter, and
+    # rollouts stage no training data (no target top-k per verified token)
+    drafter = eng.speculation.learned
+    assert eng.speculation.trainer is None and drafter.trainer is None and drafter.version >= 1
+    assert torch.equal(saved.d2t, drafter.model.d2t)  # the chosen draft vocabulary went with it
+    for name, t in saved.state_dict().items():  # the export is stored in bfloat16: compare at its precision
+        assert torch.equal(drafter.model.state_dict()[name].to(torch.bfloat16).to(t.dtype), t), name
+    eng.generate(prompts[:2], SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
+    assert drafter.stage_dist is None
 
     # a later run of the same target: loads, trains nothing, drafts with the saved weights
     eng2 = engine(hf)
@@ -93,7 +100,7 @@ def test_cached_drafter_reaches_an_online_trainer_and_stays_exact(tmp_path):
         saved = load_eagle3(res.path)
         assert torch.equal(trainer.model.d2t, saved.d2t)
         params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-        eng.selector.choose = lambda batch: Arm("eagle3", 3, 1)
+        eng.speculation.force(Arm("eagle3", 3, 1))
         out = [r.completion_ids for r in eng.generate(prompts, params)]
         assert torch.equal(eng.speculation.learned.model.d2t, saved.d2t)  # swapped in at the first proposal
         trainer.train_steps(2)  # online training goes on from the loaded vocabulary, not a new one
