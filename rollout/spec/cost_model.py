@@ -93,6 +93,11 @@ class AcceptanceTracker:
         share = sum(1 for n in drafted if n > 0) / max(len(drafted), 1)
         self.drafted_share = (1 - EMA) * self.drafted_share + EMA * share
 
+    def fade(self, keep: float) -> None:
+        """Trust only `keep` of the evidence so far (the drafter behind it changed a little)."""
+        self.accepts *= keep
+        self.rejects *= keep
+
     @property
     def rate(self) -> float:
         a = self.accepts + self.prior_accepts

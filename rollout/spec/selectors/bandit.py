@@ -29,8 +29,10 @@ An arm below `bench_ratio` x best even 2 standard errors up is benched (not expl
 `bench_steps` bucket steps. Off needs no rule: it wins when every draft costs more than it brings.
 
 A changed drafter: when its acceptance over its last ~2 uses is far from the tracker's (3 standard
-errors + `jump_margin`), or the engine says its weights changed (`reset_acceptance`, or assigning a
-fresh `acceptance`), its evidence, measurements and bias are dropped and it is probed again.
+errors + `jump_margin`), or the engine says its weights were replaced (`reset_acceptance`, or
+assigning a fresh `acceptance`), its evidence, measurements and bias are dropped and it is probed
+again. An online trainer's update (`reset_acceptance(name, keep)`) only fades the acceptance
+evidence: dropping it at every update put the drafter back on its optimistic prior over and over.
 """
 from __future__ import annotations
 
@@ -172,8 +174,13 @@ class AdaptiveSelector:
             self._forget(name)
         self._trackers = AcceptanceBook(book)
 
-    def reset_acceptance(self, drafter: str) -> None:
-        """`drafter`'s weights changed: drop its evidence and measurements and re-check it soon."""
+    def reset_acceptance(self, drafter: str, keep: float = 0.0) -> None:
+        """`drafter`'s weights changed. keep = 0: drop its evidence and measurements and re-check it
+        soon. keep > 0 (an online update): fade its acceptance evidence to that share and keep the
+        rest; the change detector still catches an update that moved acceptance far."""
+        if keep > 0:
+            self._trackers[drafter].fade(keep)
+            return
         self._trackers[drafter] = AcceptanceTracker()
         self._forget(drafter)
 

@@ -55,8 +55,10 @@ class Selector(Protocol):
                 drafted: list[int], accepted: list[int]) -> None:
         """What the step cost (verify forward, drafting) and what each row drafted and accepted."""
 
-    def reset_acceptance(self, drafter: str) -> None:
-        """The drafter's weights changed: acceptance measured on the old weights is stale."""
+    def reset_acceptance(self, drafter: str, keep: float = 0.0) -> None:
+        """The drafter's weights changed: acceptance measured on the old weights is stale. keep: the
+        share of that evidence still trusted (0: none, a different drafter; an online trainer's
+        update, a small step from the old weights, keeps some)."""
 
     def metrics(self) -> dict[str, float]:
         """strategy/* metrics for engine.stats()."""

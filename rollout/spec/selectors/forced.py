@@ -31,7 +31,7 @@ class ForcedSelector:
                 drafted: list[int], accepted: list[int]) -> None:
         self.costs.observe(batch, 1 + arm.nodes, seconds)
 
-    def reset_acceptance(self, drafter: str) -> None:
+    def reset_acceptance(self, drafter: str, keep: float = 0.0) -> None:
         pass
 
     def metrics(self) -> dict[str, float]:

@@ -44,9 +44,12 @@ class LongTailSelector:
     def max_nodes(self) -> int:
         return self.max_depth * self.width
 
-    def reset_acceptance(self, drafter: str) -> None:
-        """The drafter's weights changed: its acceptance evidence belongs to the old weights."""
-        self.acceptance = AcceptanceTracker()
+    def reset_acceptance(self, drafter: str, keep: float = 0.0) -> None:
+        """The drafter's weights changed: its acceptance evidence belongs (mostly) to the old weights."""
+        if keep > 0:
+            self.acceptance.fade(keep)
+        else:
+            self.acceptance = AcceptanceTracker()
 
     def metrics(self) -> dict[str, float]:
         return {"strategy/spec_on": float(self.on), "strategy/expected_speedup": self.last_gain,
