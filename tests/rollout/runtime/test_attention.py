@@ -93,7 +93,7 @@ def test_model_step_through_flex_equals_dense(shape):
     depths, tree = _tree(5) if shape == "tree" else (None, None)
     tokens = _tokens(5, T, seed=7)
     ref, ref_h = EagerRunner(runner.model, runner.cache, "cpu").run(tokens, lens, depths, tree, hidden_layers=(1,))
-    fb = build_step_batch(tokens, lens, runner.cache.length, depths, tree, flex=True)
+    fb = build_step_batch(tokens, lens, runner.cache, runner.cache.length, depths, tree, flex=True)
     got, got_h = runner.model(fb, runner.cache.k, runner.cache.v, (1,))
     assert attention.flex_error() is None, attention.flex_error()
     assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
@@ -103,5 +103,5 @@ def test_model_step_through_flex_equals_dense(shape):
 def test_cpu_keeps_the_dense_path():
     assert not attention.use_flex("cpu")
     runner, lens = _runner(n_prompts=2)
-    fb = build_step_batch(_tokens(2, 1), lens, 64, flex=attention.use_flex("cpu"))
+    fb = build_step_batch(_tokens(2, 1), lens, runner.cache, 64, flex=attention.use_flex("cpu"))
     assert fb.attn.dense is not None and fb.attn.block is None and fb.attn.kv_len == 64
