@@ -162,10 +162,10 @@ class RolloutEngine:
         """Admitted groups: recompute the KV of resumed (preempted) sequences; for fresh groups prefill each
         prompt once, share its full blocks with the group's other samples and sample every sequence's
         first token (one host transfer for all of them)."""
+        fresh = [g for g in groups if not g[0].resumed]
         resumed = [g[0] for g in groups if g[0].resumed]
         if resumed:
             self._resume(resumed)
-        fresh = [g for g in groups if not g[0].resumed]
         if not fresh:
             return
         cache = self.runner.cache

@@ -194,7 +194,9 @@ class Eagle3Drafter:
         start = torch.tensor(starts)[:, None]
         write = torch.where(real, start + j, -1)  # padding lands in the trash block
         pos = write.clamp(0, self.target.rope_cos.shape[0] - 1)
-        S = -(-int((start + C).max()) // cache.block_size) * cache.block_size  # whole blocks are read
+        # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
+        # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
+        S = min(-(-int((start + C).max()) // cache.block_size) * cache.block_size, cache.length)
         key = torch.arange(S)[None, None, :]
         mask = (key < start[..., None]) | ((key >= start[..., None]) & (key <= (start + j)[..., None]))
         dev = feats.device
