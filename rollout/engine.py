@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.runtime.scheduler import Scheduler
+from rollout.runtime.scheduler import Scheduler, draft_room
 from rollout.spec.draft_batch import DraftBatch, build_draft_batch
 from rollout.spec.drafters.base import Drafter
 from rollout.errors import PromptTooLongError
@@ -194,15 +194,14 @@ class RolloutEngine:
             s.resumed = False
 
     def _make_room(self, sched: Scheduler) -> None:
-        """Blocks for every live sequence's pending token; when they run out, preempt the youngest."""
+        """Blocks for every live sequence's pending token; when they run out, the youngest are preempted."""
         cache = self.runner.cache
-        while sum(cache.alloc.needed(id(s), s.cache_len + 1) for s in sched.live) > cache.alloc.free:
-            victim = sched.youngest()
-            if victim is None:  # generate() checked that the pool holds one sequence of the call
-                raise RuntimeError("KV pool exhausted by a single sequence (a KV accounting bug)")
-            cache.release(id(victim))
+        victims = sched.make_room()
+        for victim, moves in victims:  # moves of successive removals: applied in order
             self.speculation.evict(victim)
-            self._apply_moves(sched.preempt(victim), len(sched.live))
+            cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
+        if victims:
+            cache.clear_rows(len(sched.live))
         cache.grow([(s.row, id(s), s.cache_len + 1) for s in sched.live])
 
     def _decode_step(self, live: list[Sequence], ctx: "_Call") -> None:
@@ -235,19 +234,11 @@ class RolloutEngine:
         return self.speculation.propose(arm, live, self._blocks_for_drafts(live, caps))
 
     def _blocks_for_drafts(self, live: list[Sequence], caps: list[int]) -> list[int]:
-        """Blocks for each row's drafted positions, oldest sequences first; where the pool runs short a
-        draft is shortened instead (a shorter draft changes speed, never the law). Returns the caps kept."""
+        """Blocks for each row's drafted positions (scheduler.draft_room: a draft is shortened where the pool
+        runs short). Returns the caps kept."""
         cache = self.runner.cache
-        a, bs = cache.alloc, cache.block_size
-        free, kept, items = a.free, list(caps), []
-        for i in sorted(range(len(live)), key=lambda i: live[i].admit_order):
-            s = live[i]
-            held = len(a.held(id(s)))
-            extra = min(max(0, a.blocks_for(s.cache_len + 1 + caps[i]) - held), free)
-            kept[i] = min(caps[i], (held + extra) * bs - s.cache_len - 1)
-            free -= extra
-            items.append((s.row, id(s), s.cache_len + 1 + kept[i]))
-        cache.grow(items)
+        kept = draft_room(cache.alloc, live, caps)
+        cache.grow([(s.row, id(s), s.cache_len + 1 + k) for s, k in zip(live, kept)])
         return kept
 
     def _verify(self, logits, batch: DraftBatch, ctx: "_Call") -> TreeVerdict:

@@ -2,7 +2,7 @@
 
 Admission: prompt groups (a prompt's n samples, which share one prefill and the prompt's full KV
 blocks) are admitted whole while table rows and KV blocks last (`group_blocks` is what a group
-costs); when nothing is live and the first group still does not fit, as many of its samples as fit
+costs, plus a block of headroom per live sequence); when nothing is live and the first group still does not fit, as many of its samples as fit
 are admitted (the rest wait as a smaller group with a prefill of its own), so a pool that holds one
 sequence always makes progress.
 
@@ -30,6 +30,7 @@ class Scheduler:
         self.rows, self.alloc = rows, alloc
         self.admitted = 0  # first-admission counter: a sequence's age
         self.preemptions = 0
+        self.headroom = 1  # free blocks kept per live sequence at admission (see admit)
 
     @property
     def has_work(self) -> bool:
@@ -52,10 +53,14 @@ class Scheduler:
         groups, free = [], self.alloc.free
         while self.waiting:
             g = self.waiting[0]
-            cost = self.group_blocks(g)
+            # headroom: one block per live sequence after admission, what they grow by in block_size
+            # steps; admitting into the last free blocks would only preempt someone a step later. An empty
+            # engine takes what fits without it: it must make progress
+            empty = not self.live and not groups
+            cost = self.group_blocks(g) + (0 if empty else self.headroom * (len(self.live) + len(g)))
             if len(self.live) + len(g) <= self.rows and cost <= free:
                 self.waiting.popleft()
-            elif not self.live and not groups and len(g) > 1:
+            elif empty and len(g) > 1:
                 g = self._split_front(free)  # an empty engine must make progress
             else:
                 break
@@ -77,6 +82,18 @@ class Scheduler:
             k -= 1
         self.waiting[0] = g[k:]
         return g[:k]
+
+    def make_room(self) -> list[tuple[Sequence, list[tuple[int, int]]]]:
+        """Preempt the youngest live sequences (their blocks go back to the pool) until every one left has
+        a block for its pending position. Returns (victim, row moves) in the order they happened."""
+        out = []
+        while sum(self.alloc.needed(id(s), s.cache_len + 1) for s in self.live) > self.alloc.free:
+            victim = self.youngest()
+            if victim is None:  # the engine checked that the pool holds one sequence of the call
+                raise RuntimeError("KV pool exhausted by a single sequence (a KV accounting bug)")
+            self.alloc.free_owner(id(victim))
+            out.append((victim, self.preempt(victim)))
+        return out
 
     def youngest(self, keep: int = 1) -> Sequence | None:
         """The live sequence admitted last, unless only `keep` are live."""
@@ -114,3 +131,17 @@ class Scheduler:
             s.row = -1
         self.live = sorted(survivors, key=lambda s: s.row)
         return moves
+
+
+def draft_room(alloc: BlockAllocator, live: list[Sequence], caps: list[int]) -> list[int]:
+    """Drafted positions each live sequence may write this step (past its pending token), at most caps[i]:
+    what its blocks hold plus the free blocks, handed out oldest sequence first. Where the pool runs
+    short a draft is shortened (which changes speed, never the law). The caller takes the blocks."""
+    free, kept = alloc.free, list(caps)
+    for i in sorted(range(len(live)), key=lambda i: live[i].admit_order):
+        s = live[i]
+        held = len(alloc.held(id(s)))
+        extra = min(max(0, alloc.blocks_for(s.cache_len + 1 + caps[i]) - held), free)
+        kept[i] = min(caps[i], (held + extra) * alloc.block_size - s.cache_len - 1)
+        free -= extra
+    return kept
