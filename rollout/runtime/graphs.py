@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from rollout.runtime.kv_cache import PagedKVCache
-from rollout.runtime.model.attention import step_mask, use_flex
+from rollout.runtime.model.attention import BLOCK, step_mask, use_flex
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 WARMUP_RUNS = 2  # first calls pick kernels and allocate workspaces; a capture must not see that
@@ -106,11 +106,14 @@ def build_step_batch(tokens, start, cache: PagedKVCache, S: int, depths=None, tr
     steps = torch.arange(T, device=tokens.device)
     offs = steps.expand(B, T) if depths is None else depths
     write = start[:, None] + steps
+    slots = cache.slots(torch.arange(B, device=tokens.device), write)
+    if flex and T <= BLOCK and cache.block_size == BLOCK:  # paged FlexAttention: no gather at all
+        attn = step_mask(start, T, S, tree_mask, True, cache.table[:B], cache.k.shape[1] * BLOCK)
+        return ForwardBatch(tokens, start[:, None] + offs, write, attn, slots)
     blocks = cache.blocks(B, S)
     S = blocks.shape[1] * cache.block_size
     return ForwardBatch(input_ids=tokens, positions=start[:, None] + offs, write_index=write,
-                        attn=step_mask(start, T, S, tree_mask, flex),
-                        slots=cache.slots(torch.arange(B, device=tokens.device), write), blocks=blocks)
+                        attn=step_mask(start, T, S, tree_mask, flex), slots=slots, blocks=blocks)
 
 
 def _to(x, device):

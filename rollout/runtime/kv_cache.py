@@ -37,6 +37,12 @@ def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, blocks.reshape(-1)).view(R, n * bs, KV, D).transpose(1, 2)
 
 
+def pool_sequence(pool: torch.Tensor) -> torch.Tensor:
+    """pool [num_blocks, bs, KV, D] (one layer) -> [1, KV, num_blocks * bs, D], a view: the keys paged
+    FlexAttention reads through physical block indices (attention._flex_mask)."""
+    return pool.view(1, -1, *pool.shape[2:]).transpose(1, 2)
+
+
 def write_slots(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """pool [num_blocks, bs, KV, D] (one layer); slots [B, T] flat slots; x [B, T, KV, D]."""
     pool.view(-1, *pool.shape[2:])[slots.reshape(-1)] = x.reshape(-1, *x.shape[2:])

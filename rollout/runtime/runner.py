@@ -40,7 +40,8 @@ class ModelRunner:
             length = -(-length // BLOCK) * BLOCK
         self.release()  # graphs hold the old cache/RoPE addresses: drop them, and the old pool, first
         del old
-        bs = self.budget.block_size
+        # paged FlexAttention maps its 128-position blocks one to one onto the pool's blocks
+        bs = BLOCK if use_flex(self.device) else self.budget.block_size
         blocks = self.budget.pool_blocks(block_bytes(self.model.cfg, layers, bs, self.dtype), rows, length,
                                          max(min_positions, 1), self.device)
         self.cache = PagedKVCache(self.model.cfg, rows, length, blocks, bs, self.dtype, self.device, extra_layers)

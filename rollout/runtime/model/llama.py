@@ -18,7 +18,7 @@ from torch import nn
 
 from rollout.runtime.model.attention import AttnMask, attend
 from rollout.runtime.model.config import ModelConfig
-from rollout.runtime.kv_cache import gather_blocks, write_slots
+from rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +45,8 @@ class ForwardBatch:
     slots: [B, T] flat pool slots of write_index through each row's block table (kv_cache.py).
     attn: what the new tokens see (attention.py): a causal prefill among the new tokens only, or a
     step over the first attn.kv_len cache positions of each row.
-    blocks: [B, attn.kv_len / block_size] the blocks a step reads (rows 0..B-1); None for a prefill.
+    blocks: [B, attn.kv_len / block_size] the blocks a step gathers (rows 0..B-1); None for a prefill and
+    for paged FlexAttention, which reads the pool through attn.block's physical indices.
     """
 
     input_ids: torch.Tensor
@@ -85,6 +86,8 @@ class Attention(nn.Module):
         write_slots(v_cache, fb.slots, v)
         if fb.attn.causal:  # fresh prompts see only each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        elif fb.blocks is None:  # paged FlexAttention reads the pool itself, through its block mask
+            keys, values = pool_sequence(k_cache), pool_sequence(v_cache)
         else:  # one gather of the rows' blocks: [B, KV, kv_len, hd]
             keys, values = gather_blocks(k_cache, fb.blocks), gather_blocks(v_cache, fb.blocks)
         out = attend(q.transpose(1, 2), keys, values, fb.attn)
