@@ -107,7 +107,7 @@ def test_cpu_keeps_the_dense_path():
     assert fb.attn.dense is not None and fb.attn.block is None and fb.attn.kv_len == 64
 
 
-def _paged_runner(n_prompts=5, length=384):
+def _paged_runner(n_prompts=5, length=384, device="cpu"):
     """Rows whose 128-position blocks interleave in the pool (row r's block j is physical 1 + j*5 + r),
     prefilled with prompts long enough to span blocks: what the paged FlexAttention path reads."""
     from rollout.runtime.kv_cache import PagedKVCache
@@ -115,9 +115,9 @@ def _paged_runner(n_prompts=5, length=384):
     from rollout.runtime.runner import ModelRunner
     from tests.conftest import make_tiny_hf, random_prompts
 
-    model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, "cpu")
-    runner = ModelRunner(model, "cpu", torch.float32)
-    cache = PagedKVCache(model.cfg, n_prompts, length, n_prompts * 3 + 1, BLOCK_, torch.float32, "cpu")
+    model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, device)
+    runner = ModelRunner(model, device, torch.float32)
+    cache = PagedKVCache(model.cfg, n_prompts, length, n_prompts * 3 + 1, BLOCK_, torch.float32, device)
     for j in range(length // BLOCK_):
         cache.grow([(r, r, (j + 1) * BLOCK_) for r in range(n_prompts)])
     runner.cache = cache

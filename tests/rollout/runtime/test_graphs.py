@@ -223,7 +223,7 @@ def needs_cuda(test):
 def _cuda_setup(rows=32, length=128):
     """Tiny float32 Llama on the GPU with a random-filled cache (context values only need to be equal)."""
     model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, "cuda")
-    cache = PagedKVCache.for_rows(model.cfg, rows, length, torch.float32, "cuda")
+    cache = PagedKVCache.for_rows(model.cfg, rows, length, torch.float32, "cuda", block_size=128)  # flex blocks
     model.init_rope(length)
     torch.manual_seed(0)
     cache.k.normal_()
