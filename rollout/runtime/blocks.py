@@ -8,8 +8,7 @@ holds an ordered list of blocks: its position p lives in block `blocks[p // bloc
 
 Blocks are reference counted so a prompt's n samples can hold the same full prompt blocks
 (`share`); a block returns to the free list when its last holder lets go. The free list is a
-stack: a block freed a moment ago is handed out next, so its memory is still warm in cache (and
-on a CPU, pages of the pool never touched are never faulted in).
+stack: a block freed a moment ago is handed out next, so its memory is still warm in cache.
 
 Everything here is counting: the KV memory benchmark (scripts/bench_kv_memory.py) drives this same
 class with no model at all, so its figures are the engine's own accounting.

@@ -9,8 +9,8 @@ Order of precedence (`KVBudget.pool_blocks`):
      so an oversized request preempts instead of failing to allocate.
 The pool is never larger than rows x length worth of blocks (more could never be used), and it
 must hold at least one sequence of the call's longest need; a budget below that is an error that
-names the size required. On a CPU, untouched pages of the zero-filled pool are never faulted in,
-so a generous pool costs address space, not memory.
+names the size required. The pool is zero-filled (torch.zeros touches every page, also on a CPU):
+garbage in never-written positions could be NaN, and a masked key's value still meets a zero weight.
 """
 from __future__ import annotations
 

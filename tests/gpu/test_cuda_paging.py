@@ -10,6 +10,7 @@ from rollout.runtime.model import attention, loader
 from rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_attention import _paged_runner
+from tests.gpu.test_cuda_engine import _hf_greedy
 from tests.rollout.runtime.test_graphs import _tokens, _tree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -36,14 +37,6 @@ def test_paged_flex_equals_gathered_dense_eager_and_in_graphs(shape):
         got, _ = pool.run(tokens, lens, depths, tree)
         assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
     assert pool.counts["replays"] == 2
-
-
-def _hf_greedy(hf, prompt, max_new):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_new, do_sample=False,
-                          eos_token_id=2, pad_token_id=0)
-    ids = out[0, len(prompt):].tolist()
-    return ids[: ids.index(2) + 1] if 2 in ids else ids
 
 
 @pytest.mark.parametrize("spec", [None, SpecConfig(drafter="eagle3", num_draft_tokens=3, tree_width=2,
