@@ -58,6 +58,7 @@ class RolloutEngine:
                                   budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size))
         self.free_kv_between_rollouts = p.device.type == "cuda" if free_kv_between_rollouts is None \
             else free_kv_between_rollouts
+        self._pool: tuple[float, float] | None = None  # (MiB, blocks) of the last call's KV pool
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -99,9 +100,9 @@ class RolloutEngine:
         """Slash-named metrics accumulated since the previous call."""
         out = self._metrics.as_dict()
         out["rollout/policy_version"] = float(self.policy_version)
+        if self._pool is not None:  # the pool of the last call, also once released
+            out["rollout/kv_cache_mb"], out["rollout/kv_blocks_total"] = self._pool
         if self.runner.cache is not None:
-            out["rollout/kv_cache_mb"] = self.runner.cache.nbytes() / 2**20
-            out["rollout/kv_blocks_total"] = float(self.runner.cache.alloc.capacity)
             out["rollout/graph_pool_mb"] = self.runner.steps.memory_bytes() / 2**20
         out.update(self.speculation.metrics(out, self.policy_version))
         self._metrics = RolloutMetrics()
@@ -346,6 +347,7 @@ class RolloutEngine:
     def _record_call(self, seqs: list[Sequence], seconds: float, sched: Scheduler) -> None:
         m = self._metrics
         stats = self.runner.cache.alloc.stats
+        self._pool = (self.runner.cache.nbytes() / 2**20, float(self.runner.cache.alloc.capacity))
         m.kv_blocks_used = max(m.kv_blocks_used, stats.peak_used)
         m.kv_shared_blocks += stats.shared_refs
         m.preemptions += sched.preemptions

@@ -136,6 +136,7 @@ def test_pool_released_between_rollouts_when_asked():
     eng = engine(hf, free_kv_between_rollouts=True)
     first = [r.completion_ids for r in eng.generate(prompts, params)]
     assert eng.runner.cache is None and eng.runner.steps is None
+    assert eng.stats()["rollout/kv_cache_mb"] > 0, "the released pool's size is still reported"
     assert [r.completion_ids for r in eng.generate(prompts, params)] == first
     kept = engine(hf)
     assert not kept.free_kv_between_rollouts, "off on CPU by default"
