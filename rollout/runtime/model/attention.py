@@ -155,8 +155,10 @@ def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor, table: t
         return mask_mod(b, h, q, logical)
 
     phys = table[:, :n_blocks]
-    pad = pool_len // BLOCK - n_blocks  # the kernels want index rows as wide as KV_LEN in blocks (torch's
-    # PagedAttention pads them the same way); entries past each row's count are never read
+    # the kernels want index rows at least as wide as KV_LEN in blocks (torch's PagedAttention pads them
+    # the same way); entries past each row's count are never read. A pool smaller than a table row
+    # (a tight budget) leaves them as they are
+    pad = max(0, pool_len // BLOCK - n_blocks)
 
     def indices(logical):
         return F.pad(phys.gather(1, logical.long()).int(), (0, pad))[:, None, None].contiguous()
