@@ -84,6 +84,15 @@ class RolloutSection:
         "auto", "CUDA graphs for decode/verify steps (GPU only; CPU always runs eagerly): auto (= lazy), off, "
                 "lazy (capture each batch/draft shape when first needed) or eager_start (capture every shape, "
                 "largest first, when the engine allocates its KV cache)")
+    kv_memory_gb: float | None = _f(None, "GiB of KV cache (every layer, K and V, the drafter's layer included); "
+                                          "the pool holds fixed-size blocks that follow the tokens actually generated. "
+                                          "None: kv_memory_fraction, or else what max_num_seqs x max_model_len could "
+                                          "use, capped at 90% of free memory")
+    kv_memory_fraction: float | None = _f(None, "share (0, 1] of the device's free memory (host RAM on CPU) for the "
+                                                "KV cache when kv_memory_gb is not set")
+    kv_block_size: int = _f(16, "positions per KV block (on CUDA a divisor of 128, FlexAttention's block)")
+    free_kv_between_rollouts: bool | None = _f(None, "hand the KV cache back after every rollout so the policy "
+                                                     "update has the memory (None: on for CUDA, off on CPU)")
 
 
 @dataclass

@@ -122,7 +122,9 @@ def build_trainer(cfg: Config, out: Path):
         processing_class=tokenizer,
         spec_config=cfg.drafter,  # the drafter section is the engine's SpecConfig
         engine_kwargs=dict(max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
-                           dtype=cfg.dtype, graph_mode=cfg.rollout.graph_mode),
+                           dtype=cfg.dtype, graph_mode=cfg.rollout.graph_mode, kv_memory_gb=cfg.rollout.kv_memory_gb,
+                           kv_memory_fraction=cfg.rollout.kv_memory_fraction, kv_block_size=cfg.rollout.kv_block_size,
+                           free_kv_between_rollouts=cfg.rollout.free_kv_between_rollouts),
         callbacks=[summary_cb, _wandb_config_callback(cfg)],
     )
     return trainer, summary_cb

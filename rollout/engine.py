@@ -1,4 +1,4 @@
-"""RolloutEngine: the loop admit -> (draft) -> forward -> verify -> commit -> retire.
+"""RolloutEngine: the loop admit -> make room -> (draft) -> forward -> verify -> commit -> retire.
 
 Bookkeeping (sequences, rows, stop rules) is plain Python; tensors live in the runner, sampling
 and verification. Without a drafter every step is plain autoregressive decoding: a verify of zero
@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.runtime.scheduler import Scheduler
+from rollout.runtime.scheduler import Scheduler, draft_room
 from rollout.spec.draft_batch import DraftBatch, build_draft_batch
 from rollout.spec.drafters.base import Drafter
 from rollout.errors import PromptTooLongError
 from rollout.metrics import RolloutMetrics
+from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 from rollout.runtime.model import loader
 from rollout.runtime.runner import ModelRunner
 from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
@@ -30,8 +31,15 @@ from rollout.spec.verify import TreeVerdict, verify_chain, verify_tree
 class RolloutEngine:
     def __init__(self, model, tokenizer, spec: SpecConfig | None = None, max_model_len: int = 2048,
                  max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None,
-                 graph_mode: str = "auto"):
-        """Prefer from_pretrained / from_hf_model. `drafter` plugs in a custom Drafter instance."""
+                 graph_mode: str = "auto", kv_memory_gb: float | None = None, kv_memory_fraction: float | None = None,
+                 kv_block_size: int = DEFAULT_BLOCK_SIZE, free_kv_between_rollouts: bool | None = None):
+        """Prefer from_pretrained / from_hf_model. `drafter` plugs in a custom Drafter instance.
+
+        KV memory (docs/runtime.md#paged-kv-cache): the pool holds kv_memory_gb GiB, or kv_memory_fraction
+        of the free device memory, or by default what max_num_seqs sequences of the call's longest length
+        could use (capped at 90% of free memory); sequences are admitted while blocks last and the
+        youngest are preempted when they run out. free_kv_between_rollouts: hand the pool back at the
+        end of every generate() so a policy update has the memory (None: on for CUDA, off on CPU)."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -46,14 +54,20 @@ class RolloutEngine:
         self._metrics = RolloutMetrics()
         self.speculation: Speculation = build_speculation(self.spec, model, drafter)
         # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
-        self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack())
+        self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack(),
+                                  budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size))
+        self.free_kv_between_rollouts = p.device.type == "cuda" if free_kv_between_rollouts is None \
+            else free_kv_between_rollouts
+        self._pool: tuple[float, float] | None = None  # (MiB, blocks) of the last call's KV pool
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str, spec: SpecConfig | None = None, device="cpu", dtype="bfloat16",
-                        max_model_len: int = 2048, max_num_seqs: int = 64, graph_mode: str = "auto") -> "RolloutEngine":
+                        max_model_len: int = 2048, max_num_seqs: int = 64, graph_mode: str = "auto",
+                        **kv) -> "RolloutEngine":
         """model: a local HF directory, a hub id, or the embedded alias "smollm2-135m-instruct".
-        graph_mode: CUDA graphs ("auto", "off", "lazy", "eager_start"; rollout/runtime/graphs.py)."""
+        graph_mode: CUDA graphs ("auto", "off", "lazy", "eager_start"; rollout/runtime/graphs.py).
+        kv: kv_memory_gb, kv_memory_fraction, kv_block_size, free_kv_between_rollouts (see __init__)."""
         from transformers import AutoTokenizer
 
         from rollout.runtime.model.fetch import fetch_model
@@ -62,17 +76,18 @@ class RolloutEngine:
         runtime = loader.load_model(path, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, _generation_eos(path, tokenizer),
-                   graph_mode=graph_mode)
+                   graph_mode=graph_mode, **kv)
 
     @classmethod
     def from_hf_model(cls, hf_model, tokenizer, spec: SpecConfig | None = None, dtype=None, device=None,
-                      max_model_len: int = 2048, max_num_seqs: int = 64, graph_mode: str = "auto") -> "RolloutEngine":
+                      max_model_len: int = 2048, max_num_seqs: int = 64, graph_mode: str = "auto",
+                      **kv) -> "RolloutEngine":
         """Build from an in-memory transformers model (the trainer's policy); weights are copied.
-        graph_mode: as in from_pretrained."""
+        graph_mode, kv: as in from_pretrained."""
         runtime = loader.from_hf_model(hf_model, loader.resolve_dtype(dtype) if dtype else None, device)
         eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
         eos = [eos] if isinstance(eos, int) else eos
-        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, eos, graph_mode=graph_mode)
+        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, eos, graph_mode=graph_mode, **kv)
 
     # ---- public surface ---------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -85,8 +100,9 @@ class RolloutEngine:
         """Slash-named metrics accumulated since the previous call."""
         out = self._metrics.as_dict()
         out["rollout/policy_version"] = float(self.policy_version)
+        if self._pool is not None:  # the pool of the last call, also once released
+            out["rollout/kv_cache_mb"], out["rollout/kv_blocks_total"] = self._pool
         if self.runner.cache is not None:
-            out["rollout/kv_cache_mb"] = self.runner.cache.nbytes() / 2**20
             out["rollout/graph_pool_mb"] = self.runner.steps.memory_bytes() / 2**20
         out.update(self.speculation.metrics(out, self.policy_version))
         self._metrics = RolloutMetrics()
@@ -111,42 +127,83 @@ class RolloutEngine:
         ]
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
         cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(),
-                                         self.speculation.extra_kv_layers)
+                                         self.speculation.extra_kv_layers, min_positions=longest)
+        cache.reset()  # an earlier call that raised may have left blocks held
         self.speculation.calibrate(self.runner, cache.rows, cache.length)
         self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
-        sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows)
+        sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows,
+                          cache.alloc)
         ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter())
         while sched.has_work:
             groups = sched.admit()
             if groups:
                 self._prefill(groups, ctx)
                 self._retire(sched, ctx)  # a first token may already end a sample
+            elif not sched.live:
+                raise RuntimeError("the scheduler admitted nothing with nothing live (a KV accounting bug)")
             if sched.live:
+                self._make_room(sched)
                 self._decode_step(sched.live, ctx)
                 self._retire(sched, ctx)
         if ctx.bar is not None:
             ctx.bar.close()
-        self._record_call(seqs, time.perf_counter() - ctx.t0)
+        self._record_call(seqs, time.perf_counter() - ctx.t0, sched)
         self._signal_idle(True)  # between rollouts the drafter may train
+        if self.free_kv_between_rollouts:
+            self.release_kv()
         return [s.result(self.policy_version) for s in seqs]
+
+    def release_kv(self) -> None:
+        """Give the KV pool (and the CUDA graphs over it) back, e.g. to the policy update; the next
+        generate() allocates it again. generate() does this itself when free_kv_between_rollouts is on."""
+        self.runner.release()
 
     # ---- the loop's stages --------------------------------------------------------------------
     def _prefill(self, groups: list[list[Sequence]], ctx: "_Call") -> None:
-        """Prefill each admitted group's prompt once, share its KV with the group's other rows and
-        sample every sequence's first token (one host transfer for all of them)."""
-        heads = [g[0].row for g in groups]
-        logits, hiddens = self.runner.prefill([g[0].prompt_ids for g in groups], heads, self.speculation.aux_layers)
-        self.speculation.observe_prefill(groups, hiddens)
-        for g in groups:
-            self.runner.cache.copy_row(g[0].row, [s.row for s in g[1:]], len(g[0].prompt_ids))
-        sizes = torch.tensor([len(g) for g in groups], device=logits.device)
+        """Admitted groups: recompute the KV of resumed (preempted) sequences; for fresh groups prefill each
+        prompt once, share its full blocks with the group's other samples and sample every sequence's
+        first token (one host transfer for all of them)."""
+        fresh = [g for g in groups if not g[0].resumed]
+        resumed = [g[0] for g in groups if g[0].resumed]
+        if resumed:
+            self._resume(resumed)
+        if not fresh:
+            return
+        cache = self.runner.cache
+        cache.grow([(g[0].row, id(g[0]), len(g[0].prompt_ids) + 1) for g in fresh])
+        heads = [g[0].row for g in fresh]
+        logits, hiddens = self.runner.prefill([g[0].prompt_ids for g in fresh], heads, self.speculation.aux_layers)
+        self.speculation.observe_prefill(fresh, hiddens)
+        for g in fresh:
+            cache.share_prompt(g[0].row, id(g[0]), [(s.row, id(s)) for s in g[1:]], len(g[0].prompt_ids))
+        sizes = torch.tensor([len(g) for g in fresh], device=logits.device)
         rows = logits.repeat_interleave(sizes, dim=0)  # [sum n, V]
         p = ctx.params
         toks = rows.argmax(-1) if p.greedy else sample(probs_from_logits(rows, p), ctx.gen)
         host = _to_host(toks, logprobs_of(rows, toks, p))
-        for s, (tok, lp) in zip((s for g in groups for s in g), host):
+        for s, (tok, lp) in zip((s for g in fresh for s in g), host):
             s.append([int(tok)], [lp], ctx.stop_ids)
-        self.speculation.begin(groups)
+        self.speculation.begin(fresh)
+
+    def _resume(self, seqs: list[Sequence]) -> None:
+        """Preempted sequences are back: a prefill of everything they hold but the pending token rebuilds
+        their KV (a learned drafter rebuilds its own layer from its staged features at its next catch-up).
+        No token is drawn: each continues exactly where it stopped."""
+        self.runner.cache.grow([(s.row, id(s), s.cache_len + 1) for s in seqs])
+        self.runner.prefill([s.all_ids()[:s.cache_len] for s in seqs], [s.row for s in seqs])
+        for s in seqs:
+            s.resumed = False
+
+    def _make_room(self, sched: Scheduler) -> None:
+        """Blocks for every live sequence's pending token; when they run out, the youngest are preempted."""
+        cache = self.runner.cache
+        victims = sched.make_room()
+        for victim, moves in victims:  # moves of successive removals: applied in order
+            self.speculation.evict(victim)
+            cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
+        if victims:
+            cache.clear_rows(len(sched.live))
+        cache.grow([(s.row, id(s), s.cache_len + 1) for s in sched.live])
 
     def _decode_step(self, live: list[Sequence], ctx: "_Call") -> None:
         """schedule -> draft -> forward -> verify -> commit, for the whole live batch at once."""
@@ -163,6 +220,8 @@ class RolloutEngine:
         # before commit: the learned drafter stages features at the positions the sequences hold now
         self.speculation.observe_verify(live, hiddens, verdict.path, accepted, logits)
         emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
+        # rejected drafts hold no block past their step: keep what covers the next pending position
+        self.runner.cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished])
         drafted = [len(d) for d in drafts]
         self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
         self._metrics.record_verify(arm.drafter, drafted, accepted)
@@ -170,10 +229,18 @@ class RolloutEngine:
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
     def _propose(self, live: list[Sequence], arm: Arm):
-        room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the buffer
+        room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the table
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
         caps = [max(0, min(arm.nodes, s.remaining - 1, room - s.cache_len)) for s in live]
-        return self.speculation.propose(arm, live, caps)
+        return self.speculation.propose(arm, live, self._blocks_for_drafts(live, caps))
+
+    def _blocks_for_drafts(self, live: list[Sequence], caps: list[int]) -> list[int]:
+        """Blocks for each row's drafted positions (scheduler.draft_room: a draft is shortened where the pool
+        runs short). Returns the caps kept."""
+        cache = self.runner.cache
+        kept = draft_room(cache.alloc, live, caps)
+        cache.grow([(s.row, id(s), s.cache_len + 1 + k) for s, k in zip(live, kept)])
+        return kept
 
     def _verify(self, logits, batch: DraftBatch, ctx: "_Call") -> TreeVerdict:
         """On the logits' device. Returns path [B, N] accepted node indices (-1 after), accepted [B],
@@ -219,11 +286,17 @@ class RolloutEngine:
         finished, moves = sched.retire()
         for s in finished:
             self.speculation.finish(s)
-        if moves:  # one indexed copy for all of this step's moves
-            src, dst, lengths = zip(*moves)
-            self.runner.cache.move_rows(list(src), list(dst), max(lengths))
+            self.runner.cache.release(id(s))
+        if finished:
+            self._apply_moves(moves, len(sched.live))
         if ctx.bar is not None and finished:
             ctx.bar.update(len(finished))
+
+    def _apply_moves(self, moves: list[tuple[int, int]], live: int) -> None:
+        """Survivors' block-table rows move into the holes (integers, one indexed copy); rows past the live
+        batch go back to the trash block."""
+        self.runner.cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
+        self.runner.cache.clear_rows(live)
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -271,8 +344,13 @@ class RolloutEngine:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab})")
 
-    def _record_call(self, seqs: list[Sequence], seconds: float) -> None:
+    def _record_call(self, seqs: list[Sequence], seconds: float, sched: Scheduler) -> None:
         m = self._metrics
+        stats = self.runner.cache.alloc.stats
+        self._pool = (self.runner.cache.nbytes() / 2**20, float(self.runner.cache.alloc.capacity))
+        m.kv_blocks_used = max(m.kv_blocks_used, stats.peak_used)
+        m.kv_shared_blocks += stats.shared_refs
+        m.preemptions += sched.preemptions
         m.time_s += seconds
         m.generate_calls += 1
         m.sequences += len(seqs)

@@ -18,6 +18,9 @@ class RolloutMetrics:
     accepted: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify -> count
     per_drafter: dict = field(default_factory=dict)  # name -> [drafted, accepted, verifies]
+    kv_blocks_used: int = 0  # most KV blocks held at once (paged cache, kv_cache.py)
+    kv_shared_blocks: int = 0  # block references a prompt's samples shared instead of allocating
+    preemptions: int = 0  # sequences that gave their blocks back to make room (scheduler.py)
     # per decode step: (seconds into the call, live batch, tokens emitted, speculated)
     batch_trace: list[tuple[float, int, int, bool]] = field(default_factory=list)
 
@@ -47,6 +50,9 @@ class RolloutMetrics:
             "rollout/max_len": float(max(lens)),
             "rollout/decode_steps": float(self.steps),
             "rollout/spec_step_share": self.spec_steps / self.steps if self.steps else 0.0,
+            "rollout/kv_blocks_used": float(self.kv_blocks_used),
+            "rollout/kv_shared_blocks": float(self.kv_shared_blocks),
+            "rollout/preemptions": float(self.preemptions),
         }
         verifies = sum(self.accept_hist.values())
         if verifies:

@@ -18,7 +18,8 @@ class SamplingParams:
     max_new_tokens: int = 256
     n: int = 1  # samples per prompt; they share the prompt's prefill
     # None draws fresh randomness each call. What a seed reproduces: on the same device and dtype, with
-    # the same prompts, params, weights and engine settings, identical rollouts (tokens and logprobs)
+    # the same prompts, params, weights and engine settings (the KV budget included: preemption decides
+    # which rows share a step), identical rollouts (tokens and logprobs)
     # when speculation is off. With speculation on, the drafts decide which random numbers are used,
     # so identical rollouts also need the same arm at every step (selector "always"; "fixed" and
     # "adaptive" choose from measured step times, which vary) and the same drafter state (a learned

@@ -194,7 +194,8 @@ def bench_model(name: str, args, device, dtype, peak_gbs: float, left) -> tuple[
     print(f"{name}: HF generate", flush=True)
     hf_tok_s = bench_hf(hf, prompts, args.batch_sizes, N, device)
     engine = RolloutEngine.from_hf_model(hf, None, dtype=dtype, device=device, max_num_seqs=max(args.batch_sizes),
-                                         max_model_len=args.prompt_len + N + 8, graph_mode="lazy")
+                                         max_model_len=args.prompt_len + N + 8, graph_mode="lazy",
+                                         free_kv_between_rollouts=False)  # steps are timed over its cache
     del hf
     if device.type == "cuda":
         torch.cuda.empty_cache()  # between models, not mid-rollout: HF's weights go before ours run

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from common import sync, time_steps  # noqa: E402
 
 from rollout.runtime.graphs import EagerRunner, GraphPool  # noqa: E402
-from rollout.runtime.kv_cache import KVCache  # noqa: E402
+from rollout.runtime.kv_cache import PagedKVCache  # noqa: E402
 from rollout.runtime.model import loader  # noqa: E402
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -87,7 +87,7 @@ def load(name: str, dtype: torch.dtype, device):
 def bench_model(name: str, args, device, dtype) -> tuple[list[dict], dict]:
     model = load(name, dtype, device)
     rows = max(args.batch_sizes)
-    cache = KVCache(model.cfg, rows, args.cache_length, dtype, device)
+    cache = PagedKVCache.for_rows(model.cfg, rows, args.cache_length, dtype, device)
     model.init_rope(args.cache_length)
     eager = EagerRunner(model, cache, device)
     backend = "cuda" if device.type == "cuda" else "emulate"

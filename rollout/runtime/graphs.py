@@ -20,12 +20,13 @@ graph then reads depends on the attention kernel (attention.py):
     of KV a step against 0.27 GB of weights. Eager steps (EagerRunner) read max(start) + T instead.
 
 Why padding is harmless:
-  * Padding rows B..b-1 run token 0 at start 0 and write positions 0..t-1 of cache rows B..b-1. Live
-    sequences are compacted into rows 0..B-1, so those rows are dead until a prefill rewrites them.
-    Hence buckets never exceed the cache's rows.
+  * Padding rows B..b-1 run token 0 at start 0. Live sequences are compacted into block-table rows
+    0..B-1 and rows B.. point at the trash block (kv_cache.py), so padding rows write and read only
+    trash. Hence buckets never exceed the table's rows.
   * Padding nodes T..t-1 of a real row extend it as a chain: real nodes never see them (the tree mask
-    is lower-triangular there) and they write past the row's length, where no mask looks again. They
-    need start + t <= cache length; otherwise the step runs eagerly.
+    is lower-triangular there) and they write past the row's length (into its own last block, or
+    the trash block past its blocks), where no mask looks again. They need start + t <= cache length;
+    otherwise the step runs eagerly.
   * Every op is row-independent, so real rows change only by batch-size-dependent float rounding.
 
 Captures never synchronise the device or empty the allocator's cache (torch.cuda.graph() does both on
@@ -39,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.runtime.kv_cache import KVCache
-from rollout.runtime.model.attention import step_mask, use_flex
+from rollout.runtime.kv_cache import PagedKVCache
+from rollout.runtime.model.attention import BLOCK, step_mask, use_flex
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 WARMUP_RUNS = 2  # first calls pick kernels and allocate workspaces; a capture must not see that
@@ -91,18 +92,28 @@ def pad_batch(tokens, start, depths, tree_mask, rows: int, T: int):
     return out_tokens, out_start, out_depths, out_tree
 
 
-def build_step_batch(tokens, start, S: int, depths=None, tree_mask=None, flex: bool = False) -> ForwardBatch:
-    """ModelRunner.step's ForwardBatch, built on tokens' device with no host sync (so it can be captured).
+def build_step_batch(tokens, start, cache: PagedKVCache, S: int, depths=None, tree_mask=None,
+                     flex: bool = False) -> ForwardBatch:
+    """ModelRunner.step's ForwardBatch for rows 0..B-1, built on tokens' device with no host sync (so it
+    can be captured).
 
     tokens [B, T], start [B] (cache entries each row holds), depths [B, T] RoPE offsets or None (chain),
     tree_mask [B, T, T] (node t may see node u) or None (chain); S >= max(start) + T: cache positions
-    the attention spans; flex: FlexAttention's block mask (reads only live blocks) instead of a dense one.
+    the attention spans, rounded up to whole blocks (the gather reads blocks); flex: FlexAttention's
+    block mask (reads only live blocks) instead of a dense one.
     """
     B, T = tokens.shape
     steps = torch.arange(T, device=tokens.device)
     offs = steps.expand(B, T) if depths is None else depths
-    return ForwardBatch(input_ids=tokens, positions=start[:, None] + offs, write_index=start[:, None] + steps,
-                        attn=step_mask(start, T, S, tree_mask, flex))
+    write = start[:, None] + steps
+    slots = cache.slots(torch.arange(B, device=tokens.device), write)
+    if flex and T <= BLOCK and cache.block_size == BLOCK:  # paged FlexAttention: no gather at all
+        attn = step_mask(start, T, S, tree_mask, True, cache.table[:B], cache.k.shape[1] * BLOCK)
+        return ForwardBatch(tokens, start[:, None] + offs, write, attn, slots)
+    blocks = cache.blocks(B, S)
+    S = blocks.shape[1] * cache.block_size
+    return ForwardBatch(input_ids=tokens, positions=start[:, None] + offs, write_index=write,
+                        attn=step_mask(start, T, S, tree_mask, flex), slots=slots, blocks=blocks)
 
 
 def _to(x, device):
@@ -113,7 +124,7 @@ def _to(x, device):
 class EagerRunner:
     """The step forward without graphs: on CPU, and for every shape a GraphPool did not capture."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device):
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device):
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.flex = use_flex(self.device)
 
@@ -123,7 +134,8 @@ class EagerRunner:
         Dense attention reads max(start) + T positions (a host read of start); flex skips by block."""
         dev = self.device
         S = self.cache.length if self.flex else int(start.max()) + tokens.shape[1]
-        fb = build_step_batch(tokens.to(dev), start.to(dev), S, _to(depths, dev), _to(tree_mask, dev), self.flex)
+        fb = build_step_batch(tokens.to(dev), start.to(dev), self.cache, S, _to(depths, dev), _to(tree_mask, dev),
+                              self.flex)
         return self.model(fb, self.cache.k, self.cache.v, hidden_layers)
 
     def memory_bytes(self) -> int:
@@ -213,7 +225,7 @@ class GraphPool:
     those warm-ups write positions 0..t-1 of rows 0..b-1. backend "emulate" replays by calling (tests).
     """
 
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, device, capture_mode: str = "lazy",
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device, capture_mode: str = "lazy",
                  max_rows: int | None = None, max_t: int = 16, hidden_layers=(), backend: str = "cuda"):
         if capture_mode not in ("lazy", "eager_start"):
             raise ValueError(f"capture_mode must be 'lazy' or 'eager_start', got {capture_mode!r}")
@@ -295,7 +307,7 @@ class GraphPool:
 
         def forward():  # reads and writes only static buffers, the cache and the weights
             with torch.inference_mode():
-                fb = build_step_batch(tokens, start, cache.length, depths, tree, flex)
+                fb = build_step_batch(tokens, start, cache, cache.length, depths, tree, flex)
                 logits, hiddens = model(fb, cache.k, cache.v, hl)
                 logits_out.copy_(logits)
                 for i in hl:
@@ -316,7 +328,7 @@ class GraphPool:
         return self.static.nbytes() + self.pool_bytes
 
 
-def make_step_runner(model: LlamaForCausalLM, cache: KVCache, device, mode: str = "auto", **pool_kwargs):
+def make_step_runner(model: LlamaForCausalLM, cache: PagedKVCache, device, mode: str = "auto", **pool_kwargs):
     """A GraphPool on CUDA unless mode is "off"; EagerRunner elsewhere.
 
     mode: "auto" (= "lazy" on CUDA), "off", "lazy" or "eager_start"; pool_kwargs go to GraphPool.

@@ -1,34 +1,88 @@
-"""The KV cache: one preallocated buffer per K and V, shaped [layers, rows, kv_heads, length, head_dim].
+"""The paged KV cache: one pool of fixed-size blocks per layer, and a block table per row.
 
-A sequence owns a row. Rejecting drafted tokens costs nothing: their keys stay in the buffer but
-the sequence's length never advances over them, so no mask ever shows them again (gpt-fast's trick).
-Live sequences occupy rows 0..B-1 so that a forward reads a view, not a gather; when sequences
-finish, the survivors are compacted downwards (`move`, or `move_rows` for many rows at once).
+`k`, `v`: [layers, num_blocks, block_size, kv_heads, head_dim] (token-major inside a block, so a
+row's blocks gathered side by side are already [positions, kv_heads, head_dim] and attention reads
+them as a strided view with no second copy). `table`: [rows, max_blocks] long on the cache's
+device; row r's position p lives at flat slot `table[r, p // block_size] * block_size +
+p % block_size`. Unassigned entries point at block 0, the trash block: padding rows, padding
+nodes and padded prompt positions write there, and no mask ever shows it.
+
+Which block a sequence holds is the BlockAllocator's business (plain Python, `alloc`); this class
+mirrors its decisions into the device table (a few integers per changed row) and moves KV data only
+for copy-on-write and tree fix-ups. Live sequences still occupy table rows 0..B-1, but compacting
+them moves table rows (integers), never KV. Rejecting drafted tokens costs nothing: their keys stay
+in the row's blocks past its length, no mask shows them, and blocks wholly past the length are
+handed back after the step (`trim`).
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
+from rollout.runtime.blocks import TRASH, BlockAllocator
 from rollout.runtime.model.config import ModelConfig
 
-MOVE_CHUNK_BYTES = 256 * 2**20  # move_rows' temporary copy stays under this (a 7B model: ~57 MB per 2k-token row)
+
+def block_bytes(cfg: ModelConfig, layers: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across every layer, K and V."""
+    return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-class KVCache:
-    def __init__(self, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device, extra_layers: int = 0):
-        # extra layers after the target's belong to a learned drafter (EAGLE-3 keeps one layer of KV),
-        # so compaction, prompt sharing and tree fix-ups move its entries along with the target's
-        shape = (cfg.num_layers + extra_layers, rows, cfg.num_kv_heads, length, cfg.head_dim)
+def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """pool [num_blocks, bs, KV, D] (one layer), blocks [R, n] long -> [R, KV, n * bs, D], a strided
+    view of one gathered copy (position-major), which matmuls and SDPA read as they are."""
+    R, n = blocks.shape
+    _, bs, KV, D = pool.shape
+    return pool.index_select(0, blocks.reshape(-1)).view(R, n * bs, KV, D).transpose(1, 2)
+
+
+def pool_sequence(pool: torch.Tensor) -> torch.Tensor:
+    """pool [num_blocks, bs, KV, D] (one layer) -> [1, KV, num_blocks * bs, D], a view: the keys paged
+    FlexAttention reads through physical block indices (attention._flex_mask)."""
+    return pool.view(1, -1, *pool.shape[2:]).transpose(1, 2)
+
+
+def write_slots(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """pool [num_blocks, bs, KV, D] (one layer); slots [B, T] flat slots; x [B, T, KV, D]."""
+    pool.view(-1, *pool.shape[2:])[slots.reshape(-1)] = x.reshape(-1, *x.shape[2:])
+
+
+class PagedKVCache:
+    def __init__(self, cfg: ModelConfig, rows: int, length: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device, extra_layers: int = 0):
+        # extra layers after the target's belong to a learned drafter (EAGLE-3 keeps one layer of KV):
+        # they live in the same blocks, so prompt sharing, preemption and tree fix-ups cover them too
+        shape = (cfg.num_layers + extra_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.table = torch.zeros(rows, -(-length // block_size), dtype=torch.long, device=device)
+        self.alloc = BlockAllocator(num_blocks, block_size)
 
+    @classmethod
+    def for_rows(cls, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device,
+                 block_size: int = 16, extra_layers: int = 0) -> "PagedKVCache":
+        """A pool of exactly rows x length positions with every row holding its blocks: the contiguous
+        cache's equivalent, for a bare forward without an engine (tests, step benchmarks)."""
+        per_row = -(-length // block_size)
+        cache = cls(cfg, rows, length, rows * per_row + 1, block_size, dtype, device, extra_layers)
+        cache.reserve_rows(rows, length)
+        return cache
+
+    # ---- shape ------------------------------------------------------------------------------------
     @property
     def rows(self) -> int:
-        return self.k.shape[1]
+        return self.table.shape[0]
 
     @property
     def length(self) -> int:
-        return self.k.shape[3]
+        """Positions a row can address (the table's width in positions)."""
+        return self.table.shape[1] * self.block_size
+
+    @property
+    def layers(self) -> int:
+        return self.k.shape[0]
 
     def fits(self, rows: int, length: int) -> bool:
         return rows <= self.rows and length <= self.length
@@ -36,44 +90,119 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def copy_row(self, src: int, dsts: list[int], length: int) -> None:
-        """Share a prefilled prompt: copy its first `length` entries into other rows."""
-        if dsts:
-            idx = torch.tensor(dsts, device=self.k.device)
-            self.k[:, idx, :, :length] = self.k[:, src : src + 1, :, :length]
-            self.v[:, idx, :, :length] = self.v[:, src : src + 1, :, :length]
+    # ---- addressing (on the device, no host sync) ---------------------------------------------------
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """rows [B], positions [B, T] long -> flat slots [B, T]; negative positions or positions past the
+        table go to the trash block."""
+        bs, width = self.block_size, self.table.shape[1]
+        col = positions.div(bs, rounding_mode="floor")
+        ok = (positions >= 0) & (col < width)
+        blk = self.table[rows[:, None], col.clamp(0, width - 1)]
+        return torch.where(ok, blk * bs + positions.remainder(bs), TRASH * bs)
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Compaction: row src's first `length` entries now live in row dst."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+    def blocks(self, B: int, S: int) -> torch.Tensor:
+        """[B, ceil(S / block_size)]: the blocks rows 0..B-1 read for positions 0..S-1."""
+        return self.table[:B, : -(-S // self.block_size)]
 
-    def move_rows(self, src: list[int], dst: list[int], length: int) -> None:
-        """Compaction of many rows at once: row src[i]'s first `length` entries now live in row dst[i].
+    def gather(self, layer: int, rows: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..S'-1 of the given rows, S' = S rounded up to whole blocks:
+        ([R, KV, S', D], [R, KV, S', D])."""
+        blocks = self.table[rows, : -(-S // self.block_size)]
+        return gather_blocks(self.k[layer], blocks), gather_blocks(self.v[layer], blocks)
 
-        One indexed gather + scatter per buffer, whatever the number of rows (the engine fills the holes
-        finished rows leave with rows from the tail). Sources are read in full before anything is written,
-        so src and dst may overlap; dst rows must be distinct. `length` is the longest moved row's: copying
-        a shorter row's stale tail is harmless, no mask ever shows it. The gathered block is
-        [layers, rows, kv_heads, length, head_dim]; it goes a few layers at a time when it would be large.
-        """
-        if len(src) != len(dst):
-            raise ValueError(f"move_rows needs as many sources as destinations, got {len(src)} and {len(dst)}")
-        if len(set(dst)) != len(dst):
-            raise ValueError(f"move_rows: destination rows must be distinct, got {dst}")
-        if not src or length <= 0:
-            return
-        s = torch.tensor(src, device=self.k.device)
-        d = torch.tensor(dst, device=self.k.device)
-        per_layer = len(src) * self.k[0, 0, :, :length].numel() * self.k.element_size()
-        step = max(1, MOVE_CHUNK_BYTES // per_layer)
-        for lo in range(0, self.k.shape[0], step):
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, T, KV, D] into flat slots [B, T] of one layer."""
+        write_slots(self.k[layer], slots, k)
+        write_slots(self.v[layer], slots, v)
+
+    # ---- the allocator's decisions mirrored into the table ---------------------------------------------
+    def grow(self, items: list[tuple[int, Hashable, int]]) -> None:
+        """(row, owner, positions): give each owner blocks for positions 0..positions-1 and enter them in
+        its row. The caller checked that enough blocks are free (alloc.needed / alloc.free)."""
+        rows, cols, blocks = [], [], []
+        for row, owner, n in items:
+            for col, b in self.alloc.ensure(owner, n):
+                rows.append(row)
+                cols.append(col)
+                blocks.append(b)
+        self._set(rows, cols, blocks)
+
+    def trim(self, items: list[tuple[int, Hashable, int]]) -> None:
+        """(row, owner, positions): hand back each owner's blocks past positions 0..positions-1."""
+        rows, cols = [], []
+        for row, owner, n in items:
+            dropped = self.alloc.trim(owner, n)
+            rows += [row] * len(dropped)
+            cols += dropped
+        self._set(rows, cols, [TRASH] * len(rows))
+
+    def assign(self, row: int, owner: Hashable) -> None:
+        """Enter owner's whole block list in `row` (admission): one small host-to-device copy."""
+        held = self.alloc.held(owner)
+        line = torch.zeros(self.table.shape[1], dtype=torch.long)
+        line[: len(held)] = torch.tensor(held, dtype=torch.long)
+        self.table[row] = line.to(self.table.device)
+
+    def share_prompt(self, src_row: int, src: Hashable, dsts: list[tuple[int, Hashable]], prompt_len: int) -> None:
+        """A prompt's siblings reference its full blocks (every position below the last prompt token,
+        which no step ever writes again: steps write at cache_len >= prompt_len, and an EAGLE-3 drafter
+        writes the last prompt position with each sample's own first token). The block holding the last
+        prompt position is copied per sibling (copy-on-write, done now since every sibling writes it at
+        its first step), and each gets blocks for positions 0..prompt_len (the pending token's)."""
+        a = self.alloc
+        full = (prompt_len - 1) // self.block_size
+        src_blocks, dst_blocks = [], []
+        for row, owner in dsts:
+            a.share(src, owner, full)
+            a.ensure(owner, prompt_len + 1)
+            tail = range(full, a.blocks_for(prompt_len))
+            src_blocks += [a.held(src)[i] for i in tail]
+            dst_blocks += [a.held(owner)[i] for i in tail]
+            self.assign(row, owner)
+        self.copy_blocks(src_blocks, dst_blocks)
+
+    def release(self, owner: Hashable) -> None:
+        """A sequence finished or was preempted: its blocks go back (its row is cleared by compaction)."""
+        self.alloc.free_owner(owner)
+
+    def move_rows(self, src: list[int], dst: list[int]) -> None:
+        """Compaction: table row src[i] now lives in row dst[i] (integers only; sources read first)."""
+        if src:
+            s = torch.tensor(src, device=self.table.device)
+            self.table[torch.tensor(dst, device=self.table.device)] = self.table[s]
+
+    def clear_rows(self, start: int) -> None:
+        """Rows start.. hold no sequence: point them at the trash block (graph padding rows write there)."""
+        self.table[start:] = TRASH
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        if src:
+            s = torch.tensor(src, device=self.k.device)
+            d = torch.tensor(dst, device=self.k.device)
             for buf in (self.k, self.v):
-                buf[lo:lo + step, d, :, :length] = buf[lo:lo + step, s, :, :length]
+                buf[:, d] = buf[:, s]
 
     def gather_positions(self, row: int, src: list[int], dst: list[int]) -> None:
-        """After tree verification: move accepted nodes' entries to consecutive positions."""
-        s = torch.tensor(src, device=self.k.device)
-        d = torch.tensor(dst, device=self.k.device)
-        self.k[:, row, :, d] = self.k[:, row, :, s]
-        self.v[:, row, :, d] = self.v[:, row, :, s]
+        """After tree verification: move accepted nodes' entries (all layers) to consecutive positions."""
+        dev = self.table.device
+        rows = torch.tensor([row], device=dev)
+        s = self.slots(rows, torch.tensor([src], device=dev))[0]
+        d = self.slots(rows, torch.tensor([dst], device=dev))[0]
+        for buf in (self.k, self.v):
+            flat = buf.view(buf.shape[0], -1, *buf.shape[3:])
+            flat[:, d] = flat[:, s]
+
+    def reset(self) -> None:
+        """Every block free, every row pointing at the trash block (a new call; the pool's data stays)."""
+        self.alloc = BlockAllocator(self.alloc.num_blocks, self.block_size)
+        self.table.zero_()
+
+    def reserve_rows(self, rows: int, positions: int) -> None:
+        """Give rows 0..rows-1 blocks for `positions` positions each, owned by the row index (runner-level
+        use without an engine: tests, benchmarks of a bare forward)."""
+        self.grow([(r, ("row", r), positions) for r in range(rows)])
+
+    def _set(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:
+        if rows:
+            idx = torch.tensor([rows, cols], device=self.table.device)
+            self.table[idx[0], idx[1]] = torch.tensor(blocks, device=self.table.device)

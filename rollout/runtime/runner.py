@@ -1,62 +1,80 @@
 """ModelRunner: turns the engine's plain-Python batch description into tensors and runs the target.
 
 The only engine part that touches tensors besides sampling/verification. Owns the model and the
-KV cache; knows nothing of sequences, drafters or strategies.
+paged KV cache (sized by a KVBudget); knows nothing of sequences, drafters or strategies.
 """
 from __future__ import annotations
 
 import torch
 
 from rollout.runtime.graphs import MODES, make_step_runner
-from rollout.runtime.kv_cache import KVCache
+from rollout.runtime.kv_budget import KVBudget
+from rollout.runtime.kv_cache import PagedKVCache, block_bytes
 from rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype, graph_mode: str = "auto",
-                 max_graph_t: int = 16):
+                 max_graph_t: int = 16, budget: KVBudget | None = None):
         if graph_mode not in MODES:  # fail at construction, not at the first generate()
             raise ValueError(f"graph_mode must be one of {MODES}, got {graph_mode!r}")
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
-        self.cache: KVCache | None = None
+        self.budget = budget or KVBudget()
+        self.cache: PagedKVCache | None = None
         self.steps = None  # EagerRunner or GraphPool over self.cache; rebuilt with it
 
-    def ensure_cache(self, rows: int, length: int, extra_layers: int = 0) -> KVCache:
-        """Allocate once; grow only when a call needs more rows or positions than ever before."""
-        fits = self.cache is not None and self.cache.fits(rows, length)
-        if not fits or self.cache.k.shape[0] != self.model.cfg.num_layers + extra_layers:
-            old = self.cache
-            rows = max(rows, old.rows if old else 0)
-            length = max(length, old.length if old else 0)
-            if use_flex(self.device):  # FlexAttention reads whole 128-position blocks: no ragged last one
-                length = -(-length // BLOCK) * BLOCK
-            self.steps = None  # graphs hold the old cache/RoPE addresses: drop them before freeing
-            self.cache = None  # free the old buffer first
-            del old
-            self.cache = KVCache(self.model.cfg, rows, length, self.dtype, self.device, extra_layers)
-            self.model.init_rope(length)
-            self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode,
-                                          max_t=self.max_graph_t)
+    def ensure_cache(self, rows: int, length: int, extra_layers: int = 0, min_positions: int = 0) -> PagedKVCache:
+        """Allocate once; rebuild only when a call needs more table rows or positions than ever before (or
+        another drafter layer count). The pool's size comes from the budget (kv_budget.py); min_positions is
+        the longest sequence the call needs, which the pool must hold."""
+        layers = self.model.cfg.num_layers + extra_layers
+        old = self.cache
+        if old is not None and old.fits(rows, length) and old.layers == layers \
+                and old.alloc.capacity * old.block_size >= min_positions:
+            return old
+        rows = max(rows, old.rows if old else 0)
+        length = max(length, old.length if old else 0)
+        if use_flex(self.device):  # FlexAttention reads whole 128-position blocks: no ragged last one
+            length = -(-length // BLOCK) * BLOCK
+        self.release()  # graphs hold the old cache/RoPE addresses: drop them, and the old pool, first
+        del old
+        # paged FlexAttention maps its 128-position blocks one to one onto the pool's blocks
+        bs = BLOCK if use_flex(self.device) else self.budget.block_size
+        blocks = self.budget.pool_blocks(block_bytes(self.model.cfg, layers, bs, self.dtype), rows, length,
+                                         max(min_positions, 1), self.device)
+        self.cache = PagedKVCache(self.model.cfg, rows, length, blocks, bs, self.dtype, self.device, extra_layers)
+        self.model.init_rope(self.cache.length)
+        self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode, max_t=self.max_graph_t)
         return self.cache
 
+    def release(self) -> None:
+        """Give the pool (and the graphs over it) back, e.g. to the policy update between rollouts; the next
+        ensure_cache allocates again."""
+        self.steps = None
+        self.cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def prefill(self, prompts: list[list[int]], rows: list[int], hidden_layers=()):
-        """Fresh prompts into the given rows; returns (last-token logits [P, V], hiddens).
+        """Fresh prompts into the given rows, whose blocks cover them; returns (last-token logits [P, V],
+        hiddens).
 
         Prompts are right-padded to the longest, T; attention is causal among the new tokens
-        (attention.attend_causal), so no [P, T, T] mask is built anywhere, and a padding position
-        writes cache entries past its row's length, which no later mask shows.
+        (attention.attend_causal), so no [P, T, T] mask is built anywhere, and padding positions write
+        to the trash block.
         """
         P, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(P, T, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
         pos = torch.arange(T, device=self.device).expand(P, T)
+        slots = self.cache.slots(torch.tensor(rows, device=self.device), torch.where(pos < lens[:, None], pos, -1))
         fb = ForwardBatch(input_ids=ids.to(self.device), positions=pos, write_index=pos, attn=causal_mask(),
-                          rows=torch.tensor(rows, device=self.device))
-        return self.model(fb, self.cache.k, self.cache.v, hidden_layers, logits_index=last)
+                          slots=slots)
+        return self.model(fb, self.cache.k, self.cache.v, hidden_layers, logits_index=lens - 1)
 
     def step(self, tokens: torch.Tensor, start: torch.Tensor, depths=None, tree_mask=None, hidden_layers=()):
         """T new tokens for each live row 0..B-1 whose cache holds `start[b]` entries.

@@ -1,53 +1,147 @@
-"""Scheduler: which sequences hold which KV-cache rows. Plain Python, no tensors.
+"""Scheduler: which sequences are live, in which block-table rows, and who waits. Plain Python.
 
-Live sequences always occupy rows 0..B-1, so a forward reads a view of the cache, never a gather.
-Prompt groups (a prompt's n samples, which share one prefill) are admitted whole while rows are
-free. When sequences finish, their rows become holes below B; the survivors with the highest rows
-fill them (`retire` returns those moves for the cache to execute). Each finished row costs at most
-one row move, O(finished) per step rather than O(batch) for an order-keeping compaction; the
-live list is kept sorted by row, which is the order every batch tensor uses.
+Admission: prompt groups (a prompt's n samples, which share one prefill and the prompt's full KV
+blocks) are admitted whole while table rows and KV blocks last (`group_blocks` is what a group
+costs, plus a block of headroom per live sequence); when nothing is live and the first group still does not fit, as many of its samples as fit
+are admitted (the rest wait as a smaller group with a prefill of its own), so a pool that holds one
+sequence always makes progress.
+
+Preemption: when a step needs more blocks than are free, the youngest sequences (latest first
+admission) give theirs back (`preempt`) and wait at the front of the queue, oldest first; on
+readmission a prefill of what they hold recomputes their KV. Only the scheduling changes, never a
+sequence's own draws (docs/runtime.md#preemption says why the law is unchanged).
+
+Rows: live sequences occupy rows 0..B-1. When sequences leave (finished or preempted), the
+survivors with the highest rows fill the holes (`remove` returns those moves for the block table);
+the live list is kept sorted by row, which is the order every batch tensor uses.
 """
 from __future__ import annotations
 
 from collections import deque
 
+from rollout.runtime.blocks import BlockAllocator
 from rollout.runtime.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, groups: list[list[Sequence]], rows: int):
+    def __init__(self, groups: list[list[Sequence]], rows: int, alloc: BlockAllocator):
         self.waiting: deque[list[Sequence]] = deque(groups)
         self.live: list[Sequence] = []
-        self.rows = rows
+        self.rows, self.alloc = rows, alloc
+        self.admitted = 0  # first-admission counter: a sequence's age
+        self.preemptions = 0
+        self.headroom = 1  # free blocks kept per live sequence at admission (see admit)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.live)
 
+    def group_blocks(self, g: list[Sequence]) -> int:
+        """Blocks admitting g takes: a resumed sequence its whole prefix + the pending token; a fresh group
+        the prompt + the first pending position once, and for each further sample everything but the full
+        blocks it shares (kv_cache.PagedKVCache.share_prompt)."""
+        a = self.alloc
+        if g[0].resumed:
+            return a.blocks_for(g[0].cache_len + 1)
+        n = len(g[0].prompt_ids)
+        own = a.blocks_for(n + 1)
+        return own + (len(g) - 1) * (own - (n - 1) // a.block_size)
+
     def admit(self) -> list[list[Sequence]]:
-        """Pop the waiting groups that fit the free rows and give their sequences rows B, B+1, ..."""
-        groups = []
-        while self.waiting and len(self.live) + len(self.waiting[0]) <= self.rows:
-            g = self.waiting.popleft()
+        """Pop the waiting groups that fit the free rows and blocks; give their sequences rows B, B+1, ...
+        Blocks are not taken here: the engine takes them as it prefills (kv_cache.grow / share_prompt)."""
+        groups, free = [], self.alloc.free
+        while self.waiting:
+            g = self.waiting[0]
+            # headroom: one block per live sequence after admission, what they grow by in block_size
+            # steps; admitting into the last free blocks would only preempt someone a step later. An empty
+            # engine takes what fits without it: it must make progress
+            empty = not self.live and not groups
+            cost = self.group_blocks(g) + (0 if empty else self.headroom * (len(self.live) + len(g)))
+            if len(self.live) + len(g) <= self.rows and cost <= free:
+                self.waiting.popleft()
+            elif empty and len(g) > 1:
+                g = self._split_front(free)  # an empty engine must make progress
+            else:
+                break
+            free -= self.group_blocks(g)
             for s in g:
+                if s.admit_order < 0:
+                    s.admit_order = self.admitted
+                    self.admitted += 1
                 s.row = len(self.live)
                 self.live.append(s)
             groups.append(g)
         return groups
 
-    def retire(self) -> tuple[list[Sequence], list[tuple[int, int, int]]]:
-        """Drop finished sequences; returns (finished, moves) with moves (src row, dst row, length)
-        that the KV cache must apply so the survivors occupy rows 0..B-1 again."""
+    def _split_front(self, free: int) -> list[Sequence]:
+        """The largest prefix of the first waiting group that fits rows and blocks (at least one sample)."""
+        g = self.waiting[0]
+        k = min(len(g), self.rows)
+        while k > 1 and self.group_blocks(g[:k]) > free:
+            k -= 1
+        self.waiting[0] = g[k:]
+        return g[:k]
+
+    def make_room(self) -> list[tuple[Sequence, list[tuple[int, int]]]]:
+        """Preempt the youngest live sequences (their blocks go back to the pool) until every one left has
+        a block for its pending position. Returns (victim, row moves) in the order they happened."""
+        out = []
+        while sum(self.alloc.needed(id(s), s.cache_len + 1) for s in self.live) > self.alloc.free:
+            victim = self.youngest()
+            if victim is None:  # the engine checked that the pool holds one sequence of the call
+                raise RuntimeError("KV pool exhausted by a single sequence (a KV accounting bug)")
+            self.alloc.free_owner(id(victim))
+            out.append((victim, self.preempt(victim)))
+        return out
+
+    def youngest(self, keep: int = 1) -> Sequence | None:
+        """The live sequence admitted last, unless only `keep` are live."""
+        if len(self.live) <= keep:
+            return None
+        return max(self.live, key=lambda s: s.admit_order)
+
+    def preempt(self, s: Sequence) -> list[tuple[int, int]]:
+        """s leaves the live batch and waits at the front (behind older preempted ones); returns row moves."""
+        s.resumed = True
+        self.preemptions += 1
+        queued = [g for g in self.waiting if g[0].resumed]
+        pos = sum(1 for g in queued if g[0].admit_order < s.admit_order)
+        self.waiting.insert(pos, [s])
+        return self.remove([s])
+
+    def retire(self) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """Drop finished sequences; returns (finished, moves) with moves (src row, dst row) that the block
+        table must apply so the survivors occupy rows 0..B-1 again."""
         finished = [s for s in self.live if s.finished]
-        if not finished:
-            return [], []
-        survivors = [s for s in self.live if not s.finished]
+        return finished, self.remove(finished) if finished else []
+
+    def remove(self, gone: list[Sequence]) -> list[tuple[int, int]]:
+        """Take `gone` out of the live batch; the highest survivors fill the holes below B."""
+        ids = {id(s) for s in gone}
+        survivors = [s for s in self.live if id(s) not in ids]
         B = len(survivors)
-        holes = sorted(s.row for s in finished if s.row < B)
+        holes = sorted(s.row for s in gone if s.row < B)
         movers = sorted((s for s in survivors if s.row >= B), key=lambda s: s.row)
         moves = []
         for hole, s in zip(holes, movers):
-            moves.append((s.row, hole, s.cache_len))
+            moves.append((s.row, hole))
             s.row = hole
+        for s in gone:
+            s.row = -1
         self.live = sorted(survivors, key=lambda s: s.row)
-        return finished, moves
+        return moves
+
+
+def draft_room(alloc: BlockAllocator, live: list[Sequence], caps: list[int]) -> list[int]:
+    """Drafted positions each live sequence may write this step (past its pending token), at most caps[i]:
+    what its blocks hold plus the free blocks, handed out oldest sequence first. Where the pool runs
+    short a draft is shortened (which changes speed, never the law). The caller takes the blocks."""
+    free, kept = alloc.free, list(caps)
+    for i in sorted(range(len(live)), key=lambda i: live[i].admit_order):
+        s = live[i]
+        held = len(alloc.held(id(s)))
+        extra = min(max(0, alloc.blocks_for(s.cache_len + 1 + caps[i]) - held), free)
+        kept[i] = min(caps[i], (held + extra) * alloc.block_size - s.cache_len - 1)
+        free -= extra
+    return kept

@@ -12,7 +12,9 @@ class Sequence:
     sample_index: int
     prompt_ids: list[int]
     max_new_tokens: int  # already clipped so prompt + completion fits the context
-    row: int = -1  # KV cache row while live
+    row: int = -1  # block-table row while live
+    admit_order: int = -1  # first admission's rank: preemption takes the youngest (highest) first
+    resumed: bool = False  # preempted: its KV must be recomputed by a prefill when readmitted
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None

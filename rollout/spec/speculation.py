@@ -156,6 +156,11 @@ class Speculation:
             self.selector.reset_acceptance(self.learned.name, keep=UPDATE_KEEP)
         self.selector.observe(arm, batch, seconds, draft_seconds, drafted, accepted)
 
+    def evict(self, seq) -> None:
+        """seq was preempted: its KV blocks are gone, the learned drafter's layer with them."""
+        if self.learned is not None:
+            self.learned.evict(seq)
+
     def finish(self, seq) -> None:
         """Model-free drafters index finished samples; a learned one banks them for training."""
         for d in self.by_name.values():

@@ -9,7 +9,7 @@ import torch
 
 from rollout.engine import RolloutEngine
 from rollout.runtime.graphs import EagerRunner, GraphPool
-from rollout.runtime.kv_cache import KVCache
+from rollout.runtime.kv_cache import PagedKVCache
 from rollout.runtime.model import attention, loader
 from rollout.types import SamplingParams
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
@@ -71,7 +71,8 @@ def _hf_greedy(hf, prompt, max_new):
 def test_greedy_matches_transformers_generate(kind, graph_mode):
     hf = make_tiny_hf(kind).cuda()
     prompts = random_prompts(6, 2, 25, seed=3)
-    eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2], graph_mode=graph_mode)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2], graph_mode=graph_mode,
+                        free_kv_between_rollouts=False)  # the graphs are inspected below
     got = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24))
     assert [r.completion_ids for r in got] == [_hf_greedy(hf, p, 24) for p in prompts]
     assert attention.flex_error() is None, attention.flex_error()
@@ -91,7 +92,7 @@ def test_greedy_exact_with_speculation_and_graphs(width):
     ref = reference(make_tiny_hf("llama", seed=5).cuda(), prompts, params)
     assert ref == reference(make_tiny_hf("llama", seed=5), prompts, params)
     drafter = ScriptedDrafter(TINY_VOCAB, oracle_from(ref), corrupt=0.3, seed=5, tree=width > 1)
-    eng = spec_engine(make_tiny_hf("llama", seed=5).cuda(), drafter, width=width)
+    eng = spec_engine(make_tiny_hf("llama", seed=5).cuda(), drafter, width=width, free_kv_between_rollouts=False)
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
     assert eng.stats()["rollout/accept_len"] > 1.0 and eng.runner.steps.counts["replays"] > 0
 

@@ -192,3 +192,15 @@ def test_rollout_graph_mode_offers_exactly_the_graph_pools_modes():
     assert load_config(None, ["rollout.graph_mode=eager_start"]).rollout.graph_mode == "eager_start"
     with pytest.raises(ConfigError, match="rollout.graph_mode must be one of"):
         load_config(None, ["rollout.graph_mode=always"])
+
+
+def test_rollout_kv_budget_fields_load_and_name_the_engine_arguments():
+    import inspect
+
+    from rollout.engine import RolloutEngine
+
+    cfg = load_config(None, ["rollout.kv_memory_gb=40", "rollout.free_kv_between_rollouts=false"]).rollout
+    assert cfg.kv_memory_gb == 40.0 and cfg.free_kv_between_rollouts is False and cfg.kv_memory_fraction is None
+    engine_args = inspect.signature(RolloutEngine).parameters
+    for name in ("kv_memory_gb", "kv_memory_fraction", "kv_block_size", "free_kv_between_rollouts"):
+        assert name in engine_args, f"rollout.{name} reaches RolloutEngine under the same name"

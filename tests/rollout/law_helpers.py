@@ -150,10 +150,10 @@ def one_thread():
 
 
 def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_for, width: int, k: int,
-                   seed: int = 0):
+                   seed: int = 0, **engine_kw):
     """n completions of `length` tokens from the engine with speculation forced on every decode step
-    (selector "always"), the drafter built by drafter_for(runtime model) -> (samples [n, length] long,
-    engine.stats())."""
+    (selector "always"), the drafter built by drafter_for(runtime model; None: no speculation) ->
+    (samples [n, length] long, engine.stats()). engine_kw: more RolloutEngine arguments (a KV budget)."""
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
     from rollout.types import SamplingParams, SpecConfig
@@ -161,7 +161,9 @@ def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_f
     runtime = loader.from_hf_model(hf)
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, selector="always",
                       online_training=False)
-    eng = RolloutEngine(runtime, None, spec=spec, eos_token_ids=[], max_num_seqs=n, drafter=drafter_for(runtime))
+    drafter = drafter_for(runtime) if drafter_for is not None else None
+    eng = RolloutEngine(runtime, None, spec=spec if drafter is not None else None, eos_token_ids=[], max_num_seqs=n,
+                        drafter=drafter, **engine_kw)
     run = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                          max_new_tokens=length, n=n, seed=seed, ignore_eos=True)
     out = eng.generate([prompt], run)

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollout.runtime.kv_cache import gather_blocks
+
 BLOCK = 128  # FlexAttention's sparse block: KV is read or skipped 128 positions at a time
 FEW_QUERIES = 32  # at most this many queries per row, the CPU's grouped matmuls beat SDPA
 RECOMPILE_LIMIT = 64  # one compile per (query bucket, batch 1 or dynamic, dtype, cache length)
@@ -47,6 +49,8 @@ class AttnMask:
     tree [B, t, t] bool or None (a chain, dense path): node i may see node j; flex pads t up to a
       power of two with rows and columns of False.
     dense [B, 1, T, S] bool (True = may attend) on the dense path; block: the BlockMask on the flex path.
+    table [B, max_blocks] long: the rows' block tables on the paged flex path, whose BlockMask indexes
+      the pool's physical blocks (keys/values are the whole pool, attend_flex's fallback gathers).
     """
 
     causal: bool = False
@@ -55,6 +59,8 @@ class AttnMask:
     tree: torch.Tensor | None = None
     dense: torch.Tensor | None = None
     block: object | None = None
+    table: torch.Tensor | None = None
+    captured: tuple = ()  # other [B, ...] tensors mask_mod reads (marked dynamic in batch like the rest)
 
 
 def causal_mask() -> AttnMask:
@@ -81,16 +87,18 @@ def flex_error() -> str | None:
 
 
 def step_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor | None = None,
-              flex: bool = False) -> AttnMask:
+              flex: bool = False, table: torch.Tensor | None = None, pool_len: int = 0) -> AttnMask:
     """The mask of a step; no host sync, so it can be built inside a CUDA graph.
 
     start [B] long on the target device; T new tokens per row; S >= max(start) + T positions read;
-    tree [B, T, T] bool or None (a chain). flex: build a BlockMask (reads only live blocks).
+    tree [B, T, T] bool or None (a chain). flex: build a BlockMask (reads only live blocks); with
+    table [B, max_blocks] (blocks of BLOCK positions) it indexes the physical blocks of a paged pool of
+    pool_len positions.
     """
     if flex and T <= BLOCK:
         if tree is None:
             tree = torch.ones(T, T, dtype=torch.bool, device=start.device).tril().repeat(start.shape[0], 1, 1)
-        return _flex_mask(start, T, S, tree)
+        return _flex_mask(start, T, S, tree, table, pool_len)
     return AttnMask(kv_len=S, start=start, tree=tree, dense=dense_step_mask(start, T, S, tree))
 
 
@@ -107,9 +115,15 @@ def dense_step_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor | No
     return ((rel_q < 0) | new_ok)[:, None]
 
 
-def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor) -> AttnMask:
+def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor, table: torch.Tensor | None = None,
+               pool_len: int = 0) -> AttnMask:
     """BlockMask over the whole cache row (KV_LEN = S), queries padded to t = next power of two so
-    that few shapes compile. Blocks 0 .. start//BLOCK - 1 are full; the partial ones follow."""
+    that few shapes compile. Blocks 0 .. start//BLOCK - 1 are full; the partial ones follow.
+
+    Paged (table given): the same logical blocks, mapped through each row's table to physical blocks
+    of the pool (KV_LEN = the pool's positions), as torch's PagedAttention does. mask_mod gets
+    physical key indices; only the one or two partial blocks are evaluated, so a physical block is
+    logical block `full` if it is the row's table[full], else `full + 1`."""
     from torch.nn.attention.flex_attention import BlockMask
 
     B, dev = start.shape[0], start.device
@@ -128,10 +142,31 @@ def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor) -> AttnM
         rel = kv - start[b]
         return (rel < 0) | ((rel < t) & tree[b, q, rel.clamp(0, t - 1)])
 
-    block = BlockMask.from_kv_blocks(
-        (end - full).int()[:, None, None], partial_idx[:, None, None].contiguous(),
-        full.int()[:, None, None], full_idx[:, None, None].contiguous(), BLOCK, mask_mod, (t, S))
-    return AttnMask(kv_len=S, start=start, tree=tree, block=block)
+    if table is None:
+        block = BlockMask.from_kv_blocks(
+            (end - full).int()[:, None, None], partial_idx[:, None, None].contiguous(),
+            full.int()[:, None, None], full_idx[:, None, None].contiguous(), BLOCK, mask_mod, (t, S))
+        return AttnMask(kv_len=S, start=start, tree=tree, block=block)
+    width = table.shape[1]
+    first = table.gather(1, full.clamp(max=width - 1)[:, None])[:, 0]  # physical block of logical `full`
+
+    def paged_mask_mod(b, h, q, kv):
+        logical = torch.where(kv // BLOCK == first[b], full[b], full[b] + 1) * BLOCK + kv % BLOCK
+        return mask_mod(b, h, q, logical)
+
+    phys = table[:, :n_blocks]
+    # the kernels want index rows at least as wide as KV_LEN in blocks (torch's PagedAttention pads them
+    # the same way); entries past each row's count are never read. A pool smaller than a table row
+    # (a tight budget) leaves them as they are
+    pad = max(0, pool_len // BLOCK - n_blocks)
+
+    def indices(logical):
+        return F.pad(phys.gather(1, logical.long()).int(), (0, pad))[:, None, None].contiguous()
+
+    block = BlockMask.from_kv_blocks((end - full).int()[:, None, None], indices(partial_idx),
+                                     full.int()[:, None, None], indices(full_idx), BLOCK, paged_mask_mod,
+                                     (t, pool_len), compute_q_blocks=False)
+    return AttnMask(kv_len=S, start=start, tree=tree, block=block, table=table, captured=(first, full))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask) -> torch.Tensor:
@@ -174,6 +209,8 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMas
     T, t = q.shape[2], mask.tree.shape[-1]
     if t != T:
         q = F.pad(q, (0, 0, 0, t - T))
+    if k.shape[0] != q.shape[0]:  # the paged pool: one batch row for all, as a stride-0 view (no copy)
+        k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
     try:
         _mark_shapes(q, k, v, mask)
         out = _compiled_flex()(q, k, v, block_mask=mask.block, enable_gqa=q.shape[1] != k.shape[1])
@@ -184,6 +221,9 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMas
         warnings.warn(f"FlexAttention failed ({_flex_error[0][:300]}); attention falls back to dense masks, "
                       "which read every cache position", RuntimeWarning, stacklevel=2)
         dense = dense_step_mask(mask.start, T, mask.kv_len, mask.tree)
+        if mask.table is not None:  # k, v are the whole paged pool: gather the rows' blocks
+            k, v = (gather_blocks(x[0].transpose(0, 1).reshape(-1, BLOCK, *x.shape[1::2]),
+                                  mask.table[:, : mask.kv_len // BLOCK]) for x in (k, v))
         return attend_dense(q[:, :, :T], k, v, dense)
     return out[:, :, :T]
 
@@ -194,9 +234,12 @@ def _mark_shapes(q, k, v, mask: AttnMask) -> None:
     from torch._dynamo import mark_dynamic, mark_static
 
     bm = mask.block
-    batched = [q, k, v, mask.start, mask.tree, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+    kv = [k, v] if k.stride(0) else []  # the paged pool's stride-0 batch stays as it is
+    batched = [q, *kv, mask.start, mask.tree, mask.table, *mask.captured, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
                bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
-    if q.shape[0] > 1:
+    # torch 2.13's C++ (CPU) flex template fails to compile the paged mask with a dynamic batch; CPU runs
+    # flex only in tests (the engine attends densely there), so it compiles per batch size instead
+    if q.shape[0] > 1 and not (mask.table is not None and q.device.type == "cpu"):
         for x in batched:
             if x is not None:  # the q-side tables exist for the backward; torch may leave them out
                 mark_dynamic(x, 0)

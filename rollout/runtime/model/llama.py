@@ -1,4 +1,4 @@
-"""Our compact Llama-family runtime (Llama, SmolLM2, Qwen2, Qwen3) over a preallocated KV cache.
+"""Our compact Llama-family runtime (Llama, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
 
 One forward takes T new tokens per sequence with their own RoPE positions, the cache indices to
 write their keys/values at, and what they may attend to (attention.py). That single shape
@@ -18,6 +18,7 @@ from torch import nn
 
 from rollout.runtime.model.attention import AttnMask, attend
 from rollout.runtime.model.config import ModelConfig
+from rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
 
 
 class RMSNorm(nn.Module):
@@ -40,17 +41,20 @@ class ForwardBatch:
     """Tensors for one forward over B sequences with T new tokens each.
 
     input_ids, positions, write_index: [B, T] (long). positions are RoPE positions; write_index are
-    cache indices (equal for chains, different for trees whose nodes share a depth).
+    cache positions (equal for chains, different for trees whose nodes share a depth).
+    slots: [B, T] flat pool slots of write_index through each row's block table (kv_cache.py).
     attn: what the new tokens see (attention.py): a causal prefill among the new tokens only, or a
     step over the first attn.kv_len cache positions of each row.
-    rows: [B] cache rows, or None for the live prefix rows 0..B-1 (a view, no gather).
+    blocks: [B, attn.kv_len / block_size] the blocks a step gathers (rows 0..B-1); None for a prefill and
+    for paged FlexAttention, which reads the pool through attn.block's physical indices.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     write_index: torch.Tensor
     attn: AttnMask
-    rows: torch.Tensor | None = None
+    slots: torch.Tensor
+    blocks: torch.Tensor | None = None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,14 +82,14 @@ class Attention(nn.Module):
         # cos/sin: [B, T, 1, hd]; rotation as in HF (q * cos + rotate_half(q) * sin).
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        rows = fb.rows if fb.rows is not None else torch.arange(B, device=x.device)
-        k_cache[rows[:, None].expand(B, T), :, fb.write_index] = k
-        v_cache[rows[:, None].expand(B, T), :, fb.write_index] = v
+        write_slots(k_cache, fb.slots, k)
+        write_slots(v_cache, fb.slots, v)
         if fb.attn.causal:  # fresh prompts see only each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        else:
-            S = fb.attn.kv_len
-            keys, values = k_cache[:B, :, :S], v_cache[:B, :, :S]
+        elif fb.blocks is None:  # paged FlexAttention reads the pool itself, through its block mask
+            keys, values = pool_sequence(k_cache), pool_sequence(v_cache)
+        else:  # one gather of the rows' blocks: [B, KV, kv_len, hd]
+            keys, values = gather_blocks(k_cache, fb.blocks), gather_blocks(v_cache, fb.blocks)
         out = attend(q.transpose(1, 2), keys, values, fb.attn)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
@@ -149,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, k_cache, v_cache, hidden_layers=(), logits_index=None):
-        """Run B x T new tokens; k_cache/v_cache: [L, rows, kv_heads, max_len, head_dim].
+        """Run B x T new tokens; k_cache/v_cache: the paged pools [L, num_blocks, block_size, kv_heads, head_dim].
 
         Returns (logits, hiddens): logits [B, T, V] float32, or [B, V] when logits_index [B] picks
         one position per row (prefill); hiddens: {HF hidden_states index: [B, T, H]} for the layers

@@ -68,7 +68,7 @@ class LearnedDrafter(Drafter, Protocol):
     version: int  # weights version; changes when a trainer publishes new weights
 
     def start(self, seqs: list[Sequence], cache, params, generator) -> None:
-        """A generate call begins: its sequences, the engine's KVCache, SamplingParams and generator."""
+        """A generate call begins: its sequences, the engine's PagedKVCache, SamplingParams and generator."""
 
     def observe_prefill(self, groups: list[list[Sequence]], feats) -> None:
         """feats [P, T, 3H]: the target's features at every prompt position of each admitted group."""
@@ -76,6 +76,9 @@ class LearnedDrafter(Drafter, Protocol):
     def observe_verify(self, seqs: list[Sequence], feats, path, accepted: list[int], logits) -> None:
         """feats [B, N+1, 3H] at every verified node; path [B, N] the accepted nodes (-1 after);
         logits [B, N+1, V] float32: the target's raw logits at every node (a distillation target)."""
+
+    def evict(self, seq: Sequence) -> None:
+        """seq was preempted: the drafter's KV layer of it is gone; rebuild it when seq is back."""
 
     def set_policy_version(self, version: int) -> None:
         """The target's weights changed: tag data from now on with this version."""

@@ -1,7 +1,7 @@
 """The learned EAGLE-3 drafter inside the engine: catch up on the target's features, then draft.
 
-Per sequence the drafter keeps one layer of KV in the engine's cache (an extra layer, so rows move
-with the target's) and a staging copy of the target features of every cached position. Each step:
+Per sequence the drafter keeps one layer of KV in the engine's paged cache (an extra layer of the
+same blocks, so sharing, preemption and tree fix-ups cover it) and a staging copy of the target features of every cached position. Each step:
 1. catch-up: run positions valid..cache_len-1 (features of token t, embedding of token t+1),
    writing the drafter's KV; the last output predicts the token after the pending one;
 2. draft: feed the drafter's own output back for depth-1 more steps. These speculative steps attend
@@ -57,7 +57,7 @@ class Eagle3Drafter:
         self.aux_layers = tuple(model.cfg.aux_layer_ids)
         self.version = 0
         self.trainer = None  # a DrafterTrainer: takes finished samples (add), publishes weights (latest)
-        self.target_cache = None  # the engine's KVCache, given at each start()
+        self.target_cache = None  # the engine's PagedKVCache, given at each start()
         self.policy_version = 0
         self.stage: torch.Tensor | None = None  # [sequences of the call, positions, 3H]
         # the target's top-k distribution per staged position, when the trainer's loss reads it
@@ -144,6 +144,12 @@ class Eagle3Drafter:
             d.has[slot, start:start + a + 1] = True
             j += a + 1
 
+    def evict(self, seq: Sequence) -> None:
+        """Preempted: its KV blocks (this layer's too) are gone; the next catch-up rebuilds them from the
+        staged features, which stay."""
+        if id(seq) in self.valid:
+            self.valid[id(seq)] = 0
+
     def finish(self, seq: Sequence) -> None:
         slot = self.slot.pop(id(seq), None)
         self.valid.pop(id(seq), None)
@@ -186,20 +192,21 @@ class Eagle3Drafter:
         j = torch.arange(C)[None, :]
         real = j < torch.tensor(counts)[:, None]
         start = torch.tensor(starts)[:, None]
-        write = torch.where(real, start + j, cache.length - 1)  # padding lands in the unused tail
-        pos = write.clamp(max=self.target.rope_cos.shape[0] - 1)
-        S = int((start + C).max())
+        write = torch.where(real, start + j, -1)  # padding lands in the trash block
+        pos = write.clamp(0, self.target.rope_cos.shape[0] - 1)
+        # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
+        # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
+        S = min(-(-int((start + C).max()) // cache.block_size) * cache.block_size, cache.length)
         key = torch.arange(S)[None, None, :]
         mask = (key < start[..., None]) | ((key >= start[..., None]) & (key <= (start + j)[..., None]))
         dev = feats.device
-        k_cache, v_cache = cache.k[L], cache.v[L]
-        rows = torch.arange(B, device=dev)[:, None].expand(B, C)
+        rows = torch.arange(B, device=dev)
+        slots = cache.slots(rows, write.to(dev))
 
         def attend(q, k, v):
-            k_cache[rows, :, write.to(dev)] = k.transpose(1, 2)
-            v_cache[rows, :, write.to(dev)] = v.transpose(1, 2)
-            return F.scaled_dot_product_attention(q, k_cache[:B, :, :S], v_cache[:B, :, :S],
-                                                  attn_mask=mask[:, None].to(dev), enable_gqa=True)
+            cache.write(L, slots, k.transpose(1, 2), v.transpose(1, 2))
+            keys, values = cache.gather(L, rows, S)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None].to(dev), enable_gqa=True)
 
         with torch.inference_mode():
             out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
@@ -251,8 +258,8 @@ class Eagle3Drafter:
             qs = None if q_first is None else [q_first.reshape(B * width, -1)]
             rows = torch.arange(B, device=dev).repeat_interleave(width)
             lens = torch.tensor([s.cache_len for s in seqs]).repeat_interleave(width)
-            S = int(lens.max())
-            ctx_k, ctx_v = cache.k[L][rows, :, :S], cache.v[L][rows, :, :S]
+            ctx_k, ctx_v = cache.gather(L, rows, int(lens.max()))
+            S = ctx_k.shape[2]
             ctx_mask = (torch.arange(S)[None, :] < lens[:, None]).to(dev)
             local_k, local_v, out = [], [], [tok]
             h = h.repeat_interleave(width, 0)

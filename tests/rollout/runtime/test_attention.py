@@ -93,7 +93,7 @@ def test_model_step_through_flex_equals_dense(shape):
     depths, tree = _tree(5) if shape == "tree" else (None, None)
     tokens = _tokens(5, T, seed=7)
     ref, ref_h = EagerRunner(runner.model, runner.cache, "cpu").run(tokens, lens, depths, tree, hidden_layers=(1,))
-    fb = build_step_batch(tokens, lens, runner.cache.length, depths, tree, flex=True)
+    fb = build_step_batch(tokens, lens, runner.cache, runner.cache.length, depths, tree, flex=True)
     got, got_h = runner.model(fb, runner.cache.k, runner.cache.v, (1,))
     assert attention.flex_error() is None, attention.flex_error()
     assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
@@ -103,5 +103,64 @@ def test_model_step_through_flex_equals_dense(shape):
 def test_cpu_keeps_the_dense_path():
     assert not attention.use_flex("cpu")
     runner, lens = _runner(n_prompts=2)
-    fb = build_step_batch(_tokens(2, 1), lens, 64, flex=attention.use_flex("cpu"))
+    fb = build_step_batch(_tokens(2, 1), lens, runner.cache, 64, flex=attention.use_flex("cpu"))
     assert fb.attn.dense is not None and fb.attn.block is None and fb.attn.kv_len == 64
+
+
+def _paged_runner(n_prompts=5, length=384, device="cpu"):
+    """Rows whose 128-position blocks interleave in the pool (row r's block j is physical 1 + j*5 + r),
+    prefilled with prompts long enough to span blocks: what the paged FlexAttention path reads."""
+    from rollout.runtime.kv_cache import PagedKVCache
+    from rollout.runtime.model import loader
+    from rollout.runtime.runner import ModelRunner
+    from tests.conftest import make_tiny_hf, random_prompts
+
+    model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, device)
+    runner = ModelRunner(model, device, torch.float32)
+    cache = PagedKVCache(model.cfg, n_prompts, length, n_prompts * 3 + 1, BLOCK_, torch.float32, device)
+    for j in range(length // BLOCK_):
+        cache.grow([(r, r, (j + 1) * BLOCK_) for r in range(n_prompts)])
+    runner.cache = cache
+    model.init_rope(length)
+    prompts = random_prompts(n_prompts, 100, 250, seed=3)
+    runner.prefill(prompts, list(range(n_prompts)))
+    return runner, torch.tensor([len(p) for p in prompts])
+
+
+BLOCK_ = attention.BLOCK
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", ["decode", "tree"])
+def test_paged_flex_reads_the_pool_through_the_block_table(shape):
+    """CUDA's path: FlexAttention over the whole pool with physical block indices (no gather) equals the
+    dense attention over each row's gathered blocks."""
+    runner, lens = _paged_runner()
+    cache = runner.cache
+    T = 1 if shape == "decode" else 4
+    depths, tree = _tree(5) if shape == "tree" else (None, None)
+    tokens = _tokens(5, T, seed=3)
+    ref, ref_h = EagerRunner(runner.model, cache, "cpu").run(tokens, lens, depths, tree, hidden_layers=(1,))
+    fb = build_step_batch(tokens, lens, cache, cache.length, depths, tree, flex=True)
+    assert fb.blocks is None and fb.attn.table is not None and fb.attn.block is not None
+    got, got_h = runner.model(fb, cache.k, cache.v, (1,))
+    assert attention.flex_error() is None, attention.flex_error()
+    assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
+    assert torch.allclose(got_h[1], ref_h[1], atol=1e-5, rtol=0)
+
+
+def test_paged_flex_failure_falls_back_to_gathered_dense(monkeypatch):
+    runner, lens = _paged_runner()
+    cache = runner.cache
+    tokens = _tokens(5, 1, seed=4)
+    ref, _ = EagerRunner(runner.model, cache, "cpu").run(tokens, lens)
+    fb = build_step_batch(tokens, lens, cache, cache.length, flex=True)
+
+    def broken():
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(attention, "_flex_error", [])
+    monkeypatch.setattr(attention, "_compiled_flex", broken)
+    with pytest.warns(RuntimeWarning, match="falls back to dense"):
+        got, _ = runner.model(fb, cache.k, cache.v)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=0)

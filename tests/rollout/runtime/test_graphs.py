@@ -10,7 +10,7 @@ import torch
 
 from rollout.runtime.graphs import (EagerRunner, GraphPool, batch_buckets, bucket_for, make_step_runner, pad_batch,
                             pow2_buckets)
-from rollout.runtime.kv_cache import KVCache
+from rollout.runtime.kv_cache import PagedKVCache
 from rollout.runtime.model import loader
 from rollout.runtime.runner import ModelRunner
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
@@ -23,7 +23,7 @@ def _runner(rows=8, length=64, n_prompts=5, device="cpu"):
     """A tiny float32 Llama with n_prompts prefilled into rows 0..n-1; returns (runner, prompt lengths)."""
     model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, device)
     runner = ModelRunner(model, device, torch.float32)
-    runner.ensure_cache(rows, length)
+    runner.ensure_cache(rows, length).reserve_rows(rows, length)
     prompts = random_prompts(n_prompts, 3, 12, seed=3)
     runner.prefill(prompts, list(range(n_prompts)))
     return runner, torch.tensor([len(p) for p in prompts])
@@ -95,14 +95,22 @@ def test_padding_rows_and_nodes_do_not_change_real_rows(tree_rows):
     depths, tree = _tree(3) if tree_rows else (None, None)
     tokens = _tokens(3, 4)
     ref, _ = eager.run(tokens, lens, depths, tree)
-    k_ref, v_ref = cache.k.clone(), cache.v.clone()
+    k_ref, v_ref = _rows_view(cache)
     got, _ = eager.run(*pad_batch(tokens, lens, depths, tree, rows=8, T=8))
     assert torch.allclose(got[:3, :4], ref, atol=1e-5, rtol=0)
+    k_new, v_new = _rows_view(cache)
     for row, n in enumerate(lens.tolist()):  # live rows: context untouched, own writes equal up to rounding
-        for new, old in ((cache.k, k_ref), (cache.v, v_ref)):
+        for new, old in ((k_new, k_ref), (v_new, v_ref)):
             assert torch.equal(new[:, row, :, :n], old[:, row, :, :n])
             assert torch.allclose(new[:, row, :, n : n + 4], old[:, row, :, n : n + 4], atol=1e-5, rtol=0)
-    assert torch.equal(cache.k[:, 3:, :, 8:], k_ref[:, 3:, :, 8:]), "dead rows: only positions 0..T-1 written"
+    assert torch.equal(k_new[:, 3:, :, 8:], k_ref[:, 3:, :, 8:]), "dead rows: only positions 0..T-1 written"
+
+
+def _rows_view(cache):
+    """Every row's positions as contiguous copies: (k, v) [layers, rows, KV, length, D]."""
+    rows = torch.arange(cache.rows)
+    kv = [cache.gather(layer, rows, cache.length) for layer in range(cache.layers)]
+    return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
 
 # ---- the pool's static-buffer path on CPU (emulated replay) -------------------------------------------
@@ -142,9 +150,9 @@ def test_emulated_pool_greedy_decode_with_shrinking_batch_matches_eager():
             tok = logits[:, -1].argmax(-1, keepdim=True)
             emitted.append(tok[:, 0].tolist())
             lens += 1
-            if i % 5 == 4 and len(lens) > 1:  # retire row 0: move the others down one row
-                for row in range(1, len(lens)):
-                    runner.cache.move(row, row - 1, int(lens[row]))
+            if i % 5 == 4 and len(lens) > 1:  # retire row 0: move the others' block tables down one row
+                runner.cache.move_rows(list(range(1, len(lens))), list(range(len(lens) - 1)))
+                runner.cache.clear_rows(len(lens) - 1)  # as the engine does: padding rows must write trash
                 lens, tok = lens[1:], tok[1:]
         outs.append(emitted)
     assert outs[0] == outs[1]
@@ -215,7 +223,7 @@ def needs_cuda(test):
 def _cuda_setup(rows=32, length=128):
     """Tiny float32 Llama on the GPU with a random-filled cache (context values only need to be equal)."""
     model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, "cuda")
-    cache = KVCache(model.cfg, rows, length, torch.float32, "cuda")
+    cache = PagedKVCache.for_rows(model.cfg, rows, length, torch.float32, "cuda", block_size=128)  # flex blocks
     model.init_rope(length)
     torch.manual_seed(0)
     cache.k.normal_()

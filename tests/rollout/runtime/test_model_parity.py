@@ -12,7 +12,7 @@ ATOL = 1e-4  # float32; the fused q|k|v and gate|up matmuls sum in a different o
 def _ours_full_logits(model, ids: list[int]) -> torch.Tensor:
     """Prefill all but the last token, then decode the last one token at a time: exercises both paths."""
     runner = ModelRunner(model, "cpu", torch.float32)
-    runner.ensure_cache(1, len(ids) + 1)
+    runner.ensure_cache(1, len(ids) + 1).reserve_rows(1, len(ids) + 1)
     first, _ = runner.prefill([ids[:1]], [0])
     rows = [first[0]]
     for t in range(1, len(ids)):
@@ -38,7 +38,7 @@ def test_batched_prefill_mixed_lengths_and_chain_step():
     model = loader.from_hf_model(hf)
     prompts = random_prompts(4, 3, 15, seed=1)
     runner = ModelRunner(model, "cpu", torch.float32)
-    runner.ensure_cache(4, 32)
+    runner.ensure_cache(4, 32).reserve_rows(4, 32)
     last, _ = runner.prefill(prompts, [0, 1, 2, 3])
     extra = torch.tensor([[5, 6, 7]] * 4)
     step, _ = runner.step(extra, torch.tensor([len(p) for p in prompts]))
@@ -55,7 +55,7 @@ def test_tree_mask_matches_separate_chains():
     model = loader.from_hf_model(hf)
     p = random_prompts(1, 8, 8, seed=2)[0]
     runner = ModelRunner(model, "cpu", torch.float32)
-    runner.ensure_cache(1, 32)
+    runner.ensure_cache(1, 32).reserve_rows(1, 32)
     runner.prefill([p], [0])
     # nodes: 0 = pending token, 1 and 2 are children of 0, 3 is a child of 2
     tokens = torch.tensor([[10, 11, 12, 13]])
@@ -74,7 +74,7 @@ def test_hidden_states_match_transformers():
     model = loader.from_hf_model(hf)
     ids = random_prompts(1, 6, 6)[0]
     runner = ModelRunner(model, "cpu", torch.float32)
-    runner.ensure_cache(1, 8)
+    runner.ensure_cache(1, 8).reserve_rows(1, 8)
     runner.prefill([ids[:-1]], [0])
     _, hiddens = runner.step(torch.tensor([[ids[-1]]]), torch.tensor([len(ids) - 1]), hidden_layers=(0, 1))
     with torch.no_grad():

@@ -1,0 +1,195 @@
+"""KV memory of a GRPO rollout: the paged cache against today's contiguous rows, from the engine's own accounting.
+
+No forward runs. The engine's own PagedKVCache (tensors on the "meta" device: shapes, no memory),
+BlockAllocator, KVBudget and Scheduler (admission, preemption of the youngest, row moves) schedule a
+rollout whose completion lengths are drawn up front from a GRPO-like law (lognormal body, a share
+running to the cap); each decode step emits --tokens-per-step tokens per live sequence (1 = plain
+decoding; speculation emits more). The same loop with --layout contiguous gives every admitted
+sequence all the blocks of prompt + max_new_tokens at admission and shares nothing: today's design
+(one row of rows x max length per sequence) under the same budget.
+
+Default shape: Qwen2.5-7B (28 layers, 4 KV heads, head dim 128, bf16: 56 KiB a token) plus one
+EAGLE-3 KV layer; n=16 samples of 32 prompts (512 sequences), 8192 new tokens at most, a 40 GiB
+budget. Reports peak KV memory, sequences in flight over time, preemptions, decode steps, and the
+memory today's design would need to hold all 512 rows. Writes bench_out/kv_memory.json (+ .png).
+
+    python scripts/bench_kv_memory.py                 # ~1 min on a CPU
+    python scripts/bench_kv_memory.py --smoke         # tiny: a few seconds
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import time
+
+from common import line_plot, table, write_json  # noqa: F401  (common puts the repo on sys.path)
+
+import torch  # noqa: E402
+
+from rollout.runtime.kv_budget import KVBudget  # noqa: E402
+from rollout.runtime.kv_cache import PagedKVCache, block_bytes  # noqa: E402
+from rollout.runtime.model.config import ModelConfig  # noqa: E402
+from rollout.runtime.scheduler import Scheduler, draft_room  # noqa: E402
+from rollout.runtime.sequence import Sequence  # noqa: E402
+
+QWEN7B = dict(num_layers=28, num_kv_heads=4, head_dim=128)
+TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=16, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=8192)
+    p.add_argument("--budget-gb", type=float, default=40.0)
+    p.add_argument("--tight-budget-gb", type=float, default=8.0,
+                   help="a second paged run under this budget, to show preemption (0: skip)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--drafter-layers", type=int, default=1, help="EAGLE-3 KV layers in the pool (0: none)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[64, 512], help="prompt lengths, uniform in [lo, hi]")
+    p.add_argument("--median", type=float, default=900.0, help="median completion length of the lognormal body")
+    p.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma of the body")
+    p.add_argument("--cap-share", type=float, default=0.07, help="share of completions that run to the cap")
+    p.add_argument("--tokens-per-step", type=int, default=1, help="tokens a step emits per live sequence")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="a tiny shape and batch: a few seconds")
+    p.add_argument("--out", default="bench_out/kv_memory.json")
+    return p.parse_args(argv)
+
+
+def model_config(shape: dict) -> ModelConfig:
+    return ModelConfig("qwen2", 152064, 3584, 18944, shape["num_layers"], 28, shape["num_kv_heads"],
+                       shape["head_dim"], 1e-6, 32768, False, True, False, False, False)
+
+
+def draw_lengths(args) -> list[tuple[int, int]]:
+    """(prompt length, completion length) per sequence, prompt-major: most completions short, a lognormal
+    body, --cap-share of them to the cap (GRPO on reasoning: a few samples ramble until cut)."""
+    rng = random.Random(args.seed)
+    out = []
+    for _ in range(args.prompts):
+        plen = rng.randint(*args.prompt_len)
+        for _ in range(args.n):
+            body = int(rng.lognormvariate(math.log(args.median), args.sigma))
+            out.append((plen, args.max_new_tokens if rng.random() < args.cap_share
+                        else max(1, min(body, args.max_new_tokens - 1))))
+    return out
+
+
+def simulate(args, cfg: ModelConfig, lengths, layout: str, budget_gb: float) -> dict:
+    """Run the engine's scheduling with no forwards; returns the accounting. layout: paged | contiguous."""
+    layers = cfg.num_layers + args.drafter_layers
+    bb = block_bytes(cfg, layers, args.block_size, torch.bfloat16)
+    longest = max(p + args.max_new_tokens for p, _ in lengths)
+    rows = len(lengths)
+    blocks = KVBudget(budget_gb, block_size=args.block_size).pool_blocks(bb, rows, longest, longest, "cpu")
+    cache = PagedKVCache(cfg, rows, longest, blocks, args.block_size, torch.bfloat16, "meta", args.drafter_layers)
+    seqs = [Sequence(i // args.n, i % args.n, [0] * p, args.max_new_tokens) for i, (p, _) in enumerate(lengths)]
+    target = {id(s): c for s, (_, c) in zip(seqs, lengths)}
+    sched = Scheduler([seqs[i:i + args.n] for i in range(0, rows, args.n)], rows, cache.alloc)
+    if layout == "contiguous":  # a row of the longest length per sequence, taken at admission, nothing shared
+        sched.group_blocks = lambda g: len(g) * cache.alloc.blocks_for(longest)
+        sched.headroom = 0  # rows never grow
+    trace, steps = [], 0
+    while sched.has_work:
+        admitted = sched.admit()
+        _admit(cache, admitted, layout, longest)
+        for s in (s for g in admitted for s in g if not s.completion_ids):
+            _emit(s, 1, target)  # the prefill samples each first token
+        _retire(cache, sched)
+        if not sched.live:
+            continue
+        for _, moves in sched.make_room():
+            cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
+        cache.grow([(s.row, id(s), s.cache_len + 1) for s in sched.live])
+        live = sched.live
+        # as RolloutEngine._blocks_for_drafts: positions for the step's extra tokens while blocks last
+        kept = draft_room(cache.alloc, live, [args.tokens_per_step - 1] * len(live))
+        cache.grow([(s.row, id(s), s.cache_len + 1 + k) for s, k in zip(live, kept)])
+        steps += 1
+        for s, k in zip(live, kept):
+            _emit(s, 1 + k, target)
+        cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished and layout == "paged"])
+        trace.append((steps, len(sched.live), cache.alloc.used))
+        _retire(cache, sched)
+    peak_blocks = max(u for _, _, u in trace)
+    return dict(layout=layout, budget_gb=budget_gb, block_bytes=bb, pool_blocks=cache.alloc.capacity, decode_steps=steps,
+                peak_kv_gib=peak_blocks * bb / 2**30, peak_blocks=peak_blocks,
+                max_in_flight=max(n for _, n, _ in trace), mean_in_flight=sum(n for _, n, _ in trace) / len(trace),
+                preemptions=sched.preemptions, shared_block_refs=cache.alloc.stats.shared_refs,
+                trace=trace[:: max(1, len(trace) // 400)])
+
+
+def _admit(cache: PagedKVCache, groups, layout: str, longest: int) -> None:
+    """What RolloutEngine._prefill / _resume take: blocks for each prompt (shared by its samples when paged)."""
+    for g in groups:
+        if layout == "contiguous":
+            cache.grow([(s.row, id(s), longest) for s in g])
+        elif g[0].resumed:
+            cache.grow([(g[0].row, id(g[0]), g[0].cache_len + 1)])
+            g[0].resumed = False
+        else:
+            cache.grow([(g[0].row, id(g[0]), len(g[0].prompt_ids) + 1)])
+            cache.share_prompt(g[0].row, id(g[0]), [(s.row, id(s)) for s in g[1:]], len(g[0].prompt_ids))
+
+
+def _emit(s: Sequence, k: int, target: dict) -> None:
+    n = min(k, target[id(s)] - len(s.completion_ids))
+    s.completion_ids.extend([0] * n)
+    if len(s.completion_ids) >= target[id(s)]:
+        s.finish_reason = "length" if target[id(s)] >= s.max_new_tokens else "stop"
+
+
+def _retire(cache: PagedKVCache, sched: Scheduler) -> None:
+    finished, moves = sched.retire()
+    for s in finished:
+        cache.release(id(s))
+    if finished:
+        cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.max_new_tokens, args.budget_gb = 4, 4, 256, 0.0005
+        args.prompt_len, args.median, args.tight_budget_gb = [8, 32], 40.0, 0.0002
+    cfg = model_config(TINY if args.smoke else QWEN7B)
+    lengths = draw_lengths(args)
+    t0 = time.perf_counter()
+    plan = [("paged", args.budget_gb), ("contiguous", args.budget_gb)]
+    plan += [("paged", args.tight_budget_gb)] if args.tight_budget_gb > 0 else []
+    runs = [simulate(args, cfg, lengths, layout, gb) for layout, gb in plan]
+    per_token = block_bytes(cfg, cfg.num_layers + args.drafter_layers, 1, torch.bfloat16)
+    longest = max(p + args.max_new_tokens for p, _ in lengths)
+    comp = [c for _, c in lengths]
+    payload = dict(
+        config={k: v for k, v in vars(args).items() if k != "out"},
+        shape=dict(layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype="bfloat16",
+                   drafter_layers=args.drafter_layers, kv_bytes_per_token=per_token),
+        lengths=dict(sequences=len(lengths), mean_completion=sum(comp) / len(comp),
+                     median_completion=sorted(comp)[len(comp) // 2],
+                     at_cap=sum(c >= args.max_new_tokens for c in comp), tokens=sum(p + c for p, c in lengths)),
+        # today's design holds every sequence of the call as a row of the longest length at once
+        contiguous_all_rows_gib=len(lengths) * longest * per_token / 2**30,
+        # the EAGLE-3 drafter's feature staging buffer ([sequences, positions, 3H]) is not paged yet
+        eagle3_stage_gib=len(lengths) * longest * 3 * cfg.hidden_size * 2 / 2**30 if args.drafter_layers else 0.0,
+        runs={f"{r['layout']}@{r['budget_gb']:g}GiB": r for r in runs},
+        seconds=time.perf_counter() - t0,
+    )
+    print(table([{k: r[k] for k in ("layout", "budget_gb", "peak_kv_gib", "max_in_flight", "mean_in_flight", "preemptions",
+                                    "decode_steps", "shared_block_refs")} for r in runs],
+                ["layout", "budget_gb", "peak_kv_gib", "max_in_flight", "mean_in_flight", "preemptions", "decode_steps",
+                 "shared_block_refs"]))
+    print(f"today's design with all {len(lengths)} rows: {payload['contiguous_all_rows_gib']:.1f} GiB of KV")
+    write_json(args.out, payload)
+    try:
+        line_plot({name: [(s, n) for s, n, _ in r["trace"]] for name, r in payload["runs"].items()}, "decode step",
+                  "sequences in flight", "KV budget: paged vs contiguous rows", args.out.replace(".json", ".png"))
+    except ImportError:
+        print("matplotlib missing: no plot")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

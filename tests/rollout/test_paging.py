@@ -1,0 +1,164 @@
+"""The paged KV cache inside the engine: exactness and law under forced preemption (a tiny pool),
+prompt blocks shared among a prompt's samples, blocks held only for accepted tokens, the budget's
+errors, and releasing the pool between rollouts. Every test asserts that the path it names ran."""
+import pytest
+import torch
+
+from rollout.engine import RolloutEngine
+from rollout.runtime.model import loader
+from rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+from tests.rollout.law_helpers import (ALPHA, engine_samples, hf_exact_law, make_law_model, one_thread,  # noqa: F401
+                                       sequence_pvalue)
+from tests.rollout.spec_helpers import OracleDrafter
+from tests.rollout.test_engine_ar import hf_greedy
+
+BS = 4
+
+
+def gib(blocks: int, block_bytes: int) -> float:
+    return blocks * block_bytes / 2**30
+
+
+def engine(hf, blocks=None, spec=None, **kw):
+    layers = 2 + (spec is not None and spec.drafter == "eagle3")  # tiny Llama (+ the drafter's KV layer)
+    block = 2 * layers * BS * 2 * 16 * 4  # K and V, 2 KV heads x 16, float32
+    budget = {} if blocks is None else {"kv_memory_gb": gib(blocks, block)}
+    return RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], kv_block_size=BS,
+                         **budget, **kw)
+
+
+def eagle(width):
+    return SpecConfig(drafter="eagle3", num_draft_tokens=3, tree_width=width, selector="always", online_training=False)
+
+
+@pytest.mark.parametrize("spec", [None, eagle(1), eagle(2)], ids=["plain", "eagle3-chain", "eagle3-tree"])
+def test_greedy_equals_transformers_under_forced_preemption(spec):
+    hf = make_tiny_hf("llama", seed=2)
+    prompts = random_prompts(6, 2, 25, seed=3)
+    eng = engine(hf, blocks=40, spec=spec)  # the longest sequence needs 13 blocks; 12 sequences want ~130
+    got = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, n=2))
+    stats = eng.stats()
+    assert eng.runner.cache.alloc.capacity == 40
+    assert stats["rollout/preemptions"] > 0 and stats["rollout/kv_blocks_used"] <= 40
+    for i, r in enumerate(got):
+        ref = hf_greedy(hf, prompts[i // 2], 24, eos=2)
+        assert r.completion_ids == (ref[: ref.index(2) + 1] if 2 in ref else ref)
+    if spec is not None:
+        assert stats["rollout/spec_step_share"] > 0.5
+    assert eng.runner.cache.alloc.used == 0, "every block came back"
+
+
+def test_prompt_blocks_are_shared_among_samples_and_results_unchanged():
+    hf = make_tiny_hf("llama", seed=1)
+    prompts = random_prompts(3, 9, 18, seed=6)
+    params = SamplingParams(temperature=0, max_new_tokens=12, n=4)
+    eng = engine(hf)
+    got = [r.completion_ids for r in eng.generate(prompts, params)]
+    stats = eng.stats()
+    full = sum((len(p) - 1) // BS for p in prompts)
+    assert stats["rollout/kv_shared_blocks"] == 3 * full > 0, "each prompt's 3 other samples share its full blocks"
+    single = engine(hf)
+    ref = [r.completion_ids for p in prompts for r in single.generate([p], SamplingParams(temperature=0, max_new_tokens=12))]
+    assert got == [c for c in ref for _ in range(4)]
+
+
+def test_rejected_drafts_hold_no_block_past_their_step(monkeypatch):
+    hf = make_tiny_hf("llama", seed=3)
+    eng = engine(hf, spec=eagle(2))
+    seen = []
+    real = eng._retire
+
+    def check(sched, ctx):
+        a = eng.runner.cache.alloc
+        for s in sched.live:
+            if not s.finished:
+                seen.append(len(a.held(id(s))) == a.blocks_for(s.cache_len + 1))
+        real(sched, ctx)
+
+    monkeypatch.setattr(eng, "_retire", check)
+    eng.generate(random_prompts(4, 3, 9, seed=2), SamplingParams(temperature=1.0, max_new_tokens=30, n=2, seed=0,
+                                                                  ignore_eos=True))
+    stats = eng.stats()
+    assert stats["rollout/accept_rate"] < 1 and stats["rollout/spec_step_share"] > 0.5  # some drafts were rejected
+    assert seen and all(seen)
+
+
+def test_same_seed_same_rollouts_under_preemption():
+    hf = make_tiny_hf("llama", seed=4)
+    prompts = random_prompts(4, 4, 12, seed=4)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=12, n=3, seed=7, ignore_eos=True)
+    eng = engine(hf, blocks=12)  # the longest sequence needs 6
+    first = [(r.completion_ids, r.logprobs) for r in eng.generate(prompts, params)]
+    assert eng.stats()["rollout/preemptions"] > 0
+    assert [(r.completion_ids, r.logprobs) for r in engine(hf, blocks=12).generate(prompts, params)] == first
+    assert [(r.completion_ids, r.logprobs) for r in eng.generate(prompts, params)] == first
+
+
+VOCAB, PROMPT, LENGTH, N = 8, [3, 4, 5, 1], 5, 10_000  # as test_law.py: no truncation near a tie
+LAW = SamplingParams(temperature=0.9, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def law():
+    hf = make_law_model(VOCAB, seed=0, std=0.3)
+    return hf, hf_exact_law(hf, PROMPT, LENGTH, LAW)
+
+
+@pytest.mark.parametrize("drafted", [False, True], ids=["plain", "oracle-chains"])
+def test_law_unchanged_under_forced_preemption(law, one_thread, drafted):
+    """10k samples of one prompt through a pool of 200 two-position blocks (a sequence needs up to 5):
+    admission splits the group, sequences are preempted and re-prefilled, and the joint law of all 5
+    tokens is still the target's."""
+    hf, (seqs, probs, ranked) = law
+    drafter = OracleDrafter(ranked, VOCAB, corrupt=0.2, seed=1) if drafted else None
+    block = 2 * 2 * 2 * 1 * 16 * 4  # law model: 2 layers, K and V, block of 2, 1 KV head x 16, float32
+    samples, stats = engine_samples(hf, PROMPT, LAW, N, LENGTH, None if drafter is None else (lambda rt: drafter),
+                                    width=1, k=3, kv_block_size=2, kv_memory_gb=gib(200, block))
+    assert stats["rollout/preemptions"] > 100 and stats["rollout/kv_shared_blocks"] > 0
+    assert stats["rollout/kv_blocks_used"] <= 200
+    if drafted:
+        assert stats["rollout/spec_step_share"] > 0.5
+    p = sequence_pvalue(samples, seqs, probs)
+    assert p > ALPHA, p
+
+
+def test_budget_too_small_for_one_sequence_says_how_big_it_must_be():
+    eng = engine(make_tiny_hf("llama"), blocks=3)
+    with pytest.raises(ValueError, match=r"one sequence of 40 positions needs 10 blocks = .* GiB"):
+        eng.generate([[3] * 10], SamplingParams(max_new_tokens=30))
+
+
+def test_pool_released_between_rollouts_when_asked():
+    hf = make_tiny_hf("llama", seed=5)
+    prompts = random_prompts(3, 3, 9, seed=5)
+    params = SamplingParams(temperature=0, max_new_tokens=10, n=2)
+    eng = engine(hf, free_kv_between_rollouts=True)
+    first = [r.completion_ids for r in eng.generate(prompts, params)]
+    assert eng.runner.cache is None and eng.runner.steps is None
+    assert eng.stats()["rollout/kv_cache_mb"] > 0, "the released pool's size is still reported"
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == first
+    kept = engine(hf)
+    assert not kept.free_kv_between_rollouts, "off on CPU by default"
+    kept.generate(prompts, params)
+    assert kept.runner.cache is not None
+    eng.release_kv()
+    assert eng.runner.cache is None
+
+
+def test_kv_memory_bench_smoke_run_writes_its_accounting(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "kv.json"
+    script = Path(__file__).resolve().parents[2] / "scripts/bench_kv_memory.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    paged, contiguous = runs["paged@0.0005GiB"], runs["contiguous@0.0005GiB"]
+    assert paged["max_in_flight"] > contiguous["max_in_flight"] and paged["shared_block_refs"] > 0
+    assert paged["decode_steps"] < contiguous["decode_steps"]
+    assert runs["paged@0.0002GiB"]["preemptions"] > 0
