@@ -29,6 +29,9 @@ def _help(text: str) -> dict:
 class PPOConfig(TrainingArguments):
     """Configuration for `trainers.ppo.PPOTrainer` (every field below is read by the trainer)."""
 
+    model_init_kwargs: dict | None = field(default=None, metadata=_help(
+        "keyword arguments of AutoModelForCausalLM.from_pretrained when the model is given by name "
+        "(e.g. {'dtype': 'float32'}: keep float32 master weights under bf16 autocast)"))
     # Rollouts
     num_generations: int = field(default=4, metadata=_help("completions sampled per prompt"))
     max_completion_length: int = field(default=256, metadata=_help("max new tokens per completion (TRL's "

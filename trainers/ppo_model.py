@@ -27,6 +27,21 @@ def backbone_of(policy: nn.Module) -> nn.Module:
     return getattr(policy, policy.base_model_prefix)
 
 
+def completion_hidden(backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      completion_len: int) -> torch.Tensor:
+    """(B, T, H) last hidden states one position left of each completion token: the state that predicts
+    token t (its logits) and the state before token t (its value)."""
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden[:, -completion_len - 1:-1]
+
+
+def completion_logits(policy: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      completion_len: int) -> torch.Tensor:
+    """(B, T, V) logits of the completion tokens only (the LM head never runs over the prompt)."""
+    hidden = completion_hidden(backbone_of(policy), input_ids, attention_mask, completion_len)
+    return policy.get_output_embeddings()(hidden)
+
+
 class PolicyAndValue(nn.Module):
     """policy: an HF causal LM; value_model: "head" or "separate" (module docstring)."""
 
@@ -43,6 +58,15 @@ class PolicyAndValue(nn.Module):
     def config(self):  # the Trainer and TRL helpers read model.config
         return self.policy.config
 
+    @property
+    def _keys_to_ignore_on_save(self) -> list[str]:
+        """Tied weights save_pretrained leaves out; the Trainer re-ties them after loading a checkpoint."""
+        tied = getattr(self.policy, "_tied_weights_keys", None) or {}
+        return list(tied) if getattr(self.policy.config.get_text_config(), "tie_word_embeddings", False) else []
+
+    def tie_weights(self) -> None:
+        self.policy.tie_weights()
+
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.policy.gradient_checkpointing_enable(**kwargs)
         if self.critic is not None:
@@ -56,24 +80,13 @@ class PolicyAndValue(nn.Module):
         logits: (B, T, V), position t predicting completion token t; values: (B, T), V(state before
         token t), i.e. both read the hidden state one position to the left of the token.
         """
-        hidden = backbone_of(self.policy)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        hidden = hidden[:, -completion_len - 1:-1]
+        hidden = completion_hidden(backbone_of(self.policy), input_ids, attention_mask, completion_len)
         logits = self.policy.get_output_embeddings()(hidden)
         if not with_values:
             return logits, None
         if self.critic is not None:
-            critic_hidden = self.critic(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            hidden = critic_hidden[:, -completion_len - 1:-1]
+            hidden = completion_hidden(self.critic, input_ids, attention_mask, completion_len)
         return logits, self.value_head(hidden).squeeze(-1).float()
-
-    def value_state_dict(self) -> dict[str, torch.Tensor]:
-        """The value model's weights (head, and critic when separate), contiguous for safetensors."""
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("policy.")}
-
-    def save_value_model(self, output_dir: str) -> None:
-        from safetensors.torch import save_file
-
-        save_file(self.value_state_dict(), os.path.join(output_dir, VALUE_FILE))
 
     def load_value_model(self, checkpoint_dir: str) -> None:
         from safetensors.torch import load_file
