@@ -47,17 +47,20 @@ def main(argv=None):
     p.add_argument("--config", default="ppo_math.yaml")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--workdir", default="outputs/bench_ppo")
-    p.add_argument("--overrides", nargs="*", default=[], help="extra key=value for every run")
+    p.add_argument("--drafter", default=None, help="the speculating run's drafter (default: the config's)")
+    p.add_argument("--overrides", nargs="*", default=[], help="extra key=value for both runs (not drafter.drafter)")
     p.add_argument("--reuse", action="store_true", help="keep runs that already finished in --workdir")
     p.add_argument("--out", default="bench_out/ppo.json")
     args = p.parse_args(argv)
     # bench_grpo.run also sets grpo.max_steps/save_steps, which a ppo run ignores: the ppo keys go here
     args.overrides = [f"ppo.max_steps={args.steps}", "ppo.save_steps=1000", *args.overrides]
+    if any(o.startswith("drafter.drafter=") for o in args.overrides):
+        sys.exit("set the speculating run's drafter with --drafter: an override would apply to both runs")
     from rlspec.config import load_config
 
-    spec_drafter = load_config(args.config, [o for o in args.overrides if o.startswith("drafter.")]).drafter.drafter
+    spec_drafter = args.drafter or load_config(args.config, []).drafter.drafter
     if spec_drafter == "none":
-        sys.exit(f"{args.config} has drafter none: pass --overrides drafter.drafter=<name> to compare against it")
+        sys.exit(f"{args.config} has drafter none: pass --drafter <name> to compare speculation against it")
     runs = {"spec_on": run(spec_drafter, args), "spec_off": run("none", args)}
     rows = [result_row(label, s) for label, s in runs.items()]
     on, off = rows

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 from trl.extras.profiling import profiling_context
+from trl.models import prepare_deepspeed, prepare_fsdp
 
 from rollout.types import SpecConfig
 from trainers import ppo_math
@@ -72,7 +73,7 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
         super().__init__(model=PolicyAndValue(model, args.value_model), args=args, data_collator=_keep_rows,
                          train_dataset=train_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self.ref_policy = self.accelerator.prepare_model(ref, evaluation_mode=True) if ref is not None else None
+        self.ref_policy = self._prepare_reference(ref) if ref is not None else None
         self.stop_token_ids = [processing_class.eos_token_id] + ([args.stop_token_id] if args.stop_token_id is not None
                                                                  else [])
         self.rollouts = self._rollout_source(spec_config, engine, engine_kwargs or {})
@@ -80,6 +81,14 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._shuffle = torch.Generator().manual_seed(args.seed)
         self.summary_callback = attach_summary_callback(self)
+
+    def _prepare_reference(self, ref):
+        """Place the frozen reference the way TRL's GRPOTrainer does for its ref_model."""
+        if self.is_deepspeed_enabled:
+            return prepare_deepspeed(ref, self.accelerator)
+        if self.is_fsdp_enabled:
+            return prepare_fsdp(ref, self.accelerator)
+        return self.accelerator.prepare_model(ref, evaluation_mode=True)
 
     def _rollout_source(self, spec_config, engine, engine_kwargs: dict) -> RolloutSource:
         built_here = engine is None
@@ -166,13 +175,13 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
             for key, value in sampling.items():
                 self._log_mean(key, value)
         rewards = ppo_math.token_rewards(batch.scores, mask, kl if args.kl_in_reward else None, args.kl_coef)
+        self._log_mean("objective/non_score_reward", (rewards * mask).sum(1) - batch.scores)
         if args.whiten_rewards:
             rewards = ppo_math.whiten(rewards, mask, shift_mean=False)
         exp.advantages, exp.returns = ppo_math.gae(rewards, old_values, mask, args.gamma, args.lam)
         if args.whiten_advantages:
             exp.advantages = ppo_math.whiten(exp.advantages, mask)
         self._log_mean("objective/entropy", ppo_math.masked_mean(entropy, mask))
-        self._log_mean("objective/non_score_reward", (rewards * mask).sum(1) - batch.scores)
         self._log_mean("val/mean", ppo_math.masked_mean(old_values, mask))
         self._log_mean("val/returns", ppo_math.masked_mean(exp.returns, mask))
         return exp

@@ -52,8 +52,8 @@ def test_ppo_args_follow_the_config(tmp_path):
     cfg = load_config("ppo_math.yaml", ["ppo.max_steps=5", "ppo.extra.warmup_steps=2", "ppo.kl_coef=0.1"])
     args = build_trainer_args(cfg, tmp_path)
     assert type(args).__name__ == "PPOConfig" and args.max_steps == 5 and args.warmup_steps == 2
-    assert args.kl_coef == 0.1 and args.num_ppo_epochs == 4 and args.output_dir == str(tmp_path)
-    assert args.model_init_kwargs == {"dtype": "float32"} and args.bf16 is True
+    assert args.kl_coef == 0.1 and args.num_ppo_epochs == 2 and args.output_dir == str(tmp_path)
+    assert args.model_init_kwargs == {"dtype": "float32"} and args.bf16 is False  # ppo_math.yaml runs in float32
     with pytest.raises(ConfigError, match="Did you mean 'num_ppo_epochs'"):
         build_trainer_args(load_config("ppo_math.yaml", ["ppo.extra.num_ppo_epoch=2"]), tmp_path)
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=1"):

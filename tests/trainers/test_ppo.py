@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from tests.trainers.conftest import assert_two_steps_synced_once
 from trainers.data import make_math_dataset
 from trainers.ppo import PPOTrainer
 from trainers.ppo_config import PPOConfig
@@ -47,10 +48,7 @@ def test_two_ppo_steps_are_on_policy_and_logged(tiny_llama, char_tokenizer, tmp_
     initial = {name: p.detach().clone() for name, p in tiny_llama.named_parameters()}
     trainer = make_trainer(tiny_llama, char_tokenizer, ppo_args(tmp_path, value_model=value_model))
     trainer.train()
-    assert any(not torch.equal(initial[n], p) for n, p in tiny_llama.named_parameters())
-    assert trainer.weight_syncer.num_syncs == 1 and trainer.engine.policy_version == 1
-    steps = [log for log in trainer.state.log_history if "reward" in log]
-    assert len(steps) == 2
+    steps = assert_two_steps_synced_once(trainer, tiny_llama, initial)
     for log in steps:
         for key in EXPECTED:
             assert key in log and math.isfinite(log[key]), key
