@@ -145,6 +145,7 @@ def test_ppo_cli_end_to_end_on_a_tiny_model(tiny_run, tmp_path, capsys):
     assert summary["status"] == "finished" and summary["steps"] == 2 and len(summary["rows"]) == 2
     assert summary["config"]["trainer"] == "ppo" and summary["tokens_per_s"] > 0
     assert all("loss/value" in h and "reward" in h for h in summary["history"])
+    assert list((out / "wandb").glob("wandb/offline-run-*")), "an offline W&B run directory"
     printed = capsys.readouterr().out
     assert "rollout %" in printed and "finished: 2 steps" in printed
 

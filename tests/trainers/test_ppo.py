@@ -43,10 +43,16 @@ EXPECTED = ["reward", "loss/policy", "loss/value", "policy/approxkl", "policy/cl
             "sampling/importance_sampling_ratio/mean", "rollout/wall_s", "rollout/tokens_per_s", "step_time"]
 
 
-@pytest.mark.parametrize("value_model", ["head", "separate"])
-def test_two_ppo_steps_are_on_policy_and_logged(tiny_llama, char_tokenizer, tmp_path, value_model):
+@pytest.mark.parametrize("options", [
+    dict(value_model="head"),
+    dict(value_model="separate"),
+    # KL in the loss (verl's use_kl_loss) with k3, whitened rewards, masked IS weights, EOS penalty
+    dict(kl_in_reward=False, kl_estimator="k3", whiten_rewards=True, importance_sampling_mode="token_mask",
+         missing_eos_penalty=1.0),
+], ids=["head", "separate", "kl_in_loss"])
+def test_two_ppo_steps_are_on_policy_and_logged(tiny_llama, char_tokenizer, tmp_path, options):
     initial = {name: p.detach().clone() for name, p in tiny_llama.named_parameters()}
-    trainer = make_trainer(tiny_llama, char_tokenizer, ppo_args(tmp_path, value_model=value_model))
+    trainer = make_trainer(tiny_llama, char_tokenizer, ppo_args(tmp_path, **options))
     trainer.train()
     steps = assert_two_steps_synced_once(trainer, tiny_llama, initial)
     for log in steps:
