@@ -74,8 +74,7 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
                          train_dataset=train_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self.ref_policy = self._prepare_reference(ref) if ref is not None else None
-        self.stop_token_ids = [processing_class.eos_token_id] + ([args.stop_token_id] if args.stop_token_id is not None
-                                                                 else [])
+        self.stop_token_ids = _stop_token_ids(model, processing_class, args.stop_token_id)
         self.rollouts = self._rollout_source(spec_config, engine, engine_kwargs or {})
         self.engine, self.weight_syncer = self.rollouts.engine, self.rollouts.weight_syncer
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -138,7 +137,8 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
             args.num_generations, temperature=args.temperature, max_new_tokens=args.max_completion_length,
             stop_token_ids=self.stop_token_ids)
         self.rollouts.log_metrics(metrics)
-        batch = pad_results(results, self.processing_class.pad_token_id, self.accelerator.device)
+        pad_id = self.processing_class.pad_token_id
+        batch = pad_results(results, self.stop_token_ids[0] if pad_id is None else pad_id, self.accelerator.device)
         repeat = [i for i in range(len(rows)) for _ in range(args.num_generations)]  # the engine's order
         texts = self.processing_class.batch_decode([r.completion_ids for r in results], skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(prompts[i], list) else t
@@ -248,6 +248,15 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
             logs[key] = sum(valid) / len(valid) if valid else None
         super().log(logs, start_time)
         self._metrics[mode].clear()
+
+
+def _stop_token_ids(model, tokenizer, stop_token_id: int | None) -> list[int]:
+    """The tokenizer's EOS, the generation config's EOS ids (chat models often end turns on their own
+    token) and args.stop_token_id, in that order, without repeats."""
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    generation_eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    ids = [tokenizer.eos_token_id, *generation_eos, stop_token_id]
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def _check_reward_funcs(reward_funcs) -> list:

@@ -39,7 +39,7 @@ class PPOConfig(TrainingArguments):
     temperature: float = field(default=1.0, metadata=_help("sampling temperature; logprobs are taken from the "
                                                            "temperature-scaled distribution, as sampled"))
     stop_token_id: int | None = field(default=None, metadata=_help("token that ends a completion besides the "
-                                                                   "tokenizer's EOS (None: EOS only)"))
+                                                                   "tokenizer's and generation config's EOS"))
     missing_eos_penalty: float | None = field(default=None, metadata=_help(
         "subtracted from the score of a completion that hit max_completion_length without a stop token"))
     max_model_len: int | None = field(default=None, metadata=_help(
