@@ -55,6 +55,10 @@ def test_two_ppo_steps_are_on_policy_and_logged(tiny_llama, char_tokenizer, tmp_
     trainer = make_trainer(tiny_llama, char_tokenizer, ppo_args(tmp_path, **options))
     trainer.train()
     steps = assert_two_steps_synced_once(trainer, tiny_llama, initial)
+    # num_ppo_epochs x num_mini_batches updates per step, and the Trainer's own step after each
+    # training_step (all gradients None) adds none
+    embed = tiny_llama.get_input_embeddings().weight
+    assert int(trainer.optimizer.state[embed]["step"]) == 2 * 2 * 2
     for log in steps:
         for key in EXPECTED:
             assert key in log and math.isfinite(log[key]), key
