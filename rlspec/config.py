@@ -75,6 +75,40 @@ class GRPOSection:
 
 
 @dataclass
+class PPOSection:
+    """Fields copied onto trainers.ppo_config.PPOConfig (same names); `extra` passes any other PPOConfig field."""
+
+    num_generations: int = _f(4, "completions sampled per prompt")
+    per_device_train_batch_size: int = _f(8, "completions per minibatch (one optimizer update)")
+    num_mini_batches: int = _f(1, "minibatches per rollout: a rollout is per_device_train_batch_size * "
+                                  "num_mini_batches completions")
+    num_ppo_epochs: int = _f(4, "passes over each rollout batch")
+    max_completion_length: int = _f(128, "max new tokens per completion")
+    learning_rate: float = _f(1e-6, "AdamW learning rate of the policy")
+    value_learning_rate: float | None = _f(1e-4, "learning rate of the value head/critic (None = learning_rate)")
+    value_model: Literal["head", "separate"] = _f("head", "head: linear value head on the policy backbone; "
+                                                          "separate: a critic copied from the policy's backbone")
+    max_steps: int = _f(100, "training steps, one rollout + its PPO epochs each (-1 = run num_train_epochs)")
+    num_train_epochs: float = _f(1.0, "epochs over the data when max_steps is -1")
+    temperature: float = _f(1.0, "sampling temperature of the rollouts")
+    kl_coef: float = _f(0.0, "KL coefficient against the initial policy (0 = no reference model, cheaper)")
+    kl_estimator: Literal["k1", "k3"] = _f("k1", "per-token KL estimator")
+    kl_in_reward: bool = _f(True, "KL as a per-token reward penalty (True) or a loss term (False)")
+    cliprange: float = _f(0.2, "policy ratio clip epsilon")
+    cliprange_value: float = _f(0.2, "value clip around the old values")
+    vf_coef: float = _f(0.1, "value loss weight")
+    gamma: float = _f(1.0, "GAE discount")
+    lam: float = _f(0.95, "GAE lambda")
+    whiten_rewards: bool = _f(False, "whiten per-token rewards before GAE")
+    missing_eos_penalty: float | None = _f(None, "score penalty for completions cut at max_completion_length")
+    logging_steps: int = _f(1, "log metrics every this many steps")
+    save_steps: int = _f(10, "write a checkpoint (policy + value model) every this many steps")
+    save_total_limit: int | None = _f(2, "keep at most this many checkpoints (None = keep all)")
+    extra: dict = _f(help="any other PPOConfig / TrainingArguments field, passed through unchanged (checked when "
+                          "training starts)", factory=dict)
+
+
+@dataclass
 class RolloutSection:
     """The rollout engine's capacity."""
 
@@ -142,7 +176,9 @@ class Config:
     output_dir: str = _f("outputs/run", "checkpoints, final model, summary.json and W&B files go here")
     rewards: list[str] = _f(help="reward function names, summed (e.g. accuracy, format)", factory=lambda: ["accuracy"])
     data: DataConfig = _f(help="training prompts", factory=DataConfig)
-    grpo: GRPOSection = _f(help="GRPO hyperparameters (trl.GRPOConfig)", factory=GRPOSection)
+    grpo: GRPOSection = _f(help="GRPO hyperparameters (trl.GRPOConfig); read when trainer is grpo", factory=GRPOSection)
+    ppo: PPOSection = _f(help="PPO hyperparameters (trainers.ppo_config.PPOConfig); read when trainer is ppo",
+                         factory=PPOSection)
     rollout: RolloutSection = _f(help="rollout engine capacity", factory=RolloutSection)
     drafter: DrafterSection = _f(help="speculative decoding", factory=DrafterSection)
     wandb: WandbSection = _f(help="Weights & Biases logging", factory=WandbSection)
@@ -153,6 +189,11 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_cross_fields(self)
+
+    @property
+    def algorithm(self) -> GRPOSection | PPOSection:
+        """The section of the trainer this run uses (grpo or ppo)."""
+        return self.ppo if self.trainer == "ppo" else self.grpo
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +399,21 @@ def _unknown_key_message(key: str, valid: list[str], section: str | None, where:
 
 def _check_cross_fields(cfg: Config) -> None:
     """Checks that span fields; raised as ConfigError by build() with the source prepended."""
-    g = cfg.grpo
+    if cfg.trainer == "grpo":
+        _check_grpo(cfg.grpo)
+    else:
+        _check_ppo(cfg.ppo)
+    g = cfg.algorithm
+    if cfg.rollout.max_model_len <= g.max_completion_length:
+        raise ConfigError(
+            f"rollout.max_model_len ({cfg.rollout.max_model_len}) must exceed {cfg.trainer}.max_completion_length "
+            f"({g.max_completion_length}) to leave room for the prompt"
+        )
+    if not cfg.rewards:
+        raise ConfigError("rewards is empty; name at least one reward function (e.g. rewards=[accuracy])")
+
+
+def _check_grpo(g: GRPOSection) -> None:
     if g.num_generations < 2:
         raise ConfigError(f"grpo.num_generations must be >= 2 (GRPO compares samples within a group), "
                           f"got {g.num_generations}")
@@ -369,13 +424,15 @@ def _check_cross_fields(cfg: Config) -> None:
             f"of grpo.num_generations ({g.num_generations}); e.g. set grpo.per_device_train_batch_size="
             f"{max(g.num_generations, batch // g.num_generations * g.num_generations)}"
         )
-    if cfg.rollout.max_model_len <= g.max_completion_length:
+
+
+def _check_ppo(p: PPOSection) -> None:
+    rollout = p.per_device_train_batch_size * p.num_mini_batches
+    if p.num_generations < 1 or rollout % p.num_generations:
         raise ConfigError(
-            f"rollout.max_model_len ({cfg.rollout.max_model_len}) must exceed grpo.max_completion_length "
-            f"({g.max_completion_length}) to leave room for the prompt"
+            f"ppo.per_device_train_batch_size * ppo.num_mini_batches ({rollout}) must be a multiple of "
+            f"ppo.num_generations ({p.num_generations}, >= 1): every prompt gets all its samples in one rollout"
         )
-    if not cfg.rewards:
-        raise ConfigError("rewards is empty; name at least one reward function (e.g. rewards=[accuracy])")
 
 
 # ---------------------------------------------------------------------------------------------

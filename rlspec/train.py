@@ -1,8 +1,9 @@
 """`python -m rlspec.train config=grpo_math.yaml [key=value ...]`: one RL training run from a recipe.
 
 The config is parsed and checked before torch is imported, so a typo fails in a fraction of a
-second. Then: W&B environment, model fetch, data, rewards, SpecGRPOTrainer, train. Checkpoints are
-written by the Trainer every grpo.save_steps; the final model goes to <output_dir>/final, and a
+second. Then: W&B environment, model fetch, data, rewards, the trainer (`trainer: grpo` ->
+SpecGRPOTrainer, `trainer: ppo` -> PPOTrainer, both rolling out through the same engine), train.
+Checkpoints are written by the Trainer every <grpo|ppo>.save_steps; the final model goes to <output_dir>/final, and a
 crash (or Ctrl-C) saves what the policy is to <output_dir>/crash before re-raising. Every run ends
 with a summary table and <output_dir>/summary.json.
 """
@@ -19,8 +20,6 @@ from typing import Any
 from rlspec.config import Config, ConfigError, format_help, load_config
 
 DEFAULT_CONFIG = "grpo_math.yaml"
-# GRPOConfig fields rlspec sets from other parts of the config; grpo.extra may still override them.
-_MANAGED = ("output_dir", "use_cpu", "bf16", "report_to", "run_name", "seed", "model_init_kwargs")
 
 USAGE = f"""usage: python -m rlspec.train [config=NAME_OR_PATH] [key=value ...]
 
@@ -52,13 +51,7 @@ def parse_args(argv: list[str]) -> Config:
             config_name = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
-    cfg = load_config(config_name, overrides)
-    if cfg.trainer == "ppo":
-        raise ConfigError(
-            "trainer 'ppo' is not available yet: PPO lands in a later rlspec release (TRL 1.16 no longer "
-            "ships a PPOTrainer and ours is not written). Use trainer=grpo."
-        )
-    return cfg
+    return load_config(config_name, overrides)
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -97,16 +90,17 @@ def setup_wandb_env(cfg: Config, out: Path) -> None:
 
 
 def build_trainer(cfg: Config, out: Path):
-    """Fetch the model, load data and rewards, and construct SpecGRPOTrainer (heavy imports start here)."""
+    """Fetch the model, load data and rewards, and construct SpecGRPOTrainer or PPOTrainer (heavy imports
+    start here). Both take the same arguments: the engine, speculation and summary are shared."""
     from transformers import AutoTokenizer
 
+    from rlspec.trainer_args import build_trainer_args
     from rollout.runtime.model.fetch import fetch_model
     from trainers.callbacks import RolloutSummaryCallback
     from trainers.data import load_dataset_by_name
-    from trainers.grpo import SpecGRPOTrainer
     from trainers.rewards import get_reward_funcs
 
-    args = build_grpo_args(cfg, out)  # before the model fetch: an extra-key typo should fail fast
+    args = build_trainer_args(cfg, out)  # before the model fetch: an extra-key typo should fail fast
     reward_funcs = get_reward_funcs(cfg.rewards)
     model_dir = fetch_model(cfg.model)
     print(f"rlspec.train: model {cfg.model} -> {model_dir}; output_dir {out}", flush=True)
@@ -114,7 +108,7 @@ def build_trainer(cfg: Config, out: Path):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # TRL pads completions; SmolLM2-style models reuse EOS
     summary_cb = RolloutSummaryCallback()
-    trainer = SpecGRPOTrainer(
+    trainer = _trainer_class(cfg.trainer)(
         model=model_dir,
         reward_funcs=reward_funcs,
         args=args,
@@ -130,6 +124,16 @@ def build_trainer(cfg: Config, out: Path):
     return trainer, summary_cb
 
 
+def _trainer_class(name: str):
+    if name == "ppo":
+        from trainers.ppo import PPOTrainer
+
+        return PPOTrainer
+    from trainers.grpo import SpecGRPOTrainer
+
+    return SpecGRPOTrainer
+
+
 def warm_start_drafter(cfg: Config, trainer) -> dict | None:
     """Warm the learned drafter on the target's own rollouts of the run's prompts before the first RL
     step (or load the cached result for these weights); None when there is nothing to warm."""
@@ -143,8 +147,9 @@ def warm_start_drafter(cfg: Config, trainer) -> dict | None:
 
     convs = trainer.train_dataset["prompt"][:cfg.drafter.warm_start_prompts]
     prompts = prompt_token_ids(trainer.processing_class, convs)
-    result = warm_start(engine, prompts, budget_s=cfg.drafter.warm_start_s, group=cfg.grpo.num_generations,
-                        max_new_tokens=cfg.grpo.max_completion_length, temperature=cfg.grpo.temperature)
+    algo = cfg.algorithm
+    result = warm_start(engine, prompts, budget_s=cfg.drafter.warm_start_s, group=algo.num_generations,
+                        max_new_tokens=algo.max_completion_length, temperature=algo.temperature)
     engine.stats()  # drop the warm-up's rollout metrics: step 1's figures are step 1's alone
     how = "loaded from the cache" if result.cached else \
         f"{result.steps} steps on {result.tokens} tokens in {result.seconds:.0f} s, cached"
@@ -165,33 +170,12 @@ def load_data(cfg: Config, load_dataset_by_name):
 
 
 def build_grpo_args(cfg: Config, out: Path):
-    """trl.GRPOConfig from the grpo section, the run settings, and grpo.extra (checked against its fields)."""
-    import dataclasses
-    import difflib
+    """trl.GRPOConfig from the grpo section (see rlspec.trainer_args; kept for callers of this name)."""
+    from rlspec.trainer_args import build_trainer_args
 
-    import torch
-    import trl
-
-    valid = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
-    section = {k: v for k, v in dataclasses.asdict(cfg.grpo).items() if k != "extra" and v is not None}
-    for key in cfg.grpo.extra:
-        if key in section:
-            raise ConfigError(f"grpo.extra.{key}: {key} is a grpo key; set grpo.{key} instead")
-        if key not in valid:
-            close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"grpo.extra.{key} is not a trl.GRPOConfig field.{hint}")
-    managed = dict(
-        output_dir=str(out),
-        use_cpu=not torch.cuda.is_available(),
-        # bf16 = autocast over float32 master weights: pure bf16 weights would round lr~1e-6 updates to zero.
-        bf16=cfg.dtype == "bfloat16",
-        model_init_kwargs={"dtype": "float32"},
-        report_to="none" if cfg.wandb.mode == "disabled" else ["wandb"],
-        run_name=cfg.wandb.run_name or out.name,
-        seed=cfg.seed,
-    )
-    return trl.GRPOConfig(**{**section, **managed, **cfg.grpo.extra})
+    if cfg.trainer != "grpo":
+        raise ConfigError(f"build_grpo_args needs trainer=grpo, got {cfg.trainer}")
+    return build_trainer_args(cfg, out)
 
 
 def summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict], wall_s: float, status: str,
@@ -239,7 +223,9 @@ def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict]
     return summary
 
 
-_HISTORY_PREFIXES = ("rollout/", "drafter/", "strategy/", "sampling/", "reward")
+# (loss/, val/, objective/, policy/: PPO's curves, for scripts/bench_ppo.py)
+_HISTORY_PREFIXES = ("rollout/", "drafter/", "strategy/", "sampling/", "reward", "loss/", "val/", "objective/",
+                     "policy/")
 
 
 def _digest(s: dict) -> str:

@@ -1,6 +1,12 @@
 """Trainers that route their rollouts through the rollout engine.
 
+rollout_source.py  the engine side both trainers share: build, weight sync, seeds, rollout metrics
 grpo.py         SpecGRPOTrainer, a drop-in subclass of trl.GRPOTrainer
+ppo.py          PPOTrainer (TRL has none any more): actor-critic PPO, rollouts through the same engine
+ppo_config.py   PPOConfig, TrainingArguments + the former trl.PPOConfig's fields
+ppo_math.py     GAE, whitening, clipped policy/value losses, KL estimators, IS weights (pure functions)
+ppo_model.py    the policy + value head (or separate critic) module and its checkpoint file
+ppo_batch.py    engine results -> padded tensors; ppo_update.py: the epochs x minibatches update loop
 data.py         the embedded arithmetic dataset and hub datasets mapped to prompt/answer columns
 rewards.py      reward functions (TRL signature) and their registry
 weight_sync.py  pushing the policy's weights into the engine after each optimizer step

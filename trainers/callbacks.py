@@ -90,3 +90,13 @@ def _format_row(row: dict) -> str:
         f"{_cell(row.get('step_s'), '.2f'):>8} {_cell(share, '.1f'):>10} {_cell(row.get('tokens_per_s'), '.1f'):>8} "
         f"{_cell(row.get('accept_len'), '.2f'):>9} {_cell(row.get('drafter_version'), '.0f'):>9}"
     )
+
+
+def attach_summary_callback(trainer) -> RolloutSummaryCallback:
+    """The RolloutSummaryCallback the caller passed in callbacks=[...], else a new one added to `trainer`."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, RolloutSummaryCallback):
+            return callback
+    callback = RolloutSummaryCallback()
+    trainer.add_callback(callback)
+    return callback

@@ -4,8 +4,9 @@ A drop-in: same constructor as `trl.GRPOTrainer` plus keyword-only `spec_config`
 `engine_kwargs`. What changes, and where:
 
 - `_generate_single_turn` (the narrowest method that owns "token ids in -> completions out") is
-  replaced: sync the policy into the engine if it changed, call `engine.generate`, return the
-  completion ids and the engine's per-token logprobs. Everything around it (chat templating, reward
+  replaced: the shared `RolloutSource` (trainers/rollout_source.py, also PPO's) syncs the policy into
+  the engine if it changed and calls `engine.generate`; we return the completion ids and the
+  engine's per-token logprobs. Everything around it (chat templating, reward
   scoring, advantages, the loss, tool loops) is TRL's own code.
 - TRL runs its importance-sampling correction only when `self.use_vllm and
   self.vllm_importance_sampling_correction`. We set `self.use_vllm = True` after TRL's `__init__`
@@ -19,14 +20,13 @@ A drop-in: same constructor as `trl.GRPOTrainer` plus keyword-only `spec_config`
 """
 from __future__ import annotations
 
-import time
-
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 
-from rollout.types import SamplingParams, SpecConfig
-from trainers.callbacks import RolloutSummaryCallback
-from trainers.weight_sync import WeightSyncer, gathered_model, unwrap_model
+from rollout.types import SpecConfig
+from trainers.callbacks import attach_summary_callback
+from trainers.rollout_source import RolloutSource, build_engine, default_max_model_len
+from trainers.weight_sync import unwrap_model
 
 
 class SpecGRPOTrainer(GRPOTrainer):
@@ -47,37 +47,20 @@ class SpecGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         _check_sampling_args(self)
         built_here = engine is None
-        self.engine = engine if engine is not None else self._build_engine(spec_config, engine_kwargs or {})
+        if built_here:
+            policy = unwrap_model(self.model, self.accelerator)
+            defaults = dict(max_model_len=self.args.vllm_max_model_length or default_max_model_len(policy),
+                            max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation)
+            engine = build_engine(policy, self._tokenizer, spec_config, defaults, engine_kwargs or {})
         # An engine built from the policy right now already holds step-0 weights: no first push needed.
-        self.weight_syncer = WeightSyncer(self.engine, self.accelerator,
-                                          synced_step=self.state.global_step if built_here else None)
-        self._rollout_calls = 0
+        self.rollouts = RolloutSource(engine, self.accelerator, self.state.global_step if built_here else None,
+                                      seed=self.args.seed, process_index=self.accelerator.process_index,
+                                      profile=lambda name: profiling_context(self, name))
+        self.engine, self.weight_syncer = engine, self.rollouts.weight_syncer
         # Turn on TRL's importance-sampling correction and its sampling/* metrics for our engine.
         self.use_vllm = bool(self.vllm_importance_sampling_correction)
         self.vllm_mode = "rlspec_engine"  # never "colocate"/"server": TRL's vLLM-only branches stay off
-        self.summary_callback = self._summary_callback()
-
-    def _build_engine(self, spec_config: SpecConfig | None, engine_kwargs: dict):
-        from rollout.engine import RolloutEngine
-
-        policy = unwrap_model(self.model, self.accelerator)
-        max_positions = getattr(policy.config.get_text_config(), "max_position_embeddings", 2048)
-        kwargs = {
-            "max_model_len": self.args.vllm_max_model_length or min(max_positions, 2048),
-            "max_num_seqs": self.args.per_device_train_batch_size * self.args.steps_per_generation,
-            **engine_kwargs,
-        }
-        with gathered_model(policy):  # ZeRO-3 partitions weights at load time; the engine needs them whole
-            return RolloutEngine.from_hf_model(policy, self._tokenizer, spec=spec_config, **kwargs)
-
-    def _summary_callback(self) -> RolloutSummaryCallback:
-        """The RolloutSummaryCallback the caller passed in callbacks=[...], else a new one we add."""
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, RolloutSummaryCallback):
-                return callback
-        callback = RolloutSummaryCallback()
-        self.add_callback(callback)
-        return callback
+        self.summary_callback = attach_summary_callback(self)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Generate one completion per entry of `prompt_ids` (TRL has already repeated each prompt
@@ -85,38 +68,13 @@ class SpecGRPOTrainer(GRPOTrainer):
         same order as `prompt_ids`, logprobs being the policy's per-token log-probabilities."""
         if images is not None or multimodal_fields:
             raise NotImplementedError("SpecGRPOTrainer generates text only; multimodal prompts need trl.GRPOTrainer")
-        start = time.perf_counter()
-        with profiling_context(self, "sync_weights"):
-            self.weight_syncer.maybe_sync(self.model, self.state.global_step)
         unique_ids, n = dedupe_repeated_prompts(prompt_ids, num_generations)
-        with profiling_context(self, "RolloutEngine.generate"):
-            results = self.engine.generate(unique_ids, self._sampling_params(n))
-        if len(results) != len(prompt_ids):
-            raise RuntimeError(f"engine returned {len(results)} results for {len(prompt_ids)} requested completions")
-        self._log_rollout_metrics(time.perf_counter() - start)
+        results = self.rollouts.generate(
+            self.model, self.state.global_step, unique_ids, n, temperature=self.temperature,
+            top_p=self.top_p, top_k=max(self.top_k or 0, 0),  # TRL and HF use 0 or -1 for "off"; ours is 0
+            max_new_tokens=self.max_completion_length, stop_token_ids=list(self.eos_token_ids))
+        self.rollouts.log_metrics(self._metrics["train" if self.model.training else "eval"])
         return [list(r.completion_ids) for r in results], [list(r.logprobs) for r in results]
-
-    def _sampling_params(self, n: int) -> SamplingParams:
-        # A fresh, reproducible seed per call and per process: same args.seed -> same rollouts.
-        seed = hash((self.args.seed, self.accelerator.process_index, self._rollout_calls)) % (2**31)
-        self._rollout_calls += 1
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=max(self.top_k or 0, 0),  # TRL and HF use 0 or -1 for "off"; ours is 0
-            max_new_tokens=self.max_completion_length,
-            n=n,
-            seed=seed,
-            stop_token_ids=list(self.eos_token_ids),
-        )
-
-    def _log_rollout_metrics(self, wall_s: float) -> None:
-        """Engine stats and our timings into TRL's metric store (averaged and logged by TRL's log())."""
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        for key, value in self.engine.stats().items():
-            metrics[key].append(float(value))
-        metrics["rollout/wall_s"].append(wall_s)
-        metrics["rollout/sync_s"].append(self.weight_syncer.last_time_s)
 
 
 def dedupe_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:

@@ -75,3 +75,24 @@ def get_reward_funcs(names: list[str] | tuple[str, ...] | str) -> list[Callable[
     if not names:
         raise ValueError(f"no reward functions named: pick at least one of {sorted(REWARD_FUNCS)}")
     return [REWARD_FUNCS[name] for name in names]
+
+
+def score_completions(reward_funcs: list[Callable[..., list]], prompts: list, completions: list,
+                      completion_ids: list[list[int]], columns: dict[str, list]) -> tuple[list[float], dict[str, float]]:
+    """Call each reward function as TRL's GRPOTrainer does and sum them per completion.
+
+    Every function gets prompts, completions, completion_ids and each dataset column as keyword lists
+    (one entry per completion). A None (no verdict) counts as 0 in the sum and is left out of that
+    function's mean. Returns (total per completion, {"rewards/<name>/mean": ...}).
+    """
+    totals = [0.0] * len(completions)
+    means: dict[str, float] = {}
+    for func in reward_funcs:
+        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if len(values) != len(completions):
+            raise ValueError(f"reward function {func.__name__} returned {len(values)} rewards for "
+                             f"{len(completions)} completions")
+        present = [float(v) for v in values if v is not None]
+        means[f"rewards/{func.__name__}/mean"] = sum(present) / len(present) if present else float("nan")
+        totals = [t + (float(v) if v is not None else 0.0) for t, v in zip(totals, values)]
+    return totals, means

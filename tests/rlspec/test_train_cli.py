@@ -38,11 +38,26 @@ def test_module_cli_rejects_unknown_key():
     assert "unknown key 'bogus'" in proc.stderr and "Valid keys at the top level" in proc.stderr
 
 
-def test_ppo_is_refused_clearly(capsys):
+def test_ppo_config_errors_name_the_ppo_section(capsys):
     from rlspec.train import main
 
-    assert main(["trainer=ppo"]) == 2
-    assert "later rlspec release" in capsys.readouterr().err
+    assert main(["config=ppo_math.yaml", "ppo.num_generations=3"]) == 2
+    assert "ppo.num_generations (3" in capsys.readouterr().err
+
+
+def test_ppo_args_follow_the_config(tmp_path):
+    pytest.importorskip("trl")
+    from rlspec.trainer_args import build_trainer_args
+
+    cfg = load_config("ppo_math.yaml", ["ppo.max_steps=5", "ppo.extra.warmup_steps=2", "ppo.kl_coef=0.1"])
+    args = build_trainer_args(cfg, tmp_path)
+    assert type(args).__name__ == "PPOConfig" and args.max_steps == 5 and args.warmup_steps == 2
+    assert args.kl_coef == 0.1 and args.num_ppo_epochs == 2 and args.output_dir == str(tmp_path)
+    assert args.model_init_kwargs == {"dtype": "float32"} and args.bf16 is False  # ppo_math.yaml runs in float32
+    with pytest.raises(ConfigError, match="Did you mean 'num_ppo_epochs'"):
+        build_trainer_args(load_config("ppo_math.yaml", ["ppo.extra.num_ppo_epoch=2"]), tmp_path)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=1"):
+        build_trainer_args(load_config("ppo_math.yaml", ["ppo.extra.gradient_accumulation_steps=2"]), tmp_path)
 
 
 def test_help_lists_keys(capsys):
@@ -110,6 +125,26 @@ def test_cli_end_to_end_on_a_tiny_model(tiny_run, tmp_path, capsys):
     assert summary["status"] == "finished" and summary["steps"] == 2 and len(summary["rows"]) == 2
     assert summary["tokens_per_s"] > 0 and 0 < summary["rollout_share"] <= 1
     assert summary["config"]["grpo"]["max_steps"] == 2
+    assert list((out / "wandb").glob("wandb/offline-run-*")), "an offline W&B run directory"
+    printed = capsys.readouterr().out
+    assert "rollout %" in printed and "finished: 2 steps" in printed
+
+
+def test_ppo_cli_end_to_end_on_a_tiny_model(tiny_run, tmp_path, capsys):
+    """Two PPO steps through main() with speculation on: the same outputs as GRPO (checkpoints with the
+    value model, final model, summary.json with PPO's curves, the summary table)."""
+    from rlspec.train import main
+
+    out = tmp_path / "out"
+    args = [a.replace("grpo.", "ppo.") for a in tiny_run if not a.startswith("config=")]
+    assert main(["config=ppo_math.yaml", *args, "ppo.max_steps=2", "ppo.num_ppo_epochs=1",
+                 "drafter.drafter=suffix"]) == 0
+    assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "value_model.safetensors").is_file()
+    assert (out / "checkpoint-2" / "value_model.safetensors").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 2 and len(summary["rows"]) == 2
+    assert summary["config"]["trainer"] == "ppo" and summary["tokens_per_s"] > 0
+    assert all("loss/value" in h and "reward" in h for h in summary["history"])
     assert list((out / "wandb").glob("wandb/offline-run-*")), "an offline W&B run directory"
     printed = capsys.readouterr().out
     assert "rollout %" in printed and "finished: 2 steps" in printed

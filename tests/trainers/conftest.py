@@ -54,3 +54,13 @@ def char_tokenizer():
 @pytest.fixture
 def tiny_llama(char_tokenizer):
     return build_tiny_llama(len(char_tokenizer), char_tokenizer.eos_token_id, char_tokenizer.pad_token_id)
+
+
+def assert_two_steps_synced_once(trainer, model, initial: dict) -> list[dict]:
+    """After a 2-step run: the policy moved, the engine followed once (before step 2's rollout), not at
+    every call, and two steps were logged. Returns the two steps' log records."""
+    assert any(not torch.equal(initial[n], p) for n, p in model.named_parameters())
+    assert trainer.engine.policy_version == 1 and trainer.weight_syncer.num_syncs == 1
+    steps = [log for log in trainer.state.log_history if "reward" in log]
+    assert len(steps) == 2
+    return steps

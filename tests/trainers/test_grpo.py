@@ -7,9 +7,9 @@ step after an optimizer update (which also proves the weight sync and the output
 from __future__ import annotations
 
 import pytest
-import torch
 import trl
 
+from tests.trainers.conftest import assert_two_steps_synced_once
 from tests.trainers.wandb_log import offline_run_files, read_history
 from trainers.data import make_math_dataset
 from trainers.grpo import SpecGRPOTrainer, dedupe_repeated_prompts
@@ -65,12 +65,7 @@ def test_two_grpo_steps_are_lossless_and_logged_to_wandb(tiny_llama, char_tokeni
         if wandb.run is not None:
             wandb.finish()
 
-    # The policy moved, the engine followed once (before step 2's rollout), not at every call.
-    assert any(not torch.equal(initial[n], p) for n, p in tiny_llama.named_parameters())
-    assert trainer.engine.policy_version == 1 and trainer.weight_syncer.num_syncs == 1
-
-    steps = [log for log in trainer.state.log_history if "reward" in log]
-    assert len(steps) == 2
+    steps = assert_two_steps_synced_once(trainer, tiny_llama, initial)
     for log in steps:
         # Our logprobs equal the trainer's recomputed ones (float32): the rollouts are on-policy.
         assert log["sampling/sampling_logp_difference/max"] < 1e-4

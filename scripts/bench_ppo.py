@@ -1,0 +1,99 @@
+"""PPO with speculation on vs off: the embedded PPO config twice, same seed, same steps.
+
+Runs `python -m rlspec.train config=ppo_math.yaml` with the config's drafter (speculation on) and with
+`drafter.drafter=none` (off), each in its own process (bench_grpo.run: W&B and threads start clean),
+then compares from each run's summary.json: total wall time, rollout-phase seconds and tokens/s, final
+reward (mean of the last 5 steps), the importance-sampling ratio, and per step the reward, the value
+loss and the rollout seconds (the PNG). The issue's acceptance check: rollouts faster with
+speculation, final reward within noise, value loss falling, IS ratio ~1.
+
+    python scripts/bench_ppo.py --steps 30 --out bench_out/ppo.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench_grpo import run
+from common import table, write_json
+
+LAST = 5  # the final reward is the mean over this many last steps (one step's 8 samples are noisy)
+
+
+def _series(summary: dict, key: str) -> list[tuple[int, float]]:
+    return [(h["step"], h[key]) for h in summary["history"] if h.get(key) is not None]
+
+
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def result_row(label: str, s: dict) -> dict:
+    """One table row from a run's summary.json."""
+    rewards = [v for _, v in _series(s, "reward")]
+    ratio = [v for _, v in _series(s, "sampling/importance_sampling_ratio/mean")]
+    tokens = sum(h.get("rollout/generated_tokens", 0) for h in s["history"])
+    rollout_s = sum(r.get("rollout_s") or 0 for r in s["rows"])
+    return {"run": label, "drafter": s["config"]["drafter"]["drafter"], "wall_s": s["wall_s"], "rollout_s": rollout_s,
+            "rollout_tok_s": tokens / rollout_s if rollout_s else None, "reward_first": rewards[0] if rewards else None,
+            f"reward_last{LAST}": _mean(rewards[-LAST:]), "is_ratio_mean": _mean(ratio),
+            "value_loss_first": next(iter(_series(s, "loss/value")), (None, None))[1],
+            "value_loss_last": (_series(s, "loss/value") or [(None, None)])[-1][1]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="ppo_math.yaml")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--workdir", default="outputs/bench_ppo")
+    p.add_argument("--drafter", default=None, help="the speculating run's drafter (default: the config's)")
+    p.add_argument("--overrides", nargs="*", default=[], help="extra key=value for both runs (not drafter.drafter)")
+    p.add_argument("--reuse", action="store_true", help="keep runs that already finished in --workdir")
+    p.add_argument("--out", default="bench_out/ppo.json")
+    args = p.parse_args(argv)
+    # bench_grpo.run also sets grpo.max_steps/save_steps, which a ppo run ignores: the ppo keys go here
+    args.overrides = [f"ppo.max_steps={args.steps}", "ppo.save_steps=1000", *args.overrides]
+    if any(o.startswith("drafter.drafter=") for o in args.overrides):
+        sys.exit("set the speculating run's drafter with --drafter: an override would apply to both runs")
+    from rlspec.config import load_config
+
+    spec_drafter = args.drafter or load_config(args.config, []).drafter.drafter
+    if spec_drafter == "none":
+        sys.exit(f"{args.config} has drafter none: pass --drafter <name> to compare speculation against it")
+    runs = {"spec_on": run(spec_drafter, args), "spec_off": run("none", args)}
+    rows = [result_row(label, s) for label, s in runs.items()]
+    on, off = rows
+    on["rollout_speedup"] = off["rollout_s"] / on["rollout_s"] if on["rollout_s"] else None
+    print(table(rows, list(rows[0])))
+    curves = {label: {key: _series(s, key) for key in ("reward", "loss/value", "rollout/wall_s")}
+              for label, s in runs.items()}
+    write_json(args.out, {"config": vars(args), "results": rows, "curves": curves})
+    plot(curves, args.out.replace(".json", ".png"))
+
+
+def plot(curves: dict, path: str) -> None:
+    """Three panels: reward, value loss and rollout seconds per step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward", "mean reward"), ("loss/value", "value loss"), ("rollout/wall_s", "rollout s")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, (key, label) in zip(axes, panels):
+        for run_label, series in curves.items():
+            if series[key]:
+                ax.plot(*zip(*series[key]), marker="o", markersize=3, label=run_label)
+        ax.set_xlabel("PPO step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("PPO on the embedded task: speculation on vs off (same seed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""From engine results to the padded tensors PPO trains on, and the token-level quantities of a batch.
+
+`RolloutBatch` is what one rollout gives (tokens, the engine's logprobs, scores); `Experience` adds
+what the trainer computes once per rollout with the policy frozen (old logprobs and values, the
+reference logprobs, importance weights, advantages and returns) and then reuses across PPO epochs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from rollout.types import RolloutResult
+
+
+@dataclass
+class RolloutBatch:
+    """One rollout as tensors. B samples; P = longest prompt (left-padded); T = longest completion
+    (right-padded). input_ids / attention_mask: (B, P + T); mask, engine_logprobs: (B, T);
+    completion_ids: (B, T); scores, finished: (B,) (finished: ended on a stop token)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    mask: torch.Tensor
+    engine_logprobs: torch.Tensor
+    finished: torch.Tensor
+    scores: torch.Tensor | None = None
+
+    @property
+    def completion_len(self) -> int:
+        return self.mask.shape[1]
+
+
+@dataclass
+class Experience(RolloutBatch):
+    """A rollout plus the frozen-policy quantities of the PPO update (all (B, T) but `scores`)."""
+
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    def select(self, index: torch.Tensor) -> Experience:
+        """The rows `index` of every tensor (a minibatch)."""
+        return Experience(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                             for f in fields(self)})
+
+
+def pad_results(results: list[RolloutResult], pad_token_id: int, device) -> RolloutBatch:
+    """Left-pad prompts and right-pad completions so every completion starts at the same column."""
+    P = max(len(r.prompt_ids) for r in results)
+    T = max(1, max(len(r.completion_ids) for r in results))
+    B = len(results)
+    input_ids = torch.full((B, P + T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
+    engine_logprobs = torch.zeros((B, T))
+    for i, r in enumerate(results):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
+        input_ids[i, P:P + c] = torch.tensor(r.completion_ids, dtype=torch.long)
+        attention_mask[i, P - p:P + c] = 1
+        engine_logprobs[i, :c] = torch.tensor(r.logprobs)
+    batch = RolloutBatch(
+        input_ids=input_ids, attention_mask=attention_mask, completion_ids=input_ids[:, P:],
+        mask=attention_mask[:, P:].float(), engine_logprobs=engine_logprobs,
+        finished=torch.tensor([r.finish_reason == "stop" for r in results]),
+    )
+    return RolloutBatch(**{f.name: _to(getattr(batch, f.name), device) for f in fields(batch)})
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature): (B, T, V), (B, T) -> (B, T), in float32 (the
+    engine's logprobs are of the temperature-scaled law too, so the two compare directly)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

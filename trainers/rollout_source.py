@@ -1,0 +1,85 @@
+"""RolloutSource: the one way GRPO and PPO get rollouts out of the engine.
+
+Both trainers need the same things around `engine.generate`: an engine built from the policy (its
+weights gathered under ZeRO-3), a weight push when the policy moved since the last rollout, a fresh
+reproducible sampling seed per call, a check that one result came back per requested sample, and the
+engine's metrics plus our timings (rollout/wall_s, rollout/sync_s) in the trainer's metric store so
+they are logged at the step they belong to. Keeping that here means speculation, weight sync and
+metrics behave identically whichever algorithm consumes the samples.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+from rollout.types import RolloutResult, SamplingParams, SpecConfig
+from trainers.weight_sync import WeightSyncer, gathered_model
+
+
+def build_engine(policy, tokenizer, spec_config: SpecConfig | None, defaults: dict, engine_kwargs: dict):
+    """A RolloutEngine holding a copy of `policy` (a bare HF causal LM). engine_kwargs (the user's:
+    max_model_len, max_num_seqs, dtype, graph_mode) override the trainer's `defaults`."""
+    from rollout.engine import RolloutEngine
+
+    kwargs = {**defaults, **engine_kwargs}
+    with gathered_model(policy):  # ZeRO-3 partitions weights at load time; the engine needs them whole
+        return RolloutEngine.from_hf_model(policy, tokenizer, spec=spec_config, **kwargs)
+
+
+def default_max_model_len(policy) -> int:
+    """The model's own position limit, capped at 2048 (prompt + completion tokens per sequence)."""
+    return min(getattr(policy.config.get_text_config(), "max_position_embeddings", 2048), 2048)
+
+
+class RolloutSource:
+    """Sync-if-needed, generate, record metrics: what a trainer calls once per rollout.
+
+    engine: the RolloutEngine (or any backend with generate / load_weights / stats).
+    accelerator: the trainer's accelerator (weight sync unwraps and gathers through it).
+    synced_step: the optimizer step whose weights the engine holds (None forces the first push).
+    seed / process_index: make every call's sampling seed reproducible and distinct per process.
+    profile: name -> context manager around sync and generation (TRL's profiling_context), optional.
+    """
+
+    def __init__(self, engine, accelerator, synced_step: int | None, seed: int, process_index: int = 0,
+                 profile: Callable[[str], contextlib.AbstractContextManager] | None = None):
+        self.engine = engine
+        self.weight_syncer = WeightSyncer(engine, accelerator, synced_step=synced_step)
+        self.seed, self.process_index = seed, process_index
+        self.calls = 0
+        self._profile = profile or (lambda name: contextlib.nullcontext())
+        self.last_wall_s = 0.0
+
+    def generate(self, policy, step: int, prompt_ids: list[list[int]], n: int, *, temperature: float,
+                 max_new_tokens: int, stop_token_ids: list[int], top_p: float = 1.0,
+                 top_k: int = 0) -> list[RolloutResult]:
+        """n samples of each prompt from the policy as of optimizer step `step`, prompt 0's n first.
+
+        policy: the module whose parameters go to the engine when `step` differs from the synced step.
+        """
+        start = time.perf_counter()
+        with self._profile("sync_weights"):
+            self.weight_syncer.maybe_sync(policy, step)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                                n=n, seed=self._next_seed(), stop_token_ids=list(stop_token_ids))
+        with self._profile("RolloutEngine.generate"):
+            results = self.engine.generate(prompt_ids, params)
+        if len(results) != len(prompt_ids) * n:
+            raise RuntimeError(f"engine returned {len(results)} results for {len(prompt_ids) * n} requested samples")
+        self.last_wall_s = time.perf_counter() - start
+        return results
+
+    def _next_seed(self) -> int:
+        # A fresh, reproducible seed per call and per process: same seed -> same rollouts.
+        seed = hash((self.seed, self.process_index, self.calls)) % (2**31)
+        self.calls += 1
+        return seed
+
+    def log_metrics(self, metrics) -> None:
+        """Engine stats and the last call's timings into a metric store (key -> list of floats), the shape
+        of TRL's `self._metrics[mode]`, which the trainer averages and logs at the next log()."""
+        for key, value in self.engine.stats().items():
+            metrics[key].append(float(value))
+        metrics["rollout/wall_s"].append(self.last_wall_s)
+        metrics["rollout/sync_s"].append(self.weight_syncer.last_time_s)
