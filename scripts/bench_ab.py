@@ -12,6 +12,8 @@ The ratio's two halves are timed minutes apart, and on a shared 2-core machine t
 drifts up to 1.5x within minutes (transformers at batch 8 measured 98-140 tok/s in one sitting), so
 `--direct` also times the two engines against each other: the same call (T=1, EOS ignored) in a
 fresh process per checkout, alternated, best of --direct-reps calls each; new/old is its speed ratio.
+`--longtail` instead times the engine on the GRPO-shaped long-tail workload of `bench_rollout.py`
+(ragged lengths, natural EOS, rows refilled as samples finish) in each checkout, alternated.
 """
 from __future__ import annotations
 
@@ -57,6 +59,32 @@ print(batch * tokens / best)
 """
 
 
+def longtail_once(tree: Path, args) -> dict[str, float]:
+    """The engine's tok/s (whole call, and its full and tail phases) on the long-tail workload."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        cmd = [sys.executable, str(tree / "scripts" / "bench_rollout.py"), "--workload", "longtail", "--configs",
+               "engine", "--prompts", str(args.prompts), "--group", str(args.group), "--reps", "1",
+               "--max-new-tokens", str(args.max_new_tokens), "--out", str(out)]
+        subprocess.run(cmd, cwd=tree, check=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
+                                                         "HF_HUB_OFFLINE": "1"})
+        r = next(r for r in json.loads(out.read_text())["results"] if r["config"] == "engine")
+        return {k: float(r[k]) for k in ("tokens_per_s", "full_tokens_per_s", "tail_tokens_per_s")}
+
+
+def longtail(args, old: Path) -> dict:
+    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    for _ in range(args.reps):
+        for name, tree in (("old", old), ("new", HERE)):
+            runs[name].append(longtail_once(tree, args))
+            print(f"longtail {name}: {runs[name][-1]['tokens_per_s']:.1f} tok/s", flush=True)
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    ratio = {k: med["new"][k] / med["old"][k] for k in med["new"]}
+    print(table([{"figure": k, "old median": med["old"][k], "new median": med["new"][k], "new/old": ratio[k]}
+                 for k in ratio], ["figure", "old median", "new median", "new/old"]))
+    return {"prompts": args.prompts, "group": args.group, "runs": runs, "median": med, "new_over_old": ratio}
+
+
 def engine_tok_s(tree: Path, batch: int, tokens: int, reps: int) -> float:
     """The engine's best tokens/s of `reps` equal calls, in a fresh process importing `tree`'s code."""
     out = subprocess.run([sys.executable, "-c", ENGINE_TIME, str(tree), str(batch), str(tokens), str(reps)],
@@ -89,8 +117,15 @@ def main() -> int:
     p.add_argument("--direct", action="store_true", help="also time the two engines against each other")
     p.add_argument("--direct-only", action="store_true", help="only the direct engine-vs-engine timing")
     p.add_argument("--direct-reps", type=int, default=3, help="calls per direct timing (the best counts)")
+    p.add_argument("--longtail", action="store_true", help="only the engine on the long-tail workload, alternated")
+    p.add_argument("--prompts", type=int, default=4, help="--longtail: prompts per call")
+    p.add_argument("--group", type=int, default=8, help="--longtail: samples per prompt")
     p.add_argument("--out", default="bench_out/cpu_ab.json")
     args = p.parse_args()
+    if args.longtail:
+        write_json(args.out, {"old": str(args.old), "max_new_tokens": args.max_new_tokens,
+                              "longtail": longtail(args, Path(args.old).resolve())})
+        return 0
     if args.direct_only:
         write_json(args.out, {"old": str(args.old), "max_new_tokens": args.max_new_tokens,
                               "direct": direct(args, Path(args.old).resolve())})
