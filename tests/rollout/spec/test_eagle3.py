@@ -154,3 +154,22 @@ def test_stop_rules_end_drafts_of_an_unsure_drafter(stop):
     eng.speculation.force(Arm("eagle3", 4, 1, stop))
     assert [r.completion_ids for r in eng.generate(prompts, params)] == plain(hf, prompts, params)
     assert eng.stats()["rollout/spec_step_share"] == 0.0
+
+
+def test_a_new_drafter_version_fades_the_selectors_evidence_rather_than_dropping_it():
+    """The engine's side of the bandit rule: a version from the online trainer keeps part of the
+    acceptance evidence (dropping it all sent the bandit back to its optimistic prior every step)."""
+    from rollout.spec.selectors.base import OFF
+    from rollout.spec.speculation import UPDATE_KEEP
+
+    hf = make_tiny_hf("llama", seed=14)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2],
+                        spec=SpecConfig(drafter="eagle3", selector="adaptive", online_training=False))
+    spec = eng.speculation
+    tracker = spec.selector.acceptance["eagle3"]
+    tracker.accepts, tracker.rejects = 30.0, 10.0
+    spec.learned.version += 1  # what swapping in a published version does
+    spec.observe_step(OFF, 1, 0.01, 0.0, [0], [0])
+    assert 0 < UPDATE_KEEP < 1
+    kept = spec.selector.acceptance["eagle3"]
+    assert (kept.accepts, kept.rejects) == (30.0 * UPDATE_KEEP, 10.0 * UPDATE_KEEP)
