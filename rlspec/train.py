@@ -169,15 +169,6 @@ def load_data(cfg: Config, load_dataset_by_name):
     return load_dataset_by_name(d.name, split=d.split, num_examples=d.num_examples, seed=d.seed, **kwargs)
 
 
-def build_grpo_args(cfg: Config, out: Path):
-    """trl.GRPOConfig from the grpo section (see rlspec.trainer_args; kept for callers of this name)."""
-    from rlspec.trainer_args import build_trainer_args
-
-    if cfg.trainer != "grpo":
-        raise ConfigError(f"build_grpo_args needs trainer=grpo, got {cfg.trainer}")
-    return build_trainer_args(cfg, out)
-
-
 def summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict], wall_s: float, status: str,
               error: str | None, warm_start: dict | None = None) -> dict:
     """Print the per-step table and a one-line digest; write summary.json. Never raises: it also runs

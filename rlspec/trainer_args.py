@@ -12,9 +12,6 @@ from pathlib import Path
 
 from rlspec.config import Config, ConfigError
 
-# Fields rlspec sets from other parts of the config; <section>.extra may still override them.
-MANAGED = ("output_dir", "use_cpu", "bf16", "report_to", "run_name", "seed", "model_init_kwargs")
-
 
 def build_trainer_args(cfg: Config, out: Path):
     """trl.GRPOConfig (trainer: grpo) or trainers.ppo_config.PPOConfig (trainer: ppo)."""
@@ -41,6 +38,7 @@ def _build(cfg: Config, out: Path, cls):
             close = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"{name}.extra.{key} is not a {cls.__module__.split('.')[0]}.{cls.__name__} field.{hint}")
+    # fields rlspec sets from other parts of the config; <section>.extra may still override them
     managed = dict(
         output_dir=str(out),
         use_cpu=not torch.cuda.is_available(),

@@ -70,25 +70,25 @@ def test_help_lists_keys(capsys):
 
 def test_grpo_args_follow_the_config(tmp_path):
     pytest.importorskip("trl")
-    from rlspec.train import build_grpo_args
+    from rlspec.trainer_args import build_trainer_args
 
     cfg = load_config("grpo_math.yaml", ["grpo.max_steps=5", "grpo.extra.warmup_steps=2", "wandb.mode=disabled"])
-    args = build_grpo_args(cfg, tmp_path)
+    args = build_trainer_args(cfg, tmp_path)
     assert args.max_steps == 5 and args.num_generations == 4 and args.warmup_steps == 2
     assert args.output_dir == str(tmp_path) and args.seed == cfg.seed
     assert args.bf16 is True and args.model_init_kwargs == {"dtype": "float32"}  # fp32 master weights
     assert args.report_to in ("none", [], ["none"])
-    assert build_grpo_args(load_config("grpo_math.yaml", []), tmp_path).report_to == ["wandb"]
+    assert build_trainer_args(load_config("grpo_math.yaml", []), tmp_path).report_to == ["wandb"]
 
 
 def test_grpo_extra_is_checked_against_grpoconfig(tmp_path):
     pytest.importorskip("trl")
-    from rlspec.train import build_grpo_args
+    from rlspec.trainer_args import build_trainer_args
 
     with pytest.raises(ConfigError, match="Did you mean 'warmup_steps'"):
-        build_grpo_args(load_config(None, ["grpo.extra.warmup_step=2"]), tmp_path)
+        build_trainer_args(load_config(None, ["grpo.extra.warmup_step=2"]), tmp_path)
     with pytest.raises(ConfigError, match="set grpo.max_steps instead"):
-        build_grpo_args(load_config(None, ["grpo.extra.max_steps=2"]), tmp_path)
+        build_trainer_args(load_config(None, ["grpo.extra.max_steps=2"]), tmp_path)
 
 
 @pytest.fixture
