@@ -21,11 +21,10 @@ A drop-in: same constructor as `trl.GRPOTrainer` plus keyword-only `spec_config`
 from __future__ import annotations
 
 from trl import GRPOTrainer
-from trl.extras.profiling import profiling_context
 
 from rollout.types import SpecConfig
+from trainers import rollout_source
 from trainers.callbacks import attach_summary_callback
-from trainers.rollout_source import RolloutSource, build_engine, default_max_model_len
 from trainers.weight_sync import unwrap_model
 
 
@@ -46,17 +45,11 @@ class SpecGRPOTrainer(GRPOTrainer):
         _check_supported(args, trainer_kwargs)
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         _check_sampling_args(self)
-        built_here = engine is None
-        if built_here:
-            policy = unwrap_model(self.model, self.accelerator)
-            defaults = dict(max_model_len=self.args.vllm_max_model_length or default_max_model_len(policy),
-                            max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation)
-            engine = build_engine(policy, self._tokenizer, spec_config, defaults, engine_kwargs or {})
-        # An engine built from the policy right now already holds step-0 weights: no first push needed.
-        self.rollouts = RolloutSource(engine, self.accelerator, self.state.global_step if built_here else None,
-                                      seed=self.args.seed, process_index=self.accelerator.process_index,
-                                      profile=lambda name: profiling_context(self, name))
-        self.engine, self.weight_syncer = engine, self.rollouts.weight_syncer
+        self.rollouts = rollout_source.for_trainer(
+            self, unwrap_model(self.model, self.accelerator), self._tokenizer, spec_config, engine, engine_kwargs or {},
+            max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation,
+            max_model_len=self.args.vllm_max_model_length)
+        self.engine, self.weight_syncer = self.rollouts.engine, self.rollouts.weight_syncer
         # Turn on TRL's importance-sampling correction and its sampling/* metrics for our engine.
         self.use_vllm = bool(self.vllm_importance_sampling_correction)
         self.vllm_mode = "rlspec_engine"  # never "colocate"/"server": TRL's vLLM-only branches stay off

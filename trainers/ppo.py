@@ -27,11 +27,10 @@ from collections import defaultdict
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
-from trl.extras.profiling import profiling_context
 from trl.models import prepare_deepspeed, prepare_fsdp
 
 from rollout.types import SpecConfig
-from trainers import ppo_math
+from trainers import ppo_math, rollout_source
 from trainers.callbacks import attach_summary_callback
 from trainers.data import prompt_token_ids
 from trainers.ppo_batch import Experience, RolloutBatch, pad_results, token_logprobs
@@ -39,7 +38,6 @@ from trainers.ppo_config import PPOConfig
 from trainers.ppo_model import VALUE_FILE, PolicyAndValue, completion_logits
 from trainers.ppo_update import PPOUpdateMixin
 from trainers.rewards import score_completions
-from trainers.rollout_source import RolloutSource, build_engine, default_max_model_len
 from trainers.weight_sync import unwrap_model
 
 
@@ -75,7 +73,9 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
                          optimizers=optimizers)
         self.ref_policy = self._prepare_reference(ref) if ref is not None else None
         self.stop_token_ids = _stop_token_ids(model, processing_class, args.stop_token_id)
-        self.rollouts = self._rollout_source(spec_config, engine, engine_kwargs or {})
+        self.rollouts = rollout_source.for_trainer(
+            self, self.policy, self.processing_class, spec_config, engine, engine_kwargs or {},
+            max_num_seqs=args.per_device_train_batch_size * args.num_mini_batches, max_model_len=args.max_model_len)
         self.engine, self.weight_syncer = self.rollouts.engine, self.rollouts.weight_syncer
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._shuffle = torch.Generator().manual_seed(args.seed)
@@ -88,18 +88,6 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
         if self.is_fsdp_enabled:
             return prepare_fsdp(ref, self.accelerator)
         return self.accelerator.prepare_model(ref, evaluation_mode=True)
-
-    def _rollout_source(self, spec_config, engine, engine_kwargs: dict) -> RolloutSource:
-        built_here = engine is None
-        if built_here:
-            policy = self.policy
-            defaults = dict(max_model_len=self.args.max_model_len or default_max_model_len(policy),
-                            max_num_seqs=self.args.per_device_train_batch_size * self.args.num_mini_batches)
-            engine = build_engine(policy, self.processing_class, spec_config, defaults, engine_kwargs)
-        # An engine built from the policy right now already holds step-0 weights: no first push needed.
-        return RolloutSource(engine, self.accelerator, self.state.global_step if built_here else None,
-                             seed=self.args.seed, process_index=self.accelerator.process_index,
-                             profile=lambda name: profiling_context(self, name))
 
     @property
     def policy(self):
@@ -186,11 +174,16 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
         self._log_mean("val/returns", ppo_math.masked_mean(exp.returns, mask))
         return exp
 
+    def _row_chunks(self, batch: RolloutBatch) -> list[slice]:
+        """The rollout's rows per_device_train_batch_size at a time: the no-grad forwards of the
+        experience run at the size of one update's minibatch, so they fit wherever the update fits."""
+        size = self.args.per_device_train_batch_size
+        return [slice(i, i + size) for i in range(0, batch.mask.shape[0], size)]
+
     def _forward_chunks(self, model, batch: RolloutBatch):
-        """(logprobs, values, entropy) of the whole rollout, per_device_train_batch_size rows at a time."""
+        """(logprobs, values, entropy) of the whole rollout, one row chunk at a time."""
         outs = []
-        for i in range(0, batch.mask.shape[0], self.args.per_device_train_batch_size):
-            rows = slice(i, i + self.args.per_device_train_batch_size)
+        for rows in self._row_chunks(batch):
             with self.compute_loss_context_manager():
                 logits, values = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
                                        completion_len=batch.completion_len)
@@ -200,11 +193,11 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
 
     def _ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         parts = []
-        for i in range(0, batch.mask.shape[0], self.args.per_device_train_batch_size):
-            rows = slice(i, i + self.args.per_device_train_batch_size)
+        ref = unwrap_model(self.ref_policy, self.accelerator)
+        for rows in self._row_chunks(batch):
             with self.compute_loss_context_manager():
-                logits = completion_logits(unwrap_model(self.ref_policy, self.accelerator), batch.input_ids[rows],
-                                           batch.attention_mask[rows], batch.completion_len)
+                logits = completion_logits(ref, batch.input_ids[rows], batch.attention_mask[rows],
+                                           batch.completion_len)
             parts.append(token_logprobs(logits, batch.completion_ids[rows], self.args.temperature))
         return torch.cat(parts)
 

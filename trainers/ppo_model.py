@@ -72,8 +72,8 @@ class PolicyAndValue(nn.Module):
         if self.critic is not None:
             self.critic.gradient_checkpointing_enable(**kwargs)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
-                with_values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                completion_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, values) for the last `completion_len` tokens of each row.
 
         input_ids, attention_mask: (B, P + T) prompts left-padded, completions right-padded.
@@ -82,8 +82,6 @@ class PolicyAndValue(nn.Module):
         """
         hidden = completion_hidden(backbone_of(self.policy), input_ids, attention_mask, completion_len)
         logits = self.policy.get_output_embeddings()(hidden)
-        if not with_values:
-            return logits, None
         if self.critic is not None:
             hidden = completion_hidden(self.critic, input_ids, attention_mask, completion_len)
         return logits, self.value_head(hidden).squeeze(-1).float()

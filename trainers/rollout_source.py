@@ -27,6 +27,24 @@ def build_engine(policy, tokenizer, spec_config: SpecConfig | None, defaults: di
         return RolloutEngine.from_hf_model(policy, tokenizer, spec=spec_config, **kwargs)
 
 
+def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engine, engine_kwargs: dict,
+                max_num_seqs: int, max_model_len: int | None) -> "RolloutSource":
+    """The RolloutSource of an HF/TRL trainer (SpecGRPOTrainer, PPOTrainer): `engine` if given, else one
+    built from `policy` (max_num_seqs rows, max_model_len or the model's own limit, engine_kwargs
+    overriding both); weight sync through the trainer's accelerator, seeds from its args.seed, TRL's
+    profiling around sync and generation."""
+    from trl.extras.profiling import profiling_context
+
+    built_here = engine is None
+    if built_here:
+        defaults = dict(max_model_len=max_model_len or default_max_model_len(policy), max_num_seqs=max_num_seqs)
+        engine = build_engine(policy, tokenizer, spec_config, defaults, engine_kwargs)
+    # An engine built from the policy right now already holds step-0 weights: no first push needed.
+    return RolloutSource(engine, trainer.accelerator, trainer.state.global_step if built_here else None,
+                         seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
+                         profile=lambda name: profiling_context(trainer, name))
+
+
 def default_max_model_len(policy) -> int:
     """The model's own position limit, capped at 2048 (prompt + completion tokens per sequence)."""
     return min(getattr(policy.config.get_text_config(), "max_position_embeddings", 2048), 2048)
