@@ -39,7 +39,11 @@ def result_row(label: str, s: dict) -> dict:
             "rollout_tok_s": tokens / rollout_s if rollout_s else None, "reward_first": rewards[0] if rewards else None,
             f"reward_last{LAST}": _mean(rewards[-LAST:]), "is_ratio_mean": _mean(ratio),
             "value_loss_first": next(iter(_series(s, "loss/value")), (None, None))[1],
-            "value_loss_last": (_series(s, "loss/value") or [(None, None)])[-1][1]}
+            "value_loss_last": (_series(s, "loss/value") or [(None, None)])[-1][1],
+            f"value_loss_first{LAST}": _mean([v for _, v in _series(s, "loss/value")][:LAST]),
+            f"value_loss_last{LAST}": _mean([v for _, v in _series(s, "loss/value")][-LAST:]),
+            f"explained_var_first{LAST}": _mean([v for _, v in _series(s, "val/explained_variance")][:LAST]),
+            f"explained_var_last{LAST}": _mean([v for _, v in _series(s, "val/explained_variance")][-LAST:])}
 
 
 def main(argv=None):
@@ -66,21 +70,23 @@ def main(argv=None):
     on, off = rows
     on["rollout_speedup"] = off["rollout_s"] / on["rollout_s"] if on["rollout_s"] else None
     print(table(rows, list(rows[0])))
-    curves = {label: {key: _series(s, key) for key in ("reward", "loss/value", "rollout/wall_s")}
+    curves = {label: {key: _series(s, key) for key in ("reward", "loss/value", "val/explained_variance", "rollout/wall_s")}
               for label, s in runs.items()}
     write_json(args.out, {"config": vars(args), "results": rows, "curves": curves})
     plot(curves, args.out.replace(".json", ".png"))
 
 
 def plot(curves: dict, path: str) -> None:
-    """Three panels: reward, value loss and rollout seconds per step, one line per run."""
+    """Four panels: reward, value loss, the critic's explained variance and rollout seconds per step, one
+    line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "mean reward"), ("loss/value", "value loss"), ("rollout/wall_s", "rollout s")]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    panels = [("reward", "mean reward"), ("loss/value", "value loss"),
+              ("val/explained_variance", "value explained variance"), ("rollout/wall_s", "rollout s")]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.5))
     for ax, (key, label) in zip(axes, panels):
         for run_label, series in curves.items():
             if series[key]:

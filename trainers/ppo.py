@@ -172,6 +172,7 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
         self._log_mean("objective/entropy", ppo_math.masked_mean(entropy, mask))
         self._log_mean("val/mean", ppo_math.masked_mean(old_values, mask))
         self._log_mean("val/returns", ppo_math.masked_mean(exp.returns, mask))
+        self._log_mean("val/explained_variance", ppo_math.explained_variance(old_values, exp.returns, mask))
         return exp
 
     def _row_chunks(self, batch: RolloutBatch) -> list[slice]:

@@ -131,6 +131,15 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, {"clipfrac": masked_mean((clipped_err > unclipped_err).float(), mask).detach()}
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) over the masked tokens (verl's critic/vf_explained_var): 1 is a perfect value
+    model, 0 no better than predicting the batch mean, negative worse. Unlike the value loss it does not
+    grow when the returns themselves spread out (an outcome reward's variance p(1-p) peaks at p = 0.5),
+    so it shows whether the critic is learning while the reward moves."""
+    var_returns = masked_var(returns, mask, unbiased=False)
+    return 1 - masked_var(returns - values, mask, unbiased=False) / var_returns.clamp(min=1e-8)
+
+
 def importance_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
                        mode: Literal["token_truncate", "token_mask"], cap: float) -> tuple[torch.Tensor, dict]:
     """Per-token importance weights pi_old / pi_engine, truncated at `cap` (token_truncate) or zeroed

@@ -83,6 +83,18 @@ def test_clipped_value_loss():
     close(stats["clipfrac"], 0.5)
 
 
+def test_explained_variance_by_hand():
+    # masked returns [1, 0, 1] (the 4th position is padding), values [0.5, 0.5, 1]:
+    # Var(R) = 2/9, R - V = [0.5, -0.5, 0] with mean 0 -> Var = 1/6; 1 - (1/6) / (2/9) = 0.25
+    returns = torch.tensor([[1.0, 0.0, 1.0, 7.0]])
+    values = torch.tensor([[0.5, 0.5, 1.0, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert ppo_math.explained_variance(values, returns, mask).item() == pytest.approx(0.25)
+    assert ppo_math.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    # predicting the mean exactly explains nothing
+    assert ppo_math.explained_variance(torch.full_like(returns, 2 / 3), returns, mask).item() == pytest.approx(0.0)
+
+
 def test_kl_estimators():
     logprobs, ref = T([-1.0, -2.0]), T([-1.5, -1.0])
     close(ppo_math.kl_penalty(logprobs, ref, "k1"), [0.5, -1.0])  # log pi - log pi_ref
