@@ -110,7 +110,10 @@ class PPOSection:
 
 @dataclass
 class RolloutSection:
-    """The rollout engine's capacity."""
+    """Which rollout backend, and the engine's capacity."""
+
+    backend: str = _f("engine", "what produces the rollouts (rollout/backend.py's registry): engine = rlspec's "
+                                "in-process speculative engine")
 
     max_model_len: int = _f(2048, "prompt + completion tokens the engine's KV cache holds per sequence")
     max_num_seqs: int = _f(64, "sequences decoded at once; larger batches are split")

@@ -115,7 +115,7 @@ def build_trainer(cfg: Config, out: Path):
         train_dataset=load_data(cfg, load_dataset_by_name),
         processing_class=tokenizer,
         spec_config=cfg.drafter,  # the drafter section is the engine's SpecConfig
-        engine_kwargs=dict(max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
+        engine_kwargs=dict(backend=cfg.rollout.backend, max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
                            dtype=cfg.dtype, graph_mode=cfg.rollout.graph_mode, kv_memory_gb=cfg.rollout.kv_memory_gb,
                            kv_memory_fraction=cfg.rollout.kv_memory_fraction, kv_block_size=cfg.rollout.kv_block_size,
                            free_kv_between_rollouts=cfg.rollout.free_kv_between_rollouts),
@@ -140,16 +140,15 @@ def warm_start_drafter(cfg: Config, trainer) -> dict | None:
     from dataclasses import asdict
 
     engine = trainer.engine
-    if engine.speculation.learned is None or cfg.drafter.warm_start_s <= 0 or cfg.drafter.drafter_path:
+    if not engine.has_learned_drafter or cfg.drafter.warm_start_s <= 0 or cfg.drafter.drafter_path:
         return None
-    from rollout.spec.warm_start import warm_start
     from trainers.data import prompt_token_ids
 
     convs = trainer.train_dataset["prompt"][:cfg.drafter.warm_start_prompts]
     prompts = prompt_token_ids(trainer.processing_class, convs)
     algo = cfg.algorithm
-    result = warm_start(engine, prompts, budget_s=cfg.drafter.warm_start_s, group=algo.num_generations,
-                        max_new_tokens=algo.max_completion_length, temperature=algo.temperature)
+    result = engine.warm_start_drafter(prompts, budget_s=cfg.drafter.warm_start_s, group=algo.num_generations,
+                                       max_new_tokens=algo.max_completion_length, temperature=algo.temperature)
     engine.stats()  # drop the warm-up's rollout metrics: step 1's figures are step 1's alone
     how = "loaded from the cache" if result.cached else \
         f"{result.steps} steps on {result.tokens} tokens in {result.seconds:.0f} s, cached"
@@ -233,7 +232,7 @@ def export_byproduct_drafter(cfg: Config, trainer, out: Path) -> str | None:
     """Export a learned drafter to <output_dir>/drafter (EAGLE-3 format) and stop its training thread.
     Best effort: a failing export is reported, never raised over the run's own outcome."""
     engine = getattr(trainer, "engine", None)
-    if engine is None or engine.speculation.learned is None:
+    if engine is None or not engine.has_learned_drafter:
         return None
     engine.close()
     if not cfg.drafter.export:

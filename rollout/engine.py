@@ -303,6 +303,19 @@ class RolloutEngine:
     def selector(self):
         return self.speculation.selector
 
+    @property
+    def has_learned_drafter(self) -> bool:
+        return self.speculation.learned is not None
+
+    def warm_start_drafter(self, prompts: list[list[int]], *, budget_s: float, group: int, max_new_tokens: int,
+                           temperature: float):
+        """Train the learned drafter on this engine's own rollouts of `prompts` before RL starts, or load
+        the cached result for these weights (rollout/spec/warm_start.py)."""
+        from rollout.spec.warm_start import warm_start
+
+        return warm_start(self, prompts, budget_s=budget_s, group=group, max_new_tokens=max_new_tokens,
+                          temperature=temperature)
+
     def export_drafter(self, path: str, metadata: dict | None = None) -> str:
         """Write the learned drafter (as trained so far) in the EAGLE-3 format vLLM and SGLang load."""
         meta = {"policy_version": self.policy_version, **(metadata or {})}

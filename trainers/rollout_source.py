@@ -18,13 +18,15 @@ from trainers.weight_sync import WeightSyncer, gathered_model
 
 
 def build_engine(policy, tokenizer, spec_config: SpecConfig | None, defaults: dict, engine_kwargs: dict):
-    """A RolloutEngine holding a copy of `policy` (a bare HF causal LM). engine_kwargs (the user's:
-    max_model_len, max_num_seqs, dtype, graph_mode) override the trainer's `defaults`."""
-    from rollout.engine import RolloutEngine
+    """A rollout backend (engine_kwargs["backend"], default the in-process RolloutEngine) holding a copy of
+    `policy` (a bare HF causal LM). engine_kwargs (the user's: max_model_len, max_num_seqs, dtype,
+    graph_mode, KV settings) override the trainer's `defaults`."""
+    from rollout.backend import build_backend
 
     kwargs = {**defaults, **engine_kwargs}
+    name = kwargs.pop("backend", "engine")
     with gathered_model(policy):  # ZeRO-3 partitions weights at load time; the engine needs them whole
-        return RolloutEngine.from_hf_model(policy, tokenizer, spec=spec_config, **kwargs)
+        return build_backend(name, policy, tokenizer, spec_config, **kwargs)
 
 
 def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engine, engine_kwargs: dict,
@@ -53,7 +55,7 @@ def default_max_model_len(policy) -> int:
 class RolloutSource:
     """Sync-if-needed, generate, record metrics: what a trainer calls once per rollout.
 
-    engine: the RolloutEngine (or any backend with generate / load_weights / stats).
+    engine: the rollout backend (rollout/backend.py: the RolloutEngine, or any RolloutBackend).
     accelerator: the trainer's accelerator (weight sync unwraps and gathers through it).
     synced_step: the optimizer step whose weights the engine holds (None forces the first push).
     seed / process_index: make every call's sampling seed reproducible and distinct per process.
