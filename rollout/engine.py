@@ -127,7 +127,8 @@ class RolloutEngine:
         ]
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
         cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(),
-                                         self.speculation.extra_kv_layers, min_positions=longest)
+                                         self.speculation.extra_kv_layers, min_positions=longest,
+                                         side=self.speculation.side_buffers)
         cache.reset()  # an earlier call that raised may have left blocks held
         self.speculation.calibrate(self.runner, cache.rows, cache.length)
         self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
@@ -187,10 +188,13 @@ class RolloutEngine:
 
     def _resume(self, seqs: list[Sequence]) -> None:
         """Preempted sequences are back: a prefill of everything they hold but the pending token rebuilds
-        their KV (a learned drafter rebuilds its own layer from its staged features at its next catch-up).
-        No token is drawn: each continues exactly where it stopped."""
+        their KV, and a learned drafter's staged features with it (they lived in the freed blocks; the drafter
+        rebuilds its own layer from them at its next catch-up). No token is drawn: each continues exactly
+        where it stopped."""
         self.runner.cache.grow([(s.row, id(s), s.cache_len + 1) for s in seqs])
-        self.runner.prefill([s.all_ids()[:s.cache_len] for s in seqs], [s.row for s in seqs])
+        _, hiddens = self.runner.prefill([s.all_ids()[:s.cache_len] for s in seqs], [s.row for s in seqs],
+                                         self.speculation.aux_layers)
+        self.speculation.observe_resume(seqs, hiddens)
         for s in seqs:
             s.resumed = False
 

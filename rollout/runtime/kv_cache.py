@@ -7,6 +7,12 @@ device; row r's position p lives at flat slot `table[r, p // block_size] * block
 p % block_size`. Unassigned entries point at block 0, the trash block: padding rows, padding
 nodes and padded prompt positions write there, and no mask ever shows it.
 
+Side buffers (`side`) hold other per-position data that must follow the same blocks, e.g. the target
+features a learned EAGLE-3 drafter stages for its catch-up and its training data: [num_blocks,
+block_size, *shape] each, addressed by the same flat slots, copied with the blocks on copy-on-write
+and freed with them, so they cost memory only for the tokens actually held and a prompt's are shared
+by its samples like its KV.
+
 Which block a sequence holds is the BlockAllocator's business (plain Python, `alloc`); this class
 mirrors its decisions into the device table (a few integers per changed row) and moves KV data only
 for copy-on-write and tree fix-ups. Live sequences still occupy table rows 0..B-1, but compacting
@@ -16,6 +22,7 @@ handed back after the step (`trim`).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 
 import torch
@@ -27,6 +34,15 @@ from rollout.runtime.model.config import ModelConfig
 def block_bytes(cfg: ModelConfig, layers: int, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across every layer, K and V."""
     return 2 * layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+SideSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (per-position shape, dtype)
+
+
+def side_bytes(side: SideSpec | None, block_size: int) -> int:
+    """Bytes of one block of every side buffer."""
+    return sum(block_size * math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+               for shape, dt in (side or {}).values())
 
 
 def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -50,23 +66,26 @@ def write_slots(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> Non
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, rows: int, length: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device, extra_layers: int = 0):
+                 dtype: torch.dtype, device, extra_layers: int = 0, side: SideSpec | None = None):
         # extra layers after the target's belong to a learned drafter (EAGLE-3 keeps one layer of KV):
         # they live in the same blocks, so prompt sharing, preemption and tree fix-ups cover them too
         shape = (cfg.num_layers + extra_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.side_spec: SideSpec = dict(side or {})
+        self.side = {name: torch.zeros(num_blocks, block_size, *shp, dtype=dt, device=device)
+                     for name, (shp, dt) in self.side_spec.items()}
         self.block_size = block_size
         self.table = torch.zeros(rows, -(-length // block_size), dtype=torch.long, device=device)
         self.alloc = BlockAllocator(num_blocks, block_size)
 
     @classmethod
     def for_rows(cls, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device,
-                 block_size: int = 16, extra_layers: int = 0) -> "PagedKVCache":
+                 block_size: int = 16, extra_layers: int = 0, side: SideSpec | None = None) -> "PagedKVCache":
         """A pool of exactly rows x length positions with every row holding its blocks: the contiguous
         cache's equivalent, for a bare forward without an engine (tests, step benchmarks)."""
         per_row = -(-length // block_size)
-        cache = cls(cfg, rows, length, rows * per_row + 1, block_size, dtype, device, extra_layers)
+        cache = cls(cfg, rows, length, rows * per_row + 1, block_size, dtype, device, extra_layers, side)
         cache.reserve_rows(rows, length)
         return cache
 
@@ -88,7 +107,7 @@ class PagedKVCache:
         return rows <= self.rows and length <= self.length
 
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + sum(b.numel() * b.element_size() for b in self.side.values())
 
     # ---- addressing (on the device, no host sync) ---------------------------------------------------
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -99,6 +118,14 @@ class PagedKVCache:
         ok = (positions >= 0) & (col < width)
         blk = self.table[rows[:, None], col.clamp(0, width - 1)]
         return torch.where(ok, blk * bs + positions.remainder(bs), TRASH * bs)
+
+    def owner_slots(self, owner: Hashable, positions: int) -> torch.Tensor:
+        """Flat slots [positions] of positions 0..positions-1 of the sequence `owner`, from the blocks it
+        holds (not from a table row: a retiring sequence has left its row before its blocks are freed)."""
+        bs = self.block_size
+        held = torch.tensor(self.alloc.held(owner)[: -(-positions // bs)], dtype=torch.long)
+        pos = torch.arange(positions)
+        return (held[pos // bs] * bs + pos % bs).to(self.table.device)
 
     def blocks(self, B: int, S: int) -> torch.Tensor:
         """[B, ceil(S / block_size)]: the blocks rows 0..B-1 read for positions 0..S-1."""
@@ -114,6 +141,16 @@ class PagedKVCache:
         """k, v [B, T, KV, D] into flat slots [B, T] of one layer."""
         write_slots(self.k[layer], slots, k)
         write_slots(self.v[layer], slots, v)
+
+    def write_side(self, name: str, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """x [*slots.shape, *shape] into side buffer `name` at flat slots (trash-block slots take padding)."""
+        buf = self.side[name]
+        buf.view(-1, *buf.shape[2:])[slots.reshape(-1)] = x.reshape(-1, *buf.shape[2:]).to(buf.dtype)
+
+    def read_side(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Side buffer `name` at flat slots -> [*slots.shape, *shape] (a copy)."""
+        buf = self.side[name]
+        return buf.view(-1, *buf.shape[2:])[slots]
 
     # ---- the allocator's decisions mirrored into the table ---------------------------------------------
     def grow(self, items: list[tuple[int, Hashable, int]]) -> None:
@@ -181,6 +218,8 @@ class PagedKVCache:
             d = torch.tensor(dst, device=self.k.device)
             for buf in (self.k, self.v):
                 buf[:, d] = buf[:, s]
+            for buf in self.side.values():
+                buf[d] = buf[s]
 
     def gather_positions(self, row: int, src: list[int], dst: list[int]) -> None:
         """After tree verification: move accepted nodes' entries (all layers) to consecutive positions."""

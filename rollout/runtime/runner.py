@@ -9,7 +9,7 @@ import torch
 
 from rollout.runtime.graphs import MODES, make_step_runner
 from rollout.runtime.kv_budget import KVBudget
-from rollout.runtime.kv_cache import PagedKVCache, block_bytes
+from rollout.runtime.kv_cache import PagedKVCache, SideSpec, block_bytes, side_bytes
 from rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
@@ -25,13 +25,16 @@ class ModelRunner:
         self.cache: PagedKVCache | None = None
         self.steps = None  # EagerRunner or GraphPool over self.cache; rebuilt with it
 
-    def ensure_cache(self, rows: int, length: int, extra_layers: int = 0, min_positions: int = 0) -> PagedKVCache:
+    def ensure_cache(self, rows: int, length: int, extra_layers: int = 0, min_positions: int = 0,
+                     side: SideSpec | None = None) -> PagedKVCache:
         """Allocate once; rebuild only when a call needs more table rows or positions than ever before (or
-        another drafter layer count). The pool's size comes from the budget (kv_budget.py); min_positions is
-        the longest sequence the call needs, which the pool must hold."""
+        another drafter layer count or side buffers). The pool's size comes from the budget (kv_budget.py),
+        which counts the side buffers' bytes per block too; min_positions is the longest sequence the call
+        needs, which the pool must hold."""
         layers = self.model.cfg.num_layers + extra_layers
+        side = dict(side or {})
         old = self.cache
-        if old is not None and old.fits(rows, length) and old.layers == layers \
+        if old is not None and old.fits(rows, length) and old.layers == layers and old.side_spec == side \
                 and old.alloc.capacity * old.block_size >= min_positions:
             return old
         rows = max(rows, old.rows if old else 0)
@@ -42,9 +45,9 @@ class ModelRunner:
         del old
         # paged FlexAttention maps its 128-position blocks one to one onto the pool's blocks
         bs = BLOCK if use_flex(self.device) else self.budget.block_size
-        blocks = self.budget.pool_blocks(block_bytes(self.model.cfg, layers, bs, self.dtype), rows, length,
-                                         max(min_positions, 1), self.device)
-        self.cache = PagedKVCache(self.model.cfg, rows, length, blocks, bs, self.dtype, self.device, extra_layers)
+        per_block = block_bytes(self.model.cfg, layers, bs, self.dtype) + side_bytes(side, bs)
+        blocks = self.budget.pool_blocks(per_block, rows, length, max(min_positions, 1), self.device)
+        self.cache = PagedKVCache(self.model.cfg, rows, length, blocks, bs, self.dtype, self.device, extra_layers, side)
         self.model.init_rope(self.cache.length)
         self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode, max_t=self.max_graph_t)
         return self.cache

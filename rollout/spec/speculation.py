@@ -97,6 +97,11 @@ class Speculation:
         return self.learned.extra_kv_layers if self.learned is not None else 0
 
     @property
+    def side_buffers(self) -> dict:
+        """Per-position buffers the learned drafter keeps in the KV pool's blocks (kv_cache.SideSpec)."""
+        return self.learned.side_buffers() if self.learned is not None else {}
+
+    @property
     def max_nodes(self) -> int:
         return max(self.selector.max_nodes, self._forced.nodes if self._forced is not None else 0)
 
@@ -142,6 +147,11 @@ class Speculation:
     def observe_prefill(self, groups, hiddens: dict) -> None:
         if self.learned is not None and hiddens:
             self.learned.observe_prefill(groups, self._features(hiddens))
+
+    def observe_resume(self, seqs, hiddens: dict) -> None:
+        """Preempted sequences were prefilled again: hiddens of positions 0..cache_len-1 of each."""
+        if self.learned is not None and hiddens:
+            self.learned.observe_resume(seqs, self._features(hiddens))
 
     def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor, accepted: list[int],
                        logits: torch.Tensor) -> None:

@@ -21,8 +21,10 @@ def gib(blocks: int, block_bytes: int) -> float:
 
 
 def engine(hf, blocks=None, spec=None, **kw):
-    layers = 2 + (spec is not None and spec.drafter == "eagle3")  # tiny Llama (+ the drafter's KV layer)
+    eagle3 = spec is not None and spec.drafter == "eagle3"
+    layers = 2 + eagle3  # tiny Llama (+ the drafter's KV layer)
     block = 2 * layers * BS * 2 * 16 * 4  # K and V, 2 KV heads x 16, float32
+    block += eagle3 * BS * 3 * 64 * 4  # the drafter's staged target features: 3 x hidden 64, float32
     budget = {} if blocks is None else {"kv_memory_gb": gib(blocks, block)}
     return RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], kv_block_size=BS,
                          **budget, **kw)
@@ -61,6 +63,57 @@ def test_prompt_blocks_are_shared_among_samples_and_results_unchanged():
     single = engine(hf)
     ref = [r.completion_ids for p in prompts for r in single.generate([p], SamplingParams(temperature=0, max_new_tokens=12))]
     assert got == [c for c in ref for _ in range(4)]
+
+
+class _Recorder:
+    """Stands in for the drafter's trainer: keeps what finished samples hand over (features, tokens)."""
+    topk = 0
+
+    def __init__(self):
+        self.samples = []
+
+    def add(self, feats, ids, version, dist, temperature):
+        self.samples.append((feats.clone(), list(ids)))
+
+    def latest(self):
+        return None
+
+
+def test_eagle3_features_live_in_the_blocks_shared_and_restaged_after_preemption():
+    """The drafter's staged target features are side buffers of the KV blocks: the pool's bytes per block
+    count them, a prompt's samples read the prompt's features from the same (shared) slots, and a
+    preempted sample's features, freed with its blocks, are staged again by its re-prefill: what every
+    sample banks at the end equals the features of one fresh forward over its tokens."""
+    hf = make_tiny_hf("llama", seed=2)
+    prompts = random_prompts(6, 2, 25, seed=3)
+    eng = engine(hf, blocks=40, spec=eagle(1))
+    drafter = eng.speculation.learned
+    rec = _Recorder()
+    drafter.attach(rec)
+    seen = []
+    orig_finish = drafter.finish
+
+    def finish(seq):  # the slots a sample's prompt positions map to, while it still holds its blocks
+        seen.append((seq.prompt_index, eng.runner.cache.owner_slots(id(seq), len(seq.prompt_ids) - 1).tolist()))
+        orig_finish(seq)
+
+    drafter.finish = finish
+    eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, n=2))
+    stats = eng.stats()
+    assert stats["rollout/preemptions"] > 0 and eng.runner.cache.alloc.capacity == 40
+    assert set(eng.runner.cache.side) == {"eagle3/features"}
+    assert len(rec.samples) == 12
+    for feats, ids in rec.samples:
+        with torch.no_grad():
+            hs = hf(torch.tensor([ids[:len(feats)]]), output_hidden_states=True).hidden_states
+        ref = torch.cat([hs[i][0] for i in drafter.aux_layers], -1)
+        torch.testing.assert_close(feats, ref, atol=1e-4, rtol=1e-4)
+    # samples of one prompt that ran side by side read its full blocks from the very same slots
+    by_prompt = {}
+    for prompt, slots in seen:
+        by_prompt.setdefault(prompt, []).append(slots)
+    shared = [p for p, (a, b) in by_prompt.items() if len(prompts[p]) - 1 >= BS and a[:BS] == b[:BS]]
+    assert shared, "no prompt's samples shared their staged features"
 
 
 def test_rejected_drafts_hold_no_block_past_their_step(monkeypatch):

@@ -67,18 +67,26 @@ class LearnedDrafter(Drafter, Protocol):
     extra_kv_layers: int  # KV layers it keeps as extra layers of the engine's cache (they move with rows)
     version: int  # weights version; changes when a trainer publishes new weights
 
+    def side_buffers(self) -> dict:
+        """Per-position data it stages in the KV pool's blocks (kv_cache.SideSpec: name -> (shape, dtype)),
+        so the data follows the tokens held, is shared with a prompt and freed with the blocks."""
+
     def start(self, seqs: list[Sequence], cache, params, generator) -> None:
         """A generate call begins: its sequences, the engine's PagedKVCache, SamplingParams and generator."""
 
     def observe_prefill(self, groups: list[list[Sequence]], feats) -> None:
         """feats [P, T, 3H]: the target's features at every prompt position of each admitted group."""
 
+    def observe_resume(self, seqs: list[Sequence], feats) -> None:
+        """Preempted sequences were prefilled again: feats [B, T, 3H] of positions 0..cache_len-1 of each."""
+
     def observe_verify(self, seqs: list[Sequence], feats, path, accepted: list[int], logits) -> None:
         """feats [B, N+1, 3H] at every verified node; path [B, N] the accepted nodes (-1 after);
         logits [B, N+1, V] float32: the target's raw logits at every node (a distillation target)."""
 
     def evict(self, seq: Sequence) -> None:
-        """seq was preempted: the drafter's KV layer of it is gone; rebuild it when seq is back."""
+        """seq was preempted: its blocks, with the drafter's KV layer and staged data, are gone; rebuild the
+        layer when seq is back (observe_resume restages the features first)."""
 
     def set_policy_version(self, version: int) -> None:
         """The target's weights changed: tag data from now on with this version."""

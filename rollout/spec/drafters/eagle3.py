@@ -1,7 +1,10 @@
 """The learned EAGLE-3 drafter inside the engine: catch up on the target's features, then draft.
 
 Per sequence the drafter keeps one layer of KV in the engine's paged cache (an extra layer of the
-same blocks, so sharing, preemption and tree fix-ups cover it) and a staging copy of the target features of every cached position. Each step:
+same blocks, so sharing, preemption and tree fix-ups cover it) and the target features of every cached
+position, staged in side buffers of the same blocks (kv_cache.py): they cost memory only for the tokens
+held, a prompt's are shared by its samples, and they go with the blocks when a sequence finishes or is
+preempted (the engine's re-prefill of a preempted sequence stages them again). Each step:
 1. catch-up: run positions valid..cache_len-1 (features of token t, embedding of token t+1),
    writing the drafter's KV; the last output predicts the token after the pending one;
 2. draft: feed the drafter's own output back for depth-1 more steps. These speculative steps attend
@@ -12,7 +15,8 @@ proposals. At temperature > 0 they are sampled from q, the drafter's distributio
 like the target's (temperature, top-k, top-p), and returned with q so verification accepts with
 min(1, p/q): acceptance is then sum(min(p, q)), close to 1 where q matches p, while a greedy draft
 of a high-entropy target is accepted only with probability p(argmax q).
-New weights from a trainer are swapped in here, between decode iterations, and invalidate the drafter KV (it was computed by the old weights), which the staging copy rebuilds.
+New weights from a trainer are swapped in here, between decode iterations, and invalidate the drafter
+KV (it was computed by the old weights), which the staged features rebuild.
 """
 from __future__ import annotations
 
@@ -59,37 +63,32 @@ class Eagle3Drafter:
         self.trainer = None  # a DrafterTrainer: takes finished samples (add), publishes weights (latest)
         self.target_cache = None  # the engine's PagedKVCache, given at each start()
         self.policy_version = 0
-        self.stage: torch.Tensor | None = None  # [sequences of the call, positions, 3H]
-        # the target's top-k distribution per staged position, when the trainer's loss reads it
-        self.stage_dist: Dist | None = None  # fields [sequences, positions, k] / [sequences, positions]
-        self.slot: dict[int, int] = {}
-        self.valid: dict[int, int] = {}
+        self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
         self.params = None  # the call's SamplingParams: drafts are processed like the target
         self.generator = None
         self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
 
     # ---- engine hooks ---------------------------------------------------------------------------
+    def side_buffers(self) -> dict:
+        """What the drafter stages per cached position, in the KV pool's blocks: the target's features
+        [3H]; with a trainer whose loss reads it, the target's top-k distribution of the next token too
+        (ids, probs, the mass outside the top k, and whether the position has one: prompt positions don't)."""
+        p = next(self.model.parameters())
+        side = {"eagle3/features": ((3 * self.model.cfg.hidden_size,), p.dtype)}
+        k = getattr(self.trainer, "topk", 0)
+        if k > 0:
+            side.update({"eagle3/dist_ids": ((k,), torch.int32), "eagle3/dist_probs": ((k,), torch.float16),
+                         "eagle3/dist_rest": ((), torch.float16), "eagle3/dist_has": ((), torch.bool)})
+        return side
+
+    @property
+    def stages_dist(self) -> bool:
+        """Whether this call's pool has the distribution buffers (side_buffers asked for them)."""
+        return "eagle3/dist_ids" in self.target_cache.side
+
     def start(self, seqs: list[Sequence], cache, params=None, generator=None) -> None:
         self.target_cache, self.params, self.generator = cache, params, generator
-        length = cache.length
-        H3 = 3 * self.model.cfg.hidden_size
-        p = next(self.model.parameters())
-        if self.stage is None or self.stage.shape[0] < len(seqs) or self.stage.shape[1] < length:
-            self.stage = torch.zeros(len(seqs), length, H3, dtype=p.dtype, device=p.device)
-        self.slot = {id(s): i for i, s in enumerate(seqs)}
         self.valid = {id(s): 0 for s in seqs}
-        k = getattr(self.trainer, "topk", 0)
-        d = self.stage_dist
-        if k <= 0:
-            self.stage_dist = None
-        elif d is None or d.ids.shape[0] < len(seqs) or d.ids.shape[1] < length or d.ids.shape[2] != k:
-            S, dev = max(len(seqs), self.stage.shape[0]), p.device
-            self.stage_dist = Dist(torch.zeros(S, length, k, dtype=torch.int32, device=dev),
-                                   torch.zeros(S, length, k, dtype=torch.float16, device=dev),
-                                   torch.zeros(S, length, dtype=torch.float16, device=dev),
-                                   torch.zeros(S, length, dtype=torch.bool, device=dev))
-        if self.stage_dist is not None:
-            self.stage_dist.has.zero_()  # prompt positions never get one; rows are reused across calls
 
     def begin(self, groups) -> None:
         pass
@@ -107,57 +106,72 @@ class Eagle3Drafter:
         return self.model
 
     def observe_prefill(self, groups: list[list[Sequence]], feats: torch.Tensor) -> None:
-        """feats [P, T, 3H]: the target's features of each group's prompt positions."""
-        for g, f in zip(groups, feats):
-            n = len(g[0].prompt_ids)
-            for s in g:
-                self.stage[self.slot[id(s)], :n] = f[:n]
+        """feats [P, T, 3H]: the target's features of each group's prompt positions, staged once in the
+        head sample's blocks, which its siblings then share (the engine shares them after this call)."""
+        self._stage_prefix([g[0] for g in groups], [len(g[0].prompt_ids) for g in groups], feats)
+
+    def observe_resume(self, seqs: list[Sequence], feats: torch.Tensor) -> None:
+        """A preempted sequence was prefilled again: feats [B, T, 3H] of positions 0..cache_len-1. Their
+        staged next-token distributions went with the blocks (the trainer skips positions without one)."""
+        self._stage_prefix(seqs, [s.cache_len for s in seqs], feats)
+
+    def _stage_prefix(self, seqs: list[Sequence], lens: list[int], feats: torch.Tensor) -> None:
+        cache, dev = self.target_cache, feats.device
+        pos = torch.arange(feats.shape[1], device=dev)[None, :]
+        pos = torch.where(pos < torch.tensor(lens, device=dev)[:, None], pos, -1)  # padding -> trash block
+        slots = cache.slots(torch.tensor([s.row for s in seqs], device=dev), pos)
+        cache.write_side("eagle3/features", slots, feats)
+        if self.stages_dist:  # a recycled block may still say "has" from its previous owner
+            cache.write_side("eagle3/dist_has", slots, torch.zeros(slots.shape, dtype=torch.bool, device=dev))
 
     def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor, accepted,
                        logits: torch.Tensor | None = None) -> None:
-        """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept."""
-        nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long), path.clamp(min=0)], 1).to(feats.device)
+        """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
+        positions cache_len..cache_len+accepted of each row (sequence i sits in table row i)."""
+        dev, cache = feats.device, self.target_cache
+        nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long, device=path.device), path.clamp(min=0)], 1).to(dev)
         kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
-        for i, (s, a) in enumerate(zip(seqs, accepted)):
-            start = s.cache_len
-            self.stage[self.slot[id(s)], start:start + a + 1] = kept[i, :a + 1]
-        if self.stage_dist is not None and logits is not None:
-            self._stage_dist(seqs, nodes.cpu(), accepted, logits)
+        j = torch.arange(nodes.shape[1], device=dev)[None, :]
+        start = torch.tensor([s.cache_len for s in seqs], device=dev)[:, None]
+        pos = torch.where(j <= torch.tensor(accepted, device=dev)[:, None], start + j, -1)  # unkept -> trash
+        slots = cache.slots(torch.arange(len(seqs), device=dev), pos)
+        cache.write_side("eagle3/features", slots, kept)
+        if self.stages_dist and logits is not None:
+            self._stage_dist(slots, nodes, pos >= 0, logits)
 
-    def _stage_dist(self, seqs, nodes: torch.Tensor, accepted, logits: torch.Tensor) -> None:
+    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, kept: torch.Tensor, logits: torch.Tensor) -> None:
         """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
-        the pending token), staged at the position of that node's token: the law of the next token."""
-        rows = torch.cat([torch.full((a + 1,), i) for i, a in enumerate(accepted)])
-        cols = torch.cat([nodes[i, :a + 1] for i, a in enumerate(accepted)])
-        sel = logits[rows, cols.to(logits.device)]  # [K, V] only the kept nodes: ~2 per row
+        the pending token; kept [B, N+1] bool), staged at the slot of that node's token: the law of the
+        next token."""
+        cache = self.target_cache
+        slots = slots[kept]  # [K] only the kept nodes: ~2 per row
+        sel = logits[kept.nonzero(as_tuple=True)[0].to(logits.device), nodes[kept].to(logits.device)]  # [K, V]
         probs = torch.softmax(sel, -1) if self.params is None or self.params.greedy \
             else probs_from_logits(sel, self.params)
-        top = probs.topk(self.stage_dist.ids.shape[-1], -1)
-        dev, d, j = self.stage.device, self.stage_dist, 0
-        ids, vals = top.indices.to(dev, torch.int32), top.values.to(dev)
-        rest = (1.0 - vals.sum(-1)).clamp(min=0.0)
-        for s, a in zip(seqs, accepted):
-            slot, start = self.slot[id(s)], s.cache_len
-            d.ids[slot, start:start + a + 1] = ids[j:j + a + 1]
-            d.probs[slot, start:start + a + 1] = vals[j:j + a + 1].to(d.probs.dtype)
-            d.rest[slot, start:start + a + 1] = rest[j:j + a + 1].to(d.rest.dtype)
-            d.has[slot, start:start + a + 1] = True
-            j += a + 1
+        top = probs.topk(cache.side["eagle3/dist_ids"].shape[-1], -1)
+        slots = slots.to(probs.device)
+        cache.write_side("eagle3/dist_ids", slots, top.indices.to(torch.int32))
+        cache.write_side("eagle3/dist_probs", slots, top.values)
+        cache.write_side("eagle3/dist_rest", slots, (1.0 - top.values.sum(-1)).clamp(min=0.0))
+        cache.write_side("eagle3/dist_has", slots, torch.ones(slots.shape, dtype=torch.bool, device=slots.device))
 
     def evict(self, seq: Sequence) -> None:
-        """Preempted: its KV blocks (this layer's too) are gone; the next catch-up rebuilds them from the
-        staged features, which stay."""
+        """Preempted: its KV blocks (this layer's and its staged features too) are gone; the engine's
+        re-prefill stages the features again (observe_resume) and the next catch-up rebuilds the layer."""
         if id(seq) in self.valid:
             self.valid[id(seq)] = 0
 
     def finish(self, seq: Sequence) -> None:
-        slot = self.slot.pop(id(seq), None)
-        self.valid.pop(id(seq), None)
-        if slot is not None and self.trainer is not None and seq.cache_len > 2:
-            n, d = seq.cache_len, self.stage_dist
-            dist = None if d is None else Dist(d.ids[slot, :n], d.probs[slot, :n], d.rest[slot, :n], d.has[slot, :n])
+        """Bank a finished sample's staged features (read now: the engine frees its blocks next)."""
+        known = self.valid.pop(id(seq), None) is not None
+        if known and self.trainer is not None and seq.cache_len > 2:
+            cache, n = self.target_cache, seq.cache_len
+            slots = cache.owner_slots(id(seq), n)
+            dist = Dist(*(cache.read_side(f"eagle3/dist_{f}", slots) for f in ("ids", "probs", "rest", "has"))) \
+                if self.stages_dist else None
             temp = 1.0 if self.params is None or self.params.greedy else self.params.temperature
-            self.trainer.add(self.stage[slot, :n], seq.all_ids()[:n + 1], self.policy_version, dist, temp)
+            self.trainer.add(cache.read_side("eagle3/features", slots), seq.all_ids()[:n + 1], self.policy_version,
+                             dist, temp)
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
         self.swap_latest()
@@ -184,10 +198,8 @@ class Eagle3Drafter:
         starts = [self.valid[id(s)] for s in seqs]
         counts = [s.cache_len - st for s, st in zip(seqs, starts)]
         C = max(max(counts), 1)
-        feats = self.stage.new_zeros(B, C, self.stage.shape[-1])
         toks = torch.zeros(B, C, dtype=torch.long)
         for i, (s, st, c) in enumerate(zip(seqs, starts, counts)):
-            feats[i, :c] = self.stage[self.slot[id(s)], st:st + c]
             toks[i, :c] = torch.tensor(s.all_ids()[st + 1:st + 1 + c])
         j = torch.arange(C)[None, :]
         real = j < torch.tensor(counts)[:, None]
@@ -199,9 +211,10 @@ class Eagle3Drafter:
         S = min(-(-int((start + C).max()) // cache.block_size) * cache.block_size, cache.length)
         key = torch.arange(S)[None, None, :]
         mask = (key < start[..., None]) | ((key >= start[..., None]) & (key <= (start + j)[..., None]))
-        dev = feats.device
+        dev = cache.table.device
         rows = torch.arange(B, device=dev)
         slots = cache.slots(rows, write.to(dev))
+        feats = cache.read_side("eagle3/features", slots)  # [B, C, 3H]; padding reads the trash block, masked
 
         def attend(q, k, v):
             cache.write(L, slots, k.transpose(1, 2), v.transpose(1, 2))

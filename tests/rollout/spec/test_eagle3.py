@@ -50,8 +50,10 @@ def test_incremental_drafting_equals_full_pass():
         out = orig(seqs, h, depth, width)
         ids = out[0]
         s = seqs[0]
+        cache = drafter.target_cache
+        slots = cache.slots(torch.tensor([s.row]), torch.arange(s.cache_len)[None])[0]
         captured.setdefault("cases", []).append((list(s.all_ids()), s.cache_len,
-                                                 drafter.stage[drafter.slot[id(s)], :s.cache_len].clone(),
+                                                 cache.read_side("eagle3/features", slots),
                                                  ids[0, 0, 0].item()))
         return out
 
