@@ -9,7 +9,8 @@ sequence all the blocks of prompt + max_new_tokens at admission and shares nothi
 (one row of rows x max length per sequence) under the same budget.
 
 Default shape: Qwen2.5-7B (28 layers, 4 KV heads, head dim 128, bf16: 56 KiB a token) plus one
-EAGLE-3 KV layer; n=16 samples of 32 prompts (512 sequences), 8192 new tokens at most, a 40 GiB
+EAGLE-3 KV layer and its staged target features (3 x 3584 bf16: 21 KiB a token; paged they are side
+buffers of the blocks, contiguous today's separate buffer for every sequence of the call); n=16 samples of 32 prompts (512 sequences), 8192 new tokens at most, a 40 GiB
 budget. Reports peak KV memory, sequences in flight over time, preemptions, decode steps, and the
 memory today's design would need to hold all 512 rows. Writes bench_out/kv_memory.json (+ .png).
 
@@ -28,7 +29,7 @@ from common import line_plot, table, write_json  # noqa: F401  (common puts the 
 import torch  # noqa: E402
 
 from rollout.runtime.kv_budget import KVBudget  # noqa: E402
-from rollout.runtime.kv_cache import PagedKVCache, block_bytes  # noqa: E402
+from rollout.runtime.kv_cache import PagedKVCache, block_bytes, side_bytes  # noqa: E402
 from rollout.runtime.model.config import ModelConfig  # noqa: E402
 from rollout.runtime.scheduler import Scheduler, draft_room  # noqa: E402
 from rollout.runtime.sequence import Sequence  # noqa: E402
@@ -77,14 +78,23 @@ def draw_lengths(args) -> list[tuple[int, int]]:
     return out
 
 
+def features_gib(cfg: ModelConfig, sequences: int, positions: int) -> float:
+    """Today's EAGLE-3 staging buffer: the target's features [sequences of the call, positions, 3H], bf16."""
+    return sequences * positions * 3 * cfg.hidden_size * 2 / 2**30
+
+
 def simulate(args, cfg: ModelConfig, lengths, layout: str, budget_gb: float) -> dict:
-    """Run the engine's scheduling with no forwards; returns the accounting. layout: paged | contiguous."""
+    """Run the engine's scheduling with no forwards; returns the accounting. layout: paged | contiguous.
+    Paged, an EAGLE-3 drafter's staged features are side buffers of the blocks (counted in the budget);
+    contiguous, they are today's separate [sequences, positions, 3H] buffer, outside the KV budget."""
     layers = cfg.num_layers + args.drafter_layers
-    bb = block_bytes(cfg, layers, args.block_size, torch.bfloat16)
+    side = {"eagle3/features": ((3 * cfg.hidden_size,), torch.bfloat16)} \
+        if args.drafter_layers and layout == "paged" else None
+    bb = block_bytes(cfg, layers, args.block_size, torch.bfloat16) + side_bytes(side, args.block_size)
     longest = max(p + args.max_new_tokens for p, _ in lengths)
     rows = len(lengths)
     blocks = KVBudget(budget_gb, block_size=args.block_size).pool_blocks(bb, rows, longest, longest, "cpu")
-    cache = PagedKVCache(cfg, rows, longest, blocks, args.block_size, torch.bfloat16, "meta", args.drafter_layers)
+    cache = PagedKVCache(cfg, rows, longest, blocks, args.block_size, torch.bfloat16, "meta", args.drafter_layers, side)
     seqs = [Sequence(i // args.n, i % args.n, [0] * p, args.max_new_tokens) for i, (p, _) in enumerate(lengths)]
     target = {id(s): c for s, (_, c) in zip(seqs, lengths)}
     sched = Scheduler([seqs[i:i + args.n] for i in range(0, rows, args.n)], rows, cache.alloc)
@@ -114,8 +124,10 @@ def simulate(args, cfg: ModelConfig, lengths, layout: str, budget_gb: float) -> 
         trace.append((steps, len(sched.live), cache.alloc.used))
         _retire(cache, sched)
     peak_blocks = max(u for _, _, u in trace)
+    staging = features_gib(cfg, rows, longest) if args.drafter_layers and layout == "contiguous" else 0.0
     return dict(layout=layout, budget_gb=budget_gb, block_bytes=bb, pool_blocks=cache.alloc.capacity, decode_steps=steps,
-                peak_kv_gib=peak_blocks * bb / 2**30, peak_blocks=peak_blocks,
+                peak_kv_gib=peak_blocks * bb / 2**30, peak_blocks=peak_blocks, staging_gib=staging,
+                peak_total_gib=peak_blocks * bb / 2**30 + staging,
                 max_in_flight=max(n for _, n, _ in trace), mean_in_flight=sum(n for _, n, _ in trace) / len(trace),
                 preemptions=sched.preemptions, shared_block_refs=cache.alloc.stats.shared_refs,
                 trace=trace[:: max(1, len(trace) // 400)])
@@ -172,15 +184,15 @@ def main(argv=None) -> dict:
                      at_cap=sum(c >= args.max_new_tokens for c in comp), tokens=sum(p + c for p, c in lengths)),
         # today's design holds every sequence of the call as a row of the longest length at once
         contiguous_all_rows_gib=len(lengths) * longest * per_token / 2**30,
-        # the EAGLE-3 drafter's feature staging buffer ([sequences, positions, 3H]) is not paged yet
-        eagle3_stage_gib=len(lengths) * longest * 3 * cfg.hidden_size * 2 / 2**30 if args.drafter_layers else 0.0,
+        # today's EAGLE-3 feature staging buffer ([sequences, positions, 3H]); paged, the features are side
+        # buffers of the KV blocks (in peak_kv_gib of the paged runs)
+        eagle3_stage_gib=features_gib(cfg, len(lengths), longest) if args.drafter_layers else 0.0,
         runs={f"{r['layout']}@{r['budget_gb']:g}GiB": r for r in runs},
         seconds=time.perf_counter() - t0,
     )
-    print(table([{k: r[k] for k in ("layout", "budget_gb", "peak_kv_gib", "max_in_flight", "mean_in_flight", "preemptions",
-                                    "decode_steps", "shared_block_refs")} for r in runs],
-                ["layout", "budget_gb", "peak_kv_gib", "max_in_flight", "mean_in_flight", "preemptions", "decode_steps",
-                 "shared_block_refs"]))
+    cols = ["layout", "budget_gb", "peak_kv_gib", "staging_gib", "peak_total_gib", "max_in_flight", "mean_in_flight",
+            "preemptions", "decode_steps", "shared_block_refs"]
+    print(table([{k: r[k] for k in cols} for r in runs], cols))
     print(f"today's design with all {len(lengths)} rows: {payload['contiguous_all_rows_gib']:.1f} GiB of KV")
     write_json(args.out, payload)
     try:
