@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.runtime.scheduler import Scheduler, draft_room
+from rollout.runtime.kv_ledger import KVLedger
+from rollout.runtime.scheduler import Scheduler
 from rollout.spec.draft_batch import DraftBatch, build_draft_batch
 from rollout.spec.drafters.base import Drafter
 from rollout.errors import PromptTooLongError
@@ -134,18 +135,18 @@ class RolloutEngine:
         self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
         sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows,
                           cache.alloc)
-        ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter())
+        ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), KVLedger(cache, sched))
         while sched.has_work:
             groups = sched.admit()
             if groups:
                 self._prefill(groups, ctx)
-                self._retire(sched, ctx)  # a first token may already end a sample
+                self._retire(ctx)  # a first token may already end a sample
             elif not sched.live:
                 raise RuntimeError("the scheduler admitted nothing with nothing live (a KV accounting bug)")
             if sched.live:
-                self._make_room(sched)
+                ctx.kv.make_room(on_evict=self.speculation.evict)
                 self._decode_step(sched.live, ctx)
-                self._retire(sched, ctx)
+                self._retire(ctx)
         if ctx.bar is not None:
             ctx.bar.close()
         self._record_call(seqs, time.perf_counter() - ctx.t0, sched)
@@ -167,16 +168,14 @@ class RolloutEngine:
         fresh = [g for g in groups if not g[0].resumed]
         resumed = [g[0] for g in groups if g[0].resumed]
         if resumed:
-            self._resume(resumed)
+            self._resume(resumed, ctx)
         if not fresh:
             return
-        cache = self.runner.cache
-        cache.grow([(g[0].row, id(g[0]), len(g[0].prompt_ids) + 1) for g in fresh])
+        ctx.kv.prompt_blocks(fresh)
         heads = [g[0].row for g in fresh]
         logits, hiddens = self.runner.prefill([g[0].prompt_ids for g in fresh], heads, self.speculation.aux_layers)
         self.speculation.observe_prefill(fresh, hiddens)
-        for g in fresh:
-            cache.share_prompt(g[0].row, id(g[0]), [(s.row, id(s)) for s in g[1:]], len(g[0].prompt_ids))
+        ctx.kv.share_prompts(fresh)
         sizes = torch.tensor([len(g) for g in fresh], device=logits.device)
         rows = logits.repeat_interleave(sizes, dim=0)  # [sum n, V]
         p = ctx.params
@@ -186,34 +185,23 @@ class RolloutEngine:
             s.append([int(tok)], [lp], ctx.stop_ids)
         self.speculation.begin(fresh)
 
-    def _resume(self, seqs: list[Sequence]) -> None:
+    def _resume(self, seqs: list[Sequence], ctx: "_Call") -> None:
         """Preempted sequences are back: a prefill of everything they hold but the pending token rebuilds
         their KV, and a learned drafter's staged features with it (they lived in the freed blocks; the drafter
         rebuilds its own layer from them at its next catch-up). No token is drawn: each continues exactly
         where it stopped."""
-        self.runner.cache.grow([(s.row, id(s), s.cache_len + 1) for s in seqs])
+        ctx.kv.resume_blocks(seqs)
         _, hiddens = self.runner.prefill([s.all_ids()[:s.cache_len] for s in seqs], [s.row for s in seqs],
                                          self.speculation.aux_layers)
         self.speculation.observe_resume(seqs, hiddens)
         for s in seqs:
             s.resumed = False
 
-    def _make_room(self, sched: Scheduler) -> None:
-        """Blocks for every live sequence's pending token; when they run out, the youngest are preempted."""
-        cache = self.runner.cache
-        victims = sched.make_room()
-        for victim, moves in victims:  # moves of successive removals: applied in order
-            self.speculation.evict(victim)
-            cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
-        if victims:
-            cache.clear_rows(len(sched.live))
-        cache.grow([(s.row, id(s), s.cache_len + 1) for s in sched.live])
-
     def _decode_step(self, live: list[Sequence], ctx: "_Call") -> None:
         """schedule -> draft -> forward -> verify -> commit, for the whole live batch at once."""
         arm = self.speculation.choose(len(live))
         t0 = time.perf_counter()
-        drafts = self._propose(live, arm)
+        drafts = self._propose(live, arm, ctx)
         t1 = time.perf_counter()
         batch = build_draft_batch([s.pending for s in live], drafts)
         start = torch.tensor([s.cache_len for s in live])
@@ -225,26 +213,19 @@ class RolloutEngine:
         self.speculation.observe_verify(live, hiddens, verdict.path, accepted, logits)
         emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
         # rejected drafts hold no block past their step: keep what covers the next pending position
-        self.runner.cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished])
+        ctx.kv.trim(live)
         drafted = [len(d) for d in drafts]
         self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
         self._metrics.record_verify(arm.drafter, drafted, accepted)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
-    def _propose(self, live: list[Sequence], arm: Arm):
+    def _propose(self, live: list[Sequence], arm: Arm, ctx: "_Call"):
         room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the table
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
         caps = [max(0, min(arm.nodes, s.remaining - 1, room - s.cache_len)) for s in live]
-        return self.speculation.propose(arm, live, self._blocks_for_drafts(live, caps))
-
-    def _blocks_for_drafts(self, live: list[Sequence], caps: list[int]) -> list[int]:
-        """Blocks for each row's drafted positions (scheduler.draft_room: a draft is shortened where the pool
-        runs short). Returns the caps kept."""
-        cache = self.runner.cache
-        kept = draft_room(cache.alloc, live, caps)
-        cache.grow([(s.row, id(s), s.cache_len + 1 + k) for s, k in zip(live, kept)])
-        return kept
+        # blocks for each row's drafted positions: a draft is shortened where the pool runs short
+        return self.speculation.propose(arm, live, ctx.kv.draft_room(live, caps))
 
     def _verify(self, logits, batch: DraftBatch, ctx: "_Call") -> TreeVerdict:
         """On the logits' device. Returns path [B, N] accepted node indices (-1 after), accepted [B],
@@ -285,22 +266,12 @@ class RolloutEngine:
             kept += s.append(tokens[i][:a + 1], lps[i][:a + 1], ctx.stop_ids)
         return kept
 
-    def _retire(self, sched: Scheduler, ctx: "_Call") -> None:
-        """Drop finished sequences (drafters learn of them) and refill their rows from the tail."""
-        finished, moves = sched.retire()
-        for s in finished:
-            self.speculation.finish(s)
-            self.runner.cache.release(id(s))
-        if finished:
-            self._apply_moves(moves, len(sched.live))
+    def _retire(self, ctx: "_Call") -> None:
+        """Drop finished sequences (drafters learn of them while they still hold their blocks) and refill
+        their rows from the tail."""
+        finished = ctx.kv.retire(on_finish=self.speculation.finish)
         if ctx.bar is not None and finished:
             ctx.bar.update(len(finished))
-
-    def _apply_moves(self, moves: list[tuple[int, int]], live: int) -> None:
-        """Survivors' block-table rows move into the holes (integers, one indexed copy); rows past the live
-        batch go back to the trash block."""
-        self.runner.cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
-        self.runner.cache.clear_rows(live)
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -405,6 +376,7 @@ class _Call:
     stop_ids: set[int]
     bar: object
     t0: float
+    kv: KVLedger  # the call's block bookkeeping
 
 
 def _to_host(*columns: torch.Tensor) -> list[list[float]]:

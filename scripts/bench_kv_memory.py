@@ -31,11 +31,12 @@ import torch  # noqa: E402
 from rollout.runtime.kv_budget import KVBudget  # noqa: E402
 from rollout.runtime.kv_cache import PagedKVCache, block_bytes, side_bytes  # noqa: E402
 from rollout.runtime.model.config import ModelConfig  # noqa: E402
-from rollout.runtime.scheduler import Scheduler, draft_room  # noqa: E402
+from rollout.runtime.kv_ledger import KVLedger  # noqa: E402
+from rollout.runtime.scheduler import Scheduler  # noqa: E402
 from rollout.runtime.sequence import Sequence  # noqa: E402
 
-QWEN7B = dict(num_layers=28, num_kv_heads=4, head_dim=128)
-TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16)
+QWEN7B = dict(num_layers=28, num_kv_heads=4, head_dim=128, hidden=3584)
+TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16, hidden=64)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(shape: dict) -> ModelConfig:
-    return ModelConfig("qwen2", 152064, 3584, 18944, shape["num_layers"], 28, shape["num_kv_heads"],
+    return ModelConfig("qwen2", 152064, shape["hidden"], 18944, shape["num_layers"], 28, shape["num_kv_heads"],
                        shape["head_dim"], 1e-6, 32768, False, True, False, False, False)
 
 
@@ -101,28 +102,26 @@ def simulate(args, cfg: ModelConfig, lengths, layout: str, budget_gb: float) -> 
     if layout == "contiguous":  # a row of the longest length per sequence, taken at admission, nothing shared
         sched.group_blocks = lambda g: len(g) * cache.alloc.blocks_for(longest)
         sched.headroom = 0  # rows never grow
+    kv = KVLedger(cache, sched)  # the engine's own block bookkeeping, step for step (RolloutEngine.generate)
     trace, steps = [], 0
     while sched.has_work:
         admitted = sched.admit()
-        _admit(cache, admitted, layout, longest)
+        _admit(kv, admitted, layout, longest)
         for s in (s for g in admitted for s in g if not s.completion_ids):
             _emit(s, 1, target)  # the prefill samples each first token
-        _retire(cache, sched)
+        kv.retire()
         if not sched.live:
             continue
-        for _, moves in sched.make_room():
-            cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
-        cache.grow([(s.row, id(s), s.cache_len + 1) for s in sched.live])
+        kv.make_room()
         live = sched.live
-        # as RolloutEngine._blocks_for_drafts: positions for the step's extra tokens while blocks last
-        kept = draft_room(cache.alloc, live, [args.tokens_per_step - 1] * len(live))
-        cache.grow([(s.row, id(s), s.cache_len + 1 + k) for s, k in zip(live, kept)])
+        kept = kv.draft_room(live, [args.tokens_per_step - 1] * len(live))  # the step's extra tokens
         steps += 1
         for s, k in zip(live, kept):
             _emit(s, 1 + k, target)
-        cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished and layout == "paged"])
+        if layout == "paged":  # contiguous rows keep their length
+            kv.trim(live)
         trace.append((steps, len(sched.live), cache.alloc.used))
-        _retire(cache, sched)
+        kv.retire()
     peak_blocks = max(u for _, _, u in trace)
     staging = features_gib(cfg, rows, longest) if args.drafter_layers and layout == "contiguous" else 0.0
     return dict(layout=layout, budget_gb=budget_gb, block_bytes=bb, pool_blocks=cache.alloc.capacity, decode_steps=steps,
@@ -133,17 +132,19 @@ def simulate(args, cfg: ModelConfig, lengths, layout: str, budget_gb: float) -> 
                 trace=trace[:: max(1, len(trace) // 400)])
 
 
-def _admit(cache: PagedKVCache, groups, layout: str, longest: int) -> None:
-    """What RolloutEngine._prefill / _resume take: blocks for each prompt (shared by its samples when paged)."""
-    for g in groups:
-        if layout == "contiguous":
-            cache.grow([(s.row, id(s), longest) for s in g])
-        elif g[0].resumed:
-            cache.grow([(g[0].row, id(g[0]), g[0].cache_len + 1)])
-            g[0].resumed = False
-        else:
-            cache.grow([(g[0].row, id(g[0]), len(g[0].prompt_ids) + 1)])
-            cache.share_prompt(g[0].row, id(g[0]), [(s.row, id(s)) for s in g[1:]], len(g[0].prompt_ids))
+def _admit(kv: KVLedger, groups, layout: str, longest: int) -> None:
+    """What RolloutEngine._prefill / _resume take: blocks for each prompt (shared by its samples when paged);
+    contiguous, every sample's whole row of the longest length."""
+    if layout == "contiguous":
+        kv.cache.grow([(s.row, id(s), longest) for g in groups for s in g])
+        return
+    resumed = [g[0] for g in groups if g[0].resumed]
+    fresh = [g for g in groups if not g[0].resumed]
+    kv.resume_blocks(resumed)
+    for s in resumed:
+        s.resumed = False
+    kv.prompt_blocks(fresh)
+    kv.share_prompts(fresh)
 
 
 def _emit(s: Sequence, k: int, target: dict) -> None:
@@ -153,19 +154,11 @@ def _emit(s: Sequence, k: int, target: dict) -> None:
         s.finish_reason = "length" if target[id(s)] >= s.max_new_tokens else "stop"
 
 
-def _retire(cache: PagedKVCache, sched: Scheduler) -> None:
-    finished, moves = sched.retire()
-    for s in finished:
-        cache.release(id(s))
-    if finished:
-        cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.smoke:
-        args.prompts, args.n, args.max_new_tokens, args.budget_gb = 4, 4, 256, 0.0005
-        args.prompt_len, args.median, args.tight_budget_gb = [8, 32], 40.0, 0.0002
+        args.prompts, args.n, args.max_new_tokens, args.budget_gb = 4, 4, 256, 0.001
+        args.prompt_len, args.median, args.tight_budget_gb = [8, 32], 40.0, 0.0004
     cfg = model_config(TINY if args.smoke else QWEN7B)
     lengths = draw_lengths(args)
     t0 = time.perf_counter()

@@ -122,12 +122,12 @@ def test_rejected_drafts_hold_no_block_past_their_step(monkeypatch):
     seen = []
     real = eng._retire
 
-    def check(sched, ctx):
+    def check(ctx):
         a = eng.runner.cache.alloc
-        for s in sched.live:
+        for s in ctx.kv.sched.live:
             if not s.finished:
                 seen.append(len(a.held(id(s))) == a.blocks_for(s.cache_len + 1))
-        real(sched, ctx)
+        real(ctx)
 
     monkeypatch.setattr(eng, "_retire", check)
     eng.generate(random_prompts(4, 3, 9, seed=2), SamplingParams(temperature=1.0, max_new_tokens=30, n=2, seed=0,
@@ -211,7 +211,7 @@ def test_kv_memory_bench_smoke_run_writes_its_accounting(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     runs = json.loads(out.read_text())["runs"]
-    paged, contiguous = runs["paged@0.0005GiB"], runs["contiguous@0.0005GiB"]
+    paged, contiguous = runs["paged@0.001GiB"], runs["contiguous@0.001GiB"]
     assert paged["max_in_flight"] > contiguous["max_in_flight"] and paged["shared_block_refs"] > 0
     assert paged["decode_steps"] < contiguous["decode_steps"]
-    assert runs["paged@0.0002GiB"]["preemptions"] > 0
+    assert runs["paged@0.0004GiB"]["preemptions"] > 0
