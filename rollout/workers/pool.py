@@ -54,6 +54,7 @@ class RayPool:
         self._learned = self.infos[0]["learned"]
         self._drafter: tuple[int, object] | None = None  # (version, ObjectRef of the weights)
         self._held: dict[int, int] = {r: 0 for r in self.workers}  # drafter version each worker holds
+        self._final_drafter = None  # what export_drafter writes once close() has let the workers go
         self.hub = self._start_hub(spec, drafter_trainer, drafter_trainer_gpus, drafter_trainer_kwargs or {}) \
             if self._learned and spec.online_training is not False else None
 
@@ -134,24 +135,30 @@ class RayPool:
 
         if not self._learned:
             raise ValueError("this pool has no learned drafter to export; use drafter='eagle3' or 'auto'")
-        first = next(iter(self.workers.values()))
-        net, hf_config = ray.get([first.drafter_network.remote(), first.hf_config.remote()])
-        meta = {"policy_version": self.policy_version, "workers": len(self.workers), **(metadata or {})}
-        if self.hub is not None:
-            version, state = ray.get(self.hub.weights.remote())
-            net.load_state_dict(state)
-            meta["drafter_version"] = version
+        net, hf_config, version = self._final_drafter or self._fetch_drafter()
+        meta = {"policy_version": self.policy_version, "drafter_version": version, **(metadata or {})}
         return save_eagle3(net, hf_config, path, metadata=meta)
 
     def close(self) -> None:
-        """Stop the hub and the workers (their actors are killed); exports must come before this."""
+        """Stop the hub and the workers (their actors are killed); the drafter stays exportable."""
+        if self._learned and self.workers and self._final_drafter is None:
+            if self.hub is not None:
+                ray.get(self.hub.stop.remote())  # its last steps published before the weights are read
+            self._final_drafter = self._fetch_drafter()
+        for actor in [self.hub, *self.workers.values()]:
+            if actor is not None:
+                ray.kill(actor)
+        self.hub, self.workers = None, {}
+
+    def _fetch_drafter(self):
+        """(float32 network on this machine, the target's HF config, version) of the run's drafter."""
+        first = next(iter(self.workers.values()))
+        net, hf_config = ray.get([first.drafter_network.remote(), first.hf_config.remote()])
+        version = self._drafter[0] if self._drafter else 0
         if self.hub is not None:
-            ray.get(self.hub.stop.remote())
-            ray.kill(self.hub)
-            self.hub = None
-        for w in self.workers.values():
-            ray.kill(w)
-        self.workers = {}
+            version, state = ray.get(self.hub.weights.remote())
+            net.load_state_dict(state)
+        return net, hf_config, version
 
     # ---- internals -------------------------------------------------------------------------------
     def _run(self, tasks, idle) -> dict[int, list]:

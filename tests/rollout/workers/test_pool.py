@@ -123,7 +123,8 @@ def test_the_drafter_version_advances_on_every_worker(local_ray, hf, pool, tmp_p
         assert stats["drafter/worker_version_min"] == stats["drafter/version"]  # every worker took it
         p.generate(PROMPTS, params(tokens=16))  # and drafts with it
         assert p.stats()["rollout/spec_step_share"] > 0.5
-        out = p.export_drafter(str(tmp_path / "drafter"))
-        assert (tmp_path / "drafter" / "config.json").is_file() and out
     finally:
         p.close()
+    # one drafter for the run, exported once, also after close() let the workers go
+    p.export_drafter(str(tmp_path / "drafter"))
+    assert (tmp_path / "drafter" / "config.json").is_file()
