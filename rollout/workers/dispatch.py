@@ -13,6 +13,7 @@ No worker left: RolloutWorkerError listing what each one died of.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class DispatchStats:
     lost_workers: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # each worker's own error text, traceback included
     idle_windows: int = 0  # times some worker ran out of tasks while others still worked
+    tail_s: float = 0.0  # seconds from the first worker running out of tasks to the call's last result
 
 
 def run_tasks(workers: dict[int, object], tasks: list[Task], submit: Callable[[int, Task], object],
@@ -52,7 +54,7 @@ def run_tasks(workers: dict[int, object], tasks: list[Task], submit: Callable[[i
     inflight: dict[object, tuple[int, Task]] = {}
     results: dict[int, list] = {}
     attempts: dict[int, int] = {}
-    idle = False
+    idle, t_idle = False, 0.0
     try:
         while queue or inflight:
             while queue and free:
@@ -60,7 +62,7 @@ def run_tasks(workers: dict[int, object], tasks: list[Task], submit: Callable[[i
                 task = queue.popleft()
                 inflight[submit(rank, task)] = (rank, task)
             if free and not queue and inflight and not idle:
-                idle = True
+                idle, t_idle = True, time.perf_counter()
                 stats.idle_windows += 1
                 on_idle(True)
             if not inflight:
@@ -77,6 +79,7 @@ def run_tasks(workers: dict[int, object], tasks: list[Task], submit: Callable[[i
             on_done(rank)
     finally:
         if idle:
+            stats.tail_s += time.perf_counter() - t_idle
             on_idle(False)
     return results
 

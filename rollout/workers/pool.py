@@ -91,6 +91,7 @@ class RayPool:
         counts = [d.tasks_per_worker.get(r, 0) for r in self.workers]
         out.update({"workers/alive": float(len(self.workers)), "workers/lost": float(len(d.lost_workers)),
                     "workers/retried_tasks": float(d.retried_tasks), "workers/idle_windows": float(d.idle_windows),
+                    "workers/tail_s": d.tail_s,
                     "workers/tasks_max": float(max(counts, default=0)), "workers/tasks_min": float(min(counts, default=0)),
                     "rollout/policy_version": float(self.policy_version)})
         if self._learned:
