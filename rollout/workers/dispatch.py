@@ -7,7 +7,9 @@ One task in flight per worker: a worker is handed its next task the moment its l
     error (with its traceback) is logged and kept in `errors`;
   - an exception raised by the engine inside a live worker is retried on another worker up to
     `max_attempts` tries in all, then raised with the worker's traceback (a bug that fails on every
-    worker should stop the step, not loop).
+    worker should stop the step, not loop); a ValueError (bad input: a prompt too long for the
+    engine, an id outside the vocabulary) is raised at once, as the one engine would raise it
+    (Ray's error is then also an instance of the worker's exception class).
 No worker left: RolloutWorkerError listing what each one died of.
 """
 from __future__ import annotations
@@ -95,6 +97,8 @@ def _failed(err, rank, task, workers, free, queue, attempts, stats, max_attempts
         workers.pop(rank, None)
         stats.lost_workers.append(rank)
         log.warning("%s\nworker %d is dropped; its task goes to the %d survivors", text, rank, len(workers))
+    elif isinstance(err, ValueError):
+        raise err
     else:
         attempts[task.index] = attempts.get(task.index, 0) + 1
         if attempts[task.index] >= max_attempts:
