@@ -120,9 +120,10 @@ class RolloutSection:
                                    "cluster)")
     ray_address: str | None = _f(None, "ray: the cluster to join (\"auto\" = the one `ray start --head` made on this "
                                        "machine, or host:port); None starts a local Ray")
-    groups_per_task: int = _f(4, "ray: prompt groups (a prompt's n samples) per task a worker pulls from the queue. "
-                                 "Smaller spreads the long tail better, larger decodes bigger batches. The seed "
-                                 "reproduces rollouts for a given value, whatever the number of workers")
+    groups_per_task: int = _f(1, "ray: prompt groups (a prompt's n samples) per task a worker pulls from the queue. "
+                                 "1 spreads the long tail best; on GPUs raise it until a task fills a decode batch "
+                                 "(a worker runs one task at a time). The seed reproduces rollouts for a given value, "
+                                 "whatever the number of workers")
     worker_threads: int | None = _f(None, "ray: torch threads per worker (None: 1 on CPU workers, torch's default "
                                           "on GPU workers)")
     drafter_trainer: Literal["spot", "dedicated"] = _f(

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 class RayPool:
     def __init__(self, policy, tokenizer, spec: SpecConfig | None = None, *, workers: int | None = None,
-                 ray_address: str | None = None, groups_per_task: int = 4, worker_threads: int | None = None,
+                 ray_address: str | None = None, groups_per_task: int = 1, worker_threads: int | None = None,
                  drafter_trainer: str = "spot", drafter_trainer_gpus: float = 0.0,
                  drafter_trainer_kwargs: dict | None = None, **engine_kwargs):
         """policy: an HF causal LM (gathered); the rest: RolloutSection's fields (rlspec/config.py)."""
@@ -50,7 +50,7 @@ class RayPool:
         threads = worker_threads if worker_threads is not None else (None if gpus else 1)
         self.workers = {r: actor.remote(r, blob, tokenizer, worker_spec, engine_kwargs, threads) for r in range(n)}
         # a worker that cannot build its engine raises here, with its own traceback
-        self.infos = ray.get([w.info.remote() for w in self.workers.values()])
+        self.infos = _started([w.info.remote() for w in self.workers.values()], "rollout workers")
         self._learned = self.infos[0]["learned"]
         self._drafter: tuple[int, object] | None = None  # (version, ObjectRef of the weights)
         self._held: dict[int, int] = {r: 0 for r in self.workers}  # drafter version each worker holds
@@ -207,7 +207,12 @@ class RayPool:
         device = "cuda" if gpus > 0 else "cpu"
         recipe, state = ray.get(first.drafter_recipe.remote(trainer_kwargs, spec.trainer_threads or 1, device))
         opts = dict(num_cpus=0, num_gpus=0) if mode == "spot" else dict(num_cpus=1, num_gpus=gpus)
+        free = ray.available_resources()
+        if opts["num_cpus"] > free.get("CPU", 0) or opts["num_gpus"] > free.get("GPU", 0):
+            raise ValueError(f"the dedicated drafter trainer needs {opts} but the Ray cluster has {free} left after "
+                             "the workers; lower rollout.workers or use rollout.drafter_trainer=spot")
         hub = ray.remote(DrafterHub).options(**opts).remote(recipe, state, mode)
+        _started([hub.metrics.remote(0)], "the drafter trainer")
         topk = trainer_kwargs.get("topk", 32) if trainer_kwargs.get("loss", "kl") != "ce" else 0
         ray.get([w.attach_hub.remote(hub, topk) for w in self.workers.values()])
         return hub
@@ -217,6 +222,15 @@ def _init_ray(address: str | None) -> None:
     """Join the cluster at `address` ("auto": the one `ray start` made here), or start a local Ray."""
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+
+
+def _started(refs: list, what: str, timeout_s: float = 600.0) -> list:
+    """Wait for actors' first answers; a cluster without the resources they asked for never starts them."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RolloutWorkerError(f"{what} did not start within {timeout_s:.0f} s: the Ray cluster lacks the CPUs/GPUs "
+                                 "they reserve (see `ray status`); lower rollout.workers or add nodes") from None
 
 
 def _plan(workers: int | None) -> tuple[int, bool]:
