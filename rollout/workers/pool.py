@@ -213,6 +213,8 @@ class RayPool:
                              "the workers; lower rollout.workers or use rollout.drafter_trainer=spot")
         hub = ray.remote(DrafterHub).options(**opts).remote(recipe, state, mode)
         _started([hub.metrics.remote(0)], "the drafter trainer")
+        if spec.drafter_path:  # a trained drafter keeps its draft vocabulary and head (never re-chosen)
+            ray.get(hub.load_weights.remote(state))
         topk = trainer_kwargs.get("topk", 32) if trainer_kwargs.get("loss", "kl") != "ce" else 0
         ray.get([w.attach_hub.remote(hub, topk) for w in self.workers.values()])
         return hub

@@ -123,6 +123,8 @@ def test_the_drafter_version_advances_on_every_worker(local_ray, hf, pool, tmp_p
             if ray.get(p.hub.metrics.remote(0))["drafter/samples_received"] == 18:
                 break
             time.sleep(0.1)
+        spot = ray.get(p.hub.metrics.remote(0))
+        assert spot["drafter/spot_idle_s"] > 0  # the 6th task ran alone: the hub was told a worker was idle
         loss = p.train_drafter(2)
         assert loss == loss  # a real loss: the hub had data
         stats = p.stats()
