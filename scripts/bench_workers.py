@@ -15,7 +15,8 @@ off, GRPO with and without the pool, and the measured per-worker costs projected
    (one GPU each, as if a GPU worker cost what a CPU worker measured here), with where it breaks.
 Writes JSON + PNG.
 
-    python scripts/bench_workers.py --out bench_out/workers.json
+    python scripts/warm_start_drafter.py --out outputs/drafter_warm
+    python scripts/bench_workers.py --drafter-path outputs/drafter_warm --grpo-steps 5 --out bench_out/workers.json
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def spot(args, hf, tok, params) -> dict:
 
     out = {}
     for on in (False, True):
-        spec = SpecConfig(drafter="eagle3", drafter_path=args.drafter_path, online_training=on)
+        spec = SpecConfig(drafter="eagle3", drafter_path=args.drafter_path, online_training=on,
+                          selector=args.spot_selector)
         pool = RayPool(hf, tok, spec, workers=2, groups_per_task=args.groups_per_task, drafter_trainer="spot",
                        max_model_len=args.max_model_len, max_num_seqs=args.prompts * args.group, dtype=args.dtype)
         steps = []
@@ -153,6 +155,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--spot-steps", type=int, default=6)
     p.add_argument("--drafter-path", default=None, help="a warm EAGLE-3 drafter (scripts/warm_start_drafter.py)")
+    p.add_argument("--spot-selector", default="always", help="always: eagle3 drafts at every step, so acceptance "
+                                                             "is measured each step; fixed: only where it pays")
     p.add_argument("--grpo-steps", type=int, default=0, help="0 skips the GRPO runs")
     p.add_argument("--grpo-overrides", nargs="*", default=[])
     p.add_argument("--workdir", default="outputs/bench_workers")

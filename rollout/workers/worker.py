@@ -112,6 +112,7 @@ class RolloutWorker:
         finally:
             spec.trainer = link
             spec.learned.attach(link)
+            spec.learned.version = 0  # the pool numbers the run's drafter versions; it sends these weights back
         return asdict(result), self.drafter_state()
 
     def hf_config(self):
