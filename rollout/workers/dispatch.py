@@ -10,7 +10,7 @@ One task in flight per worker: a worker is handed its next task the moment its l
     worker should stop the step, not loop); a ValueError (bad input: a prompt too long for the
     engine, an id outside the vocabulary) is raised at once, as the one engine would raise it
     (Ray's error is then also an instance of the worker's exception class).
-No worker left: RolloutWorkerError listing what each one died of.
+No worker left: RolloutWorkerError listing what each one died of (docs/workers.md#failures).
 """
 from __future__ import annotations
 
