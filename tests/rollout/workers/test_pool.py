@@ -1,5 +1,8 @@
 """The Ray pool (rollout/workers/) with real Ray on this machine: one local Ray (num_cpus=2) and one
-two-worker pool for the module, tiny random models, float32 so results compare exactly."""
+two-worker pool for the module (actor start-up is most of the cost), tiny random models, float32 so
+results compare exactly. The pool speculates with the learned drafter at every step (selector
+"always") and feeds a spot hub that publishes only when asked (train_drafter), so until then every
+worker holds the same cold drafter as a fresh in-process engine and the rollouts must match it."""
 from __future__ import annotations
 
 import threading
@@ -31,11 +34,26 @@ def hf():
     return make_tiny_hf("llama", seed=5)
 
 
+SPEC = SpecConfig(drafter="eagle3", num_draft_tokens=2, selector="always", online_training=True, draft_vocab_size=64)
+HUB = dict(min_tokens=32, publish_every=10**6, batch=2, window=16)  # trains in idle tails, publishes when asked
+
+
 @pytest.fixture(scope="module")
 def pool(local_ray, hf):
-    p = build_backend("ray", hf, None, None, workers=2, groups_per_task=2, **ENGINE)
+    p = build_backend("ray", hf, None, SPEC, workers=2, groups_per_task=2, drafter_trainer="spot",
+                      drafter_trainer_kwargs=HUB, **ENGINE)
     yield p
     p.close()
+
+
+def reference(hf):
+    """One in-process engine with the same cold drafter, not trained (what the workers hold)."""
+    import torch
+
+    torch.set_num_threads(1)  # as each worker runs
+    from dataclasses import replace
+
+    return RolloutEngine.from_hf_model(hf, None, spec=replace(SPEC, online_training=False), **ENGINE)
 
 
 def params(seed=3, n=3, tokens=12):
@@ -48,13 +66,10 @@ def same(a, b) -> bool:
 
 
 def test_two_workers_return_what_one_engine_returns_task_by_task(pool, hf):
-    import torch
-
     assert isinstance(pool, RolloutBackend)
     got = pool.generate(PROMPTS, params())
     assert [(r.prompt_index, r.sample_index) for r in got] == [(i, j) for i in range(6) for j in range(3)]
-    torch.set_num_threads(1)  # as each worker runs
-    engine = RolloutEngine.from_hf_model(hf, None, **ENGINE)
+    engine = reference(hf)
     assert same(got, generate_in_tasks(engine, PROMPTS, params(), groups_per_task=2))
     # one task holding every prompt keeps the call's seed: exactly the plain engine's rollouts
     assert same(generate_in_tasks(engine, PROMPTS, params(), 6), engine.generate(PROMPTS, params()))
@@ -62,6 +77,7 @@ def test_two_workers_return_what_one_engine_returns_task_by_task(pool, hf):
     stats = pool.stats()
     assert stats["workers/tasks_min"] >= 1  # both workers took tasks (3 tasks, 2 workers)
     assert stats["rollout/num_sequences"] == 36 and stats["rollout/generated_tokens"] == 36 * 12
+    assert stats["rollout/spec_step_share"] > 0.8  # the drafter proposed at (nearly) every step
 
 
 def test_bad_input_raises_the_engine_s_own_error_from_the_worker(pool):
@@ -73,8 +89,6 @@ def test_bad_input_raises_the_engine_s_own_error_from_the_worker(pool):
 
 
 def test_weights_reach_every_worker_and_results_carry_the_version(pool, hf):
-    import torch
-
     other = make_tiny_hf("llama", seed=6)
     before = pool.generate(PROMPTS[:2], params())
     pool.load_weights(other.state_dict().items())
@@ -83,22 +97,38 @@ def test_weights_reach_every_worker_and_results_carry_the_version(pool, hf):
     assert {r: s["rollout/policy_version"] for r, s in held.items()} == {0: 1.0, 1: 1.0}
     after = pool.generate(PROMPTS, params())
     assert {r.policy_version for r in after} == {1}
-    torch.set_num_threads(1)
-    ref = generate_in_tasks(RolloutEngine.from_hf_model(other, None, **ENGINE), PROMPTS, params(), 2)
+    ref = generate_in_tasks(reference(other), PROMPTS, params(), 2)
     assert same(after, ref) and not same(after[:6], before)  # every worker samples the new policy
     pool.load_weights(hf.state_dict().items())  # back, for the tests after this one
 
 
-def test_a_killed_worker_s_tasks_are_retried_on_the_survivor(pool, hf):
-    """Last in the module: it kills one of the pool's two workers mid-call."""
-    import torch
+def test_the_drafter_version_advances_on_every_worker(pool, tmp_path):
+    pool.generate(PROMPTS, params(tokens=16))  # features of every worker flow to the hub
+    for _ in range(100):  # the last tasks' samples may still be in flight (fire-and-forget)
+        if ray.get(pool.hub.metrics.remote(0))["drafter/samples_received"] >= 18:
+            break
+        time.sleep(0.1)
+    spot = ray.get(pool.hub.metrics.remote(0))
+    assert spot["drafter/spot_idle_s"] > 0  # a last task ran alone: the hub was told a worker was idle
+    loss = pool.train_drafter(2)
+    assert loss == loss  # a real loss: the hub had data
+    stats = pool.stats()
+    assert stats["drafter/samples_received"] == stats["drafter/shipped_samples"] >= 18
+    assert stats["drafter/version"] >= 1
+    assert stats["drafter/worker_version_min"] == stats["drafter/version"]  # every worker took it
+    pool.export_drafter(str(tmp_path / "drafter"))  # one drafter for the run, written once
+    assert (tmp_path / "drafter" / "config.json").is_file()
 
-    long, prompts = params(tokens=140), random_prompts(24, 4, 12, seed=3)
+
+def test_a_killed_worker_s_tasks_are_retried_on_the_survivor(pool, hf):
+    """Last in the module: it kills one of the pool's two workers mid-call (the drafter stays as the
+    previous test left it; the reference takes the workers' weights)."""
+    long, prompts = params(n=2, tokens=100), random_prompts(12, 4, 12, seed=3)
     out: dict = {}
     call = threading.Thread(target=lambda: out.setdefault("r", pool.generate(prompts, long)))
     call.start()
     victim = pool.workers[1]
-    for _ in range(2000):  # worker 1 finished a task and took the next of 12: kill it inside that one
+    for _ in range(2000):  # worker 1 finished a task and took the next of 6: kill it inside that one
         if pool._dispatch.tasks_per_worker.get(1, 0) >= 1:
             break
         time.sleep(0.005)
@@ -106,35 +136,9 @@ def test_a_killed_worker_s_tasks_are_retried_on_the_survivor(pool, hf):
     call.join(timeout=120)
     stats = pool.stats()
     assert stats["workers/lost"] == 1 and stats["workers/retried_tasks"] >= 1 and stats["workers/alive"] == 1
-    torch.set_num_threads(1)
-    engine = RolloutEngine.from_hf_model(hf, None, **ENGINE)
+    engine = reference(hf)
+    if pool._drafter is not None:  # the drafter the previous test trained: the workers' weights
+        engine.speculation.learned.model.load_state_dict(ray.get(pool._drafter[1]))
     assert same(out["r"], generate_in_tasks(engine, prompts, long, 2))  # the retry changed nothing
 
 
-def test_the_drafter_version_advances_on_every_worker(local_ray, hf, pool, tmp_path):
-    pool.close()  # the CPUs go to a pool with a learned drafter
-    spec = SpecConfig(drafter="eagle3", num_draft_tokens=2, selector="always", online_training=True,
-                      draft_vocab_size=64)
-    p = build_backend("ray", hf, None, spec, workers=2, groups_per_task=1, drafter_trainer="spot",
-                      drafter_trainer_kwargs=dict(min_tokens=32, publish_every=1, batch=2, window=16), **ENGINE)
-    try:
-        p.generate(PROMPTS, params(tokens=16))  # features of every worker flow to the hub
-        for _ in range(100):  # the last tasks' samples may still be in flight (fire-and-forget)
-            if ray.get(p.hub.metrics.remote(0))["drafter/samples_received"] == 18:
-                break
-            time.sleep(0.1)
-        spot = ray.get(p.hub.metrics.remote(0))
-        assert spot["drafter/spot_idle_s"] > 0  # the 6th task ran alone: the hub was told a worker was idle
-        loss = p.train_drafter(2)
-        assert loss == loss  # a real loss: the hub had data
-        stats = p.stats()
-        assert stats["drafter/samples_received"] == 18 and stats["drafter/shipped_samples"] == 18
-        assert stats["drafter/version"] >= 1
-        assert stats["drafter/worker_version_min"] == stats["drafter/version"]  # every worker took it
-        p.generate(PROMPTS, params(tokens=16))  # and drafts with it
-        assert p.stats()["rollout/spec_step_share"] > 0.5
-    finally:
-        p.close()
-    # one drafter for the run, exported once, also after close() let the workers go
-    p.export_drafter(str(tmp_path / "drafter"))
-    assert (tmp_path / "drafter" / "config.json").is_file()
