@@ -30,6 +30,7 @@ from pathlib import Path
 from common import line_plot, math_prompts, table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
+QUEUE_S = 0.002  # driver work per task (ray.wait + submit + a hub poll): an assumption, not measured here
 
 
 def longtail(args, hf, tok, params) -> dict:
@@ -125,11 +126,12 @@ def project(lt: dict, args) -> dict:
     c = lt["costs"]
     out = {"model": "T(N) = max(work/N, longest task) + push + drafter + tasks*queue; push and drafter sync "
                      "grow with the nodes that pull the object (owner bandwidth), queue is the driver's per-task cost",
-           "work_worker_s": work, "tasks_per_step": tasks, "longest_task_s": longest}
+           "work_worker_s": work, "tasks_per_step": tasks, "longest_task_s": longest,
+           "assumed": {"queue_s_per_task": QUEUE_S, "gpus_per_node": 8}}
     for n in (8, 64):
         nodes = max(1, n // 8)  # 8 GPUs a node: the object store pulls once per node
         push = c["weight_push_s"] * nodes
-        queue = tasks * 0.002  # ~2 ms of driver work per task (ray.wait + submit), measured order of magnitude
+        queue = tasks * QUEUE_S
         t = max(work / n, longest) + push + queue
         breaks = []
         if n > tasks:
