@@ -113,7 +113,24 @@ class RolloutSection:
     """Which rollout backend, and the engine's capacity."""
 
     backend: str = _f("engine", "what produces the rollouts (rollout/backend.py's registry): engine = rlspec's "
-                                "in-process speculative engine")
+                                "in-process speculative engine; ray = `workers` engine replicas as Ray actors "
+                                "(rollout/workers/, docs/workers.md). workers > 1 or a ray_address imply ray")
+    workers: int | None = _f(None, "ray: engine replicas (Ray actors): one GPU each on GPU clusters, else one CPU "
+                                   "core each with one torch thread (None: one per GPU, else one per CPU of the "
+                                   "cluster)")
+    ray_address: str | None = _f(None, "ray: the cluster to join (\"auto\" = the one `ray start --head` made on this "
+                                       "machine, or host:port); None starts a local Ray")
+    groups_per_task: int = _f(1, "ray: prompt groups (a prompt's n samples) per task a worker pulls from the queue. "
+                                 "1 spreads the long tail best; on GPUs raise it until a task fills a decode batch "
+                                 "(a worker runs one task at a time). The seed reproduces rollouts for a given value, "
+                                 "whatever the number of workers")
+    worker_threads: int | None = _f(None, "ray: torch threads per worker (None: 1 on CPU workers, torch's default "
+                                          "on GPU workers)")
+    drafter_trainer: Literal["spot", "dedicated"] = _f(
+        "spot", "ray + eagle3/auto with online training: where the run's one drafter trains. spot: on the cycles "
+                "of workers whose share of the batch is done (TLT), reserving nothing; dedicated: an actor with "
+                "a CPU (or drafter_trainer_gpus) of its own, training all the time")
+    drafter_trainer_gpus: float = _f(0.0, "ray, dedicated drafter trainer: GPUs it reserves (0: it trains on a CPU)")
 
     max_model_len: int = _f(2048, "prompt + completion tokens the engine's KV cache holds per sequence")
     max_num_seqs: int = _f(64, "sequences decoded at once; larger batches are split")
@@ -130,6 +147,14 @@ class RolloutSection:
     kv_block_size: int = _f(16, "positions per KV block (on CUDA a divisor of 128, FlexAttention's block)")
     free_kv_between_rollouts: bool | None = _f(None, "hand the KV cache back after every rollout so the policy "
                                                      "update has the memory (None: on for CUDA, off on CPU)")
+
+    def pool_kwargs(self) -> dict[str, Any]:
+        """The ray backend's own settings (empty for other backends, whose factories do not take them)."""
+        if self.backend != "ray":
+            return {}
+        return dict(workers=self.workers, ray_address=self.ray_address, groups_per_task=self.groups_per_task,
+                    worker_threads=self.worker_threads, drafter_trainer=self.drafter_trainer,
+                    drafter_trainer_gpus=self.drafter_trainer_gpus)
 
 
 @dataclass
@@ -414,6 +439,26 @@ def _check_cross_fields(cfg: Config) -> None:
         )
     if not cfg.rewards:
         raise ConfigError("rewards is empty; name at least one reward function (e.g. rewards=[accuracy])")
+    _check_rollout(cfg.rollout)
+
+
+def _check_rollout(r: RolloutSection) -> None:
+    """Ray settings: valid numbers, and the backend they need (several workers or a cluster address
+    mean Ray: set here, so `rollout.workers=4` alone is enough)."""
+    if r.workers is not None and r.workers < 1:
+        raise ConfigError(f"rollout.workers must be >= 1 (or unset), got {r.workers}")
+    if r.groups_per_task < 1:
+        raise ConfigError(f"rollout.groups_per_task must be >= 1, got {r.groups_per_task}")
+    if r.worker_threads is not None and r.worker_threads < 1:
+        raise ConfigError(f"rollout.worker_threads must be >= 1 (or unset), got {r.worker_threads}")
+    if r.drafter_trainer_gpus < 0:
+        raise ConfigError(f"rollout.drafter_trainer_gpus must be >= 0, got {r.drafter_trainer_gpus}")
+    wants_ray = (r.workers or 1) > 1 or r.ray_address is not None
+    if wants_ray and r.backend == "engine":
+        r.backend = "ray"
+    elif wants_ray and r.backend != "ray":
+        raise ConfigError(f"rollout.workers / rollout.ray_address run engine replicas on Ray, but rollout.backend is "
+                          f"{r.backend!r}; set rollout.backend=ray or drop them")
 
 
 def _check_grpo(g: GRPOSection) -> None:

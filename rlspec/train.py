@@ -118,7 +118,8 @@ def build_trainer(cfg: Config, out: Path):
         engine_kwargs=dict(backend=cfg.rollout.backend, max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
                            dtype=cfg.dtype, graph_mode=cfg.rollout.graph_mode, kv_memory_gb=cfg.rollout.kv_memory_gb,
                            kv_memory_fraction=cfg.rollout.kv_memory_fraction, kv_block_size=cfg.rollout.kv_block_size,
-                           free_kv_between_rollouts=cfg.rollout.free_kv_between_rollouts),
+                           free_kv_between_rollouts=cfg.rollout.free_kv_between_rollouts,
+                           **cfg.rollout.pool_kwargs()),
         callbacks=[summary_cb, _wandb_config_callback(cfg)],
     )
     return trainer, summary_cb

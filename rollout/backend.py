@@ -81,3 +81,14 @@ def _engine_backend(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend:
     from rollout.engine import RolloutEngine
 
     return RolloutEngine.from_hf_model(policy, tokenizer, spec=spec, **engine_kwargs)
+
+
+@register_backend("ray")
+def _ray_backend(policy, tokenizer, spec, **kwargs) -> RolloutBackend:
+    """N engine replicas as Ray actors (rollout/workers/); kwargs: the engine's settings plus workers,
+    ray_address, groups_per_task, worker_threads, drafter_trainer, drafter_trainer_gpus."""
+    try:
+        from rollout.workers.pool import RayPool
+    except ImportError as e:
+        raise ImportError(f"rollout.backend=ray needs Ray ({e}); install it with pip install 'rlspec[ray]'") from None
+    return RayPool(policy, tokenizer, spec, **kwargs)

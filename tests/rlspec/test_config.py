@@ -204,3 +204,15 @@ def test_rollout_kv_budget_fields_load_and_name_the_engine_arguments():
     engine_args = inspect.signature(RolloutEngine).parameters
     for name in ("kv_memory_gb", "kv_memory_fraction", "kv_block_size", "free_kv_between_rollouts"):
         assert name in engine_args, f"rollout.{name} reaches RolloutEngine under the same name"
+
+
+def test_workers_imply_the_ray_backend_and_bad_ray_settings_say_what_to_fix():
+    cfg = load_config(None, ["rollout.workers=4", "rollout.ray_address=auto"])
+    assert cfg.rollout.backend == "ray"
+    assert cfg.rollout.pool_kwargs()["workers"] == 4 and cfg.rollout.pool_kwargs()["ray_address"] == "auto"
+    assert load_config(None, ["rollout.workers=1"]).rollout.backend == "engine"
+    assert load_config(None, []).rollout.pool_kwargs() == {}
+    with pytest.raises(ConfigError, match="rollout.workers must be >= 1"):
+        load_config(None, ["rollout.workers=0"])
+    with pytest.raises(ConfigError, match="groups_per_task must be >= 1"):
+        load_config(None, ["rollout.groups_per_task=0"])

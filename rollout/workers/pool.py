@@ -1,0 +1,254 @@
+"""RayPool: the "ray" rollout backend, N RolloutEngine replicas as Ray actors behind one RolloutBackend.
+
+One worker per GPU on GPU clusters; on CPUs one per core, each with one torch thread. A generate
+call is cut into tasks of whole prompt groups (tasks.py: what a seed promises), the tasks go to
+whichever worker is free (dispatch.py: crashes retried on the survivors) and the results come back
+prompt-major, as from one engine. Policy weights reach the workers once per sync: one ray.put, every
+worker reads the same object, and every task names the policy version it must be sampled from.
+With a learned drafter the run has one DrafterHub (spot.py) that every worker's features feed and
+whose versions the pool hands to every worker between tasks. docs/workers.md has the design.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+
+import ray
+import torch
+
+from rollout.types import RolloutResult, SamplingParams, SpecConfig
+from rollout.workers.dispatch import DispatchStats, RolloutWorkerError, run_tasks
+from rollout.workers.spot import DrafterHub
+from rollout.workers.stats import merge_stats
+from rollout.workers.tasks import split, merge
+from rollout.workers.worker import RolloutWorker
+
+log = logging.getLogger(__name__)
+
+
+class RayPool:
+    def __init__(self, policy, tokenizer, spec: SpecConfig | None = None, *, workers: int | None = None,
+                 ray_address: str | None = None, groups_per_task: int = 1, worker_threads: int | None = None,
+                 drafter_trainer: str = "spot", drafter_trainer_gpus: float = 0.0,
+                 drafter_trainer_kwargs: dict | None = None, **engine_kwargs):
+        """policy: an HF causal LM (gathered); the rest: RolloutSection's fields (rlspec/config.py)."""
+        if drafter_trainer not in ("spot", "dedicated"):
+            raise ValueError(f"drafter_trainer must be 'spot' or 'dedicated', got {drafter_trainer!r}")
+        _init_ray(ray_address)
+        n, gpus = _plan(workers)
+        self.groups_per_task = groups_per_task
+        self.policy_version = 0
+        self._dispatch = DispatchStats()
+        self._wall_s = 0.0
+        spec = spec or SpecConfig()
+        # the workers' engines never train a drafter themselves: the pool's one hub does (or nobody)
+        worker_spec = replace(spec, online_training=False) if spec.enabled else spec
+        blob = ray.put(_policy_blob(policy))
+        actor = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, max_concurrency=1)
+        threads = worker_threads if worker_threads is not None else (None if gpus else 1)
+        self.workers = {r: actor.remote(r, blob, tokenizer, worker_spec, engine_kwargs, threads) for r in range(n)}
+        # a worker that cannot build its engine raises here, with its own traceback
+        self.infos = _started([w.info.remote() for w in self.workers.values()], "rollout workers")
+        self._learned = self.infos[0]["learned"]
+        self._drafter: tuple[int, object] | None = None  # (version, ObjectRef of the weights)
+        self._held: dict[int, int] = {r: 0 for r in self.workers}  # drafter version each worker holds
+        self._final_drafter = None  # what export_drafter writes once close() has let the workers go
+        self.hub = self._start_hub(spec, drafter_trainer, drafter_trainer_gpus, drafter_trainer_kwargs or {}) \
+            if self._learned and spec.online_training is not False else None
+
+    # ---- the RolloutBackend protocol ---------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None) -> list[RolloutResult]:
+        """params.n samples of each prompt, prompt-major; see tasks.py for what params.seed promises."""
+        params = params or SamplingParams()
+        if not prompt_token_ids:
+            raise ValueError("generate() needs at least one prompt")
+        tasks = split(prompt_token_ids, params, self.groups_per_task)
+        t0 = time.perf_counter()
+        idle = (lambda i: self.hub.set_idle.remote(i)) if self.hub is not None else (lambda i: None)
+        done = self._run(tasks, idle)
+        self._broadcast_drafter()  # between steps every worker holds the newest drafter
+        self._wall_s += time.perf_counter() - t0
+        results = merge(tasks, done)
+        stale = [r.policy_version for r in results if r.policy_version != self.policy_version]
+        if stale:
+            raise RolloutWorkerError(f"{len(stale)} samples carry policy version {stale[0]}, not {self.policy_version}")
+        return results
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One object-store copy of the policy for every worker; bumps policy_version (checked per task)."""
+        ref = ray.put({name: t.detach().cpu() for name, t in named_tensors})
+        self.policy_version += 1
+        held = self._call_all("load_weights", ref, self.policy_version)
+        if any(v != self.policy_version for v in held.values()):
+            raise RolloutWorkerError(f"workers hold policy versions {held}, expected {self.policy_version}")
+
+    def stats(self) -> dict[str, float]:
+        per_worker = self._call_all("stats")
+        out = merge_stats(list(per_worker.values()), self._wall_s)
+        d = self._dispatch
+        counts = [d.tasks_per_worker.get(r, 0) for r in self.workers]
+        out.update({"workers/alive": float(len(self.workers)), "workers/lost": float(len(d.lost_workers)),
+                    "workers/retried_tasks": float(d.retried_tasks), "workers/idle_windows": float(d.idle_windows),
+                    "workers/tail_s": d.tail_s,
+                    "workers/tasks_max": float(max(counts, default=0)), "workers/tasks_min": float(min(counts, default=0)),
+                    "rollout/policy_version": float(self.policy_version)})
+        if self._learned:
+            out["drafter/worker_version_min"] = min(v.get("drafter/version", 0.0) for v in per_worker.values())
+        if self.hub is not None:
+            out.update(ray.get(self.hub.metrics.remote(self.policy_version)))
+        self._dispatch, self._wall_s = DispatchStats(lost_workers=d.lost_workers), 0.0
+        return out
+
+    def release_kv(self) -> None:
+        self._call_all("release_kv")
+
+    @property
+    def has_learned_drafter(self) -> bool:
+        return self._learned
+
+    def warm_start_drafter(self, prompts: list[list[int]], *, budget_s: float, group: int, max_new_tokens: int,
+                           temperature: float):
+        """Warm the drafter on one worker (or load the cache there), then make it every worker's and the hub's."""
+        from rollout.spec.warm_start import WarmStartResult
+
+        first = next(iter(self.workers.values()))
+        result, state = ray.get(first.warm_start.remote(prompts, budget_s=budget_s, group=group,
+                                                        max_new_tokens=max_new_tokens, temperature=temperature))
+        version = ray.get(self.hub.load_weights.remote(state)) if self.hub is not None else 1 + max(self._held.values())
+        self._drafter = (version, ray.put(state))
+        self._broadcast_drafter()
+        return WarmStartResult(**result)
+
+    def train_drafter(self, steps: int) -> float:
+        """`steps` hub optimizer steps now, published and handed to every worker (between RL steps, tests)."""
+        if self.hub is None:
+            raise ValueError("this pool trains no drafter: use drafter eagle3/auto with online_training on")
+        loss = ray.get(self.hub.train_steps.remote(steps))
+        self._poll_drafter()
+        self._broadcast_drafter()
+        return loss
+
+    def export_drafter(self, path: str, metadata: dict | None = None) -> str:
+        """The run's one drafter (the hub's master weights, else the workers' shared one), written here."""
+        from rollout.spec.drafters.eagle3_io import save_eagle3
+
+        if not self._learned:
+            raise ValueError("this pool has no learned drafter to export; use drafter='eagle3' or 'auto'")
+        net, hf_config, version = self._final_drafter or self._fetch_drafter()
+        meta = {"policy_version": self.policy_version, "drafter_version": version, **(metadata or {})}
+        return save_eagle3(net, hf_config, path, metadata=meta)
+
+    def close(self) -> None:
+        """Stop the hub and the workers (their actors are killed); the drafter stays exportable."""
+        if self._learned and self.workers and self._final_drafter is None:
+            if self.hub is not None:
+                ray.get(self.hub.stop.remote())  # its last steps published before the weights are read
+            self._final_drafter = self._fetch_drafter()
+        for actor in [self.hub, *self.workers.values()]:
+            if actor is not None:
+                ray.kill(actor)
+        self.hub, self.workers = None, {}
+
+    def _fetch_drafter(self):
+        """(float32 network on this machine, the target's HF config, version) of the run's drafter."""
+        first = next(iter(self.workers.values()))
+        net, hf_config = ray.get([first.drafter_network.remote(), first.hf_config.remote()])
+        version = self._drafter[0] if self._drafter else 0
+        if self.hub is not None:
+            version, state = ray.get(self.hub.weights.remote())
+            net.load_state_dict(state)
+        return net, hf_config, version
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _run(self, tasks, idle) -> dict[int, list]:
+        def submit(rank, task):
+            version, ref = self._drafter or (0, None)
+            behind = ref is not None and self._held.get(rank, 0) < version
+            if behind:
+                self._held[rank] = version
+            return self.workers[rank].run.remote(task, self.policy_version, version, ref if behind else None)
+
+        return run_tasks(self.workers, tasks, submit, on_idle=idle, on_done=lambda r: self._poll_drafter(),
+                         stats=self._dispatch)
+
+    def _poll_drafter(self) -> None:
+        """Take the hub's newest published drafter, if any (one put; workers get it with their next task)."""
+        if self.hub is None:
+            return
+        got = ray.get(self.hub.latest.remote(self._drafter[0] if self._drafter else 0))
+        if got is not None:
+            self._drafter = (got[0], ray.put(got[1]))
+
+    def _broadcast_drafter(self) -> None:
+        self._poll_drafter()
+        if self._drafter is not None:
+            self._held.update(self._call_all("set_drafter", *self._drafter))
+
+    def _call_all(self, method: str, *args) -> dict[int, object]:
+        """method(*args) on every worker; a dead worker is dropped (logged with its error), the rest answer."""
+        refs = {r: getattr(w, method).remote(*args) for r, w in self.workers.items()}
+        out = {}
+        for r, ref in refs.items():
+            try:
+                out[r] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                log.warning("rollout worker %d is gone (%s): dropped", r, err)
+                self.workers.pop(r, None)
+                self._dispatch.lost_workers.append(r)
+        if not self.workers:
+            raise RolloutWorkerError(f"no rollout worker is left (while calling {method})")
+        return out
+
+    def _start_hub(self, spec: SpecConfig, mode: str, gpus: float, trainer_kwargs: dict):
+        """The run's one drafter trainer, built from worker 0's drafter; every worker ships it samples."""
+        first = next(iter(self.workers.values()))
+        device = "cuda" if gpus > 0 else "cpu"
+        recipe, state = ray.get(first.drafter_recipe.remote(trainer_kwargs, spec.trainer_threads or 1, device))
+        opts = dict(num_cpus=0, num_gpus=0) if mode == "spot" else dict(num_cpus=1, num_gpus=gpus)
+        free = ray.available_resources()
+        if opts["num_cpus"] > free.get("CPU", 0) or opts["num_gpus"] > free.get("GPU", 0):
+            raise ValueError(f"the dedicated drafter trainer needs {opts} but the Ray cluster has {free} left after "
+                             "the workers; lower rollout.workers or use rollout.drafter_trainer=spot")
+        hub = ray.remote(DrafterHub).options(**opts).remote(recipe, state, mode)
+        _started([hub.metrics.remote(0)], "the drafter trainer")
+        if spec.drafter_path:  # a trained drafter keeps its draft vocabulary and head (never re-chosen)
+            ray.get(hub.load_weights.remote(state))
+        topk = trainer_kwargs.get("topk", 32) if trainer_kwargs.get("loss", "kl") != "ce" else 0
+        ray.get([w.attach_hub.remote(hub, topk) for w in self.workers.values()])
+        return hub
+
+
+def _init_ray(address: str | None) -> None:
+    """Join the cluster at `address` ("auto": the one `ray start` made here), or start a local Ray."""
+    if not ray.is_initialized():
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
+
+
+def _started(refs: list, what: str, timeout_s: float = 600.0) -> list:
+    """Wait for actors' first answers; a cluster without the resources they asked for never starts them."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RolloutWorkerError(f"{what} did not start within {timeout_s:.0f} s: the Ray cluster lacks the CPUs/GPUs "
+                                 "they reserve (see `ray status`); lower rollout.workers or add nodes") from None
+
+
+def _plan(workers: int | None) -> tuple[int, bool]:
+    """(how many workers, whether they take a GPU each): one per GPU in the cluster, else one per CPU."""
+    res = ray.cluster_resources()
+    gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
+    n = workers or gpus or cpus
+    have = gpus if gpus else cpus
+    if n > have:
+        raise ValueError(f"rollout.workers={n} but the Ray cluster has {have} {'GPUs' if gpus else 'CPUs'}; "
+                         "lower rollout.workers or add nodes (ray start --address=...)")
+    return n, gpus > 0
+
+
+def _policy_blob(policy) -> dict:
+    """What a worker needs to build its engine: config, weights (CPU) and the EOS ids generate would use."""
+    eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    return {"config": policy.config, "state": {k: v.detach().cpu() for k, v in policy.state_dict().items()},
+            "eos": [eos] if isinstance(eos, int) else eos}
