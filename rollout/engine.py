@@ -53,6 +53,11 @@ class RolloutEngine:
         self.policy_version = 0
         self._metrics = RolloutMetrics()
         self.speculation: Speculation = build_speculation(self.spec, model, drafter)
+        self.lossy = None  # judge verification / step routing (rollout/lossy): only when SpecConfig opts in
+        if self.spec.lossy:
+            from rollout.lossy.control import LossyControl
+
+            self.lossy = LossyControl(self.spec, model, tokenizer, self.speculation)
         # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
         self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack(),
                                   budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size))
@@ -105,6 +110,8 @@ class RolloutEngine:
         if self.runner.cache is not None:
             out["rollout/graph_pool_mb"] = self.runner.steps.memory_bytes() / 2**20
         out.update(self.speculation.metrics(out, self.policy_version))
+        if self.lossy is not None:
+            out.update(self.lossy.metrics())
         self._metrics = RolloutMetrics()
         return out
 
@@ -131,6 +138,8 @@ class RolloutEngine:
         cache.reset()  # an earlier call that raised may have left blocks held
         self.speculation.calibrate(self.runner, cache.rows, cache.length)
         self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
+        if self.lossy is not None:
+            self.lossy.start(seqs, params, gen)
         sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows,
                           cache.alloc)
         ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter())
@@ -148,6 +157,8 @@ class RolloutEngine:
         if ctx.bar is not None:
             ctx.bar.close()
         self._record_call(seqs, time.perf_counter() - ctx.t0, sched)
+        if self.lossy is not None:
+            self.lossy.record(seqs)
         self._signal_idle(True)  # between rollouts the drafter may train
         if self.free_kv_between_rollouts:
             self.release_kv()
@@ -209,17 +220,29 @@ class RolloutEngine:
         """schedule -> draft -> forward -> verify -> commit, for the whole live batch at once."""
         arm = self.speculation.choose(len(live))
         t0 = time.perf_counter()
-        drafts = self._propose(live, arm)
+        lossy = self.lossy
+        drafts, routed = self._propose(live, arm) if lossy is None else lossy.propose(self, live, arm)
         t1 = time.perf_counter()
         batch = build_draft_batch([s.pending for s in live], drafts)
         start = torch.tensor([s.cache_len for s in live])
-        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
-                                           self.speculation.aux_layers)
-        verdict = self._verify(logits, batch.to(logits.device), ctx)
+        layers = self.speculation.aux_layers if lossy is None else self.speculation.aux_layers + lossy.hidden_layers
+        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask, layers)
+        tags = None
+        if lossy is not None and batch.is_chain:
+            v, tags = lossy.verify(logits, hiddens, batch.to(logits.device), ctx.params, ctx.gen, routed)
+            verdict = _chain_verdict(v, batch.tokens.shape[1] - 1)
+        else:
+            verdict = self._verify(logits, batch.to(logits.device), ctx)
         accepted, path, tokens, lps = self._fetch(logits, verdict, batch, ctx)
         # before commit: the learned drafter stages features at the positions the sequences hold now
         self.speculation.observe_verify(live, hiddens, verdict.path, accepted, logits)
-        emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
+        if lossy is None:
+            emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
+        else:
+            before = [len(s.completion_ids) for s in live]
+            sources, behaviour, kept = lossy.behaviour(tags, accepted, lps) if tags else (None, None, [False] * len(live))
+            emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx, sources, behaviour)
+            lossy.after_commit(live, before, routed if tags else kept, kept)
         # rejected drafts hold no block past their step: keep what covers the next pending position
         self.runner.cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished])
         drafted = [len(d) for d in drafts]
@@ -229,10 +252,15 @@ class RolloutEngine:
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
     def _propose(self, live: list[Sequence], arm: Arm):
+        """The arm's drafts, and which rows carry a whole drafted step (none: that is rollout/lossy's)."""
+        caps = self._draft_caps(live, [arm.nodes] * len(live))
+        return self.speculation.propose(arm, live, self._blocks_for_drafts(live, caps)), None
+
+    def _draft_caps(self, live: list[Sequence], nodes: list[int]) -> list[int]:
+        """Most draft nodes each row may carry: `nodes`, within its token budget and the cache table."""
         room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the table
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
-        caps = [max(0, min(arm.nodes, s.remaining - 1, room - s.cache_len)) for s in live]
-        return self.speculation.propose(arm, live, self._blocks_for_drafts(live, caps))
+        return [max(0, min(n, s.remaining - 1, room - s.cache_len)) for s, n in zip(live, nodes)]
 
     def _blocks_for_drafts(self, live: list[Sequence], caps: list[int]) -> list[int]:
         """Blocks for each row's drafted positions (scheduler.draft_room: a draft is shortened where the pool
@@ -247,9 +275,7 @@ class RolloutEngine:
         next_token [B]; a chain's path is 1..accepted."""
         if batch.is_chain:
             v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, ctx.params, batch.q, ctx.gen)
-            N = batch.tokens.shape[1] - 1
-            steps = torch.arange(1, N + 1, device=logits.device)[None, :].expand(len(v.accepted), N)
-            return TreeVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token)
+            return _chain_verdict(v, batch.tokens.shape[1] - 1)
         return verify_tree(logits, batch.tokens, batch.children, ctx.params, batch.q, ctx.gen)
 
     def _fetch(self, logits, verdict: TreeVerdict, batch: DraftBatch, ctx: "_Call"):
@@ -268,9 +294,11 @@ class RolloutEngine:
         lps = logprobs_of(picked, emitted, ctx.params)
         return _unpack(_to_host(accepted[:, None], path, emitted, lps), path.shape[1])
 
-    def _commit(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call") -> int:
+    def _commit(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call", sources=None,
+                behaviour=None) -> int:
         """Append each row's accepted drafts + the target's token (with target logprobs); move the KV of
-        an accepted tree path to consecutive slots. Returns the number of tokens kept."""
+        an accepted tree path to consecutive slots. Returns the number of tokens kept. sources /
+        behaviour: per row, from rollout/lossy; None: lossless (drafts exact, the last token the target's)."""
         kept = 0
         for i, s in enumerate(live):
             a = accepted[i]
@@ -278,7 +306,9 @@ class RolloutEngine:
                 start = s.cache_len
                 self.runner.cache.gather_positions(s.row, [start + n for n in path[i][:a]],
                                                    [start + 1 + j for j in range(a)])
-            kept += s.append(tokens[i][:a + 1], lps[i][:a + 1], ctx.stop_ids)
+            src = [1] * a + [0] if sources is None else sources[i]  # draft-exact..., target
+            kept += s.append(tokens[i][:a + 1], lps[i][:a + 1], ctx.stop_ids, src,
+                             None if behaviour is None else behaviour[i])
         return kept
 
     def _retire(self, sched: Scheduler, ctx: "_Call") -> None:
@@ -286,6 +316,8 @@ class RolloutEngine:
         finished, moves = sched.retire()
         for s in finished:
             self.speculation.finish(s)
+            if self.lossy is not None:
+                self.lossy.finish(s)
             self.runner.cache.release(id(s))
         if finished:
             self._apply_moves(moves, len(sched.live))
@@ -336,8 +368,8 @@ class RolloutEngine:
         self.speculation.set_idle(idle)
 
     def _draft_slack(self) -> int:
-        """Extra cache positions so padded drafts never write past the buffer."""
-        return 1 + self.speculation.max_nodes
+        """Extra cache positions so padded drafts never write past the buffer (a drafted step included)."""
+        return 1 + max(self.speculation.max_nodes, self.lossy.extra_nodes if self.lossy is not None else 0)
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:
@@ -401,6 +433,12 @@ class _Call:
     stop_ids: set[int]
     bar: object
     t0: float
+
+
+def _chain_verdict(v, N: int) -> TreeVerdict:
+    """A chain's Verdict as the TreeVerdict the loop reads: its path is 1..accepted, -1 after."""
+    steps = torch.arange(1, N + 1, device=v.accepted.device)[None, :].expand(len(v.accepted), N)
+    return TreeVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token)
 
 
 def _to_host(*columns: torch.Tensor) -> list[list[float]]:
