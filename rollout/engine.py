@@ -242,7 +242,7 @@ class RolloutEngine:
             before = [len(s.completion_ids) for s in live]
             sources, behaviour, kept = lossy.behaviour(tags, accepted, lps) if tags else (None, None, [False] * len(live))
             emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx, sources, behaviour)
-            lossy.after_commit(live, before, routed if tags else kept, kept)
+            lossy.after_commit(live, before, routed, kept)
         # rejected drafts hold no block past their step: keep what covers the next pending position
         self.runner.cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished])
         drafted = [len(d) for d in drafts]

@@ -159,6 +159,8 @@ class LossyControl:
 
     def after_commit(self, live, before: list[int], routed: list[bool], kept: list[bool]) -> None:
         """A rejected step closes the router's chance until the step ends; a delimiter opens the next."""
+        if not self.routing:
+            return
         for s, n0, r, k in zip(live, before, routed, kept):
             if r and not k:
                 self.open[id(s)] = False

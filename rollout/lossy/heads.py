@@ -66,7 +66,7 @@ class OnlineHead:
                 self.opt.step()
         self.since_train = 0
         self.updates += 1
-        return float(loss)
+        return float(loss.detach())
 
 
 def _norm(h: torch.Tensor) -> torch.Tensor:
