@@ -43,14 +43,12 @@ class LossyControl:
         self._reset_counters()
 
     def _step_source(self, spec, model, tokenizer):
-        src = spec.step_source or spec.drafter
+        src = spec.step_source or self.speculation.names[0]  # None: the engine's (first) drafter
         if src.startswith(DRAFT_MODEL_PREFIX):
             from rollout.lossy.draft_model import DraftModelSource
 
             p = next(model.parameters())
             return DraftModelSource(src[len(DRAFT_MODEL_PREFIX):], tokenizer, model.cfg.vocab_size, p.device, p.dtype)
-        if src == "auto":
-            src = self.speculation.names[0]
         if src not in self.speculation.by_name:
             raise ValueError(f"step_source {src!r} is not a drafter of this engine ({self.speculation.names})")
         return self.speculation.by_name[src]
