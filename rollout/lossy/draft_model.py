@@ -47,7 +47,7 @@ class DraftModelSource:
         tokens, qs = [], []
         for _ in range(cap):
             logits = self.model(input_ids=feed, past_key_values=cache, use_cache=True).logits[0, -1].float()
-            logits = logits[:self.vocab]
+            logits = _to_vocab(logits, self.vocab)
             if self.params.greedy:
                 q = torch.zeros_like(logits).scatter_(0, logits.argmax()[None], 1.0)
             else:
@@ -58,13 +58,22 @@ class DraftModelSource:
             feed = torch.tensor([[x]], device=dev)
             if boundary.closes(tokens[-2] if len(tokens) > 1 else ctx[-1], x):
                 break
-        cache.crop(len(ctx))  # drafted tokens may be rejected; the context stays
+        extra = cache.get_seq_length() - len(ctx)  # drafted tokens fed back: they may be rejected
+        if extra > 0:
+            cache.crop(-extra)  # transformers' crop: a negative count removes that many from the end
         self._caches[id(seq)] = (cache, len(ctx))
         q = torch.stack(qs) if not self.params.greedy else None
         return Draft.chain(tokens, q)
 
     def finish(self, seq) -> None:
         self._caches.pop(id(seq), None)
+
+
+def _to_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The draft model's logits over the target's vocabulary: padding rows cut, missing ids at -inf."""
+    if logits.shape[-1] >= vocab:
+        return logits[:vocab]
+    return torch.cat([logits, logits.new_full((vocab - logits.shape[-1],), float("-inf"))])
 
 
 def check_same_tokenizer(path: str, tok, target_tokenizer, target_vocab: int) -> None:
