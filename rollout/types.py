@@ -162,7 +162,7 @@ class RolloutResult:
     logprobs: one float per completion token, log p(token) under the target's
     temperature-scaled distribution before top-k/top-p truncation (what TRL recomputes).
     behaviour_logprobs: log-probability of each token under the distribution it was actually drawn
-    from (docs/lossy.md#behaviour-logprobs); equal to logprobs when no lossy mode is on. None from a
+    from (docs/lossy.md#honest-results); equal to logprobs when no lossy mode is on. None from a
     backend that does not record it: then it is logprobs.
     token_source: per token an index into TOKEN_SOURCES (target, draft-exact, judge, routed-step).
     """

@@ -7,8 +7,8 @@ x_{t+1}), so the router costs no extra forward. Scores (docs/lossy.md#router):
                target's expected log-likelihood of its own sample (-H). s ~ 0: the step reads as
                typical target text; s << 0: the target would rarely have written it. Keep if s >= tau.
   learned      sigmoid(w . LN(mean_t h_t) + b), h_t the target's last hidden state at the step's
-               tokens; keep if >= tau. Until the head is trained it falls back to likelihood (with
-               the default likelihood threshold, LIKELIHOOD_FALLBACK).
+               tokens; keep if >= tau. Until the head is trained it keeps nothing (the target
+               regenerates every step: lossless).
 
 Router label (`agreement_labels`), computed on every drafted step, kept or not: 1 when the target
 agrees with the step, mean_t min(1, p_t(x_t) / q_t(x_t)) >= AGREE, the expected share of the step the
@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 AGREE = 0.5
-LIKELIHOOD_FALLBACK = -1.0
 
 
 def likelihood_scores(logits: torch.Tensor, p: torch.Tensor, x: torch.Tensor, mask: torch.Tensor,
