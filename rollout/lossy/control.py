@@ -37,7 +37,8 @@ class LossyControl:
         self.final_layer = cfg.num_layers  # hiddens[L]: the last layer's output (pre-norm)
         self.boundary = StepBoundary.from_tokenizer(tokenizer, cfg.vocab_size, spec.step_delimiter) \
             if self.routing else None
-        self.source = self._step_source(spec, model, tokenizer) if self.routing else None
+        # who writes a step: a local draft model (DraftModelSource) or one of the engine's drafters
+        self.draft_model, self.step_drafter = self._step_source(spec, model, tokenizer) if self.routing else (None, None)
         self.open: dict[int, bool] = {}  # id(seq) -> at a step the router may take (no rejection yet)
         self._gen = torch.Generator().manual_seed(0)
         self._reset_counters()
@@ -48,10 +49,11 @@ class LossyControl:
             from rollout.lossy.draft_model import DraftModelSource
 
             p = next(model.parameters())
-            return DraftModelSource(src[len(DRAFT_MODEL_PREFIX):], tokenizer, model.cfg.vocab_size, p.device, p.dtype)
+            path = src[len(DRAFT_MODEL_PREFIX):]
+            return DraftModelSource(path, tokenizer, model.cfg.vocab_size, p.device, p.dtype), None
         if src not in self.speculation.by_name:
             raise ValueError(f"step_source {src!r} is not a drafter of this engine ({self.speculation.names})")
-        return self.speculation.by_name[src]
+        return None, self.speculation.by_name[src]
 
     # ---- per call / per step -------------------------------------------------------------------
     @property
@@ -65,8 +67,8 @@ class LossyControl:
     def start(self, seqs, params, generator) -> None:
         self.params = params
         self.open = {id(s): True for s in seqs}
-        if hasattr(self.source, "start"):
-            self.source.start(params, generator)
+        if self.draft_model is not None:
+            self.draft_model.start(params, generator)
 
     def propose(self, engine, live, arm) -> tuple[list[Draft], list[bool]]:
         """Drafts for the live batch and which rows carry a whole drafted step."""
@@ -86,12 +88,12 @@ class LossyControl:
         return _one_q_kind(drafts), routed
 
     def _draft_steps(self, seqs, caps: list[int]) -> list[Draft]:
-        if hasattr(self.source, "aux_layers"):  # the learned drafter: a whole step, no early stop
-            self.source.set_stop_rule("none")
-        if hasattr(self.source, "model") and not hasattr(self.source, "aux_layers"):  # a draft model
-            return self.source.propose(seqs, caps, self.boundary)
+        if self.draft_model is not None:
+            return self.draft_model.propose(seqs, caps, self.boundary)
+        if self.step_drafter is self.speculation.learned:  # the learned drafter: a whole step, no early stop
+            self.step_drafter.set_stop_rule("none")
         out = []
-        for s, d in zip(seqs, self.source.propose(seqs, caps, 1)):
+        for s, d in zip(seqs, self.step_drafter.propose(seqs, caps, 1)):
             n = self.boundary.cut(s.pending, d.tokens)
             out.append(Draft.chain(d.tokens[:n], None if d.q is None else d.q[:n]))
         return out
@@ -168,8 +170,8 @@ class LossyControl:
 
     def finish(self, seq) -> None:
         self.open.pop(id(seq), None)
-        if hasattr(self.source, "finish") and hasattr(self.source, "model") and not hasattr(self.source, "aux_layers"):
-            self.source.finish(seq)
+        if self.draft_model is not None:
+            self.draft_model.finish(seq)
 
     # ---- metrics -------------------------------------------------------------------------------
     def _reset_counters(self) -> None:

@@ -139,3 +139,32 @@ def test_draft_model_with_another_tokenizer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="tokenizer differs"):
         check_same_tokenizer(str(tmp_path), Other(), TinyTokenizer(), TINY_VOCAB)
     check_same_tokenizer(str(tmp_path), TinyTokenizer(), TinyTokenizer(), TINY_VOCAB)  # same: fine
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eagle3_writes_whole_steps(temperature):
+    """The learned drafter as step source: long chains (step_max_tokens, beyond num_draft_tokens), its q
+    as the behaviour of kept tokens at T > 0, and judge verification on its ordinary drafts."""
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+    from rollout.spec.selectors.base import Arm
+    from tests.rollout.lossy.helpers import TinyTokenizer
+
+    hf = make_tiny_hf("llama", seed=3)
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False, step_routing="arbitrage",
+                      route_threshold=-50.0, step_max_tokens=10, verification="judge", judge_threshold=0.02,
+                      accept_off_policy=True)
+    eng = RolloutEngine(loader.from_hf_model(hf), TinyTokenizer(), spec=spec, eos_token_ids=[2])
+    eng.speculation.force(Arm("eagle3", 3, 1))
+    results = eng.generate(random_prompts(3, 3, 12, seed=3),
+                           SamplingParams(temperature=temperature, max_new_tokens=40, n=2, seed=1))
+    longest = 0
+    for r in results:
+        run = 0
+        for src, lp, blp in zip(r.token_source, r.logprobs, r.behaviour_logprobs):
+            run = run + 1 if src == ROUTED else 0
+            longest = max(longest, run)
+            if src == ROUTED and temperature > 0:
+                assert blp < 0 and blp != lp  # log q of the drafter's sampled distribution
+    assert longest > 3  # whole steps, longer than an ordinary draft
+    assert eng.stats()["rollout/steps_kept"] > 0
