@@ -239,14 +239,16 @@ class RolloutEngine:
         if lossy is None:
             emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
         else:
-            before = [len(s.completion_ids) for s in live]
-            sources, behaviour, kept = lossy.behaviour(tags, accepted, lps) if tags else (None, None, [False] * len(live))
-            emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx, sources, behaviour)
-            lossy.after_commit(live, before, routed, kept)
+            emitted = self._commit_lossy(live, accepted, path, tokens, lps, batch.is_chain, ctx, tags, routed)
         # rejected drafts hold no block past their step: keep what covers the next pending position
         self.runner.cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished])
         drafted = [len(d) for d in drafts]
-        self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
+        if routed is not None and any(routed):
+            # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
+            drafted, accepted = [0 if r else n for n, r in zip(drafted, routed)], \
+                [0 if r else a for a, r in zip(accepted, routed)]
+        else:
+            self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
         self._metrics.record_verify(arm.drafter, drafted, accepted)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
@@ -310,6 +312,15 @@ class RolloutEngine:
             kept += s.append(tokens[i][:a + 1], lps[i][:a + 1], ctx.stop_ids, src,
                              None if behaviour is None else behaviour[i])
         return kept
+
+    def _commit_lossy(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call", tags, routed) -> int:
+        """_commit with each token's source and behaviour logprob from rollout/lossy (tags: its verify's
+        output; None after a lossless tree verify), then the step bookkeeping of step routing."""
+        before = [len(s.completion_ids) for s in live]
+        sources, behaviour, kept = self.lossy.behaviour(tags, accepted, lps) if tags else (None, None, [False] * len(live))
+        emitted = self._commit(live, accepted, path, tokens, lps, is_chain, ctx, sources, behaviour)
+        self.lossy.after_commit(live, before, routed, kept)
+        return emitted
 
     def _retire(self, sched: Scheduler, ctx: "_Call") -> None:
         """Drop finished sequences (drafters learn of them) and refill their rows from the tail."""

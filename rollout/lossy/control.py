@@ -104,14 +104,16 @@ class LossyControl:
         B, K = x.shape
         dev = logits.device
         mask = torch.arange(K, device=dev)[None, :] < num[:, None]
-        p = target_probs(logits[:, :K], params)
+        p_all = target_probs(logits, params)  # [B, K+1, V], once: the verify reuses it
+        p = p_all[:, :K]
         hid = hiddens.get(self.final_layer)
         hid = hid[:, 1:] if hid is not None else None  # node j+1 holds draft token j
         judged = self._judge(p, x, mask, hid) if self.judge_on and K else None
         routed_t = torch.tensor(routed, device=dev)
         keep = self._route(logits[:, :K], p, x, batch.q, mask & routed_t[:, None], routed_t, hid, params) \
             if self.routing and any(routed) and K else None
-        verdict, source, logq = verify_lossy_chain(logits, x, num, params, batch.q, generator, judged, keep)
+        verdict, source, logq = verify_lossy_chain(logits, x, num, params, batch.q, generator, judged, keep,
+                                                   None if params.greedy else p_all)
         keep = torch.zeros(B, dtype=torch.bool, device=dev) if keep is None else keep
         self.steps_routed += sum(routed)
         return verdict, (source, logq, keep)

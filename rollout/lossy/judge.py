@@ -55,10 +55,11 @@ def judge_labels(p: torch.Tensor, x: torch.Tensor, mass: float = NUCLEUS) -> tor
 
 def verify_lossy_chain(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
                        params: SamplingParams, draft_probs: torch.Tensor | None, generator,
-                       judged: torch.Tensor | None, keep_rows: torch.Tensor | None):
+                       judged: torch.Tensor | None, keep_rows: torch.Tensor | None, p: torch.Tensor | None = None):
     """-> (Verdict, source [B, K] long: the token_source of each accepted position, logq [B, K]: log q(x)
     of the draft distribution, 0 for a deterministic draft). judged [B, K] bool or None; keep_rows [B]
-    bool or None. Positions past `accepted` carry arbitrary codes (the caller reads accepted ones)."""
+    bool or None; p: the processed target distribution [B, K+1, V] if the caller has it. Positions past
+    `accepted` carry arbitrary codes (the caller reads accepted ones)."""
     B, K = draft_tokens.shape
     dev = draft_tokens.device
     in_range = torch.arange(K, device=dev)[None, :] < num_drafts[:, None]
@@ -70,7 +71,7 @@ def verify_lossy_chain(target_logits: torch.Tensor, draft_tokens: torch.Tensor, 
         top = target_logits.argmax(-1)
         exact = top[:, :K] == draft_tokens
     else:
-        p = probs_from_logits(target_logits, params)
+        p = probs_from_logits(target_logits, params) if p is None else p
         if K == 0:
             return Verdict(torch.zeros(B, dtype=torch.long, device=dev), sample(p[:, 0], generator)), \
                 torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, 0, device=dev)
