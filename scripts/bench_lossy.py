@@ -89,10 +89,11 @@ def plot(runs: dict, path: str) -> None:
     for mode, marker in (("judge", "o"), ("route", "s")):
         names = [n for n in runs if n.startswith(mode)]
         for key, style in (("speedup", "-"), ("tail_speedup", ":")):
-            xs = [runs[n][key] for n in names]
-            ys = [100 * runs[n]["vs_target"]["diff"] for n in names]
+            names_k = [n for n in names if runs[n][key] > 0]  # a call without a tail has no tail speed
+            xs = [runs[n][key] for n in names_k]
+            ys = [100 * runs[n]["vs_target"]["diff"] for n in names_k]
             ax.plot(xs, ys, style, marker=marker, label=f"{mode} ({'whole' if key == 'speedup' else 'tail'})")
-            for n, x, y in zip(names, xs, ys):
+            for n, x, y in zip(names_k, xs, ys):
                 ax.annotate(n.split("@")[1], (x, y), fontsize=7)
     ax.axhline(-2, color="grey", lw=0.8, ls="--")
     ax.axvline(2, color="grey", lw=0.8, ls="--")
@@ -118,7 +119,8 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8, help="prompts generated once before the timed call")
     ap.add_argument("--drafter", default="suffix")
-    ap.add_argument("--selector", default="fixed")
+    ap.add_argument("--selector", default="always", help="always: every step speculates in every spec run, so "
+                    "lossless and lossy differ only in the verification rule (fixed: as a training run would)")
     ap.add_argument("--judge", default="prob")
     ap.add_argument("--judge-thresholds", type=float, nargs="*", default=[0.3, 0.1, 0.03, 0.01])
     ap.add_argument("--route-thresholds", type=float, nargs="*", default=[-0.5, -1.0, -2.0, -4.0])
