@@ -439,6 +439,11 @@ def _check_cross_fields(cfg: Config) -> None:
         )
     if not cfg.rewards:
         raise ConfigError("rewards is empty; name at least one reward function (e.g. rewards=[accuracy])")
+    key = "vllm_importance_sampling_correction" if cfg.trainer == "grpo" else "importance_sampling_correction"
+    if cfg.drafter.lossy and not g.extra.get(key, True):
+        raise ConfigError(f"a lossy mode (drafter.verification / drafter.step_routing) samples off-policy tokens, but "
+                          f"{cfg.trainer}.extra.{key} is false: the loss would treat them as on-policy. Turn the "
+                          "importance-sampling correction back on, or the lossy mode off")
     _check_rollout(cfg.rollout)
 
 

@@ -54,6 +54,11 @@ class RolloutEngine:
         self.policy_version = 0
         self._metrics = RolloutMetrics()
         self.speculation: Speculation = build_speculation(self.spec, model, drafter)
+        self.lossy = None  # judge verification / step routing (rollout/lossy): only when SpecConfig opts in
+        if self.spec.lossy:
+            from rollout.lossy.control import LossyControl
+
+            self.lossy = LossyControl(self.spec, model, tokenizer, self.speculation)
         # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
         self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack(),
                                   budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size))
@@ -106,6 +111,8 @@ class RolloutEngine:
         if self.runner.cache is not None:
             out["rollout/graph_pool_mb"] = self.runner.steps.memory_bytes() / 2**20
         out.update(self.speculation.metrics(out, self.policy_version))
+        if self.lossy is not None:
+            out.update(self.lossy.metrics())
         self._metrics = RolloutMetrics()
         return out
 
@@ -133,6 +140,8 @@ class RolloutEngine:
         cache.reset()  # an earlier call that raised may have left blocks held
         self.speculation.calibrate(self.runner, cache.rows, cache.length)
         self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
+        if self.lossy is not None:
+            self.lossy.start(seqs, params, gen)
         sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows,
                           cache.alloc)
         ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), KVLedger(cache, sched))
@@ -150,6 +159,8 @@ class RolloutEngine:
         if ctx.bar is not None:
             ctx.bar.close()
         self._record_call(seqs, time.perf_counter() - ctx.t0, sched)
+        if self.lossy is not None:
+            self.lossy.record(seqs)
         self._signal_idle(True)  # between rollouts the drafter may train
         if self.free_kv_between_rollouts:
             self.release_kv()
@@ -201,40 +212,57 @@ class RolloutEngine:
         """schedule -> draft -> forward -> verify -> commit, for the whole live batch at once."""
         arm = self.speculation.choose(len(live))
         t0 = time.perf_counter()
-        drafts = self._propose(live, arm, ctx)
+        lossy = self.lossy
+        drafts, routed = self._propose(live, arm, ctx) if lossy is None else lossy.propose(self, live, arm, ctx.kv)
         t1 = time.perf_counter()
         batch = build_draft_batch([s.pending for s in live], drafts)
         start = torch.tensor([s.cache_len for s in live])
-        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
-                                           self.speculation.aux_layers)
-        verdict = self._verify(logits, batch.to(logits.device), ctx)
+        layers = self.speculation.aux_layers if lossy is None else self.speculation.aux_layers + lossy.hidden_layers
+        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask, layers)
+        tags = None
+        if lossy is not None and batch.is_chain:
+            v, tags = lossy.verify(logits, hiddens, batch.to(logits.device), ctx.params, ctx.gen, routed)
+            verdict = _chain_verdict(v, batch.tokens.shape[1] - 1)
+        else:
+            verdict = self._verify(logits, batch.to(logits.device), ctx)
         accepted, path, tokens, lps = self._fetch(logits, verdict, batch, ctx)
         # before commit: the learned drafter stages features at the positions the sequences hold now
         self.speculation.observe_verify(live, hiddens, verdict.path, accepted, logits)
-        emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
+        if lossy is None:
+            emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
+        else:
+            emitted = self._commit_lossy(live, accepted, path, tokens, lps, batch.is_chain, ctx, tags, routed)
         # rejected drafts hold no block past their step: keep what covers the next pending position
         ctx.kv.trim(live)
         drafted = [len(d) for d in drafts]
-        self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
+        if routed is not None and any(routed):
+            # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
+            drafted, accepted = [0 if r else n for n, r in zip(drafted, routed)], \
+                [0 if r else a for a, r in zip(accepted, routed)]
+        else:
+            self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
         self._metrics.record_verify(arm.drafter, drafted, accepted)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
     def _propose(self, live: list[Sequence], arm: Arm, ctx: "_Call"):
+        """The arm's drafts, and which rows carry a whole drafted step (none: that is rollout/lossy's)."""
+        caps = self._draft_caps(live, [arm.nodes] * len(live))
+        # blocks for each row's drafted positions: a draft is shortened where the pool runs short
+        return self.speculation.propose(arm, live, ctx.kv.draft_room(live, caps)), None
+
+    def _draft_caps(self, live: list[Sequence], nodes: list[int]) -> list[int]:
+        """Most draft nodes each row may carry: `nodes`, within its token budget and the cache table."""
         room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the table
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
-        caps = [max(0, min(arm.nodes, s.remaining - 1, room - s.cache_len)) for s in live]
-        # blocks for each row's drafted positions: a draft is shortened where the pool runs short
-        return self.speculation.propose(arm, live, ctx.kv.draft_room(live, caps))
+        return [max(0, min(n, s.remaining - 1, room - s.cache_len)) for s, n in zip(live, nodes)]
 
     def _verify(self, logits, batch: DraftBatch, ctx: "_Call") -> TreeVerdict:
         """On the logits' device. Returns path [B, N] accepted node indices (-1 after), accepted [B],
         next_token [B]; a chain's path is 1..accepted."""
         if batch.is_chain:
             v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, ctx.params, batch.q, ctx.gen)
-            N = batch.tokens.shape[1] - 1
-            steps = torch.arange(1, N + 1, device=logits.device)[None, :].expand(len(v.accepted), N)
-            return TreeVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token)
+            return _chain_verdict(v, batch.tokens.shape[1] - 1)
         return verify_tree(logits, batch.tokens, batch.children, ctx.params, batch.q, ctx.gen)
 
     def _fetch(self, logits, verdict: TreeVerdict, batch: DraftBatch, ctx: "_Call"):
@@ -253,9 +281,11 @@ class RolloutEngine:
         lps = logprobs_of(picked, emitted, ctx.params)
         return _unpack(_to_host(accepted[:, None], path, emitted, lps), path.shape[1])
 
-    def _commit(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call") -> int:
+    def _commit(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call", sources=None,
+                behaviour=None) -> int:
         """Append each row's accepted drafts + the target's token (with target logprobs); move the KV of
-        an accepted tree path to consecutive slots. Returns the number of tokens kept."""
+        an accepted tree path to consecutive slots. Returns the number of tokens kept. sources /
+        behaviour: per row, from rollout/lossy; None: lossless (drafts exact, the last token the target's)."""
         kept = 0
         for i, s in enumerate(live):
             a = accepted[i]
@@ -263,15 +293,31 @@ class RolloutEngine:
                 start = s.cache_len
                 self.runner.cache.gather_positions(s.row, [start + n for n in path[i][:a]],
                                                    [start + 1 + j for j in range(a)])
-            kept += s.append(tokens[i][:a + 1], lps[i][:a + 1], ctx.stop_ids)
+            src = [1] * a + [0] if sources is None else sources[i]  # draft-exact..., target
+            kept += s.append(tokens[i][:a + 1], lps[i][:a + 1], ctx.stop_ids, src,
+                             None if behaviour is None else behaviour[i])
         return kept
 
+    def _commit_lossy(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call", tags, routed) -> int:
+        """_commit with each token's source and behaviour logprob from rollout/lossy (tags: its verify's
+        output; None after a lossless tree verify), then the step bookkeeping of step routing."""
+        before = [len(s.completion_ids) for s in live]
+        sources, behaviour, kept = self.lossy.behaviour(tags, accepted, lps) if tags else (None, None, [False] * len(live))
+        emitted = self._commit(live, accepted, path, tokens, lps, is_chain, ctx, sources, behaviour)
+        self.lossy.after_commit(live, before, routed, kept)
+        return emitted
+
     def _retire(self, ctx: "_Call") -> None:
-        """Drop finished sequences (drafters learn of them while they still hold their blocks) and refill
-        their rows from the tail."""
-        finished = ctx.kv.retire(on_finish=self.speculation.finish)
+        """Drop finished sequences (drafters, and a lossy mode's router, learn of them while they still hold
+        their blocks) and refill their rows from the tail."""
+        finished = ctx.kv.retire(on_finish=self._finish)
         if ctx.bar is not None and finished:
             ctx.bar.update(len(finished))
+
+    def _finish(self, seq: Sequence) -> None:
+        self.speculation.finish(seq)
+        if self.lossy is not None:
+            self.lossy.finish(seq)
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -311,8 +357,8 @@ class RolloutEngine:
         self.speculation.set_idle(idle)
 
     def _draft_slack(self) -> int:
-        """Extra cache positions so padded drafts never write past the buffer."""
-        return 1 + self.speculation.max_nodes
+        """Extra cache positions so padded drafts never write past the buffer (a drafted step included)."""
+        return 1 + max(self.speculation.max_nodes, self.lossy.extra_nodes if self.lossy is not None else 0)
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:
@@ -377,6 +423,12 @@ class _Call:
     bar: object
     t0: float
     kv: KVLedger  # the call's block bookkeeping
+
+
+def _chain_verdict(v, N: int) -> TreeVerdict:
+    """A chain's Verdict as the TreeVerdict the loop reads: its path is 1..accepted, -1 after."""
+    steps = torch.arange(1, N + 1, device=v.accepted.device)[None, :].expand(len(v.accepted), N)
+    return TreeVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token)
 
 
 def _to_host(*columns: torch.Tensor) -> list[list[float]]:

@@ -82,6 +82,37 @@ class SpecConfig:
                                               "at least 1)")
     trainer_device: str | None = _help(None, "eagle3, process trainer: its device, e.g. cuda:1 (None = the "
                                              "target's device)")
+    # ---- lossy modes (docs/lossy.md): off by default; each accepts text the policy would not sample ----
+    verification: Literal["exact", "judge"] = _help(
+        "exact", "exact: lossless rejection sampling (the default); judge: LOSSY, a draft token the exact test "
+                 "rejects is still kept when the judge accepts it (needs a drafter and accept_off_policy)")
+    judge: Literal["prob", "typical", "learned"] = _help(
+        "prob", "verification=judge: prob: keep a draft token whose target probability >= judge_threshold; "
+                "typical: keep it when p(x) > min(eps, sqrt(eps) exp(-H(p))) with eps = judge_threshold (typical "
+                "acceptance); learned: a logistic head on the target's last hidden state at the draft token, "
+                "trained online (labels: docs/lossy.md#judge-labels), score >= judge_threshold")
+    judge_threshold: float = _help(0.1, "verification=judge: the judge's threshold in (0, 1]; lower keeps more "
+                                        "draft tokens (faster, further from the policy)")
+    step_routing: Literal["off", "arbitrage"] = _help(
+        "off", "arbitrage: LOSSY, a draft source writes a whole reasoning step, the target scores it in one "
+               "forward and a router keeps it or has the target regenerate it with lossless speculation "
+               "(needs accept_off_policy)")
+    router: Literal["likelihood", "learned"] = _help(
+        "likelihood", "step_routing: likelihood: keep a step when the mean over its tokens of log p(x) + H(p) "
+                      "(the target's log-likelihood of the draft against its own entropy) >= route_threshold; "
+                      "learned: a logistic head on the target's hidden states of the step, trained online "
+                      "(labels: docs/lossy.md#router-labels), probability >= route_threshold")
+    route_threshold: float = _help(-1.0, "step_routing: the router's threshold: nats per token for likelihood "
+                                         "(<= 0; higher keeps fewer drafted steps), a probability in [0, 1] for "
+                                         "learned")
+    step_delimiter: str = _help("\n\n", "step_routing: the text that ends a reasoning step")
+    step_source: str | None = _help(None, "step_routing: who writes a step: eagle3 or suffix (a drafter of this "
+                                          "engine: drafter must be it or auto), draft_model=<local HF dir> (a "
+                                          "smaller model with the target's tokenizer), None = the drafter")
+    step_max_tokens: int = _help(48, "step_routing: most tokens drafted for one step")
+    accept_off_policy: bool = _help(False, "the opt-in every lossy mode needs: rollouts then hold tokens the "
+                                           "policy would not have sampled, recorded per token (token_source, "
+                                           "behaviour_logprobs) so TRL's importance-sampling correction sees them")
 
     def __post_init__(self) -> None:
         from rollout.spec.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
@@ -105,10 +136,23 @@ class SpecConfig:
             SELECTORS.check(self.selector)
         except ValueError as e:
             raise ValueError(f"selector: {e}") from None
+        from rollout.lossy.settings import check_lossy  # plain Python too
+
+        check_lossy(self)
 
     @property
     def enabled(self) -> bool:
         return self.drafter != "none"
+
+    @property
+    def lossy(self) -> bool:
+        """A lossy mode is on: rollouts may hold tokens the policy would not have sampled."""
+        return self.verification != "exact" or self.step_routing != "off"
+
+
+# token_source codes of RolloutResult: who produced each completion token (docs/lossy.md#honest-results)
+TOKEN_SOURCES = ("target", "draft-exact", "judge", "routed-step")
+LOSSY_SOURCES = (2, 3)  # judge, routed-step: tokens the exact test did not accept
 
 
 @dataclass
@@ -117,6 +161,10 @@ class RolloutResult:
 
     logprobs: one float per completion token, log p(token) under the target's
     temperature-scaled distribution before top-k/top-p truncation (what TRL recomputes).
+    behaviour_logprobs: log-probability of each token under the distribution it was actually drawn
+    from (docs/lossy.md#honest-results); equal to logprobs when no lossy mode is on. None from a
+    backend that does not record it: then it is logprobs.
+    token_source: per token an index into TOKEN_SOURCES (target, draft-exact, judge, routed-step).
     """
 
     prompt_ids: list[int]
@@ -127,3 +175,13 @@ class RolloutResult:
     prompt_index: int = 0  # which prompt of the call this sample belongs to
     sample_index: int = 0  # which of that prompt's n samples
     extra: dict = field(default_factory=dict)
+    behaviour_logprobs: list[float] | None = None
+    token_source: list[int] | None = None
+
+    def sampling_logprobs(self) -> list[float]:
+        """What the sampler's law gave each token: the logprobs an importance-sampling correction divides by."""
+        return self.logprobs if self.behaviour_logprobs is None else self.behaviour_logprobs
+
+    def lossy_mask(self) -> list[bool]:
+        """Per token: produced by a lossy rule (judge or routed step)."""
+        return [s in LOSSY_SOURCES for s in (self.token_source or [0] * len(self.completion_ids))]

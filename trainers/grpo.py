@@ -6,7 +6,8 @@ A drop-in: same constructor as `trl.GRPOTrainer` plus keyword-only `spec_config`
 - `_generate_single_turn` (the narrowest method that owns "token ids in -> completions out") is
   replaced: the shared `RolloutSource` (trainers/rollout_source.py, also PPO's) syncs the policy into
   the engine if it changed and calls `engine.generate`; we return the completion ids and the
-  engine's per-token logprobs. Everything around it (chat templating, reward
+  engine's per-token sampling logprobs (the target's; with a lossy mode on, the behaviour
+  logprobs of the distribution each token was drawn from). Everything around it (chat templating, reward
   scoring, advantages, the loss, tool loops) is TRL's own code.
 - TRL runs its importance-sampling correction only when `self.use_vllm and
   self.vllm_importance_sampling_correction`. We set `self.use_vllm = True` after TRL's `__init__`
@@ -67,7 +68,9 @@ class SpecGRPOTrainer(GRPOTrainer):
             top_p=self.top_p, top_k=max(self.top_k or 0, 0),  # TRL and HF use 0 or -1 for "off"; ours is 0
             max_new_tokens=self.max_completion_length, stop_token_ids=list(self.eos_token_ids))
         self.rollouts.log_metrics(self._metrics["train" if self.model.training else "eval"])
-        return [list(r.completion_ids) for r in results], [list(r.logprobs) for r in results]
+        # the sampling logprobs TRL's importance-sampling correction divides by: the behaviour policy's, which
+        # differ from the target's exactly on tokens a lossy mode kept (rollout/types.py, docs/lossy.md)
+        return [list(r.completion_ids) for r in results], [list(r.sampling_logprobs()) for r in results]
 
 
 def dedupe_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:

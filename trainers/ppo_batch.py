@@ -62,7 +62,7 @@ def pad_results(results: list[RolloutResult], pad_token_id: int, device) -> Roll
         input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
         input_ids[i, P:P + c] = torch.tensor(r.completion_ids, dtype=torch.long)
         attention_mask[i, P - p:P + c] = 1
-        engine_logprobs[i, :c] = torch.tensor(r.logprobs)
+        engine_logprobs[i, :c] = torch.tensor(r.sampling_logprobs())  # behaviour logprobs: lossy tokens included
     batch = RolloutBatch(
         input_ids=input_ids, attention_mask=attention_mask, completion_ids=input_ids[:, P:],
         mask=attention_mask[:, P:].float(), engine_logprobs=engine_logprobs,

@@ -17,6 +17,9 @@ class Sequence:
     resumed: bool = False  # preempted: its KV must be recomputed by a prefill when readmitted
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # per token: the log-prob of the law it was drawn from, and who produced it (rollout.types.TOKEN_SOURCES)
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    token_source: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
     @property
@@ -39,12 +42,18 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
-    def append(self, tokens: list[int], logprobs: list[float], stop_ids: set[int]) -> int:
-        """Append emitted tokens, stopping at a stop token or the length limit. Returns how many were kept."""
+    def append(self, tokens: list[int], logprobs: list[float], stop_ids: set[int], sources: list[int] | None = None,
+               behaviour: list[float] | None = None) -> int:
+        """Append emitted tokens, stopping at a stop token or the length limit. Returns how many were kept.
+        sources: token_source codes (None: all the target's); behaviour: None = logprobs (lossless)."""
         kept = 0
-        for tok, lp in zip(tokens, logprobs):
+        sources = sources or [0] * len(tokens)
+        behaviour = behaviour or logprobs
+        for tok, lp, src, blp in zip(tokens, logprobs, sources, behaviour):
             self.completion_ids.append(tok)
             self.logprobs.append(lp)
+            self.token_source.append(src)
+            self.behaviour_logprobs.append(blp)
             kept += 1
             if tok in stop_ids:
                 self.finish_reason = "stop"
@@ -63,4 +72,6 @@ class Sequence:
             policy_version=policy_version,
             prompt_index=self.prompt_index,
             sample_index=self.sample_index,
+            behaviour_logprobs=list(self.behaviour_logprobs),
+            token_source=list(self.token_source),
         )

@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
 
         Returns (logits, hiddens): logits [B, T, V] float32, or [B, V] when logits_index [B] picks
         one position per row (prefill); hiddens: {HF hidden_states index: [B, T, H]} for the layers
-        asked for (index 0 = embeddings, i = output of layer i-1, for i < L).
+        asked for (index 0 = embeddings, i = output of layer i-1, for i <= L; L is before the final norm).
         """
         x = self.model.embed_tokens(fb.input_ids)
         dtype = x.dtype
@@ -168,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
             if i in hidden_layers:
                 hiddens[i] = x
             x = layer(x, cos, sin, k_cache[i], v_cache[i], fb)
+        if len(self.model.layers) in hidden_layers:  # the last layer's output, pre-norm (rollout/lossy's heads)
+            hiddens[len(self.model.layers)] = x
         if logits_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_index]
         return self.lm_head(self.model.norm(x)).float(), hiddens

@@ -1,0 +1,99 @@
+"""GRPO with a lossy mode vs lossless, same seeds: reward, lossy share and importance ratios side by side.
+
+Runs `python -m rlspec.train config=grpo_math.yaml` once per arm in its own process (same seed, same
+steps, same drafter): `lossless` with exact verification, `lossy` with the lossy overrides given.
+From each run's summary.json it plots per step the reward, the lossy-token share, TRL's
+importance-sampling ratio (mean and min: the behaviour logprobs reached it) and rollout tokens/s,
+and writes a JSON with the curves and, per arm, the mean reward over the first and last third of
+the steps (did learning suffer?) and the rollout time.
+
+    python scripts/bench_grpo_lossy.py --steps 30 --drafter suffix \\
+        --lossy drafter.verification=judge drafter.judge_threshold=0.05 drafter.accept_off_policy=true
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from common import table, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+CURVES = {"reward": "reward", "lossy share": "rollout/lossy_token_share",
+          "TRL IS ratio mean": "sampling/importance_sampling_ratio/mean",
+          "TRL IS ratio min": "sampling/importance_sampling_ratio/min", "rollout tokens/s": "rollout/tokens_per_s"}
+
+
+def run(label: str, overrides: list[str], args) -> dict:
+    out = Path(args.workdir) / label
+    if args.reuse and (out / "summary.json").is_file():
+        return json.loads((out / "summary.json").read_text())
+    cmd = [sys.executable, "-m", "rlspec.train", f"config={args.config}", f"grpo.max_steps={args.steps}",
+           f"output_dir={out}", f"drafter.drafter={args.drafter}", "grpo.save_steps=1000", *args.overrides, *overrides]
+    print("[bench_grpo_lossy]", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return json.loads((out / "summary.json").read_text())
+
+
+def thirds(values: list[float]) -> tuple[float, float]:
+    k = max(1, len(values) // 3)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
+
+
+def plot(curves: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.5))
+    for ax, title in zip(axes, CURVES):
+        for arm, c in curves.items():
+            pts = [(s, v) for s, v in zip(c["step"], c[title]) if v is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker=".", label=arm)
+        ax.set_title(title)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="grpo_math.yaml")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--drafter", default="suffix")
+    p.add_argument("--lossy", nargs="+", default=["drafter.verification=judge", "drafter.judge_threshold=0.05",
+                                                  "drafter.accept_off_policy=true"])
+    p.add_argument("--overrides", nargs="*", default=[], help="extra key=value for both runs")
+    p.add_argument("--workdir", default="outputs/bench_grpo_lossy")
+    p.add_argument("--reuse", action="store_true")
+    p.add_argument("--out", default="bench_out/grpo_lossy.json")
+    args = p.parse_args(argv)
+    runs = {"lossless": run("lossless", [], args), "lossy": run("lossy", args.lossy, args)}
+    curves, rows = {}, []
+    for arm, s in runs.items():
+        h = s["history"]
+        curves[arm] = {"step": [e.get("step") for e in h], **{t: [e.get(k) for e in h] for t, k in CURVES.items()}}
+        first, last = thirds([e["reward"] for e in h if e.get("reward") is not None])
+        rows.append({"arm": arm, "reward_first_third": first, "reward_last_third": last,
+                     "lossy_share_mean": _mean(curves[arm]["lossy share"]),
+                     "is_ratio_min": min((v for v in curves[arm]["TRL IS ratio min"] if v is not None), default=None),
+                     "rollout_s": sum(e.get("rollout/wall_s") or 0 for e in h), "wall_s": s["wall_s"]})
+    print(table(rows, list(rows[0])))
+    write_json(args.out, {"config": vars(args), "results": rows, "curves": curves})
+    plot(curves, args.out.replace(".json", ".png"))
+
+
+def _mean(values):
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+if __name__ == "__main__":
+    main()

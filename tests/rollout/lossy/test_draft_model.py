@@ -1,0 +1,35 @@
+"""step_source=draft_model=<dir>: a smaller model with the target's tokenizer writes whole steps."""
+import math
+
+from rollout.lossy.judge import ROUTED, TARGET
+from rollout.types import SamplingParams, SpecConfig
+from tests.trainers.conftest import build_char_tokenizer, build_tiny_llama
+
+
+def test_draft_model_writes_steps_and_behaviour_is_its_q(tmp_path):
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+
+    tok = build_char_tokenizer()
+    target = build_tiny_llama(len(tok), tok.eos_token_id, tok.pad_token_id, seed=0)
+    draft = build_tiny_llama(len(tok), tok.eos_token_id, tok.pad_token_id, seed=1)
+    draft.save_pretrained(tmp_path / "draft")
+    tok.save_pretrained(tmp_path / "draft")
+    spec = SpecConfig(step_routing="arbitrage", step_source=f"draft_model={tmp_path / 'draft'}", step_max_tokens=6,
+                      route_threshold=-50.0, accept_off_policy=True)  # keep every drafted step
+    eng = RolloutEngine(loader.from_hf_model(target), tok, spec=spec, eos_token_ids=[tok.eos_token_id])
+    prompts = [tok.encode("12+3=")[:5], tok.encode("ab\n")]
+    results = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=20, n=2, seed=3))
+    routed = 0
+    for r in results:
+        for src, lp, blp in zip(r.token_source, r.logprobs, r.behaviour_logprobs):
+            assert src in (TARGET, ROUTED)
+            if src == ROUTED:  # sampled from the draft model: log q(x), a proper log-probability
+                routed += 1
+                assert -30 < blp < 0 and blp != lp
+            else:
+                assert blp == lp
+    assert routed > 0
+    stats = eng.stats()
+    assert stats["rollout/steps_kept"] == stats["rollout/steps_routed"] > 0
+    assert stats["rollout/is_ratio/lossy_mean"] != 1.0 and math.isfinite(stats["rollout/is_ratio/max"])

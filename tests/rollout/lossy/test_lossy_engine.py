@@ -1,0 +1,170 @@
+"""The lossy modes inside the engine: honest per-token sources and behaviour logprobs, metrics, steps."""
+import math
+
+import pytest
+
+from rollout.lossy.judge import DRAFT_EXACT, JUDGE, ROUTED, TARGET
+from rollout.types import SamplingParams, SpecConfig
+from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
+from tests.rollout.lossy.helpers import NEWLINE, STEP, lossy_engine
+from tests.rollout.spec_helpers import ScriptedDrafter
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=32, n=2, seed=7)
+
+
+def _check_honest(results):
+    """behaviour == target logprob exactly on target/exact tokens; log q = 0 (deterministic drafts)
+    on lossy ones. Returns the sources seen."""
+    seen = set()
+    for r in results:
+        assert len(r.token_source) == len(r.behaviour_logprobs) == len(r.completion_ids)
+        for src, lp, blp in zip(r.token_source, r.logprobs, r.behaviour_logprobs):
+            seen.add(src)
+            if src in (TARGET, DRAFT_EXACT):
+                assert blp == lp
+            else:
+                assert blp == 0.0 and lp < -1e-3  # a scripted draft is a point mass; the target disagreed
+        assert r.token_source[0] == TARGET  # the first token comes from the prefill
+    return seen
+
+
+@pytest.mark.parametrize("judge,tau", [("prob", 0.02), ("typical", 0.05)])
+def test_judge_mode_records_sources_and_behaviour(judge, tau):
+    hf = make_tiny_hf("llama", seed=5)
+    eng = lossy_engine(hf, ScriptedDrafter(TINY_VOCAB, None, corrupt=0.3, seed=1), verification="judge",
+                       judge=judge, judge_threshold=tau, accept_off_policy=True)
+    results = eng.generate(random_prompts(4, 3, 12, seed=5), PARAMS)
+    assert JUDGE in _check_honest(results)
+    stats = eng.stats()
+    lossy = sum(r.lossy_mask().count(True) for r in results)
+    total = sum(len(r.completion_ids) for r in results)
+    assert stats["rollout/lossy_token_share"] == pytest.approx(lossy / total)
+    assert stats["rollout/judge_acceptances"] == lossy
+    ratios = [math.exp(lp - b) for r in results for lp, b in zip(r.logprobs, r.behaviour_logprobs)]
+    assert stats["rollout/is_ratio/mean"] == pytest.approx(sum(ratios) / len(ratios))
+    assert stats["rollout/is_ratio/min"] == pytest.approx(min(ratios)) and stats["rollout/is_ratio/min"] < 1
+
+
+def test_learned_judge_is_exact_until_trained_then_judges():
+    hf = make_tiny_hf("llama", seed=5)
+    eng = lossy_engine(hf, ScriptedDrafter(TINY_VOCAB, None, corrupt=0.3, seed=1), verification="judge",
+                       judge="learned", judge_threshold=0.5, accept_off_policy=True)
+    first = eng.generate(random_prompts(2, 3, 12, seed=5), SamplingParams(temperature=1.0, max_new_tokens=8, seed=1))
+    assert JUDGE not in _check_honest(first)  # fewer labels than the warm-up: verification stays exact
+    eng.stats()
+    for _ in range(3):
+        results = eng.generate(random_prompts(4, 3, 12, seed=5), PARAMS)
+    assert eng.lossy.judge_head.ready
+    assert JUDGE in _check_honest(results)
+    assert eng.stats()["rollout/judge_head_labels"] > 256
+
+
+def _step_oracle(seq, n):
+    """Steps of 'a b c <STEP>' style: the drafter writes three tokens, then the delimiter."""
+    return [10, 11, 12, STEP, 13, 14, NEWLINE, NEWLINE, 15][:n]
+
+
+def test_routing_keeps_whole_steps_up_to_the_delimiter():
+    hf = make_tiny_hf("llama", seed=5)
+    drafter = ScriptedDrafter(TINY_VOCAB, _step_oracle, corrupt=0.0, seed=1)
+    drafter.propose = lambda seqs, caps, width: [_full(s, c) for s, c in zip(seqs, caps)]
+    eng = lossy_engine(hf, drafter, step_routing="arbitrage", route_threshold=-50.0, step_max_tokens=8,
+                       accept_off_policy=True)
+    results = eng.generate(random_prompts(3, 3, 12, seed=5), PARAMS)
+    seen = _check_honest(results)
+    assert ROUTED in seen
+    for r in results:  # every routed run of tokens is a step: it ends at the delimiter (or the length cap)
+        run = []
+        for tok, src in zip(r.completion_ids, r.token_source):
+            if src == ROUTED:
+                run.append(tok)
+            elif run:
+                assert run == [10, 11, 12, STEP]
+                run = []
+    stats = eng.stats()
+    assert stats["rollout/steps_kept"] == stats["rollout/steps_routed"] > 0  # threshold -50 keeps everything
+
+
+def _full(seq, cap):
+    from rollout.spec.drafters.base import Draft
+
+    return Draft.chain(_step_oracle(seq, cap))
+
+
+def test_a_rejected_step_is_regenerated_by_the_target_until_the_delimiter():
+    """route_threshold 0 keeps nothing a random model did not write itself: every step is rejected,
+    exact verification takes over, and the router is not asked again before a delimiter."""
+    hf = make_tiny_hf("llama", seed=5)
+    drafter = ScriptedDrafter(TINY_VOCAB, _step_oracle, corrupt=0.0, seed=1)
+    drafter.propose = lambda seqs, caps, width: [_full(s, c) for s, c in zip(seqs, caps)]
+    eng = lossy_engine(hf, drafter, step_routing="arbitrage", route_threshold=0.0, step_max_tokens=8,
+                       accept_off_policy=True)
+    results = eng.generate(random_prompts(3, 3, 12, seed=5), PARAMS)
+    assert ROUTED not in _check_honest(results)
+    stats = eng.stats()
+    assert stats["rollout/steps_kept"] == 0 and stats["rollout/lossy_token_share"] == 0
+    # one routed step per row and step at most: far fewer than decode steps x rows
+    assert 0 < stats["rollout/steps_routed"] < stats["rollout/decode_steps"] * 6 / 2
+    assert all(b == lp for r in results for b, lp in zip(r.behaviour_logprobs, r.logprobs))
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(verification="judge"), "accept_off_policy=true"),
+    (dict(step_routing="arbitrage"), "accept_off_policy=true"),
+    (dict(verification="judge", accept_off_policy=True, drafter="none"), "judge without|drafter is 'none'"),
+    (dict(verification="judge", accept_off_policy=True, drafter="suffix", tree_width=2), "tree_width=1"),
+    (dict(step_routing="arbitrage", accept_off_policy=True), "needs a draft source"),
+    (dict(step_routing="arbitrage", accept_off_policy=True, drafter="suffix", step_source="eagle3"),
+     "set drafter=eagle3"),
+    (dict(step_routing="arbitrage", accept_off_policy=True, step_source="draft_model=/no/such/dir"),
+     "not a local directory"),
+    (dict(verification="judge", accept_off_policy=True, drafter="suffix", judge_threshold=0.0), r"\(0, 1\]"),
+    (dict(step_routing="arbitrage", accept_off_policy=True, drafter="suffix", router="learned",
+          route_threshold=-1.0), r"\[0, 1\]"),
+    (dict(verification="judge", accept_off_policy=True, drafter="suffix", judge="oracle"), "prob"),
+])
+def test_config_errors(fields, match):
+    with pytest.raises(ValueError, match=match):
+        SpecConfig(**fields)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(tmp_path):
+    from rollout.lossy.draft_model import check_same_tokenizer
+    from tests.rollout.lossy.helpers import TinyTokenizer
+
+    class Other(TinyTokenizer):
+        def get_vocab(self):
+            return {"different": 0}
+
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        check_same_tokenizer(str(tmp_path), Other(), TinyTokenizer(), TINY_VOCAB)
+    check_same_tokenizer(str(tmp_path), TinyTokenizer(), TinyTokenizer(), TINY_VOCAB)  # same: fine
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eagle3_writes_whole_steps(temperature):
+    """The learned drafter as step source: long chains (step_max_tokens, beyond num_draft_tokens), its q
+    as the behaviour of kept tokens at T > 0, and judge verification on its ordinary drafts."""
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+    from rollout.spec.selectors.base import Arm
+    from tests.rollout.lossy.helpers import TinyTokenizer
+
+    hf = make_tiny_hf("llama", seed=3)
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False, step_routing="arbitrage",
+                      route_threshold=-50.0, step_max_tokens=10, verification="judge", judge_threshold=0.02,
+                      accept_off_policy=True)
+    eng = RolloutEngine(loader.from_hf_model(hf), TinyTokenizer(), spec=spec, eos_token_ids=[2])
+    eng.speculation.force(Arm("eagle3", 3, 1))
+    results = eng.generate(random_prompts(3, 3, 12, seed=3),
+                           SamplingParams(temperature=temperature, max_new_tokens=40, n=2, seed=1))
+    longest = 0
+    for r in results:
+        run = 0
+        for src, lp, blp in zip(r.token_source, r.logprobs, r.behaviour_logprobs):
+            run = run + 1 if src == ROUTED else 0
+            longest = max(longest, run)
+            if src == ROUTED and temperature > 0:
+                assert blp < 0 and blp != lp  # log q of the drafter's sampled distribution
+    assert longest > 3  # whole steps, longer than an ordinary draft
+    assert eng.stats()["rollout/steps_kept"] > 0
