@@ -3,7 +3,7 @@
     accelerate launch --config_file configs/accelerate/zero3.yaml tests/distributed/run_checked.py \\
         <report dir> <expected zero stage or "none"> config=grpo_math.yaml model=... [key=value ...]
 
-Runs rlspec.train.main unchanged, with three test-only additions:
+Runs rlspec.train.main unchanged, with test-only additions:
 - a `spread` reward (distinct characters / 10) that differs between samples, so GRPO's advantages are not
   zero and the policy really moves between syncs (with the embedded task's accuracy on a random model
   every reward is 0 and a sync would compare two copies of the initial weights);
@@ -11,19 +11,37 @@ Runs rlspec.train.main unchanged, with three test-only additions:
   model built from the gathered policy (exact equality: same conversion, same dtype), the number of
   ZeRO-3 gathers with the planned groups, and the weights with the engine's copy before the first push
   (they must differ: the check is not vacuous);
-- a record of this rank's drafter warm start.
+- a record of this rank's drafter warm start;
+- RLSPEC_TEST_FAIL_AT=k (and RLSPEC_TEST_FAIL_RANK=r) makes the reward raise at its k-th call (on rank r),
+  to try the crash path by hand.
 Each rank writes <report dir>/rank<i>.json; any failed check raises, so the process exits non-zero.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 
+_CALLS = []
+
+
 def spread_reward(completions, **kwargs) -> list[float]:
+    # RLSPEC_TEST_FAIL_AT=k [RLSPEC_TEST_FAIL_RANK=r]: raise at the k-th call (on rank r only), to try the crash path
+    _CALLS.append(1)
+    fail_at, fail_rank = os.environ.get("RLSPEC_TEST_FAIL_AT"), os.environ.get("RLSPEC_TEST_FAIL_RANK")
+    if fail_at and len(_CALLS) == int(fail_at) and fail_rank in (None, os.environ.get("RANK")):
+        raise RuntimeError(f"test failure in the reward on rank {os.environ.get('RANK')}")
     texts = [c if isinstance(c, str) else "".join(m["content"] for m in c) for c in completions]
     return [len(set(t)) / 10 for t in texts]
+
+
+def synced_policy(trainer):
+    """The bare HF model the trainer pushes into its engine (PPO's sits inside its policy+value wrapper)."""
+    from trainers.weight_sync import unwrap_model
+
+    return trainer.policy if hasattr(trainer, "policy") else unwrap_model(trainer.model, trainer.accelerator)
 
 
 def engine_matches_policy(trainer, record: dict, initial: dict) -> None:
@@ -32,11 +50,11 @@ def engine_matches_policy(trainer, record: dict, initial: dict) -> None:
     import torch
 
     from rollout.runtime.model import loader
-    from trainers.weight_sync import NamedWeights, gathered_model, unwrap_model
+    from trainers.weight_sync import NamedWeights, gathered_model
 
     engine, syncer = trainer.engine, trainer.weight_syncer
-    policy = unwrap_model(trainer.model, trainer.accelerator)
-    planned = len(NamedWeights(trainer.model, trainer.accelerator, syncer.bucket_bytes).groups)
+    policy = synced_policy(trainer)
+    planned = len(NamedWeights(policy, trainer.accelerator, syncer.bucket_bytes).groups)
     with gathered_model(policy):  # the engine's own conversion of the whole policy, in the engine's dtype
         expected = dict(loader.from_hf_model(policy, dtype=next(engine.model.parameters()).dtype).named_parameters())
     actual = dict(engine.model.named_parameters())
