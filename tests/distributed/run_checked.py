@@ -84,8 +84,18 @@ def instrument(trainer, record: dict) -> None:
     engine.load_weights = checked_load
 
 
+def skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed's CPU collectives on plain gloo: its shared-memory all-reduce op is compiled on first use
+    (~50 s of CPU on the 2-core CI machine, and a C++ compiler), a CPU-only speed-up these checks do not need.
+    DeepSpeed reads the flag from this dict (deepspeed.comm.torch.build_shm_op)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def main() -> int:
     report_dir, expected_stage, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    skip_deepspeed_shm_op()
     import rlspec.train as train
     import trainers.rewards as rewards
     from rlspec.distributed import zero_stage
