@@ -40,6 +40,7 @@ def tiny_model(tmp_path) -> Path:
 def _launch(accelerate_config: str, zero_stage: str, model_dir: Path, tmp_path: Path, *overrides: str):
     """Two processes of run_checked.py under configs/accelerate/<accelerate_config>.yaml, two GRPO steps.
     Returns (the completed process, the output dir, {rank: that rank's report})."""
+    pytest.importorskip("deepspeed", reason='DeepSpeed is not installed: pip install -e ".[deepspeed]"')
     out, reports = tmp_path / "out", tmp_path / "reports"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
