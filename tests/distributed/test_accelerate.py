@@ -53,7 +53,8 @@ def _launch(accelerate_config: str, zero_stage: str, model_dir: Path, tmp_path: 
            "grpo.learning_rate=0.01",  # big enough to move bf16 weights in one step, so the sync check bites
            "data.num_examples=16", "rollout.max_model_len=256", "rollout.max_num_seqs=8", "wandb.mode=disabled",
            "grpo.extra.disable_tqdm=true", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # a hung collective fails the test, not CI
+    # a hung collective fails this test after 300 s rather than holding the whole suite
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"accelerate launch failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in reports.glob("rank*.json")}
     assert sorted(ranks) == [0, 1], f"reports from ranks {sorted(ranks)}"
