@@ -32,7 +32,7 @@ help:
 	@echo "make test       venv + embedded model + pytest tests [PYTEST_ARGS='-k fetch']"
 	@echo "make bench      rollout benchmark: HF generate vs RolloutEngine [BENCH_ARGS='--batch-sizes 1 8']"
 	@echo "make gpu-check  on an NVIDIA GPU box, no venv/pip/hub: CUDA tests + scripts/bench_gpu.py -> bench_out/gpu_check.json"
-	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[dev,ray])"
+	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[dev,ray,deepspeed])"
 	@echo "make model      fetch/convert $(MODEL) into the cache (\$$RLSPEC_CACHE, default ~/.cache/rlspec)"
 	@echo "make clean      remove caches and outputs of tests/benchmarks; distclean also removes $(VENV)"
 
@@ -43,7 +43,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --disable-pip-version-check "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
-	$(PY) -m pip install --disable-pip-version-check -e ".[dev,ray]"
+	$(PY) -m pip install --disable-pip-version-check -e ".[dev,ray,deepspeed]"
 	@$(PY) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(None if v == '$(TORCH_VERSION)' else \
 	  f'ERROR: pip replaced torch $(TORCH_VERSION) with {torch.__version__} (a dependency asked for another torch). \
 	  Pin it back: $(PY) -m pip install torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)')"

@@ -147,6 +147,9 @@ class RolloutSection:
     kv_block_size: int = _f(16, "positions per KV block (on CUDA a divisor of 128, FlexAttention's block)")
     free_kv_between_rollouts: bool | None = _f(None, "hand the KV cache back after every rollout so the policy "
                                                      "update has the memory (None: on for CUDA, off on CPU)")
+    sync_bucket_mb: float = _f(512.0, "weight sync under DeepSpeed ZeRO-3: the most megabytes (full size) of "
+                                      "parameters one collective gather brings in; larger = fewer, bigger gathers "
+                                      "(transient memory per process grows with it)")
 
     def pool_kwargs(self) -> dict[str, Any]:
         """The ray backend's own settings (empty for other backends, whose factories do not take them)."""
@@ -437,6 +440,9 @@ def _check_cross_fields(cfg: Config) -> None:
             f"rollout.max_model_len ({cfg.rollout.max_model_len}) must exceed {cfg.trainer}.max_completion_length "
             f"({g.max_completion_length}) to leave room for the prompt"
         )
+    if cfg.rollout.sync_bucket_mb <= 0:
+        raise ConfigError(f"rollout.sync_bucket_mb must be > 0 (megabytes per ZeRO-3 gather), got "
+                          f"{cfg.rollout.sync_bucket_mb}")
     if not cfg.rewards:
         raise ConfigError("rewards is empty; name at least one reward function (e.g. rewards=[accuracy])")
     key = "vllm_importance_sampling_correction" if cfg.trainer == "grpo" else "importance_sampling_correction"

@@ -3,9 +3,11 @@
 The config is parsed and checked before torch is imported, so a typo fails in a fraction of a
 second. Then: W&B environment, model fetch, data, rewards, the trainer (`trainer: grpo` ->
 SpecGRPOTrainer, `trainer: ppo` -> PPOTrainer, both rolling out through the same engine), train.
-Checkpoints are written by the Trainer every <grpo|ppo>.save_steps; the final model goes to <output_dir>/final, and a
-crash (or Ctrl-C) saves what the policy is to <output_dir>/crash before re-raising. Every run ends
-with a summary table and <output_dir>/summary.json.
+Checkpoints are written by the Trainer every <grpo|ppo>.save_steps (with the learned drafter in
+checkpoint-N/drafter); the final model goes to <output_dir>/final, and a crash (or Ctrl-C) saves what
+the policy is to <output_dir>/crash before re-raising. Every run ends with a summary table and
+<output_dir>/summary.json. Under `accelerate launch` each process has its own engine and rank 0
+alone writes what belongs to the run (rlspec/distributed.py, docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -60,23 +62,31 @@ def run(cfg: Config) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     setup_wandb_env(cfg, out)
     trainer, summary_cb = build_trainer(cfg, out)
+    from rlspec.distributed import is_main_process, main_process_first, save_crash_model
+
+    main = is_main_process(trainer)
     start, status, error, warm = time.time(), "finished", None, None
     try:
-        warm = warm_start_drafter(cfg, trainer)
+        # rank 0 warms (or loads) the drafter and fills the cache first; the others then load rank 0's
+        with main_process_first(trainer.args, "drafter warm start"):
+            warm = warm_start_drafter(cfg, trainer)
         trainer.train()
-        trainer.save_model(str(out / "final"))
+        trainer.save_model(str(out / "final"))  # a collective under ZeRO-3: every rank calls it, rank 0 writes
     except (Exception, KeyboardInterrupt) as exc:
         status, error = "crashed", f"{type(exc).__name__}: {exc}"
         print(f"rlspec.train: training stopped by {error}; saving the current policy to {out / 'crash'}",
               file=sys.stderr)
         traceback.print_exc()
-        _save_quietly(trainer, out / "crash")
+        save_crash_model(trainer, out / "crash")
         raise
     finally:
-        export_byproduct_drafter(cfg, trainer, out)  # on the crash path too: never lose the drafter
+        export_byproduct_drafter(cfg, trainer, out, main)  # on the crash path too: never lose the drafter
         _finish_wandb()  # first, so the summary table is the last thing printed
-        summary = summarize(cfg, out, summary_cb.rows, trainer.state.log_history, time.time() - start, status, error,
-                            warm)
+        if main:
+            summary = summarize(cfg, out, summary_cb.rows, trainer.state.log_history, time.time() - start, status,
+                                error, warm)
+        else:  # summary.json and the table are the run's, written by rank 0
+            summary = {"status": status, "error": error, "process_index": trainer.args.process_index}
     return summary
 
 
@@ -94,6 +104,7 @@ def build_trainer(cfg: Config, out: Path):
     start here). Both take the same arguments: the engine, speculation and summary are shared."""
     from transformers import AutoTokenizer
 
+    from rlspec.distributed import DrafterCheckpointCallback, main_process_first
     from rlspec.trainer_args import build_trainer_args
     from rollout.runtime.model.fetch import fetch_model
     from trainers.callbacks import RolloutSummaryCallback
@@ -102,12 +113,14 @@ def build_trainer(cfg: Config, out: Path):
 
     args = build_trainer_args(cfg, out)  # before the model fetch: an extra-key typo should fail fast
     reward_funcs = get_reward_funcs(cfg.rewards)
-    model_dir = fetch_model(cfg.model)
+    with main_process_first(args, "model fetch"):  # one conversion into the shared cache, not one per rank
+        model_dir = fetch_model(cfg.model)
     print(f"rlspec.train: model {cfg.model} -> {model_dir}; output_dir {out}", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # TRL pads completions; SmolLM2-style models reuse EOS
     summary_cb = RolloutSummaryCallback()
+    drafter_cb = DrafterCheckpointCallback(export=cfg.drafter.export)
     trainer = _trainer_class(cfg.trainer)(
         model=model_dir,
         reward_funcs=reward_funcs,
@@ -119,9 +132,10 @@ def build_trainer(cfg: Config, out: Path):
                            dtype=cfg.dtype, graph_mode=cfg.rollout.graph_mode, kv_memory_gb=cfg.rollout.kv_memory_gb,
                            kv_memory_fraction=cfg.rollout.kv_memory_fraction, kv_block_size=cfg.rollout.kv_block_size,
                            free_kv_between_rollouts=cfg.rollout.free_kv_between_rollouts,
-                           **cfg.rollout.pool_kwargs()),
-        callbacks=[summary_cb, _wandb_config_callback(cfg)],
+                           sync_bucket_mb=cfg.rollout.sync_bucket_mb, **cfg.rollout.pool_kwargs()),
+        callbacks=[summary_cb, drafter_cb, _wandb_config_callback(cfg)],
     )
+    drafter_cb.engine = trainer.engine
     return trainer, summary_cb
 
 
@@ -229,14 +243,18 @@ def _digest(s: dict) -> str:
             f"{num(s['tokens_per_s'], '.1f')} tok/s | final model: {s['final_model'] or '-'}")
 
 
-def export_byproduct_drafter(cfg: Config, trainer, out: Path) -> str | None:
+def export_byproduct_drafter(cfg: Config, trainer, out: Path, main: bool = True) -> str | None:
     """Export a learned drafter to <output_dir>/drafter (EAGLE-3 format) and stop its training thread.
-    Best effort: a failing export is reported, never raised over the run's own outcome."""
+    Best effort: a failing export is reported, never raised over the run's own outcome.
+
+    main: whether this process writes the run's outputs. With several processes each rank's engine has
+    its own drafter (warm-started from rank 0's, then trained online on that rank's rollouts); the run's
+    drafter is rank 0's (docs/distributed.md), and the other ranks only stop theirs."""
     engine = getattr(trainer, "engine", None)
     if engine is None or not engine.has_learned_drafter:
         return None
     engine.close()
-    if not cfg.drafter.export:
+    if not cfg.drafter.export or not main:
         return None
     try:
         path = engine.export_drafter(str(out / "drafter"))
@@ -245,14 +263,6 @@ def export_byproduct_drafter(cfg: Config, trainer, out: Path) -> str | None:
     except Exception as exc:  # noqa: BLE001
         print(f"rlspec.train: could not export the drafter: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
-
-
-def _save_quietly(trainer, path: Path) -> None:
-    """Best-effort save on the crash path: a failing save must not hide the original error."""
-    try:
-        trainer.save_model(str(path))
-    except Exception as exc:  # noqa: BLE001
-        print(f"rlspec.train: could not save the crash model to {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def _wandb_config_callback(cfg: Config):

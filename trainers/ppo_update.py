@@ -56,7 +56,11 @@ class PPOUpdateMixin:
         norm = torch.zeros((), device=self.accelerator.device)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             clipped = self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
-            if clipped is not None:  # DeepSpeed clips inside its own step and returns None here
+            if clipped is None and hasattr(model, "get_global_grad_norm"):
+                # DeepSpeed clips inside its own step (accelerator.backward ran it) and returns None above;
+                # its engine keeps the norm it measured
+                clipped = model.get_global_grad_norm()
+            if clipped is not None:
                 norm = torch.as_tensor(clipped, device=norm.device).float()
         self.optimizer.step()
         # set_to_none: the Trainer's own optimizer.step() after training_step then sees no gradient at all

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from trainers.weight_sync import WeightSyncer, gathered_model
+from trainers.weight_sync import DEFAULT_BUCKET_MB, WeightSyncer, gathered_model
 
 
 def build_engine(policy, tokenizer, spec_config: SpecConfig | None, defaults: dict, engine_kwargs: dict):
@@ -33,10 +33,13 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
                 max_num_seqs: int, max_model_len: int | None) -> "RolloutSource":
     """The RolloutSource of an HF/TRL trainer (SpecGRPOTrainer, PPOTrainer): `engine` if given, else one
     built from `policy` (max_num_seqs rows, max_model_len or the model's own limit, engine_kwargs
-    overriding both); weight sync through the trainer's accelerator, seeds from its args.seed, TRL's
-    profiling around sync and generation."""
+    overriding both); weight sync through the trainer's accelerator (ZeRO-3 gathers of at most
+    engine_kwargs["sync_bucket_mb"] MB, a sync setting rather than the engine's), seeds from its args.seed,
+    TRL's profiling around sync and generation."""
     from trl.extras.profiling import profiling_context
 
+    engine_kwargs = dict(engine_kwargs)
+    bucket_mb = engine_kwargs.pop("sync_bucket_mb", None) or DEFAULT_BUCKET_MB
     built_here = engine is None
     if built_here:
         defaults = dict(max_model_len=max_model_len or default_max_model_len(policy), max_num_seqs=max_num_seqs)
@@ -44,7 +47,7 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
     # An engine built from the policy right now already holds step-0 weights: no first push needed.
     return RolloutSource(engine, trainer.accelerator, trainer.state.global_step if built_here else None,
                          seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
-                         profile=lambda name: profiling_context(trainer, name))
+                         profile=lambda name: profiling_context(trainer, name), bucket_bytes=int(bucket_mb * 2**20))
 
 
 def default_max_model_len(policy) -> int:
@@ -60,12 +63,14 @@ class RolloutSource:
     synced_step: the optimizer step whose weights the engine holds (None forces the first push).
     seed / process_index: make every call's sampling seed reproducible and distinct per process.
     profile: name -> context manager around sync and generation (TRL's profiling_context), optional.
+    bucket_bytes: the most bytes one ZeRO-3 gather of a weight sync brings in.
     """
 
     def __init__(self, engine, accelerator, synced_step: int | None, seed: int, process_index: int = 0,
-                 profile: Callable[[str], contextlib.AbstractContextManager] | None = None):
+                 profile: Callable[[str], contextlib.AbstractContextManager] | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20):
         self.engine = engine
-        self.weight_syncer = WeightSyncer(engine, accelerator, synced_step=synced_step)
+        self.weight_syncer = WeightSyncer(engine, accelerator, synced_step=synced_step, bucket_bytes=bucket_bytes)
         self.seed, self.process_index = seed, process_index
         self.calls = 0
         self._profile = profile or (lambda name: contextlib.nullcontext())
@@ -103,3 +108,5 @@ class RolloutSource:
             metrics[key].append(float(value))
         metrics["rollout/wall_s"].append(self.last_wall_s)
         metrics["rollout/sync_s"].append(self.weight_syncer.last_time_s)
+        # ZeRO-3 collective gathers of the last push (0 without ZeRO-3 or without a push)
+        metrics["rollout/sync_gathers"].append(float(self.weight_syncer.last_gathers))

@@ -4,6 +4,13 @@ The engine keeps its own copy of the weights (its own layout and dtype), so afte
 step the trainer must hand it the new parameters before the next rollout, or the rollouts would be
 sampled from a stale policy and the importance-sampling check would show it.
 
+Under DeepSpeed ZeRO-3 every process holds only a shard of each parameter. The sync gathers them in
+groups of consecutive parameters of at most `bucket_bytes` (full size) each: one collective per group
+instead of one per parameter (hundreds of latency-bound gathers for a 7B model), while the transient
+memory stays bounded by the group, never the whole model (docs/distributed.md). Every process must
+sync at the same steps: the gathers are collectives, which the colocated design (one engine per rank,
+synced by the same trainer code) guarantees.
+
 `sync_weights` always pushes; `WeightSyncer` remembers the optimizer step it last pushed and skips a
 push when the policy has not changed since (gradient accumulation and several generations per step
 call it repeatedly with the same weights).
@@ -17,6 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+DEFAULT_BUCKET_MB = 512
+
+# Wrappers that insert a path component into every parameter name below them: FSDP1's
+# FullyShardedDataParallel, torch's checkpoint_wrapper (activation checkpointing, also used without
+# FSDP) and torch.compile's OptimizedModule. The engine knows the plain Hugging Face names.
+WRAPPER_NAME_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
 
 def unwrap_model(model: torch.nn.Module, accelerator=None) -> torch.nn.Module:
     """The bare transformers model under accelerate / DDP / DeepSpeed wrappers."""
@@ -28,28 +42,111 @@ def unwrap_model(model: torch.nn.Module, accelerator=None) -> torch.nn.Module:
     return model
 
 
+def hf_name(name: str) -> str:
+    """A parameter name with the wrapper components (WRAPPER_NAME_PARTS) removed, wherever they sit."""
+    for part in WRAPPER_NAME_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
 def _is_zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")  # DeepSpeed ZeRO-3 partitions a parameter and tags it with ds_id
 
 
-@contextlib.contextmanager
-def _gathered(param: torch.Tensor):
-    """Full value of one parameter: gathered from its ZeRO-3 shards when partitioned, as-is otherwise."""
-    if not _is_zero3_param(param):
-        yield param
-        return
-    import deepspeed  # only reached when DeepSpeed already partitioned the model, so it is installed
+def _full_nbytes(param: torch.Tensor) -> int:
+    """Bytes of the whole parameter once gathered (a ZeRO-3 shard knows its full numel as ds_numel)."""
+    numel = param.ds_numel if _is_zero3_param(param) else param.numel()
+    return numel * param.element_size()
 
-    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-        yield param
+
+def gather_groups(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of parameters whose full sizes add up to at most `bucket_bytes`; a parameter
+    larger than the bucket (an embedding, say) is a group of its own. Order is kept."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes} (rollout.sync_bucket_mb)")
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, param in named_params:
+        nbytes = _full_nbytes(param)
+        if not groups or size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, param))
+        size += nbytes
+    return groups
+
+
+def _check_syncable(bare: torch.nn.Module) -> None:
+    """Refuse, with what to do instead, the policies whose parameters this sync cannot read whole."""
+    if hasattr(bare, "peft_config"):
+        raise NotImplementedError(
+            "weight sync of a PEFT (LoRA) model is not supported yet: merge the adapter into the base model "
+            "(model.merge_and_unload()) or train without PEFT"
+        )
+    if _is_fsdp_sharded(bare):
+        raise NotImplementedError(
+            "weight sync from an FSDP-sharded policy is not supported: its parameters are flat shards (FSDP1) or "
+            "DTensors (FSDP2), not the whole tensors the rollout engine loads. Shard the policy with DeepSpeed "
+            "ZeRO-3 instead (accelerate launch --config_file configs/accelerate/zero3.yaml ...), whose shards "
+            "rlspec gathers in bounded groups, or with ZeRO-2 / DDP when the policy fits on one device"
+        )
+
+
+def _is_fsdp_sharded(model: torch.nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    import torch.distributed.fsdp as fsdp
+
+    # FSDP1 wraps modules in FullyShardedDataParallel; FSDP2's fully_shard makes them FSDPModules (torch >= 2.6).
+    kinds = tuple(k for k in (getattr(fsdp, "FullyShardedDataParallel", None), getattr(fsdp, "FSDPModule", None)) if k)
+    return any(isinstance(m, kinds) for m in model.modules())
+
+
+class NamedWeights:
+    """The policy's parameters as (HF name, full tensor) pairs, for `engine.load_weights`.
+
+    Plain (DDP / ZeRO-2 / one process) parameters are yielded as they are, with no copy. ZeRO-3 ones are
+    gathered a group at a time (gather_groups) and each is cloned inside the gather, since the gathered
+    storage is released when the group's context exits. `gathers` counts the collective gathers done.
+    """
+
+    def __init__(self, model: torch.nn.Module, accelerator=None, bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20):
+        bare = unwrap_model(model, accelerator)
+        _check_syncable(bare)
+        self.named = [(hf_name(name), param) for name, param in bare.named_parameters()]
+        self.zero3 = any(_is_zero3_param(p) for _, p in self.named)
+        self.groups = gather_groups(self.named, bucket_bytes) if self.zero3 else []
+        self.gathers = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.zero3:
+            for name, param in self.named:
+                yield name, param.detach()
+            return
+        import deepspeed  # only reached when DeepSpeed already partitioned the model, so it is installed
+
+        for group in self.groups:
+            sharded = [p for _, p in group if _is_zero3_param(p)]
+            gather = deepspeed.zero.GatheredParameters(sharded, modifier_rank=None) if sharded else \
+                contextlib.nullcontext()
+            with gather:
+                self.gathers += bool(sharded)
+                for name, param in group:
+                    yield name, param.detach().clone()
+
+
+def iter_named_weights(model: torch.nn.Module, accelerator=None,
+                       bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20) -> NamedWeights:
+    """(HF name, tensor) for every parameter of the unwrapped model (see NamedWeights)."""
+    return NamedWeights(model, accelerator, bucket_bytes)
 
 
 @contextlib.contextmanager
 def gathered_model(model: torch.nn.Module):
     """All parameters at full size inside the block (ZeRO-3: gathered at once; otherwise a no-op).
 
-    For building an engine from a partitioned policy: the engine keeps a full copy anyway, so the
-    temporary full gather costs no more than the copy it feeds. (Not exercised on the CPU test box.)
+    Only for building an engine from a partitioned policy, once per run: the engine keeps a full copy
+    anyway, so the temporary full gather costs no more than the copy it feeds (syncs use NamedWeights).
     """
     params = [p for p in model.parameters() if _is_zero3_param(p)]
     if not params:
@@ -61,33 +158,18 @@ def gathered_model(model: torch.nn.Module):
         yield model
 
 
-def iter_named_weights(model: torch.nn.Module, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every parameter of the unwrapped model, one at a time.
-
-    ZeRO-3 parameters are gathered one by one (memory stays one parameter above the shard) and
-    cloned, since the gathered storage is released when the context exits.
-    """
-    bare = unwrap_model(model, accelerator)
-    if hasattr(bare, "peft_config"):
-        raise NotImplementedError(
-            "weight sync of a PEFT (LoRA) model is not supported yet: merge the adapter into the base model "
-            "(model.merge_and_unload()) or train without PEFT"
-        )
-    for name, param in bare.named_parameters():
-        with _gathered(param) as full:
-            tensor = full.detach()
-            yield name, (tensor.clone() if _is_zero3_param(param) else tensor)
-
-
-def sync_weights(model: torch.nn.Module, engine, accelerator=None) -> float:
+def sync_weights(model: torch.nn.Module, engine, accelerator=None,
+                 bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20) -> tuple[float, int]:
     """Push every policy parameter into `engine.load_weights` (bumps engine.policy_version).
 
-    Returns the seconds the push took. Under ZeRO-3 every rank must call it (the gather is collective).
+    Returns (seconds the push took, ZeRO-3 gathers it made). Under ZeRO-3 every rank must call it
+    (the gathers are collectives).
     """
     start = time.perf_counter()
+    weights = iter_named_weights(model, accelerator, bucket_bytes)
     with torch.no_grad():
-        engine.load_weights(iter_named_weights(model, accelerator))
-    return time.perf_counter() - start
+        engine.load_weights(weights)
+    return time.perf_counter() - start, weights.gathers
 
 
 @dataclass
@@ -96,21 +178,24 @@ class WeightSyncer:
 
     synced_step: the optimizer step (trainer.state.global_step) whose weights the engine holds;
     None when unknown (an engine built elsewhere), which forces the first push.
+    bucket_bytes: the most bytes one ZeRO-3 gather brings in (rollout.sync_bucket_mb).
     """
 
     engine: object
     accelerator: object = None
     synced_step: int | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20
     num_syncs: int = 0
     total_time_s: float = 0.0
     last_time_s: float = field(default=0.0)
+    last_gathers: int = 0
 
     def maybe_sync(self, model: torch.nn.Module, step: int) -> bool:
         """Sync if `step` differs from the last synced step; True when weights were pushed."""
         if step == self.synced_step:
-            self.last_time_s = 0.0
+            self.last_time_s, self.last_gathers = 0.0, 0
             return False
-        self.last_time_s = sync_weights(model, self.engine, self.accelerator)
+        self.last_time_s, self.last_gathers = sync_weights(model, self.engine, self.accelerator, self.bucket_bytes)
         self.total_time_s += self.last_time_s
         self.num_syncs += 1
         self.synced_step = step

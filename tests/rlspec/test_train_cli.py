@@ -190,6 +190,8 @@ def test_learned_drafter_is_warm_started_then_loaded_from_the_cache(tiny_run, tm
     assert summary["history"][0]["rollout/generated_tokens"] <= 8 * 8  # 8 completions x 8 tokens
     assert first["cached"] is False and first["steps"] > 0 and first["tokens"] > 0
     assert (Path(first["path"]) / "config.json").is_file() and str(tmp_path / "cache") in first["path"]
+    # every checkpoint carries the drafter as of its step (a crash after it loses neither)
+    assert (tmp_path / "out" / "checkpoint-1" / "drafter" / "config.json").is_file()
     printed = capsys.readouterr().out
     assert "accepted" in printed and "drafter v" in printed and "drafter warm start" in printed
 

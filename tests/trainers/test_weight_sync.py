@@ -1,4 +1,6 @@
-"""trainers.weight_sync: the engine follows the policy after a sync, and unchanged policies are not re-sent."""
+"""trainers.weight_sync: the engine follows the policy after a sync, unchanged policies are not re-sent, ZeRO-3
+gathers are grouped under a byte bound and wrapper name parts are stripped (the real ZeRO-3 and FSDP runs:
+tests/distributed)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +8,7 @@ import torch
 
 from rollout.engine import RolloutEngine
 from rollout.types import SamplingParams
-from trainers.weight_sync import WeightSyncer, iter_named_weights, sync_weights, unwrap_model
+from trainers.weight_sync import WeightSyncer, gather_groups, hf_name, iter_named_weights, sync_weights, unwrap_model
 
 
 class _Wrapper(torch.nn.Module):
@@ -65,3 +67,41 @@ def test_syncer_skips_an_unchanged_policy(tiny_llama, engine):
 def test_unknown_engine_state_forces_the_first_sync(tiny_llama, engine):
     syncer = WeightSyncer(engine)  # synced_step=None: an engine built elsewhere
     assert syncer.maybe_sync(tiny_llama, step=0) is True and engine.policy_version == 1
+
+
+def test_gather_groups_are_bounded_consecutive_and_complete():
+    """Groups keep the parameters' order, never exceed the bucket unless one parameter alone does, and
+    hold every parameter once."""
+    sizes = [100, 300, 200, 900, 50, 50, 400]  # float32 elements -> 4 bytes each
+    named = [(f"p{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    groups = gather_groups(named, bucket_bytes=2000)
+    assert [[name for name, _ in g] for g in groups] == [["p0", "p1"], ["p2"], ["p3"], ["p4", "p5", "p6"]]
+    for group in groups:
+        nbytes = sum(p.numel() * 4 for _, p in group)
+        assert nbytes <= 2000 or len(group) == 1  # p3 (3600 bytes) is a group of its own
+    assert len(gather_groups(named, bucket_bytes=10**9)) == 1
+    with pytest.raises(ValueError, match="sync_bucket_mb"):
+        gather_groups(named, bucket_bytes=0)
+
+
+def test_wrapper_name_parts_are_stripped_and_the_sync_still_lands(tiny_llama, char_tokenizer, engine):
+    """Activation-checkpoint wrappers (as FSDP1 and accelerate insert them) and torch.compile put extra
+    components in parameter names; the sync strips them and the engine follows the policy."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    plain = [name for name, _ in tiny_llama.named_parameters()]
+    _perturb(tiny_llama)
+    fresh = RolloutEngine.from_hf_model(tiny_llama, char_tokenizer, max_model_len=64, max_num_seqs=4)
+    layers = tiny_llama.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i])
+    wrapped = torch.compile(tiny_llama)  # an OptimizedModule: names gain "_orig_mod."; nothing compiles until called
+    raw = [name for name, _ in wrapped.named_parameters()]
+    assert any("_checkpoint_wrapped_module." in n for n in raw) and all(n.startswith("_orig_mod.") for n in raw)
+    assert hf_name("model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.mlp.up_proj.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+    assert [name for name, _ in iter_named_weights(wrapped)] == plain
+    seconds, gathers = sync_weights(wrapped, engine)
+    assert gathers == 0 and engine.policy_version == 1
+    prompt = char_tokenizer("What is 3 + 4?")["input_ids"]
+    assert _greedy(engine, prompt) == _greedy(fresh, prompt)
