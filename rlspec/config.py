@@ -113,7 +113,9 @@ class RolloutSection:
     """Which rollout backend, and the engine's capacity."""
 
     backend: str = _f("engine", "what produces the rollouts (rollout/backend.py's registry): engine = rlspec's "
-                                "in-process speculative engine")
+                                "in-process speculative engine; vllm = an in-process vLLM keeping rlspec's "
+                                "speculation policy and drafter (needs the `make vllm-venv` environment, "
+                                "docs/vllm_backend.md)")
 
     max_model_len: int = _f(2048, "prompt + completion tokens the engine's KV cache holds per sequence")
     max_num_seqs: int = _f(64, "sequences decoded at once; larger batches are split")

@@ -81,3 +81,15 @@ def _engine_backend(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend:
     from rollout.engine import RolloutEngine
 
     return RolloutEngine.from_hf_model(policy, tokenizer, spec=spec, **engine_kwargs)
+
+
+@register_backend("vllm")
+def _vllm_backend(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("rollout.backend=vllm needs vLLM, which this environment lacks; run inside the one "
+                          "`make vllm-venv` builds (.venv-vllm), see docs/vllm_backend.md")
+    from rollout.vllm_backend.backend import VLLMBackend
+
+    return VLLMBackend(policy, tokenizer, spec, **engine_kwargs)
