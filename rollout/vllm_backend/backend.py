@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollout.metrics import RolloutMetrics
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
@@ -27,16 +28,20 @@ from rollout.vllm_backend import weights
 from rollout.vllm_backend.host import DrafterHost
 from rollout.vllm_backend.spec_map import check_supported, speculative_config
 
-# vLLM on CPU reserves this share of host RAM for the model and its KV cache unless told otherwise
-# (its own default, 0.92 of the NUMA node, fails on a machine shared with the trainer).
-CPU_MEMORY_SHARE = 0.15
+if TYPE_CHECKING:
+    import torch
+
+# On a GPU vLLM takes this share of the device's memory (the trainer's policy and optimizer share it).
+GPU_MEMORY_SHARE = 0.3
 
 
 class VLLMBackend:
     """A colocated vLLM holding a copy of `policy`. Build with build_backend("vllm", ...) (rollout.backend).
 
     dtype / max_model_len / max_num_seqs: as the engine's. kv_memory_gb: vLLM's KV cache size
-    (kv_cache_memory_bytes); else memory_share of the device (gpu_memory_utilization, host RAM on CPU).
+    (kv_cache_memory_bytes). Without it: on CPU what max_num_seqs full-length sequences need (vLLM's own
+    CPU sizing subtracts this process's whole footprint, the trainer's included, from its share of RAM
+    and fails when colocated); on GPU memory_share of the device (gpu_memory_utilization).
     graph_mode "off" forces eager mode (enforce_eager); CPU always runs eagerly here.
     Other engine settings (kv_block_size, free_kv_between_rollouts, ...) have no vLLM meaning and are ignored.
     """
@@ -45,7 +50,6 @@ class VLLMBackend:
                  max_num_seqs: int = 64, kv_memory_gb: float | None = None, memory_share: float | None = None,
                  graph_mode: str = "auto", seed: int = 0, **_engine_only):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move by reference
-        import torch
         from vllm import LLM
 
         self.spec = spec or SpecConfig()
@@ -64,8 +68,11 @@ class VLLMBackend:
         self.depth_table = self.host.depth_table() if self.host is not None else None
         drafter_dir = self.host.export(self._dir / "drafter_v0") if self.host and self.host.learned else None
         self.speculative_config = speculative_config(self.spec, drafter_dir, self.depth_table)
-        kv = dict(kv_cache_memory_bytes=int(kv_memory_gb * 2**30)) if kv_memory_gb else \
-            dict(gpu_memory_utilization=memory_share or (CPU_MEMORY_SHARE if on_cpu else 0.3))
+        if kv_memory_gb or on_cpu:
+            kv = dict(kv_cache_memory_bytes=int(kv_memory_gb * 2**30) if kv_memory_gb else
+                      kv_bytes_needed(policy.config, dtype, max_num_seqs, max_model_len))
+        else:
+            kv = dict(gpu_memory_utilization=memory_share or GPU_MEMORY_SHARE)
         self.llm = LLM(model=str(self._dir / "policy"), dtype=dtype, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, enforce_eager=on_cpu or graph_mode == "off", seed=seed,
                        speculative_config=self.speculative_config, disable_log_stats=False,
@@ -74,7 +81,6 @@ class VLLMBackend:
         self._drafter_pushes = 0
         self._metrics = RolloutMetrics()
         self._spec_counters = weights.spec_counters(self.llm)
-        self._torch = torch
 
     # ---- RolloutBackend -----------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None) -> list[RolloutResult]:
@@ -93,7 +99,7 @@ class VLLMBackend:
         self._record(results, time.perf_counter() - t0)
         return results
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The policy's parameters (HF names) into vLLM's model (and the drafter host's copy); bumps
         policy_version. vLLM's prefix cache holds KV of the old weights: dropped."""
         named = [(n, t.detach()) for n, t in named_tensors]
@@ -197,6 +203,15 @@ def _result(prompt: list[int], i: int, j: int, c, version: int) -> RolloutResult
     lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
     return RolloutResult(list(prompt), ids, lps, "stop" if c.finish_reason == "stop" else "length", version,
                          prompt_index=i, sample_index=j)
+
+
+def kv_bytes_needed(config, dtype: str, max_num_seqs: int, max_model_len: int) -> int:
+    """K and V of every layer (+1: an EAGLE-3 drafter's own layer) for max_num_seqs full sequences."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * (text.num_hidden_layers + 1) * text.num_key_value_heads * head_dim * \
+        (4 if dtype == "float32" else 2)
+    return max(per_token * max_num_seqs * max_model_len, 2**26)
 
 
 def _eos_ids(policy, tokenizer) -> set[int]:
