@@ -106,8 +106,8 @@ $(VLLM_STAMP): pyproject.toml
 # Tests of the vLLM backend, inside its environment; vLLM runs in this process (no engine-core subprocess).
 test-vllm: vllm-venv
 	$(VLLM_PY) -m rollout.runtime.model.fetch $(MODEL)
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest tests/vllm \
-	  tests/rlspec/test_vllm_export.py tests/rollout/test_vllm_spec_map.py -p no:cacheprovider $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest \
+	  tests/rollout/test_vllm_spec_map.py tests/rlspec/test_vllm_export.py tests/vllm -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf .pytest_cache outputs  # bench_out/ holds the committed figures: kept

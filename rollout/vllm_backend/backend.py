@@ -67,16 +67,19 @@ class VLLMBackend:
                                       max_num_seqs=max_num_seqs)
         self.depth_table = self.host.depth_table() if self.host is not None else None
         drafter_dir = self.host.export(self._dir / "drafter_v0") if self.host and self.host.learned else None
+        if drafter_dir:
+            _check_layer_ids(drafter_dir)
         self.speculative_config = speculative_config(self.spec, drafter_dir, self.depth_table)
-        if kv_memory_gb or on_cpu:
-            kv = dict(kv_cache_memory_bytes=int(kv_memory_gb * 2**30) if kv_memory_gb else
-                      kv_bytes_needed(policy.config, dtype, max_num_seqs, max_model_len))
-        else:
-            kv = dict(gpu_memory_utilization=memory_share or GPU_MEMORY_SHARE)
+        # processed_logprobs = log softmax(logits / T), ours at top_p = 1 and top_k = 0; but with a draft model
+        # vLLM 0.32 (CPU) returns wrong and NaN ones at the positions verification touched (measured on a tiny
+        # float32 Llama, docs/vllm_backend.md#logprobs), while raw_logprobs (T = 1) stay exact: so with
+        # speculation on, raw ones, and generate() admits only temperature 1 (or greedy)
+        self.logprobs_mode = "raw_logprobs" if self.speculative_config else "processed_logprobs"
+        memory = _memory_args(policy.config, dtype, on_cpu, kv_memory_gb, memory_share, max_num_seqs, max_model_len)
         self.llm = LLM(model=str(self._dir / "policy"), dtype=dtype, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, enforce_eager=on_cpu or graph_mode == "off", seed=seed,
                        speculative_config=self.speculative_config, disable_log_stats=False,
-                       logprobs_mode="processed_logprobs", skip_tokenizer_init=tokenizer is None, **kv)
+                       logprobs_mode=self.logprobs_mode, skip_tokenizer_init=tokenizer is None, **memory)
         self._pushed_drafter = self.host.version() if self.host is not None else 0
         self._drafter_pushes = 0
         self._metrics = RolloutMetrics()
@@ -181,6 +184,10 @@ class VLLMBackend:
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
+        if self.logprobs_mode == "raw_logprobs" and params.temperature not in (0.0, 1.0):
+            raise ValueError(f"temperature {params.temperature} with speculation on: vLLM's logprobs are exact here "
+                             "only at temperature 1 (docs/vllm_backend.md#logprobs); sample at temperature 1, or "
+                             "turn speculation off (drafter.drafter=none) for other temperatures")
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -203,6 +210,28 @@ def _result(prompt: list[int], i: int, j: int, c, version: int) -> RolloutResult
     lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
     return RolloutResult(list(prompt), ids, lps, "stop" if c.finish_reason == "stop" else "length", version,
                          prompt_index=i, sample_index=j)
+
+
+def _check_layer_ids(drafter_dir: str) -> None:
+    """vLLM captures each target layer once: an EAGLE-3 drafter reading one layer twice (the default ids
+    (2, L//2, L-3) collide on targets of fewer than 7 layers) would get too few features."""
+    import json
+
+    ids = json.loads((Path(drafter_dir) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"the EAGLE-3 drafter reads target layers {ids}, one of them twice, which vLLM cannot "
+                         "feed (it captures each layer once); use a target of at least 7 layers or a drafter "
+                         "trained on three distinct layers")
+
+
+def _memory_args(config, dtype: str, on_cpu: bool, kv_memory_gb, memory_share, max_num_seqs: int,
+                 max_model_len: int) -> dict:
+    """vLLM's memory settings (see VLLMBackend's docstring)."""
+    if kv_memory_gb:
+        return dict(kv_cache_memory_bytes=int(kv_memory_gb * 2**30))
+    if on_cpu:
+        return dict(kv_cache_memory_bytes=kv_bytes_needed(config, dtype, max_num_seqs, max_model_len))
+    return dict(gpu_memory_utilization=memory_share or GPU_MEMORY_SHARE)
 
 
 def kv_bytes_needed(config, dtype: str, max_num_seqs: int, max_model_len: int) -> int:

@@ -6,12 +6,18 @@ current policy) stay at ratio 1 only if vLLM sampled from the weights of that st
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import trl
+
+from tests.vllm.conftest import NO_VLLM
+
+pytest.importorskip("vllm", reason=NO_VLLM)
 
 from rollout.types import SpecConfig
 from rollout.vllm_backend.backend import VLLMBackend
 from tests.trainers.conftest import assert_two_steps_synced_once
+from tests.vllm.conftest import build_tiny_llama64
 from trainers.data import make_math_dataset, prompt_token_ids
 from trainers.grpo import SpecGRPOTrainer
 
@@ -28,7 +34,8 @@ def draft_weight_sum(backend: VLLMBackend) -> float:
     return backend.llm.collective_rpc(fingerprint)[0]
 
 
-def test_two_grpo_steps_on_vllm_with_the_learned_drafter(tiny_llama64, char_tokenizer, tmp_path, monkeypatch):
+def test_two_grpo_steps_on_vllm_with_the_learned_drafter(char_tokenizer, tmp_path, monkeypatch):
+    tiny_llama64 = build_tiny_llama64(char_tokenizer, layers=8)  # EAGLE-3 reads layers (2, 4, 5)
     monkeypatch.setenv("RLSPEC_CACHE", str(tmp_path / "cache"))  # the warm start caches its drafter here
     initial = {n: p.detach().clone() for n, p in tiny_llama64.named_parameters()}
     args = trl.GRPOConfig(
@@ -50,7 +57,7 @@ def test_two_grpo_steps_on_vllm_with_the_learned_drafter(tiny_llama64, char_toke
     # a new drafter version (a warm start on the policy's own rollouts) goes into vLLM's draft model
     cold = draft_weight_sum(backend)
     prompts = prompt_token_ids(char_tokenizer, trainer.train_dataset["prompt"][:4])
-    result = backend.warm_start_drafter(prompts, budget_s=5.0, group=2, max_new_tokens=16, temperature=1.0)
+    result = backend.warm_start_drafter(prompts, budget_s=15.0, group=2, max_new_tokens=16, temperature=1.0)
     assert result.steps > 0 and backend.host.version() > 0
     assert backend.stats()["vllm/drafter_pushes"] == 1.0
     assert draft_weight_sum(backend) != cold
