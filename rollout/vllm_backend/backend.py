@@ -66,6 +66,8 @@ class VLLMBackend:
         self.host = DrafterHost.build(policy, tokenizer, self.spec, dtype=dtype, max_model_len=max_model_len,
                                       max_num_seqs=max_num_seqs)
         self.depth_table = self.host.depth_table() if self.host is not None else None
+        if self.host is not None and not self.host.learned:
+            self.host = None  # the table was all a model-free drafter needed of it: free its copy of the policy
         drafter_dir = self.host.export(self._dir / "drafter_v0") if self.host and self.host.learned else None
         if drafter_dir:
             _check_layer_ids(drafter_dir)

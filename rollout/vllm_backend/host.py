@@ -67,7 +67,9 @@ class DrafterHost:
         return self.engine.export_drafter(str(path), metadata)
 
     def warm_start(self, prompts, **kwargs):
-        return self.engine.warm_start_drafter(prompts, **kwargs)
+        result = self.engine.warm_start_drafter(prompts, **kwargs)
+        self.engine.release_kv()  # its rollouts are over; vLLM's are the run's
+        return result
 
     def load_weights(self, named) -> None:
         self.engine.load_weights(named)

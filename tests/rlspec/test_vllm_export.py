@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 WARM_S = 180.0  # the warm start's budget when nothing is cached (what `rlspec.train` spends by default)
 K = 3  # drafted tokens per verify
+PROMPTS, TOKENS = 4, 40  # greedy completions compared (small: vLLM's CPU build decodes ~10 tokens/s here)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +68,11 @@ def speculate(model_dir: str, drafter_dir: str, prompts: list[list[int]]) -> tup
     """(vLLM's accepted length per verify, greedy completions) with the drafter at K tokens per step."""
     from rollout.vllm_backend.weights import spec_counters
 
-    llm = vllm.LLM(model=model_dir, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=8,
+    llm = vllm.LLM(model=model_dir, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=PROMPTS,
                    kv_cache_memory_bytes=2**29, disable_log_stats=False, seed=0,
                    speculative_config={"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": K})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        vllm.SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
+                        vllm.SamplingParams(temperature=0.0, max_tokens=TOKENS), use_tqdm=False)
     c = spec_counters(llm)
     assert c["drafts"] > 0, "vLLM never drafted with the exported drafter"
     del llm
@@ -80,8 +81,8 @@ def speculate(model_dir: str, drafter_dir: str, prompts: list[list[int]]) -> tup
 
 def test_vllm_speculates_with_rlspec_exports_and_a_trained_one_is_accepted(smollm2_dir, prompts, untrained_drafter,
                                                                           trained_drafter):
-    cold_len, cold_out = speculate(smollm2_dir, untrained_drafter, prompts[:8])
-    warm_len, warm_out = speculate(smollm2_dir, trained_drafter, prompts[:8])
+    cold_len, cold_out = speculate(smollm2_dir, untrained_drafter, prompts[:PROMPTS])
+    warm_len, warm_out = speculate(smollm2_dir, trained_drafter, prompts[:PROMPTS])
     print(f"vLLM accepted length per verify (k={K}, greedy): untrained {cold_len:.3f}, trained {warm_len:.3f}")
     assert warm_out == cold_out  # lossless: the drafter changes speed, never the (greedy) tokens
     assert cold_len < 1.2  # a random drafter is (almost) never right
