@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 WARM_S = 180.0  # the warm start's budget when nothing is cached (what `rlspec.train` spends by default)
 K = 3  # drafted tokens per verify
-PROMPTS, TOKENS = 4, 40  # greedy completions compared (small: vLLM's CPU build decodes ~10 tokens/s here)
+PROMPTS, TOKENS = 4, 40  # greedy completions compared: few, vLLM on 2 shared CPU cores is slow
 
 
 @pytest.fixture(scope="module")
