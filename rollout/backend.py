@@ -92,3 +92,15 @@ def _ray_backend(policy, tokenizer, spec, **kwargs) -> RolloutBackend:
     except ImportError as e:
         raise ImportError(f"rollout.backend=ray needs Ray ({e}); install it with pip install 'rlspec[ray]'") from None
     return RayPool(policy, tokenizer, spec, **kwargs)
+
+
+@register_backend("vllm")
+def _vllm_backend(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("rollout.backend=vllm needs vLLM, which this environment lacks; run inside the one "
+                          "`make vllm-venv` builds (.venv-vllm), see docs/vllm_backend.md")
+    from rollout.vllm_backend.backend import VLLMBackend
+
+    return VLLMBackend(policy, tokenizer, spec, **engine_kwargs)

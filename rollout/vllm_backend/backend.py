@@ -1,0 +1,253 @@
+"""VLLMBackend: the RolloutBackend protocol on an in-process vLLM `LLM` (colocated, like TRL's colocate mode).
+
+What rlspec keeps when vLLM decodes (docs/vllm_backend.md):
+- the speculation policy: SpecConfig maps to vLLM's speculative_config (spec_map.py); the long-tail
+  selector becomes vLLM's per-batch-size depth table, computed from rlspec's cost model calibrated on
+  the policy (host.py);
+- the learned drafter: an rlspec engine on the side (host.py) owns it (drafter_path, warm start,
+  export); vLLM speculates with its EAGLE-3 export, and every new version is pushed into vLLM's draft
+  model before the next rollout;
+- the result shape: prompt-major RolloutResults with the sampling distribution's per-token logprobs.
+
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so weights move by reference: the trainer's
+tensors go straight into vLLM's model through `collective_rpc` (weights.py), no serialization.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rollout.metrics import RolloutMetrics
+from rollout.types import RolloutResult, SamplingParams, SpecConfig
+from rollout.vllm_backend import weights
+from rollout.vllm_backend.host import DrafterHost
+from rollout.vllm_backend.spec_map import check_supported, speculative_config
+
+if TYPE_CHECKING:
+    import torch
+
+# On a GPU vLLM takes this share of the device's memory (the trainer's policy and optimizer share it).
+GPU_MEMORY_SHARE = 0.3
+
+
+class VLLMBackend:
+    """A colocated vLLM holding a copy of `policy`. Build with build_backend("vllm", ...) (rollout.backend).
+
+    dtype / max_model_len / max_num_seqs: as the engine's. kv_memory_gb: vLLM's KV cache size
+    (kv_cache_memory_bytes). Without it: on CPU what max_num_seqs full-length sequences need (vLLM's own
+    CPU sizing subtracts this process's whole footprint, the trainer's included, from its share of RAM
+    and fails when colocated); on GPU memory_share of the device (gpu_memory_utilization).
+    graph_mode "off" forces eager mode (enforce_eager); CPU always runs eagerly here.
+    Other engine settings (kv_block_size, free_kv_between_rollouts, ...) have no vLLM meaning and are ignored.
+    """
+
+    def __init__(self, policy, tokenizer, spec: SpecConfig | None = None, *, dtype=None, max_model_len: int = 2048,
+                 max_num_seqs: int = 64, kv_memory_gb: float | None = None, memory_share: float | None = None,
+                 graph_mode: str = "auto", seed: int = 0, **_engine_only):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move by reference
+        from vllm import LLM
+
+        self.spec = spec or SpecConfig()
+        check_supported(self.spec)  # fail before any model is copied
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.policy_version = 0
+        self._dir = Path(tempfile.mkdtemp(prefix="rlspec-vllm-"))
+        on_cpu = next(policy.parameters()).device.type == "cpu"
+        dtype = str(dtype or next(policy.parameters()).dtype).removeprefix("torch.")
+        policy.save_pretrained(self._dir / "policy", safe_serialization=True)  # vLLM loads from a directory
+        if tokenizer is not None:
+            tokenizer.save_pretrained(self._dir / "policy")
+        self.eos_token_ids = _eos_ids(policy, tokenizer)
+        self.host = DrafterHost.build(policy, tokenizer, self.spec, dtype=dtype, max_model_len=max_model_len,
+                                      max_num_seqs=max_num_seqs)
+        self.depth_table = self.host.depth_table() if self.host is not None else None
+        if self.host is not None and not self.host.learned:
+            self.host = None  # the table was all a model-free drafter needed of it: free its copy of the policy
+        drafter_dir = self.host.export(self._dir / "drafter_v0") if self.host and self.host.learned else None
+        if drafter_dir:
+            _check_layer_ids(drafter_dir)
+        self.speculative_config = speculative_config(self.spec, drafter_dir, self.depth_table)
+        # processed_logprobs = log softmax(logits / T), ours at top_p = 1 and top_k = 0; but with a draft model
+        # vLLM 0.32 (CPU) returns wrong and NaN ones at the positions verification touched (measured on a tiny
+        # float32 Llama, docs/vllm_backend.md#logprobs), while raw_logprobs (T = 1) stay exact: so with
+        # speculation on, raw ones, and generate() admits only temperature 1 (or greedy)
+        self.logprobs_mode = "raw_logprobs" if self.speculative_config else "processed_logprobs"
+        memory = _memory_args(policy.config, dtype, on_cpu, kv_memory_gb, memory_share, max_num_seqs, max_model_len)
+        self.llm = LLM(model=str(self._dir / "policy"), dtype=dtype, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, enforce_eager=on_cpu or graph_mode == "off", seed=seed,
+                       speculative_config=self.speculative_config, disable_log_stats=False,
+                       logprobs_mode=self.logprobs_mode, skip_tokenizer_init=tokenizer is None, **memory)
+        self._pushed_drafter = self.host.version() if self.host is not None else 0
+        self._drafter_pushes = 0
+        self._metrics = RolloutMetrics()
+        self._spec_counters = weights.spec_counters(self.llm)
+
+    # ---- RolloutBackend -----------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None) -> list[RolloutResult]:
+        """params.n samples per prompt, prompt-major; logprobs of the temperature-scaled distribution."""
+        params = params or SamplingParams()
+        self._validate(prompt_token_ids, params)
+        self.push_drafter()  # a drafter version published since the last rollout goes in first
+        t0 = time.perf_counter()
+        # one request per sample (vLLM refuses n > 1 at temperature 0); prompt-major like the engine, and its
+        # prefix cache shares each prompt's KV among its samples
+        requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids for _ in range(params.n)]
+        sampling = [self._vllm_params(p, i, j, params) for i, p in enumerate(prompt_token_ids) for j in range(params.n)]
+        outs = self.llm.generate(requests, sampling, use_tqdm=False)
+        results = [_result(r["prompt_token_ids"], k // params.n, k % params.n, o.outputs[0], self.policy_version)
+                   for k, (r, o) in enumerate(zip(requests, outs))]
+        self._record(results, time.perf_counter() - t0)
+        return results
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The policy's parameters (HF names) into vLLM's model (and the drafter host's copy); bumps
+        policy_version. vLLM's prefix cache holds KV of the old weights: dropped."""
+        named = [(n, t.detach()) for n, t in named_tensors]
+        weights.load_policy(self.llm, named)
+        if self.host is not None:
+            self.host.load_weights(named)
+        self.policy_version += 1
+
+    def push_drafter(self) -> bool:
+        """Push the host's learned drafter into vLLM's draft model if its version moved; True if pushed."""
+        if self.host is None or not self.host.learned or self.host.version() == self._pushed_drafter:
+            return False
+        weights.load_drafter(self.llm, self.host.drafter_tensors())
+        self._pushed_drafter = self.host.version()
+        self._drafter_pushes += 1
+        return True
+
+    def stats(self) -> dict[str, float]:
+        """rollout/* as the engine names them (accept_len and accept_rate from vLLM's speculation
+        counters), plus vllm/* (depth table, drafter pushes)."""
+        out = self._metrics.as_dict()
+        out["rollout/policy_version"] = float(self.policy_version)
+        now = weights.spec_counters(self.llm)
+        drafts, drafted, accepted = (now[k] - self._spec_counters[k] for k in ("drafts", "draft_tokens", "accepted"))
+        self._spec_counters = now
+        if drafts > 0:  # the engine's convention: accepted length counts the target's own token
+            out["rollout/accept_len"] = 1.0 + accepted / drafts
+            out["rollout/accept_rate"] = accepted / max(drafted, 1)
+            if self.spec.enabled:
+                out[f"rollout/accept_len/{self.spec.drafter}"] = out["rollout/accept_len"]
+        out["vllm/max_depth"] = float(self.depth_table.max_depth if self.depth_table else
+                                      (self.spec.num_draft_tokens if self.speculative_config else 0))
+        out["vllm/drafter_pushes"] = float(self._drafter_pushes)
+        if self.host is not None and self.host.learned:
+            out["drafter/version"] = float(self._pushed_drafter)
+            out["drafter/accept_len"] = out.get("rollout/accept_len", 1.0)
+        self._metrics = RolloutMetrics()
+        return out
+
+    def release_kv(self) -> None:
+        """vLLM keeps its KV cache allocated (its sleep mode is CUDA-only); nothing to hand back here."""
+
+    @property
+    def has_learned_drafter(self) -> bool:
+        return self.host is not None and self.host.learned
+
+    def warm_start_drafter(self, prompts, *, budget_s: float, group: int, max_new_tokens: int, temperature: float):
+        """Warm the learned drafter on the policy's own rollouts (the host engine's: they need hidden
+        states), then push it into vLLM."""
+        result = self.host.warm_start(prompts, budget_s=budget_s, group=group, max_new_tokens=max_new_tokens,
+                                      temperature=temperature)
+        self.push_drafter()
+        return result
+
+    def export_drafter(self, path: str, metadata: dict | None = None) -> str:
+        return self.host.export(path, {"policy_version": self.policy_version, **(metadata or {})})
+
+    def close(self) -> None:
+        """Stops the host's drafter training and removes the policy copy vLLM loaded from; the drafter
+        stays exportable."""
+        if self.host is not None:
+            self.host.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _vllm_params(self, prompt: list[int], i: int, j: int, params: SamplingParams):
+        from vllm import SamplingParams as VParams
+
+        stop = list(params.stop_token_ids or []) + ([] if params.ignore_eos else sorted(self.eos_token_ids))
+        # sample j of prompt i draws from seed + i n + j: no two samples of a call share a seed, and the
+        # call reproduces from params.seed
+        seed = None if params.seed is None else (params.seed + i * params.n + j) % 2**31
+        return VParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                       max_tokens=min(params.max_new_tokens, self.max_model_len - len(prompt)), seed=seed,
+                       stop_token_ids=stop, ignore_eos=True, logprobs=0, detokenize=False)
+
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        from rollout.errors import PromptTooLongError
+
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        if self.logprobs_mode == "raw_logprobs" and params.temperature not in (0.0, 1.0):
+            raise ValueError(f"temperature {params.temperature} with speculation on: vLLM's logprobs are exact here "
+                             "only at temperature 1 (docs/vllm_backend.md#logprobs); sample at temperature 1, or "
+                             "turn speculation off (drafter.drafter=none) for other temperatures")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(p) >= self.max_model_len:
+                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens but vLLM's context is {self.max_model_len} "
+                                         "tokens (rollout.max_model_len); raise it or shorten the prompt")
+
+    def _record(self, results: list[RolloutResult], seconds: float) -> None:
+        m = self._metrics
+        m.time_s += seconds
+        m.generate_calls += 1
+        m.sequences += len(results)
+        m.generated_tokens += sum(len(r.completion_ids) for r in results)
+        m.completion_lens.extend(len(r.completion_ids) for r in results)
+
+
+def _result(prompt: list[int], i: int, j: int, c, version: int) -> RolloutResult:
+    """One vLLM CompletionOutput as a RolloutResult: logprobs=0 returns the sampled token's logprob."""
+    ids = list(c.token_ids)
+    lps = [float(step[tok].logprob) for tok, step in zip(ids, c.logprobs)]
+    return RolloutResult(list(prompt), ids, lps, "stop" if c.finish_reason == "stop" else "length", version,
+                         prompt_index=i, sample_index=j)
+
+
+def _check_layer_ids(drafter_dir: str) -> None:
+    """vLLM captures each target layer once: an EAGLE-3 drafter reading one layer twice (the default ids
+    (2, L//2, L-3) collide on targets of fewer than 7 layers) would get too few features."""
+    import json
+
+    ids = json.loads((Path(drafter_dir) / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"the EAGLE-3 drafter reads target layers {ids}, one of them twice, which vLLM cannot "
+                         "feed (it captures each layer once); use a target of at least 7 layers or a drafter "
+                         "trained on three distinct layers")
+
+
+def _memory_args(config, dtype: str, on_cpu: bool, kv_memory_gb, memory_share, max_num_seqs: int,
+                 max_model_len: int) -> dict:
+    """vLLM's memory settings (see VLLMBackend's docstring)."""
+    if kv_memory_gb:
+        return dict(kv_cache_memory_bytes=int(kv_memory_gb * 2**30))
+    if on_cpu:
+        return dict(kv_cache_memory_bytes=kv_bytes_needed(config, dtype, max_num_seqs, max_model_len))
+    return dict(gpu_memory_utilization=memory_share or GPU_MEMORY_SHARE)
+
+
+def kv_bytes_needed(config, dtype: str, max_num_seqs: int, max_model_len: int) -> int:
+    """K and V of every layer (+1: an EAGLE-3 drafter's own layer) for max_num_seqs full sequences."""
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    per_token = 2 * (text.num_hidden_layers + 1) * text.num_key_value_heads * head_dim * \
+        (4 if dtype == "float32" else 2)
+    return max(per_token * max_num_seqs * max_model_len, 2**26)
+
+
+def _eos_ids(policy, tokenizer) -> set[int]:
+    """EOS as the engine takes it: the policy's generation_config first, then the tokenizer's."""
+    eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return set([eos] if isinstance(eos, int) else (eos or []))
