@@ -112,7 +112,8 @@ class Eagle3Drafter:
 
     def observe_resume(self, seqs: list[Sequence], feats: torch.Tensor) -> None:
         """A preempted sequence was prefilled again: feats [B, T, 3H] of positions 0..cache_len-1. Their
-        staged next-token distributions went with the blocks (the trainer skips positions without one)."""
+        staged next-token distributions went with the blocks: those positions train on the sampled next
+        token, as prompt positions do."""
         self._stage_prefix(seqs, [s.cache_len for s in seqs], feats)
 
     def _stage_prefix(self, seqs: list[Sequence], lens: list[int], feats: torch.Tensor) -> None:
