@@ -60,8 +60,9 @@ def pool_sequence(pool: torch.Tensor) -> torch.Tensor:
 
 
 def write_slots(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """pool [num_blocks, bs, KV, D] (one layer); slots [B, T] flat slots; x [B, T, KV, D]."""
-    pool.view(-1, *pool.shape[2:])[slots.reshape(-1)] = x.reshape(-1, *x.shape[2:])
+    """pool [num_blocks, bs, *item] (one KV layer: item = KV, D; or a side buffer); slots: flat slots of
+    any shape; x [*slots.shape, *item]."""
+    pool.view(-1, *pool.shape[2:])[slots.reshape(-1)] = x.reshape(-1, *pool.shape[2:])
 
 
 class PagedKVCache:
@@ -144,8 +145,7 @@ class PagedKVCache:
 
     def write_side(self, name: str, slots: torch.Tensor, x: torch.Tensor) -> None:
         """x [*slots.shape, *shape] into side buffer `name` at flat slots (trash-block slots take padding)."""
-        buf = self.side[name]
-        buf.view(-1, *buf.shape[2:])[slots.reshape(-1)] = x.reshape(-1, *buf.shape[2:]).to(buf.dtype)
+        write_slots(self.side[name], slots, x.to(self.side[name].dtype))
 
     def read_side(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """Side buffer `name` at flat slots -> [*slots.shape, *shape] (a copy)."""

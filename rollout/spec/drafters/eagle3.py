@@ -145,8 +145,9 @@ class Eagle3Drafter:
         the pending token; kept [B, N+1] bool), staged at the slot of that node's token: the law of the
         next token."""
         cache = self.target_cache
-        slots = slots[kept]  # [K] only the kept nodes: ~2 per row
-        sel = logits[kept.nonzero(as_tuple=True)[0].to(logits.device), nodes[kept].to(logits.device)]  # [K, V]
+        rows, cols = kept.nonzero(as_tuple=True)  # only the kept nodes: ~2 per row
+        slots = slots[rows, cols]  # [K]
+        sel = logits[rows.to(logits.device), nodes[rows, cols].to(logits.device)]  # [K, V]
         probs = torch.softmax(sel, -1) if self.params is None or self.params.greedy \
             else probs_from_logits(sel, self.params)
         top = probs.topk(cache.side["eagle3/dist_ids"].shape[-1], -1)
