@@ -153,6 +153,15 @@ class RolloutSection:
                                       "parameters one collective gather brings in; larger = fewer, bigger gathers "
                                       "(transient memory per process grows with it)")
 
+    def engine_kwargs(self) -> dict[str, Any]:
+        """What the trainer hands its rollout source (`engine_kwargs`): the backend, the engine's capacity and
+        KV settings, the sync bucket, and the ray backend's own settings when it is the backend."""
+        return dict(backend=self.backend, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                    graph_mode=self.graph_mode, kv_memory_gb=self.kv_memory_gb,
+                    kv_memory_fraction=self.kv_memory_fraction, kv_block_size=self.kv_block_size,
+                    free_kv_between_rollouts=self.free_kv_between_rollouts, sync_bucket_mb=self.sync_bucket_mb,
+                    **self.pool_kwargs())
+
     def pool_kwargs(self) -> dict[str, Any]:
         """The ray backend's own settings (empty for other backends, whose factories do not take them)."""
         if self.backend != "ray":

@@ -128,11 +128,7 @@ def build_trainer(cfg: Config, out: Path):
         train_dataset=load_data(cfg, load_dataset_by_name),
         processing_class=tokenizer,
         spec_config=cfg.drafter,  # the drafter section is the engine's SpecConfig
-        engine_kwargs=dict(backend=cfg.rollout.backend, max_model_len=cfg.rollout.max_model_len, max_num_seqs=cfg.rollout.max_num_seqs,
-                           dtype=cfg.dtype, graph_mode=cfg.rollout.graph_mode, kv_memory_gb=cfg.rollout.kv_memory_gb,
-                           kv_memory_fraction=cfg.rollout.kv_memory_fraction, kv_block_size=cfg.rollout.kv_block_size,
-                           free_kv_between_rollouts=cfg.rollout.free_kv_between_rollouts,
-                           sync_bucket_mb=cfg.rollout.sync_bucket_mb, **cfg.rollout.pool_kwargs()),
+        engine_kwargs=dict(dtype=cfg.dtype, **cfg.rollout.engine_kwargs()),
         callbacks=[summary_cb, drafter_cb, _wandb_config_callback(cfg)],
     )
     drafter_cb.engine = trainer.engine
