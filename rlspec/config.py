@@ -98,7 +98,10 @@ class PPOSection:
     cliprange_value: float = _f(0.2, "value clip around the old values")
     vf_coef: float = _f(0.1, "value loss weight")
     gamma: float = _f(1.0, "GAE discount")
-    lam: float = _f(0.95, "GAE lambda")
+    lam: float = _f(0.95, "GAE lambda of the policy's advantages")
+    value_lam: float | None = _f(None, "GAE lambda of the value targets (None = lam; 1.0 = VAPO's decoupled GAE: "
+                                       "Monte Carlo returns, so the critic sees the outcome reward at every token)")
+    value_warmup_steps: int = _f(0, "first steps that train the value model only (verl's critic_warmup)")
     whiten_rewards: bool = _f(False, "whiten per-token rewards before GAE")
     missing_eos_penalty: float | None = _f(None, "score penalty for completions cut at max_completion_length")
     logging_steps: int = _f(1, "log metrics every this many steps")

@@ -167,6 +167,8 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
         if args.whiten_rewards:
             rewards = ppo_math.whiten(rewards, mask, shift_mean=False)
         exp.advantages, exp.returns = ppo_math.gae(rewards, old_values, mask, args.gamma, args.lam)
+        if args.value_lam is not None and args.value_lam != args.lam:  # decoupled GAE: the critic's own lambda
+            _, exp.returns = ppo_math.gae(rewards, old_values, mask, args.gamma, args.value_lam)
         if args.whiten_advantages:
             exp.advantages = ppo_math.whiten(exp.advantages, mask)
         self._log_mean("objective/entropy", ppo_math.masked_mean(entropy, mask))

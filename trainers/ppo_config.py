@@ -52,6 +52,10 @@ class PPOConfig(TrainingArguments):
     cliprange_value: float = field(default=0.2, metadata=_help("value prediction clip around the old values"))
     gamma: float = field(default=1.0, metadata=_help("discount factor of GAE"))
     lam: float = field(default=0.95, metadata=_help("lambda of GAE (1 = Monte Carlo, 0 = one-step TD)"))
+    value_lam: float | None = field(default=None, metadata=_help(
+        "lambda of the value model's GAE returns (None: lam). VAPO's decoupled GAE uses 1.0: with an outcome "
+        "reward at the last token and lam < 1, a token T steps before the end sees lam**T of the reward and "
+        "bootstraps the rest from the critic itself, so the critic hardly learns (docs/ppo.md)"))
     whiten_rewards: bool = field(default=False, metadata=_help("whiten per-token rewards (keeping their mean) "
                                                                "before GAE"))
     whiten_advantages: bool = field(default=True, metadata=_help("whiten advantages over the batch"))
@@ -65,6 +69,9 @@ class PPOConfig(TrainingArguments):
     value_model: Literal["head", "separate"] = field(default="head", metadata=_help(
         "head: a linear value head on the policy's backbone (one forward for both); separate: a critic = copy "
         "of the policy's backbone + head, trained alongside"))
+    value_warmup_steps: int = field(default=0, metadata=_help(
+        "the first this many steps (rollouts) train the value model only and leave the policy as it is (verl's "
+        "critic_warmup, VAPO's value pre-training); with value_model='head' only the head moves"))
     value_learning_rate: float | None = field(default=None, metadata=_help(
         "learning rate of the value head/critic (None: learning_rate); a fresh head learns faster with more"))
     # Importance sampling against the engine's logprobs
@@ -97,6 +104,8 @@ def _validate(args: PPOConfig) -> None:
         (args.num_ppo_epochs >= 1 and args.num_mini_batches >= 1, "num_ppo_epochs and num_mini_batches must be >= 1"),
         (args.cliprange > 0 and args.cliprange_value > 0, "cliprange and cliprange_value must be > 0"),
         (0 <= args.gamma <= 1 and 0 <= args.lam <= 1, f"gamma and lam must be in [0, 1], got {args.gamma}, {args.lam}"),
+        (args.value_lam is None or 0 <= args.value_lam <= 1, f"value_lam must be in [0, 1] or None, got {args.value_lam}"),
+        (args.value_warmup_steps >= 0, f"value_warmup_steps must be >= 0, got {args.value_warmup_steps}"),
         (args.kl_coef >= 0, f"kl_coef must be >= 0, got {args.kl_coef}"),
         (args.kl_estimator in ("k1", "k3"), f"kl_estimator must be 'k1' or 'k3', got {args.kl_estimator!r}"),
         (args.value_model in ("head", "separate"), f"value_model must be 'head' or 'separate', got {args.value_model!r}"),

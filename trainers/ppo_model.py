@@ -72,18 +72,22 @@ class PolicyAndValue(nn.Module):
         if self.critic is not None:
             self.critic.gradient_checkpointing_enable(**kwargs)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                completion_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                value_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, values) for the last `completion_len` tokens of each row.
 
         input_ids, attention_mask: (B, P + T) prompts left-padded, completions right-padded.
         logits: (B, T, V), position t predicting completion token t; values: (B, T), V(state before
         token t), i.e. both read the hidden state one position to the left of the token.
+        value_only: the value loss alone will be back-propagated (critic warm-up): the head reads the
+        policy's hidden states detached, so the policy gets no gradient and stays as it is.
         """
         hidden = completion_hidden(backbone_of(self.policy), input_ids, attention_mask, completion_len)
         logits = self.policy.get_output_embeddings()(hidden)
         if self.critic is not None:
             hidden = completion_hidden(self.critic, input_ids, attention_mask, completion_len)
+        elif value_only:
+            hidden = hidden.detach()
         return logits, self.value_head(hidden).squeeze(-1).float()
 
     def load_value_model(self, checkpoint_dir: str) -> None:

@@ -32,15 +32,16 @@ class PPOUpdateMixin:
     def _update(self, model, mb: Experience) -> dict[str, torch.Tensor]:
         """One minibatch: forward, losses, backward, clip, optimizer step. Returns detached statistics."""
         args, mask = self.args, mb.mask
+        warmup = self.state.global_step < args.value_warmup_steps  # critic only: the policy does not move
         with self.compute_loss_context_manager():
             logits, values = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                   completion_len=mb.completion_len)
+                                   completion_len=mb.completion_len, value_only=warmup)
         logprobs = token_logprobs(logits, mb.completion_ids, args.temperature)
         pg_loss, pg = ppo_math.policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, args.cliprange,
                                            mb.is_weights)
         vf_loss, vf = ppo_math.value_loss(values, mb.old_values, mb.returns, mask, args.cliprange_value)
-        loss = pg_loss + args.vf_coef * vf_loss
-        if mb.ref_logprobs is not None and not args.kl_in_reward:
+        loss = args.vf_coef * vf_loss if warmup else pg_loss + args.vf_coef * vf_loss
+        if mb.ref_logprobs is not None and not args.kl_in_reward and not warmup:
             kl_loss = ppo_math.masked_mean(ppo_math.kl_penalty(logprobs, mb.ref_logprobs, args.kl_estimator), mask)
             loss = loss + args.kl_coef * kl_loss
         self.accelerator.backward(loss)

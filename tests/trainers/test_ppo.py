@@ -70,6 +70,36 @@ def test_two_ppo_steps_are_on_policy_and_logged(tiny_llama, char_tokenizer, tmp_
     assert [row["step"] for row in trainer.summary_callback.rows] == [1, 2]
 
 
+def test_critic_warmup_leaves_the_policy_and_decoupled_gae_targets_the_outcome(tiny_llama, char_tokenizer, tmp_path):
+    """value_warmup_steps=1: step 1 moves the value head only; step 2 moves the policy too. value_lam=1
+    (gamma 1, no KL): every real token's value target is the completion's score (Monte Carlo), while
+    the policy's advantages still use lam=0.95 (they are not score - V)."""
+    args = ppo_args(tmp_path, value_warmup_steps=1, value_lam=1.0, lam=0.95, kl_coef=0.0, whiten_advantages=False)
+    trainer = make_trainer(tiny_llama, char_tokenizer, args)
+    snapshots, experiences = [], []
+    experience = trainer._experience
+
+    def spy(model, batch):
+        snapshots.append(({n: p.detach().clone() for n, p in tiny_llama.named_parameters()},
+                          trainer.model.value_head.weight.detach().clone()))
+        experiences.append(experience(model, batch))
+        return experiences[-1]
+
+    trainer._experience = spy
+    trainer.train()
+    (before_1, head_1), (before_2, head_2) = snapshots
+    assert all(torch.equal(before_1[n], before_2[n]) for n in before_1)  # warm-up: the policy did not move
+    assert not torch.equal(head_1, head_2)  # ... the value head did
+    after = dict(tiny_llama.named_parameters())
+    assert any(not torch.equal(before_2[n], after[n]) for n in before_2)  # step 2 trains the policy
+    exp = experiences[1]
+    mask = exp.mask.bool()
+    targets = exp.scores[:, None].expand_as(exp.returns)
+    assert torch.allclose(exp.returns[mask], targets[mask], atol=1e-6)
+    monte_carlo = (exp.scores[:, None] - exp.old_values)[mask]
+    assert not torch.allclose(exp.advantages[mask], monte_carlo, atol=1e-3)  # lam 0.95 for the policy
+
+
 def test_value_model_is_checkpointed_and_resume_restores_it(tiny_llama, char_tokenizer, tmp_path):
     args = ppo_args(tmp_path, save_strategy="steps", save_steps=1, max_steps=1, kl_coef=0.0)
     trainer = make_trainer(tiny_llama, char_tokenizer, args)
