@@ -18,6 +18,7 @@ from pathlib import Path
 from bench_grpo import run
 from common import table, write_json
 
+WINDOW = 10  # steps pooled for the critic's out-of-sample error
 LAST = 5  # the final reward is the mean over this many last steps (one step's 8 samples are noisy)
 
 
@@ -43,7 +44,19 @@ def result_row(label: str, s: dict) -> dict:
             f"value_loss_first{LAST}": _mean([v for _, v in _series(s, "loss/value")][:LAST]),
             f"value_loss_last{LAST}": _mean([v for _, v in _series(s, "loss/value")][-LAST:]),
             f"explained_var_first{LAST}": _mean([v for _, v in _series(s, "val/explained_variance")][:LAST]),
-            f"explained_var_last{LAST}": _mean([v for _, v in _series(s, "val/explained_variance")][-LAST:])}
+            f"explained_var_last{LAST}": _mean([v for _, v in _series(s, "val/explained_variance")][-LAST:]),
+            f"value_error_first{WINDOW}": _pooled_error(s, slice(0, WINDOW)),
+            f"value_error_last{WINDOW}": _pooled_error(s, slice(-WINDOW, None))}
+
+
+def _pooled_error(summary: dict, steps: slice) -> float | None:
+    """sum(val/mse) / sum(val/returns_var) over `steps`: the critic's squared error on fresh rollouts (before
+    it trains on them) relative to predicting each rollout's mean return; 1 - this is the out-of-sample
+    explained variance, pooled over steps because one step's 8 completions make a per-step ratio noise.
+    It falls when the critic learns, whatever the reward's own variance does."""
+    mse = [v for _, v in _series(summary, "val/mse")][steps]
+    var = [v for _, v in _series(summary, "val/returns_var")][steps]
+    return sum(mse) / sum(var) if mse and sum(var) > 0 else None
 
 
 def main(argv=None):
@@ -70,7 +83,8 @@ def main(argv=None):
     on, off = rows
     on["rollout_speedup"] = off["rollout_s"] / on["rollout_s"] if on["rollout_s"] else None
     print(table(rows, list(rows[0])))
-    curves = {label: {key: _series(s, key) for key in ("reward", "loss/value", "val/explained_variance", "rollout/wall_s")}
+    curves = {label: {key: _series(s, key) for key in ("reward", "loss/value", "val/explained_variance", "val/mse", "val/returns_var",
+                                                  "rollout/wall_s")}
               for label, s in runs.items()}
     write_json(args.out, {"config": vars(args), "results": rows, "curves": curves})
     plot(curves, args.out.replace(".json", ".png"))
@@ -86,7 +100,13 @@ def plot(curves: dict, path: str) -> None:
 
     panels = [("reward", "mean reward"), ("loss/value", "value loss"),
               ("val/explained_variance", "value explained variance"), ("rollout/wall_s", "rollout s")]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.5))
+    for series in curves.values():  # the critic's out-of-sample error, pooled over 5-step windows
+        mse, var = dict(series["val/mse"]), dict(series["val/returns_var"])
+        steps = sorted(mse)
+        series["pooled_error"] = [(steps[i], sum(mse[s] for s in steps[i - 4:i + 1]) /
+                                   max(sum(var[s] for s in steps[i - 4:i + 1]), 1e-8)) for i in range(4, len(steps))]
+    panels.insert(3, ("pooled_error", "critic error / reward var (5 steps)"))
+    fig, axes = plt.subplots(1, 5, figsize=(21, 3.5))
     for ax, (key, label) in zip(axes, panels):
         for run_label, series in curves.items():
             if series[key]:

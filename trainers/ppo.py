@@ -175,6 +175,10 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
         self._log_mean("val/mean", ppo_math.masked_mean(old_values, mask))
         self._log_mean("val/returns", ppo_math.masked_mean(exp.returns, mask))
         self._log_mean("val/explained_variance", ppo_math.explained_variance(old_values, exp.returns, mask))
+        # the critic's error on rollouts it has not trained on yet, and what predicting their mean would cost:
+        # pooled over steps, 1 - sum(mse) / sum(returns_var) is the out-of-sample explained variance
+        self._log_mean("val/mse", ppo_math.masked_mean((old_values - exp.returns) ** 2, mask))
+        self._log_mean("val/returns_var", ppo_math.masked_var(exp.returns, mask, unbiased=False))
         return exp
 
     def _row_chunks(self, batch: RolloutBatch) -> list[slice]:
