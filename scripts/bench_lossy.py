@@ -13,6 +13,12 @@ names the fastest threshold that is >= 2x lossless speed and loses <= 2 points, 
 that claim carries. Writes JSON and a PNG (speed-up over lossless vs accuracy change).
 
     python scripts/bench_lossy.py --prompts 250 --samples 4 --out bench_out/lossy.json
+    python scripts/bench_lossy.py --temperature 0 --samples 1 --prompts 1000 --out bench_out/lossy_greedy.json
+
+At temperature 0 (evaluation-style greedy decoding) lossless speculation is the target alone token for
+token, so a lossy run differs from the target only on prompts where a judged or routed token changed
+the text: the paired difference is exact up to those prompts and resolves 2 points with far fewer
+prompts than sampling does (where two runs' samples are independent draws).
 """
 from __future__ import annotations
 
@@ -116,7 +122,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded at once: 8 is the embedded "
+                    "GRPO rollout (2 prompts x 4 samples per step, configs/grpo_math.yaml)")
     ap.add_argument("--warmup", type=int, default=8, help="prompts generated once before the timed call")
     ap.add_argument("--drafter", default="suffix")
     ap.add_argument("--selector", default="always", help="always: every step speculates in every spec run, so "
