@@ -33,7 +33,7 @@ class RayPool:
                  ray_address: str | None = None, groups_per_task: int = 1, worker_threads: int | None = None,
                  drafter_trainer: str = "spot", drafter_trainer_gpus: float = 0.0,
                  drafter_trainer_kwargs: dict | None = None, **engine_kwargs):
-        """policy: an HF causal LM (gathered); the rest: RolloutSection's fields (rlspec/config.py)."""
+        """policy: an HF causal LM (gathered); the rest: RolloutSection's fields (rlspec/config/sections.py)."""
         if drafter_trainer not in ("spot", "dedicated"):
             raise ValueError(f"drafter_trainer must be 'spot' or 'dedicated', got {drafter_trainer!r}")
         _init_ray(ray_address)
