@@ -23,10 +23,14 @@ LAST = 5  # the final reward is the mean over this many last steps (one step's 8
 
 
 def _series(summary: dict, key: str) -> list[tuple[int, float]]:
-    return [(h["step"], h[key]) for h in summary["history"] if h.get(key) is not None]
+    rows = summary["history"]
+    if key == "val/explained_variance":  # undefined where every return was equal (runs logged before the NaN)
+        rows = [h for h in rows if h.get("val/returns_var", 1.0) >= 1e-8]
+    return [(h["step"], h[key]) for h in rows if h.get(key) is not None]
 
 
 def _mean(values: list) -> float | None:
+    values = [v for v in values if v == v]  # NaN: a metric undefined at that step
     return sum(values) / len(values) if values else None
 
 

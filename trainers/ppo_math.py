@@ -137,7 +137,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     grow when the returns themselves spread out (an outcome reward's variance p(1-p) peaks at p = 0.5),
     so it shows whether the critic is learning while the reward moves."""
     var_returns = masked_var(returns, mask, unbiased=False)
-    return 1 - masked_var(returns - values, mask, unbiased=False) / var_returns.clamp(min=1e-8)
+    if var_returns < 1e-8:  # every return equal (e.g. all 8 completions wrong): undefined, not -1e4
+        return torch.tensor(float("nan"), device=returns.device)
+    return 1 - masked_var(returns - values, mask, unbiased=False) / var_returns
 
 
 def importance_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,

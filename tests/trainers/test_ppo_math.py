@@ -93,6 +93,8 @@ def test_explained_variance_by_hand():
     assert ppo_math.explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
     # predicting the mean exactly explains nothing
     assert ppo_math.explained_variance(torch.full_like(returns, 2 / 3), returns, mask).item() == pytest.approx(0.0)
+    # all returns equal (every completion wrong): undefined, NaN (the metric store drops it), not -1e8 * error
+    assert math.isnan(ppo_math.explained_variance(values, torch.zeros_like(returns), mask).item())
 
 
 def test_kl_estimators():
