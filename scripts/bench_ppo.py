@@ -63,6 +63,13 @@ def _pooled_error(summary: dict, steps: slice) -> float | None:
     return sum(mse) / sum(var) if mse and sum(var) > 0 else None
 
 
+def _rolling_pooled_error(summary: dict, width: int = 5) -> list[tuple[int, float]]:
+    """(step, _pooled_error over the `width` steps ending there), for the plot."""
+    steps = [step for step, _ in _series(summary, "val/mse")]
+    points = [(steps[end - 1], _pooled_error(summary, slice(end - width, end))) for end in range(width, len(steps) + 1)]
+    return [(step, value) for step, value in points if value is not None]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="ppo_math.yaml")
@@ -87,9 +94,11 @@ def main(argv=None):
     on, off = rows
     on["rollout_speedup"] = off["rollout_s"] / on["rollout_s"] if on["rollout_s"] else None
     print(table(rows, list(rows[0])))
-    curves = {label: {key: _series(s, key) for key in ("reward", "loss/value", "val/explained_variance", "val/mse", "val/returns_var",
-                                                  "rollout/wall_s")}
+    curves = {label: {key: _series(s, key) for key in ("reward", "loss/value", "val/explained_variance", "val/mse",
+                                                      "val/returns_var", "rollout/wall_s")}
               for label, s in runs.items()}
+    for label, s in runs.items():  # the critic's out-of-sample error, pooled over 5-step windows
+        curves[label]["pooled_error"] = _rolling_pooled_error(s)
     write_json(args.out, {"config": vars(args), "results": rows, "curves": curves})
     plot(curves, args.out.replace(".json", ".png"))
 
@@ -104,11 +113,6 @@ def plot(curves: dict, path: str) -> None:
 
     panels = [("reward", "mean reward"), ("loss/value", "value loss"),
               ("val/explained_variance", "value explained variance"), ("rollout/wall_s", "rollout s")]
-    for series in curves.values():  # the critic's out-of-sample error, pooled over 5-step windows
-        mse, var = dict(series["val/mse"]), dict(series["val/returns_var"])
-        steps = sorted(mse)
-        series["pooled_error"] = [(steps[i], sum(mse[s] for s in steps[i - 4:i + 1]) /
-                                   max(sum(var[s] for s in steps[i - 4:i + 1]), 1e-8)) for i in range(4, len(steps))]
     panels.insert(3, ("pooled_error", "critic error / reward var (5 steps)"))
     fig, axes = plt.subplots(1, 5, figsize=(21, 3.5))
     for ax, (key, label) in zip(axes, panels):
