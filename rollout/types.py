@@ -86,8 +86,9 @@ class SpecConfig:
     verification: Literal["exact", "judge"] = _help(
         "exact", "exact: lossless rejection sampling (the default); judge: LOSSY, a draft token the exact test "
                  "rejects is still kept when the judge accepts it (needs a drafter and accept_off_policy)")
-    judge: Literal["prob", "typical", "learned"] = _help(
+    judge: Literal["prob", "relative", "typical", "learned"] = _help(
         "prob", "verification=judge: prob: keep a draft token whose target probability >= judge_threshold; "
+                "relative: keep it when p(x) >= judge_threshold * max p (a near-tie with the target's choice); "
                 "typical: keep it when p(x) > min(eps, sqrt(eps) exp(-H(p))) with eps = judge_threshold (typical "
                 "acceptance); learned: a logistic head on the target's last hidden state at the draft token, "
                 "trained online (labels: docs/lossy.md#judge-labels), score >= judge_threshold")

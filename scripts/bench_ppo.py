@@ -78,6 +78,8 @@ def main(argv=None):
     p.add_argument("--drafter", default=None, help="the speculating run's drafter (default: the config's)")
     p.add_argument("--overrides", nargs="*", default=[], help="extra key=value for both runs (not drafter.drafter)")
     p.add_argument("--reuse", action="store_true", help="keep runs that already finished in --workdir")
+    p.add_argument("--runs", nargs="+", choices=["spec_on", "spec_off"], default=["spec_on", "spec_off"],
+                   help="spec_on alone: a critic variant (--overrides) judged with speculation on, at half the time")
     p.add_argument("--out", default="bench_out/ppo.json")
     args = p.parse_args(argv)
     # bench_grpo.run also sets grpo.max_steps/save_steps, which a ppo run ignores: the ppo keys go here
@@ -89,10 +91,11 @@ def main(argv=None):
     spec_drafter = args.drafter or load_config(args.config, []).drafter.drafter
     if spec_drafter == "none":
         sys.exit(f"{args.config} has drafter none: pass --drafter <name> to compare speculation against it")
-    runs = {"spec_on": run(spec_drafter, args), "spec_off": run("none", args)}
+    runs = {label: run(spec_drafter if label == "spec_on" else "none", args) for label in args.runs}
     rows = [result_row(label, s) for label, s in runs.items()]
-    on, off = rows
-    on["rollout_speedup"] = off["rollout_s"] / on["rollout_s"] if on["rollout_s"] else None
+    if len(rows) == 2:
+        on, off = rows
+        on["rollout_speedup"] = off["rollout_s"] / on["rollout_s"] if on["rollout_s"] else None
     print(table(rows, list(rows[0])))
     curves = {label: {key: _series(s, key) for key in ("reward", "loss/value", "val/explained_variance", "val/mse",
                                                       "val/returns_var", "rollout/wall_s")}

@@ -12,6 +12,7 @@ Judge rules (`judge_accepts`), per draft position i with x = x_i and p = p_i the
 distribution there:
   prob     p(x) >= tau
   typical  p(x) > min(tau, sqrt(tau) * exp(-H(p)))      (typical acceptance, Medusa; eps = tau)
+  relative p(x) >= tau * max_v p(v)                      (a near-tie with the target's own choice)
   learned  sigmoid(w . LN(h_i) + b) >= tau, h_i the target's last hidden state at x's node
 The learned head's labels (`judge_labels`): 1 when x lies in the target's 0.9-nucleus at i.
 """
@@ -40,6 +41,8 @@ def judge_accepts(rule: str, tau: float, p: torch.Tensor, x: torch.Tensor, head_
     px = p.gather(-1, x[..., None]).squeeze(-1)
     if rule == "prob":
         return px >= tau
+    if rule == "relative":
+        return px >= tau * p.amax(-1)
     if rule == "typical":
         entropy = -(p * p.clamp(min=1e-30).log()).sum(-1)
         return px > torch.minimum(torch.full_like(px, tau), tau ** 0.5 * torch.exp(-entropy))

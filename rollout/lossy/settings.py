@@ -15,8 +15,8 @@ def check_lossy(spec) -> None:
         raise ValueError(f"verification must be 'exact' or 'judge', got {spec.verification!r}")
     if spec.step_routing not in ("off", "arbitrage"):
         raise ValueError(f"step_routing must be 'off' or 'arbitrage', got {spec.step_routing!r}")
-    if spec.judge not in ("prob", "typical", "learned"):
-        raise ValueError(f"judge must be 'prob', 'typical' or 'learned', got {spec.judge!r}")
+    if spec.judge not in ("prob", "relative", "typical", "learned"):
+        raise ValueError(f"judge must be 'prob', 'relative', 'typical' or 'learned', got {spec.judge!r}")
     if spec.router not in ("likelihood", "learned"):
         raise ValueError(f"router must be 'likelihood' or 'learned', got {spec.router!r}")
     if not 0 < spec.judge_threshold <= 1:

@@ -18,6 +18,18 @@ def test_prob_rule_is_a_threshold_on_the_targets_probability():
     assert not judge_accepts("prob", 0.31, P, x).item()
 
 
+def test_relative_rule_is_a_threshold_against_the_targets_top_probability():
+    # p(x) / max p = 0.3 / 0.5 = 0.6 and 0.15 / 0.5 = 0.3
+    assert judge_accepts("relative", 0.6, P, torch.tensor([[1]])).item()
+    assert not judge_accepts("relative", 0.61, P, torch.tensor([[1]])).item()
+    assert judge_accepts("relative", 0.3, P, torch.tensor([[2]])).item()
+    assert not judge_accepts("relative", 0.31, P, torch.tensor([[2]])).item()
+    # a flatter row accepts the same absolute probability at a higher tau: the bar moves with the top
+    flat = torch.tensor([[[0.3, 0.3, 0.3, 0.1]]])
+    assert judge_accepts("relative", 1.0, flat, torch.tensor([[1]])).item()
+    assert not judge_accepts("prob", 1.0, flat, torch.tensor([[1]])).item()
+
+
 def test_typical_rule_by_hand():
     entropy = -sum(v * math.log(v) for v in (0.5, 0.3, 0.15, 0.05))  # 1.1468 nats
     eps = 0.2

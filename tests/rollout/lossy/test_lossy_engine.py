@@ -28,7 +28,7 @@ def _check_honest(results):
     return seen
 
 
-@pytest.mark.parametrize("judge,tau", [("prob", 0.02), ("typical", 0.05)])
+@pytest.mark.parametrize("judge,tau", [("prob", 0.02), ("relative", 0.1), ("typical", 0.05)])
 def test_judge_mode_records_sources_and_behaviour(judge, tau):
     hf = make_tiny_hf("llama", seed=5)
     eng = lossy_engine(hf, ScriptedDrafter(TINY_VOCAB, None, corrupt=0.3, seed=1), verification="judge",
