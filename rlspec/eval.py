@@ -42,18 +42,11 @@ def heldout_math(n: int, seed: int = 1234, ops=("+", "-", "*"), max_operand: int
 
 
 def parse_spec(pairs: list[str]):
-    """SpecConfig from key=value words (values read as YAML: true, 0.05, none...)."""
-    import yaml
-
+    """SpecConfig from key=value words, each value typed and checked as a `drafter.<key>=` override is."""
+    from rlspec.config import build_from_words
     from rollout.types import SpecConfig
 
-    kw = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--spec takes key=value words (e.g. verification=judge), got {pair!r}")
-        key, value = pair.split("=", 1)
-        kw[key] = value if key in ("step_source", "step_delimiter") else yaml.safe_load(value)
-    return SpecConfig(**kw)
+    return build_from_words(SpecConfig, pairs, "--spec")
 
 
 def evaluate(engine, prompt_ids: list[list[int]], answers: list[str], params) -> dict:

@@ -5,7 +5,10 @@ steps, same drafter): `lossless` with exact verification, `lossy` with the lossy
 From each run's summary.json it plots per step the reward, the lossy-token share, TRL's
 importance-sampling ratio (mean and min: the behaviour logprobs reached it) and rollout tokens/s,
 and writes a JSON with the curves and, per arm, the mean reward over the first and last third of
-the steps (did learning suffer?) and the rollout time.
+the steps and the rollout time. The lossy arm's rollout reward is scored on lossy text, so it mixes
+"the rollouts got worse" with "the policy learned less": the answer to "was learning hurt?" is the
+policy reward, each arm's final model (and the base model) sampled exactly (no speculation, T = 1)
+on --eval-prompts training-task prompts, with its standard error.
 
     python scripts/bench_grpo_lossy.py --steps 30 --drafter suffix \\
         --lossy drafter.verification=judge drafter.judge_threshold=0.05 drafter.accept_off_policy=true
@@ -37,6 +40,26 @@ def run(label: str, overrides: list[str], args) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def policy_reward(model: str, args) -> dict:
+    """Mean accuracy reward of `model` sampled alone (exact, T = 1) on the training task, with its
+    binomial standard error."""
+    import math
+
+    from common import math_prompts
+    from rlspec.eval import evaluate
+    from rollout.engine import RolloutEngine
+    from rollout.types import SamplingParams
+    from trainers.data import make_math_dataset
+
+    engine = RolloutEngine.from_pretrained(model, max_model_len=256, max_num_seqs=64)
+    answers = make_math_dataset(num_examples=args.eval_prompts, seed=args.eval_seed)["answer"]
+    ids = math_prompts(engine.tokenizer, args.eval_prompts, seed=args.eval_seed)
+    r = evaluate(engine, ids, answers, SamplingParams(temperature=1.0, max_new_tokens=128, n=4, seed=0))
+    engine.close()
+    p = r["accuracy"]
+    return {"reward": p, "se": math.sqrt(p * (1 - p) / r["samples"]), "samples": r["samples"]}
+
+
 def thirds(values: list[float]) -> tuple[float, float]:
     k = max(1, len(values) // 3)
     return sum(values[:k]) / k, sum(values[-k:]) / k
@@ -50,10 +73,10 @@ def plot(curves: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.5))
     for ax, title in zip(axes, CURVES):
-        for arm, c in curves.items():
+        for i, (arm, c) in enumerate(curves.items()):
             pts = [(s, v) for s, v in zip(c["step"], c[title]) if v is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label=arm)
+            if pts:  # a fixed colour per arm: the lossless arm has no lossy-share points
+                ax.plot(*zip(*pts), marker=".", label=arm, color=f"C{i}")
         ax.set_title(title)
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
@@ -73,6 +96,9 @@ def main(argv=None):
     p.add_argument("--overrides", nargs="*", default=[], help="extra key=value for both runs")
     p.add_argument("--workdir", default="outputs/bench_grpo_lossy")
     p.add_argument("--reuse", action="store_true")
+    p.add_argument("--eval-prompts", type=int, default=64, help="training-task prompts (x 4 samples) on which "
+                   "each final policy is sampled alone; 0 skips")
+    p.add_argument("--eval-seed", type=int, default=1, help="the data seed of those prompts (the run trains on seed 0)")
     p.add_argument("--out", default="bench_out/grpo_lossy.json")
     args = p.parse_args(argv)
     runs = {"lossless": run("lossless", [], args), "lossy": run("lossy", args.lossy, args)}
@@ -85,6 +111,12 @@ def main(argv=None):
                      "lossy_share_mean": _mean(curves[arm]["lossy share"]),
                      "is_ratio_min": min((v for v in curves[arm]["TRL IS ratio min"] if v is not None), default=None),
                      "rollout_s": sum(e.get("rollout/wall_s") or 0 for e in h), "wall_s": s["wall_s"]})
+    if args.eval_prompts:
+        models = {"base": runs["lossless"]["config"]["model"], **{arm: s["final_model"] for arm, s in runs.items()}}
+        policy = {arm: policy_reward(m, args) for arm, m in models.items()}
+        for row in rows:
+            row["policy_reward"], row["policy_reward_se"] = policy[row["arm"]]["reward"], policy[row["arm"]]["se"]
+        rows.append({"arm": "base", "policy_reward": policy["base"]["reward"], "policy_reward_se": policy["base"]["se"]})
     print(table(rows, list(rows[0])))
     write_json(args.out, {"config": vars(args), "results": rows, "curves": curves})
     plot(curves, args.out.replace(".json", ".png"))

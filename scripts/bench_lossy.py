@@ -3,7 +3,8 @@ the target alone, across thresholds (a speed/accuracy curve). One process, one r
 
   target     no speculation, exact sampling: the accuracy reference
   lossless   the same drafter, exact verification: the speed reference (whole call and tail)
-  judge@t    verification=judge, judge_threshold=t, for each --judge-thresholds
+  rule@t     verification=judge, judge=rule, judge_threshold=t, for each --judges word (or --judge
+             with each of --judge-thresholds)
   route@t    step_routing=arbitrage, route_threshold=t, for each --route-thresholds
 
 All runs share the held-out prompts (rlspec.eval.heldout_math) and the sampling seed. Accuracy
@@ -28,11 +29,21 @@ import time
 from common import table, write_json
 
 
+def judges(args) -> list[tuple[str, float]]:
+    """(rule, threshold) pairs: --judges RULE@T words, else --judge with each of --judge-thresholds."""
+    if args.judges:
+        pairs = [word.split("@", 1) for word in args.judges]
+        if any(len(p) != 2 for p in pairs):
+            raise SystemExit(f"--judges takes RULE@THRESHOLD words (e.g. relative@0.5 prob@0.01), got {args.judges}")
+        return [(rule, float(t)) for rule, t in pairs]
+    return [(args.judge, t) for t in args.judge_thresholds]
+
+
 def settings(args) -> list[tuple[str, dict]]:
     base = {"drafter": args.drafter, "selector": args.selector, **dict(kv.split("=", 1) for kv in args.extra)}
     out = [("target", {}), ("lossless", base)]
-    out += [(f"judge@{t:g}", {**base, "verification": "judge", "judge": args.judge, "judge_threshold": t,
-                              "accept_off_policy": True}) for t in args.judge_thresholds]
+    out += [(f"{rule}@{t:g}", {**base, "verification": "judge", "judge": rule, "judge_threshold": t,
+                               "accept_off_policy": True}) for rule, t in judges(args)]
     out += [(f"route@{t:g}", {**base, "step_routing": "arbitrage", "route_threshold": t,
                               "step_max_tokens": args.step_max_tokens, "accept_off_policy": True})
             for t in args.route_thresholds]
@@ -86,27 +97,34 @@ def verdict(runs: dict, margin: float = 0.02) -> dict:
 
 
 def plot(runs: dict, path: str) -> None:
+    """Speed-up over lossless (x) vs accuracy change with its 95% interval (y): one line per rule
+    through its thresholds, whole call solid, tail dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    lines: dict[str, list[str]] = {}
+    for name in runs:
+        if "@" in name:
+            lines.setdefault(name.split("@")[0], []).append(name)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, marker in (("judge", "o"), ("route", "s")):
-        names = [n for n in runs if n.startswith(mode)]
+    for i, (rule, names) in enumerate(lines.items()):
         for key, style in (("speedup", "-"), ("tail_speedup", ":")):
             names_k = [n for n in names if runs[n][key] > 0]  # a call without a tail has no tail speed
             xs = [runs[n][key] for n in names_k]
             ys = [100 * runs[n]["vs_target"]["diff"] for n in names_k]
-            ax.plot(xs, ys, style, marker=marker, label=f"{mode} ({'whole' if key == 'speedup' else 'tail'})")
+            err = [100 * (runs[n]["vs_target"]["ci95"][1] - runs[n]["vs_target"]["diff"]) for n in names_k]
+            ax.errorbar(xs, ys, yerr=err, fmt=style, marker="os"[key != "speedup"], color=f"C{i}", capsize=3,
+                        label=f"{rule} ({'whole call' if key == 'speedup' else 'tail'})")
             for n, x, y in zip(names_k, xs, ys):
-                ax.annotate(n.split("@")[1], (x, y), fontsize=7)
+                ax.annotate(n.split("@")[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(-2, color="grey", lw=0.8, ls="--")
     ax.axvline(2, color="grey", lw=0.8, ls="--")
     ax.axvline(1, color="black", lw=0.5)
     ax.set_xlabel("rollout speed / lossless speculation")
-    ax.set_ylabel("accuracy change vs target alone (points)")
-    ax.set_title("lossy acceleration: speed vs accuracy")
+    ax.set_ylabel("accuracy change vs target alone (points, 95% CI)")
+    ax.set_title("lossy acceleration: speed vs accuracy (labels: thresholds)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -128,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--drafter", default="suffix")
     ap.add_argument("--selector", default="always", help="always: every step speculates in every spec run, so "
                     "lossless and lossy differ only in the verification rule (fixed: as a training run would)")
+    ap.add_argument("--judges", nargs="*", default=[], help="RULE@THRESHOLD words, e.g. relative@0.5 prob@0.01 "
+                    "(instead of --judge and --judge-thresholds)")
     ap.add_argument("--judge", default="prob")
     ap.add_argument("--judge-thresholds", type=float, nargs="*", default=[0.3, 0.1, 0.03, 0.01])
     ap.add_argument("--route-thresholds", type=float, nargs="*", default=[-0.5, -1.0, -2.0, -4.0])
@@ -139,6 +159,7 @@ def main(argv=None):
     rows = [{"setting": n, "accuracy": r["accuracy"], "diff_pts": 100 * r["vs_target"]["diff"],
              "ci95_pts": 100 * (r["vs_target"]["ci95"][1] - r["vs_target"]["diff"]), "tok_s": r["tokens_per_s"],
              "speedup": r["speedup"], "tail_speedup": r["tail_speedup"],
+             "vs_target_speed": r["tokens_per_s"] / runs["target"]["tokens_per_s"],
              "lossy_share": r["stats"].get("rollout/lossy_token_share", 0.0),
              "n_for_2pts": r["vs_target"]["n_for_margin"]} for n, r in runs.items()]
     print(table(rows, list(rows[0])))

@@ -28,6 +28,7 @@ from rlspec.config.schema import Config, ConfigError
 from rlspec.config.loader import (
     CONFIG_DIRS_ENV,
     build,
+    build_from_words,
     config_search_dirs,
     format_help,
     load_config,
@@ -45,6 +46,7 @@ __all__ = [
     "RolloutSection",
     "WandbSection",
     "build",
+    "build_from_words",
     "config_search_dirs",
     "format_help",
     "load_config",

@@ -125,6 +125,19 @@ def _schema_type(parts: list[str], where: str) -> Any:
     raise ConfigError(f"{where}: {'.'.join(parts)} is a section; set one of its keys (e.g. {example})")
 
 
+def build_from_words(cls: Any, words: list[str], source: str) -> Any:
+    """Dataclass `cls` from command-line `key=value` words, each value typed by cls's hints as an
+    override is (so `judge_threshold=1e-9` is the float 1e-09, not YAML 1.1's string)."""
+    hints = _hints(cls)
+    raw: dict[str, Any] = {}
+    for word in words:
+        if "=" not in word:
+            raise ConfigError(f"{source}: expected key=value words (e.g. verification=judge), got {word!r}")
+        key, text = word.split("=", 1)
+        raw[key] = _parse_override_value(text, hints[key]) if key in hints else text  # unknown: build() says so
+    return build(cls, raw, source)
+
+
 def _parse_override_value(text: str, tp: Any) -> Any:
     """Parse as a YAML scalar, except that string fields take the text verbatim (run_name=123 stays '123')."""
     text = text.strip()

@@ -37,3 +37,11 @@ def test_parse_spec_reads_yaml_values():
     assert spec.verification == "judge" and spec.judge_threshold == 0.05 and spec.accept_off_policy is True
     with pytest.raises(ValueError, match="key=value"):
         parse_spec(["judge"])
+    judge = ["drafter=suffix", "verification=judge", "accept_off_policy=true"]
+    # YAML 1.1 reads 1e-9 (no dot) as a string: typed by the field, it is the float meant
+    assert parse_spec([*judge, "judge_threshold=1e-9"]).judge_threshold == pytest.approx(1e-9)
+    assert parse_spec(["step_delimiter=123"]).step_delimiter == "123"  # a string field keeps the text verbatim
+    with pytest.raises(ValueError, match="judge_treshold.*judge_threshold"):  # a typo names the nearest key
+        parse_spec(["judge_treshold=0.1"])
+    with pytest.raises(ValueError, match="judge_threshold expects float"):
+        parse_spec([*judge, "judge_threshold=high"])

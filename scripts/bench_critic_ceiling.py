@@ -1,0 +1,166 @@
+"""How much of the outcome reward can PPO's critic predict on the embedded task? The ceiling, offline.
+
+PPO's value model regresses V(s_t) on the return; with `value_lam: 1.0` (configs/ppo_math.yaml) the
+target at every completion token is the outcome reward. This script samples rollouts of a policy on
+the training task, reads the policy's last hidden state at every completion token (the value head's
+input: trainers/ppo_model.py, `completion_hidden`) and fits the best linear head offline: ridge
+regression in closed form, its penalty picked by cross-validation, prompts held out (a critic is
+always asked about prompts it has not trained on). The held-out error over the return variance,
+`mse / var`, is `1 - explained variance` and what bench_ppo's pooled `val/mse / val/returns_var`
+can at best reach with `value_model: head` on frozen features (far more data and updates than a
+30-step run gets: here every token of every rollout, fitted to convergence).
+
+Feature sets compared (each row: pooled over all tokens, and by where the token sits in its
+completion: first quarter, last quarter, last token):
+  hidden          the value head's input
+  position        t and log(1 + t) only: "long completions are truncated and wrong"
+  hidden+position
+  prompt oracle   each rollout's siblings' mean reward (same prompt, leave-one-out): what a critic
+                  that knew every prompt's difficulty exactly would predict at token 0
+
+    python scripts/bench_critic_ceiling.py --policy outputs/grpo/final --prompts 96 --out bench_out/critic_ceiling.json
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from common import math_prompts, table, write_json
+
+RIDGE = (1e-1, 1.0, 10.0, 1e2, 1e3, 1e4, 1e5)  # the largest ~ predicting the mean
+BUCKETS = ("all", "first quarter", "last quarter", "last token")
+
+
+def rollouts(args) -> tuple[list[list[int]], list[list[int]], list[float], list[int]]:
+    """(prompt ids, completion ids, reward, prompt index) per sample, from the engine at the run's settings."""
+    from rollout.engine import RolloutEngine
+    from rollout.types import SamplingParams
+    from trainers.data import make_math_dataset
+    from trainers.rewards import accuracy_reward
+
+    engine = RolloutEngine.from_pretrained(args.policy, dtype="float32", max_model_len=256, max_num_seqs=32)
+    # the training set's rows, past the ones a 30-step run (2 prompts a step) has seen first
+    data = make_math_dataset(num_examples=args.prompts + 64, seed=0)
+    prompts = math_prompts(engine.tokenizer, args.prompts + 64, seed=0)[64:]
+    answers = data["answer"][64:]
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.samples, seed=args.seed)
+    results = engine.generate(prompts, params)
+    texts = [engine.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in results]
+    rewards = [float(x or 0.0) for x in accuracy_reward(texts, answer=[answers[r.prompt_index] for r in results])]
+    engine.close()
+    return ([prompts[r.prompt_index] for r in results], [list(r.completion_ids) for r in results], rewards,
+            [r.prompt_index for r in results])
+
+
+def token_table(args, prompts, completions, rewards, groups):
+    """Per completion token: hidden state (value-head input), position t, bucket flags, return, group."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainers.ppo_model import backbone_of, completion_hidden
+
+    model = AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32).eval()
+    feats, pos, buckets, y, g = [], [], [], [], []
+    with torch.no_grad():
+        for p, c, r, grp in zip(prompts, completions, rewards, groups):
+            if not c:
+                continue
+            ids = torch.tensor([p + c])
+            h = completion_hidden(backbone_of(model), ids, torch.ones_like(ids), len(c))[0]
+            n = len(c)
+            feats.append(h)
+            pos += list(range(n))
+            buckets += [(t < n / 4, t >= 3 * n / 4, t == n - 1) for t in range(n)]
+            y += [r] * n
+            g += [grp] * n
+    return torch.cat(feats), torch.tensor(pos, dtype=torch.float32), torch.tensor(buckets), torch.tensor(y), torch.tensor(g)
+
+
+def ridge_cv(x, y, groups, folds: int) -> tuple:
+    """Held-out predictions of ridge regression (standardised features, intercept), the penalty chosen
+    by the same grouped folds: (predictions, penalty)."""
+    import torch
+
+    fold_of = groups % folds
+    best = None
+    for lam in RIDGE:
+        pred = torch.empty_like(y)
+        for k in range(folds):
+            tr, te = fold_of != k, fold_of == k
+            mu, sd = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
+            xt = torch.cat([(x[tr] - mu) / sd, torch.ones(int(tr.sum()), 1, dtype=x.dtype)], 1).double()
+            reg = lam * torch.eye(xt.shape[1], dtype=torch.float64)
+            reg[-1, -1] = 0.0  # no penalty on the intercept
+            w = torch.linalg.solve(xt.T @ xt + reg, xt.T @ y[tr].double())
+            xe = torch.cat([(x[te] - mu) / sd, torch.ones(int(te.sum()), 1, dtype=x.dtype)], 1).double()
+            pred[te] = (xe @ w).float()
+        err = float(((pred - y) ** 2).mean())
+        if best is None or err < best[0]:
+            best = (err, pred, lam)
+    return best[1], best[2]
+
+
+def oracle(y, groups, sample_of_token):
+    """Leave-one-out mean reward of each token's sibling rollouts (same prompt)."""
+    import torch
+
+    per_sample = {}
+    for s, grp, r in zip(sample_of_token.tolist(), groups.tolist(), y.tolist()):
+        per_sample[s] = (grp, r)
+    sums, counts = {}, {}
+    for grp, r in per_sample.values():
+        sums[grp] = sums.get(grp, 0.0) + r
+        counts[grp] = counts.get(grp, 0) + 1
+    loo = {s: (sums[grp] - r) / (counts[grp] - 1) if counts[grp] > 1 else sums[grp] / counts[grp]
+           for s, (grp, r) in per_sample.items()}
+    return torch.tensor([loo[s] for s in sample_of_token.tolist()])
+
+
+def scores(pred, y, buckets) -> dict:
+    """mse / var per bucket (var: of the returns in that bucket, around their own mean)."""
+    out = {}
+    masks = {"all": None, "first quarter": buckets[:, 0], "last quarter": buckets[:, 1], "last token": buckets[:, 2]}
+    for name, m in masks.items():
+        p, t = (pred, y) if m is None else (pred[m], y[m])
+        var = float(t.var(unbiased=False))
+        out[name] = float(((p - t) ** 2).mean()) / var if var > 0 else math.nan
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policy", default="smollm2-135m-instruct", help="a model directory or embedded name")
+    ap.add_argument("--prompts", type=int, default=96)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--folds", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_out/critic_ceiling.json")
+    args = ap.parse_args(argv)
+    import torch
+
+    from rollout.runtime.model.fetch import fetch_model  # embedded names -> the cached directory
+
+    args.policy = fetch_model(args.policy)
+    prompts, completions, rewards, groups = rollouts(args)
+    x, t, buckets, y, g = token_table(args, prompts, completions, rewards, groups)
+    sample_of_token = torch.repeat_interleave(torch.arange(len(completions)),
+                                              torch.tensor([len(c) for c in completions]))
+    position = torch.stack([t, torch.log1p(t)], 1)
+    rows, penalties = [], {}
+    for name, feats in (("hidden", x), ("position", position), ("hidden+position", torch.cat([x, position], 1))):
+        pred, penalties[name] = ridge_cv(x=feats, y=y, groups=g, folds=args.folds)
+        rows.append({"features": name, **scores(pred, y, buckets)})
+    rows.append({"features": "prompt oracle", **scores(oracle(y, g, sample_of_token), y, buckets)})
+    summary = {"samples": len(rewards), "tokens": len(y), "mean_reward": sum(rewards) / len(rewards),
+               "reward_var": float(torch.tensor(rewards).var(unbiased=False)),
+               "mean_completion_tokens": len(y) / len(rewards), "ridge_penalty": penalties}
+    print(table(rows, ["features", *BUCKETS]))
+    print(summary)
+    write_json(args.out, {"args": vars(args), "summary": summary, "mse_over_var": rows,
+                          "note": "held-out (grouped by prompt) ridge fits; 1 = no better than the mean, 0 = perfect"})
+    return {"rows": rows, "summary": summary}
+
+
+if __name__ == "__main__":
+    main()
