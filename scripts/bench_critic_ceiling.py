@@ -18,7 +18,11 @@ completion: first quarter, last quarter, last token):
   prompt oracle   each rollout's siblings' mean reward (same prompt, leave-one-out): what a critic
                   that knew every prompt's difficulty exactly would predict at token 0
 
-    python scripts/bench_critic_ceiling.py --policy outputs/grpo/final --prompts 96 --out bench_out/critic_ceiling.json
+    python scripts/bench_critic_ceiling.py --prompts 96 --out bench_out/critic_ceiling.json
+    python scripts/bench_critic_ceiling.py --ops + '*' --max-operand 20 --out bench_out/critic_ceiling_mixed.json
+
+The second is a task whose difficulty shows in the prompt (a product of two-digit numbers is far
+harder for a 135M model than a sum): there a critic has something to learn beyond the mean.
 """
 from __future__ import annotations
 
@@ -40,8 +44,9 @@ def rollouts(args) -> tuple[list[list[int]], list[list[int]], list[float], list[
 
     engine = RolloutEngine.from_pretrained(args.policy, dtype="float32", max_model_len=256, max_num_seqs=32)
     # the training set's rows, past the ones a 30-step run (2 prompts a step) has seen first
-    data = make_math_dataset(num_examples=args.prompts + 64, seed=0)
-    prompts = math_prompts(engine.tokenizer, args.prompts + 64, seed=0)[64:]
+    task = dict(seed=0, max_operand=args.max_operand, ops=tuple(args.ops))
+    data = make_math_dataset(num_examples=args.prompts + 64, **task)
+    prompts = math_prompts(engine.tokenizer, args.prompts + 64, **task)[64:]
     answers = data["answer"][64:]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.samples, seed=args.seed)
     results = engine.generate(prompts, params)
@@ -133,6 +138,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--ops", nargs="+", default=["+"], help="the task's operations (configs/ppo_math.yaml: +)")
+    ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--folds", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out/critic_ceiling.json")

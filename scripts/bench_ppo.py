@@ -50,7 +50,9 @@ def result_row(label: str, s: dict) -> dict:
             f"explained_var_first{LAST}": _mean([v for _, v in _series(s, "val/explained_variance")][:LAST]),
             f"explained_var_last{LAST}": _mean([v for _, v in _series(s, "val/explained_variance")][-LAST:]),
             f"value_error_first{WINDOW}": _pooled_error(s, slice(0, WINDOW)),
-            f"value_error_last{WINDOW}": _pooled_error(s, slice(-WINDOW, None))}
+            f"value_error_last{WINDOW}": _pooled_error(s, slice(-WINDOW, None)),
+            f"critic_vs_running_mean_first{WINDOW}": _vs_running_mean(s, slice(0, WINDOW)),
+            f"critic_vs_running_mean_last{WINDOW}": _vs_running_mean(s, slice(-WINDOW, None))}
 
 
 def _pooled_error(summary: dict, steps: slice) -> float | None:
@@ -61,6 +63,23 @@ def _pooled_error(summary: dict, steps: slice) -> float | None:
     mse = [v for _, v in _series(summary, "val/mse")][steps]
     var = [v for _, v in _series(summary, "val/returns_var")][steps]
     return sum(mse) / sum(var) if mse and sum(var) > 0 else None
+
+
+def _vs_running_mean(summary: dict, steps: slice, width: int = LAST) -> float | None:
+    """The critic's pooled error over `steps` divided by that of the simplest baseline, a constant b =
+    the mean return of the previous `width` rollouts (what a critic that learned only the average
+    outcome would predict). Its error on a rollout is returns_var + (returns_mean - b)^2, computed
+    from the same token-weighted statistics as val/mse. Below 1: the critic knows more than the
+    running average; ~1: it has learned the mean and nothing per prompt or per completion. The first
+    rollout (no history) is left out."""
+    rows = [h for h in summary["history"] if h.get("val/mse") is not None and h.get("val/returns") is not None]
+    pairs = []
+    for i, h in enumerate(rows[1:], start=1):
+        b = sum(r["val/returns"] for r in rows[max(0, i - width):i]) / len(rows[max(0, i - width):i])
+        pairs.append((h["val/mse"], h["val/returns_var"] + (h["val/returns"] - b) ** 2))
+    pairs = pairs[steps]
+    base = sum(x for _, x in pairs)
+    return sum(m for m, _ in pairs) / base if pairs and base > 0 else None
 
 
 def _rolling_pooled_error(summary: dict, width: int = 5) -> list[tuple[int, float]]:
