@@ -15,8 +15,8 @@ completion: first quarter, last quarter, last token):
   hidden          the value head's input
   position        t and log(1 + t) only: "long completions are truncated and wrong"
   hidden+position
-  prompt oracle   each rollout's siblings' mean reward (same prompt, leave-one-out): what a critic
-                  that knew every prompt's difficulty exactly would predict at token 0
+  prompt oracle   each rollout's siblings' mean reward (same prompt, leave-one-out): a critic that
+                  knows each prompt's difficulty as well as its other samples show it
 
     python scripts/bench_critic_ceiling.py --prompts 96 --out bench_out/critic_ceiling.json
     python scripts/bench_critic_ceiling.py --ops + '*' --max-operand 20 --out bench_out/critic_ceiling_mixed.json
