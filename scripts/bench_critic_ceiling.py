@@ -83,7 +83,7 @@ def token_table(args, prompts, completions, rewards, groups):
 
 def ridge_cv(x, y, groups, folds: int) -> tuple:
     """Held-out predictions of ridge regression (standardised features, intercept), the penalty chosen
-    by the same grouped folds: (predictions, penalty)."""
+    by the same grouped folds (so, if anything, the error flatters the critic): (predictions, penalty)."""
     import torch
 
     fold_of = groups % folds

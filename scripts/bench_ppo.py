@@ -75,7 +75,8 @@ def _vs_running_mean(summary: dict, steps: slice, width: int = LAST) -> float | 
     rows = [h for h in summary["history"] if h.get("val/mse") is not None and h.get("val/returns") is not None]
     pairs = []
     for i, h in enumerate(rows[1:], start=1):
-        b = sum(r["val/returns"] for r in rows[max(0, i - width):i]) / len(rows[max(0, i - width):i])
+        prev = rows[max(0, i - width):i]
+        b = sum(r["val/returns"] for r in prev) / len(prev)
         pairs.append((h["val/mse"], h["val/returns_var"] + (h["val/returns"] - b) ** 2))
     pairs = pairs[steps]
     base = sum(x for _, x in pairs)
@@ -145,7 +146,7 @@ def plot(curves: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("PPO on the embedded task: speculation on vs off (same seed)")
+    fig.suptitle("PPO on the embedded task: " + " vs ".join(curves) + " (same seed)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
