@@ -18,18 +18,18 @@ completion: first quarter, last quarter, last token):
   prompt oracle   each rollout's siblings' mean reward (same prompt, leave-one-out): a critic that
                   knows each prompt's difficulty as well as its other samples show it
 
-    python scripts/bench_critic_ceiling.py --prompts 96 --out bench_out/critic_ceiling.json
+    python scripts/bench_critic_ceiling.py --prompts 384 --out bench_out/critic_ceiling_1536.json
     python scripts/bench_critic_ceiling.py --ops + '*' --max-operand 20 --out bench_out/critic_ceiling_mixed.json
 
-The second is a task whose difficulty shows in the prompt (a product of two-digit numbers is far
-harder for a 135M model than a sum): there a critic has something to learn beyond the mean.
+The second asks whether difficulty that shows in the prompt (sums and products up to 20) gives a
+critic more to learn; measured, it did not (0.99: bench_out/RESULTS.md, session 8).
 """
 from __future__ import annotations
 
 import argparse
 import math
 
-from common import math_prompts, table, write_json
+from common import table, write_json
 
 RIDGE = (1e-1, 1.0, 10.0, 1e2, 1e3, 1e4, 1e5)  # the largest ~ predicting the mean
 BUCKETS = ("all", "first quarter", "last quarter", "last token")
@@ -39,14 +39,13 @@ def rollouts(args) -> tuple[list[list[int]], list[list[int]], list[float], list[
     """(prompt ids, completion ids, reward, prompt index) per sample, from the engine at the run's settings."""
     from rollout.engine import RolloutEngine
     from rollout.types import SamplingParams
-    from trainers.data import make_math_dataset
+    from trainers.data import make_math_dataset, prompt_token_ids
     from trainers.rewards import accuracy_reward
 
     engine = RolloutEngine.from_pretrained(args.policy, dtype="float32", max_model_len=256, max_num_seqs=32)
     # the training set's rows, past the ones a 30-step run (2 prompts a step) has seen first
-    task = dict(seed=0, max_operand=args.max_operand, ops=tuple(args.ops))
-    data = make_math_dataset(num_examples=args.prompts + 64, **task)
-    prompts = math_prompts(engine.tokenizer, args.prompts + 64, **task)[64:]
+    data = make_math_dataset(num_examples=args.prompts + 64, seed=0, max_operand=args.max_operand, ops=tuple(args.ops))
+    prompts = prompt_token_ids(engine.tokenizer, data["prompt"])[64:]
     answers = data["answer"][64:]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.samples, seed=args.seed)
     results = engine.generate(prompts, params)
@@ -93,32 +92,29 @@ def ridge_cv(x, y, groups, folds: int) -> tuple:
         for k in range(folds):
             tr, te = fold_of != k, fold_of == k
             mu, sd = x[tr].mean(0), x[tr].std(0).clamp_min(1e-6)
-            xt = torch.cat([(x[tr] - mu) / sd, torch.ones(int(tr.sum()), 1, dtype=x.dtype)], 1).double()
+
+            def design(rows):  # standardised by the training fold, plus an intercept column
+                return torch.cat([(x[rows] - mu) / sd, torch.ones(int(rows.sum()), 1, dtype=x.dtype)], 1).double()
+
+            xt = design(tr)
             reg = lam * torch.eye(xt.shape[1], dtype=torch.float64)
             reg[-1, -1] = 0.0  # no penalty on the intercept
             w = torch.linalg.solve(xt.T @ xt + reg, xt.T @ y[tr].double())
-            xe = torch.cat([(x[te] - mu) / sd, torch.ones(int(te.sum()), 1, dtype=x.dtype)], 1).double()
-            pred[te] = (xe @ w).float()
+            pred[te] = (design(te) @ w).float()
         err = float(((pred - y) ** 2).mean())
         if best is None or err < best[0]:
             best = (err, pred, lam)
     return best[1], best[2]
 
 
-def oracle(y, groups, sample_of_token):
-    """Leave-one-out mean reward of each token's sibling rollouts (same prompt)."""
-    import torch
-
-    per_sample = {}
-    for s, grp, r in zip(sample_of_token.tolist(), groups.tolist(), y.tolist()):
-        per_sample[s] = (grp, r)
+def oracle(rewards: list[float], groups: list[int]) -> list[float]:
+    """Per rollout: the mean reward of the other rollouts of its prompt (leave-one-out; its own reward
+    where it has no sibling)."""
     sums, counts = {}, {}
-    for grp, r in per_sample.values():
+    for grp, r in zip(groups, rewards):
         sums[grp] = sums.get(grp, 0.0) + r
         counts[grp] = counts.get(grp, 0) + 1
-    loo = {s: (sums[grp] - r) / (counts[grp] - 1) if counts[grp] > 1 else sums[grp] / counts[grp]
-           for s, (grp, r) in per_sample.items()}
-    return torch.tensor([loo[s] for s in sample_of_token.tolist()])
+    return [(sums[grp] - r) / (counts[grp] - 1) if counts[grp] > 1 else r for grp, r in zip(groups, rewards)]
 
 
 def scores(pred, y, buckets) -> dict:
@@ -151,14 +147,14 @@ def main(argv=None) -> dict:
     args.policy = fetch_model(args.policy)
     prompts, completions, rewards, groups = rollouts(args)
     x, t, buckets, y, g = token_table(args, prompts, completions, rewards, groups)
-    sample_of_token = torch.repeat_interleave(torch.arange(len(completions)),
-                                              torch.tensor([len(c) for c in completions]))
     position = torch.stack([t, torch.log1p(t)], 1)
     rows, penalties = [], {}
     for name, feats in (("hidden", x), ("position", position), ("hidden+position", torch.cat([x, position], 1))):
         pred, penalties[name] = ridge_cv(x=feats, y=y, groups=g, folds=args.folds)
         rows.append({"features": name, **scores(pred, y, buckets)})
-    rows.append({"features": "prompt oracle", **scores(oracle(y, g, sample_of_token), y, buckets)})
+    per_token = torch.repeat_interleave(torch.tensor(oracle(rewards, groups)),
+                                        torch.tensor([len(c) for c in completions]))
+    rows.append({"features": "prompt oracle", **scores(per_token, y, buckets)})
     summary = {"samples": len(rewards), "tokens": len(y), "mean_reward": sum(rewards) / len(rewards),
                "reward_var": float(torch.tensor(rewards).var(unbiased=False)),
                "mean_completion_tokens": len(y) / len(rewards), "ridge_penalty": penalties}

@@ -45,16 +45,15 @@ def policy_reward(model: str, args) -> dict:
     binomial standard error."""
     import math
 
-    from common import math_prompts
     from rlspec.eval import evaluate
     from rollout.engine import RolloutEngine
     from rollout.types import SamplingParams
-    from trainers.data import make_math_dataset
+    from trainers.data import make_math_dataset, prompt_token_ids
 
     engine = RolloutEngine.from_pretrained(model, max_model_len=256, max_num_seqs=64)
-    answers = make_math_dataset(num_examples=args.eval_prompts, seed=args.eval_seed)["answer"]
-    ids = math_prompts(engine.tokenizer, args.eval_prompts, seed=args.eval_seed)
-    r = evaluate(engine, ids, answers, SamplingParams(temperature=1.0, max_new_tokens=128, n=4, seed=0))
+    data = make_math_dataset(num_examples=args.eval_prompts, seed=args.eval_seed)
+    r = evaluate(engine, prompt_token_ids(engine.tokenizer, data["prompt"]), data["answer"],
+                 SamplingParams(temperature=1.0, max_new_tokens=128, n=4, seed=0))
     engine.close()
     p = r["accuracy"]
     return {"reward": p, "se": math.sqrt(p * (1 - p) / r["samples"]), "samples": r["samples"]}
