@@ -342,6 +342,18 @@ class RolloutEngine:
         meta = {"policy_version": self.policy_version, **(metadata or {})}
         return self.speculation.export_drafter(path, self.model.cfg.hf_config, meta)
 
+    def state_dict(self) -> dict:
+        """What the engine carries from one rollout to the next beyond the policy's weights (which the
+        trainer pushes again): policy_version and the speculation state (selector statistics, model-free
+        drafters' history, the learned drafter with its optimiser and buffer). For checkpoints."""
+        return {"policy_version": self.policy_version, "speculation": self.speculation.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() saved (on resume, before the first rollout)."""
+        self.policy_version = int(state["policy_version"])
+        self.speculation.load_state_dict(state["speculation"])
+        self.speculation.set_policy_version(self.policy_version)
+
     def close(self) -> None:
         """Stop background drafter training (the engine stays usable; the last drafter is kept)."""
         self.speculation.close()

@@ -11,3 +11,14 @@ class ModelNotFoundError(FileNotFoundError):
 
 class TokenizerMismatchError(ValueError):
     """A drafter's tokenizer does not match the target's, so its token ids would be meaningless."""
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """The target produced NaN/inf logits: sampling from them would return garbage silently.
+
+    step: the decode step of the call (0 = the prefill); rows: the batch rows whose logits were not
+    finite; first_bad: the first parameter or layer found non-finite, when it was cheap to find."""
+
+    def __init__(self, message: str, step: int = 0, rows: list[int] | None = None, first_bad: str | None = None):
+        super().__init__(message)
+        self.step, self.rows, self.first_bad = step, list(rows or []), first_bad
