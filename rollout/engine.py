@@ -16,10 +16,12 @@ from rollout.runtime.kv_ledger import KVLedger
 from rollout.runtime.scheduler import Scheduler
 from rollout.spec.draft_batch import DraftBatch, build_draft_batch
 from rollout.spec.drafters.base import Drafter
-from rollout.errors import PromptTooLongError
+from rollout.limits import check_prompt_lengths, prompt_too_long_error
 from rollout.metrics import RolloutMetrics
+from rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
 from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 from rollout.runtime.model import loader
+from rollout.runtime.model.config import check_window
 from rollout.runtime.runner import ModelRunner
 from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
 from rollout.runtime.sequence import Sequence
@@ -46,6 +48,7 @@ class RolloutEngine:
         self.spec = spec or SpecConfig()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        check_window(model.cfg, max_model_len)  # a sliding window the runtime does not compute: refuse it
         p = next(model.parameters())
         eos = list(eos_token_ids or [])
         if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -65,6 +68,7 @@ class RolloutEngine:
         self.free_kv_between_rollouts = p.device.type == "cuda" if free_kv_between_rollouts is None \
             else free_kv_between_rollouts
         self._pool: tuple[float, float] | None = None  # (MiB, blocks) of the last call's KV pool
+        self._sync: loader.WriteLedger | None = None  # an open load_weights(..., complete=False) sync
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -96,9 +100,22 @@ class RolloutEngine:
         return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, eos, graph_mode=graph_mode, **kv)
 
     # ---- public surface ---------------------------------------------------------------------
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Policy sync from the trainer (HF parameter names); bumps policy_version."""
-        loader.load_named_tensors(self.model, named_tensors)
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
+        """Policy sync from the trainer (HF parameter names); bumps policy_version when the sync is complete.
+
+        Every runtime tensor must be written exactly once per sync (rollout.errors.WeightSyncError otherwise).
+        A sync sent in several calls (buckets) passes complete=False to all but the last; the last call (which
+        may carry no tensors) checks the whole sync."""
+        self._sync = self._sync or loader.WriteLedger(self.model)
+        try:
+            loader.load_named_tensors(self.model, named_tensors, self._sync)
+            if not complete:
+                return
+            self._sync.finish()
+        except Exception:
+            self._sync = None  # a failed sync is over: the next one starts afresh
+            raise
+        self._sync = None
         self.policy_version += 1
         self.speculation.set_policy_version(self.policy_version)
 
@@ -191,8 +208,10 @@ class RolloutEngine:
         rows = logits.repeat_interleave(sizes, dim=0)  # [sum n, V]
         p = ctx.params
         toks = rows.argmax(-1) if p.greedy else sample(probs_from_logits(rows, p), ctx.gen)
-        host = _to_host(toks, logprobs_of(rows, toks, p))
-        for s, (tok, lp) in zip((s for g in fresh for s in g), host):
+        host = _to_host(toks, logprobs_of(rows, toks, p), finite_flags(rows))
+        seqs = [s for g in fresh for s in g]
+        self._check_finite([r[-1] for r in host], seqs, ctx.steps, f"the prefill after {ctx.steps} decode steps")
+        for s, (tok, lp, _) in zip(seqs, host):
             s.append([int(tok)], [lp], ctx.stop_ids)
         self.speculation.begin(fresh)
 
@@ -211,6 +230,7 @@ class RolloutEngine:
     def _decode_step(self, live: list[Sequence], ctx: "_Call") -> None:
         """schedule -> draft -> forward -> verify -> commit, for the whole live batch at once."""
         arm = self.speculation.choose(len(live))
+        ctx.steps += 1
         t0 = time.perf_counter()
         lossy = self.lossy
         drafts, routed = self._propose(live, arm, ctx) if lossy is None else lossy.propose(self, live, arm, ctx.kv)
@@ -225,7 +245,7 @@ class RolloutEngine:
             verdict = _chain_verdict(v, batch.tokens.shape[1] - 1)
         else:
             verdict = self._verify(logits, batch.to(logits.device), ctx)
-        accepted, path, tokens, lps = self._fetch(logits, verdict, batch, ctx)
+        accepted, path, tokens, lps = self._fetch(logits, verdict, batch, ctx, live)
         # before commit: the learned drafter stages features at the positions the sequences hold now
         self.speculation.observe_verify(live, hiddens, verdict.path, accepted, logits)
         if lossy is None:
@@ -265,10 +285,11 @@ class RolloutEngine:
             return _chain_verdict(v, batch.tokens.shape[1] - 1)
         return verify_tree(logits, batch.tokens, batch.children, ctx.params, batch.q, ctx.gen)
 
-    def _fetch(self, logits, verdict: TreeVerdict, batch: DraftBatch, ctx: "_Call"):
+    def _fetch(self, logits, verdict: TreeVerdict, batch: DraftBatch, ctx: "_Call", live: list[Sequence]):
         """The emitted tokens and their target logprobs, computed on the device and brought to the host
-        in ONE transfer of B x (2N + 3) numbers. Returns per-row lists: accepted drafts, accepted path
-        (node indices, -1 after), emitted tokens (accepted drafts + the target's own), logprobs."""
+        in ONE transfer of B x (3N + 4) numbers, with each row's "logits finite" flag (NonFiniteLogitsError
+        otherwise). Returns per-row lists: accepted drafts, accepted path (node indices, -1 after), emitted
+        tokens (accepted drafts + the target's own), logprobs."""
         B, dev = verdict.accepted.shape[0], logits.device
         path, accepted = verdict.path, verdict.accepted
         at = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)  # predicting node
@@ -279,7 +300,16 @@ class RolloutEngine:
         picked = logits[:, :1] if path.shape[1] == 0 else \
             logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
         lps = logprobs_of(picked, emitted, ctx.params)
-        return _unpack(_to_host(accepted[:, None], path, emitted, lps), path.shape[1])
+        # the flag covers every logit the step used: those at the accepted path's nodes and the last one
+        host = _to_host(accepted[:, None], path, emitted, lps, finite_flags(picked))
+        self._check_finite([r[-1] for r in host], live, ctx.steps, f"decode step {ctx.steps}")
+        return _unpack(host, path.shape[1])
+
+    def _check_finite(self, flags: list[float], seqs: list[Sequence], step: int, where: str) -> None:
+        """Raise NonFiniteLogitsError when a row's flag (from the step's one host transfer) says non-finite."""
+        rows = bad_rows(flags)
+        if rows:
+            raise nonfinite_error(self.model, rows, step, where, seqs)
 
     def _commit(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call", sources=None,
                 behaviour=None) -> int:
@@ -378,15 +408,13 @@ class RolloutEngine:
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} samples per prompt exceed max_num_seqs={self.max_num_seqs}; "
                              "raise max_num_seqs")
+        long = check_prompt_lengths(prompts, self.max_model_len)
+        if long:
+            raise prompt_too_long_error([(i, len(prompts[i])) for i in long], self.max_model_len, total=len(prompts))
         vocab = self.model.cfg.vocab_size
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if len(p) >= self.max_model_len:
-                raise PromptTooLongError(
-                    f"prompt {i} has {len(p)} tokens but the engine's context is {self.max_model_len} tokens "
-                    f"(max_model_len), leaving no room to generate; raise max_model_len (rollout.max_model_len "
-                    "in a config) or shorten the prompt")
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab})")
 
@@ -435,6 +463,7 @@ class _Call:
     bar: object
     t0: float
     kv: KVLedger  # the call's block bookkeeping
+    steps: int = 0  # decode steps run so far (errors name the step)
 
 
 def _chain_verdict(v, N: int) -> TreeVerdict:
@@ -451,9 +480,9 @@ def _to_host(*columns: torch.Tensor) -> list[list[float]]:
 
 
 def _unpack(rows: list[list[float]], N: int):
-    """Rows of [accepted, path (N), emitted (N+1), logprobs (N+1)] -> four per-row lists."""
+    """Rows of [accepted, path (N), emitted (N+1), logprobs (N+1), finite flag] -> four per-row lists."""
     acc = [int(r[0]) for r in rows]
     path = [[int(x) for x in r[1:1 + N]] for r in rows]
     emitted = [[int(x) for x in r[1 + N:2 + 2 * N]] for r in rows]
-    lps = [r[2 + 2 * N:] for r in rows]
+    lps = [r[2 + 2 * N:3 + 3 * N] for r in rows]
     return acc, path, emitted, lps

@@ -22,3 +22,22 @@ class NonFiniteLogitsError(FloatingPointError):
     def __init__(self, message: str, step: int = 0, rows: list[int] | None = None, first_bad: str | None = None):
         super().__init__(message)
         self.step, self.rows, self.first_bad = step, list(rows or []), first_bad
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses a feature rlspec's runtime does not compute (a sliding window longer rollouts would
+    cross, a position-dependent RoPE, an attention kind, an lm_head that contradicts the config): generating
+    anyway would sample from a different model than the one trained."""
+
+
+class WeightSyncError(ValueError):
+    """A weight load or policy sync did not write every runtime tensor exactly once: a tensor never written, one
+    written twice, a name the runtime does not know, or a shape that does not fit. The engine's weights are then
+    not the policy's."""
+
+
+class UnknownWeightError(WeightSyncError, KeyError):
+    """A tensor name with no place in the runtime (also a KeyError, as a missing key)."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""

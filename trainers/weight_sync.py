@@ -163,7 +163,10 @@ def sync_weights(model: torch.nn.Module, engine, accelerator=None,
     """Push every policy parameter into `engine.load_weights` (bumps engine.policy_version).
 
     Returns (seconds the push took, ZeRO-3 gathers it made). Under ZeRO-3 every rank must call it
-    (the gathers are collectives).
+    (the gathers are collectives). The push is ONE load_weights call (the ZeRO-3 groups stream through its
+    iterator), so the engine checks the sync as a whole: every runtime tensor written exactly once, else
+    rollout.errors.WeightSyncError and the engine keeps its policy_version (a sync split over several calls
+    passes complete=False to all but the last).
     """
     start = time.perf_counter()
     weights = iter_named_weights(model, accelerator, bucket_bytes)

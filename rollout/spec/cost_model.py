@@ -9,7 +9,7 @@ accepted counts and the number of verifies that stopped on a rejection.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -47,6 +47,13 @@ class CostModel:
         if hi[0] == lo[0]:
             return lo[1] * (T / lo[0] if T > lo[0] else 1.0)  # beyond the table: grow linearly
         return lo[1] + (hi[1] - lo[1]) * (T - lo[0]) / (hi[0] - lo[0])
+
+    def state_dict(self) -> dict:
+        """The measured table as plain lists (checkpoints: a resumed engine skips calibration)."""
+        return {"table": [[b, t, s] for (b, t), s in self.table.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.table = {(int(b), int(t)): float(s) for b, t, s in state["table"]}
 
     def relative(self, batch: int, T: int) -> float | None:
         """cost(B, T) / cost(B, 1): how many plain decode steps one verify of T tokens costs."""
@@ -92,6 +99,13 @@ class AcceptanceTracker:
                 self.rejects += 1 if a < n else 0
         share = sum(1 for n in drafted if n > 0) / max(len(drafted), 1)
         self.drafted_share = (1 - EMA) * self.drafted_share + EMA * share
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, float(state[f.name]))
 
     def fade(self, keep: float) -> None:
         """Trust only `keep` of the evidence so far (the drafter behind it changed a little)."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollout.spec.checkpoint import cpu_clone
 from rollout.spec.distill_losses import draft_target, get_loss
 from rollout.spec.drafters.eagle3_model import Eagle3Model, draft_vocab_from_counts
 from rollout.spec.feature_buffer import Batch, Dist, FeatureBuffer  # noqa: F401 (FeatureBuffer re-exported)
@@ -169,6 +170,7 @@ class DrafterTrainer:
         self.stats = TrainerStats()
         self.version = 0
         self._published: tuple[int, dict] | None = None
+        self.published_at = 0  # stats.steps at the latest publication
         self._vocab_chosen = False
         # one optimizer step or publish at a time: the background thread, a synchronous caller
         # (scripts, warm_start) and cache loads may all touch the network
@@ -201,6 +203,7 @@ class DrafterTrainer:
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             self._publish_event = _record(self.cos.device)
             self._published = (self.version, state)
+            self.published_at = self.stats.steps
 
     def load_weights(self, state: dict) -> None:
         """Continue from these drafter weights (a warm-started drafter): its draft vocabulary (d2t)
@@ -269,6 +272,42 @@ class DrafterTrainer:
         s.loss = loss.detach()
         s.train_time_s += time.perf_counter() - t0
         s.data_policy_version = b.policy_version
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything training goes on from, as CPU tensors and plain values: the float32 master
+        weights, the optimizer's state, the buffered samples, the window sampler's generator, the
+        counters and the newest published weights (the engine may not have swapped them in yet).
+        Taken under the training lock: a background thread is between steps."""
+        with self.lock:
+            if self.stream is not None:
+                self.stream.synchronize()  # the master weights and optimizer state are written on it
+            s, pub = self.stats, self._published
+            return {"model": cpu_clone(self.model.state_dict()), "optimizer": cpu_clone(self.opt.state_dict()),
+                    "buffer": self.buffer.state_dict(), "generator": self.gen.get_state(), "version": self.version,
+                    "published": None if pub is None else [pub[0], cpu_clone(pub[1])],
+                    "published_at": self.published_at, "vocab_chosen": self._vocab_chosen,
+                    "stats": {"steps": s.steps, "loss": float(s.loss), "train_time_s": s.train_time_s,
+                              "data_policy_version": s.data_policy_version}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly where state_dict() was taken (a trainer built with the same settings)."""
+        dev = self.cos.device
+        with self.lock:
+            self.buffer.load_state_dict(state["buffer"])  # first: it checks its shape before changing anything
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+            self.gen.set_state(state["generator"])
+            self.version, self.published_at = int(state["version"]), int(state["published_at"])
+            pub = state["published"]
+            self._published = None if pub is None else (int(pub[0]), {k: v.to(dev) for k, v in pub[1].items()})
+            self._publish_event, self._handed_out = _record(dev), 0
+            self._vocab_chosen = bool(state["vocab_chosen"])
+            st = state["stats"]
+            self.stats = TrainerStats(int(st["steps"]), float(st["loss"]), float(st["train_time_s"]),
+                                      float(st["data_policy_version"]))
+            if self.stream is not None:  # the next step, on the trainer's stream, reads what was copied here
+                self.stream.wait_stream(torch.cuda.current_stream(dev))
 
     # ---- background -------------------------------------------------------------------------------
     def set_idle(self, idle: bool) -> None:

@@ -101,6 +101,10 @@ class FeatureBuffer:
                     d.rest[lo:hi] = (dist.rest[:n].float() + dist.probs[:n, k:].float().sum(-1)).to(
                         d.rest.device, d.rest.dtype)
                     d.has[lo:hi] = dist.has[:n].to(d.has.device)
+                    # a position without a distribution carries whatever its KV block held before (never
+                    # read): zeros instead, so that what is buffered depends only on the samples
+                    none = ~d.has[lo:hi]
+                    d.ids[lo:hi][none], d.probs[lo:hi][none], d.rest[lo:hi][none] = 0, 0.0, 0.0
             self.segments.append((lo, n, policy_version, float(temperature)))
             self.head = hi
 
@@ -190,3 +194,34 @@ class FeatureBuffer:
                     self.dist.has.copy_(d["has"].to(dev))
                 else:
                     self.dist.has.zero_()
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """For checkpoints: CPU copies of the rows up to the end of the furthest buffered segment (rows
+        past it hold nothing a read can reach) and the ring's bookkeeping (segments, head)."""
+        with self.lock:
+            end = max((s[0] + s[1] for s in self.segments), default=0)
+            st = {"shape": [self.feats.shape[0], self.feats.shape[1], self.topk],
+                  "feats": self.feats[:end].to("cpu", copy=True),
+                  "next_tokens": self.next_tokens[:end].to("cpu", copy=True),
+                  "segments": [list(s) for s in self.segments], "head": self.head}
+            if self.dist is not None:
+                st["dist"] = {k: v[:end].to("cpu", copy=True) for k, v in vars(self.dist).items()}
+            return st
+
+    def load_state_dict(self, st: dict) -> None:
+        """Restore state_dict() into a buffer of the same capacity, feature width and top-k."""
+        here = [self.feats.shape[0], self.feats.shape[1], self.topk]
+        if list(st["shape"]) != here:
+            raise ValueError(f"the checkpoint's drafter training buffer has (tokens, feature width, top-k) "
+                             f"{list(st['shape'])}, this engine's has {here}; build the trainer with the same "
+                             "buffer_tokens, target model and loss / topk as the run that saved it")
+        with self.lock:
+            end = len(st["next_tokens"])
+            self.feats[:end] = st["feats"].to(self.feats.device)
+            self.next_tokens[:end] = st["next_tokens"].to(self.next_tokens.device)
+            if self.dist is not None:
+                for k, v in st["dist"].items():
+                    getattr(self.dist, k)[:end] = v.to(self.feats.device)
+            self.segments = deque((int(a), int(n), int(v), float(t)) for a, n, v, t in st["segments"])
+            self.head = int(st["head"])

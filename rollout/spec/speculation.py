@@ -17,9 +17,10 @@ import weakref
 
 import torch
 
+from rollout.spec.checkpoint import mismatch
 from rollout.spec.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
 from rollout.spec.registry import DRAFTERS, SELECTORS
-from rollout.spec.selectors.base import OFF, Arm, Selector
+from rollout.spec.selectors.base import OFF, Arm, Selector, arm_key, arm_of
 from rollout.spec.selectors.forced import ForcedSelector
 from rollout.types import SpecConfig
 
@@ -217,6 +218,57 @@ class Speculation:
         meta = {"train_steps": self.trainer.stats.steps if self.trainer is not None else 0, **(metadata or {})}
         return save_eagle3(model, target_hf_config, path, metadata=meta)
 
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything speculation carries from one generate() call to the next, as plain Python values
+        and CPU tensors (torch.save / torch.load(weights_only=True)): the selector's statistics and
+        cost table, each drafter's state (suffix history, EAGLE-3 weights and version), the online
+        trainer's (master weights, optimizer, buffer, sampler generator) and the version of the
+        drafter weights the selector last saw. Take it between generate() calls (docs/selectors.md#checkpoints)."""
+        trainer = self.trainer.state_dict() if self.trainer is not None else None
+        return {"format": STATE_FORMAT, "drafters": {n: _state_of(d) for n, d in self.by_name.items()},
+                "selector": _state_of(self.selector), "trains": self.trainer is not None, "trainer": trainer,
+                "seen_version": self._seen_version, "forced": None if self._forced is None else arm_key(self._forced)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from state_dict() of an engine built the same way: after it, generate() gives what
+        the saved engine would have given. A state of another configuration (drafters, selector and its
+        arms, the learned drafter's shape, online training or not) raises a ValueError that lists every
+        difference, before anything is changed."""
+        problems = self._misfits(state)
+        if problems:
+            raise ValueError("the checkpoint's speculation state does not fit this engine:\n  " + "\n  ".join(problems))
+        if state["selector"] is not None:
+            self.selector.load_state_dict(state["selector"])
+        for name, d in self.by_name.items():
+            if state["drafters"][name] is not None:
+                d.load_state_dict(state["drafters"][name])
+        if self.trainer is not None:
+            self.trainer.load_state_dict(state["trainer"])
+        self._seen_version = int(state["seen_version"])
+        self._forced = None if state["forced"] is None else arm_of(state["forced"])
+
+    def _misfits(self, state: dict) -> list[str]:
+        """What differs between a saved state and this object's configuration, one line each."""
+        fix = "build the engine with the SpecConfig of the run that saved it"
+        if state.get("format") != STATE_FORMAT:
+            return [mismatch("state format", state.get("format"), STATE_FORMAT, "not a Speculation.state_dict()")]
+        out = []
+        if list(state["drafters"]) != self.names:
+            out.append(mismatch("drafters", list(state["drafters"]), self.names, fix + ": SpecConfig.drafter"))
+        else:
+            out += [f"{name}: {m}" for name, d in self.by_name.items() if hasattr(d, "state_misfit")
+                    and state["drafters"][name] is not None and (m := d.state_misfit(state["drafters"][name]))]
+        out += _selector_misfits(state["selector"], _state_of(self.selector), fix)
+        trains, dead = self.trainer is not None, state["trains"] and state["trainer"] is None
+        if trains and dead:
+            out.append("online drafter training: the checkpoint's trainer had died (or had no state_dict), so its "
+                       "state was not saved "
+                       "(resume with SpecConfig.online_training=False to keep its drafter without training)")
+        elif state["trains"] != trains and not dead:
+            out.append(mismatch("online drafter training", state["trains"], trains, fix + ": online_training"))
+        return out
+
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.stop()
@@ -252,6 +304,29 @@ def trains_online(spec: SpecConfig, target) -> bool:
     if spec.online_training != "auto":
         return bool(spec.online_training)
     return next(target.parameters()).device.type != "cpu"
+
+
+STATE_FORMAT = 1  # Speculation.state_dict layout version
+
+
+def _selector_misfits(saved: dict | None, here: dict | None, fix: str) -> list[str]:
+    """Another selector kind, or the same kind with other arms (shown as the arms only one side has)."""
+    if here is None or saved is None:
+        return [] if here is saved else [mismatch("selector state", saved is not None, here is not None, fix)]
+    if saved["kind"] != here["kind"]:
+        return [mismatch("selector", saved["kind"], here["kind"], fix + ": SpecConfig.selector / drafter")]
+    if list(saved["shape"]) == list(here["shape"]):
+        return []
+    a, b = list(saved["shape"]), list(here["shape"])
+    if a and isinstance(a[0], (list, tuple)):  # a list of arms: name what differs, not all of them
+        a, b = [x for x in a if x not in b], [x for x in b if x not in a]
+    return [mismatch(f"{here['kind']} selector arms (only in each)", a, b,
+                     fix + ": drafter, num_draft_tokens, tree_width")]
+
+
+def _state_of(obj):
+    """obj.state_dict(), or None for a plug-in (drafter, selector) without one: it carries nothing."""
+    return obj.state_dict() if hasattr(obj, "state_dict") else None
 
 
 # "auto" lists the cheap model-free drafters first; plug-ins marked auto come after them

@@ -96,12 +96,23 @@ def build(recipe: Recipe, initial_state: dict) -> Any:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     target = TargetView(recipe).to_device(dev)
-    net = recipe.net_cls(recipe.net_cfg)
-    net.load_state_dict(initial_state)
+    net = network_from_state(recipe.net_cls, recipe.net_cfg, initial_state)
     net = net.to(device=dev, dtype=recipe.dtype).eval()  # as the engine holds it: the trainer makes its own master
     module, _, attr = recipe.factory.partition(":")
     factory = getattr(importlib.import_module(module), attr)
     return factory(DrafterView(target, net, recipe.name, recipe.aux_layers), **recipe.kwargs)
+
+
+def network_from_state(cls, cfg, state: dict) -> nn.Module:
+    """cls(cfg) holding copies of `state`, built without a throwaway random init (which would also
+    draw from the global RNG)."""
+    with torch.device("meta"):
+        net = cls(cfg)
+    # assign=True takes each tensor as it is: keep the network's own dtypes (a state whose floats were
+    # cast for transport may carry d2t as float, and an index buffer must stay long)
+    dtypes = {k: t.dtype for k, t in [*net.named_parameters(), *net.named_buffers()]}
+    net.load_state_dict({k: v.to(dtypes.get(k, v.dtype), copy=True) for k, v in state.items()}, assign=True)
+    return net
 
 
 def _child_main(recipe: Recipe, ch) -> None:
@@ -159,6 +170,13 @@ def _handle(msg: tuple, trainer, ch, stats: "_Stats", pub: "_Publisher") -> None
         trainer.load_weights(msg[2])
         pub.flush()
         ch.outbox.put((msg[1], pub.version))
+    elif kind == "state":  # a plug-in trainer without state_dict has none to give (the proxy warns)
+        ch.outbox.put((msg[1], trainer.state_dict() if hasattr(trainer, "state_dict") else None))
+    elif kind == "load_state":
+        trainer.load_state_dict(msg[2])
+        pub.restored()
+        stats.maybe(trainer, force=True)
+        ch.outbox.put((msg[1], pub.version))
     elif kind == "flush":
         pub.flush()
         stats.maybe(trainer, force=True)
@@ -184,6 +202,15 @@ class _Publisher:
                 t.copy_(state[k])
             self.ch.version.value = version
         self.version, self.steps_at = version, self.trainer.stats.steps
+
+    def restored(self) -> None:
+        """The trainer was restored from a checkpoint: publish what it had published (if anything),
+        and count steps since its last publication from where it left off."""
+        self.version = 0
+        with self.ch.weights_lock:
+            self.ch.version.value = 0
+        self.maybe()
+        self.steps_at = getattr(self.trainer, "published_at", self.trainer.stats.steps)
 
     def flush(self) -> None:
         """Publish the master weights now if they moved since the last publication (export, stop)."""

@@ -23,6 +23,8 @@ trainer's internals:
   set_idle(bool)         a shared event; metrics() / stats from a JSON snapshot the child writes
   train_steps(n)         synchronous request/response (scripts, tests, warm start)
   publish()              the child publishes its current weights now
+  state_dict()           the child's trainer state (weights, optimizer, buffer: checkpoints) and
+  load_state_dict(s)     back; None from a child that is gone
   model                  float32 drafter network of the newest weights (export)
   stop()                 the child publishes its final weights and exits; joined, and at exit
 A crash in the child is reported (drafter/failed = 1); the engine keeps its last drafter. On CUDA
@@ -45,7 +47,7 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing as mp
 
-from rollout.spec.trainer_child import FAILED, STATS_BYTES, Recipe, _child_main
+from rollout.spec.trainer_child import FAILED, STATS_BYTES, Recipe, _child_main, network_from_state
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,33 @@ class ProcessTrainer:
         reply = self._request("train", n)
         return float("nan") if reply is None else reply
 
+    def state_dict(self) -> dict | None:
+        """The child's trainer state (DrafterTrainer.state_dict: samples still queued are taken in
+        first) plus the proxy's count of dropped samples, so a thread trainer loads it too; None
+        when the child is gone (crashed, killed or stopped: its training state went with it) or its
+        trainer has no state_dict."""
+        reply = self._request("state")
+        if reply is None:
+            log.warning("the drafter trainer's process gave no state (it is gone, or its trainer has no "
+                        "state_dict): its training state is not in the checkpoint")
+            return None
+        self.latest()
+        return {**_cpu_copy(reply), "dropped": self._dropped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from state_dict(): the child restores its trainer and republishes what it had
+        published, which the engine's drafter takes as it would have."""
+        reply = self._request("load_state", _share({k: v for k, v in state.items() if k != "dropped"}))
+        if reply is None:
+            raise RuntimeError("the drafter trainer's process is gone (crashed or stopped); build a new engine "
+                               "to restore its training state")
+        with self._weights_lock:  # what `model` falls back on while nothing is published: the master
+            for k, t in self._state.items():
+                t.copy_(state["model"][k])
+        self._dropped = int(state.get("dropped", 0))
+        self._seen, self._latest = 0, None
+        self.latest()
+
     @property
     def stats(self) -> SimpleNamespace:
         m = self._snapshot()
@@ -158,13 +187,12 @@ class ProcessTrainer:
         if not self._stopped:
             self._request("flush")
         self.latest()
-        net = self._net_cls(self._net_cfg).float()
         if self._latest is not None:
-            net.load_state_dict(self._latest[1])
+            state = self._latest[1]
         else:  # nothing published: the initial weights (the lock only guards against a first publication)
             with self._weights_lock:
-                net.load_state_dict(self._state)
-        return net
+                state = self._state
+        return network_from_state(self._net_cls, self._net_cfg, state).float()
 
     @property
     def pid(self) -> int | None:
@@ -279,6 +307,17 @@ def _tensors(obj):
     elif isinstance(obj, dict):
         for x in obj.values():
             yield from _tensors(x)
+
+
+def _cpu_copy(obj):
+    """obj with every tensor replaced by a private copy (received ones live in shared memory)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    return obj
 
 
 def _share(obj):

@@ -14,9 +14,8 @@ tensors go straight into vLLM's model through `collective_rpc` (weights.py), no 
 """
 from __future__ import annotations
 
+import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,10 +25,13 @@ from rollout.metrics import RolloutMetrics
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.vllm_backend import weights
 from rollout.vllm_backend.host import DrafterHost
+from rollout.vllm_backend.scratch import ScratchDir
 from rollout.vllm_backend.spec_map import check_supported, speculative_config
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 # On a GPU vLLM takes this share of the device's memory (the trainer's policy and optimizer share it).
 GPU_MEMORY_SHARE = 0.3
@@ -56,7 +58,19 @@ class VLLMBackend:
         check_supported(self.spec)  # fail before any model is copied
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.policy_version = 0
-        self._dir = Path(tempfile.mkdtemp(prefix="rlspec-vllm-"))
+        self.host = None
+        # the policy copy vLLM loads from (GBs): removed by close(), at exit, or by the next run after a kill
+        self._scratch = ScratchDir.create("rlspec-vllm-")
+        self._dir = self._scratch.path
+        try:
+            self._start(LLM, policy, tokenizer, dtype, max_model_len, max_num_seqs, kv_memory_gb, memory_share,
+                        graph_mode, seed)
+        except BaseException:
+            self.close()  # a failed start leaves neither the copy on disk nor the host's drafter thread
+            raise
+
+    def _start(self, LLM, policy, tokenizer, dtype, max_model_len, max_num_seqs, kv_memory_gb, memory_share,  # noqa: N803
+               graph_mode, seed) -> None:
         on_cpu = next(policy.parameters()).device.type == "cpu"
         dtype = str(dtype or next(policy.parameters()).dtype).removeprefix("torch.")
         policy.save_pretrained(self._dir / "policy", safe_serialization=True)  # vLLM loads from a directory
@@ -164,10 +178,15 @@ class VLLMBackend:
 
     def close(self) -> None:
         """Stops the host's drafter training and removes the policy copy vLLM loaded from; the drafter
-        stays exportable."""
-        if self.host is not None:
-            self.host.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        stays exportable. Never raises (a close() in a finally block must not hide the error that
+        brought the run there): a failing host close is logged. Safe to call twice."""
+        try:
+            if self.host is not None:
+                self.host.close()
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            log.error("closing the vLLM backend's drafter host failed: %s: %s", type(err).__name__, err)
+        finally:
+            self._scratch.close()
 
     # ---- helpers ------------------------------------------------------------------------------
     def _vllm_params(self, prompt: list[int], i: int, j: int, params: SamplingParams):

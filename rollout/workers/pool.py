@@ -7,6 +7,9 @@ prompt-major, as from one engine. Policy weights reach the workers once per sync
 worker reads the same object, and every task names the policy version it must be sampled from.
 With a learned drafter the run has one DrafterHub (spot.py) that every worker's features feed and
 whose versions the pool hands to every worker between tasks. docs/workers.md has the design.
+Faults (docs/distributed.md#ray-faults): a dropped worker is killed, a task is retried at most
+max_task_retries times, and a lost Ray head or drafter trainer raises RolloutBackendLost (a trainer
+saves its checkpoint on it); close() kills every actor whatever fails first and never raises.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import ray
 import torch
 
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from rollout.workers.dispatch import DispatchStats, RolloutWorkerError, run_tasks
+from rollout.workers import cluster
+from rollout.workers.dispatch import DispatchStats, drop_worker, kill_actor, run_tasks
+from rollout.workers.errors import RolloutBackendLost, RolloutWorkerError
 from rollout.workers.spot import DrafterHub
 from rollout.workers.stats import merge_stats
 from rollout.workers.tasks import split, merge
@@ -32,31 +37,56 @@ class RayPool:
     def __init__(self, policy, tokenizer, spec: SpecConfig | None = None, *, workers: int | None = None,
                  ray_address: str | None = None, groups_per_task: int = 1, worker_threads: int | None = None,
                  drafter_trainer: str = "spot", drafter_trainer_gpus: float = 0.0,
-                 drafter_trainer_kwargs: dict | None = None, **engine_kwargs):
-        """policy: an HF causal LM (gathered); the rest: RolloutSection's fields (rlspec/config/sections.py)."""
+                 drafter_trainer_kwargs: dict | None = None, max_task_retries: int = 2, ray_dashboard: bool = False,
+                 cluster_lost_after_s: float = 15.0, **engine_kwargs):
+        """policy: an HF causal LM (gathered); the rest: RolloutSection's fields (rlspec/config/sections.py).
+        max_task_retries: retries of one task (on other workers) before the call fails; ray_dashboard:
+        start Ray's dashboard with a local cluster; cluster_lost_after_s: how long the Ray head may be
+        unreachable before calls raise RolloutBackendLost (Ray itself ends the process at 60 s)."""
         if drafter_trainer not in ("spot", "dedicated"):
             raise ValueError(f"drafter_trainer must be 'spot' or 'dedicated', got {drafter_trainer!r}")
-        _init_ray(ray_address)
+        if max_task_retries < 0:
+            raise ValueError(f"rollout.max_task_retries must be >= 0, got {max_task_retries}")
+        cluster.connect(ray_address, dashboard=ray_dashboard)
         n, gpus = _plan(workers)
         self.groups_per_task = groups_per_task
+        self.max_task_retries = max_task_retries
         self.policy_version = 0
         self._dispatch = DispatchStats()
         self._wall_s = 0.0
+        self.workers: dict[int, object] = {}
+        self.hub = None
+        self._learned = False
+        self._drafter: tuple[int, object] | None = None  # (version, ObjectRef of the weights)
+        self._held: dict[int, int] = {}  # drafter version each worker holds
+        self._final_drafter = None  # what export_drafter writes once close() has let the workers go
+        self._close_error: BaseException | None = None  # why close() could not read the drafter
+        self.watch = cluster.ClusterWatch(lost_after_s=cluster_lost_after_s)
+        try:
+            self._start(policy, tokenizer, spec, n, gpus, worker_threads, engine_kwargs, drafter_trainer,
+                        drafter_trainer_gpus, drafter_trainer_kwargs or {})
+        except BaseException:
+            self._kill_all()  # the actors started so far would otherwise hold their CPUs/GPUs until Ray exits
+            raise
+
+    def _start(self, policy, tokenizer, spec, n, gpus, worker_threads, engine_kwargs, drafter_trainer,
+               drafter_trainer_gpus, drafter_trainer_kwargs) -> None:
+        """The workers (and the hub): each actor is in self.workers/self.hub as soon as it exists, so a
+        failure part-way leaves _kill_all() a complete list."""
         spec = spec or SpecConfig()
         # the workers' engines never train a drafter themselves: the pool's one hub does (or nobody)
         worker_spec = replace(spec, online_training=False) if spec.enabled else spec
         blob = ray.put(_policy_blob(policy))
         actor = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, max_concurrency=1)
         threads = worker_threads if worker_threads is not None else (None if gpus else 1)
-        self.workers = {r: actor.remote(r, blob, tokenizer, worker_spec, engine_kwargs, threads) for r in range(n)}
+        for r in range(n):
+            self.workers[r] = actor.remote(r, blob, tokenizer, worker_spec, engine_kwargs, threads)
         # a worker that cannot build its engine raises here, with its own traceback
         self.infos = _started([w.info.remote() for w in self.workers.values()], "rollout workers")
         self._learned = self.infos[0]["learned"]
-        self._drafter: tuple[int, object] | None = None  # (version, ObjectRef of the weights)
-        self._held: dict[int, int] = {r: 0 for r in self.workers}  # drafter version each worker holds
-        self._final_drafter = None  # what export_drafter writes once close() has let the workers go
-        self.hub = self._start_hub(spec, drafter_trainer, drafter_trainer_gpus, drafter_trainer_kwargs or {}) \
-            if self._learned and spec.online_training is not False else None
+        self._held = {r: 0 for r in self.workers}
+        if self._learned and spec.online_training is not False:
+            self._start_hub(spec, drafter_trainer, drafter_trainer_gpus, drafter_trainer_kwargs)
 
     # ---- the RolloutBackend protocol ---------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None) -> list[RolloutResult]:
@@ -64,6 +94,7 @@ class RayPool:
         params = params or SamplingParams()
         if not prompt_token_ids:
             raise ValueError("generate() needs at least one prompt")
+        self.watch.check()
         tasks = split(prompt_token_ids, params, self.groups_per_task)
         t0 = time.perf_counter()
         idle = (lambda i: self.hub.set_idle.remote(i)) if self.hub is not None else (lambda i: None)
@@ -78,6 +109,7 @@ class RayPool:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One object-store copy of the policy for every worker; bumps policy_version (checked per task)."""
+        self.watch.check()
         ref = ray.put({name: t.detach().cpu() for name, t in named_tensors})
         self.policy_version += 1
         held = self._call_all("load_weights", ref, self.policy_version)
@@ -97,7 +129,7 @@ class RayPool:
         if self._learned:
             out["drafter/worker_version_min"] = min(v.get("drafter/version", 0.0) for v in per_worker.values())
         if self.hub is not None:
-            out.update(ray.get(self.hub.metrics.remote(self.policy_version)))
+            out.update(self._hub_call("metrics", self.policy_version))
         self._dispatch, self._wall_s = DispatchStats(lost_workers=d.lost_workers), 0.0
         return out
 
@@ -114,9 +146,9 @@ class RayPool:
         from rollout.spec.warm_start import WarmStartResult
 
         first = next(iter(self.workers.values()))
-        result, state = ray.get(first.warm_start.remote(prompts, budget_s=budget_s, group=group,
-                                                        max_new_tokens=max_new_tokens, temperature=temperature))
-        version = ray.get(self.hub.load_weights.remote(state)) if self.hub is not None else 1 + max(self._held.values())
+        result, state = self._get(first.warm_start.remote(prompts, budget_s=budget_s, group=group,
+                                                          max_new_tokens=max_new_tokens, temperature=temperature))
+        version = self._hub_call("load_weights", state) if self.hub is not None else 1 + max(self._held.values())
         self._drafter = (version, ray.put(state))
         self._broadcast_drafter()
         return WarmStartResult(**result)
@@ -125,7 +157,7 @@ class RayPool:
         """`steps` hub optimizer steps now, published and handed to every worker (between RL steps, tests)."""
         if self.hub is None:
             raise ValueError("this pool trains no drafter: use drafter eagle3/auto with online_training on")
-        loss = ray.get(self.hub.train_steps.remote(steps))
+        loss = self._hub_call("train_steps", steps)
         self._poll_drafter()
         self._broadcast_drafter()
         return loss
@@ -136,28 +168,45 @@ class RayPool:
 
         if not self._learned:
             raise ValueError("this pool has no learned drafter to export; use drafter='eagle3' or 'auto'")
+        if self._final_drafter is None and not self.workers:
+            raise RolloutWorkerError(f"the pool was closed without its drafter: reading it failed with "
+                                     f"{self._close_error!r}; the last checkpoint's drafter is the newest saved")
         net, hf_config, version = self._final_drafter or self._fetch_drafter()
         meta = {"policy_version": self.policy_version, "drafter_version": version, **(metadata or {})}
         return save_eagle3(net, hf_config, path, metadata=meta)
 
     def close(self) -> None:
-        """Stop the hub and the workers (their actors are killed); the drafter stays exportable."""
-        if self._learned and self.workers and self._final_drafter is None:
-            if self.hub is not None:
-                ray.get(self.hub.stop.remote())  # its last steps published before the weights are read
-            self._final_drafter = self._fetch_drafter()
+        """Stop the hub and the workers (their actors are killed); the drafter stays exportable.
+
+        Never raises, so a close() in a finally block cannot hide the error that brought the run
+        there: a drafter that cannot be read (hub or cluster gone) is logged, and export_drafter
+        raises it. Every actor is killed whatever happened before. Safe to call twice."""
+        try:
+            if self._learned and self.workers and self._final_drafter is None:
+                if self.hub is not None:
+                    self._hub_call("stop")  # its last steps published before the weights are read
+                self._final_drafter = self._fetch_drafter()
+        except Exception as err:  # noqa: BLE001 - reported by export_drafter; see the docstring
+            self._close_error = err
+            log.error("closing the Ray pool: could not read the run's drafter (%s: %s); killing the actors anyway",
+                      type(err).__name__, err)
+        finally:
+            self._kill_all()
+
+    def _kill_all(self) -> None:
         for actor in [self.hub, *self.workers.values()]:
             if actor is not None:
-                ray.kill(actor)
+                kill_actor(actor)
         self.hub, self.workers = None, {}
+        self.watch.close()
 
     def _fetch_drafter(self):
         """(float32 network on this machine, the target's HF config, version) of the run's drafter."""
         first = next(iter(self.workers.values()))
-        net, hf_config = ray.get([first.drafter_network.remote(), first.hf_config.remote()])
+        net, hf_config = self._get([first.drafter_network.remote(), first.hf_config.remote()])
         version = self._drafter[0] if self._drafter else 0
         if self.hub is not None:
-            version, state = ray.get(self.hub.weights.remote())
+            version, state = self._hub_call("weights")
             net.load_state_dict(state)
         return net, hf_config, version
 
@@ -171,13 +220,25 @@ class RayPool:
             return self.workers[rank].run.remote(task, self.policy_version, version, ref if behind else None)
 
         return run_tasks(self.workers, tasks, submit, on_idle=idle, on_done=lambda r: self._poll_drafter(),
-                         stats=self._dispatch)
+                         stats=self._dispatch, max_task_retries=self.max_task_retries, check=self.watch.check)
+
+    def _get(self, refs):
+        """ray.get that raises RolloutBackendLost instead of hanging when the Ray head is gone."""
+        return cluster.get(refs, self.watch.check)
+
+    def _hub_call(self, method: str, *args):
+        """hub.method(*args), waited for; a dead hub is the run's drafter trainer gone: RolloutBackendLost."""
+        try:
+            return self._get(getattr(self.hub, method).remote(*args))
+        except ray.exceptions.RayActorError as err:
+            raise RolloutBackendLost(f"the drafter trainer (the DrafterHub actor, rollout.drafter_trainer) died; "
+                                     f"Ray says:\n{err}") from err
 
     def _poll_drafter(self) -> None:
         """Take the hub's newest published drafter, if any (one put; workers get it with their next task)."""
         if self.hub is None:
             return
-        got = ray.get(self.hub.latest.remote(self._drafter[0] if self._drafter else 0))
+        got = self._hub_call("latest", self._drafter[0] if self._drafter else 0)
         if got is not None:
             self._drafter = (got[0], ray.put(got[1]))
 
@@ -187,21 +248,22 @@ class RayPool:
             self._held.update(self._call_all("set_drafter", *self._drafter))
 
     def _call_all(self, method: str, *args) -> dict[int, object]:
-        """method(*args) on every worker; a dead worker is dropped (logged with its error), the rest answer."""
+        """method(*args) on every worker; a dead worker is dropped (killed, logged with its error), the rest answer."""
+        self.watch.check()
         refs = {r: getattr(w, method).remote(*args) for r, w in self.workers.items()}
         out = {}
         for r, ref in refs.items():
             try:
-                out[r] = ray.get(ref)
+                out[r] = self._get(ref)
             except ray.exceptions.RayActorError as err:
-                log.warning("rollout worker %d is gone (%s): dropped", r, err)
-                self.workers.pop(r, None)
-                self._dispatch.lost_workers.append(r)
+                self._dispatch.errors.append(f"rollout worker {r} failed on {method}:\n{err}")
+                drop_worker(self.workers, r, self._dispatch, self._dispatch.errors[-1])
         if not self.workers:
-            raise RolloutWorkerError(f"no rollout worker is left (while calling {method})")
+            raise RolloutBackendLost(f"no rollout worker is left (while calling {method}); what they died of:\n"
+                                     + "\n".join(self._dispatch.errors[-4:]))
         return out
 
-    def _start_hub(self, spec: SpecConfig, mode: str, gpus: float, trainer_kwargs: dict):
+    def _start_hub(self, spec: SpecConfig, mode: str, gpus: float, trainer_kwargs: dict) -> None:
         """The run's one drafter trainer, built from worker 0's drafter; every worker ships it samples."""
         first = next(iter(self.workers.values()))
         device = "cuda" if gpus > 0 else "cpu"
@@ -211,19 +273,12 @@ class RayPool:
         if opts["num_cpus"] > free.get("CPU", 0) or opts["num_gpus"] > free.get("GPU", 0):
             raise ValueError(f"the dedicated drafter trainer needs {opts} but the Ray cluster has {free} left after "
                              "the workers; lower rollout.workers or use rollout.drafter_trainer=spot")
-        hub = ray.remote(DrafterHub).options(**opts).remote(recipe, state, mode)
+        self.hub = hub = ray.remote(DrafterHub).options(**opts).remote(recipe, state, mode)
         _started([hub.metrics.remote(0)], "the drafter trainer")
         if spec.drafter_path:  # a trained drafter keeps its draft vocabulary and head (never re-chosen)
             ray.get(hub.load_weights.remote(state))
         topk = trainer_kwargs.get("topk", 32) if trainer_kwargs.get("loss", "kl") != "ce" else 0
         ray.get([w.attach_hub.remote(hub, topk) for w in self.workers.values()])
-        return hub
-
-
-def _init_ray(address: str | None) -> None:
-    """Join the cluster at `address` ("auto": the one `ray start` made here), or start a local Ray."""
-    if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
 
 
 def _started(refs: list, what: str, timeout_s: float = 600.0) -> list:

@@ -71,3 +71,41 @@ def test_no_vocabulary_sized_tensor_reaches_the_host(monkeypatch):
     assert eng.stats()["rollout/spec_step_share"] > 0.5  # speculative steps (trees of sampled drafts) ran
     assert sizes, "the wrapper saw no transfer at all: it is not wired"
     assert max(sizes) < vocab, f"a transfer of {max(sizes)} numbers (vocabulary {vocab})"
+
+
+def _count_transfers(monkeypatch) -> list[int]:
+    """Wrap every host-transfer method of torch.Tensor; the returned list grows by one per call."""
+    calls: list[int] = []
+    for name in HOST_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _original=original, **kw):
+            calls.append(self.numel())
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    return calls
+
+
+def test_one_transfer_per_step_finite_check_included(monkeypatch):
+    """Plain decoding makes exactly one transfer per prefill and per decode step: the per-row "logits
+    finite" flag rides in it. With a NaN weight the error is raised from that same transfer (counted up to
+    the moment the error is built; finding the culprit afterwards may cost what it likes)."""
+    import rollout.engine as engine_module
+    from rollout.errors import NonFiniteLogitsError
+
+    eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, eos_token_ids=[2])
+    prompts, params = random_prompts(4, 3, 8, seed=3), SamplingParams(temperature=1.0, max_new_tokens=10, seed=0)
+    calls = _count_transfers(monkeypatch)
+    eng.generate(prompts, params)
+    steps = len(eng.batch_trace)
+    assert len(calls) == 1 + steps, f"{len(calls)} transfers for one prefill and {steps} decode steps"
+    calls.clear()
+    with torch.no_grad():
+        eng.model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    at_error: list[int] = []
+    real = engine_module.nonfinite_error
+    monkeypatch.setattr(engine_module, "nonfinite_error", lambda *a: at_error.append(len(calls)) or real(*a))
+    with pytest.raises(NonFiniteLogitsError):
+        eng.generate(prompts, params)
+    assert at_error == [1], "the prefill's one transfer must carry the check"

@@ -105,3 +105,68 @@ def test_wrapper_name_parts_are_stripped_and_the_sync_still_lands(tiny_llama, ch
     assert gathers == 0 and engine.policy_version == 1
     prompt = char_tokenizer("What is 3 + 4?")["input_ids"]
     assert _greedy(engine, prompt) == _greedy(fresh, prompt)
+
+
+# ---- every runtime tensor written exactly once per sync (rollout/runtime/model/loader.py WriteLedger) ----
+def _named(model) -> list[tuple[str, torch.Tensor]]:
+    return [(name, p.detach()) for name, p in model.named_parameters()]
+
+
+def test_a_sync_missing_a_tensor_is_refused_and_the_version_stays(tiny_llama, engine):
+    from rollout.errors import WeightSyncError
+
+    named = [(n, t) for n, t in _named(tiny_llama) if n != "model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(WeightSyncError, match=r"1 of the \d+ runtime tensors were never written: "
+                                              r"\['model.layers.1.mlp.up_proj.weight'\]"):
+        engine.load_weights(named)
+    assert engine.policy_version == 0
+
+
+def test_a_tensor_written_twice_in_one_sync_is_refused(tiny_llama, engine):
+    from rollout.errors import WeightSyncError
+
+    named = _named(tiny_llama)
+    with pytest.raises(WeightSyncError, match=r"'model.layers.0.self_attn.k_proj.weight' was written twice"):
+        engine.load_weights(named + [n for n in named if n[0] == "model.layers.0.self_attn.k_proj.weight"])
+    assert engine.policy_version == 0
+
+
+def test_an_unknown_name_and_a_wrong_shape_are_refused(tiny_llama, engine):
+    from rollout.errors import UnknownWeightError, WeightSyncError
+
+    with pytest.raises(UnknownWeightError, match="'model.layers.0.mlp.experts.weight' has no place"):
+        engine.load_weights(_named(tiny_llama) + [("model.layers.0.mlp.experts.weight", torch.zeros(2))])
+    named = [(n, t[:1] if n == "model.norm.weight" else t) for n, t in _named(tiny_llama)]
+    with pytest.raises(WeightSyncError, match=r"'model.norm.weight' has shape \(1,\), the runtime expects \(64,\)"):
+        engine.load_weights(named)  # copy_ would have broadcast the one value over the whole norm
+    assert engine.policy_version == 0
+
+
+def test_a_sync_in_buckets_is_checked_as_one(tiny_llama, char_tokenizer, engine):
+    """complete=False on all but the last call: one version bump for the whole sync; a missed bucket or a
+    bucket sent twice is caught at the end / at once, and a failed sync leaves the next one a clean slate."""
+    from rollout.errors import WeightSyncError
+
+    _perturb(tiny_llama)
+    named = _named(tiny_llama)
+    buckets = [named[i:i + 5] for i in range(0, len(named), 5)]
+    for b in buckets[:-1]:
+        engine.load_weights(b, complete=False)
+        assert engine.policy_version == 0
+    engine.load_weights(buckets[-1])
+    assert engine.policy_version == 1
+    fresh = RolloutEngine.from_hf_model(tiny_llama, char_tokenizer, max_model_len=64, max_num_seqs=4)
+    prompt = char_tokenizer("What is 3 + 4?")["input_ids"]
+    assert _greedy(engine, prompt) == _greedy(fresh, prompt)
+
+    for b in buckets[:-2]:  # the second-to-last bucket never comes
+        engine.load_weights(b, complete=False)
+    with pytest.raises(WeightSyncError, match="never written"):
+        engine.load_weights(buckets[-1])
+    engine.load_weights(buckets[0], complete=False)
+    with pytest.raises(WeightSyncError, match="written twice"):
+        engine.load_weights(buckets[0], complete=False)
+    for b in buckets:  # after the failures, a whole sync goes through again
+        engine.load_weights(b, complete=False)
+    engine.load_weights([])  # an empty closing call ends the sync
+    assert engine.policy_version == 2

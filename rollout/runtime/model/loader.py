@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rollout.errors import ModelNotFoundError
+from rollout.errors import ModelNotFoundError, UnknownWeightError, UnsupportedModelError, WeightSyncError
 from rollout.runtime.model.config import ModelConfig
 from rollout.runtime.model.llama import LlamaForCausalLM
 
@@ -25,28 +25,95 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+# HF projection name part -> (our fused parameter's name part, index of the slice in the fusion)
+_FUSIONS = {
+    "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
+    "self_attn.k_proj.": ("self_attn.qkv_proj.", 1),
+    "self_attn.v_proj.": ("self_attn.qkv_proj.", 2),
+    "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
+    "mlp.up_proj.": ("mlp.gate_up_proj.", 1),
+}
+
+
+def _slices(cfg: ModelConfig, fused_part: str) -> list[tuple[int, int]]:
+    """Row ranges of a fusion's slices, in _FUSIONS order."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    if fused_part == "self_attn.qkv_proj.":
+        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+    return [(0, inter), (inter, 2 * inter)]
+
+
 def _fused_slot(cfg: ModelConfig, name: str) -> tuple[str, int, int] | None:
     """For an HF q/k/v/gate/up name, the fused parameter name and the row range it fills."""
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    table = {
-        "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, q),
-        "self_attn.k_proj.": ("self_attn.qkv_proj.", q, q + kv),
-        "self_attn.v_proj.": ("self_attn.qkv_proj.", q + kv, q + 2 * kv),
-        "mlp.gate_proj.": ("mlp.gate_up_proj.", 0, inter),
-        "mlp.up_proj.": ("mlp.gate_up_proj.", inter, 2 * inter),
-    }
-    for hf_part, (ours, start, stop) in table.items():
+    for hf_part, (ours, index) in _FUSIONS.items():
         if hf_part in name:
+            start, stop = _slices(cfg, ours)[index]
             return name.replace(hf_part, ours), start, stop
     return None
 
 
+def fused_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int, int]]:
+    """For one of our fused parameter names, (HF name, start row, stop row) of each slice; [] otherwise."""
+    return [(name.replace(ours, hf_part), *_slices(cfg, ours)[index])
+            for hf_part, (ours, index) in _FUSIONS.items() if ours in name]
+
+
+def expected_names(model: LlamaForCausalLM) -> set[str]:
+    """The HF names a complete load or sync must write once each (a tied lm_head is not among them)."""
+    names = set()
+    for name, _ in model.named_parameters():  # duplicates removed: a tied lm_head is the embedding
+        parts = fused_parts(model.cfg, name)
+        names.update([hf for hf, _, _ in parts] if parts else [name])
+    return names
+
+
+class WriteLedger:
+    """Which HF-named tensors one load or sync has written, possibly over several load_named_tensors calls
+    (the files of a sharded checkpoint, the buckets of a ZeRO-3 sync). `finish` checks nothing is missing."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.expected = expected_names(model)
+        self.written: set[str] = set()
+        self.tied_head: torch.Tensor | None = None  # an lm_head.weight sent to a tied model, checked in finish
+
+    def mark(self, name: str) -> None:
+        if name in self.written:
+            raise WeightSyncError(f"weight {name!r} was written twice in one load/sync: two sources claim the "
+                                  "same tensor (duplicate names in the state dict, or a bucket sent twice)")
+        self.written.add(name)
+
+    def finish(self) -> None:
+        """Raise unless every expected tensor was written; check a tied lm_head agrees with the embedding."""
+        missing = sorted(self.expected - self.written)
+        if missing:
+            head = ("; config.tie_word_embeddings is False but no lm_head.weight came: if the checkpoint ties its "
+                    "embeddings, its config must say tie_word_embeddings=True") if "lm_head.weight" in missing else ""
+            raise WeightSyncError(
+                f"{len(missing)} of the {len(self.expected)} runtime tensors were never written: {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}{head}. The engine would generate from stale or uninitialised "
+                "weights; send every parameter of the policy (a ZeRO-3 sync must cover all buckets)")
+        if self.tied_head is not None:
+            embed = self.model.model.embed_tokens.weight
+            if not torch.equal(self.tied_head.to(embed.device, embed.dtype), embed):
+                raise UnsupportedModelError(
+                    "config.tie_word_embeddings is True but the lm_head.weight sent differs from "
+                    "model.embed_tokens.weight: the runtime would silently use the embedding as the output "
+                    "layer. Fix the config (tie_word_embeddings=False) or keep the weights tied")
+
+
 @torch.no_grad()
-def load_named_tensors(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+def load_named_tensors(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       ledger: WriteLedger | None = None) -> int:
     """Copy HF-named tensors into the runtime (dtype/device converted). Returns how many were loaded.
 
-    Unknown names raise: a silently skipped tensor is how weight syncs corrupt a rollout engine.
+    ledger None: the call is one complete load, checked at its end (every runtime tensor written exactly
+    once). A load spread over several calls passes one WriteLedger to each and calls ledger.finish() after
+    the last. Unknown names, duplicates and shape mismatches raise at once: a silently skipped or misplaced
+    tensor is how weight syncs corrupt a rollout engine.
     """
+    own = ledger is None
+    ledger = ledger or WriteLedger(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     count = 0
     for name, tensor in named_tensors:
@@ -54,17 +121,22 @@ def load_named_tensors(model: LlamaForCausalLM, named_tensors: Iterable[tuple[st
         if "rotary_emb" in name:
             continue
         fused = _fused_slot(model.cfg, name)
-        if fused is not None:
-            target, start, stop = fused
-            params[target][start:stop].copy_(tensor)
-        elif name in params:
-            if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-                continue  # tied: the embedding already holds it
-            params[name].copy_(tensor)
-        else:
-            raise KeyError(f"weight {name!r} has no place in rlspec's runtime ({model.cfg.model_type}); "
-                           "is the checkpoint a Llama/Qwen2/Qwen3 causal LM?")
+        target, rows = (fused[0], slice(fused[1], fused[2])) if fused else (name, slice(None))
+        if target not in params:
+            raise UnknownWeightError(f"weight {name!r} has no place in rlspec's runtime ({model.cfg.model_type}); "
+                                     "is the checkpoint a Llama/Qwen2/Qwen3 causal LM?")
+        ledger.mark(name)
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            ledger.tied_head = tensor  # tied: the embedding holds it; finish() checks they agree
+            continue
+        dst = params[target][rows]
+        if tuple(tensor.shape) != tuple(dst.shape):  # copy_ would broadcast a wrong shape silently
+            raise WeightSyncError(f"weight {name!r} has shape {tuple(tensor.shape)}, the runtime expects "
+                                  f"{tuple(dst.shape)}: the checkpoint's config does not match its weights")
+        dst.copy_(tensor)
         count += 1
+    if own:
+        ledger.finish()
     return count
 
 
@@ -87,11 +159,11 @@ def load_model(path: str, dtype: str | torch.dtype = "bfloat16", device="cpu") -
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in {path!r}; pass a Hugging Face model directory")
     model = build_model(AutoConfig.from_pretrained(path), resolve_dtype(dtype), device)
-    loaded = 0
+    ledger = WriteLedger(model)  # one load over every shard file
     for f in files:
         with safe_open(os.path.join(path, f), framework="pt") as st:
-            loaded += load_named_tensors(model, ((k, st.get_tensor(k)) for k in st.keys()))
-    _check_complete(model, loaded)
+            load_named_tensors(model, ((k, st.get_tensor(k)) for k in st.keys()), ledger)
+    ledger.finish()
     return model
 
 
@@ -99,12 +171,13 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None) -> Ll
     """Build our runtime from an in-memory transformers model (weights copied, not shared)."""
     p = next(hf_model.parameters())
     model = build_model(hf_model.config, dtype or p.dtype, device or p.device)
-    loaded = load_named_tensors(model, hf_model.state_dict().items())
-    _check_complete(model, loaded)
+    load_named_tensors(model, hf_model.state_dict().items())  # checks every tensor came, once
     return model
 
 
 def _check_complete(model: LlamaForCausalLM, loaded: int) -> None:
+    """A count-only completeness check, for callers that load without a WriteLedger (load_named_tensors
+    with its default ledger already checks each tensor by name)."""
     cfg = model.cfg
     per_layer = 9 + (3 if cfg.qkv_bias else 0) + (1 if cfg.o_bias else 0) + (3 if cfg.mlp_bias else 0)
     per_layer += 2 if cfg.qk_norm else 0

@@ -42,7 +42,11 @@ class Draft:
 @runtime_checkable
 class Drafter(Protocol):
     """What the engine calls on every drafter. One file per drafter, registered with
-    `@DRAFTERS.register(name)` on a factory `(target=None, spec=None, **overrides) -> Drafter`."""
+    `@DRAFTERS.register(name)` on a factory `(target=None, spec=None, **overrides) -> Drafter`.
+
+    Optional, for checkpoints (Speculation.state_dict): `state_dict() -> dict` of what the drafter
+    carries from one generate() call to the next (plain Python values and CPU tensors) and
+    `load_state_dict(state)`. A drafter without them is taken to carry nothing."""
 
     name: str
 

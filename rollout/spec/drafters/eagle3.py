@@ -47,9 +47,9 @@ class Eagle3Drafter:
         self.tree_draws = tree_draws
         self.target = target
         p = next(target.parameters())
-        if model is None:
-            torch.manual_seed(seed)
-            model = Eagle3Model(Eagle3Config.for_target(target.cfg, draft_vocab_size))
+        if model is None:  # a local generator: building an engine must not reseed the user's global RNG
+            model = Eagle3Model.initialised(Eagle3Config.for_target(target.cfg, draft_vocab_size),
+                                            torch.Generator().manual_seed(seed))
         if model.cfg.vocab_size != target.cfg.vocab_size or model.cfg.hidden_size != target.cfg.hidden_size:
             from rollout.errors import TokenizerMismatchError
 
@@ -101,6 +101,28 @@ class Eagle3Drafter:
 
     def attach(self, trainer) -> None:
         self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        """The weights drafting now (CPU copies, the engine's dtype) and their version. Per-call state
+        (which positions have drafter KV, the call's sampling state) starts over at every start()."""
+        return {"config": self.model.cfg.to_dict(), "version": self.version,
+                "weights": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}}
+
+    def state_misfit(self, state: dict) -> str | None:
+        """Why `state` cannot load here (another network shape), or None."""
+        here, saved = self.model.cfg.to_dict(), state["config"]
+        diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+        return None if not diff else (
+            f"eagle3 drafter shape (checkpoint, here): {diff} (build the engine with the target model and the "
+            "SpecConfig draft_vocab_size / drafter_path of the run that saved it)")
+
+    def load_state_dict(self, state: dict) -> None:
+        problem = self.state_misfit(state)
+        if problem:
+            raise ValueError(f"the checkpoint's drafter state does not fit: {problem}")
+        self.model.load_state_dict(state["weights"])
+        self.version = int(state["version"])
+        self.valid = {k: 0 for k in self.valid}  # any drafter KV came from the old weights
 
     def network(self) -> Eagle3Model:
         return self.model

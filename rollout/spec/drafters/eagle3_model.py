@@ -14,6 +14,7 @@ over whole windows with a training-time-test mask, so one network serves both.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -82,6 +83,28 @@ class Eagle3Model(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # target id = draft id + d2t[draft id]; identity until a draft vocabulary is chosen
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+
+    @classmethod
+    def initialised(cls, c: Eagle3Config, generator: torch.Generator) -> "Eagle3Model":
+        """A fresh network whose random weights come from `generator`, not the global RNG: the same
+        values torch.manual_seed(s) then Eagle3Model(c) gave (nn.Linear's default init, in module
+        order) for a generator seeded with s."""
+        with torch.device("meta"):
+            model = cls(c)
+        model.to_empty(device="cpu")
+        done = {id(model.d2t)}
+        with torch.no_grad():
+            model.d2t.zero_()
+            for m in model.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.kaiming_uniform_(m.weight, a=math.sqrt(5), generator=generator)
+                elif isinstance(m, RMSNorm):
+                    m.weight.fill_(1.0)
+                done |= {id(p) for p in m.parameters(recurse=False)} if isinstance(m, (nn.Linear, RMSNorm)) else set()
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) not in done]
+        if left:  # a tensor added to the network without an init rule here would hold garbage
+            raise RuntimeError(f"Eagle3Model.initialised has no init rule for {left}")
+        return model
 
     def forward(self, hidden, embeds, cos, sin, attend) -> torch.Tensor:
         """hidden [B, T, 3H] target features (or [B, T, H] the drafter's previous output), embeds

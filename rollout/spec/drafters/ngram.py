@@ -198,6 +198,14 @@ class NgramDrafter:
     def finish(self, seq: Sequence) -> None:
         self._seqs.pop(id(seq), None)
 
+    def state_dict(self) -> dict:
+        """Nothing outlives a generate() call: each sequence looks up only its own text, and its
+        index is dropped when it finishes. (Kept so that checkpoints say so explicitly.)"""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._seqs = {}
+
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
         return [self._draft(self._sync(s), m, width) if m > 0 else Draft() for s, m in zip(seqs, max_tokens)]
 

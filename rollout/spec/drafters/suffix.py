@@ -30,6 +30,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from rollout.spec.checkpoint import pack_arrays, unpack_arrays
 from rollout.spec.drafters.base import DRAFTERS, Draft
 from rollout.spec.drafters.ngram import NgramIndex, context_tail
 from rollout.runtime.sequence import Sequence
@@ -119,6 +120,34 @@ class SuffixDrafter:
                 "hot_prompts": sum(s.index is not None for s in self._prompts.values()),
                 "global_docs": len(self._global_fifo), "global_tokens": self._global.num_tokens,
                 "live_samples": len(self._seqs)}
+
+    def state_dict(self) -> dict:
+        """The history, for checkpoints: every remembered prompt (LRU order) with its finished
+        samples, and the global window's samples (FIFO order), as packed token arrays. Indexes are
+        not saved: a prompt's is rebuilt from its history on its next visit, as between any two
+        visits, and the global one is rebuilt by re-adding its samples in order, which gives the
+        same matches (its chains stop at removed samples either way). Taken between generate()
+        calls; samples a failed call left unfinished are not history and are not saved."""
+        stores = list(self._prompts.items())
+        docs = []
+        for _, store in stores:
+            docs += [store.prompt] + [doc for doc, _ in store.history]
+        glob = [self._global.docs[d] for d in self._global_fifo]
+        return {"prompts": [[key, store.tokens, [tail for _, tail in store.history]] for key, store in stores],
+                "docs": pack_arrays(docs), "held": self._held, "calls": self._calls,
+                "global": pack_arrays([d.tokens for d in glob]), "global_starts": [d.start for d in glob]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the history with a state_dict()'s (live samples of this drafter are dropped)."""
+        docs = iter(unpack_arrays(state["docs"]))
+        self._prompts, self._seqs = OrderedDict(), {}
+        for key, tokens, tails in state["prompts"]:
+            store = self._prompts[int(key)] = _PromptStore(next(docs), tokens=int(tokens))
+            store.history.extend((next(docs), int(tail)) for tail in tails)
+        self._held, self._calls = int(state["held"]), int(state["calls"])
+        self._global, self._global_fifo = NgramIndex(self.anchors), deque()
+        for toks, start in zip(unpack_arrays(state["global"]), state["global_starts"]):
+            self._global_fifo.append(self._global.add(toks, start=int(start)))
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def _store(self, prompt: list[int]) -> _PromptStore:

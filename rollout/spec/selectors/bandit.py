@@ -242,6 +242,18 @@ class AdaptiveSelector:
                 out[f"strategy/expected_goodput/{arm_name(a)}"] = est[a] * batch / plain
         return out
 
+    def state_dict(self) -> dict:
+        """What the bandit learned, as plain values (selectors/bandit_state.py)."""
+        from rollout.spec.selectors.bandit_state import bandit_state
+
+        return bandit_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from state_dict() of a selector with the same arms (ValueError naming both otherwise)."""
+        from rollout.spec.selectors.bandit_state import load_bandit_state
+
+        load_bandit_state(self, state)
+
     # ---- estimates ----------------------------------------------------------------------------
     def estimate(self, arm: Arm, b: int) -> float:
         """Expected speedup over plain decoding in bucket b: the prior blended with measurements."""

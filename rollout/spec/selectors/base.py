@@ -35,6 +35,28 @@ class Arm:
 OFF = Arm("none")
 
 
+def arm_key(arm: Arm) -> tuple:
+    """An arm as a plain tuple (drafter, depth, width, stop): checkpoints hold no classes of ours."""
+    return (arm.drafter, arm.depth, arm.width, arm.stop)
+
+
+def arm_of(key) -> Arm:
+    return Arm(str(key[0]), int(key[1]), int(key[2]), str(key[3]))
+
+
+def check_selector_state(state: dict, kind: str, shape, shape_name: str) -> None:
+    """Raise a ValueError saying what differs when a saved selector state (state_dict) does not fit
+    this selector: another kind, or another shape (drafter, depths, widths: what arms it has)."""
+    saved = state.get("kind")
+    if saved != kind:
+        raise ValueError(f"the checkpoint's selector state is for the {saved!r} selector, this engine's selector is "
+                         f"{kind!r}; build the engine with the SpecConfig (selector, drafter) of the run that saved it")
+    if list(state["shape"]) != list(shape):
+        raise ValueError(f"the checkpoint's {kind!r} selector has {shape_name} {list(state['shape'])}, this engine's "
+                         f"has {list(shape)}; build the engine with the SpecConfig (drafter, num_draft_tokens, "
+                         "tree_width) of the run that saved it")
+
+
 class Selector(Protocol):
     """Everything the engine calls on a selector."""
 
@@ -62,3 +84,10 @@ class Selector(Protocol):
 
     def metrics(self) -> dict[str, float]:
         """strategy/* metrics for engine.stats()."""
+
+    def state_dict(self) -> dict:
+        """Everything learned so far (costs, acceptance, statistics) as plain Python values, with
+        "kind" and "shape" naming what it fits (check_selector_state)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a state_dict of a selector built the same way (ValueError otherwise)."""

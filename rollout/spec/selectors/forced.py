@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rollout.spec.cost_model import CostModel
-from rollout.spec.selectors.base import SELECTORS, Arm
+from rollout.spec.selectors.base import SELECTORS, Arm, arm_key, check_selector_state
 
 
 @dataclass
@@ -36,6 +36,13 @@ class ForcedSelector:
 
     def metrics(self) -> dict[str, float]:
         return {"strategy/forced": 1.0}
+
+    def state_dict(self) -> dict:
+        return {"kind": "always", "shape": list(arm_key(self.arm)), "costs": self.costs.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_selector_state(state, "always", arm_key(self.arm), "the arm")
+        self.costs.load_state_dict(state["costs"])
 
 
 @SELECTORS.register("always")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rollout.spec.cost_model import AcceptanceTracker, CostModel, bucket
-from rollout.spec.selectors.base import OFF, Arm, SELECTORS
+from rollout.spec.selectors.base import OFF, Arm, SELECTORS, check_selector_state
 
 HYSTERESIS = 0.05  # speculation turns on above 1.05x estimated gain, off below 0.95x
 
@@ -54,6 +54,19 @@ class LongTailSelector:
     def metrics(self) -> dict[str, float]:
         return {"strategy/spec_on": float(self.on), "strategy/expected_speedup": self.last_gain,
                 "strategy/accept_rate": self.acceptance.rate}
+
+    def state_dict(self) -> dict:
+        return {"kind": "fixed", "shape": [self.drafter, self.max_depth, self.width], "costs": self.costs.state_dict(),
+                "acceptance": self.acceptance.state_dict(),
+                "draft_seconds": [[b, s] for b, s in self.draft_seconds.items()], "on": self.on,
+                "last_gain": self.last_gain}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_selector_state(state, "fixed", [self.drafter, self.max_depth, self.width], "(drafter, depth, width)")
+        self.costs.load_state_dict(state["costs"])
+        self.acceptance.load_state_dict(state["acceptance"])
+        self.draft_seconds = {int(b): float(s) for b, s in state["draft_seconds"]}
+        self.on, self.last_gain = bool(state["on"]), float(state["last_gain"])
 
     def gain(self, batch: int, depth: int) -> float:
         """Estimated tokens per second with `depth` drafts over tokens per second without."""

@@ -24,7 +24,9 @@ PROMPTS = random_prompts(6, 4, 12, seed=2)
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    from rollout.workers import cluster
+
+    cluster.connect(num_cpus=2)  # 127.0.0.1 only, no dashboard
     yield
     ray.shutdown()
 
@@ -142,3 +144,20 @@ def test_a_killed_worker_s_tasks_are_retried_on_the_survivor(pool, hf):
     assert same(out["r"], generate_in_tasks(engine, prompts, long, 2))  # the retry changed nothing
 
 
+
+
+def test_a_dead_drafter_trainer_is_backend_lost_and_close_still_kills_every_actor(pool):
+    """After the killed-worker test: the hub dies; the next call says so (a trainer checkpoints on it),
+    close() does not raise over it and kills the workers, and export_drafter reports what close() hit."""
+    from rollout.workers.errors import RolloutBackendLost, RolloutWorkerError
+
+    ray.kill(pool.hub, no_restart=True)
+    with pytest.raises(RolloutBackendLost, match="drafter trainer(.|\n)*died(.|\n)*resume=auto"):
+        pool.generate(PROMPTS[:2], params())
+    workers = list(pool.workers.values())
+    pool.close()  # never raises, even with the hub gone
+    for w in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(w.info.remote(), timeout=30)
+    with pytest.raises(RolloutWorkerError, match="closed without its drafter(.|\n)*RolloutBackendLost"):
+        pool.export_drafter("unused")

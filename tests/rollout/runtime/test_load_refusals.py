@@ -1,0 +1,116 @@
+"""Model features the runtime does not compute are refused by name at load (or at engine construction, where
+it depends on max_model_len); the harmless look-alikes real configs carry are not.
+
+Refused: a sliding window sequences could cross, position-dependent RoPE (dynamic, longrope), attention
+layer kinds other than full/sliding, and an lm_head contradicting tie_word_embeddings. Accepted: windows
+that are off or as long as the model's positions, and the static RoPE variants, which match transformers.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+from rollout.engine import RolloutEngine
+from rollout.errors import UnsupportedModelError, WeightSyncError
+from rollout.runtime.model import loader
+from rollout.runtime.model.config import ModelConfig
+from tests.conftest import make_tiny_hf, random_prompts
+from tests.rollout.runtime.test_model_parity import ATOL, _ours_full_logits
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _qwen2_window(**kw) -> tf.Qwen2Config:
+    return tf.Qwen2Config(**SMALL, **kw)
+
+
+def test_a_window_sequences_could_cross_is_refused_at_the_engine():
+    hf = tf.Qwen2ForCausalLM(_qwen2_window(use_sliding_window=True, sliding_window=64, max_window_layers=1)).eval()
+    model = loader.from_hf_model(hf)
+    assert model.cfg.sliding_window == 64
+    with pytest.raises(UnsupportedModelError, match=r"sliding-window attention \(window 64.*max_model_len <= 64"):
+        RolloutEngine(model, None, max_model_len=128)
+    RolloutEngine(model, None, max_model_len=64)  # no sequence can cross the window: exact full attention
+
+
+@pytest.mark.parametrize("config", [
+    _qwen2_window(use_sliding_window=False, sliding_window=64),  # the window is off
+    tf.MistralConfig(**SMALL, sliding_window=512),  # as long as every position: no effect
+    tf.MistralConfig(**SMALL, sliding_window=None),
+    tf.LlamaConfig(**SMALL),
+], ids=["qwen2-window-off", "mistral-window-covers-all", "mistral-no-window", "llama"])
+def test_windows_that_change_nothing_are_accepted(config):
+    assert ModelConfig.from_hf(config).sliding_window is None
+
+
+def test_a_window_the_qwen2_layer_types_do_not_use_is_accepted():
+    config = _qwen2_window(use_sliding_window=True, sliding_window=64, max_window_layers=2)  # no layer >= 2
+    assert "sliding_attention" not in config.layer_types
+    assert ModelConfig.from_hf(config).sliding_window is None
+
+
+def test_unknown_attention_layer_types_are_refused_by_name():
+    config = tf.LlamaConfig(**SMALL)
+    config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(UnsupportedModelError, match=r"\['linear_attention'\].*trl\.GRPOTrainer"):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+     "original_max_position_embeddings": 256},
+], ids=["dynamic", "longrope"])
+def test_position_dependent_rope_is_refused_by_name(rope):
+    config = tf.LlamaConfig(**SMALL, rope_parameters=rope)
+    with pytest.raises(UnsupportedModelError, match=f"RoPE type '{rope['rope_type']}'.*trl.GRPOTrainer"):
+        ModelConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 128},
+], ids=["linear", "llama3", "yarn"])
+def test_static_rope_variants_are_accepted_and_match_transformers(rope):
+    torch.manual_seed(0)
+    hf = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, rope_parameters=rope, initializer_range=0.1)).float().eval()
+    ids = random_prompts(1, 12, 12)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    got = _ours_full_logits(loader.from_hf_model(hf), ids)
+    assert torch.allclose(got, ref, atol=ATOL), (got - ref).abs().max()
+
+
+def _saved(tmp_path, tie: bool, claim_tie: bool) -> str:
+    """A tiny checkpoint saved with tie=`tie` whose config.json then claims tie_word_embeddings=`claim_tie`."""
+    hf = make_tiny_hf("llama", tie=tie)
+    if not tie:
+        with torch.no_grad():
+            hf.lm_head.weight.add_(1.0)  # an untied head differs from the embedding
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = claim_tie
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_a_config_claiming_tied_embeddings_over_an_untied_head_is_refused(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="tie_word_embeddings is True but the lm_head.weight sent differs"):
+        loader.load_model(_saved(tmp_path, tie=False, claim_tie=True), dtype="float32")
+
+
+def test_a_config_claiming_an_untied_head_the_checkpoint_lacks_is_refused(tmp_path):
+    with pytest.raises(WeightSyncError, match=r"never written: \['lm_head.weight'\].*tie_word_embeddings=True"):
+        loader.load_model(_saved(tmp_path, tie=True, claim_tie=False), dtype="float32")
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_consistent_checkpoints_still_load(tmp_path, tie):
+    model = loader.load_model(_saved(tmp_path, tie=tie, claim_tie=tie), dtype="float32")
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie

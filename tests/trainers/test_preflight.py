@@ -1,0 +1,77 @@
+"""trainers.preflight: a prompt too long for the rollout context is named before step 1, or dropped on request,
+with prompts tokenized exactly as TRL's GRPOTrainer tokenizes them for generation."""
+from __future__ import annotations
+
+import datasets
+import pytest
+
+from rollout.errors import PromptTooLongError
+from trainers.data import make_math_dataset, prompt_token_ids
+from trainers.preflight import check_dataset_prompts, check_trainer_prompts, prompt_lengths
+
+LONG_ROW = 7
+MAX_LEN = 128
+
+
+def _dataset_with_one_long_prompt(conversational: bool = True) -> datasets.Dataset:
+    """15 short arithmetic prompts; row 7's question is 300 characters (one token each with the char tokenizer)."""
+    ds = make_math_dataset(15, seed=0)
+    rows = ds.to_dict()
+    long = "What is 1 + 1? " + "x" * 285
+    rows["prompt"][LONG_ROW] = [{"role": "user", "content": long}]
+    if not conversational:
+        rows["prompt"] = [p[-1]["content"] for p in rows["prompt"]]
+    return datasets.Dataset.from_dict(rows)
+
+
+def test_the_long_row_is_named_before_any_training(char_tokenizer):
+    ds = _dataset_with_one_long_prompt()
+    lengths = prompt_lengths(ds, char_tokenizer)
+    with pytest.raises(PromptTooLongError) as err:
+        check_dataset_prompts(ds, char_tokenizer, MAX_LEN)
+    msg = str(err.value)
+    assert f"1 of 15 prompt(s) too long: prompt {LONG_ROW} has {lengths[LONG_ROW]} tokens" in msg
+    assert f"context is {MAX_LEN} tokens" in msg and "rollout.max_model_len" in msg and "drop_long_prompts" in msg
+    assert sorted(i for i, n in enumerate(lengths) if n >= MAX_LEN) == [LONG_ROW]
+
+
+def test_lengths_are_the_engine_input_lengths(char_tokenizer):
+    """Same ids as trainers.data.prompt_token_ids (what PPO feeds the engine) for chat and plain prompts."""
+    for conversational in (True, False):
+        ds = _dataset_with_one_long_prompt(conversational)
+        expected = [len(ids) for ids in prompt_token_ids(char_tokenizer, ds["prompt"])]
+        assert prompt_lengths(ds, char_tokenizer) == expected
+
+
+def test_drop_returns_the_rest_and_the_count(char_tokenizer):
+    ds = _dataset_with_one_long_prompt(conversational=False)
+    kept, dropped = check_dataset_prompts(ds, char_tokenizer, MAX_LEN, drop=True)
+    assert dropped == 1 and len(kept) == 14
+    assert kept["prompt"] == [p for i, p in enumerate(ds["prompt"]) if i != LONG_ROW]
+    same, none = check_dataset_prompts(kept, char_tokenizer, MAX_LEN)
+    assert same is kept and none == 0
+
+
+def test_room_for_new_tokens_counts(char_tokenizer):
+    """A prompt that fits with 1 new token but not with 64 is refused when 64 are required."""
+    ds = make_math_dataset(15, seed=0)
+    longest = max(prompt_lengths(ds, char_tokenizer))
+    check_dataset_prompts(ds, char_tokenizer, longest + 1)
+    with pytest.raises(PromptTooLongError, match="no room for 64 new tokens"):
+        check_dataset_prompts(ds, char_tokenizer, longest + 1, max_new_tokens_min=64)
+
+
+def test_a_trl_trainer_is_checked_with_its_own_tokenization(tiny_llama, char_tokenizer, tmp_path):
+    """On a real trl.GRPOTrainer: lengths equal TRL's own _tokenize_prompts, and drop replaces train_dataset."""
+    import trl
+
+    ds = _dataset_with_one_long_prompt()
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=4,
+                          num_generations=4, max_completion_length=8, save_strategy="no")
+    trainer = trl.GRPOTrainer(model=tiny_llama, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                              args=args, train_dataset=ds, processing_class=char_tokenizer)
+    trl_ids, _, _ = trainer._tokenize_prompts(list(ds["prompt"]))
+    assert prompt_lengths(ds, char_tokenizer) == [len(ids) for ids in trl_ids]
+    with pytest.raises(PromptTooLongError, match=f"prompt {LONG_ROW} has"):
+        check_trainer_prompts(trainer, MAX_LEN)
+    assert check_trainer_prompts(trainer, MAX_LEN, drop=True) == 1 and len(trainer.train_dataset) == 14
