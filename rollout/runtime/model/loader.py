@@ -173,15 +173,3 @@ def from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None) -> Ll
     model = build_model(hf_model.config, dtype or p.dtype, device or p.device)
     load_named_tensors(model, hf_model.state_dict().items())  # checks every tensor came, once
     return model
-
-
-def _check_complete(model: LlamaForCausalLM, loaded: int) -> None:
-    """A count-only completeness check, for callers that load without a WriteLedger (load_named_tensors
-    with its default ledger already checks each tensor by name)."""
-    cfg = model.cfg
-    per_layer = 9 + (3 if cfg.qkv_bias else 0) + (1 if cfg.o_bias else 0) + (3 if cfg.mlp_bias else 0)
-    per_layer += 2 if cfg.qk_norm else 0
-    expected = cfg.num_layers * per_layer + 2 + (0 if cfg.tie_word_embeddings else 1)
-    if loaded < expected:
-        raise ValueError(f"checkpoint held {loaded} of the {expected} tensors the model needs; it is incomplete")
-
