@@ -72,7 +72,8 @@ class DrafterCheckpointCallback(TrainerCallback):
     (even one that kills rank 0 before the end-of-run export) loses no drafter the last checkpoint had.
 
     Set `engine` (the trainer's rollout backend) once the trainer exists; without a learned drafter, or
-    with drafter.export off, it does nothing.
+    with drafter.export off, it does nothing. The trainer calls `write_checkpoint` while the checkpoint is
+    still under its temporary name (trainers/checkpoint.py), so the export is part of the atomic checkpoint.
     """
 
     def __init__(self, export: bool):
@@ -80,13 +81,13 @@ class DrafterCheckpointCallback(TrainerCallback):
         self.engine = None
         self.exported: list[str] = []
 
-    def on_save(self, args, state, control, **kwargs):
-        engine = self.engine
-        if not (self.export and state.is_world_process_zero and engine is not None and engine.has_learned_drafter):
+    def write_checkpoint(self, checkpoint_dir: str, trainer) -> None:
+        engine, step = self.engine, trainer.state.global_step
+        if not (self.export and trainer.is_world_process_zero() and engine is not None and engine.has_learned_drafter):
             return
-        path = Path(args.output_dir) / f"checkpoint-{state.global_step}" / "drafter"
+        path = Path(checkpoint_dir) / "drafter"
         try:
-            self.exported.append(engine.export_drafter(str(path), metadata={"step": state.global_step}))
+            self.exported.append(engine.export_drafter(str(path), metadata={"step": step}))
         except Exception as exc:  # noqa: BLE001 - a drafter export must never stop training
             print(f"rlspec.train: could not export the drafter to {path}: {type(exc).__name__}: {exc}",
                   file=sys.stderr)

@@ -3,10 +3,13 @@
 The config is parsed and checked before torch is imported, so a typo fails in a fraction of a
 second. Then: W&B environment, model fetch, data, rewards, the trainer (`trainer: grpo` ->
 SpecGRPOTrainer, `trainer: ppo` -> PPOTrainer, both rolling out through the same engine), train.
-Checkpoints are written by the Trainer every <grpo|ppo>.save_steps (with the learned drafter in
-checkpoint-N/drafter); the final model goes to <output_dir>/final, and a crash (or Ctrl-C) saves what
-the policy is to <output_dir>/crash before re-raising. Every run ends with a summary table and
-<output_dir>/summary.json. Under `accelerate launch` each process has its own engine and rank 0
+Checkpoints are written by the Trainer every <grpo|ppo>.save_steps, atomically, with everything a step
+depends on (trainers/checkpoint.py; the learned drafter in checkpoint-N/drafter); `resume=auto` continues
+from the newest complete one, and an output_dir holding a run is refused without resume or
+overwrite_output_dir (rlspec/resume.py, docs/resume.md). SIGTERM/SIGINT finish the step, write a
+checkpoint and the drafter, and exit 143/130; NaN/inf logits follow `on_nonfinite` (exit 1 on stop). The
+final model goes to <output_dir>/final, and a crash saves what the policy is to <output_dir>/crash before
+re-raising. Every run ends with a summary table and <output_dir>/summary.json. Under `accelerate launch` each process has its own engine and rank 0
 alone writes what belongs to the run (rlspec/distributed.py, docs/distributed.md).
 """
 from __future__ import annotations
@@ -42,7 +45,27 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlspec.train: config error: {e}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - a stop the run planned for exits with its code, not a traceback
+        code = _planned_exit_code(exc)
+        if code is None:
+            raise
+        print(f"rlspec.train: {exc}", file=sys.stderr)
+        return code
     return 0
+
+
+def _planned_exit_code(exc: Exception) -> int | None:
+    """The exit code of a stop the run planned for, printed as a message rather than a traceback: 2 for input
+    refused before step 1 (a prompt too long for the context, a model feature the runtime does not compute),
+    128 + signal for a signal stop (TrainingInterrupted), 1 for on_nonfinite=stop and a lost rollout backend
+    (both wrote a checkpoint first); None otherwise."""
+    from rollout.errors import NonFiniteLogitsError, PromptTooLongError, RolloutBackendLost, UnsupportedModelError
+
+    if isinstance(exc, (PromptTooLongError, UnsupportedModelError)):
+        return 2
+    if isinstance(exc, (NonFiniteLogitsError, RolloutBackendLost)):
+        return 1
+    return getattr(exc, "exit_code", None) if type(exc).__name__ == "TrainingInterrupted" else None
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -59,19 +82,31 @@ def parse_args(argv: list[str]) -> Config:
 def run(cfg: Config) -> dict[str, Any]:
     """Train as configured; returns the summary (also written to <output_dir>/summary.json)."""
     out = Path(cfg.output_dir).expanduser().resolve()
+    from rlspec.resume import prepare_output_dir, set_wandb_run_id
+
+    # before the model fetch: a used output_dir is refused in a second, not after minutes of loading
+    resume_from = prepare_output_dir(cfg, out, main_process=_launch_rank() == 0)
     out.mkdir(parents=True, exist_ok=True)
     setup_wandb_env(cfg, out)
+    set_wandb_run_id(resume_from)
     trainer, summary_cb = build_trainer(cfg, out)
     from rlspec.distributed import is_main_process, main_process_first, save_crash_model
+    from rollout.errors import NonFiniteLogitsError, RolloutBackendLost
+    from trainers.interrupts import TrainingInterrupted
 
     main = is_main_process(trainer)
     start, status, error, warm = time.time(), "finished", None, None
     try:
-        # rank 0 warms (or loads) the drafter and fills the cache first; the others then load rank 0's
-        with main_process_first(trainer.args, "drafter warm start"):
-            warm = warm_start_drafter(cfg, trainer)
-        trainer.train()
+        if resume_from is None:  # a resumed engine gets its drafter from the checkpoint
+            # rank 0 warms (or loads) the drafter and fills the cache first; the others then load rank 0's
+            with main_process_first(trainer.args, "drafter warm start"):
+                warm = warm_start_drafter(cfg, trainer)
+        trainer.train(resume_from_checkpoint=resume_from)
         trainer.save_model(str(out / "final"))  # a collective under ZeRO-3: every rank calls it, rank 0 writes
+    except (TrainingInterrupted, NonFiniteLogitsError, RolloutBackendLost) as exc:  # planned: the checkpoint is the state
+        status = {TrainingInterrupted: "interrupted", NonFiniteLogitsError: "nonfinite"}.get(type(exc), "backend_lost")
+        error = f"{type(exc).__name__}: {exc}"
+        raise
     except (Exception, KeyboardInterrupt) as exc:
         status, error = "crashed", f"{type(exc).__name__}: {exc}"
         print(f"rlspec.train: training stopped by {error}; saving the current policy to {out / 'crash'}",
@@ -88,6 +123,11 @@ def run(cfg: Config) -> dict[str, Any]:
         else:  # summary.json and the table are the run's, written by rank 0
             summary = {"status": status, "error": error, "process_index": trainer.args.process_index}
     return summary
+
+
+def _launch_rank() -> int:
+    """This process's rank as `accelerate launch` / torchrun export it (0 when started alone)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
 def setup_wandb_env(cfg: Config, out: Path) -> None:
@@ -130,6 +170,8 @@ def build_trainer(cfg: Config, out: Path):
         spec_config=cfg.drafter,  # the drafter section is the engine's SpecConfig
         engine_kwargs=dict(dtype=cfg.dtype, **cfg.rollout.engine_kwargs()),
         callbacks=[summary_cb, drafter_cb, _wandb_config_callback(cfg)],
+        on_nonfinite=cfg.on_nonfinite,
+        drop_long_prompts=cfg.data.drop_long_prompts,
     )
     drafter_cb.engine = trainer.engine
     return trainer, summary_cb
@@ -275,10 +317,14 @@ def _wandb_config_callback(cfg: Config):
 
 
 def _finish_wandb() -> None:
-    """Close the W&B run so an offline run directory is complete when main() returns."""
+    """Close the W&B run so an offline run directory is complete when main() returns, and drop W&B's
+    process-wide settings, which it reads from the environment once: a later run() in this process (a
+    resume, a notebook's second run) then logs under its own WANDB_DIR and WANDB_RUN_ID."""
     wandb = sys.modules.get("wandb")
     if wandb is not None and getattr(wandb, "run", None) is not None:
         wandb.finish()
+    if wandb is not None and hasattr(wandb, "teardown"):
+        wandb.teardown()
 
 
 if __name__ == "__main__":

@@ -41,3 +41,20 @@ class UnknownWeightError(WeightSyncError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+RESUME_HINT = ("the run's last checkpoint can be resumed with resume=auto once the cluster is back "
+               "(docs/distributed.md#ray-faults)")
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout could not be completed by a backend's workers (the Ray pool: a task failed on too many
+    workers, results of the wrong policy version, ...)."""
+
+
+class RolloutBackendLost(RolloutWorkerError):
+    """The backend cannot go on: every worker, the drafter trainer or the Ray cluster is gone. Nothing in this
+    process can bring it back: the trainers save a checkpoint of the last finished step and stop."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}\nThe rollout backend is lost; {RESUME_HINT}.")

@@ -26,10 +26,11 @@ from trl import GRPOTrainer
 from rollout.types import SpecConfig
 from trainers import rollout_source
 from trainers.callbacks import attach_summary_callback
+from trainers.checkpoint import CheckpointMixin
 from trainers.weight_sync import unwrap_model
 
 
-class SpecGRPOTrainer(GRPOTrainer):
+class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
     """GRPO whose rollouts go through `rollout.engine.RolloutEngine` (see the module docstring).
 
     spec_config: how the engine speculates (None: plain decoding). Ignored when `engine` is given.
@@ -39,11 +40,19 @@ class SpecGRPOTrainer(GRPOTrainer):
         (default: args.vllm_max_model_length, else min(model max positions, 2048)), max_num_seqs
         (default: the per-process generation batch), dtype (default: the policy's dtype), graph_mode
         (CUDA graphs: "auto", "off", "lazy" or "eager_start"; default "auto").
+    on_nonfinite: "stop" (default: on NaN/inf logits write a checkpoint of the state before the failing step,
+        then raise NonFiniteLogitsError) or "skip_batch" (skip that step's batch, count it in
+        rollout/nonfinite_skipped, go on). Checkpoints, resume and signals: trainers/checkpoint.py.
+    drop_long_prompts: every prompt of train_dataset is checked against the rollout context at construction
+        (trainers/preflight.py); False (default) raises PromptTooLongError naming the rows that do not fit,
+        True drops them with a warning (`dropped_long_prompts` says how many).
     """
 
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, spec_config: SpecConfig | None = None,
-                 engine=None, engine_kwargs: dict | None = None, **trainer_kwargs):
+                 engine=None, engine_kwargs: dict | None = None, on_nonfinite: str = "stop", drop_long_prompts: bool = False,
+                 **trainer_kwargs):
         _check_supported(args, trainer_kwargs)
+        self.init_resilience(on_nonfinite)
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         _check_sampling_args(self)
         self.rollouts = rollout_source.for_trainer(
@@ -51,10 +60,25 @@ class SpecGRPOTrainer(GRPOTrainer):
             max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation,
             max_model_len=self.args.vllm_max_model_length)
         self.engine, self.weight_syncer = self.rollouts.engine, self.rollouts.weight_syncer
+        self.dropped_long_prompts = rollout_source.preflight(self, drop_long_prompts)
         # Turn on TRL's importance-sampling correction and its sampling/* metrics for our engine.
         self.use_vllm = bool(self.vllm_importance_sampling_correction)
         self.vllm_mode = "rlspec_engine"  # never "colocate"/"server": TRL's vLLM-only branches stay off
         self.summary_callback = attach_summary_callback(self)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's step, under the on_nonfinite policy (CheckpointMixin.guarded_step)."""
+        return self.guarded_step(super().training_step, model, inputs, num_items_in_batch)
+
+    def rlspec_trainer_state(self) -> dict:
+        """TRL's micro-step counter and, when a checkpoint falls inside a generation batch that later
+        steps still consume (steps_per_generation or num_iterations > 1), that buffered batch."""
+        mid_buffer = self._step % (self.args.steps_per_generation * self.num_iterations) != 0
+        return {"trl_step": self._step, "buffered_inputs": self._buffered_inputs if mid_buffer else None}
+
+    def load_rlspec_trainer_state(self, state: dict) -> None:
+        self._step = int(state["trl_step"])
+        self._buffered_inputs = state["buffered_inputs"]
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Generate one completion per entry of `prompt_ids` (TRL has already repeated each prompt

@@ -32,6 +32,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 from rollout.types import SpecConfig
 from trainers import ppo_math, rollout_source
 from trainers.callbacks import attach_summary_callback
+from trainers.checkpoint import CheckpointMixin
 from trainers.data import prompt_token_ids
 from trainers.ppo_batch import Experience, RolloutBatch, pad_results, token_logprobs
 from trainers.ppo_config import PPOConfig
@@ -46,18 +47,21 @@ def _keep_rows(rows: list) -> list:
     return rows
 
 
-class PPOTrainer(PPOUpdateMixin, Trainer):
+class PPOTrainer(CheckpointMixin, PPOUpdateMixin, Trainer):
     """PPO with a value head or a separate critic (PPOConfig.value_model), rollouts through the engine.
 
     model: an HF causal LM or its name/path (loaded with args.model_init_kwargs).
     reward_funcs: a function or a list, GRPO's signature: f(prompts, completions, **columns) -> list[float].
     spec_config / engine / engine_kwargs: as SpecGRPOTrainer (how the engine speculates, an existing
         engine, or RolloutEngine.from_hf_model overrides: max_model_len, max_num_seqs, dtype, graph_mode).
+    on_nonfinite: as SpecGRPOTrainer ("stop" or "skip_batch"); checkpoints and resume: trainers/checkpoint.py.
+    drop_long_prompts: as SpecGRPOTrainer (prompts too long for the rollout context: refused, or dropped).
     """
 
     def __init__(self, model, reward_funcs, args: PPOConfig | None = None, train_dataset=None, processing_class=None,
                  callbacks=None, optimizers=(None, None), *, spec_config: SpecConfig | None = None, engine=None,
-                 engine_kwargs: dict | None = None):
+                 engine_kwargs: dict | None = None, on_nonfinite: str = "stop", drop_long_prompts: bool = False):
+        self.init_resilience(on_nonfinite)
         args = args or PPOConfig(output_dir="ppo_output")
         if not isinstance(args, PPOConfig):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
@@ -77,6 +81,7 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
             self, self.policy, self.processing_class, spec_config, engine, engine_kwargs or {},
             max_num_seqs=args.per_device_train_batch_size * args.num_mini_batches, max_model_len=args.max_model_len)
         self.engine, self.weight_syncer = self.rollouts.engine, self.rollouts.weight_syncer
+        self.dropped_long_prompts = rollout_source.preflight(self, drop_long_prompts)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._shuffle = torch.Generator().manual_seed(args.seed)
         self.summary_callback = attach_summary_callback(self)
@@ -107,7 +112,12 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
     # -- one step ----------------------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """Rollout -> score -> experience -> PPO epochs; returns the mean loss of the updates (detached)."""
+        """Rollout -> score -> experience -> PPO epochs; returns the mean loss of the updates (detached).
+        Under the on_nonfinite policy (CheckpointMixin.guarded_step): the rollout comes first, so a batch
+        whose logits are not finite is dropped before any update."""
+        return self.guarded_step(self._ppo_step, model, inputs)
+
+    def _ppo_step(self, model, inputs) -> torch.Tensor:
         start = time.perf_counter()
         model.train()
         batch = self._rollout(inputs)
@@ -232,6 +242,13 @@ class PPOTrainer(PPOUpdateMixin, Trainer):
         wrapper = unwrap_model(self.model, self.accelerator)
         super()._load_from_checkpoint(resume_from_checkpoint, model=wrapper.policy)
         wrapper.load_value_model(resume_from_checkpoint)
+
+    def rlspec_trainer_state(self) -> dict:
+        """The minibatch shuffle generator (its draws order each rollout's updates)."""
+        return {"shuffle": self._shuffle.get_state()}
+
+    def load_rlspec_trainer_state(self, state: dict) -> None:
+        self._shuffle.set_state(state["shuffle"])
 
     # -- logging -----------------------------------------------------------------------------------------
 

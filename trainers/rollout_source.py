@@ -41,13 +41,28 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
     engine_kwargs = dict(engine_kwargs)
     bucket_mb = engine_kwargs.pop("sync_bucket_mb", None) or DEFAULT_BUCKET_MB
     built_here = engine is None
+    context = getattr(engine, "max_model_len", None)
     if built_here:
         defaults = dict(max_model_len=max_model_len or default_max_model_len(policy), max_num_seqs=max_num_seqs)
+        context = {**defaults, **engine_kwargs}["max_model_len"]
         engine = build_engine(policy, tokenizer, spec_config, defaults, engine_kwargs)
     # An engine built from the policy right now already holds step-0 weights: no first push needed.
-    return RolloutSource(engine, trainer.accelerator, trainer.state.global_step if built_here else None,
-                         seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
-                         profile=lambda name: profiling_context(trainer, name), bucket_bytes=int(bucket_mb * 2**20))
+    source = RolloutSource(engine, trainer.accelerator, trainer.state.global_step if built_here else None,
+                           seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
+                           profile=lambda name: profiling_context(trainer, name), bucket_bytes=int(bucket_mb * 2**20))
+    source.max_model_len = context
+    return source
+
+
+def preflight(trainer, drop_long_prompts: bool) -> int:
+    """Before step 1: every prompt of the trainer's train_dataset must fit its rollout context
+    (trainers/preflight.py). Raises PromptTooLongError naming the rows, or drops them when asked; returns how
+    many were dropped. A backend whose context is unknown is not checked (it refuses at generate)."""
+    from trainers.preflight import check_trainer_prompts
+
+    if trainer.rollouts.max_model_len is None:
+        return 0
+    return check_trainer_prompts(trainer, trainer.rollouts.max_model_len, drop=drop_long_prompts)
 
 
 def default_max_model_len(policy) -> int:
@@ -73,6 +88,7 @@ class RolloutSource:
         self.weight_syncer = WeightSyncer(engine, accelerator, synced_step=synced_step, bucket_bytes=bucket_bytes)
         self.seed, self.process_index = seed, process_index
         self.calls = 0
+        self.max_model_len: int | None = getattr(engine, "max_model_len", None)  # the context prompts must fit
         self._profile = profile or (lambda name: contextlib.nullcontext())
         self.last_wall_s = 0.0
 
@@ -82,6 +98,8 @@ class RolloutSource:
         """n samples of each prompt from the policy as of optimizer step `step`, prompt 0's n first.
 
         policy: the module whose parameters go to the engine when `step` differs from the synced step.
+        Raises rollout.errors.NonFiniteLogitsError when the policy's logits are NaN/inf; the trainer's
+        on_nonfinite policy handles it (trainers/checkpoint.py).
         """
         start = time.perf_counter()
         with self._profile("sync_weights"):
@@ -89,7 +107,13 @@ class RolloutSource:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
                                 n=n, seed=self._next_seed(), stop_token_ids=list(stop_token_ids))
         with self._profile("RolloutEngine.generate"):
-            results = self.engine.generate(prompt_ids, params)
+            try:
+                results = self.engine.generate(prompt_ids, params)
+            except BaseException:
+                # a failed call consumes no seed: a checkpoint taken now (on_nonfinite=stop, a lost backend) is
+                # the state before this step, and the resumed run draws this step's samples with its seed
+                self.calls -= 1
+                raise
         if len(results) != len(prompt_ids) * n:
             raise RuntimeError(f"engine returned {len(results)} results for {len(prompt_ids) * n} requested samples")
         self.last_wall_s = time.perf_counter() - start

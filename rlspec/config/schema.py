@@ -38,6 +38,17 @@ class Config:
                     "(pure bf16 weights would round lr=1e-6 updates away); float32: everything in fp32")
     seed: int = _f(0, "global seed")
     output_dir: str = _f("outputs/run", "checkpoints, final model, summary.json and W&B files go here")
+    resume: str | None = _f("none", "none: start at step 0 (output_dir must be empty, or overwrite_output_dir=true); "
+                                    "auto: continue from the newest complete checkpoint-N in output_dir (step 0 "
+                                    "when there is none; half-written ones are skipped and reported); or a "
+                                    "checkpoint directory to continue from (docs/resume.md)")
+    overwrite_output_dir: bool = _f(False, "start at step 0 in an output_dir that already holds a run: its "
+                                           "checkpoints, final/, crash/, drafter/, summary.json and README.md are "
+                                           "deleted first (other files are left alone)")
+    on_nonfinite: Literal["stop", "skip_batch"] = _f(
+        "stop", "NaN/inf logits in a rollout: stop = write a checkpoint of the state before the failing step and "
+                "exit non-zero; skip_batch = skip that step's batch (no update), count it in "
+                "rollout/nonfinite_skipped and go on")
     rewards: list[str] = _f(help="reward function names, summed (e.g. accuracy, format)", factory=lambda: ["accuracy"])
     data: DataConfig = _f(help="training prompts", factory=DataConfig)
     grpo: GRPOSection = _f(help="GRPO hyperparameters (trl.GRPOConfig); read when trainer is grpo", factory=GRPOSection)
@@ -66,6 +77,11 @@ class Config:
 
 def _check_cross_fields(cfg: Config) -> None:
     """Checks that span fields; raised as ConfigError by build() with the source prepended."""
+    if cfg.resume is None:
+        cfg.resume = "none"
+    if cfg.resume != "none" and cfg.overwrite_output_dir:
+        raise ConfigError(f"resume={cfg.resume} continues the run in output_dir, overwrite_output_dir=true deletes it: "
+                          "set one of them")
     if cfg.trainer == "grpo":
         _check_grpo(cfg.grpo)
     else:

@@ -33,6 +33,9 @@ class DataConfig:
                              "SmolLM2-135M earns a mean reward of ~0.25)")
     ops: list[str] = _f(help="embedded_math: operators to draw from (+, -, *)", factory=lambda: ["+"])
     seed: int = _f(0, "seed for generating/shuffling the data")
+    drop_long_prompts: bool = _f(False, "prompts too long for the rollout context (rollout.max_model_len) are "
+                                        "found before step 1: false = refuse the run naming them, true = drop "
+                                        "them and say how many")
     extra: dict = _f(help="other keyword arguments of trainers.data.load_dataset_by_name (e.g. question_column)",
                      factory=dict)
 

@@ -3,7 +3,8 @@
 Per decode step: `propose` gives rows at the start of a reasoning step a whole drafted step from
 the step source (Arbitrage) and the others the selector's usual draft; `verify` scores, judges,
 routes and verifies the chain batch (rollout/lossy/judge.py) and returns per accepted position its
-token_source and log q; `behaviour` turns those into each row's sources and behaviour logprobs;
+token_source and the exact law it was emitted with (rollout/lossy/law.py); `behaviour` turns those
+into each row's sources and behaviour logprobs;
 `after_commit` tracks where steps end. `metrics` reports the lossy share, routed steps, judge
 acceptances and importance-ratio statistics. Tree batches (an adaptive selector's tree arm) are
 verified losslessly: the lossy rules are defined on chains.
@@ -11,11 +12,13 @@ verified losslessly: the lossy rules are defined on chains.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
 from rollout.lossy.heads import OnlineHead
-from rollout.lossy.judge import JUDGE, ROUTED, TARGET, judge_accepts, judge_labels, target_probs, \
+from rollout.lossy.judge import JUDGE, TARGET, judge_accepts, judge_labels, judge_vocab, target_probs, \
     verify_lossy_chain
 from rollout.lossy.router import agreement_labels, likelihood_scores, step_features
 from rollout.lossy.settings import DRAFT_MODEL_PREFIX
@@ -89,18 +92,23 @@ class LossyControl:
         return _one_q_kind(drafts), routed
 
     def _draft_steps(self, seqs, caps: list[int]) -> list[Draft]:
+        """Whole steps, drafted deterministically (a point mass given the context): a router keeps or
+        rejects a step by its content, and the law of a sampled step under that choice would need a sum
+        over every step the source could write (docs/lossy.md#the-exact-behaviour-law)."""
         if self.draft_model is not None:
             return self.draft_model.propose(seqs, caps, self.boundary)
         if self.step_drafter is self.speculation.learned:  # the learned drafter: a whole step, no early stop
             self.step_drafter.set_stop_rule("none")
+        with _greedy_drafts(self.step_drafter):
+            drafts = self.step_drafter.propose(seqs, caps, 1)
         out = []
-        for s, d in zip(seqs, self.step_drafter.propose(seqs, caps, 1)):
+        for s, d in zip(seqs, drafts):
             n = self.boundary.cut(s.pending, d.tokens)
             out.append(Draft.chain(d.tokens[:n], None if d.q is None else d.q[:n]))
         return out
 
     def verify(self, logits, hiddens: dict, batch, params, generator, routed: list[bool]):
-        """Lossy chain verification -> (Verdict, (source [B, K], logq [B, K], keep [B])) on the device."""
+        """Lossy chain verification -> (Verdict, (source [B, K], EmitLaw, keep [B])) on the device."""
         x, num = batch.tokens[:, 1:], batch.num_drafts
         B, K = x.shape
         dev = logits.device
@@ -109,27 +117,34 @@ class LossyControl:
         p = p_all[:, :K]
         hid = hiddens.get(self.final_layer)
         hid = hid[:, 1:] if hid is not None else None  # node j+1 holds draft token j
-        judged = self._judge(p, x, mask, hid) if self.judge_on and K else None
+        judged, judged_v = self._judge(p, x, mask, hid, batch.q is not None and not params.greedy) \
+            if self.judge_on and K else (None, None)
         routed_t = torch.tensor(routed, device=dev)
         keep = self._route(logits[:, :K], p, x, batch.q, mask & routed_t[:, None], routed_t, hid, params) \
             if self.routing and any(routed) and K else None
-        verdict, source, logq = verify_lossy_chain(logits, x, num, params, batch.q, generator, judged, keep,
-                                                   None if params.greedy else p_all)
+        verdict, source, law = verify_lossy_chain(logits, x, num, params, batch.q, generator, judged, keep,
+                                                  None if params.greedy else p_all, judged_v)
         keep = torch.zeros(B, dtype=torch.bool, device=dev) if keep is None else keep
         self.steps_routed += sum(routed)
-        return verdict, (source, logq, keep)
+        return verdict, (source, law, keep)
 
-    def _judge(self, p, x, mask, hid):
+    def _judge(self, p, x, mask, hid, sampled: bool):
+        """-> (judged [B, K], judged over the vocabulary [B, K, V] or None). A sampled draft's exact law
+        needs the verdict on every token (rollout/lossy/law.py): the rules that read p give it; the
+        learned head, which reads the state after the drafted token, judges point-mass drafts only."""
         head = self.judge_head
         if head is None:
-            return judge_accepts(self.spec.judge, self.spec.judge_threshold, p, x) & mask
+            if not sampled:
+                return judge_accepts(self.spec.judge, self.spec.judge_threshold, p, x) & mask, None
+            vocab = judge_vocab(self.spec.judge, self.spec.judge_threshold, p) & mask[..., None]
+            return vocab.gather(-1, x[..., None]).squeeze(-1), vocab
         if hid is not None:
             feats, labels = hid[mask], judge_labels(p, x)[mask]
             pick = torch.randperm(feats.shape[0], generator=self._gen)[:HEAD_EXAMPLES_PER_STEP].to(feats.device)
             head.add(feats[pick], labels[pick])
         if not head.ready:  # untrained: judge nothing, verification stays exact
-            return torch.zeros_like(mask)
-        return judge_accepts("learned", self.spec.judge_threshold, p, x, head.score(hid)) & mask
+            return torch.zeros_like(mask), None
+        return judge_accepts("learned", self.spec.judge_threshold, p, x, head.score(hid)) & mask, None
 
     def _route(self, logits, p, x, q, mask, routed_t, hid, params):
         head = self.router_head
@@ -145,18 +160,19 @@ class LossyControl:
 
     def behaviour(self, tags, accepted: list[int], lps: list[list[float]]):
         """Host lists per row: (sources, behaviour logprobs) of the accepted drafts + the target's token,
-        plus keep [B] (rows whose drafted step the router kept). One transfer."""
-        source, logq, keep = tags
+        plus keep [B] (rows whose drafted step the router kept). The behaviour logprob of a token is log m,
+        the exact law the whole pipeline emitted it with, where that differs from the target's law, and
+        the target's logprob lps (what lossless speculation records) where it does not. One transfer."""
+        source, law, keep = tags
         K = source.shape[1]
         from rollout.engine import _to_host
 
-        rows = _to_host(source, logq, keep[:, None])
+        rows = _to_host(source, law.logm, law.own, keep[:, None])
         srcs, behs, kept = [], [], []
         for r, a, lp in zip(rows, accepted, lps):
-            s = [int(v) for v in r[:a]] + [TARGET]
-            srcs.append(s)
-            behs.append([r[K + j] if s[j] in LOSSY_SOURCES else lp[j] for j in range(a)] + [lp[a]])
-            kept.append(bool(r[2 * K]))
+            srcs.append([int(v) for v in r[:a]] + [TARGET])
+            behs.append([r[K + j] if r[2 * K + 1 + j] else lp[j] for j in range(a + 1)])
+            kept.append(bool(r[3 * K + 2]))
         self.steps_kept += sum(kept)
         return srcs, behs, kept
 
@@ -216,6 +232,21 @@ class LossyControl:
             out["rollout/router_head_labels"] = float(self.router_head.seen)
         self._reset_counters()
         return out
+
+
+@contextmanager
+def _greedy_drafts(drafter):
+    """A drafter that samples at the call's temperature (EAGLE-3 reads its `params`) drafts greedily
+    inside: its step is then the argmax chain of its processed distribution, a point mass."""
+    params = getattr(drafter, "params", None)
+    if params is None or params.greedy:
+        yield
+        return
+    drafter.params = replace(params, temperature=0.0)
+    try:
+        yield
+    finally:
+        drafter.params = params
 
 
 def _one_q_kind(drafts: list[Draft]) -> list[Draft]:

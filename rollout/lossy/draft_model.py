@@ -1,18 +1,19 @@
 """A smaller model with the target's tokenizer as a step source (step_source=draft_model=<dir>).
 
 It drafts whole steps for Arbitrage routing: per sequence, the model's own KV cache (transformers'
-DynamicCache) holds the context it has read; a proposal feeds the new context tokens, then samples
-up to `cap` tokens one at a time from the draft model's distribution processed exactly like the
-target's (temperature, top-k, top-p), and returns that distribution as q, so verification (exact,
-judge or router) knows what each token was drawn from. Afterwards the cache is cropped back to the
-context, since the engine may reject the draft. One sequence at a time: simple, and the draft
+DynamicCache) holds the context it has read; a proposal feeds the new context tokens, then writes
+up to `cap` tokens one at a time, each the argmax of the draft model's distribution processed like
+the target's (temperature, top-k, top-p). A step is thus a point mass given the context, which is
+what keeps the recorded law of a routed step exact (docs/lossy.md#the-exact-behaviour-law): the
+router keeps or rejects a step by its content, and the law of a sampled step under that choice
+would need a sum over every step the model could write. Afterwards the cache is cropped back to the context, since
+the engine may reject the draft. One sequence at a time: simple, and the draft
 model is meant to be several times cheaper than the target.
 """
 from __future__ import annotations
 
 import torch
 
-from rollout.runtime.sampling import probs_from_logits, sample
 from rollout.spec.drafters.base import Draft
 
 
@@ -27,10 +28,9 @@ class DraftModelSource:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         self.vocab = target_vocab
         self._caches: dict[int, tuple[object, int]] = {}  # id(seq) -> (DynamicCache, tokens it holds)
-        self.params, self.generator = None, None
 
     def start(self, params, generator) -> None:
-        self.params, self.generator = params, generator
+        """A new call: forget the last call's sequences (steps are argmax chains: no sampling state)."""
         self._caches.clear()
 
     @torch.inference_mode()
@@ -44,17 +44,13 @@ class DraftModelSource:
         cache, held = self._caches.get(id(seq), (DynamicCache(), 0))
         dev = next(self.model.parameters()).device
         feed = torch.tensor([ctx[held:]], device=dev)
-        tokens, qs = [], []
+        tokens = []
         for _ in range(cap):
             logits = self.model(input_ids=feed, past_key_values=cache, use_cache=True).logits[0, -1].float()
             logits = _to_vocab(logits, self.vocab)
-            if self.params.greedy:
-                q = torch.zeros_like(logits).scatter_(0, logits.argmax()[None], 1.0)
-            else:
-                q = probs_from_logits(logits[None], self.params)[0]
-            x = int(sample(q[None], self.generator)[0])
+            # the processed law's argmax: top-k/top-p keep the most likely token, so this is logits' argmax
+            x = int(logits.argmax())
             tokens.append(x)
-            qs.append(q)
             feed = torch.tensor([[x]], device=dev)
             if boundary.closes(tokens[-2] if len(tokens) > 1 else ctx[-1], x):
                 break
@@ -62,8 +58,7 @@ class DraftModelSource:
         if extra > 0:
             cache.crop(-extra)  # transformers' crop: a negative count removes that many from the end
         self._caches[id(seq)] = (cache, len(ctx))
-        q = torch.stack(qs) if not self.params.greedy else None
-        return Draft.chain(tokens, q)
+        return Draft.chain(tokens)
 
     def finish(self, seq) -> None:
         self._caches.pop(id(seq), None)

@@ -6,7 +6,10 @@ token: the judge accepted it (`judged`), or the router kept the row's whole draf
 at the first token both reject, where the next token is drawn from the exact residual
 norm(max(0, p - q)), or from p after a fully accepted draft, exactly as in verify_chain. The
 uniform draws are made in the same order as verify_chain's, so with no judge acceptance and no
-kept step the result is verify_chain's, draw for draw (tests/rollout/lossy/test_judge.py).
+kept step the result is verify_chain's, draw for draw (tests/rollout/lossy/test_judge.py). It also
+returns the exact law each emitted token was drawn with (rollout/lossy/law.py), which is why a
+verdict is applied only where that law is computable: the learned judge on point-mass drafts, a
+kept step only when every token of it is a point mass.
 
 Judge rules (`judge_accepts`), per draft position i with x = x_i and p = p_i the target's processed
 distribution there:
@@ -14,12 +17,14 @@ distribution there:
   typical  p(x) > min(tau, sqrt(tau) * exp(-H(p)))      (typical acceptance, Medusa; eps = tau)
   relative p(x) >= tau * max_v p(v)                      (a near-tie with the target's own choice)
   learned  sigmoid(w . LN(h_i) + b) >= tau, h_i the target's last hidden state at x's node
+`judge_vocab` gives the first three over the whole vocabulary, for the law of a sampled draft.
 The learned head's labels (`judge_labels`): 1 when x lies in the target's 0.9-nucleus at i.
 """
 from __future__ import annotations
 
 import torch
 
+from rollout.lossy.law import chain_law, greedy_law, target_law
 from rollout.runtime.sampling import probs_from_logits, sample
 from rollout.spec.verify import Verdict, _accept, _q_at, _residual
 from rollout.types import SamplingParams
@@ -38,14 +43,30 @@ def judge_accepts(rule: str, tau: float, p: torch.Tensor, x: torch.Tensor, head_
     """[B, K] bool: the judge keeps x [B, K] drafted where the target's distribution is p [B, K, V]."""
     if rule == "learned":
         return head_scores >= tau
-    px = p.gather(-1, x[..., None]).squeeze(-1)
+    return _rule(rule, tau, p, p.gather(-1, x[..., None]).squeeze(-1), lambda t: t)
+
+
+def judge_vocab(rule: str, tau: float, p: torch.Tensor) -> torch.Tensor:
+    """[B, K, V] bool: would the judge keep token v, had it been drafted at position k? For the rules that
+    read p alone (prob, relative, typical); `judge_accepts` is this verdict at the drafted tokens, computed
+    by the same expressions. The exact law of a judged position with a sampled draft needs it
+    (rollout/lossy/law.py)."""
+    if rule == "learned":
+        raise ValueError("judge_vocab: the learned judge reads the target's hidden state after the drafted "
+                         "token, so its verdict on tokens not drafted is unknown")
+    return _rule(rule, tau, p, p, lambda t: t[..., None])
+
+
+def _rule(rule: str, tau: float, p: torch.Tensor, px: torch.Tensor, per_row) -> torch.Tensor:
+    """The rule on px (p at the drafted tokens [B, K], or p itself [B, K, V]); per_row broadcasts a
+    [B, K] statistic of p against px."""
     if rule == "prob":
         return px >= tau
     if rule == "relative":
-        return px >= tau * p.amax(-1)
+        return px >= tau * per_row(p.amax(-1))
     if rule == "typical":
         entropy = -(p * p.clamp(min=1e-30).log()).sum(-1)
-        return px > torch.minimum(torch.full_like(px, tau), tau ** 0.5 * torch.exp(-entropy))
+        return px > per_row(torch.minimum(torch.full_like(entropy, tau), tau ** 0.5 * torch.exp(-entropy)))
     raise ValueError(f"unknown judge rule {rule!r}")
 
 
@@ -58,38 +79,52 @@ def judge_labels(p: torch.Tensor, x: torch.Tensor, mass: float = NUCLEUS) -> tor
 
 def verify_lossy_chain(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
                        params: SamplingParams, draft_probs: torch.Tensor | None, generator,
-                       judged: torch.Tensor | None, keep_rows: torch.Tensor | None, p: torch.Tensor | None = None):
-    """-> (Verdict, source [B, K] long: the token_source of each accepted position, logq [B, K]: log q(x)
-    of the draft distribution, 0 for a deterministic draft). judged [B, K] bool or None; keep_rows [B]
-    bool or None; p: the processed target distribution [B, K+1, V] if the caller has it. Positions past
-    `accepted` carry arbitrary codes (the caller reads accepted ones)."""
+                       judged: torch.Tensor | None, keep_rows: torch.Tensor | None, p: torch.Tensor | None = None,
+                       judged_vocab: torch.Tensor | None = None):
+    """-> (Verdict, source [B, K] long: the token_source of each accepted position, EmitLaw: the exact law
+    each emitted token was drawn with, rollout/lossy/law.py). judged [B, K] bool or None; keep_rows [B]
+    bool or None; p: the processed target distribution [B, K+1, V] if the caller has it; judged_vocab
+    [B, K, V] bool: the judge's verdict on every token (judge_vocab), judged at the drafted tokens.
+
+    Without judged_vocab a verdict is known only at the drafted token, so it applies only where q is a
+    point mass (q(x) = 1); a kept step likewise needs a point mass at every position. Elsewhere the law
+    of the emitted token would need the verdict on tokens not drafted: those positions and rows are
+    verified exactly (lossless), so every recorded law stays exact. Positions past `accepted` carry
+    arbitrary codes (the caller reads accepted ones)."""
     B, K = draft_tokens.shape
     dev = draft_tokens.device
     in_range = torch.arange(K, device=dev)[None, :] < num_drafts[:, None]
-    judged = torch.zeros(B, K, dtype=torch.bool, device=dev) if judged is None else judged
-    keep = torch.zeros(B, dtype=torch.bool, device=dev) if keep_rows is None else keep_rows
     q_x = torch.ones(B, K, device=dev) if draft_probs is None else \
         draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    point = q_x >= 1  # a deterministic draft (or a sampled q that put all its mass on x)
+    judged = torch.zeros(B, K, dtype=torch.bool, device=dev) if judged is None else judged
+    judged = judged if judged_vocab is not None else judged & point
+    keep = torch.zeros(B, dtype=torch.bool, device=dev) if keep_rows is None else keep_rows
+    keep = keep & (point | ~in_range).all(-1)
     if params.greedy:
         top = target_logits.argmax(-1)
         exact = top[:, :K] == draft_tokens
     else:
         p = probs_from_logits(target_logits, params) if p is None else p
         if K == 0:
+            law = target_law(B, 0, dev)
             return Verdict(torch.zeros(B, dtype=torch.long, device=dev), sample(p[:, 0], generator)), \
-                torch.zeros(B, 0, dtype=torch.long, device=dev), torch.zeros(B, 0, device=dev)
+                torch.zeros(B, 0, dtype=torch.long, device=dev), law
         u = torch.rand(B, K, generator=generator, device=dev)
         exact = _accept(u, p[:, :K], q_x, draft_tokens)
     ok = ((exact | judged | keep[:, None]) & in_range)
     accepted = ok.long().cumprod(-1).sum(-1)
     source = torch.where(exact, DRAFT_EXACT, JUDGE)
     source = torch.where(keep[:, None], ROUTED, source)
-    logq = q_x.clamp(min=1e-30).log()
     if params.greedy:
-        return Verdict(accepted, top.gather(1, accepted[:, None]).squeeze(1)), source, logq
+        return Verdict(accepted, top.gather(1, accepted[:, None]).squeeze(1)), source, \
+            greedy_law(source, accepted)
     rows = torch.arange(B, device=dev)
     p_next = p[rows, accepted]
     rejected = accepted < num_drafts
     q_next = _q_at(draft_probs, draft_tokens, accepted.clamp(max=max(K - 1, 0)), p_next)
     dist = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
-    return Verdict(accepted, sample(dist, generator)), source, logq
+    verdict = Verdict(accepted, sample(dist, generator))
+    kept = (judged | keep[:, None]) & in_range
+    law = chain_law(p[:, :K], draft_probs, draft_tokens, q_x, kept, judged_vocab, keep, verdict, num_drafts)
+    return verdict, source, law

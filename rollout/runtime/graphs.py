@@ -35,6 +35,8 @@ entry): a lazy capture mid-rollout only queues work, beside the drafter trainer'
 
 Graphs hold raw addresses of the cache, RoPE tables and weights. Weight syncs copy in place and are
 seen; a reallocated cache (which always comes with new RoPE tables) needs a new pool: `run` checks.
+A pool that grew in place (kv_cache.PagedKVCache._grow_pool: new K/V tensors, same cache object, a new
+`generation`) drops every graph, which are captured again as steps need them.
 """
 from __future__ import annotations
 
@@ -246,7 +248,9 @@ class GraphPool:
         self.stream = torch.cuda.Stream(self.device) if cuda else None  # one capture stream for all graphs
         self.pool_bytes = 0
         self.counts = {"replays": 0, "captures": 0, "eager": 0}
+        self.drops = 0  # times the pool grew under the graphs and they were dropped
         self._rope = model.rope_cos  # identity check: a new cache comes with new RoPE tables
+        self._generation = cache.generation  # the pool's tensors the graphs were captured over
         if capture_mode == "eager_start":
             self.capture_all(hidden_layers)
 
@@ -264,6 +268,8 @@ class GraphPool:
         if self.model.rope_cos is not self._rope:
             raise RuntimeError("the KV cache and RoPE tables were reallocated after these graphs were captured; "
                                "build a new GraphPool over the new cache (ModelRunner.ensure_cache should)")
+        if self.cache.generation != self._generation:
+            self._drop_graphs()
         key = self.key_for(tokens, start, hidden_layers)
         if key is None:
             self.counts["eager"] += 1
@@ -277,6 +283,16 @@ class GraphPool:
         # clones: the next replay overwrites the static outputs
         logits = self.static.logits_view(b, t)[:B, :T].clone()
         return logits, {i: self.static.hidden_view(i, b, t)[:B, :T].clone() for i in hidden_layers}
+
+    def _drop_graphs(self) -> None:
+        """The pool grew (new K/V addresses and a longer paged-attention sequence): forget every graph and
+        their memory pool; steps capture again on demand (lazily, whatever the capture mode)."""
+        self.graphs.clear()
+        if self.backend == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
+        self.pool_bytes = 0
+        self.drops += 1
+        self._generation = self.cache.generation
 
     def capture_all(self, hidden_layers=()) -> None:
         """Capture every bucket, largest batch first so that smaller graphs reuse its pool blocks.

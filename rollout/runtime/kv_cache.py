@@ -19,11 +19,17 @@ for copy-on-write and tree fix-ups. Live sequences still occupy table rows 0..B-
 them moves table rows (integers), never KV. Rejecting drafted tokens costs nothing: their keys stay
 in the row's blocks past its length, no mask shows them, and blocks wholly past the length are
 handed back after the step (`trim`).
+
+Growth (the default budget, kv_budget.py): `set_ceiling` lets the allocator grow the pool when it runs
+short. `_grow_pool` allocates bigger K, V and side tensors and copies every block over (block ids index
+the block dimension, so the table, the allocator and every owner's blocks stay valid), then swaps them
+in: every reader takes `cache.k` / `cache.v` / `cache.side` afresh at each use, and CUDA graphs, which
+hold raw addresses, see `generation` change and are dropped (graphs.GraphPool.run).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -79,6 +85,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.table = torch.zeros(rows, -(-length // block_size), dtype=torch.long, device=device)
         self.alloc = BlockAllocator(num_blocks, block_size)
+        self.generation = 0  # bumped when the pool's tensors are reallocated (growth)
+        self._headroom: Callable[[], int] | None = None
 
     @classmethod
     def for_rows(cls, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device,
@@ -109,6 +117,48 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size() + sum(b.numel() * b.element_size() for b in self.side.values())
+
+    def block_nbytes(self) -> int:
+        """Bytes of one block: K and V of every layer plus every side buffer."""
+        return self.nbytes() // self.k.shape[1]
+
+    # ---- growth -------------------------------------------------------------------------------------
+    def set_ceiling(self, max_blocks: int, headroom: Callable[[], int] | None = None) -> None:
+        """Let the pool grow up to max_blocks blocks (the trash block included) when the allocator runs
+        short; headroom() -> the bytes the process may still take at that moment (kv_budget.KVBudget.headroom).
+        A ceiling at or below the pool's size leaves it fixed."""
+        self._headroom = headroom
+        self.alloc.max_blocks = max(max_blocks, self.alloc.num_blocks)
+        self.alloc.grow_pool = self._grow_pool if max_blocks > self.alloc.num_blocks else None
+
+    def _grow_pool(self, target: int) -> int:
+        """The allocator's request: reallocate the pool with `target` blocks (fewer if memory allows only
+        fewer now: the new tensors sit beside the old ones while blocks are copied) and copy every block.
+        Returns the block count the pool has now; raises MemoryError when nothing could be allocated."""
+        old, bb = self.k.shape[1], self.block_nbytes()
+        if self._headroom is not None:
+            room = self._headroom()
+            target = min(target, room // bb)
+            if target <= old:
+                raise MemoryError(f"the process's memory limits (kv_budget.memory_limits) leave {room / 2**20:.1f} "
+                                  f"MiB: not enough for a KV pool larger than {old} blocks ({old * bb / 2**20:.1f} "
+                                  "MiB) beside the one it replaces")
+        # plain tensors even if a caller holds inference mode: later in-place writes may happen outside it
+        with torch.inference_mode(False):
+            try:  # all new tensors first: a failure leaves the pool as it was
+                new = [_grown(self.k, 1, target), _grown(self.v, 1, target)]
+                side = {name: _grown(buf, 0, target) for name, buf in self.side.items()}
+            except RuntimeError as e:  # the device allocator's out-of-memory (torch.OutOfMemoryError on CUDA)
+                if not _out_of_memory(e):
+                    raise
+                raise MemoryError(str(e).splitlines()[0]) from e
+            for dst, src in zip(new, (self.k, self.v)):
+                dst[:, :old] = src
+            for name, buf in side.items():
+                buf[:old] = self.side[name]
+        self.k, self.v, self.side = new[0], new[1], side
+        self.generation += 1
+        return target
 
     # ---- addressing (on the device, no host sync) ---------------------------------------------------
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -155,7 +205,8 @@ class PagedKVCache:
     # ---- the allocator's decisions mirrored into the table ---------------------------------------------
     def grow(self, items: list[tuple[int, Hashable, int]]) -> None:
         """(row, owner, positions): give each owner blocks for positions 0..positions-1 and enter them in
-        its row. The caller checked that enough blocks are free (alloc.needed / alloc.free)."""
+        its row. The caller checked that enough blocks can be had (alloc.needed / alloc.reserve, which grows
+        a growing pool)."""
         rows, cols, blocks = [], [], []
         for row, owner, n in items:
             for col, b in self.alloc.ensure(owner, n):
@@ -232,8 +283,9 @@ class PagedKVCache:
             flat[:, d] = flat[:, s]
 
     def reset(self) -> None:
-        """Every block free, every row pointing at the trash block (a new call; the pool's data stays)."""
-        self.alloc = BlockAllocator(self.alloc.num_blocks, self.block_size)
+        """Every block free, every row pointing at the trash block (a new call; the pool's data, size and
+        ceiling stay)."""
+        self.alloc = self.alloc.fresh()
         self.table.zero_()
 
     def reserve_rows(self, rows: int, positions: int) -> None:
@@ -241,7 +293,35 @@ class PagedKVCache:
         use without an engine: tests, benchmarks of a bare forward)."""
         self.grow([(r, ("row", r), positions) for r in range(rows)])
 
+    def refit(self, budget, min_positions: int, device) -> bool:
+        """Reuse this pool for a new call whose rows and length it fits (kv_budget.KVBudget): a fixed pool
+        serves when it holds one sequence of min_positions; a growing one takes the call's ceiling (its own
+        memory counts as usable). False: allocate a new pool (its error then says what is missing)."""
+        bb = self.block_nbytes()
+        if not budget.grows:
+            return self.alloc.capacity * self.block_size >= min_positions
+        try:
+            size = budget.pool_size(bb, self.rows, self.length, min_positions, device, held_bytes=self.nbytes())
+        except ValueError:
+            return False
+        self.set_ceiling(size.max_blocks, lambda: budget.headroom(device))
+        return True
+
     def _set(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:
         if rows:
             idx = torch.tensor([rows, cols], device=self.table.device)
             self.table[idx[0], idx[1]] = torch.tensor(blocks, device=self.table.device)
+
+
+def _grown(buf: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
+    """A zero tensor like buf with `blocks` entries along its block dimension `dim` (zeros: see kv_budget)."""
+    shape = list(buf.shape)
+    shape[dim] = blocks
+    return torch.zeros(shape, dtype=buf.dtype, device=buf.device)
+
+
+def _out_of_memory(e: RuntimeError) -> bool:
+    """An allocator's refusal: torch.OutOfMemoryError (CUDA, recent CPU builds) or the CPU allocator's
+    "can't allocate memory" RuntimeError (under RLIMIT_AS or a cgroup limit)."""
+    oom = getattr(torch, "OutOfMemoryError", ())
+    return isinstance(e, oom) or "can't allocate memory" in str(e) or "out of memory" in str(e).lower()

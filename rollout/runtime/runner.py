@@ -24,18 +24,19 @@ class ModelRunner:
         self.budget = budget or KVBudget()
         self.cache: PagedKVCache | None = None
         self.steps = None  # EagerRunner or GraphPool over self.cache; rebuilt with it
+        self.kv_peak_blocks = 0  # most blocks the last released pool held: where a growing pool starts
 
     def ensure_cache(self, rows: int, length: int, extra_layers: int = 0, min_positions: int = 0,
                      side: SideSpec | None = None) -> PagedKVCache:
         """Allocate once; rebuild only when a call needs more table rows or positions than ever before (or
         another drafter layer count or side buffers). The pool's size comes from the budget (kv_budget.py),
         which counts the side buffers' bytes per block too; min_positions is the longest sequence the call
-        needs, which the pool must hold."""
+        needs, which the pool must hold. By default the pool grows with the call's tokens (kv_cache.set_ceiling)."""
         layers = self.model.cfg.num_layers + extra_layers
         side = dict(side or {})
         old = self.cache
         if old is not None and old.fits(rows, length) and old.layers == layers and old.side_spec == side \
-                and old.alloc.capacity * old.block_size >= min_positions:
+                and old.refit(self.budget, max(min_positions, 1), self.device):
             return old
         rows = max(rows, old.rows if old else 0)
         length = max(length, old.length if old else 0)
@@ -46,8 +47,10 @@ class ModelRunner:
         # paged FlexAttention maps its 128-position blocks one to one onto the pool's blocks
         bs = BLOCK if use_flex(self.device) else self.budget.block_size
         per_block = block_bytes(self.model.cfg, layers, bs, self.dtype) + side_bytes(side, bs)
-        blocks = self.budget.pool_blocks(per_block, rows, length, max(min_positions, 1), self.device)
-        self.cache = PagedKVCache(self.model.cfg, rows, length, blocks, bs, self.dtype, self.device, extra_layers, side)
+        size = self.budget.pool_size(per_block, rows, length, max(min_positions, 1), self.device, self.kv_peak_blocks)
+        self.cache = PagedKVCache(self.model.cfg, rows, length, size.blocks, bs, self.dtype, self.device, extra_layers,
+                                  side)
+        self.cache.set_ceiling(size.max_blocks, lambda: self.budget.headroom(self.device))
         self.model.init_rope(self.cache.length)
         self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode, max_t=self.max_graph_t)
         return self.cache
@@ -55,6 +58,8 @@ class ModelRunner:
     def release(self) -> None:
         """Give the pool (and the graphs over it) back, e.g. to the policy update between rollouts; the next
         ensure_cache allocates again."""
+        if self.cache is not None:
+            self.kv_peak_blocks = self.cache.alloc.stats.peak_used
         self.steps = None
         self.cache = None
         if self.device.type == "cuda":

@@ -2,14 +2,17 @@
 
 Admission: prompt groups (a prompt's n samples, which share one prefill and the prompt's full KV
 blocks) are admitted whole while table rows and KV blocks last (`group_blocks` is what a group
-costs, plus a block of headroom per live sequence); when nothing is live and the first group still does not fit, as many of its samples as fit
-are admitted (the rest wait as a smaller group with a prefill of its own), so a pool that holds one
-sequence always makes progress.
+costs, plus a block of headroom per live sequence); when nothing is live and the first group still
+does not fit, as many of its samples as fit are admitted (the rest wait as a smaller group with a
+prefill of its own), so a pool that holds one sequence always makes progress.
 
-Preemption: when a step needs more blocks than are free, the youngest sequences (latest first
-admission) give theirs back (`preempt`) and wait at the front of the queue, oldest first; on
-readmission a prefill of what they hold recomputes their KV. Only the scheduling changes, never a
-sequence's own draws (docs/runtime.md#preemption says why the law is unchanged).
+Growth: every decision asks `fits` (or `alloc.reserve`), which grows a growing pool (the default
+budget) before saying no, so the decisions are those of a pool allocated at its ceiling.
+
+Preemption: when a step needs more blocks than are free and the pool may grow no more, the youngest
+sequences (latest first admission) give theirs back (`preempt`) and wait at the front of the queue,
+oldest first; on readmission a prefill of what they hold recomputes their KV. Only the scheduling
+changes, never a sequence's own draws (docs/runtime.md#preemption says why the law is unchanged).
 
 Rows: live sequences occupy rows 0..B-1. When sequences leave (finished or preempted), the
 survivors with the highest rows fill the holes (`remove` returns those moves for the block table);
@@ -49,8 +52,9 @@ class Scheduler:
 
     def admit(self) -> list[list[Sequence]]:
         """Pop the waiting groups that fit the free rows and blocks; give their sequences rows B, B+1, ...
-        Blocks are not taken here: the engine takes them as it prefills (kv_cache.grow / share_prompt)."""
-        groups, free = [], self.alloc.free
+        Blocks are not taken here: the engine takes them as it prefills (kv_cache.grow / share_prompt).
+        A growing pool grows to hold what is admitted (`fits`): admission is that of a pool at its ceiling."""
+        groups, promised = [], 0  # blocks the groups admitted so far will take
         while self.waiting:
             g = self.waiting[0]
             # headroom: one block per live sequence after admission, what they grow by in block_size
@@ -58,13 +62,13 @@ class Scheduler:
             # engine takes what fits without it: it must make progress
             empty = not self.live and not groups
             cost = self.group_blocks(g) + (0 if empty else self.headroom * (len(self.live) + len(g)))
-            if len(self.live) + len(g) <= self.rows and cost <= free:
+            if len(self.live) + len(g) <= self.rows and self.fits(promised + cost):
                 self.waiting.popleft()
             elif empty and len(g) > 1:
-                g = self._split_front(free)  # an empty engine must make progress
+                g = self._split_front()  # an empty engine must make progress
             else:
                 break
-            free -= self.group_blocks(g)
+            promised += self.group_blocks(g)
             for s in g:
                 if s.admit_order < 0:
                     s.admit_order = self.admitted
@@ -74,23 +78,30 @@ class Scheduler:
             groups.append(g)
         return groups
 
-    def _split_front(self, free: int) -> list[Sequence]:
+    def fits(self, blocks: int) -> bool:
+        """Whether `blocks` blocks can be free: within the pool's room, growing it if needed (and possible)."""
+        return blocks <= self.alloc.room and self.alloc.reserve(blocks) >= blocks
+
+    def _split_front(self) -> list[Sequence]:
         """The largest prefix of the first waiting group that fits rows and blocks (at least one sample)."""
         g = self.waiting[0]
         k = min(len(g), self.rows)
-        while k > 1 and self.group_blocks(g[:k]) > free:
+        while k > 1 and not self.fits(self.group_blocks(g[:k])):
             k -= 1
         self.waiting[0] = g[k:]
         return g[:k]
 
     def make_room(self) -> list[tuple[Sequence, list[tuple[int, int]]]]:
-        """Preempt the youngest live sequences (their blocks go back to the pool) until every one left has
-        a block for its pending position. Returns (victim, row moves) in the order they happened."""
+        """Grow the pool if it may, else preempt the youngest live sequences (their blocks go back to the
+        pool), until every one left has a block for its pending position. Returns (victim, row moves) in
+        the order they happened."""
         out = []
-        while sum(self.alloc.needed(id(s), s.cache_len + 1) for s in self.live) > self.alloc.free:
+        while not self.fits(sum(self.alloc.needed(id(s), s.cache_len + 1) for s in self.live)):
             victim = self.youngest()
-            if victim is None:  # the engine checked that the pool holds one sequence of the call
-                raise RuntimeError("KV pool exhausted by a single sequence (a KV accounting bug)")
+            if victim is None:  # the engine checked that the pool can hold one sequence of the call
+                raise RuntimeError("KV pool exhausted by a single sequence" + (
+                    f": the pool could not grow ({self.alloc.grow_error})" if self.alloc.grow_error
+                    else " (a KV accounting bug)"))
             self.alloc.free_owner(id(victim))
             out.append((victim, self.preempt(victim)))
         return out
@@ -135,9 +146,11 @@ class Scheduler:
 
 def draft_room(alloc: BlockAllocator, live: list[Sequence], caps: list[int]) -> list[int]:
     """Drafted positions each live sequence may write this step (past its pending token), at most caps[i]:
-    what its blocks hold plus the free blocks, handed out oldest sequence first. Where the pool runs
-    short a draft is shortened (which changes speed, never the law). The caller takes the blocks."""
-    free, kept = alloc.free, list(caps)
+    what its blocks hold plus the free blocks (a growing pool grows for them first), handed out oldest
+    sequence first. Where the pool runs short a draft is shortened (which changes speed, never the law).
+    The caller takes the blocks."""
+    want = sum(max(0, alloc.blocks_for(s.cache_len + 1 + c) - len(alloc.held(id(s)))) for s, c in zip(live, caps))
+    free, kept = alloc.reserve(min(want, alloc.room)), list(caps)
     for i in sorted(range(len(live)), key=lambda i: live[i].admit_order):
         s = live[i]
         held = len(alloc.held(id(s)))

@@ -3,21 +3,12 @@
 RolloutWorkerError: the pool could not finish a call (a task failed on too many workers, results of
 the wrong policy version, ...). RolloutBackendLost: the pool itself is gone (no worker left, the
 drafter trainer actor died, the Ray cluster's head is unreachable): nothing in this process can
-bring it back, so the trainer should save what it holds and the run resume from its checkpoint.
-Both are RuntimeErrors; a trainer that checkpoints on error catches RolloutBackendLost.
+bring it back, so the trainer saves what it holds and the run resumes from its checkpoint
+(trainers/checkpoint.py). Both live in rollout/errors.py, beside the other backend errors, so a trainer
+can catch them without importing the pool; they are re-exported here for the pool's modules.
 """
 from __future__ import annotations
 
-RESUME_HINT = ("the run's last checkpoint can be resumed with resume=auto once the cluster is back "
-               "(docs/distributed.md#ray-faults)")
+from rollout.errors import RESUME_HINT, RolloutBackendLost, RolloutWorkerError
 
-
-class RolloutWorkerError(RuntimeError):
-    """A rollout could not be completed by the pool's workers."""
-
-
-class RolloutBackendLost(RolloutWorkerError):
-    """The Ray pool cannot go on: every worker, the drafter trainer or the Ray cluster is gone."""
-
-    def __init__(self, what: str):
-        super().__init__(f"{what}\nThe rollout backend is lost; {RESUME_HINT}.")
+__all__ = ["RESUME_HINT", "RolloutBackendLost", "RolloutWorkerError"]

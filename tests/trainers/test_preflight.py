@@ -75,3 +75,35 @@ def test_a_trl_trainer_is_checked_with_its_own_tokenization(tiny_llama, char_tok
     with pytest.raises(PromptTooLongError, match=f"prompt {LONG_ROW} has"):
         check_trainer_prompts(trainer, MAX_LEN)
     assert check_trainer_prompts(trainer, MAX_LEN, drop=True) == 1 and len(trainer.train_dataset) == 14
+
+
+def test_both_trainers_refuse_a_long_prompt_at_construction_or_drop_it(tiny_llama, char_tokenizer, tmp_path):
+    """SpecGRPOTrainer and PPOTrainer run the check in __init__ against their engine's context, before any
+    step: the row is named, or dropped with drop_long_prompts=True (and never reaches the engine)."""
+    import trl
+
+    from trainers.grpo import SpecGRPOTrainer
+    from trainers.ppo import PPOTrainer
+    from trainers.ppo_config import PPOConfig
+
+    reward = [lambda completions, **kw: [0.0] * len(completions)]
+    engine_kwargs = dict(max_model_len=MAX_LEN, max_num_seqs=8)
+    grpo_args = trl.GRPOConfig(output_dir=str(tmp_path / "g"), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=4,
+                               num_generations=4, max_completion_length=8, save_strategy="no")
+    ppo_args = PPOConfig(output_dir=str(tmp_path / "p"), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=4,
+                         num_mini_batches=1, num_generations=4, max_completion_length=8, kl_coef=0.0,
+                         save_strategy="no")
+    builds = {
+        "grpo": lambda **kw: SpecGRPOTrainer(model=tiny_llama, reward_funcs=reward, args=grpo_args,
+                                             train_dataset=_dataset_with_one_long_prompt(),
+                                             processing_class=char_tokenizer, engine_kwargs=engine_kwargs, **kw),
+        "ppo": lambda **kw: PPOTrainer(tiny_llama, reward, args=ppo_args, train_dataset=_dataset_with_one_long_prompt(),
+                                       processing_class=char_tokenizer, engine_kwargs=engine_kwargs, **kw),
+    }
+    for name, build in builds.items():
+        with pytest.raises(PromptTooLongError, match=f"prompt {LONG_ROW} has .* context is {MAX_LEN} tokens"):
+            build()
+        trainer = build(drop_long_prompts=True)
+        assert trainer.dropped_long_prompts == 1 and len(trainer.train_dataset) == 14, name
+        assert max(prompt_lengths(trainer.train_dataset, char_tokenizer)) < MAX_LEN, name
+        trainer.engine.close()

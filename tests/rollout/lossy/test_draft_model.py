@@ -6,7 +6,9 @@ from rollout.types import SamplingParams, SpecConfig
 from tests.trainers.conftest import build_char_tokenizer, build_tiny_llama
 
 
-def test_draft_model_writes_steps_and_behaviour_is_its_q(tmp_path):
+def test_draft_model_writes_greedy_steps_recorded_as_point_masses(tmp_path):
+    """A routed step is the draft model's argmax chain, so given the context it is emitted with
+    probability 1 (behaviour log 1 = 0): both samples of a prompt open with the same kept step."""
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
 
@@ -24,12 +26,28 @@ def test_draft_model_writes_steps_and_behaviour_is_its_q(tmp_path):
     for r in results:
         for src, lp, blp in zip(r.token_source, r.logprobs, r.behaviour_logprobs):
             assert src in (TARGET, ROUTED)
-            if src == ROUTED:  # sampled from the draft model: log q(x), a proper log-probability
+            if src == ROUTED:  # a kept greedy step: a point mass given the context
                 routed += 1
-                assert -30 < blp < 0 and blp != lp
+                assert blp == 0.0 and lp < 0
             else:
                 assert blp == lp
     assert routed > 0
+    for r in results:  # each routed run is the draft model's argmax continuation of its context
+        start = r.token_source.index(ROUTED) if ROUTED in r.token_source else None
+        if start is not None:
+            end = start + next((i for i, s in enumerate(r.token_source[start:]) if s != ROUTED), 0)
+            run = r.completion_ids[start:end] if end > start else r.completion_ids[start:]
+            assert run == _argmax_chain(draft, r.prompt_ids + r.completion_ids[:start], len(run))
     stats = eng.stats()
     assert stats["rollout/steps_kept"] == stats["rollout/steps_routed"] > 0
     assert stats["rollout/is_ratio/lossy_mean"] != 1.0 and math.isfinite(stats["rollout/is_ratio/max"])
+
+
+def _argmax_chain(model, ids: list[int], n: int) -> list[int]:
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax()))
+    return out

@@ -83,21 +83,35 @@ def test_judge_extends_the_span_to_the_first_token_both_reject():
     v, _, _ = verify_lossy_chain(logits, x, num, params, None, None, None, None)
     assert v.accepted.item() == 1 and v.next_token.item() == 2  # exact alone: stop at the 0
     judged = torch.tensor([[False, True, False]])
-    v, source, logq = verify_lossy_chain(logits, x, num, params, None, None, judged, None)
+    v, source, law = verify_lossy_chain(logits, x, num, params, None, None, judged, None)
     assert v.accepted.item() == 3 and v.next_token.item() == 0  # 1 exact, 0 judged, 3 exact, bonus argmax
     assert source[0].tolist() == [DRAFT_EXACT, JUDGE, DRAFT_EXACT]
-    assert logq.tolist() == [[0.0, 0.0, 0.0]]  # a deterministic draft: q(x) = 1
+    # greedy: the judged token records log 1 = 0, the others the target's logprob (own False)
+    assert law.own[0].tolist() == [False, True, False, False] and law.logm[0, 1].item() == 0.0
     judged = torch.tensor([[False, False, True]])  # a judge acceptance after the first double rejection is moot
     v, _, _ = verify_lossy_chain(logits, x, num, params, None, None, judged, None)
     assert v.accepted.item() == 1
 
 
-def test_a_kept_step_is_accepted_whole_with_log_q():
+def test_a_kept_step_is_accepted_whole_as_a_point_mass():
+    logits, x, num = _greedy_case()
+    one_hot = torch.zeros(1, 3, 5).scatter_(-1, x[..., None], 1.0)
+    v, source, law = verify_lossy_chain(logits, x, num, SamplingParams(temperature=1.0), one_hot,
+                                        torch.Generator().manual_seed(0), None, torch.tensor([True]))
+    assert v.accepted.item() == 3
+    assert source[0].tolist() == [ROUTED] * 3
+    assert law.own[0, :3].all() and law.logm[0, :3].tolist() == pytest.approx([0.0] * 3)  # probability 1
+    assert not law.own[0, 3]  # the bonus token after the step: the target's own law
+
+
+def test_a_sampled_step_is_never_kept():
+    """The law of a sampled step kept by its content is not computable: the row is verified exactly."""
     logits, x, num = _greedy_case()
     q = torch.full((1, 3, 5), 0.1)
     q[0, 0, 1], q[0, 1, 0], q[0, 2, 3] = 0.6, 0.6, 0.6
-    v, source, logq = verify_lossy_chain(logits, x, num, SamplingParams(temperature=1.0), q,
-                                         torch.Generator().manual_seed(0), None, torch.tensor([True]))
-    assert v.accepted.item() == 3
-    assert source[0].tolist() == [ROUTED] * 3
-    assert logq[0].tolist() == pytest.approx([math.log(0.6)] * 3)
+    for seed in range(5):
+        want = verify_chain(logits, x, num, SamplingParams(temperature=1.0), q, torch.Generator().manual_seed(seed))
+        v, source, law = verify_lossy_chain(logits, x, num, SamplingParams(temperature=1.0), q,
+                                            torch.Generator().manual_seed(seed), None, torch.tensor([True]))
+        assert torch.equal(v.accepted, want.accepted) and torch.equal(v.next_token, want.next_token)
+        assert not (source == ROUTED).any() and not law.own.any()

@@ -12,16 +12,23 @@ from tests.rollout.spec_helpers import ScriptedDrafter
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=32, n=2, seed=7)
 
 
-def _check_honest(results):
-    """behaviour == target logprob exactly on target/exact tokens; log q = 0 (deterministic drafts)
-    on lossy ones. Returns the sources seen."""
+def _check_honest(results, judge_keeps=None):
+    """Deterministic drafts (docs/lossy.md#honest-results): a draft token kept whatever the exact test
+    says (judge, kept step) is emitted with probability 1 given its context, behaviour log 1 = 0, even
+    where the exact test accepted it too; every other token's law is the target's, behaviour == its
+    logprob exactly. judge_keeps(lp): whether the rule keeps a draft token of target logprob lp, where
+    the test knows. Returns the sources seen."""
     seen = set()
     for r in results:
         assert len(r.token_source) == len(r.behaviour_logprobs) == len(r.completion_ids)
         for src, lp, blp in zip(r.token_source, r.logprobs, r.behaviour_logprobs):
             seen.add(src)
-            if src in (TARGET, DRAFT_EXACT):
+            if src == TARGET:
                 assert blp == lp
+            elif src == DRAFT_EXACT:
+                assert blp in (lp, 0.0)
+                if judge_keeps is not None:
+                    assert (blp == 0.0) == judge_keeps(lp)
             else:
                 assert blp == 0.0 and lp < -1e-3  # a scripted draft is a point mass; the target disagreed
         assert r.token_source[0] == TARGET  # the first token comes from the prefill
@@ -34,7 +41,7 @@ def test_judge_mode_records_sources_and_behaviour(judge, tau):
     eng = lossy_engine(hf, ScriptedDrafter(TINY_VOCAB, None, corrupt=0.3, seed=1), verification="judge",
                        judge=judge, judge_threshold=tau, accept_off_policy=True)
     results = eng.generate(random_prompts(4, 3, 12, seed=5), PARAMS)
-    assert JUDGE in _check_honest(results)
+    assert JUDGE in _check_honest(results, (lambda lp: math.exp(lp) >= tau) if judge == "prob" else None)
     stats = eng.stats()
     lossy = sum(r.lossy_mask().count(True) for r in results)
     total = sum(len(r.completion_ids) for r in results)
@@ -143,8 +150,8 @@ def test_draft_model_with_another_tokenizer_is_refused(tmp_path):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_eagle3_writes_whole_steps(temperature):
-    """The learned drafter as step source: long chains (step_max_tokens, beyond num_draft_tokens), its q
-    as the behaviour of kept tokens at T > 0, and judge verification on its ordinary drafts."""
+    """The learned drafter as step source: long chains (step_max_tokens, beyond num_draft_tokens) drafted
+    greedily at any temperature, so a kept step is a point mass (behaviour 0)."""
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
     from rollout.spec.selectors.base import Arm
@@ -164,7 +171,33 @@ def test_eagle3_writes_whole_steps(temperature):
         for src, lp, blp in zip(r.token_source, r.logprobs, r.behaviour_logprobs):
             run = run + 1 if src == ROUTED else 0
             longest = max(longest, run)
-            if src == ROUTED and temperature > 0:
-                assert blp < 0 and blp != lp  # log q of the drafter's sampled distribution
+            if src == ROUTED:
+                assert blp == 0.0  # a greedy step, kept: emitted with probability 1 given its context
+            else:
+                assert blp <= 0.0
     assert longest > 3  # whole steps, longer than an ordinary draft
     assert eng.stats()["rollout/steps_kept"] > 0
+
+
+def test_judged_sampled_eagle3_chains_record_the_mixture_law():
+    """EAGLE-3 chains sampled at T = 1 and judged: a judged position's law is the mixture over the draft
+    draw (rollout/lossy/law.py), so its tokens, judged or not, record log m, not the target's logprob
+    (the frequency test of that law: test_behaviour_law.py)."""
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+    from rollout.spec.selectors.base import Arm
+    from tests.rollout.lossy.helpers import TinyTokenizer
+
+    hf = make_tiny_hf("llama", seed=3)
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False, verification="judge",
+                      judge_threshold=0.005, accept_off_policy=True)  # the tiny target is flat: p ~ 1/96
+    eng = RolloutEngine(loader.from_hf_model(hf), TinyTokenizer(), spec=spec, eos_token_ids=[2])
+    eng.speculation.force(Arm("eagle3", 3, 1))
+    results = eng.generate(random_prompts(3, 3, 12, seed=3), SamplingParams(temperature=1.0, max_new_tokens=40,
+                                                                            n=2, seed=1))
+    tokens = [(src, lp, blp) for r in results for src, lp, blp in
+              zip(r.token_source, r.logprobs, r.behaviour_logprobs)]
+    assert any(src == JUDGE for src, _, _ in tokens)
+    assert all(blp < 0 for src, _, blp in tokens if src == JUDGE)  # a sampled draft is no point mass
+    assert any(src != JUDGE and blp != lp for src, lp, blp in tokens)  # the judge moved their law too
+    assert all(blp <= 0 for _, _, blp in tokens)
