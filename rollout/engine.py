@@ -1,5 +1,9 @@
-"""RolloutEngine: the loop admit -> make room -> (draft) -> forward -> verify -> commit -> retire.
+"""RolloutEngine: the loop admit -> make room -> decode step -> retire, and the decode step
 
+    schedule -> propose -> one target forward -> verify -> one host transfer -> commit
+
+the same in every mode: the proposer and the verifier are strategies the config picks
+(rollout/spec/strategies.py: lossless speculation, or a lossy mode's pair from rollout/lossy/).
 Bookkeeping (sequences, rows, stop rules) is plain Python; tensors live in the runner, sampling
 and verification. Without a drafter every step is plain autoregressive decoding: a verify of zero
 drafts, so there is one code path and speculation can only change speed, never the law sampled.
@@ -16,6 +20,7 @@ from rollout.runtime.kv_ledger import KVLedger
 from rollout.runtime.scheduler import Scheduler
 from rollout.spec.draft_batch import DraftBatch, build_draft_batch
 from rollout.spec.drafters.base import Drafter
+from rollout.eos import resolve_eos
 from rollout.limits import check_prompt_lengths, prompt_too_long_error
 from rollout.metrics import RolloutMetrics
 from rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
@@ -25,10 +30,9 @@ from rollout.runtime.model.config import check_window
 from rollout.runtime.runner import ModelRunner
 from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
 from rollout.runtime.sequence import Sequence
-from rollout.spec.selectors.base import Arm
 from rollout.spec.speculation import Speculation, build_speculation
+from rollout.spec.strategies import ExactVerifier, Proposer, Provenance, SelectorProposer, StepVerdict, Verifier
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from rollout.spec.verify import TreeVerdict, verify_chain, verify_tree
 
 
 class RolloutEngine:
@@ -50,18 +54,11 @@ class RolloutEngine:
         self.max_num_seqs = max_num_seqs
         check_window(model.cfg, max_model_len)  # a sliding window the runtime does not compute: refuse it
         p = next(model.parameters())
-        eos = list(eos_token_ids or [])
-        if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos = [tokenizer.eos_token_id]
-        self.eos_token_ids = set(eos)
+        self.eos_token_ids = set(eos_token_ids or resolve_eos(None, tokenizer))
         self.policy_version = 0
         self._metrics = RolloutMetrics()
         self.speculation: Speculation = build_speculation(self.spec, model, drafter)
-        self.lossy = None  # judge verification / step routing (rollout/lossy): only when SpecConfig opts in
-        if self.spec.lossy:
-            from rollout.lossy.control import LossyControl
-
-            self.lossy = LossyControl(self.spec, model, tokenizer, self.speculation)
+        self.proposer, self.verifier = build_strategies(self.spec, model, tokenizer, self.speculation)
         # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
         self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack(),
                                   budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size))
@@ -85,7 +82,7 @@ class RolloutEngine:
         path = fetch_model(model)
         runtime = loader.load_model(path, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, _generation_eos(path, tokenizer),
+        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, resolve_eos(path, tokenizer),
                    graph_mode=graph_mode, **kv)
 
     @classmethod
@@ -95,9 +92,8 @@ class RolloutEngine:
         """Build from an in-memory transformers model (the trainer's policy); weights are copied.
         graph_mode, kv: as in from_pretrained."""
         runtime = loader.from_hf_model(hf_model, loader.resolve_dtype(dtype) if dtype else None, device)
-        eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
-        eos = [eos] if isinstance(eos, int) else eos
-        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, eos, graph_mode=graph_mode, **kv)
+        return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, resolve_eos(hf_model, tokenizer),
+                   graph_mode=graph_mode, **kv)
 
     # ---- public surface ---------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], complete: bool = True) -> None:
@@ -128,8 +124,7 @@ class RolloutEngine:
         if self.runner.cache is not None:
             out["rollout/graph_pool_mb"] = self.runner.steps.memory_bytes() / 2**20
         out.update(self.speculation.metrics(out, self.policy_version))
-        if self.lossy is not None:
-            out.update(self.lossy.metrics())
+        out.update(self.verifier.metrics())
         self._metrics = RolloutMetrics()
         return out
 
@@ -157,8 +152,7 @@ class RolloutEngine:
         cache.reset()  # an earlier call that raised may have left blocks held
         self.speculation.calibrate(self.runner, cache.rows, cache.length)
         self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
-        if self.lossy is not None:
-            self.lossy.start(seqs, params, gen)
+        self.proposer.start(seqs, params, gen)
         sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows,
                           cache.alloc)
         ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), KVLedger(cache, sched))
@@ -176,8 +170,7 @@ class RolloutEngine:
         if ctx.bar is not None:
             ctx.bar.close()
         self._record_call(seqs, time.perf_counter() - ctx.t0, sched)
-        if self.lossy is not None:
-            self.lossy.record(seqs)
+        self.verifier.record(seqs)
         self._signal_idle(True)  # between rollouts the drafter may train
         if self.free_kv_between_rollouts:
             self.release_kv()
@@ -228,32 +221,31 @@ class RolloutEngine:
             s.resumed = False
 
     def _decode_step(self, live: list[Sequence], ctx: "_Call") -> None:
-        """schedule -> draft -> forward -> verify -> commit, for the whole live batch at once."""
+        """schedule -> propose -> one target forward -> verify -> one host transfer -> commit, for the whole
+        live batch at once; the proposer and the verifier are the config's strategies."""
         arm = self.speculation.choose(len(live))
         ctx.steps += 1
         t0 = time.perf_counter()
-        lossy = self.lossy
-        drafts, routed = self._propose(live, arm, ctx) if lossy is None else lossy.propose(self, live, arm, ctx.kv)
+        drafts, routed = self.proposer.propose(live, arm, lambda nodes: ctx.kv.draft_room(live, self._draft_caps(live, nodes)))
         t1 = time.perf_counter()
         batch = build_draft_batch([s.pending for s in live], drafts)
         start = torch.tensor([s.cache_len for s in live])
-        layers = self.speculation.aux_layers if lossy is None else self.speculation.aux_layers + lossy.hidden_layers
-        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask, layers)
-        tags = None
-        if lossy is not None and batch.is_chain:
-            v, tags = lossy.verify(logits, hiddens, batch.to(logits.device), ctx.params, ctx.gen, routed)
-            verdict = _chain_verdict(v, batch.tokens.shape[1] - 1)
-        else:
-            verdict = self._verify(logits, batch.to(logits.device), ctx)
-        accepted, path, tokens, lps = self._fetch(logits, verdict, batch, ctx, live)
+        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
+                                           self.speculation.aux_layers + self.verifier.hidden_layers)
+        verdict = self.verifier.verify(logits, hiddens, batch.to(logits.device), ctx.params, ctx.gen, routed)
+        step = self._fetch(logits, verdict, batch, ctx, live)
         # before commit: the learned drafter stages features at the positions the sequences hold now
-        self.speculation.observe_verify(live, hiddens, verdict.path, accepted, logits)
-        if lossy is None:
-            emitted = self._commit(live, accepted, path, tokens, lps, batch.is_chain, ctx)
-        else:
-            emitted = self._commit_lossy(live, accepted, path, tokens, lps, batch.is_chain, ctx, tags, routed)
+        self.speculation.observe_verify(live, hiddens, verdict.path, step.accepted, logits)
+        before = [len(s.completion_ids) for s in live]
+        emitted = self._commit(live, step, batch.is_chain, ctx)
+        self.proposer.after_commit(live, before, routed, step.kept)
         # rejected drafts hold no block past their step: keep what covers the next pending position
         ctx.kv.trim(live)
+        self._observe_step(arm, live, drafts, routed, step.accepted, emitted, (t0, t1), ctx)
+
+    def _observe_step(self, arm, live, drafts, routed, accepted, emitted, times, ctx: "_Call") -> None:
+        """The selector's statistics (cost and acceptance of the arm), metrics, the idle signal."""
+        t0, t1 = times
         drafted = [len(d) for d in drafts]
         if routed is not None and any(routed):
             # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
@@ -265,31 +257,16 @@ class RolloutEngine:
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
-    def _propose(self, live: list[Sequence], arm: Arm, ctx: "_Call"):
-        """The arm's drafts, and which rows carry a whole drafted step (none: that is rollout/lossy's)."""
-        caps = self._draft_caps(live, [arm.nodes] * len(live))
-        # blocks for each row's drafted positions: a draft is shortened where the pool runs short
-        return self.speculation.propose(arm, live, ctx.kv.draft_room(live, caps)), None
-
     def _draft_caps(self, live: list[Sequence], nodes: list[int]) -> list[int]:
         """Most draft nodes each row may carry: `nodes`, within its token budget and the cache table."""
         room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the table
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
         return [max(0, min(n, s.remaining - 1, room - s.cache_len)) for s, n in zip(live, nodes)]
 
-    def _verify(self, logits, batch: DraftBatch, ctx: "_Call") -> TreeVerdict:
-        """On the logits' device. Returns path [B, N] accepted node indices (-1 after), accepted [B],
-        next_token [B]; a chain's path is 1..accepted."""
-        if batch.is_chain:
-            v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, ctx.params, batch.q, ctx.gen)
-            return _chain_verdict(v, batch.tokens.shape[1] - 1)
-        return verify_tree(logits, batch.tokens, batch.children, ctx.params, batch.q, ctx.gen)
-
-    def _fetch(self, logits, verdict: TreeVerdict, batch: DraftBatch, ctx: "_Call", live: list[Sequence]):
-        """The emitted tokens and their target logprobs, computed on the device and brought to the host
-        in ONE transfer of B x (3N + 4) numbers, with each row's "logits finite" flag (NonFiniteLogitsError
-        otherwise). Returns per-row lists: accepted drafts, accepted path (node indices, -1 after), emitted
-        tokens (accepted drafts + the target's own), logprobs."""
+    def _fetch(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: "_Call", live: list[Sequence]) -> "_Step":
+        """The step's ONE host transfer: the emitted tokens and their target logprobs, computed on the device,
+        with each row's "logits finite" flag (NonFiniteLogitsError otherwise) and the verifier's own columns
+        (a lossy mode's sources and behaviour logprobs): B x (3N + 4 + c) numbers."""
         B, dev = verdict.accepted.shape[0], logits.device
         path, accepted = verdict.path, verdict.accepted
         at = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)  # predicting node
@@ -301,9 +278,13 @@ class RolloutEngine:
             logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
         lps = logprobs_of(picked, emitted, ctx.params)
         # the flag covers every logit the step used: those at the accepted path's nodes and the last one
-        host = _to_host(accepted[:, None], path, emitted, lps, finite_flags(picked))
-        self._check_finite([r[-1] for r in host], live, ctx.steps, f"decode step {ctx.steps}")
-        return _unpack(host, path.shape[1])
+        host = _to_host(accepted[:, None], path, emitted, lps, finite_flags(picked), *verdict.columns)
+        N = path.shape[1]
+        self._check_finite([r[3 * N + 3] for r in host], live, ctx.steps, f"decode step {ctx.steps}")
+        step = _Step(*_unpack(host, N))
+        if verdict.columns:
+            step.provenance = self.verifier.provenance([r[3 * N + 4:] for r in host], step.accepted, step.lps)
+        return step
 
     def _check_finite(self, flags: list[float], seqs: list[Sequence], step: int, where: str) -> None:
         """Raise NonFiniteLogitsError when a row's flag (from the step's one host transfer) says non-finite."""
@@ -311,31 +292,21 @@ class RolloutEngine:
         if rows:
             raise nonfinite_error(self.model, rows, step, where, seqs)
 
-    def _commit(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call", sources=None,
-                behaviour=None) -> int:
-        """Append each row's accepted drafts + the target's token (with target logprobs); move the KV of
-        an accepted tree path to consecutive slots. Returns the number of tokens kept. sources /
-        behaviour: per row, from rollout/lossy; None: lossless (drafts exact, the last token the target's)."""
-        kept = 0
+    def _commit(self, live, step: "_Step", is_chain: bool, ctx: "_Call") -> int:
+        """Append each row's accepted drafts + the token after them, with their target logprobs and, from a
+        lossy verifier, sources and behaviour logprobs (lossless: drafts exact, the last token the target's);
+        move the KV of an accepted tree path to consecutive slots. Returns the number of tokens kept."""
+        kept, prov = 0, step.provenance
         for i, s in enumerate(live):
-            a = accepted[i]
-            if not is_chain and path[i][:a] != list(range(1, a + 1)):
+            a, path = step.accepted[i], step.path[i]
+            if not is_chain and path[:a] != list(range(1, a + 1)):
                 start = s.cache_len
-                self.runner.cache.gather_positions(s.row, [start + n for n in path[i][:a]],
+                self.runner.cache.gather_positions(s.row, [start + n for n in path[:a]],
                                                    [start + 1 + j for j in range(a)])
-            src = [1] * a + [0] if sources is None else sources[i]  # draft-exact..., target
-            kept += s.append(tokens[i][:a + 1], lps[i][:a + 1], ctx.stop_ids, src,
-                             None if behaviour is None else behaviour[i])
+            src = [1] * a + [0] if prov is None else prov.sources[i]  # draft-exact..., target
+            kept += s.append(step.tokens[i][:a + 1], step.lps[i][:a + 1], ctx.stop_ids, src,
+                             None if prov is None else prov.behaviour[i])
         return kept
-
-    def _commit_lossy(self, live, accepted, path, tokens, lps, is_chain: bool, ctx: "_Call", tags, routed) -> int:
-        """_commit with each token's source and behaviour logprob from rollout/lossy (tags: its verify's
-        output; None after a lossless tree verify), then the step bookkeeping of step routing."""
-        before = [len(s.completion_ids) for s in live]
-        sources, behaviour, kept = self.lossy.behaviour(tags, accepted, lps) if tags else (None, None, [False] * len(live))
-        emitted = self._commit(live, accepted, path, tokens, lps, is_chain, ctx, sources, behaviour)
-        self.lossy.after_commit(live, before, routed, kept)
-        return emitted
 
     def _retire(self, ctx: "_Call") -> None:
         """Drop finished sequences (drafters, and a lossy mode's router, learn of them while they still hold
@@ -346,8 +317,7 @@ class RolloutEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.speculation.finish(seq)
-        if self.lossy is not None:
-            self.lossy.finish(seq)
+        self.proposer.finish(seq)
 
     # ---- helpers ------------------------------------------------------------------------------
     @property
@@ -400,7 +370,7 @@ class RolloutEngine:
 
     def _draft_slack(self) -> int:
         """Extra cache positions so padded drafts never write past the buffer (a drafted step included)."""
-        return 1 + max(self.speculation.max_nodes, self.lossy.extra_nodes if self.lossy is not None else 0)
+        return 1 + max(self.speculation.max_nodes, self.proposer.extra_nodes)
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:
@@ -432,19 +402,6 @@ class RolloutEngine:
         m.completion_lens.extend(len(s.completion_ids) for s in seqs)
 
 
-def _generation_eos(path: str, tokenizer) -> list[int]:
-    """EOS ids as `generate` would use them: generation_config.json first, then the tokenizer."""
-    try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return [eos] if isinstance(eos, int) else list(eos or [])
-
-
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
@@ -466,10 +423,33 @@ class _Call:
     steps: int = 0  # decode steps run so far (errors name the step)
 
 
-def _chain_verdict(v, N: int) -> TreeVerdict:
-    """A chain's Verdict as the TreeVerdict the loop reads: its path is 1..accepted, -1 after."""
-    steps = torch.arange(1, N + 1, device=v.accepted.device)[None, :].expand(len(v.accepted), N)
-    return TreeVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token)
+@dataclass
+class _Step:
+    """A decode step's result on the host, per row: accepted drafts, their node path (-1 after), the emitted
+    tokens (accepted drafts + the one after) and their target logprobs; provenance from a lossy verifier."""
+
+    accepted: list[int]
+    path: list[list[int]]
+    tokens: list[list[int]]
+    lps: list[list[float]]
+    provenance: Provenance | None = None
+
+    @property
+    def kept(self) -> list[bool]:
+        """Rows whose whole drafted step a router kept."""
+        return self.provenance.kept if self.provenance is not None else [False] * len(self.accepted)
+
+
+def build_strategies(spec: SpecConfig, model, tokenizer, speculation: Speculation) -> tuple[Proposer, Verifier]:
+    """The config's proposer and verifier: lossless speculation unless SpecConfig opts into a lossy mode
+    (judge verification or step routing), whose one LossyControl plays both roles (its router's state
+    spans a step's proposal and its verdict)."""
+    if not spec.lossy:
+        return SelectorProposer(speculation), ExactVerifier()
+    from rollout.lossy.control import LossyControl
+
+    control = LossyControl(spec, model, tokenizer, speculation)
+    return control, control
 
 
 def _to_host(*columns: torch.Tensor) -> list[list[float]]:
@@ -480,7 +460,8 @@ def _to_host(*columns: torch.Tensor) -> list[list[float]]:
 
 
 def _unpack(rows: list[list[float]], N: int):
-    """Rows of [accepted, path (N), emitted (N+1), logprobs (N+1), finite flag] -> four per-row lists."""
+    """Rows of [accepted, path (N), emitted (N+1), logprobs (N+1), finite flag, verifier columns] -> four
+    per-row lists."""
     acc = [int(r[0]) for r in rows]
     path = [[int(x) for x in r[1:1 + N]] for r in rows]
     emitted = [[int(x) for x in r[1 + N:2 + 2 * N]] for r in rows]

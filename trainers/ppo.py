@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 
+from rollout.eos import resolve_eos
 from rollout.types import SpecConfig
 from trainers import ppo_math, rollout_source
 from trainers.callbacks import attach_summary_callback
@@ -268,12 +269,8 @@ class PPOTrainer(CheckpointMixin, PPOUpdateMixin, Trainer):
 
 
 def _stop_token_ids(model, tokenizer, stop_token_id: int | None) -> list[int]:
-    """The tokenizer's EOS, the generation config's EOS ids (chat models often end turns on their own
-    token) and args.stop_token_id, in that order, without repeats."""
-    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    generation_eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
-    ids = [tokenizer.eos_token_id, *generation_eos, stop_token_id]
-    return list(dict.fromkeys(i for i in ids if i is not None))
+    """The one EOS rule (rollout/eos.py) plus args.stop_token_id."""
+    return resolve_eos(model, tokenizer, [stop_token_id])
 
 
 def _check_reward_funcs(reward_funcs) -> list:

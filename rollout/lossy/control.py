@@ -1,11 +1,13 @@
-"""LossyControl: what the engine asks when a lossy mode is on (SpecConfig.lossy); absent otherwise.
+"""LossyControl: the proposer and the verifier of the lossy modes (SpecConfig.lossy), one object in both roles
+of rollout/spec/strategies.py, since the router's state spans a step's proposal and its verdict.
 
 Per decode step: `propose` gives rows at the start of a reasoning step a whole drafted step from
 the step source (Arbitrage) and the others the selector's usual draft; `verify` scores, judges,
-routes and verifies the chain batch (rollout/lossy/judge.py) and returns per accepted position its
-token_source and the exact law it was emitted with (rollout/lossy/law.py); `behaviour` turns those
-into each row's sources and behaviour logprobs;
-`after_commit` tracks where steps end. `metrics` reports the lossy share, routed steps, judge
+routes and verifies the chain batch (rollout/lossy/judge.py: the lossless chain kernel with the judge
+and the router as its acceptance test) and hands the engine, as columns of the step's one host
+transfer, per accepted position its token_source and the exact law it was emitted with
+(rollout/lossy/law.py); `provenance` turns those host rows into each row's sources and behaviour
+logprobs; `after_commit` tracks where steps end. `metrics` reports the lossy share, routed steps, judge
 acceptances and importance-ratio statistics. Tree batches (an adaptive selector's tree arm) are
 verified losslessly: the lossy rules are defined on chains.
 """
@@ -24,6 +26,7 @@ from rollout.lossy.router import agreement_labels, likelihood_scores, step_featu
 from rollout.lossy.settings import DRAFT_MODEL_PREFIX
 from rollout.lossy.steps import StepBoundary
 from rollout.spec.drafters.base import Draft
+from rollout.spec.strategies import ExactVerifier, Provenance, chain_verdict
 from rollout.types import LOSSY_SOURCES, TOKEN_SOURCES
 
 HEAD_EXAMPLES_PER_STEP = 64  # judge examples banked per verify (a random subset: bounded cost)
@@ -43,6 +46,7 @@ class LossyControl:
         # who writes a step: a local draft model (DraftModelSource) or one of the engine's drafters
         self.draft_model, self.step_drafter = self._step_source(spec, model, tokenizer) if self.routing else (None, None)
         self.open: dict[int, bool] = {}  # id(seq) -> at a step the router may take (no rejection yet)
+        self._exact = ExactVerifier()  # tree batches: the lossy rules are defined on chains
         self._gen = torch.Generator().manual_seed(0)
         self._reset_counters()
 
@@ -73,12 +77,11 @@ class LossyControl:
         if self.draft_model is not None:
             self.draft_model.start(params, generator)
 
-    def propose(self, engine, live, arm, kv) -> tuple[list[Draft], list[bool]]:
-        """Drafts for the live batch and which rows carry a whole drafted step (kv: the call's KVLedger,
-        which takes blocks for the drafted positions)."""
+    def propose(self, live, arm, room) -> tuple[list[Draft], list[bool]]:
+        """Drafts for the live batch and which rows carry a whole drafted step (room: the engine's
+        draft-node allowance per row, which also takes KV blocks for the drafted positions)."""
         routed = [self.routing and arm.width == 1 and self.open.get(id(s), True) for s in live]
-        caps = engine._draft_caps(live, [self.spec.step_max_tokens if r else arm.nodes for r in routed])
-        caps = kv.draft_room(live, caps)
+        caps = room([self.spec.step_max_tokens if r else arm.nodes for r in routed])
         drafts = [Draft() for _ in live]
         other = [i for i, r in enumerate(routed) if not r]
         if other:
@@ -108,7 +111,10 @@ class LossyControl:
         return out
 
     def verify(self, logits, hiddens: dict, batch, params, generator, routed: list[bool]):
-        """Lossy chain verification -> (Verdict, (source [B, K], EmitLaw, keep [B])) on the device."""
+        """Lossy chain verification -> StepVerdict whose columns are source [B, K], the EmitLaw's logm and
+        own [B, K+1] and keep [B, 1], on the device. A tree batch is verified exactly (no columns)."""
+        if not batch.is_chain:
+            return self._exact.verify(logits, hiddens, batch, params, generator)
         x, num = batch.tokens[:, 1:], batch.num_drafts
         B, K = x.shape
         dev = logits.device
@@ -126,7 +132,7 @@ class LossyControl:
                                                   None if params.greedy else p_all, judged_v)
         keep = torch.zeros(B, dtype=torch.bool, device=dev) if keep is None else keep
         self.steps_routed += sum(routed)
-        return verdict, (source, law, keep)
+        return chain_verdict(verdict, K, (source, law.logm, law.own, keep[:, None]))
 
     def _judge(self, p, x, mask, hid, sampled: bool):
         """-> (judged [B, K], judged over the vocabulary [B, K, V] or None). A sampled draft's exact law
@@ -158,23 +164,19 @@ class LossyControl:
             return torch.zeros_like(routed_t)
         return (head.score(feats) >= self.spec.route_threshold) & routed_t
 
-    def behaviour(self, tags, accepted: list[int], lps: list[list[float]]):
-        """Host lists per row: (sources, behaviour logprobs) of the accepted drafts + the target's token,
-        plus keep [B] (rows whose drafted step the router kept). The behaviour logprob of a token is log m,
-        the exact law the whole pipeline emitted it with, where that differs from the target's law, and
-        the target's logprob lps (what lossless speculation records) where it does not. One transfer."""
-        source, law, keep = tags
-        K = source.shape[1]
-        from rollout.engine import _to_host
-
-        rows = _to_host(source, law.logm, law.own, keep[:, None])
+    def provenance(self, columns: list[list[float]], accepted: list[int], lps: list[list[float]]) -> Provenance:
+        """The host rows of verify's columns -> per row the sources and behaviour logprobs of the accepted
+        drafts + the token after them, and whether the router kept the row's drafted step. The behaviour
+        logprob of a token is log m, the exact law the whole pipeline emitted it with, where that differs
+        from the target's law, and the target's logprob lps (what lossless speculation records) where not."""
+        K = (len(columns[0]) - 3) // 3  # source K, logm K+1, own K+1, keep 1
         srcs, behs, kept = [], [], []
-        for r, a, lp in zip(rows, accepted, lps):
+        for r, a, lp in zip(columns, accepted, lps):
             srcs.append([int(v) for v in r[:a]] + [TARGET])
             behs.append([r[K + j] if r[2 * K + 1 + j] else lp[j] for j in range(a + 1)])
             kept.append(bool(r[3 * K + 2]))
         self.steps_kept += sum(kept)
-        return srcs, behs, kept
+        return Provenance(srcs, behs, kept)
 
     def after_commit(self, live, before: list[int], routed: list[bool], kept: list[bool]) -> None:
         """A rejected step closes the router's chance until the step ends; a delimiter opens the next."""

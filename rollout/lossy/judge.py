@@ -1,12 +1,12 @@
 """Judge verification and the lossy chain verify it shares with step routing (docs/lossy.md#judge).
 
-`verify_lossy_chain` is verify_chain (rollout/spec/verify.py) with two more ways to keep a draft
-token: the judge accepted it (`judged`), or the router kept the row's whole drafted step
-(`keep_rows`). A position passes if the exact test OR the judge accepts it; the accepted span ends
-at the first token both reject, where the next token is drawn from the exact residual
-norm(max(0, p - q)), or from p after a fully accepted draft, exactly as in verify_chain. The
-uniform draws are made in the same order as verify_chain's, so with no judge acceptance and no
-kept step the result is verify_chain's, draw for draw (tests/rollout/lossy/test_judge.py). It also
+`verify_lossy_chain` runs the lossless chain kernel, verify_chain (rollout/spec/verify.py), with its
+`kept` acceptance test set to two more ways to keep a draft token: the judge accepted it (`judged`),
+or the router kept the row's whole drafted step (`keep_rows`). A position passes if the exact test OR
+the judge accepts it; the accepted span ends at the first token both reject, where the next token is
+drawn from the exact residual norm(max(0, p - q)), or from p after a fully accepted draft. Same
+kernel, same draws: with no judge acceptance and no kept step the result is verify_chain's, draw for
+draw (tests/rollout/lossy/test_judge.py). It also
 returns the exact law each emitted token was drawn with (rollout/lossy/law.py), which is why a
 verdict is applied only where that law is computable: the learned judge on point-mass drafts, a
 kept step only when every token of it is a point mass.
@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from rollout.lossy.law import chain_law, greedy_law, target_law
-from rollout.runtime.sampling import probs_from_logits, sample
-from rollout.spec.verify import Verdict, _accept, _q_at, _residual
+from rollout.runtime.sampling import probs_from_logits
+from rollout.spec.verify import verify_chain
 from rollout.types import SamplingParams
 
 # token_source codes (rollout.types.TOKEN_SOURCES)
@@ -101,30 +101,16 @@ def verify_lossy_chain(target_logits: torch.Tensor, draft_tokens: torch.Tensor, 
     judged = judged if judged_vocab is not None else judged & point
     keep = torch.zeros(B, dtype=torch.bool, device=dev) if keep_rows is None else keep_rows
     keep = keep & (point | ~in_range).all(-1)
+    if not params.greedy and p is None:
+        p = probs_from_logits(target_logits, params)
+    # the lossless chain kernel, with the judge's and the router's verdicts as its acceptance test
+    verdict = verify_chain(target_logits, draft_tokens, num_drafts, params, draft_probs, generator,
+                           kept=judged | keep[:, None], p=p)
+    source = torch.where(keep[:, None], ROUTED, torch.where(verdict.exact, DRAFT_EXACT, JUDGE))
     if params.greedy:
-        top = target_logits.argmax(-1)
-        exact = top[:, :K] == draft_tokens
-    else:
-        p = probs_from_logits(target_logits, params) if p is None else p
-        if K == 0:
-            law = target_law(B, 0, dev)
-            return Verdict(torch.zeros(B, dtype=torch.long, device=dev), sample(p[:, 0], generator)), \
-                torch.zeros(B, 0, dtype=torch.long, device=dev), law
-        u = torch.rand(B, K, generator=generator, device=dev)
-        exact = _accept(u, p[:, :K], q_x, draft_tokens)
-    ok = ((exact | judged | keep[:, None]) & in_range)
-    accepted = ok.long().cumprod(-1).sum(-1)
-    source = torch.where(exact, DRAFT_EXACT, JUDGE)
-    source = torch.where(keep[:, None], ROUTED, source)
-    if params.greedy:
-        return Verdict(accepted, top.gather(1, accepted[:, None]).squeeze(1)), source, \
-            greedy_law(source, accepted)
-    rows = torch.arange(B, device=dev)
-    p_next = p[rows, accepted]
-    rejected = accepted < num_drafts
-    q_next = _q_at(draft_probs, draft_tokens, accepted.clamp(max=max(K - 1, 0)), p_next)
-    dist = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
-    verdict = Verdict(accepted, sample(dist, generator))
+        return verdict, source, greedy_law(source, verdict.accepted)
+    if K == 0:
+        return verdict, source, target_law(B, 0, dev)
     kept = (judged | keep[:, None]) & in_range
     law = chain_law(p[:, :K], draft_probs, draft_tokens, q_x, kept, judged_vocab, keep, verdict, num_drafts)
     return verdict, source, law

@@ -168,9 +168,6 @@ class BlockAllocator:
         self.stats.shared_refs += len(blocks)
         return blocks
 
-    def reset_stats(self) -> None:
-        self.stats = BlockStats(peak_used=self.used)
-
     def fresh(self) -> "BlockAllocator":
         """Every block free, the same pool size, ceiling and growth (a new call)."""
         return BlockAllocator(self.num_blocks, self.block_size, self.max_blocks, self.grow_pool)

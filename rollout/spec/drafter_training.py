@@ -51,12 +51,6 @@ def _record(device: torch.device) -> torch.cuda.Event | None:
     return ev
 
 
-def _wait(ev: torch.cuda.Event | None, device: torch.device) -> None:
-    """Make the calling thread's current stream wait (on the GPU, not the host) for `ev`."""
-    if ev is not None:
-        torch.cuda.current_stream(device).wait_event(ev)
-
-
 DEFAULT_LOSS = "kl"  # forward KL to the top-k target won the comparison (bench_out/distill.json: 1.61 accepted
 # per verify against 1.42 for the sampled-token cross-entropy and 1.07 for total variation, same data and steps)
 

@@ -150,11 +150,6 @@ class FeatureBuffer:
                 versions.append(ver)
         return Batch(feats, nxt, valid, out, torch.tensor(temps, device=dev), sum(versions) / len(versions))
 
-    def all_next_tokens(self) -> torch.Tensor:
-        with self.lock:
-            return torch.cat([self.next_tokens[s:s + n] for s, n, *_ in self.segments]) if self.segments \
-                else torch.zeros(0, dtype=torch.long)
-
     def token_mass(self, vocab: int) -> torch.Tensor:
         """[V] float32: expected count of each target token as the next token over the buffer (the
         top-k probabilities where a distribution is kept, the sampled token elsewhere)."""

@@ -36,6 +36,7 @@ from rollout.types import SamplingParams
 class Verdict:
     accepted: torch.Tensor  # [B] long: drafts accepted per sequence (0..num_drafts[b])
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
+    exact: torch.Tensor | None = None  # [B, K] bool: the exact test's verdict at each draft position
 
 
 def verify_chain(
@@ -45,26 +46,32 @@ def verify_chain(
     params: SamplingParams,
     draft_probs: torch.Tensor | None = None,  # [B, K, V] processed drafter probs; None = deterministic
     generator: torch.Generator | None = None,
+    kept: torch.Tensor | None = None,  # [B, K] bool: accepted whatever the exact test says; None = lossless
+    p: torch.Tensor | None = None,  # [B, K+1, V]: probs_from_logits(target_logits, params), if the caller has it
 ) -> Verdict:
+    """The chain rule of the module docstring. `kept` is where a lossy mode plugs in its own acceptance
+    test (rollout/lossy/judge.py): a position it keeps counts as accepted, with the same draws in the same
+    order, so with kept all False the result is the lossless one draw for draw."""
     B, K = draft_tokens.shape
     _check_q(draft_probs, (B, K), target_logits.shape[-1], "verify_chain")
     in_range = torch.arange(K, device=draft_tokens.device)[None, :] < num_drafts[:, None]  # [B, K]
     if params.greedy:
         target_top = target_logits.argmax(-1)  # [B, K+1]
-        ok = (target_top[:, :K] == draft_tokens) & in_range
-        accepted = ok.long().cumprod(-1).sum(-1)
-        return Verdict(accepted, target_top.gather(1, accepted[:, None]).squeeze(1))
+        exact = target_top[:, :K] == draft_tokens
+        accepted = _accepted(exact, kept, in_range)
+        return Verdict(accepted, target_top.gather(1, accepted[:, None]).squeeze(1), exact)
 
-    p = probs_from_logits(target_logits, params)  # [B, K+1, V]
+    p = probs_from_logits(target_logits, params) if p is None else p  # [B, K+1, V]
     if K == 0:  # plain decoding: nothing to verify, the next token is drawn from p (same draws as below)
-        return Verdict(torch.zeros(B, dtype=torch.long, device=p.device), sample(p[:, 0], generator))
+        none = torch.zeros(B, 0, dtype=torch.bool, device=p.device)
+        return Verdict(torch.zeros(B, dtype=torch.long, device=p.device), sample(p[:, 0], generator), none)
     if draft_probs is None:
         q_draft = torch.ones(B, K, device=p.device)  # one-hot q: q_i(x_i) = 1
     else:
         q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     u = torch.rand(B, K, generator=generator, device=p.device)
-    ok = _accept(u, p[:, :K], q_draft, draft_tokens) & in_range
-    accepted = ok.long().cumprod(-1).sum(-1)  # [B]
+    exact = _accept(u, p[:, :K], q_draft, draft_tokens)
+    accepted = _accepted(exact, kept, in_range)  # [B]
 
     # Distribution of the next token: residual at the first rejection, or p itself for the bonus.
     rows = torch.arange(B, device=p.device)
@@ -72,7 +79,13 @@ def verify_chain(
     rejected = accepted < num_drafts
     q_next = _q_at(draft_probs, draft_tokens, accepted.clamp(max=max(K - 1, 0)), p_next)  # [B, V]
     dist = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
-    return Verdict(accepted, sample(dist, generator))
+    return Verdict(accepted, sample(dist, generator), exact)
+
+
+def _accepted(exact: torch.Tensor, kept: torch.Tensor | None, in_range: torch.Tensor) -> torch.Tensor:
+    """[B] drafts accepted: the run of accepted positions from the first (exact, or kept by a lossy test)."""
+    ok = (exact if kept is None else exact | kept) & in_range
+    return ok.long().cumprod(-1).sum(-1)
 
 
 def _accept(u: torch.Tensor, p: torch.Tensor, q_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollout.eos import resolve_eos
 from rollout.metrics import RolloutMetrics
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.vllm_backend import weights
@@ -76,7 +77,7 @@ class VLLMBackend:
         policy.save_pretrained(self._dir / "policy", safe_serialization=True)  # vLLM loads from a directory
         if tokenizer is not None:
             tokenizer.save_pretrained(self._dir / "policy")
-        self.eos_token_ids = _eos_ids(policy, tokenizer)
+        self.eos_token_ids = set(resolve_eos(policy, tokenizer))
         self.host = DrafterHost.build(policy, tokenizer, self.spec, dtype=dtype, max_model_len=max_model_len,
                                       max_num_seqs=max_num_seqs)
         self.depth_table = self.host.depth_table() if self.host is not None else None
@@ -264,10 +265,3 @@ def kv_bytes_needed(config, dtype: str, max_num_seqs: int, max_model_len: int) -
         (4 if dtype == "float32" else 2)
     return max(per_token * max_num_seqs * max_model_len, 2**26)
 
-
-def _eos_ids(policy, tokenizer) -> set[int]:
-    """EOS as the engine takes it: the policy's generation_config first, then the tokenizer's."""
-    eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    return set([eos] if isinstance(eos, int) else (eos or []))

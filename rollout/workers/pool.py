@@ -21,6 +21,7 @@ from dataclasses import replace
 import ray
 import torch
 
+from rollout.eos import resolve_eos
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.workers import cluster
 from rollout.workers.dispatch import DispatchStats, drop_worker, kill_actor, run_tasks
@@ -76,7 +77,7 @@ class RayPool:
         spec = spec or SpecConfig()
         # the workers' engines never train a drafter themselves: the pool's one hub does (or nobody)
         worker_spec = replace(spec, online_training=False) if spec.enabled else spec
-        blob = ray.put(_policy_blob(policy))
+        blob = ray.put(_policy_blob(policy, tokenizer))
         actor = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, max_concurrency=1)
         threads = worker_threads if worker_threads is not None else (None if gpus else 1)
         for r in range(n):
@@ -302,8 +303,7 @@ def _plan(workers: int | None) -> tuple[int, bool]:
     return n, gpus > 0
 
 
-def _policy_blob(policy) -> dict:
+def _policy_blob(policy, tokenizer) -> dict:
     """What a worker needs to build its engine: config, weights (CPU) and the EOS ids generate would use."""
-    eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
     return {"config": policy.config, "state": {k: v.detach().cpu() for k, v in policy.state_dict().items()},
-            "eos": [eos] if isinstance(eos, int) else eos}
+            "eos": resolve_eos(policy, tokenizer)}

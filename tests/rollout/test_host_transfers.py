@@ -24,7 +24,9 @@ HOST_METHODS = {"cpu", "tolist", "item", "numpy"}
 DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_fetch", "_commit", "_retire", "_unpack"}
 # (file, function) -> host calls allowed there: the one packed transfer of each step
 ALLOWED = {("rollout/engine.py", "_to_host"): {"tolist"}}
-FILES = ["rollout/engine.py", "rollout/spec/verify.py", "rollout/runtime/sampling.py", "rollout/spec/draft_batch.py"]
+FILES = ["rollout/engine.py", "rollout/spec/verify.py", "rollout/runtime/sampling.py", "rollout/spec/draft_batch.py",
+         "rollout/spec/strategies.py", "rollout/lossy/control.py", "rollout/lossy/judge.py", "rollout/lossy/law.py",
+         "rollout/lossy/heads.py", "rollout/lossy/router.py"]
 
 
 def host_calls(path: str) -> list[tuple[str, int, str]]:
@@ -109,3 +111,40 @@ def test_one_transfer_per_step_finite_check_included(monkeypatch):
     with pytest.raises(NonFiniteLogitsError):
         eng.generate(prompts, params)
     assert at_error == [1], "the prefill's one transfer must carry the check"
+
+
+LOSSY_MODES = {
+    "judge-prob": dict(verification="judge", judge="prob", judge_threshold=0.02),
+    "judge-learned": dict(verification="judge", judge="learned", judge_threshold=0.5),
+    "routing-likelihood": dict(step_routing="arbitrage", route_threshold=-50.0, step_max_tokens=8),
+    "routing-learned": dict(step_routing="arbitrage", router="learned", route_threshold=0.5, step_max_tokens=8),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LOSSY_MODES))
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_lossy_modes_make_one_transfer_per_step_too(monkeypatch, mode, temperature):
+    """The lossy verifiers' sources and behaviour logprobs ride in the step's one transfer, and the learned
+    heads bank and train on the device: one transfer per prefill and per decode step, as in lossless."""
+    from rollout.lossy.judge import TARGET
+    from tests.conftest import TINY_VOCAB
+    from tests.rollout.lossy.helpers import lossy_engine
+    from tests.rollout.spec_helpers import ScriptedDrafter
+
+    hf = make_tiny_hf("llama", seed=5)
+    eng = lossy_engine(hf, ScriptedDrafter(TINY_VOCAB, None, corrupt=0.3, seed=1), accept_off_policy=True,
+                       **LOSSY_MODES[mode])
+    if "learned" in mode:  # past the heads' warm-up, so the learned rules (and their training) run
+        for head in (getattr(eng.verifier, "judge_head", None), getattr(eng.verifier, "router_head", None)):
+            if head is not None:
+                head.warmup, head.train_every = 8, 8
+    prompts = random_prompts(4, 3, 12, seed=5)
+    params = SamplingParams(temperature=temperature, max_new_tokens=24, n=2, seed=7)
+    eng.generate(prompts, params)  # warm: the learned heads collect labels and train
+    eng.batch_trace.clear()
+    calls = _count_transfers(monkeypatch)
+    results = eng.generate(prompts, params)
+    monkeypatch.undo()
+    steps = len(eng.batch_trace)
+    assert len(calls) == 1 + steps, f"{mode}: {len(calls)} transfers for one prefill and {steps} decode steps"
+    assert any(src != TARGET for r in results for src in r.token_source[1:]), "no draft was kept: nothing verified"

@@ -22,6 +22,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from rollout.engine import _to_host
 from rollout.lossy.control import LossyControl
 from rollout.lossy.judge import JUDGE, ROUTED
 from rollout.runtime.sampling import logprobs_of, sample_without_replacement
@@ -89,12 +90,13 @@ def _run_lossy(ctl: LossyControl, x: torch.Tensor, q: torch.Tensor | None, hidde
     gen = torch.Generator().manual_seed(seed)
     ctl.start([], PARAMS, gen)
     hiddens = {} if hidden is None else {ctl.final_layer: hidden}
-    verdict, tags = ctl.verify(logits, hiddens, batch, PARAMS, gen, routed or [False] * R)
+    verdict = ctl.verify(logits, hiddens, batch, PARAMS, gen, routed or [False] * R)
     emitted = torch.cat([x, torch.zeros(R, 1, dtype=torch.long)], 1)
     emitted.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
     lps = logprobs_of(logits, emitted, PARAMS).tolist()  # the engine's record: node j predicts token j
     accepted = verdict.accepted.tolist()
-    sources, behaviour, _ = ctl.behaviour(tags, accepted, lps)
+    prov = ctl.provenance(_to_host(*verdict.columns), accepted, lps)  # the columns' host rows, as the engine's
+    sources, behaviour = prov.sources, prov.behaviour
     return emitted.numpy(), np.array(accepted), sources, behaviour
 
 

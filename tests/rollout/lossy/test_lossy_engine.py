@@ -61,7 +61,7 @@ def test_learned_judge_is_exact_until_trained_then_judges():
     eng.stats()
     for _ in range(3):
         results = eng.generate(random_prompts(4, 3, 12, seed=5), PARAMS)
-    assert eng.lossy.judge_head.ready
+    assert eng.verifier.judge_head.ready
     assert JUDGE in _check_honest(results)
     assert eng.stats()["rollout/judge_head_labels"] > 256
 
