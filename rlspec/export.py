@@ -31,7 +31,7 @@ def export_drafter(drafter_or_path: Any, out_dir: str, target: Any = None, dtype
     (its config.json already carries them). metadata: extra fields for rlspec_drafter.json
     (policy_version, training steps, metrics, ...).
     """
-    from rollout.spec.drafters.eagle3_io import as_dtype, load_eagle3, read_config, read_metadata, save_eagle3
+    from rollout.speculation.drafters.eagle3_io import as_dtype, load_eagle3, read_config, read_metadata, save_eagle3
 
     target_cfg = resolve_target(target) if target is not None else None
     meta: dict = {}
@@ -62,7 +62,7 @@ def resolve_target(target: Any) -> Any:
 
 
 def _num_layers(target: Any) -> int | None:
-    from rollout.spec.drafters.eagle3_io import target_dict
+    from rollout.speculation.drafters.eagle3_io import target_dict
 
     return target_dict(target).get("num_hidden_layers")
 

@@ -16,7 +16,7 @@ from rollout.types import RolloutResult, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from rollout.spec.warm_start import WarmStartResult
+    from rollout.speculation.warm_start import WarmStartResult
     from rollout.types import SpecConfig
 
 

@@ -3,7 +3,7 @@
     schedule -> propose -> one target forward -> verify -> one host transfer -> commit
 
 the same in every mode: the proposer and the verifier are strategies the config picks
-(rollout/spec/strategies.py: lossless speculation, or a lossy mode's pair from rollout/lossy/).
+(rollout/speculation/strategies.py: lossless speculation, or a lossy mode's pair from rollout/lossy/).
 Bookkeeping (sequences, rows, stop rules) is plain Python; tensors live in the runner, sampling
 and verification. Without a drafter every step is plain autoregressive decoding: a verify of zero
 drafts, so there is one code path and speculation can only change speed, never the law sampled.
@@ -18,8 +18,8 @@ import torch
 
 from rollout.runtime.kv_ledger import KVLedger
 from rollout.runtime.scheduler import Scheduler
-from rollout.spec.draft_batch import DraftBatch, build_draft_batch
-from rollout.spec.drafters.base import Drafter
+from rollout.speculation.draft_batch import DraftBatch, build_draft_batch
+from rollout.speculation.drafters.base import Drafter
 from rollout.eos import resolve_eos
 from rollout.limits import check_prompt_lengths, prompt_too_long_error
 from rollout.metrics import RolloutMetrics
@@ -30,8 +30,8 @@ from rollout.runtime.model.config import check_window
 from rollout.runtime.runner import ModelRunner
 from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
 from rollout.runtime.sequence import Sequence
-from rollout.spec.speculation import Speculation, build_speculation
-from rollout.spec.strategies import ExactVerifier, Proposer, Provenance, SelectorProposer, StepVerdict, Verifier
+from rollout.speculation.speculation import Speculation, build_speculation
+from rollout.speculation.strategies import ExactVerifier, Proposer, Provenance, SelectorProposer, StepVerdict, Verifier
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 
 
@@ -331,8 +331,8 @@ class RolloutEngine:
     def warm_start_drafter(self, prompts: list[list[int]], *, budget_s: float, group: int, max_new_tokens: int,
                            temperature: float):
         """Train the learned drafter on this engine's own rollouts of `prompts` before RL starts, or load
-        the cached result for these weights (rollout/spec/warm_start.py)."""
-        from rollout.spec.warm_start import warm_start
+        the cached result for these weights (rollout/speculation/warm_start.py)."""
+        from rollout.speculation.warm_start import warm_start
 
         return warm_start(self, prompts, budget_s=budget_s, group=group, max_new_tokens=max_new_tokens,
                           temperature=temperature)

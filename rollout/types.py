@@ -116,7 +116,7 @@ class SpecConfig:
                                            "behaviour_logprobs) so TRL's importance-sampling correction sees them")
 
     def __post_init__(self) -> None:
-        from rollout.spec.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
+        from rollout.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
 
         if self.drafter not in ("none", "auto"):
             try:
@@ -137,7 +137,7 @@ class SpecConfig:
             SELECTORS.check(self.selector)
         except ValueError as e:
             raise ValueError(f"selector: {e}") from None
-        from rollout.lossy.settings import check_lossy  # plain Python too
+        from rollout.config_checks import check_lossy  # plain Python too
 
         check_lossy(self)
 

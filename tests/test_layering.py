@@ -43,8 +43,19 @@ def test_checker_sees_imports_inside_functions(tmp_path):
     assert [top for _, top in imported_top_levels(src)] == ["trainers", "rlspec"]
 
 
-# inside rollout/: engine -> spec -> runtime (the runtime never knows speculation exists)
-FORBIDDEN_INSIDE = {"rollout/runtime": ("rollout.spec", "rollout.engine"), "rollout/spec": ("rollout.engine",)}
+# inside rollout/, bottom to top: the plain types and rules -> runtime/ -> speculation/ -> lossy/ -> engine.py ->
+# the backends (backend.py, workers/, vllm_backend/). A layer imports only layers below it.
+BOTTOM = ("rollout.types", "rollout.errors", "rollout.limits", "rollout.eos", "rollout.registry",
+          "rollout.config_checks", "rollout.metrics")
+ABOVE_RUNTIME = ("rollout.speculation", "rollout.lossy", "rollout.engine", "rollout.backend", "rollout.workers",
+                 "rollout.vllm_backend", "rollout.nonfinite")
+FORBIDDEN_INSIDE = {
+    **{mod.replace(".", "/") + ".py": ("rollout.runtime",) + ABOVE_RUNTIME for mod in BOTTOM},
+    "rollout/runtime": ABOVE_RUNTIME,
+    "rollout/speculation": ABOVE_RUNTIME[1:],
+    "rollout/lossy": ABOVE_RUNTIME[2:],
+    "rollout/engine.py": ("rollout.backend", "rollout.workers", "rollout.vllm_backend"),
+}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -57,10 +68,77 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-@pytest.mark.parametrize("folder", sorted(FORBIDDEN_INSIDE))
-def test_rollout_subpackages_point_one_way(folder):
+def _files(where: str) -> list[Path]:
+    target = ROOT / where
+    return [target] if target.suffix == ".py" else sorted(target.rglob("*.py"))
+
+
+@pytest.mark.parametrize("where", sorted(FORBIDDEN_INSIDE))
+def test_rollout_layers_point_down(where):
     bad = [f"{path.relative_to(ROOT)}:{line} imports {mod}"
-           for path in sorted((ROOT / folder).rglob("*.py"))
+           for path in _files(where)
            for line, mod in imported_modules(path)
-           if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN_INSIDE[folder])]
-    assert not bad, f"{folder} must not import {FORBIDDEN_INSIDE[folder]}:\n" + "\n".join(bad)
+           if any(mod == f or mod.startswith(f + ".") for f in FORBIDDEN_INSIDE[where])]
+    assert not bad, f"{where} must not import {FORBIDDEN_INSIDE[where]}:\n" + "\n".join(bad)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the repo modules it imports (at the top or inside functions), over rollout, trainers, rlspec.
+    `from a.b import c` counts as importing a.b.c when that is a module, else a.b."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in ("rollout", "trainers", "rlspec") for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for mod, path in paths.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in paths}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in paths:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & paths.keys()
+                deps |= subs or {node.module}
+        graph[mod] = deps - {mod}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or around a loop, even through an import inside a function
+    (a lazy import hides a circle from Python, not from a reader)."""
+    cycles = import_cycles(module_graph())
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_cycle_finder_sees_a_lazy_circle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

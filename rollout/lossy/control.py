@@ -1,5 +1,5 @@
 """LossyControl: the proposer and the verifier of the lossy modes (SpecConfig.lossy), one object in both roles
-of rollout/spec/strategies.py, since the router's state spans a step's proposal and its verdict.
+of rollout/speculation/strategies.py, since the router's state spans a step's proposal and its verdict.
 
 Per decode step: `propose` gives rows at the start of a reasoning step a whole drafted step from
 the step source (Arbitrage) and the others the selector's usual draft; `verify` scores, judges,
@@ -23,10 +23,10 @@ from rollout.lossy.heads import OnlineHead
 from rollout.lossy.judge import JUDGE, TARGET, judge_accepts, judge_labels, judge_vocab, target_probs, \
     verify_lossy_chain
 from rollout.lossy.router import agreement_labels, likelihood_scores, step_features
-from rollout.lossy.settings import DRAFT_MODEL_PREFIX
+from rollout.config_checks import DRAFT_MODEL_PREFIX
 from rollout.lossy.steps import StepBoundary
-from rollout.spec.drafters.base import Draft
-from rollout.spec.strategies import ExactVerifier, Provenance, chain_verdict
+from rollout.speculation.drafters.base import Draft
+from rollout.speculation.strategies import ExactVerifier, Provenance, chain_verdict
 from rollout.types import LOSSY_SOURCES, TOKEN_SOURCES
 
 HEAD_EXAMPLES_PER_STEP = 64  # judge examples banked per verify (a random subset: bounded cost)

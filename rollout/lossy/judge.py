@@ -1,6 +1,6 @@
 """Judge verification and the lossy chain verify it shares with step routing (docs/lossy.md#judge).
 
-`verify_lossy_chain` runs the lossless chain kernel, verify_chain (rollout/spec/verify.py), with its
+`verify_lossy_chain` runs the lossless chain kernel, verify_chain (rollout/speculation/verify.py), with its
 `kept` acceptance test set to two more ways to keep a draft token: the judge accepted it (`judged`),
 or the router kept the row's whole drafted step (`keep_rows`). A position passes if the exact test OR
 the judge accepts it; the accepted span ends at the first token both reject, where the next token is
@@ -26,7 +26,7 @@ import torch
 
 from rollout.lossy.law import chain_law, greedy_law, target_law
 from rollout.runtime.sampling import probs_from_logits
-from rollout.spec.verify import verify_chain
+from rollout.speculation.verify import verify_chain
 from rollout.types import SamplingParams
 
 # token_source codes (rollout.types.TOKEN_SOURCES)

@@ -57,7 +57,7 @@ class DrafterHost:
         """The learned drafter's newest weights under the names of the exported file (what vLLM loads)."""
         import torch
 
-        from rollout.spec.drafters.eagle3_io import drafter_tensors
+        from rollout.speculation.drafters.eagle3_io import drafter_tensors
 
         spec = self.engine.speculation
         model = spec.trainer.model if spec.trainer is not None else spec.learned.network()

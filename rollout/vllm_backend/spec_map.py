@@ -12,7 +12,7 @@ from rollout.types import SpecConfig
 
 # rlspec drafter -> vLLM speculative method. suffix needs vLLM's optional Arctic Inference package.
 METHODS = {"ngram": "ngram", "suffix": "suffix", "eagle3": "eagle3"}
-# prompt lookup n-gram sizes, as rlspec's n-gram drafter matches (rollout/spec/drafters/ngram.py)
+# prompt lookup n-gram sizes, as rlspec's n-gram drafter matches (rollout/speculation/drafters/ngram.py)
 NGRAM_MIN, NGRAM_MAX = 1, 4
 
 
@@ -60,7 +60,7 @@ class DepthTable:
 
 def depth_table(choose, max_batch: int, max_spec_batch: int | None = None) -> DepthTable:
     """The depth each batch-size bucket gets: choose(batch) -> depth at the bucket's largest batch, for
-    buckets 1, 2, 4, ... (the cost model's own buckets, rollout/spec/cost_model.py), merged where equal.
+    buckets 1, 2, 4, ... (the cost model's own buckets, rollout/speculation/cost_model.py), merged where equal.
 
     choose: e.g. `lambda b: selector.choose(b).depth` of a calibrated LongTailSelector. Above
     max_spec_batch (the user's cap) the depth is 0 whatever the costs say."""

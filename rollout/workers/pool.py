@@ -144,7 +144,7 @@ class RayPool:
     def warm_start_drafter(self, prompts: list[list[int]], *, budget_s: float, group: int, max_new_tokens: int,
                            temperature: float):
         """Warm the drafter on one worker (or load the cache there), then make it every worker's and the hub's."""
-        from rollout.spec.warm_start import WarmStartResult
+        from rollout.speculation.warm_start import WarmStartResult
 
         first = next(iter(self.workers.values()))
         result, state = self._get(first.warm_start.remote(prompts, budget_s=budget_s, group=group,
@@ -165,7 +165,7 @@ class RayPool:
 
     def export_drafter(self, path: str, metadata: dict | None = None) -> str:
         """The run's one drafter (the hub's master weights, else the workers' shared one), written here."""
-        from rollout.spec.drafters.eagle3_io import save_eagle3
+        from rollout.speculation.drafters.eagle3_io import save_eagle3
 
         if not self._learned:
             raise ValueError("this pool has no learned drafter to export; use drafter='eagle3' or 'auto'")

@@ -6,8 +6,8 @@ target's top-k law), as it would a DrafterTrainer; after each task the link ship
 to the hub in one fire-and-forget call (the rollout never waits for the trainer). The link never
 publishes weights itself: the pool broadcasts the hub's versions to every worker between tasks.
 
-DrafterHub is the one trainer: rollout/spec/drafter_training.DrafterTrainer (its buffer, loss,
-optimizer and background loop, unchanged) over the views rollout/spec/trainer_child.build rebuilds
+DrafterHub is the one trainer: rollout/speculation/drafter_training.DrafterTrainer (its buffer, loss,
+optimizer and background loop, unchanged) over the views rollout/speculation/trainer_child.build rebuilds
 from a worker's recipe: the drafter network and the target's embedding, final norm and LM head, no
 decoder layers. Two placements (rollout.drafter_trainer):
   spot       the hub reserves no resources of its own and trains only while the pool says some
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from rollout.spec.feature_buffer import Dist
+from rollout.speculation.feature_buffer import Dist
 
 
 class SpotLink:
@@ -74,7 +74,7 @@ class DrafterHub:
     """The run's one drafter trainer (made a Ray actor by the pool)."""
 
     def __init__(self, recipe, initial_state: dict, mode: str):
-        from rollout.spec.trainer_child import build
+        from rollout.speculation.trainer_child import build
 
         torch.set_num_threads(max(1, recipe.threads))
         if mode == "spot" and recipe.device == "cpu":

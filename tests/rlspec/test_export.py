@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlspec.export import export_drafter, main
-from rollout.spec.drafters.eagle3_io import load_eagle3, save_eagle3
-from rollout.spec.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rollout.speculation.drafters.eagle3_io import load_eagle3, save_eagle3
+from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rollout.runtime.model.config import ModelConfig
 from tests.conftest import make_tiny_hf
 

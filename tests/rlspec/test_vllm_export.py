@@ -40,7 +40,7 @@ def untrained_drafter(smollm2_dir, tmp_path_factory):
 
     from rlspec.export import export_drafter
     from rollout.runtime.model.config import ModelConfig
-    from rollout.spec.drafters.eagle3_model import Eagle3Config, Eagle3Model
+    from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 
     cfg = ModelConfig.from_hf(tf.AutoConfig.from_pretrained(smollm2_dir))
     torch.manual_seed(0)
@@ -54,7 +54,7 @@ def trained_drafter(smollm2_dir, prompts, tmp_path_factory):
     """rlspec's warm-started drafter for SmolLM2 (cached), re-exported through rlspec.export."""
     from rlspec.export import export_drafter
     from rollout.engine import RolloutEngine
-    from rollout.spec.warm_start import warm_start
+    from rollout.speculation.warm_start import warm_start
     from rollout.types import SpecConfig
 
     engine = RolloutEngine.from_pretrained(smollm2_dir, spec=SpecConfig(drafter="eagle3", online_training=False),

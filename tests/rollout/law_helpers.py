@@ -171,9 +171,9 @@ def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_f
 
 
 def spy_siblings(monkeypatch) -> Counter:
-    """Patch rollout.spec.verify._recursive_reject to count, over nodes verified with two or more
+    """Patch rollout.speculation.verify._recursive_reject to count, over nodes verified with two or more
     children, which child was accepted ("first", "later") or that all were rejected ("none")."""
-    import rollout.spec.verify as verify
+    import rollout.speculation.verify as verify
 
     seen, real = Counter(), verify._recursive_reject
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from rollout.spec.drafters.base import Draft
+from rollout.speculation.drafters.base import Draft
 
 
 class ScriptedDrafter:

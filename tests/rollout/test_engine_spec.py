@@ -17,7 +17,7 @@ def spec_engine(hf, drafter, width=1, k=4, **kw):
 
 
 def _arm(eng):
-    from rollout.spec.selectors.longtail import Arm
+    from rollout.speculation.selectors.longtail import Arm
 
     return Arm("scripted", eng.spec.num_draft_tokens, eng.spec.tree_width)
 
@@ -191,7 +191,7 @@ def test_forced_arm_overrides_the_selector_for_a_block_and_hands_back():
     """Speculation.forced(arm): every step uses `arm` (OFF: plain decoding) inside the block, the
     cache slack follows a forced arm larger than any the selector offers, and the choice returns
     to the selector afterwards; output stays exact either way."""
-    from rollout.spec.selectors.base import OFF, Arm
+    from rollout.speculation.selectors.base import OFF, Arm
 
     hf = make_tiny_hf("llama", seed=11)
     prompts = random_prompts(3, 4, 9, seed=11)

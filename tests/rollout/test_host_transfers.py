@@ -24,8 +24,8 @@ HOST_METHODS = {"cpu", "tolist", "item", "numpy"}
 DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_fetch", "_commit", "_retire", "_unpack"}
 # (file, function) -> host calls allowed there: the one packed transfer of each step
 ALLOWED = {("rollout/engine.py", "_to_host"): {"tolist"}}
-FILES = ["rollout/engine.py", "rollout/spec/verify.py", "rollout/runtime/sampling.py", "rollout/spec/draft_batch.py",
-         "rollout/spec/strategies.py", "rollout/lossy/control.py", "rollout/lossy/judge.py", "rollout/lossy/law.py",
+FILES = ["rollout/engine.py", "rollout/speculation/verify.py", "rollout/runtime/sampling.py", "rollout/speculation/draft_batch.py",
+         "rollout/speculation/strategies.py", "rollout/lossy/control.py", "rollout/lossy/judge.py", "rollout/lossy/law.py",
          "rollout/lossy/heads.py", "rollout/lossy/router.py"]
 
 

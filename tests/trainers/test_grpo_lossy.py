@@ -17,7 +17,7 @@ def test_trl_importance_ratio_moves_exactly_on_lossy_tokens(tiny_llama, char_tok
     from rollout.engine import RolloutEngine
     from rollout.lossy.judge import JUDGE, TARGET
     from rollout.runtime.model import loader
-    from rollout.spec.selectors.longtail import Arm
+    from rollout.speculation.selectors.longtail import Arm
     from rollout.types import SpecConfig
     from tests.rollout.spec_helpers import ScriptedDrafter
 

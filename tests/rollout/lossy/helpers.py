@@ -28,7 +28,7 @@ def lossy_engine(hf, drafter, k: int = 4, **spec_fields):
     """An engine over `hf` whose every step drafts with `drafter` (a forced chain arm of depth k)."""
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
-    from rollout.spec.selectors.base import Arm
+    from rollout.speculation.selectors.base import Arm
     from rollout.types import SpecConfig
 
     spec = SpecConfig(drafter="ngram", num_draft_tokens=k, **spec_fields)

@@ -26,8 +26,8 @@ from rollout.engine import _to_host
 from rollout.lossy.control import LossyControl
 from rollout.lossy.judge import JUDGE, ROUTED
 from rollout.runtime.sampling import logprobs_of, sample_without_replacement
-from rollout.spec.draft_batch import DraftBatch
-from rollout.spec.verify import verify_chain, verify_tree
+from rollout.speculation.draft_batch import DraftBatch
+from rollout.speculation.verify import verify_chain, verify_tree
 from rollout.types import SamplingParams, SpecConfig
 from tests.rollout.lossy.helpers import TinyTokenizer
 

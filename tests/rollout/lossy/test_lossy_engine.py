@@ -93,7 +93,7 @@ def test_routing_keeps_whole_steps_up_to_the_delimiter():
 
 
 def _full(seq, cap):
-    from rollout.spec.drafters.base import Draft
+    from rollout.speculation.drafters.base import Draft
 
     return Draft.chain(_step_oracle(seq, cap))
 
@@ -154,7 +154,7 @@ def test_eagle3_writes_whole_steps(temperature):
     greedily at any temperature, so a kept step is a point mass (behaviour 0)."""
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
-    from rollout.spec.selectors.base import Arm
+    from rollout.speculation.selectors.base import Arm
     from tests.rollout.lossy.helpers import TinyTokenizer
 
     hf = make_tiny_hf("llama", seed=3)
@@ -185,7 +185,7 @@ def test_judged_sampled_eagle3_chains_record_the_mixture_law():
     (the frequency test of that law: test_behaviour_law.py)."""
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
-    from rollout.spec.selectors.base import Arm
+    from rollout.speculation.selectors.base import Arm
     from tests.rollout.lossy.helpers import TinyTokenizer
 
     hf = make_tiny_hf("llama", seed=3)

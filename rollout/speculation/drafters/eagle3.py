@@ -1,0 +1,362 @@
+"""The learned EAGLE-3 drafter inside the engine: catch up on the target's features, then draft.
+
+Per sequence the drafter keeps one layer of KV in the engine's paged cache (an extra layer of the
+same blocks, so sharing, preemption and tree fix-ups cover it) and the target features of every cached
+position, staged in side buffers of the same blocks (kv_cache.py): they cost memory only for the tokens
+held, a prompt's are shared by its samples, and they go with the blocks when a sequence finishes or is
+preempted (the engine's re-prefill of a preempted sequence stages them again). Each step:
+1. catch-up: run positions valid..cache_len-1 (features of token t, embedding of token t+1),
+   writing the drafter's KV; the last output predicts the token after the pending one;
+2. draft: feed the drafter's own output back for depth-1 more steps. These speculative steps attend
+   over the cached context plus their own keys held locally, never written, so tree branches
+   sharing a row cannot clobber each other and rejected drafts leave nothing behind.
+At temperature 0 drafts are greedy (top-w at the root for trees) and verified as one-hot
+proposals. At temperature > 0 they are sampled from q, the drafter's distribution processed exactly
+like the target's (temperature, top-k, top-p), and returned with q so verification accepts with
+min(1, p/q): acceptance is then sum(min(p, q)), close to 1 where q matches p, while a greedy draft
+of a high-entropy target is accepted only with probability p(argmax q).
+New weights from a trainer are swapped in here, between decode iterations, and invalidate the drafter
+KV (it was computed by the old weights), which the staged features rebuild.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rollout.speculation.drafters.base import DRAFTERS, Draft
+from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rollout.runtime.sampling import probs_from_logits, sample, sample_without_replacement
+from rollout.speculation.feature_buffer import Dist
+from rollout.runtime.sequence import Sequence
+
+
+MAX_CONF = 0.4  # max-confidence stop rule: end the draft below this top-1 drafter probability
+SVIP_BOUND = 0.3  # SVIP: end the draft when sqrt(0.15 * entropy) exceeds this
+
+
+class Eagle3Drafter:
+    name = "eagle3"
+    extra_kv_layers = 1
+
+    def __init__(self, target, model: Eagle3Model | None = None, draft_vocab_size: int = 4096, seed: int = 0,
+                 tree_draws: str = "without_replacement"):
+        if tree_draws not in ("without_replacement", "iid"):
+            raise ValueError(f"tree_draws must be 'without_replacement' or 'iid', got {tree_draws!r}")
+        # how a tree's root children are sampled at T > 0: without replacement (distinct tokens, which
+        # recursive rejection sampling accepts more often) or i.i.d. (SpecInfer; kept to test both rules)
+        self.tree_draws = tree_draws
+        self.target = target
+        p = next(target.parameters())
+        if model is None:  # a local generator: building an engine must not reseed the user's global RNG
+            model = Eagle3Model.initialised(Eagle3Config.for_target(target.cfg, draft_vocab_size),
+                                            torch.Generator().manual_seed(seed))
+        if model.cfg.vocab_size != target.cfg.vocab_size or model.cfg.hidden_size != target.cfg.hidden_size:
+            from rollout.errors import TokenizerMismatchError
+
+            raise TokenizerMismatchError(
+                f"drafter (vocab {model.cfg.vocab_size}, hidden {model.cfg.hidden_size}) does not fit the target "
+                f"(vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size}); train or export a drafter "
+                "for this target model")
+        self.model = model.to(device=p.device, dtype=p.dtype).eval()
+        self.aux_layers = tuple(model.cfg.aux_layer_ids)
+        self.version = 0
+        self.trainer = None  # a DrafterTrainer: takes finished samples (add), publishes weights (latest)
+        self.target_cache = None  # the engine's PagedKVCache, given at each start()
+        self.policy_version = 0
+        self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
+        self.params = None  # the call's SamplingParams: drafts are processed like the target
+        self.generator = None
+        self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
+
+    # ---- engine hooks ---------------------------------------------------------------------------
+    def side_buffers(self) -> dict:
+        """What the drafter stages per cached position, in the KV pool's blocks: the target's features
+        [3H]; with a trainer whose loss reads it, the target's top-k distribution of the next token too
+        (ids, probs, the mass outside the top k, and whether the position has one: prompt positions don't)."""
+        p = next(self.model.parameters())
+        side = {"eagle3/features": ((3 * self.model.cfg.hidden_size,), p.dtype)}
+        k = getattr(self.trainer, "topk", 0)
+        if k > 0:
+            side.update({"eagle3/dist_ids": ((k,), torch.int32), "eagle3/dist_probs": ((k,), torch.float16),
+                         "eagle3/dist_rest": ((), torch.float16), "eagle3/dist_has": ((), torch.bool)})
+        return side
+
+    @property
+    def stages_dist(self) -> bool:
+        """Whether this call's pool has the distribution buffers (side_buffers asked for them)."""
+        return "eagle3/dist_ids" in self.target_cache.side
+
+    def start(self, seqs: list[Sequence], cache, params=None, generator=None) -> None:
+        self.target_cache, self.params, self.generator = cache, params, generator
+        self.valid = {id(s): 0 for s in seqs}
+
+    def begin(self, groups) -> None:
+        pass
+
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version = version  # tags the training data of samples finished from now on
+
+    def set_stop_rule(self, rule: str) -> None:
+        self.stop_rule = rule
+
+    def attach(self, trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        """The weights drafting now (CPU copies, the engine's dtype) and their version. Per-call state
+        (which positions have drafter KV, the call's sampling state) starts over at every start()."""
+        return {"config": self.model.cfg.to_dict(), "version": self.version,
+                "weights": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}}
+
+    def state_misfit(self, state: dict) -> str | None:
+        """Why `state` cannot load here (another network shape), or None."""
+        here, saved = self.model.cfg.to_dict(), state["config"]
+        diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+        return None if not diff else (
+            f"eagle3 drafter shape (checkpoint, here): {diff} (build the engine with the target model and the "
+            "SpecConfig draft_vocab_size / drafter_path of the run that saved it)")
+
+    def load_state_dict(self, state: dict) -> None:
+        problem = self.state_misfit(state)
+        if problem:
+            raise ValueError(f"the checkpoint's drafter state does not fit: {problem}")
+        self.model.load_state_dict(state["weights"])
+        self.version = int(state["version"])
+        self.valid = {k: 0 for k in self.valid}  # any drafter KV came from the old weights
+
+    def network(self) -> Eagle3Model:
+        return self.model
+
+    def observe_prefill(self, groups: list[list[Sequence]], feats: torch.Tensor) -> None:
+        """feats [P, T, 3H]: the target's features of each group's prompt positions, staged once in the
+        head sample's blocks, which its siblings then share (the engine shares them after this call)."""
+        self._stage_prefix([g[0] for g in groups], [len(g[0].prompt_ids) for g in groups], feats)
+
+    def observe_resume(self, seqs: list[Sequence], feats: torch.Tensor) -> None:
+        """A preempted sequence was prefilled again: feats [B, T, 3H] of positions 0..cache_len-1. Their
+        staged next-token distributions went with the blocks: those positions train on the sampled next
+        token, as prompt positions do."""
+        self._stage_prefix(seqs, [s.cache_len for s in seqs], feats)
+
+    def _stage_prefix(self, seqs: list[Sequence], lens: list[int], feats: torch.Tensor) -> None:
+        cache, dev = self.target_cache, feats.device
+        pos = torch.arange(feats.shape[1], device=dev)[None, :]
+        pos = torch.where(pos < torch.tensor(lens, device=dev)[:, None], pos, -1)  # padding -> trash block
+        slots = cache.slots(torch.tensor([s.row for s in seqs], device=dev), pos)
+        cache.write_side("eagle3/features", slots, feats)
+        if self.stages_dist:  # a recycled block may still say "has" from its previous owner
+            cache.write_side("eagle3/dist_has", slots, torch.zeros(slots.shape, dtype=torch.bool, device=dev))
+
+    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor, accepted,
+                       logits: torch.Tensor | None = None) -> None:
+        """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
+        positions cache_len..cache_len+accepted of each row (sequence i sits in table row i)."""
+        dev, cache = feats.device, self.target_cache
+        nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long, device=path.device), path.clamp(min=0)], 1).to(dev)
+        kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
+        j = torch.arange(nodes.shape[1], device=dev)[None, :]
+        start = torch.tensor([s.cache_len for s in seqs], device=dev)[:, None]
+        pos = torch.where(j <= torch.tensor(accepted, device=dev)[:, None], start + j, -1)  # unkept -> trash
+        slots = cache.slots(torch.arange(len(seqs), device=dev), pos)
+        cache.write_side("eagle3/features", slots, kept)
+        if self.stages_dist and logits is not None:
+            self._stage_dist(slots, nodes, pos >= 0, logits)
+
+    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, kept: torch.Tensor, logits: torch.Tensor) -> None:
+        """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
+        the pending token; kept [B, N+1] bool), staged at the slot of that node's token: the law of the
+        next token."""
+        cache = self.target_cache
+        rows, cols = kept.nonzero(as_tuple=True)  # only the kept nodes: ~2 per row
+        slots = slots[rows, cols]  # [K]
+        sel = logits[rows.to(logits.device), nodes[rows, cols].to(logits.device)]  # [K, V]
+        probs = torch.softmax(sel, -1) if self.params is None or self.params.greedy \
+            else probs_from_logits(sel, self.params)
+        top = probs.topk(cache.side["eagle3/dist_ids"].shape[-1], -1)
+        slots = slots.to(probs.device)
+        cache.write_side("eagle3/dist_ids", slots, top.indices.to(torch.int32))
+        cache.write_side("eagle3/dist_probs", slots, top.values)
+        cache.write_side("eagle3/dist_rest", slots, (1.0 - top.values.sum(-1)).clamp(min=0.0))
+        cache.write_side("eagle3/dist_has", slots, torch.ones(slots.shape, dtype=torch.bool, device=slots.device))
+
+    def evict(self, seq: Sequence) -> None:
+        """Preempted: its KV blocks (this layer's and its staged features too) are gone; the engine's
+        re-prefill stages the features again (observe_resume) and the next catch-up rebuilds the layer."""
+        if id(seq) in self.valid:
+            self.valid[id(seq)] = 0
+
+    def finish(self, seq: Sequence) -> None:
+        """Bank a finished sample's staged features (read now: the engine frees its blocks next)."""
+        known = self.valid.pop(id(seq), None) is not None
+        if known and self.trainer is not None and seq.cache_len > 2:
+            cache, n = self.target_cache, seq.cache_len
+            slots = cache.owner_slots(id(seq), n)
+            dist = Dist(*(cache.read_side(f"eagle3/dist_{f}", slots) for f in ("ids", "probs", "rest", "has"))) \
+                if self.stages_dist else None
+            temp = 1.0 if self.params is None or self.params.greedy else self.params.temperature
+            self.trainer.add(cache.read_side("eagle3/features", slots), seq.all_ids()[:n + 1], self.policy_version,
+                             dist, temp)
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
+        self.swap_latest()
+        if max(max_tokens, default=0) == 0:
+            return [Draft() for _ in seqs]
+        h_last, ready = self._catch_up(seqs)
+        depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
+        branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
+        return [_to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
+                else Draft() for i, cap in enumerate(max_tokens)]
+
+    def swap_latest(self) -> None:
+        """Take the trainer's newest published weights, if newer than ours (between steps only)."""
+        latest = self.trainer.latest() if self.trainer is not None else None
+        if latest is not None and latest[0] > self.version:
+            self.version, state = latest
+            self.model.load_state_dict(state)
+            self.valid = {k: 0 for k in self.valid}  # drafter KV came from the old weights
+
+    def _catch_up(self, seqs: list[Sequence]):
+        """Run the positions each sequence has not yet shown the drafter; returns its last output [B, H]."""
+        B = len(seqs)
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        starts = [self.valid[id(s)] for s in seqs]
+        counts = [s.cache_len - st for s, st in zip(seqs, starts)]
+        C = max(max(counts), 1)
+        toks = torch.zeros(B, C, dtype=torch.long)
+        for i, (s, st, c) in enumerate(zip(seqs, starts, counts)):
+            toks[i, :c] = torch.tensor(s.all_ids()[st + 1:st + 1 + c])
+        j = torch.arange(C)[None, :]
+        real = j < torch.tensor(counts)[:, None]
+        start = torch.tensor(starts)[:, None]
+        write = torch.where(real, start + j, -1)  # padding lands in the trash block
+        pos = write.clamp(0, self.target.rope_cos.shape[0] - 1)
+        # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
+        # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
+        S = min(-(-int((start + C).max()) // cache.block_size) * cache.block_size, cache.length)
+        key = torch.arange(S)[None, None, :]
+        mask = (key < start[..., None]) | ((key >= start[..., None]) & (key <= (start + j)[..., None]))
+        dev = cache.table.device
+        rows = torch.arange(B, device=dev)
+        slots = cache.slots(rows, write.to(dev))
+        feats = cache.read_side("eagle3/features", slots)  # [B, C, 3H]; padding reads the trash block, masked
+
+        def attend(q, k, v):
+            cache.write(L, slots, k.transpose(1, 2), v.transpose(1, 2))
+            keys, values = cache.gather(L, rows, S)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None].to(dev), enable_gqa=True)
+
+        with torch.inference_mode():
+            out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
+        for s in seqs:
+            self.valid[id(s)] = s.cache_len
+        last = torch.tensor([max(c - 1, 0) for c in counts], device=dev)
+        return out[torch.arange(B, device=dev), last], [c > 0 for c in counts]
+
+    def _confident(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R] bool: may the chain go on, by the arm's stop rule (docs/drafters.md#stop-rules)?"""
+        if self.stop_rule == "none":
+            return torch.ones(len(logits), dtype=torch.bool, device=logits.device)
+        probs = torch.softmax(logits, -1)
+        if self.stop_rule == "max_conf":
+            return probs.max(-1).values >= MAX_CONF
+        entropy = -(probs * torch.log(probs.clamp(min=1e-12))).sum(-1)
+        return torch.sqrt(0.15 * entropy) <= SVIP_BOUND
+
+    def _pick(self, h: torch.Tensor, k: int):
+        """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, V] or None,
+        confident [R]). Greedy: the top k. Sampling from q, the processed full-vocabulary distribution:
+        k > 1 draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution
+        draw j came from given the earlier ones, which is what verification needs."""
+        logits = self.model.logits(h)
+        ok = self._confident(logits)
+        if self.params is None or self.params.greedy:
+            return self.model.to_target(logits.topk(k, -1).indices), None, ok
+        full = logits.new_full((len(h), self.model.cfg.vocab_size), float("-inf"))
+        full[:, self.model.to_target(torch.arange(logits.shape[-1], device=h.device))] = logits
+        q = probs_from_logits(full, self.params)  # [R, V]
+        if k > 1 and self.tree_draws == "without_replacement":
+            tok, qs = sample_without_replacement(q, k, self.generator)
+            return tok, qs, ok
+        q = q.repeat_interleave(k, 0)  # [R*k, V]
+        tok = sample(q, self.generator)
+        return tok.view(len(h), k), q.view(len(h), k, -1), ok
+
+    def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
+        """Chains, `width` of them branching at the root -> (target ids [B, width, depth],
+        q [B, width, depth, V] on the CPU or None for greedy drafts, nodes to keep per row [B] by the
+        stop rule: a chain ends before the first token drawn from an unsure distribution)."""
+        B, dev = len(seqs), h.device
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        with torch.inference_mode():
+            first, q_first, ok = self._pick(h, width)  # [B, w]
+            alive = ok.repeat_interleave(width)
+            kept = alive.long()
+            tok = first.reshape(-1)  # [B*w]
+            qs = None if q_first is None else [q_first.reshape(B * width, -1)]
+            rows = torch.arange(B, device=dev).repeat_interleave(width)
+            lens = torch.tensor([s.cache_len for s in seqs]).repeat_interleave(width)
+            ctx_k, ctx_v = cache.gather(L, rows, int(lens.max()))
+            S = ctx_k.shape[2]
+            ctx_mask = (torch.arange(S)[None, :] < lens[:, None]).to(dev)
+            local_k, local_v, out = [], [], [tok]
+            h = h.repeat_interleave(width, 0)
+            for step in range(1, depth):
+                pos = (lens + step - 1).clamp(max=self.target.rope_cos.shape[0] - 1)[:, None]
+
+                def attend(q, k, v):
+                    local_k.append(k)
+                    local_v.append(v)
+                    keys, vals = torch.cat([ctx_k, *local_k], 2), torch.cat([ctx_v, *local_v], 2)
+                    m = torch.cat([ctx_mask, ctx_mask.new_ones(len(rows), len(local_k))], 1)
+                    return F.scaled_dot_product_attention(q, keys, vals, attn_mask=m[:, None, None], enable_gqa=True)
+
+                h = self.model(h[:, None], self._embed(tok[:, None]), *self._rope(pos), attend)[:, 0]
+                nxt, q, ok = self._pick(h, 1)
+                alive &= ok
+                kept += alive.long()
+                tok = nxt[:, 0]
+                out.append(tok)
+                if qs is not None:
+                    qs.append(q[:, 0])
+        ids = torch.stack(out, 1).view(B, width, depth).cpu()
+        keep = (kept.view(B, width).min(-1).values * width).tolist()  # trees: every branch to the shortest
+        return ids, None if qs is None else torch.stack(qs, 1).view(B, width, depth, -1).float(), keep
+
+    def _embed(self, toks: torch.Tensor) -> torch.Tensor:
+        return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))
+
+    def _rope(self, pos: torch.Tensor):
+        dtype = self.target.lm_head.weight.dtype
+        dev = self.target.rope_cos.device
+        return (self.target.rope_cos[pos.to(dev)].to(dtype).unsqueeze(2),
+                self.target.rope_sin[pos.to(dev)].to(dtype).unsqueeze(2))
+
+
+def _to_draft(branches: torch.Tensor, q, cap: int, width: int) -> Draft:
+    """[w, depth] target ids (+ q [w, depth, V]) -> a Draft of at most `cap` nodes: w chains below the root."""
+    if cap <= 0:
+        return Draft()
+    if width == 1:
+        return Draft.chain(branches[0, :cap].tolist(), None if q is None else q[0, :cap])
+    w = min(width, cap)
+    depth = cap // w
+    tokens, parents = [], []
+    for b in range(w):
+        for d in range(depth):
+            parents.append(-1 if d == 0 else len(tokens) - 1)
+            tokens.append(int(branches[b, d]))
+    return Draft(tokens, parents, None if q is None else q[:w, :depth].reshape(w * depth, -1))
+
+
+@DRAFTERS.register("eagle3", learned=True, auto=True)
+def _build(target=None, spec=None, **overrides) -> Eagle3Drafter:
+    """A trained drafter from spec.drafter_path, or a cold one (only online training makes a cold
+    drafter useful; the selectors keep it off until its measured acceptance pays)."""
+    if target is None:
+        raise ValueError("the eagle3 drafter reads the target's hidden states: build it with target=<the model>")
+    if spec is not None and spec.drafter_path:
+        from rollout.speculation.drafters.eagle3_io import load_eagle3
+
+        return Eagle3Drafter(target, load_eagle3(spec.drafter_path), **overrides)
+    vocab = spec.draft_vocab_size if spec is not None else 4096
+    return Eagle3Drafter(target, draft_vocab_size=vocab, **overrides)

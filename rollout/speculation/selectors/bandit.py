@@ -1,0 +1,410 @@
+"""Adaptive choice of how to speculate: a bounded bandit over drafters and draft shapes per batch size.
+
+Arms are `Arm(drafter, depth, width)`: plain decoding (OFF), chains and small trees of several
+drafters. Each live-batch bucket (`cost_model.bucket`) is its own bandit: verification is cheap at
+small batches and dear at large ones, so the best arm differs.
+
+Reward: the step's speedup over plain decoding in its bucket (off is worth ~1 in every bucket),
+    r = (sum_i (accepted_i + 1) / B) / ((seconds + draft_seconds) / cost(b, 1)).
+
+Prior, so that a new bucket's first choice is already sensible: with per-token acceptance a (one
+AcceptanceTracker per drafter, fed by every bucket), width w lifting each level to
+p = 1 - (1 - a)^w (as LongTailSelector.gain), depth d, f the share of sequences given a draft,
+    prior = (1 + f (p + ... + p^d)) / (cost(b, 1 + d w) / cost(b, 1) + d draft_level(b) / cost(b, 1)),
+times a per-(bucket, drafter, width) bias, measured / predicted over its recent steps, which absorbs
+what the model misses (overheads, how much a drafter's trees really gain).
+
+Estimate: est = (n0 prior + S) / (n0 + W); S, W an arm's reward sum and count, all of a bucket's
+evidence fading by `discount` per bucket step (discounted UCB): an arm in play is followed within
+~100 steps, an arm left alone drifts back to the (kept current) prior. sigma is the bucket's relative
+noise of one step's reward (B = 1 is far noisier than B = 64); est's standard error is
+sigma est / sqrt(n0 + W).
+
+Choice: the arm of highest est, replaced by an exploration only while explorations stay within
+`explore_cap` of the steps (per bucket, overall, and over the last ~100 bucket steps):
+(1) a probe of a drafter unused for `probe_every` steps, or with too little evidence (new, reset),
+    using the arm that would beat the best at the lowest acceptance, if any could;
+(2) else UCB: argmax est + c best sigma sqrt(ln n / (n0 + W)), n the bucket's discounted steps.
+An arm below `bench_ratio` x best even 2 standard errors up is benched (not explored) for
+`bench_steps` bucket steps. Off needs no rule: it wins when every draft costs more than it brings.
+
+A changed drafter: when its acceptance over its last ~2 uses is far from the tracker's (3 standard
+errors + `jump_margin`), or the engine says its weights were replaced (`reset_acceptance`, or
+assigning a fresh `acceptance`), its evidence, measurements and bias are dropped and it is probed
+again. An online trainer's update (`reset_acceptance(name, keep)`) only fades the acceptance
+evidence: dropping it at every update put the drafter back on its optimistic prior over and over.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket
+from rollout.speculation.selectors.bandit_state import AcceptanceBook, ArmStat, BucketState, bandit_state, \
+    load_bandit_state
+from rollout.speculation.selectors.base import OFF, SELECTORS, Arm
+
+FRESH_DECAY = 0.5  # the change detector looks at the last ~2 uses of a drafter
+RECENT = 0.99  # the exploration cap also holds over ~100 bucket steps: no saved-up bursts
+NOISE_EMA = 0.05
+THIN_PROBE_EVERY = 20  # steps between probes of a drafter whose tracker holds too little evidence
+
+
+STOP_RULES = ("max_conf", "entropy")
+
+
+def default_arms(drafters: list[str], max_depth: int = 8, widths: tuple[int, ...] = (2, 3),
+                 max_nodes: int | None = None, learned: tuple[str, ...] = ("eagle3",)) -> list[Arm]:
+    """OFF, then per drafter chains of 1, 2, 4, ... max_depth and trees of each width, depth >= 2
+    and at most max_nodes nodes (default: no limit beyond max_depth * max(widths)); learned drafters
+    also get the stop-rule arms."""
+    max_nodes = max_nodes or max_depth * max(widths, default=1)
+    depths, d = [], 1
+    while d < max_depth:
+        depths.append(d)
+        d *= 2
+    depths.append(max_depth)
+    arms = [OFF]
+    for name in drafters:
+        arms += [Arm(name, d, 1) for d in depths]
+        arms += [Arm(name, d, w) for w in widths for d in depths if d >= 2 and d * w <= max_nodes]
+        if name in learned:  # confidence/entropy stop rules need the drafter's distribution
+            arms += [Arm(name, max_depth, 1, stop) for stop in STOP_RULES]
+    return arms
+
+
+def arm_name(arm: Arm) -> str:
+    """Metric-friendly name: off, suffix_k4, eagle3_k4w2."""
+    if not arm.speculative:
+        return "off"
+    name = f"{arm.drafter}_k{arm.depth}" + (f"w{arm.width}" if arm.width > 1 else "")
+    return name + (f"_{arm.stop}" if arm.stop != "none" else "")
+
+
+def expected_tokens(arm: Arm, tracker: AcceptanceTracker, rate: float | None = None) -> float:
+    """Tokens per sequence per verify under the geometric model, width lifting every level."""
+    if not arm.speculative:
+        return 1.0
+    p = 1 - (1 - (tracker.rate if rate is None else rate)) ** arm.width
+    return tracker.expected_tokens(arm.depth, p)
+
+
+def path_evidence(arm: Arm, drafted: list[int], accepted: list[int]) -> tuple[float, float]:
+    """Per-token (accepts, rejects) of one verify. A tree's per-level acceptance p maps back to
+    a = 1 - (1 - p)^(1/w), so one tracker per drafter serves chains and trees alike."""
+    acc = rej = 0.0
+    for n, a in zip(drafted, accepted):
+        if n > 0:
+            depth = n if arm.width == 1 else max(1, n // arm.width)  # the path length the tree allowed
+            acc += a
+            rej += 1.0 if a < depth else 0.0
+    m = acc + rej
+    if arm.width > 1 and m > 0:
+        a_tok = 1 - (1 - acc / m) ** (1 / arm.width)
+        acc, rej = m * a_tok, m * (1 - a_tok)
+    return acc, rej
+
+
+def _nearest(buckets, b: int) -> int:
+    """The bucket of `buckets` closest to b in log2 distance."""
+    return min(buckets, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
+
+
+@dataclass
+class AdaptiveSelector:
+    arms: list[Arm]  # OFF is added in front when missing
+    max_spec_batch: int | None = None  # a user override: never speculate above this live batch
+    explore_cap: float = 0.1  # most share of steps spent exploring (per bucket, overall, lately)
+    ucb_c: float = 0.7  # UCB bonus in standard errors of the estimate (times sqrt(ln n))
+    prior_weight: float = 2.0  # the cost model's guess counts as this many measured steps
+    discount: float = 0.99  # evidence in a bucket ages by this per bucket step (~100-step memory)
+    bench_ratio: float = 0.7  # an arm clearly below this share of the best is benched
+    bench_steps: int = 500  # bucket steps a bench lasts
+    probe_every: int = 200  # steps after which an unused drafter's acceptance is re-checked
+    jump_margin: float = 0.15  # recent acceptance this far (+ 3 standard errors) off = a new drafter
+    jump_min_trials: float = 8.0  # ... judged once the recent evidence has this many trials
+    costs: CostModel = field(default_factory=CostModel)
+    buckets: dict = field(default_factory=dict)  # bucket -> BucketState
+    draft_level: dict = field(default_factory=dict)  # (drafter, bucket) -> EMA seconds per draft level
+    last_seen: dict = field(default_factory=dict)  # drafter -> step it was last observed
+    fresh: dict = field(default_factory=dict)  # drafter -> (accepts, rejects) of its last ~2 uses
+    steps: int = 0
+    explores: int = 0
+    last: tuple | None = None  # (arm, bucket, batch, estimates) of the latest choice
+
+    def __post_init__(self) -> None:
+        if OFF not in self.arms:
+            self.arms = [OFF] + list(self.arms)  # plain decoding is always a choice and the reference
+        self._trackers = AcceptanceBook()
+
+    # ---- engine-facing surface ----------------------------------------------------------------
+    @property
+    def acceptance(self) -> AcceptanceBook:
+        return self._trackers
+
+    @acceptance.setter
+    def acceptance(self, book) -> None:
+        """RolloutEngine assigns a fresh book when drafter weights change: the measurements of the
+        drafters it drops are stale too."""
+        for name in set(self._trackers) - set(book):
+            self._forget(name)
+        self._trackers = AcceptanceBook(book)
+
+    def reset_acceptance(self, drafter: str, keep: float = 0.0) -> None:
+        """`drafter`'s weights changed. keep = 0: drop its evidence and measurements and re-check it
+        soon. keep > 0 (an online update): fade its acceptance evidence to that share and keep the
+        rest; the change detector still catches an update that moved acceptance far."""
+        if keep > 0:
+            self._trackers[drafter].fade(keep)
+            return
+        self._trackers[drafter] = AcceptanceTracker()
+        self._forget(drafter)
+
+    def depths(self) -> list[int]:
+        """Distinct draft sizes (nodes) of the arms; 1 + each is a verify size to calibrate."""
+        return sorted({a.nodes for a in self.arms if a.speculative})
+
+    def verify_sizes(self) -> list[int]:
+        """Every T the cost model should be calibrated at."""
+        return [1] + [1 + n for n in self.depths()]
+
+    @property
+    def max_nodes(self) -> int:
+        return max(self.depths(), default=0)
+
+    def choose(self, batch: int) -> Arm:
+        b = bucket(batch)
+        if self.max_spec_batch is not None and batch > self.max_spec_batch:
+            self.last = (OFF, b, batch, {})
+            return OFF
+        st = self._tick(b)
+        est = {a: self.estimate(a, b) for a in self.arms}
+        greedy = max(self.arms, key=est.__getitem__)  # ties: earlier in the list (off first)
+        self._update_bench(st, est, est[greedy])
+        arm = greedy
+        pick = self._stale_probe(est, greedy, b) or self._ucb_pick(st, est, greedy)
+        if pick != greedy and self._may_explore(st):
+            arm = pick
+            st.explores += 1
+            st.recent_explores += 1.0
+            self.explores += 1
+        self.last = (arm, b, batch, est)
+        return arm
+
+    def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
+                drafted: list[int], accepted: list[int]) -> None:
+        b = bucket(batch)
+        st = self._bucket(b)
+        reward = self._reward(arm, b, seconds, draft_seconds, accepted)
+        self._track_noise(st, arm, reward, self.estimate(arm, b))
+        if arm.speculative:
+            self._observe_drafter(arm, b, draft_seconds, drafted, accepted)  # may forget stale stats
+        self._record(st, arm, reward, self._prior(arm, b))
+        self.costs.observe(batch, 1 + arm.nodes, seconds)
+
+    def metrics(self) -> dict[str, float]:
+        """strategy/arm (index into arms), strategy/explore_share, strategy/expected_speedup of the
+        chosen arm, and per arm strategy/expected_goodput/<name> in tokens/s at the latest batch."""
+        if self.last is None:
+            return {}
+        arm, b, batch, est = self.last
+        out = {"strategy/arm": float(self.arms.index(arm)) if arm in self.arms else -1.0,
+               "strategy/explore_share": self.explores / max(self.steps, 1),
+               "strategy/bucket": float(b)}
+        plain = self.costs.cost(b, 1)
+        if est and plain:
+            out["strategy/expected_speedup"] = est[arm]
+            for a in self.arms:
+                out[f"strategy/expected_goodput/{arm_name(a)}"] = est[a] * batch / plain
+        return out
+
+    def state_dict(self) -> dict:
+        """What the bandit learned, as plain values (selectors/bandit_state.py)."""
+        return bandit_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from state_dict() of a selector with the same arms (ValueError naming both otherwise)."""
+        load_bandit_state(self, state)
+
+    # ---- estimates ----------------------------------------------------------------------------
+    def estimate(self, arm: Arm, b: int) -> float:
+        """Expected speedup over plain decoding in bucket b: the prior blended with measurements."""
+        st = self._bucket(b)
+        guess = self._prior(arm, b) * self._bias(st, arm)
+        s = st.stats.get(arm, ArmStat())
+        return (self.prior_weight * guess + s.total) / (self.prior_weight + s.weight)
+
+    def _prior(self, arm: Arm, b: int, rate: float | None = None) -> float:
+        if not arm.speculative:
+            return 1.0
+        tokens = expected_tokens(arm, self._trackers[arm.drafter], rate)
+        return tokens / (self._relative(b, 1 + arm.nodes) + self._draft_relative(arm, b))
+
+    def _relative(self, b: int, T: int) -> float:
+        """cost(b, T) / cost(b, 1); an uncalibrated bucket borrows the nearest calibrated one's,
+        and with no measurements at all verification is taken as free (so that arms get tried)."""
+        rel = self.costs.relative(b, T)
+        if rel is not None:
+            return rel
+        known = {bb for bb, _ in self.costs.table}
+        if not known:
+            return 1.0
+        return self.costs.relative(_nearest(known, b), T) or 1.0
+
+    def _draft_relative(self, arm: Arm, b: int) -> float:
+        """Drafting time in plain decode steps. A bucket where this drafter has not drafted yet
+        borrows the nearest bucket's seconds per level (taking it as free made every new bucket's
+        first guess optimistic: a learned drafter's levels cost a sizeable part of a step); a
+        drafter never measured anywhere is taken as free, so that it gets tried."""
+        plain = self.costs.cost(b, 1)
+        if not plain:
+            return 0.0
+        level = self.draft_level.get((arm.drafter, b))
+        if level is None:
+            seen = [bb for d, bb in self.draft_level if d == arm.drafter]
+            if not seen:
+                return 0.0
+            level = self.draft_level[(arm.drafter, _nearest(seen, b))]
+        return level * arm.depth / plain
+
+    def _bias(self, st: BucketState, arm: Arm) -> float:
+        """Measured / predicted for this drafter here; shrunk toward 1 by a pseudo step of speedup 2
+        and clipped, so that a few odd steps cannot swing it."""
+        r, p = st.bias.get((arm.drafter, arm.width), (0.0, 0.0))
+        return min(2.0, max(0.5, (r + 2.0) / (p + 2.0)))
+
+    def _stderr(self, st: BucketState, arm: Arm) -> float:
+        """Relative standard error of est[arm]."""
+        s = st.stats.get(arm)
+        return math.sqrt(st.noise_var / (self.prior_weight + (s.weight if s else 0.0)))
+
+    # ---- choosing -----------------------------------------------------------------------------
+    def _ucb_pick(self, st: BucketState, est: dict, greedy: Arm) -> Arm:
+        recent = sum(s.weight for s in st.stats.values())  # discounted step count (D-UCB)
+        scale = self.ucb_c * est[greedy] * math.sqrt(math.log(max(recent, 2.0)))
+        open_arms = [a for a in self.arms if a not in st.bench or a == greedy]
+        return max(open_arms, key=lambda a: est[a] + scale * self._stderr(st, a))
+
+    def _stale_probe(self, est: dict, greedy: Arm, b: int) -> Arm | None:
+        """A drafter unused for probe_every steps may have changed (new weights, a drifted policy),
+        and one with little evidence (new, just reset, one unlucky probe) is not known yet: re-check
+        it where even perfect acceptance could beat the current best."""
+        for name in dict.fromkeys(a.drafter for a in self.arms if a.speculative):
+            tr = self._trackers[name]
+            due = THIN_PROBE_EVERY if tr.accepts + tr.rejects < 2 * self.jump_min_trials else self.probe_every
+            if name == greedy.drafter or self.steps - self.last_seen.get(name, 0) < due:
+                continue
+            arm = self._probe_arm(name, b, est[greedy])
+            if arm is not None:
+                return arm
+        return None
+
+    def _probe_arm(self, name: str, b: int, best: float) -> Arm | None:
+        """The drafter's arm that would beat `best` at the lowest acceptance, if any would: it is the
+        one whose result tells most about whether the drafter can win now."""
+        st = self._bucket(b)
+        arms = [a for a in self.arms if a.drafter == name]
+        for rate in (0.5, 0.7, 0.85, 1.0):
+            value = {a: self._prior(a, b, rate) * self._bias(st, a) for a in arms}
+            arm = max(arms, key=value.__getitem__)
+            if value[arm] > best:
+                return arm
+        return None
+
+    def _may_explore(self, st: BucketState) -> bool:
+        return (st.explores + 1 <= self.explore_cap * st.steps
+                and self.explores + 1 <= self.explore_cap * self.steps
+                and st.recent_explores + 1 <= self.explore_cap * st.recent_steps)
+
+    def _update_bench(self, st: BucketState, est: dict, best: float) -> None:
+        for arm in self.arms:
+            if arm in st.bench:
+                if st.bench[arm] <= st.steps or est[arm] >= best:  # over, or best again
+                    del st.bench[arm]
+            elif est[arm] * (1 + 2 * self._stderr(st, arm)) < self.bench_ratio * best:
+                st.bench[arm] = st.steps + self.bench_steps
+
+    # ---- observing ----------------------------------------------------------------------------
+    def _reward(self, arm: Arm, b: int, seconds: float, draft_seconds: float, accepted: list[int]) -> float:
+        """Speedup of this step over plain decoding in the same bucket (see the module docstring)."""
+        plain = self.costs.cost(b, 1) or seconds / self._relative(b, 1 + arm.nodes)
+        per_seq = sum(a + 1 for a in accepted) / max(len(accepted), 1)
+        return per_seq * plain / max(seconds + draft_seconds, 1e-9)
+
+    def _track_noise(self, st: BucketState, arm: Arm, reward: float, predicted: float) -> None:
+        """Only arms with a few measurements: a prior's bias is not noise."""
+        s = st.stats.get(arm)
+        if s is not None and s.weight >= 3.0 and predicted > 0:
+            st.noise_var = (1 - NOISE_EMA) * st.noise_var + NOISE_EMA * (reward / predicted - 1) ** 2
+
+    def _observe_drafter(self, arm: Arm, b: int, draft_seconds: float, drafted: list[int],
+                         accepted: list[int]) -> None:
+        key, level = (arm.drafter, b), draft_seconds / arm.depth
+        old = self.draft_level.get(key)
+        self.draft_level[key] = level if old is None else (1 - EMA) * old + EMA * level
+        acc, rej = path_evidence(arm, drafted, accepted)
+        fa, fr = self.fresh.get(arm.drafter, (0.0, 0.0))
+        fa, fr = FRESH_DECAY * fa + acc, FRESH_DECAY * fr + rej
+        self.fresh[arm.drafter] = (fa, fr)
+        if self._jumped(self._trackers[arm.drafter], fa, fr):
+            self.reset_acceptance(arm.drafter)
+            acc, rej = fa, fr  # the recent evidence is all there is of the new drafter
+        tr = self._trackers[arm.drafter]
+        tr.accepts = tr.accepts * ACCEPT_DECAY + acc
+        tr.rejects = tr.rejects * ACCEPT_DECAY + rej
+        share = sum(1 for n in drafted if n > 0) / max(len(drafted), 1)
+        tr.drafted_share = (1 - EMA) * tr.drafted_share + EMA * share
+        self.last_seen[arm.drafter] = self.steps
+
+    def _jumped(self, tr: AcceptanceTracker, acc: float, rej: float) -> bool:
+        """Is the recent acceptance far outside what the tracker's (larger) evidence allows?"""
+        m = acc + rej
+        if m < self.jump_min_trials or tr.accepts + tr.rejects < 2 * m:
+            return False
+        old = tr.rate
+        return abs(acc / m - old) > 3 * math.sqrt(old * (1 - old) / m) + self.jump_margin
+
+    def _record(self, st: BucketState, arm: Arm, reward: float, prior: float) -> None:
+        s = st.stats.setdefault(arm, ArmStat())
+        s.weight += 1.0
+        s.total += reward
+        if arm.speculative:
+            key = (arm.drafter, arm.width)  # per width too: how much a tree gains varies by drafter
+            r, p = st.bias.get(key, (0.0, 0.0))
+            st.bias[key] = (self.discount * r + reward, self.discount * p + prior)
+
+    def _forget(self, drafter: str) -> None:
+        self.last_seen[drafter] = self.steps - self.probe_every  # a freshness probe is due at once
+        self.fresh.pop(drafter, None)
+        for st in self.buckets.values():
+            for arm in [a for a in st.stats if a.drafter == drafter]:
+                del st.stats[arm]
+            for arm in [a for a in st.bench if a.drafter == drafter]:
+                del st.bench[arm]
+            for key in [k for k in st.bias if k[0] == drafter]:  # tree gains change with the drafter
+                del st.bias[key]
+
+    def _tick(self, b: int) -> BucketState:
+        st = self._bucket(b)
+        st.steps += 1
+        self.steps += 1
+        st.recent_steps = RECENT * st.recent_steps + 1.0
+        st.recent_explores *= RECENT
+        for s in st.stats.values():  # old measurements fade: unplayed arms drift back to the prior
+            s.weight *= self.discount
+            s.total *= self.discount
+        return st
+
+    def _bucket(self, b: int) -> BucketState:
+        return self.buckets.setdefault(b, BucketState())
+
+
+@SELECTORS.register("adaptive")
+def _adaptive(spec, drafters: list[str], learned: tuple[str, ...]) -> AdaptiveSelector:
+    """A bandit over every drafter of the set x chain depths x tree widths (x stop rules if learned)."""
+    widths = (spec.tree_width,) if spec.tree_width > 1 else (2, 3)
+    arms = default_arms(drafters, max_depth=spec.num_draft_tokens, widths=widths, learned=learned)
+    # exploring a losing arm at a large batch costs up to ~2x a plain step on CPU (bench_out/
+    # longtail.json: 10% exploration made the bandit 7% slower than plain decoding), so the
+    # engine explores at most 3% of steps; the class default stays general
+    return AdaptiveSelector(arms, max_spec_batch=spec.max_spec_batch, explore_cap=0.03)

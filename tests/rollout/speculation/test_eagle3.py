@@ -1,0 +1,177 @@
+"""The learned EAGLE-3 drafter: lossless in the engine, incremental drafting equals a full pass, it learns."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout.speculation.drafter_training import DrafterTrainer, ttt_loss
+from rollout.speculation.drafters.eagle3 import Eagle3Drafter
+from rollout.engine import RolloutEngine
+from rollout.runtime.model import loader
+from rollout.speculation.selectors.longtail import Arm
+from rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+
+
+def eagle_engine(hf, width=1, k=4, force=True, **kw):
+    # online_training off: each test drives its own DrafterTrainer synchronously
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], **kw)
+    if force:
+        eng.speculation.force(Arm("eagle3", k, width))
+    return eng
+
+
+def plain(hf, prompts, params):
+    eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2])
+    return [r.completion_ids for r in eng.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("width,stop", [(1, "none"), (2, "none"), (1, "max_conf"), (1, "entropy")])
+def test_greedy_exact_with_cold_eagle3(width, stop):
+    hf = make_tiny_hf("llama", seed=6)
+    prompts = random_prompts(6, 3, 20, seed=6)
+    params = SamplingParams(temperature=0, max_new_tokens=30)
+    eng = eagle_engine(hf, width=width)
+    eng.speculation.force(Arm("eagle3", 4, width, stop))
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == plain(hf, prompts, params)
+    share = eng.stats()["rollout/spec_step_share"]
+    assert share > 0.8 if stop == "none" else share >= 0  # the last step of a sample has no room to draft
+
+
+def test_incremental_drafting_equals_full_pass():
+    """The first draft after catch-up equals the drafter run over the whole sequence at once."""
+    hf = make_tiny_hf("llama", seed=7)
+    eng = eagle_engine(hf, k=2)
+    captured = {}
+    drafter: Eagle3Drafter = eng.speculation.learned
+    orig = drafter._draft
+
+    def spy(seqs, h, depth, width):
+        out = orig(seqs, h, depth, width)
+        ids = out[0]
+        s = seqs[0]
+        cache = drafter.target_cache
+        slots = cache.slots(torch.tensor([s.row]), torch.arange(s.cache_len)[None])[0]
+        captured.setdefault("cases", []).append((list(s.all_ids()), s.cache_len,
+                                                 cache.read_side("eagle3/features", slots),
+                                                 ids[0, 0, 0].item()))
+        return out
+
+    drafter._draft = spy
+    prompt = random_prompts(1, 9, 9, seed=7)[0]
+    eng.generate([prompt], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    m, target = drafter.model, drafter.target
+    for ids, n, feats, first in captured["cases"]:
+        toks = torch.tensor(ids[1:n + 1])[None]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+
+        pos = torch.arange(n)
+        cos, sin = target.rope_cos[pos][None, :, None], target.rope_sin[pos][None, :, None]
+        with torch.no_grad():
+            out = m(feats[None], target.model.embed_tokens(toks), cos, sin, attend)
+        assert m.to_target(m.logits(out[0, -1]).argmax()).item() == first
+
+
+def test_online_training_raises_acceptance_and_keeps_exactness():
+    hf = make_tiny_hf("llama", seed=9)
+    prompts = random_prompts(8, 4, 10, seed=9)
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    eng = eagle_engine(hf, k=4)
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, lr=3e-3, batch=8, window=32, min_tokens=64, publish_every=50))
+    ref = plain(hf, prompts, params)
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
+    cold = eng.stats()["rollout/accept_len"]
+    trainer.train_steps(150)
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == ref  # swapped weights, still exact
+    stats = eng.stats()
+    assert stats["drafter/version"] >= 1 and stats["drafter/loss"] < 3.0
+    assert stats["rollout/accept_len"] > cold + 0.5, (cold, stats["rollout/accept_len"])
+
+
+def test_training_crash_keeps_engine_running(monkeypatch):
+    hf = make_tiny_hf("llama", seed=10)
+    eng = eagle_engine(hf)
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, min_tokens=1))
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    eng.generate(random_prompts(2, 4, 6), params)
+    monkeypatch.setattr(trainer, "_step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    trainer.start()
+    trainer.set_idle(True)
+    trainer._thread.join(timeout=10)
+    assert trainer.stats.error and "boom" in trainer.stats.error
+    out = eng.generate(random_prompts(2, 4, 6), params)
+    assert all(len(r.completion_ids) == 10 for r in out)
+    assert eng.stats()["drafter/failed"] == 1.0
+    trainer.stop()
+
+
+def test_ttt_loss_is_finite_and_decreases():
+    hf = make_tiny_hf("llama", seed=12)
+    eng = eagle_engine(hf)
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, lr=3e-3, min_tokens=16, batch=4, window=16))
+    eng.generate(random_prompts(4, 4, 8), SamplingParams(temperature=1.0, max_new_tokens=30, seed=0, ignore_eos=True))
+    first = trainer.train_steps(1)
+    last = trainer.train_steps(60)
+    assert torch.isfinite(torch.tensor(first)) and last < first
+
+
+@pytest.mark.parametrize("width,temperature,top_p", [(1, 1.0, 1.0), (1, 0.7, 0.8), (2, 1.0, 1.0)])
+def test_sampled_eagle3_drafts_keep_the_law(width, temperature, top_p):
+    """At T > 0 the drafter samples from its own q and verification uses min(1, p/q) + residual."""
+    from scipy.stats import chisquare
+
+    from tests.rollout.test_engine_spec import exact_joint
+
+    hf = make_tiny_hf("llama", vocab=6, seed=2)
+    eng = eagle_engine(hf, width=width, k=3, max_num_seqs=3000)
+    eng.eos_token_ids = set()
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=3, n=3000, seed=0,
+                            ignore_eos=True)
+    counts = {}
+    for r in eng.generate([[3, 4, 5, 1]], params):
+        counts[tuple(r.completion_ids)] = counts.get(tuple(r.completion_ids), 0) + 1
+    exact = exact_joint(hf, [3, 4, 5, 1], 3, params)
+    keys = [k for k, p in exact.items() if p * 3000 > 5]
+    obs = [counts.get(k, 0) for k in keys]
+    exp = [exact[k] * sum(obs) / sum(exact[k] for k in keys) for k in keys]
+    assert chisquare(obs, exp).pvalue > 1e-3
+    assert eng.stats()["rollout/accept_rate"] > 0.1  # sampled drafts of a 6-token vocabulary do get accepted
+
+
+@pytest.mark.parametrize("stop", ["max_conf", "entropy"])
+def test_stop_rules_end_drafts_of_an_unsure_drafter(stop):
+    """A drafter with a zeroed head is uniform (top-1 1/96, entropy ln 96): both rules stop at once,
+    while without a rule the same drafter drafts every step."""
+    hf = make_tiny_hf("llama", seed=6)
+    eng = eagle_engine(hf)
+    with torch.no_grad():
+        eng.speculation.learned.model.lm_head.weight.zero_()
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = random_prompts(2, 4, 8)
+    eng.generate(prompts, params)
+    assert eng.stats()["rollout/spec_step_share"] > 0.8
+    eng.speculation.force(Arm("eagle3", 4, 1, stop))
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == plain(hf, prompts, params)
+    assert eng.stats()["rollout/spec_step_share"] == 0.0
+
+
+def test_a_new_drafter_version_fades_the_selectors_evidence_rather_than_dropping_it():
+    """The engine's side of the bandit rule: a version from the online trainer keeps part of the
+    acceptance evidence (dropping it all sent the bandit back to its optimistic prior every step)."""
+    from rollout.speculation.selectors.base import OFF
+    from rollout.speculation.speculation import UPDATE_KEEP
+
+    hf = make_tiny_hf("llama", seed=14)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2],
+                        spec=SpecConfig(drafter="eagle3", selector="adaptive", online_training=False))
+    spec = eng.speculation
+    tracker = spec.selector.acceptance["eagle3"]
+    tracker.accepts, tracker.rejects = 30.0, 10.0
+    spec.learned.version += 1  # what swapping in a published version does
+    spec.observe_step(OFF, 1, 0.01, 0.0, [0], [0])
+    assert 0 < UPDATE_KEEP < 1
+    kept = spec.selector.acceptance["eagle3"]
+    assert (kept.accepts, kept.rejects) == (30.0 * UPDATE_KEEP, 10.0 * UPDATE_KEEP)

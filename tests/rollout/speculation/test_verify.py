@@ -1,0 +1,94 @@
+"""Statistical tests of verification on a Markov-chain target and drafter (fast, exact law known).
+
+Each run samples B windows of L = 5 tokens through the real verify_chain / verify_tree with ragged
+draft lengths, garbage in the padding, sibling counts that vary per row, and compares their joint
+law with the exact one (tests/rollout/speculation/markov.py) at the suite's threshold ALPHA. Drafts have
+at most K = 3 tokens and the window is L = 5, so the token after a fully accepted draft (the bonus)
+lies inside it. The table of known-wrong verifiers that this same test catches, drawing the bonus
+wrongly among them, is in test_verify_flaws.py.
+"""
+import pytest
+import torch
+
+import rollout.speculation.verify as verify
+from rollout.types import SamplingParams
+from tests.rollout.law_helpers import ALPHA, one_thread  # noqa: F401  (fixture)
+from tests.rollout.speculation.markov import K, P_LOGITS, V, chain_step, sample_window, tree_step, window_pvalue
+
+B = 40_000
+SETTINGS = {"T1": SamplingParams(temperature=1.0), "T0.7-top_p0.8": SamplingParams(temperature=0.7, top_p=0.8),
+            "T0.8-top_k3": SamplingParams(temperature=0.8, top_k=3)}
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_thread):
+    pass
+
+
+def run(params, mode, seed=0, **kw):
+    """B windows sampled with drafts of the given kind: chain "sampled" / "deterministic", or a tree
+    whose root children are drawn "iid", "wor" (without replacement) or "topk"."""
+    if mode in ("sampled", "deterministic"):
+        def step(prev, gen):
+            return chain_step(prev, params, gen, deterministic=mode == "deterministic", **kw)
+    else:
+        def step(prev, gen):
+            return tree_step(prev, params, gen, mode, **kw)
+    return sample_window(step, B, seed)
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("mode", ["sampled", "deterministic", "iid", "wor", "topk"])
+def test_real_verifier_keeps_target_law(setting, mode, monkeypatch):
+    """The window's joint law equals the target's; the paths the law depends on were exercised."""
+    params = SETTINGS[setting]
+    seen = {"full": 0, "later_sibling": 0}
+    real_chain, real_reject = verify.verify_chain, verify._recursive_reject
+
+    def chain_spy(logits, drafts, num, *a):
+        v = real_chain(logits, drafts, num, *a)
+        seen["full"] += int(((v.accepted == num) & (num == K)).sum())  # a bonus after K accepted drafts
+        return v
+
+    def reject_spy(p, xs, qs, valid, gen):
+        slot, rest = real_reject(p, xs, qs, valid, gen)
+        seen["later_sibling"] += int((slot > 0).sum())  # accepted after an earlier sibling's rejection
+        return slot, rest
+
+    monkeypatch.setattr(verify, "verify_chain", chain_spy)
+    monkeypatch.setattr(verify, "_recursive_reject", reject_spy)
+    samples = run(params, mode)
+    assert window_pvalue(samples, params) > ALPHA
+    key = "full" if mode in ("sampled", "deterministic") else "later_sibling"
+    assert seen[key] >= 1000, seen
+
+
+def test_greedy_chain_and_tree_follow_argmax():
+    params = SamplingParams(temperature=0)
+    prev = torch.arange(V)
+    drafts = P_LOGITS[prev].argmax(-1)[:, None]  # first draft right, second wrong on purpose
+    wrong = (P_LOGITS[drafts[:, 0]].argmax(-1) + 1) % V
+    d = torch.cat([drafts, wrong[:, None]], 1)
+    ctx = torch.cat([prev[:, None], d], 1)
+    v = verify.verify_chain(P_LOGITS[ctx], d, torch.full((V,), 2), params)
+    assert v.accepted.tolist() == [1] * V
+    assert v.next_token.tolist() == P_LOGITS[drafts[:, 0]].argmax(-1).tolist()
+    # ragged: a row with no drafts emits argmax at the pending token
+    v0 = verify.verify_chain(P_LOGITS[ctx], d, torch.tensor([0] + [2] * (V - 1)), params)
+    assert v0.accepted[0] == 0 and v0.next_token[0] == P_LOGITS[0].argmax()
+    # a tree whose root has the wrong token first and the right one second descends into the second
+    tokens = torch.stack([prev, wrong, drafts[:, 0]], 1)
+    children = torch.tensor([[1, 2], [-1, -1], [-1, -1]]).expand(V, 3, 2)
+    t = verify.verify_tree(P_LOGITS[tokens], tokens, children, params)
+    assert t.path[:, 0].tolist() == [2] * V and t.accepted.tolist() == [1] * V
+    assert t.next_token.tolist() == P_LOGITS[drafts[:, 0]].argmax(-1).tolist()
+
+
+def test_q_of_the_wrong_shape_is_refused():
+    params = SamplingParams(temperature=1.0)
+    d = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="draft_probs has shape"):
+        verify.verify_chain(torch.zeros(2, 4, V), d, torch.full((2,), 3), params, torch.rand(2, 3, V + 1))
+    with pytest.raises(ValueError, match="draft_probs has shape"):
+        verify.verify_tree(torch.zeros(2, 4, V), torch.zeros(2, 4, dtype=torch.long),
+                           torch.full((2, 4, 1), -1), params, torch.rand(2, 3, V))
