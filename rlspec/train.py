@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import rollout.metrics as M  # plain Python: the CLI stays light
 from rlspec.config import Config, ConfigError, format_help, load_config
 
 DEFAULT_CONFIG = "grpo_math.yaml"
@@ -239,8 +240,8 @@ def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict]
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
     timed = [r for r in rows if r.get("rollout_s") is not None and r.get("step_s")]
     # Tokens over seconds summed across steps: a mean of per-step rates would overweight short steps.
-    gen = [(h["rollout/generated_tokens"], h["rollout/time_s"]) for h in log_history
-           if "rollout/generated_tokens" in h and h.get("rollout/time_s")]
+    gen = [(h[M.GENERATED_TOKENS], h[M.TIME_S]) for h in log_history
+           if M.GENERATED_TOKENS in h and h.get(M.TIME_S)]
     summary = {
         "status": status,
         "error": error,

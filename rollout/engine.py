@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+import rollout.metrics as M
 from rollout.runtime.kv_ledger import KVLedger
 from rollout.runtime.scheduler import Scheduler
 from rollout.speculation.draft_batch import DraftBatch, build_draft_batch
@@ -118,11 +119,11 @@ class RolloutEngine:
     def stats(self) -> dict[str, float]:
         """Slash-named metrics accumulated since the previous call."""
         out = self._metrics.as_dict()
-        out["rollout/policy_version"] = float(self.policy_version)
+        out[M.POLICY_VERSION] = float(self.policy_version)
         if self._pool is not None:  # the pool of the last call, also once released
-            out["rollout/kv_cache_mb"], out["rollout/kv_blocks_total"] = self._pool
+            out[M.KV_CACHE_MB], out[M.KV_BLOCKS_TOTAL] = self._pool
         if self.runner.cache is not None:
-            out["rollout/graph_pool_mb"] = self.runner.steps.memory_bytes() / 2**20
+            out[M.GRAPH_POOL_MB] = self.runner.steps.memory_bytes() / 2**20
         out.update(self.speculation.metrics(out, self.policy_version))
         out.update(self.verifier.metrics())
         self._metrics = RolloutMetrics()

@@ -1,8 +1,29 @@
-"""Rollout metrics: plain counters the engine bumps, turned into slash-named floats by `stats()`."""
+"""Rollout metrics: plain counters the engine bumps, turned into slash-named floats by `stats()`, and the
+names every backend (engine, Ray pool, vLLM), both trainers and the run's summary share: one definition
+each below, so no reader of a metric can be left behind by a rename."""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+TIME_S = "rollout/time_s"  # seconds inside generate (the Ray pool: the call's wall time)
+GENERATED_TOKENS = "rollout/generated_tokens"  # completion tokens
+TOKENS_PER_S = "rollout/tokens_per_s"  # GENERATED_TOKENS / TIME_S
+NUM_SEQUENCES = "rollout/num_sequences"  # samples returned
+MEAN_LEN = "rollout/mean_len"  # mean completion length
+MAX_LEN = "rollout/max_len"  # longest completion
+DECODE_STEPS = "rollout/decode_steps"  # target forwards in decode
+SPEC_STEP_SHARE = "rollout/spec_step_share"  # share of them that carried drafts
+KV_BLOCKS_USED = "rollout/kv_blocks_used"  # most KV blocks held at once
+KV_SHARED_BLOCKS = "rollout/kv_shared_blocks"  # block references shared instead of allocated
+PREEMPTIONS = "rollout/preemptions"  # sequences that gave their blocks back
+ACCEPT_LEN = "rollout/accept_len"  # tokens per verify, the target's own included (1 = no gain)
+ACCEPT_RATE = "rollout/accept_rate"  # accepted / drafted
+POLICY_VERSION = "rollout/policy_version"  # load_weights calls taken
+KV_CACHE_MB = "rollout/kv_cache_mb"  # the KV pool's size
+KV_BLOCKS_TOTAL = "rollout/kv_blocks_total"  # the KV pool's blocks at the end of the call
+GRAPH_POOL_MB = "rollout/graph_pool_mb"  # CUDA graph memory
+WALL_S = "rollout/wall_s"  # a trainer's rollout, weight sync included
 
 
 @dataclass
@@ -42,23 +63,23 @@ class RolloutMetrics:
     def as_dict(self) -> dict[str, float]:
         lens = self.completion_lens or [0]
         out = {
-            "rollout/time_s": self.time_s,
-            "rollout/generated_tokens": float(self.generated_tokens),
-            "rollout/tokens_per_s": self.generated_tokens / self.time_s if self.time_s > 0 else 0.0,
-            "rollout/num_sequences": float(self.sequences),
-            "rollout/mean_len": sum(lens) / len(lens),
-            "rollout/max_len": float(max(lens)),
-            "rollout/decode_steps": float(self.steps),
-            "rollout/spec_step_share": self.spec_steps / self.steps if self.steps else 0.0,
-            "rollout/kv_blocks_used": float(self.kv_blocks_used),
-            "rollout/kv_shared_blocks": float(self.kv_shared_blocks),
-            "rollout/preemptions": float(self.preemptions),
+            TIME_S: self.time_s,
+            GENERATED_TOKENS: float(self.generated_tokens),
+            TOKENS_PER_S: self.generated_tokens / self.time_s if self.time_s > 0 else 0.0,
+            NUM_SEQUENCES: float(self.sequences),
+            MEAN_LEN: sum(lens) / len(lens),
+            MAX_LEN: float(max(lens)),
+            DECODE_STEPS: float(self.steps),
+            SPEC_STEP_SHARE: self.spec_steps / self.steps if self.steps else 0.0,
+            KV_BLOCKS_USED: float(self.kv_blocks_used),
+            KV_SHARED_BLOCKS: float(self.kv_shared_blocks),
+            PREEMPTIONS: float(self.preemptions),
         }
         verifies = sum(self.accept_hist.values())
         if verifies:
             # accepted length counts the token the target emits itself, so 1.0 means "no gain"
-            out["rollout/accept_len"] = 1.0 + self.accepted / verifies
-            out["rollout/accept_rate"] = self.accepted / max(self.drafted, 1)
+            out[ACCEPT_LEN] = 1.0 + self.accepted / verifies
+            out[ACCEPT_RATE] = self.accepted / max(self.drafted, 1)
             for a, c in sorted(self.accept_hist.items()):
                 out[f"rollout/accept_hist/{a}"] = c / verifies
         for name, (n, a, v) in self.per_drafter.items():

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
+import rollout.metrics as M
+
 # Row field -> the logged key it comes from (TRL's names for reward and step time, ours for rollouts).
 ROW_KEYS = {
     "reward": "reward",
-    "rollout_s": "rollout/wall_s",
+    "rollout_s": M.WALL_S,
     "step_s": "step_time",
-    "tokens_per_s": "rollout/tokens_per_s",
-    "mean_len": "rollout/mean_len",
-    "accept_len": "rollout/accept_len",
+    "tokens_per_s": M.TOKENS_PER_S,
+    "mean_len": M.MEAN_LEN,
+    "accept_len": M.ACCEPT_LEN,
     "drafter_version": "drafter/version",
 }
 
@@ -33,7 +35,7 @@ class RolloutSummaryCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
-        if "reward" not in logs and "rollout/wall_s" not in logs:
+        if "reward" not in logs and M.WALL_S not in logs:
             return  # eval records and the end-of-training summary carry no rollout metrics
         row = {"step": state.global_step}
         row.update({field: _number(logs.get(key)) for field, key in ROW_KEYS.items()})

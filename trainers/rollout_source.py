@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
+import rollout.metrics as M
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from trainers.weight_sync import DEFAULT_BUCKET_MB, WeightSyncer, gathered_model
 
@@ -130,7 +131,7 @@ class RolloutSource:
         of TRL's `self._metrics[mode]`, which the trainer averages and logs at the next log()."""
         for key, value in self.engine.stats().items():
             metrics[key].append(float(value))
-        metrics["rollout/wall_s"].append(self.last_wall_s)
+        metrics[M.WALL_S].append(self.last_wall_s)
         metrics["rollout/sync_s"].append(self.weight_syncer.last_time_s)
         # ZeRO-3 collective gathers of the last push (0 without ZeRO-3 or without a push)
         metrics["rollout/sync_gathers"].append(float(self.weight_syncer.last_gathers))

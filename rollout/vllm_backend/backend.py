@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import rollout.metrics as M
 from rollout.eos import resolve_eos
 from rollout.metrics import RolloutMetrics
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
@@ -141,21 +142,21 @@ class VLLMBackend:
         """rollout/* as the engine names them (accept_len and accept_rate from vLLM's speculation
         counters), plus vllm/* (depth table, drafter pushes)."""
         out = self._metrics.as_dict()
-        out["rollout/policy_version"] = float(self.policy_version)
+        out[M.POLICY_VERSION] = float(self.policy_version)
         now = weights.spec_counters(self.llm)
         drafts, drafted, accepted = (now[k] - self._spec_counters[k] for k in ("drafts", "draft_tokens", "accepted"))
         self._spec_counters = now
         if drafts > 0:  # the engine's convention: accepted length counts the target's own token
-            out["rollout/accept_len"] = 1.0 + accepted / drafts
-            out["rollout/accept_rate"] = accepted / max(drafted, 1)
+            out[M.ACCEPT_LEN] = 1.0 + accepted / drafts
+            out[M.ACCEPT_RATE] = accepted / max(drafted, 1)
             if self.spec.enabled:
-                out[f"rollout/accept_len/{self.spec.drafter}"] = out["rollout/accept_len"]
+                out[f"rollout/accept_len/{self.spec.drafter}"] = out[M.ACCEPT_LEN]
         out["vllm/max_depth"] = float(self.depth_table.max_depth if self.depth_table else
                                       (self.spec.num_draft_tokens if self.speculative_config else 0))
         out["vllm/drafter_pushes"] = float(self._drafter_pushes)
         if self.host is not None and self.host.learned:
             out["drafter/version"] = float(self._pushed_drafter)
-            out["drafter/accept_len"] = out.get("rollout/accept_len", 1.0)
+            out["drafter/accept_len"] = out.get(M.ACCEPT_LEN, 1.0)
         self._metrics = RolloutMetrics()
         return out
 

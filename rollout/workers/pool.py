@@ -21,6 +21,7 @@ from dataclasses import replace
 import ray
 import torch
 
+import rollout.metrics as M
 from rollout.eos import resolve_eos
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.workers import cluster
@@ -126,7 +127,7 @@ class RayPool:
                     "workers/retried_tasks": float(d.retried_tasks), "workers/idle_windows": float(d.idle_windows),
                     "workers/tail_s": d.tail_s,
                     "workers/tasks_max": float(max(counts, default=0)), "workers/tasks_min": float(min(counts, default=0)),
-                    "rollout/policy_version": float(self.policy_version)})
+                    M.POLICY_VERSION: float(self.policy_version)})
         if self._learned:
             out["drafter/worker_version_min"] = min(v.get("drafter/version", 0.0) for v in per_worker.values())
         if self.hub is not None:

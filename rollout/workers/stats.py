@@ -7,15 +7,17 @@ that ran ten). Throughput is the pool's: tokens of every worker over the wall ti
 """
 from __future__ import annotations
 
-SUMMED = ("rollout/generated_tokens", "rollout/num_sequences", "rollout/decode_steps", "rollout/preemptions",
-          "rollout/kv_shared_blocks", "drafter/shipped_samples", "drafter/shipped_tokens")
-PEAKS = ("rollout/max_len", "rollout/kv_blocks_used", "rollout/kv_cache_mb", "rollout/kv_blocks_total",
-         "rollout/graph_pool_mb", "rollout/policy_version")
+import rollout.metrics as M
+
+SUMMED = (M.GENERATED_TOKENS, M.NUM_SEQUENCES, M.DECODE_STEPS, M.PREEMPTIONS,
+          M.KV_SHARED_BLOCKS, "drafter/shipped_samples", "drafter/shipped_tokens")
+PEAKS = (M.MAX_LEN, M.KV_BLOCKS_USED, M.KV_CACHE_MB, M.KV_BLOCKS_TOTAL,
+         M.GRAPH_POOL_MB, M.POLICY_VERSION)
 
 
 def merge_stats(per_worker: list[dict[str, float]], wall_s: float) -> dict[str, float]:
     """per_worker: each worker engine's stats() since the last call; wall_s: the pool's generate time."""
-    weights = [w.get("rollout/num_sequences", 0.0) for w in per_worker]
+    weights = [w.get(M.NUM_SEQUENCES, 0.0) for w in per_worker]
     keys = sorted({k for w in per_worker for k in w})
     out: dict[str, float] = {}
     for k in keys:
@@ -27,10 +29,10 @@ def merge_stats(per_worker: list[dict[str, float]], wall_s: float) -> dict[str, 
         else:
             share = sum(wt for _, wt in vals)
             out[k] = sum(v * wt for v, wt in vals) / share if share else sum(v for v, _ in vals) / len(vals)
-    busy = [w.get("rollout/time_s", 0.0) for w in per_worker]
+    busy = [w.get(M.TIME_S, 0.0) for w in per_worker]
     out["rollout/worker_busy_s"] = sum(busy)
-    out["rollout/time_s"] = wall_s
-    out["rollout/tokens_per_s"] = out.get("rollout/generated_tokens", 0.0) / wall_s if wall_s > 0 else 0.0
+    out[M.TIME_S] = wall_s
+    out[M.TOKENS_PER_S] = out.get(M.GENERATED_TOKENS, 0.0) / wall_s if wall_s > 0 else 0.0
     # how evenly the tail spread: 1.0 = every worker busy for the whole call
     out["workers/busy_share"] = sum(busy) / (len(per_worker) * wall_s) if wall_s > 0 and per_worker else 0.0
     return out
