@@ -17,7 +17,6 @@ fresh process per checkout, alternated, best of --direct-reps calls each; new/ol
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -25,20 +24,34 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table, write_json  # noqa: E402
+from common import ROOT, parser, table, write_json
 
-HERE = Path(__file__).resolve().parents[1]
+
+def rollout_report(tree: Path, flags: list[str]) -> dict:
+    """The JSON report of `tree`'s own scripts/bench_rollout.py run with `flags`, in a fresh process
+    importing `tree`'s code."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        cmd = [sys.executable, str(tree / "scripts" / "bench_rollout.py"), *flags, "--out", str(out)]
+        subprocess.run(cmd, cwd=tree, check=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
+                                                         "HF_HUB_OFFLINE": "1"})
+        return json.loads(out.read_text())
+
+
+def alternated(reps: int, old: Path, measure, say) -> dict[str, list]:
+    """measure(tree) of the old checkout, then of this one, `reps` times over; say(name, result) after each."""
+    runs: dict[str, list] = {"old": [], "new": []}
+    for _ in range(reps):
+        for name, tree in (("old", old), ("new", ROOT)):
+            runs[name].append(measure(tree))
+            say(name, runs[name][-1])
+    return runs
 
 
 def run_once(tree: Path, batch_sizes: list[int], tokens: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "r.json"
-        cmd = [sys.executable, str(tree / "scripts" / "bench_rollout.py"), "--batch-sizes", *map(str, batch_sizes),
-               "--max-new-tokens", str(tokens), "--out", str(out)]
-        subprocess.run(cmd, cwd=tree, check=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
-                                                         "HF_HUB_OFFLINE": "1"})
-        return {str(k): float(v) for k, v in json.loads(out.read_text())["ratio"].items()}
+    """The engine/HF tokens/s ratio per batch size of `tree`'s bench_rollout.py (fixed workload)."""
+    report = rollout_report(tree, ["--batch-sizes", *map(str, batch_sizes), "--max-new-tokens", str(tokens)])
+    return {str(k): float(v) for k, v in report["ratio"].items()}
 
 
 ENGINE_TIME = """
@@ -61,23 +74,16 @@ print(batch * tokens / best)
 
 def longtail_once(tree: Path, args) -> dict[str, float]:
     """The engine's tok/s (whole call, and its full and tail phases) on the long-tail workload."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "r.json"
-        cmd = [sys.executable, str(tree / "scripts" / "bench_rollout.py"), "--workload", "longtail", "--configs",
-               "engine", "--prompts", str(args.prompts), "--group", str(args.group), "--reps", "1",
-               "--max-new-tokens", str(args.max_new_tokens), "--out", str(out)]
-        subprocess.run(cmd, cwd=tree, check=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
-                                                         "HF_HUB_OFFLINE": "1"})
-        r = next(r for r in json.loads(out.read_text())["results"] if r["config"] == "engine")
-        return {k: float(r[k]) for k in ("tokens_per_s", "full_tokens_per_s", "tail_tokens_per_s")}
+    report = rollout_report(tree, ["--workload", "longtail", "--configs", "engine", "--prompts", str(args.prompts),
+                                   "--group", str(args.group), "--reps", "1", "--max-new-tokens",
+                                   str(args.max_new_tokens)])
+    r = next(r for r in report["results"] if r["config"] == "engine")
+    return {k: float(r[k]) for k in ("tokens_per_s", "full_tokens_per_s", "tail_tokens_per_s")}
 
 
 def longtail(args, old: Path) -> dict:
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for _ in range(args.reps):
-        for name, tree in (("old", old), ("new", HERE)):
-            runs[name].append(longtail_once(tree, args))
-            print(f"longtail {name}: {runs[name][-1]['tokens_per_s']:.1f} tok/s", flush=True)
+    runs = alternated(args.reps, old, lambda tree: longtail_once(tree, args),
+                      lambda name, r: print(f"longtail {name}: {r['tokens_per_s']:.1f} tok/s", flush=True))
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     ratio = {k: med["new"][k] / med["old"][k] for k in med["new"]}
     print(table([{"figure": k, "old median": med["old"][k], "new median": med["new"][k], "new/old": ratio[k]}
@@ -97,7 +103,7 @@ def direct(args, old: Path) -> dict:
     speeds: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
     for _ in range(args.reps):
         for b in args.batch_sizes:
-            for name, tree in (("old", old), ("new", HERE)):
+            for name, tree in (("old", old), ("new", ROOT)):
                 v = engine_tok_s(tree, b, args.max_new_tokens, args.direct_reps)
                 speeds[name].setdefault(str(b), []).append(v)
                 print(f"direct {name} batch {b}: {v:.1f} tok/s", flush=True)
@@ -109,7 +115,7 @@ def direct(args, old: Path) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--old", required=True, help="the other checkout (e.g. a git worktree of the base commit)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -122,19 +128,17 @@ def main() -> int:
     p.add_argument("--group", type=int, default=8, help="--longtail: samples per prompt")
     p.add_argument("--out", default="bench_out/cpu_ab.json")
     args = p.parse_args()
+    old = Path(args.old).resolve()
     if args.longtail:
         write_json(args.out, {"old": str(args.old), "max_new_tokens": args.max_new_tokens,
-                              "longtail": longtail(args, Path(args.old).resolve())})
+                              "longtail": longtail(args, old)})
         return 0
     if args.direct_only:
         write_json(args.out, {"old": str(args.old), "max_new_tokens": args.max_new_tokens,
-                              "direct": direct(args, Path(args.old).resolve())})
+                              "direct": direct(args, old)})
         return 0
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
-    for _ in range(args.reps):
-        for name, tree in (("old", Path(args.old).resolve()), ("new", HERE)):
-            runs[name].append(run_once(tree, args.batch_sizes, args.max_new_tokens))
-            print(name, runs[name][-1], flush=True)
+    runs = alternated(args.reps, old, lambda tree: run_once(tree, args.batch_sizes, args.max_new_tokens),
+                      lambda name, r: print(name, r, flush=True))
     medians = {name: {str(b): statistics.median(r[str(b)] for r in rs) for b in args.batch_sizes}
                for name, rs in runs.items()}
     cols = ["batch", "old engine/HF", "new engine/HF", "old median", "new median"]
@@ -144,7 +148,7 @@ def main() -> int:
     print(table(rows, cols))
     result = {"old": str(args.old), "runs": runs, "median_ratio": medians, "max_new_tokens": args.max_new_tokens}
     if args.direct:
-        result["direct"] = direct(args, Path(args.old).resolve())
+        result["direct"] = direct(args, old)
     write_json(args.out, result)
     return 0
 

@@ -26,10 +26,9 @@ critic more to learn; measured, it did not (0.99: bench_out/RESULTS.md, session 
 """
 from __future__ import annotations
 
-import argparse
 import math
 
-from common import table, write_json
+from common import math_task, parser, table, write_json
 
 RIDGE = (1e-1, 1.0, 10.0, 1e2, 1e3, 1e4, 1e5)  # the largest ~ predicting the mean
 BUCKETS = ("all", "first quarter", "last quarter", "last token")
@@ -39,14 +38,12 @@ def rollouts(args) -> tuple[list[list[int]], list[list[int]], list[float], list[
     """(prompt ids, completion ids, reward, prompt index) per sample, from the engine at the run's settings."""
     from rollout.engine import RolloutEngine
     from rollout.types import SamplingParams
-    from trainers.data import make_math_dataset, prompt_token_ids
     from trainers.rewards import accuracy_reward
 
     engine = RolloutEngine.from_pretrained(args.policy, dtype="float32", max_model_len=256, max_num_seqs=32)
     # the training set's rows, past the ones a 30-step run (2 prompts a step) has seen first
-    data = make_math_dataset(num_examples=args.prompts + 64, seed=0, max_operand=args.max_operand, ops=tuple(args.ops))
-    prompts = prompt_token_ids(engine.tokenizer, data["prompt"])[64:]
-    answers = data["answer"][64:]
+    prompts, answers = math_task(engine.tokenizer, args.prompts + 64, 0, args.max_operand, tuple(args.ops))
+    prompts, answers = prompts[64:], answers[64:]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.samples, seed=args.seed)
     results = engine.generate(prompts, params)
     texts = [engine.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in results]
@@ -129,7 +126,7 @@ def scores(pred, y, buckets) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--policy", default="smollm2-135m-instruct", help="a model directory or embedded name")
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--samples", type=int, default=4)

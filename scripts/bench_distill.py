@@ -19,14 +19,14 @@ Runs accumulate in the JSON (one process per run keeps each one bounded); the PN
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
-from common import math_prompts, table, write_json
+from common import math_prompts, parser, png, table, write_json
+from bench_engine import completion_tokens
 
 BUCKETS = [(0, 32), (32, 64), (64, 128), (128, 10**9)]
 # run name -> DrafterTrainer overrides (and drafter overrides under "draft_vocab_size")
@@ -40,7 +40,7 @@ VARIANTS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--runs", nargs="*", default=["ce", "kl", "tv"], help=f"of {sorted(VARIANTS)}")
@@ -73,8 +73,8 @@ def collect(eng, args) -> dict:
     under --cache/bench/ (a larger --collect-prompts reuses the chunks it shares with a smaller one)."""
     import torch
 
-    from rollout.spec.drafter_training import DrafterTrainer
-    from rollout.spec.selectors.base import OFF
+    from rollout.speculation.drafter_training import DrafterTrainer
+    from rollout.speculation.selectors.base import OFF
     from rollout.types import SamplingParams
 
     chunks, t_total = [], 0.0
@@ -105,7 +105,7 @@ def collect(eng, args) -> dict:
 
 def load_data(buffer, data) -> None:
     """Replay every cached sample into a trainer's buffer, in collection order."""
-    from rollout.spec.feature_buffer import Dist
+    from rollout.speculation.feature_buffer import Dist
 
     for st in data["chunks"]:
         d = st["dist"]
@@ -123,8 +123,8 @@ def train(eng, data, init_state, args, name, held_out=None) -> dict:
     """A fresh trainer on the cached data, from the same initial drafter; trained and published."""
     import torch
 
-    from rollout.spec.drafter_training import DrafterTrainer
-    from rollout.spec.drafters.eagle3_model import Eagle3Config, Eagle3Model
+    from rollout.speculation.drafter_training import DrafterTrainer
+    from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 
     opts = dict(VARIANTS[name])
     drafter = eng.speculation.learned
@@ -163,7 +163,7 @@ def train(eng, data, init_state, args, name, held_out=None) -> dict:
 
 def evaluate_trees(eng, prompts, args) -> dict:
     """Accepted tokens per verify with forced trees: w branches of k drafts each below the root."""
-    from rollout.spec.selectors.base import Arm
+    from rollout.speculation.selectors.base import Arm
 
     out = {}
     for w in args.trees:
@@ -226,7 +226,7 @@ def evaluate(eng, prompts, args, ceiling_layers=()) -> dict:
     spec_recs = [r for r in recs if r["drafted"] > 0]
     res = summarize(spec_recs, ceiling_layers)
     res.update({"engine_accept_len": stats.get("rollout/accept_len", 1.0), "eval_s": time.perf_counter() - t0,
-                "completion_tokens": sum(len(r.completion_ids) for r in out),
+                "completion_tokens": completion_tokens(out),
                 "by_position": {f"{lo}-{hi - 1}" if hi < 10**9 else f"{lo}+":
                                 summarize([r for r in spec_recs if lo <= r["pos"] < hi], ceiling_layers)
                                 for lo, hi in BUCKETS}})
@@ -267,8 +267,8 @@ def main(argv=None) -> dict:
     if args.load and args.runs:
         raise SystemExit("--load evaluates a saved drafter: give it no --runs")
     if args.load:
-        from rollout.spec.drafters.eagle3_io import read_metadata
-        from rollout.spec.warm_start import load_cached
+        from rollout.speculation.drafters.eagle3_io import read_metadata
+        from rollout.speculation.warm_start import load_cached
 
         if not load_cached(eng, args.load):
             raise SystemExit(f"no drafter for this target at {args.load}")
@@ -315,40 +315,35 @@ def _row(name, r) -> dict:
 
 
 def plot(result, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Accepted tokens per verify and 1 - TV at draft 1 per run (with the ceiling's lines), and the accepted
+    tokens by position in the completion."""
     runs = result["runs"]
     if not runs:
         return
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = list(runs)
-    x = range(len(names))
-    a1.bar([i - 0.2 for i in x], [runs[n]["accept_len"] for n in names], 0.4, label="accepted tokens / verify")
-    a1.bar([i + 0.2 for i in x], [runs[n]["one_minus_tv_pos1"] * 5 for n in names], 0.4,
-           label="1 - TV at draft 1 (x5)")
-    c = result.get("ceiling", {})
-    for key, style in (("one_minus_tv_lmhead_after_%d_layers" % (c.get("num_layers", 0) - 1), "--"),
-                       ("one_minus_tv_lmhead_after_%d_layers" % (c.get("num_layers", 0) - 2), ":")):
-        if key in c:
-            a1.axhline(c[key] * 5, ls=style, color="gray", label=key.replace("one_minus_tv_", "ceiling ") + " (x5)")
-    a1.set_xticks(list(x), names, rotation=20)
-    a1.set_title("chain of 4, T=1, held-out prompts")
-    a1.legend(fontsize=7)
-    for n in names:
-        bp = runs[n]["by_position"]
-        pts = [(i, v["accept_len"]) for i, v in enumerate(bp.values()) if v.get("verifies")]
-        a2.plot(*zip(*pts), marker="o", label=n)
-    a2.set_xticks(range(len(BUCKETS)), list(runs[names[0]]["by_position"]))
-    a2.set_xlabel("position in the completion")
-    a2.set_ylabel("accepted tokens / verify")
-    a2.legend(fontsize=7)
-    a2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    with png(path, 1, 2, figsize=(11, 4)) as (fig, (a1, a2)):
+        names = list(runs)
+        x = range(len(names))
+        a1.bar([i - 0.2 for i in x], [runs[n]["accept_len"] for n in names], 0.4, label="accepted tokens / verify")
+        a1.bar([i + 0.2 for i in x], [runs[n]["one_minus_tv_pos1"] * 5 for n in names], 0.4,
+               label="1 - TV at draft 1 (x5)")
+        c = result.get("ceiling", {})
+        for key, style in (("one_minus_tv_lmhead_after_%d_layers" % (c.get("num_layers", 0) - 1), "--"),
+                           ("one_minus_tv_lmhead_after_%d_layers" % (c.get("num_layers", 0) - 2), ":")):
+            if key in c:
+                a1.axhline(c[key] * 5, ls=style, color="gray",
+                           label=key.replace("one_minus_tv_", "ceiling ") + " (x5)")
+        a1.set_xticks(list(x), names, rotation=20)
+        a1.set_title("chain of 4, T=1, held-out prompts")
+        a1.legend(fontsize=7)
+        for n in names:
+            bp = runs[n]["by_position"]
+            pts = [(i, v["accept_len"]) for i, v in enumerate(bp.values()) if v.get("verifies")]
+            a2.plot(*zip(*pts), marker="o", label=n)
+        a2.set_xticks(range(len(BUCKETS)), list(runs[names[0]]["by_position"]))
+        a2.set_xlabel("position in the completion")
+        a2.set_ylabel("accepted tokens / verify")
+        a2.legend(fontsize=7)
+        a2.grid(alpha=0.3)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,12 @@ Prints a table, writes JSON and a PNG of the curve.
 """
 from __future__ import annotations
 
-import argparse
-import time
-
-from common import line_plot, math_prompts, table, write_json
+from common import line_plot, math_prompts, parser, table, write_json
+from bench_engine import timed_generate
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=6)
@@ -40,20 +38,18 @@ def measure(engine, prompts, params, force_arm=None):
     warm = type(params)(**{**vars(params), "max_new_tokens": 8})
     engine.generate(prompts, warm)  # allocate caches, warm kernels
     engine.stats()
-    t0 = time.perf_counter()
-    out = engine.generate(prompts, params)
-    dt = time.perf_counter() - t0
+    _, tokens, dt = timed_generate(engine, prompts, params)
     s = engine.stats()
-    return sum(len(r.completion_ids) for r in out) / dt, s.get("rollout/accept_len", 1.0), s
+    return tokens / dt, s.get("rollout/accept_len", 1.0), s
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
 
-    from rollout.spec.drafter_training import DrafterTrainer
+    from rollout.speculation.drafter_training import DrafterTrainer
     from rollout.engine import RolloutEngine
-    from rollout.spec.selectors.longtail import Arm
+    from rollout.speculation.selectors.longtail import Arm
     from rollout.types import SamplingParams, SpecConfig
 
     torch.manual_seed(0)

@@ -19,40 +19,34 @@ say why. Prints a table and writes JSON after every model (a cut-off run keeps w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+from common import parser, write_json  # first: it puts the repo on sys.path
+from bench_engine import SMOLLM2_135M, TINY, release_cached, sync, time_steps, timed
 
-import torch  # noqa: E402
+import torch
 
-from common import sync, time_steps  # noqa: E402
-
-from rollout.engine import RolloutEngine  # noqa: E402
-from rollout.runtime.graphs import EagerRunner, GraphPool  # noqa: E402
-from rollout.types import SamplingParams  # noqa: E402
+from rollout.engine import RolloutEngine
+from rollout.runtime.graphs import EagerRunner, GraphPool
+from rollout.types import SamplingParams
 
 # (transformers config class, shape, new tokens per sequence): fewer tokens for the larger models
 SHAPES = {
-    "smollm2-135m": ("LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                         tie_word_embeddings=True, rope_theta=100000.0), 128),
+    "smollm2-135m": ("LlamaConfig", SMOLLM2_135M, 128),
     "qwen2.5-1.5b": ("Qwen2Config", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                          tie_word_embeddings=True, rope_theta=1000000.0), 64),
     "qwen2.5-7b": ("Qwen2Config", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                                        tie_word_embeddings=False, rope_theta=1000000.0), 32),
-    "tiny": ("LlamaConfig", dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2), 4),
+    "tiny": ("LlamaConfig", TINY, 4),
 }
 KNOWN_PEAK_GBS = {"H100": 3350.0, "H200": 4800.0}  # datasheet HBM bandwidth (SXM), for reference only
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b"],
                    choices=list(SHAPES), help="model shapes to build with random weights")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128], help="sequences per generate")
@@ -138,14 +132,6 @@ def measure_peak_gbs(device: torch.device, smoke: bool) -> float:
     return 2 * n * iters / (time.perf_counter() - t0) / 1e9
 
 
-def time_generate(fn, device: torch.device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
-
-
 def bench_hf(hf, prompts, batches, N: int, device) -> dict[int, float]:
     """HF generate tokens/s per batch (greedy, N new tokens each, after one short warm-up call)."""
     def gen(B, n):
@@ -153,7 +139,7 @@ def bench_hf(hf, prompts, batches, N: int, device) -> dict[int, float]:
         with torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
     gen(1, 2)
-    return {B: B * N / time_generate(lambda: gen(B, N), device) for B in batches}
+    return {B: B * N / timed(lambda: gen(B, N), device)[1] for B in batches}
 
 
 def bench_engine(engine, prompts, batches, N: int, device, args, left) -> list[dict]:
@@ -171,8 +157,8 @@ def bench_engine(engine, prompts, batches, N: int, device, args, left) -> list[d
             break
         ids = prompts[:B].tolist()
         engine.generate(ids, greedy)  # captures this batch's graph, compiles its attention kernel
-        secs = time_generate(lambda: engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=N,
-                                                                         ignore_eos=True)), device)
+        secs = timed(lambda: engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=N,
+                                                                 ignore_eos=True)), device)[1]
         tokens, start = prompts[:B, :1].cpu(), torch.full((B,), ctx)
         eager_s = time_steps(eager.run, tokens, start, args.iters, device, warmup=2)
         graph_s = time_steps(pool.run, tokens, start, args.iters, device, warmup=2)
@@ -197,8 +183,7 @@ def bench_model(name: str, args, device, dtype, peak_gbs: float, left) -> tuple[
                                          max_model_len=args.prompt_len + N + 8, graph_mode="lazy",
                                          free_kv_between_rollouts=False)  # steps are timed over its cache
     del hf
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # between models, not mid-rollout: HF's weights go before ours run
+    release_cached(device)  # between models, not mid-rollout: HF's weights go before ours run
     print(f"{name}: engine", flush=True)
     rows = bench_engine(engine, prompts, args.batch_sizes, N, device, args, left)
     for r in rows:
@@ -210,8 +195,7 @@ def bench_model(name: str, args, device, dtype, peak_gbs: float, left) -> tuple[
                 graph_pool_mib=steps.memory_bytes() / 2**20, graphs=len(getattr(steps, "graphs", {})),
                 new_tokens=N)
     del engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_cached(device)
     return rows, info
 
 
@@ -258,17 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         rows, payload["models"][model] = bench_model(model, args, device, dtype, peak, left)
         payload["results"] += rows
         payload["elapsed_s"] = time.perf_counter() - t0
-        write(args.out, payload)
+        write_json(args.out, payload)
     payload["elapsed_s"] = time.perf_counter() - t0
     print_table(payload["results"], payload["models"], payload["skipped"], peak)
-    write(args.out, payload)
+    write_json(args.out, payload)
     return 0
-
-
-def write(out: str, payload: dict) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(payload, indent=2))
-    print(f"wrote {out}", flush=True)
 
 
 if __name__ == "__main__":

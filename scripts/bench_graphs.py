@@ -1,4 +1,4 @@
-"""Decode step time with and without CUDA graphs (rollout/graphs.py), and the graph pool's memory.
+"""Decode step time with and without CUDA graphs (rollout/runtime/graphs.py), and the graph pool's memory.
 
 For each model (the embedded SmolLM2-135M, and a random-weight Llama shaped like Llama-3.2-1B) and
 batch size, time plain decode steps (T = 1) at a fixed context through EagerRunner and through a
@@ -15,34 +15,24 @@ model for a few steps anywhere (on CPU through the pool's emulated replay) to te
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
-# Run as `python scripts/bench_graphs.py` from anywhere: make the repo's packages importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import parser, write_json  # first: it puts the repo on sys.path
+from bench_engine import SMOLLM2_135M, TINY, release_cached, sync, time_steps
 
-import torch  # noqa: E402
+import torch
 
-from common import sync, time_steps  # noqa: E402
-
-from rollout.runtime.graphs import EagerRunner, GraphPool  # noqa: E402
-from rollout.runtime.kv_cache import PagedKVCache  # noqa: E402
-from rollout.runtime.model import loader  # noqa: E402
+from rollout.runtime.graphs import EagerRunner, GraphPool
+from rollout.runtime.kv_cache import PagedKVCache
+from rollout.runtime.model import loader
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0)
-# SmolLM2-135M's shape: used with random weights where the embedded model cannot be fetched (an offline GPU
-# box); step time does not depend on the weights' values
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0)
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-1b-random"],
                    help="smollm2-135m (embedded, via fetch_model), llama-1b-random, tiny-random")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 32], help="live rows per decode step")
@@ -77,7 +67,7 @@ def load(name: str, dtype: torch.dtype, device):
             return loader.load_model(fetch_model("smollm2-135m-instruct"), dtype=dtype, device=device)
         except Exception as exc:  # no network and no cached copy: same shape, random weights
             print(f"  smollm2-135m: embedded weights unavailable ({type(exc).__name__}); random weights", flush=True)
-            return random_llama(SMOLLM2, dtype, device)
+            return random_llama(SMOLLM2_135M, dtype, device)
     shapes = {"llama-1b-random": LLAMA_1B, "tiny-random": TINY}
     if name not in shapes:
         raise ValueError(f"unknown model {name!r}; choose from smollm2-135m, {', '.join(shapes)}")
@@ -112,8 +102,7 @@ def bench_model(name: str, args, device, dtype) -> tuple[list[dict], dict]:
                 static_mib=pool.static.nbytes() / 2**20,
                 kv_cache_mib=cache.nbytes() / 2**20)
     del pool, eager, cache, model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_cached(device)
     return results, info
 
 
@@ -128,12 +117,6 @@ def print_table(results: list[dict], pools: dict, skipped: dict) -> None:
         print(f"{name}: skipped ({why})")
 
 
-def write(out: str, payload: dict) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(payload, indent=2))
-    print(f"wrote {out}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -142,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             ["tiny-random"], [1, 3], 5, 20, 64)
     elif not cuda:
         print("CUDA is unavailable: CUDA graphs cannot be measured on this machine (nothing to do).")
-        write(args.out, {"cuda": False, "reason": "torch.cuda.is_available() is False", "torch": torch.__version__})
+        write_json(args.out, {"cuda": False, "reason": "torch.cuda.is_available() is False",
+                              "torch": torch.__version__})
         return 0
     device = torch.device("cuda" if cuda else "cpu")
     dtype = loader.resolve_dtype(args.dtype)
@@ -155,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # e.g. no network to fetch SmolLM2's wheel: record it, go on
             skipped[name] = f"{type(exc).__name__}: {exc}"
     print_table(results, pools, skipped)
-    write(args.out, dict(cuda=cuda, device=torch.cuda.get_device_name() if cuda else "cpu (emulated replay)",
-                         torch=torch.__version__, config=vars(args), results=results, pools=pools, skipped=skipped))
+    write_json(args.out, dict(cuda=cuda, device=torch.cuda.get_device_name() if cuda else "cpu (emulated replay)",
+                              torch=torch.__version__, config=vars(args), results=results, pools=pools,
+                              skipped=skipped))
     return 0
 
 

@@ -12,33 +12,26 @@ first run, which pays the warm-up, and a second that loads it from the cache ("a
 """
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from common import line_plot, table, write_json
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import line_plot, parser, rollout_seconds, summary_of, table, train_run, write_json
 
 
 def run(label: str, args) -> dict:
+    """The summary of the run `label` (a drafter, "#2" for its second run) in --workdir: trained now, or with
+    --reuse the one that finished there before."""
     drafter = label.split("#")[0]
     out = Path(args.workdir) / label.replace("#", "_")
-    if args.reuse and (out / "summary.json").is_file() and json.loads((out / "summary.json").read_text())["status"] \
-            == "finished":
+    done = summary_of(out) if args.reuse else None
+    if done is not None and done["status"] == "finished":
         print(f"[bench_grpo] reusing the finished run in {out}", flush=True)
-        return json.loads((out / "summary.json").read_text())
-    cmd = [sys.executable, "-m", "rlspec.train", f"config={args.config}", f"grpo.max_steps={args.steps}",
-           f"output_dir={out}", f"drafter.drafter={drafter}", "grpo.save_steps=1000", *args.overrides]
-    print("[bench_grpo]", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    return json.loads((out / "summary.json").read_text())
+        return done
+    return train_run("bench_grpo", out, args.config, args.steps,
+                     [f"drafter.drafter={drafter}", "grpo.save_steps=1000", *args.overrides])
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--config", default="grpo_math.yaml")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--drafters", nargs="+", default=["none", "suffix", "eagle3"])
@@ -52,7 +45,7 @@ def main(argv=None):
     runs = {label: run(label, args) for label in labels}
     rows = []
     for d, s in runs.items():
-        rollout_s = sum(r.get("rollout_s") or 0 for r in s["rows"])
+        rollout_s = rollout_seconds(s)
         acc = [h.get("rollout/accept_len") for h in s["history"] if h.get("rollout/accept_len") is not None]
         warm = s.get("drafter_warm_start") or {}
         rows.append({"drafter": d, "wall_s": s["wall_s"], "warm_start_s": warm.get("seconds", 0.0),

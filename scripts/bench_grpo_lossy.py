@@ -15,15 +15,10 @@ on --eval-prompts training-task prompts, with its standard error.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from common import table, write_json
+from common import math_task, parser, png, summary_of, table, train_run, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
 CURVES = {"reward": "reward", "lossy share": "rollout/lossy_token_share",
           "TRL IS ratio mean": "sampling/importance_sampling_ratio/mean",
           "TRL IS ratio min": "sampling/importance_sampling_ratio/min", "rollout tokens/s": "rollout/tokens_per_s"}
@@ -31,13 +26,10 @@ CURVES = {"reward": "reward", "lossy share": "rollout/lossy_token_share",
 
 def run(label: str, overrides: list[str], args) -> dict:
     out = Path(args.workdir) / label
-    if args.reuse and (out / "summary.json").is_file():
-        return json.loads((out / "summary.json").read_text())
-    cmd = [sys.executable, "-m", "rlspec.train", f"config={args.config}", f"grpo.max_steps={args.steps}",
-           f"output_dir={out}", f"drafter.drafter={args.drafter}", "grpo.save_steps=1000", *args.overrides, *overrides]
-    print("[bench_grpo_lossy]", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    return json.loads((out / "summary.json").read_text())
+    if args.reuse and (done := summary_of(out)) is not None:
+        return done
+    return train_run("bench_grpo_lossy", out, args.config, args.steps,
+                     [f"drafter.drafter={args.drafter}", "grpo.save_steps=1000", *args.overrides, *overrides])
 
 
 def policy_reward(model: str, args) -> dict:
@@ -48,12 +40,10 @@ def policy_reward(model: str, args) -> dict:
     from rlspec.eval import evaluate
     from rollout.engine import RolloutEngine
     from rollout.types import SamplingParams
-    from trainers.data import make_math_dataset, prompt_token_ids
 
     engine = RolloutEngine.from_pretrained(model, max_model_len=256, max_num_seqs=64)
-    data = make_math_dataset(num_examples=args.eval_prompts, seed=args.eval_seed)
-    r = evaluate(engine, prompt_token_ids(engine.tokenizer, data["prompt"]), data["answer"],
-                 SamplingParams(temperature=1.0, max_new_tokens=128, n=4, seed=0))
+    prompts, answers = math_task(engine.tokenizer, args.eval_prompts, seed=args.eval_seed)
+    r = evaluate(engine, prompts, answers, SamplingParams(temperature=1.0, max_new_tokens=128, n=4, seed=0))
     engine.close()
     p = r["accuracy"]
     return {"reward": p, "se": math.sqrt(p * (1 - p) / r["samples"]), "samples": r["samples"]}
@@ -65,28 +55,21 @@ def thirds(values: list[float]) -> tuple[float, float]:
 
 
 def plot(curves: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.5))
-    for ax, title in zip(axes, CURVES):
-        for i, (arm, c) in enumerate(curves.items()):
-            pts = [(s, v) for s, v in zip(c["step"], c[title]) if v is not None]
-            if pts:  # a fixed colour per arm: the lossless arm has no lossy-share points
-                ax.plot(*zip(*pts), marker=".", label=arm, color=f"C{i}")
-        ax.set_title(title)
-        ax.set_xlabel("GRPO step")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    """One panel per curve of CURVES against the GRPO step, one line per arm."""
+    with png(path, 1, len(CURVES), dpi=110, figsize=(4 * len(CURVES), 3.5)) as (fig, axes):
+        for ax, title in zip(axes, CURVES):
+            for i, (arm, c) in enumerate(curves.items()):
+                pts = [(s, v) for s, v in zip(c["step"], c[title]) if v is not None]
+                if pts:  # a fixed colour per arm: the lossless arm has no lossy-share points
+                    ax.plot(*zip(*pts), marker=".", label=arm, color=f"C{i}")
+            ax.set_title(title)
+            ax.set_xlabel("GRPO step")
+            ax.grid(alpha=0.3)
+        axes[0].legend()
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--config", default="grpo_math.yaml")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--drafter", default="suffix")

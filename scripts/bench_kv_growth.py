@@ -18,9 +18,12 @@ import argparse
 import resource
 import time
 
+from common import math_prompts, parser, table, write_json  # light: main sets RLIMIT_AS before torch loads
+from bench_engine import completion_tokens
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--limit-gb", type=float, default=16.0, help="RLIMIT_AS in GiB (0: no limit)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=16, help="samples per prompt")
@@ -54,7 +57,7 @@ def run_call(engine, prompts: list[list[int]], params) -> dict:
     except (RuntimeError, MemoryError, ValueError) as e:
         return dict(ok=False, error=str(e).splitlines()[0], seconds=time.perf_counter() - t0)
     seconds, alloc, stats = time.perf_counter() - t0, engine.runner.cache.alloc, engine.stats()
-    return dict(ok=True, seconds=seconds, tokens=sum(len(r.completion_ids) for r in results),
+    return dict(ok=True, seconds=seconds, tokens=completion_tokens(results),
                 pool_gib=engine.runner.cache.nbytes() / 2**30, pool_blocks=alloc.capacity,
                 peak_blocks=stats["rollout/kv_blocks_used"], growths=alloc.stats.growths,
                 ceiling_blocks=alloc.max_blocks - 1, preemptions=stats["rollout/preemptions"])
@@ -63,8 +66,6 @@ def run_call(engine, prompts: list[list[int]], params) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     set_limit(args.limit_gb)
-    from common import math_prompts, table, write_json  # noqa: F401  (puts the repo on sys.path)
-
     from transformers import AutoConfig, AutoTokenizer
 
     from rollout.engine import RolloutEngine

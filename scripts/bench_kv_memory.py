@@ -24,23 +24,23 @@ import math
 import random
 import time
 
-from common import line_plot, table, write_json  # noqa: F401  (common puts the repo on sys.path)
+from common import line_plot, parser, table, write_json  # first: it puts the repo on sys.path
 
-import torch  # noqa: E402
+import torch
 
-from rollout.runtime.kv_budget import KVBudget  # noqa: E402
-from rollout.runtime.kv_cache import PagedKVCache, block_bytes, side_bytes  # noqa: E402
-from rollout.runtime.model.config import ModelConfig  # noqa: E402
-from rollout.runtime.kv_ledger import KVLedger  # noqa: E402
-from rollout.runtime.scheduler import Scheduler  # noqa: E402
-from rollout.runtime.sequence import Sequence  # noqa: E402
+from rollout.runtime.kv_budget import KVBudget
+from rollout.runtime.kv_cache import PagedKVCache, block_bytes, side_bytes
+from rollout.runtime.model.config import ModelConfig
+from rollout.runtime.kv_ledger import KVLedger
+from rollout.runtime.scheduler import Scheduler
+from rollout.runtime.sequence import Sequence
 
 QWEN7B = dict(num_layers=28, num_kv_heads=4, head_dim=128, hidden=3584)
 TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16, hidden=64)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=16, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=8192)

@@ -23,10 +23,9 @@ prompts than sampling does (where two runs' samples are independent draws).
 """
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import table, write_json
+from common import parser, png, table, write_json
 
 
 def judges(args) -> list[tuple[str, float]]:
@@ -99,40 +98,32 @@ def verdict(runs: dict, margin: float = 0.02) -> dict:
 def plot(runs: dict, path: str) -> None:
     """Speed-up over lossless (x) vs accuracy change with its 95% interval (y): one line per rule
     through its thresholds, whole call solid, tail dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lines: dict[str, list[str]] = {}
     for name in runs:
         if "@" in name:
             lines.setdefault(name.split("@")[0], []).append(name)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (rule, names) in enumerate(lines.items()):
-        for key, style in (("speedup", "-"), ("tail_speedup", ":")):
-            names_k = [n for n in names if runs[n][key] > 0]  # a call without a tail has no tail speed
-            xs = [runs[n][key] for n in names_k]
-            ys = [100 * runs[n]["vs_target"]["diff"] for n in names_k]
-            err = [100 * (runs[n]["vs_target"]["ci95"][1] - runs[n]["vs_target"]["diff"]) for n in names_k]
-            ax.errorbar(xs, ys, yerr=err, fmt=style, marker="os"[key != "speedup"], color=f"C{i}", capsize=3,
-                        label=f"{rule} ({'whole call' if key == 'speedup' else 'tail'})")
-            for n, x, y in zip(names_k, xs, ys):
-                ax.annotate(n.split("@")[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axhline(-2, color="grey", lw=0.8, ls="--")
-    ax.axvline(2, color="grey", lw=0.8, ls="--")
-    ax.axvline(1, color="black", lw=0.5)
-    ax.set_xlabel("rollout speed / lossless speculation")
-    ax.set_ylabel("accuracy change vs target alone (points, 95% CI)")
-    ax.set_title("lossy acceleration: speed vs accuracy (labels: thresholds)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    with png(path, figsize=(7, 4.5)) as (fig, ax):
+        for i, (rule, names) in enumerate(lines.items()):
+            for key, style in (("speedup", "-"), ("tail_speedup", ":")):
+                names_k = [n for n in names if runs[n][key] > 0]  # a call without a tail has no tail speed
+                xs = [runs[n][key] for n in names_k]
+                ys = [100 * runs[n]["vs_target"]["diff"] for n in names_k]
+                err = [100 * (runs[n]["vs_target"]["ci95"][1] - runs[n]["vs_target"]["diff"]) for n in names_k]
+                ax.errorbar(xs, ys, yerr=err, fmt=style, marker="os"[key != "speedup"], color=f"C{i}", capsize=3,
+                            label=f"{rule} ({'whole call' if key == 'speedup' else 'tail'})")
+                for n, x, y in zip(names_k, xs, ys):
+                    ax.annotate(n.split("@")[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(-2, color="grey", lw=0.8, ls="--")
+        ax.axvline(2, color="grey", lw=0.8, ls="--")
+        ax.axvline(1, color="black", lw=0.5)
+        ax.set_xlabel("rollout speed / lossless speculation")
+        ax.set_ylabel("accuracy change vs target alone (points, 95% CI)")
+        ax.set_title("lossy acceleration: speed vs accuracy (labels: thresholds)")
+        ax.legend(fontsize=8)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--prompts", type=int, default=250)
     ap.add_argument("--prompt-seed", type=int, default=1234)

@@ -11,11 +11,10 @@ speculation, final reward within noise, value loss falling, IS ratio ~1.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from bench_grpo import run
-from common import table, write_json
+from common import parser, png, rollout_seconds, table, write_json
 
 WINDOW = 10  # steps pooled for the critic's out-of-sample error
 LAST = 5  # the final reward is the mean over this many last steps (one step's 8 samples are noisy)
@@ -38,7 +37,7 @@ def result_row(label: str, s: dict) -> dict:
     rewards = [v for _, v in _series(s, "reward")]
     ratio = [v for _, v in _series(s, "sampling/importance_sampling_ratio/mean")]
     tokens = sum(h.get("rollout/generated_tokens", 0) for h in s["history"])
-    rollout_s = sum(r.get("rollout_s") or 0 for r in s["rows"])
+    rollout_s = rollout_seconds(s)
     return {"run": label, "drafter": s["config"]["drafter"]["drafter"], "wall_s": s["wall_s"], "rollout_s": rollout_s,
             "rollout_tok_s": tokens / rollout_s if rollout_s else None, "reward_first": rewards[0] if rewards else None,
             f"reward_last{LAST}": _mean(rewards[-LAST:]), "is_ratio_mean": _mean(ratio),
@@ -90,7 +89,7 @@ def _rolling_pooled_error(summary: dict, width: int = 5) -> list[tuple[int, floa
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--config", default="ppo_math.yaml")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--workdir", default="outputs/bench_ppo")
@@ -126,29 +125,21 @@ def main(argv=None):
 
 
 def plot(curves: dict, path: str) -> None:
-    """Four panels: reward, value loss, the critic's explained variance and rollout seconds per step, one
-    line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Five panels: reward, value loss, the critic's explained variance, its pooled error over 5-step windows
+    and rollout seconds per step, one line per run."""
     panels = [("reward", "mean reward"), ("loss/value", "value loss"),
-              ("val/explained_variance", "value explained variance"), ("rollout/wall_s", "rollout s")]
-    panels.insert(3, ("pooled_error", "critic error / reward var (5 steps)"))
-    fig, axes = plt.subplots(1, 5, figsize=(21, 3.5))
-    for ax, (key, label) in zip(axes, panels):
-        for run_label, series in curves.items():
-            if series[key]:
-                ax.plot(*zip(*series[key]), marker="o", markersize=3, label=run_label)
-        ax.set_xlabel("PPO step")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle("PPO on the embedded task: " + " vs ".join(curves) + " (same seed)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+              ("val/explained_variance", "value explained variance"),
+              ("pooled_error", "critic error / reward var (5 steps)"), ("rollout/wall_s", "rollout s")]
+    with png(path, 1, 5, figsize=(21, 3.5)) as (fig, axes):
+        for ax, (key, label) in zip(axes, panels):
+            for run_label, series in curves.items():
+                if series[key]:
+                    ax.plot(*zip(*series[key]), marker="o", markersize=3, label=run_label)
+            ax.set_xlabel("PPO step")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[0].legend()
+        fig.suptitle("PPO on the embedded task: " + " vs ".join(curves) + " (same seed)")
 
 
 if __name__ == "__main__":

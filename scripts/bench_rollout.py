@@ -11,19 +11,16 @@ warmup call per backend and batch size precedes each timed call. Prints a table 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import time
-from pathlib import Path
 
-# Run as `python scripts/bench_rollout.py` from anywhere: make the repo's packages importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import parser, write_json  # first: it puts the repo on sys.path
+from bench_engine import completion_tokens, hf_model, timed
 
-import torch  # noqa: E402
+import torch
 
-from rollout.runtime.model.fetch import fetch_model  # noqa: E402
+from rollout.runtime.model.fetch import fetch_model
 
 FALLBACK_QUESTIONS = [
     "What is 7 + 5?", "Tom has 3 apples and buys 4 more. How many apples does Tom have now?",
@@ -35,7 +32,7 @@ BACKENDS = ("hf", "engine")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct", help="local HF dir, hub id or embedded alias")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="prompts per generate call")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per sample (EOS is ignored)")
@@ -73,22 +70,9 @@ def build_prompts(tokenizer, count: int) -> list[list[int]]:
     return [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in convs]
 
 
-def time_call(fn, device: str) -> tuple[int, float]:
-    """(tokens generated, seconds) of one call of fn, which returns its token count."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    tokens = fn()
-    sync()
-    return tokens, time.perf_counter() - t0
-
-
 def hf_runner(path: str, dtype: torch.dtype, args: argparse.Namespace):
     """A function (prompts, max_new_tokens) -> generated token count, using HF `generate`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
-    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    tok, model = hf_model(path, dtype, args.device, padding_side="left")
     sampling = ({"do_sample": False} if args.temperature == 0 else
                 {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0})
 
@@ -113,8 +97,7 @@ def engine_runner(model: str, args: argparse.Namespace, max_batch: int):
     def run(prompts: list[list[int]], max_new_tokens: int) -> int:
         params = SamplingParams(temperature=args.temperature, max_new_tokens=max_new_tokens,
                                 seed=args.seed, ignore_eos=True)
-        results = engine.generate(prompts, params)
-        return sum(len(r.completion_ids) for r in results)
+        return completion_tokens(engine.generate(prompts, params))
 
     return run, engine
 
@@ -138,7 +121,7 @@ def measure(args: argparse.Namespace) -> dict:
             if engine is not None:
                 engine.stats()  # drop the warmup's metrics
             status(f"batch {batch:>3} {backend:<6} timed ({args.max_new_tokens} tokens x {batch})")
-            tokens, seconds = time_call(lambda: run(prompts[:batch], args.max_new_tokens), args.device)
+            tokens, seconds = timed(lambda: run(prompts[:batch], args.max_new_tokens), torch.device(args.device))
             row = {"batch": batch, "backend": backend, "tokens": tokens, "seconds": round(seconds, 4),
                    "tokens_per_s": round(tokens / seconds, 2)}
             if backend == "engine":
@@ -178,17 +161,14 @@ def status(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.workload == "longtail":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from longtail import run_longtail
 
         run_longtail(args)
         return 0
     report = measure(args)
     print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out}")
+    print()
+    write_json(args.out, report)
     return 0
 
 

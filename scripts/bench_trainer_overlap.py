@@ -25,14 +25,15 @@ import platform
 import statistics
 import time
 
-from common import math_prompts, table, write_json
+from common import math_prompts, parser, table, write_json
+from bench_engine import rotation, timed_generate, tokenizer_and_eos
 from longtail import phase_rates
 
 MODES = ("off", "thread", "process", "process_nice0", "process_tail1")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny random model, few tokens, one repetition")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4, help="rollout: prompts per rollout")
@@ -58,11 +59,7 @@ class Setup:
 
             self.hf, self.tokenizer, self.eos = make_tiny_hf("llama", seed=0), None, [2]
         else:
-            from rollout.engine import RolloutEngine
-
-            base = RolloutEngine.from_pretrained("smollm2-135m-instruct")
-            self.tokenizer, self.eos = base.tokenizer, list(base.eos_token_ids)
-            del base
+            self.tokenizer, self.eos = tokenizer_and_eos("smollm2-135m-instruct")
 
     def engine(self, spec, rows: int):
         from rollout.engine import RolloutEngine
@@ -93,8 +90,7 @@ def decode_threads(setup: Setup, args) -> list[dict]:
     runs = {(b, t): [] for b in (1, 2, 4) for t in (1, 2)}
     saved = torch.get_num_threads()
     for rep in range(args.reps):
-        keys = list(runs)
-        for b, t in keys[rep % len(keys):] + keys[:rep % len(keys)]:
+        for b, t in rotation(list(runs), rep):
             torch.set_num_threads(t)
             eng.stats()
             eng.generate(setup.prompts(b, 50 + rep), params)
@@ -112,9 +108,9 @@ def make_mode(setup: Setup, mode: str, rows: int, trainer_kwargs: dict):
     """An engine that decodes plainly but feeds a trainer placed as `mode` says."""
     import torch
 
-    from rollout.spec.drafter_training import DrafterTrainer
-    from rollout.spec.selectors.base import OFF
-    from rollout.spec.trainer_process import ProcessTrainer
+    from rollout.speculation.drafter_training import DrafterTrainer
+    from rollout.speculation.selectors.base import OFF
+    from rollout.speculation.trainer_process import ProcessTrainer
     from rollout.types import SpecConfig
 
     eng = setup.engine(SpecConfig(drafter="eagle3", online_training=False), rows)
@@ -168,16 +164,14 @@ def rollout(setup: Setup, args, engines: dict) -> list[dict]:
     names = list(engines)
     for rep in range(args.reps):
         prompts = setup.prompts(args.prompts, 100 + rep)
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in rotation(names, rep):
             eng = engines[name]
             pause_others(engines, name)
             time.sleep(1.0)  # this trainer has trained between rollouts, as in a run; others are paused
             eng.stats()
-            s0, t0 = steps_of(eng), time.perf_counter()
-            out = eng.generate(prompts, params)
-            wall = time.perf_counter() - t0
+            s0 = steps_of(eng)
+            out, tok, wall = timed_generate(eng, prompts, params)
             steps = steps_of(eng) - s0  # a process's count lags by up to its snapshot period
-            tok = sum(len(r.completion_ids) for r in out)
             results[name].append({"tokens": tok, "wall_s": wall, "tokens_per_s": tok / wall, "train_steps": steps,
                                   **phase_rates(eng.batch_trace, len(out))})
     rows = []
@@ -215,7 +209,7 @@ def policy_update(args, engines: dict) -> list[dict]:
     conds = [m for m in engines if m in ("off", "thread", "process", "process_nice0")]
     runs = {m: [] for m in conds}
     for rep in range(args.reps):
-        for name in conds[rep % len(conds):] + conds[:rep % len(conds)]:
+        for name in rotation(conds, rep):
             pause_others(engines, name)
             engines[name].speculation.set_idle(True)  # between rollouts: the trainer may train
             time.sleep(1.0)

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from common import math_prompts, table, write_json
+from common import math_prompts, parser, table, write_json
+from bench_engine import hf_model, timed_generate
 
 # name: (backend, drafter, k, selector); fixed = the long-tail policy (a per-batch-size depth table in vLLM)
 CONFIGS = {
@@ -34,7 +35,7 @@ CONFIGS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--prompts", type=int, default=16, help="P prompts per call")
@@ -54,7 +55,7 @@ def trained_drafter(model_dir: str, tokenizer, args) -> str:
     if args.drafter_path:
         return args.drafter_path
     from rollout.engine import RolloutEngine
-    from rollout.spec.warm_start import warm_start
+    from rollout.speculation.warm_start import warm_start
     from rollout.types import SpecConfig
 
     engine = RolloutEngine.from_pretrained(model_dir, spec=SpecConfig(drafter="eagle3", online_training=False),
@@ -68,16 +69,12 @@ def trained_drafter(model_dir: str, tokenizer, args) -> str:
 def run_one(args) -> dict:
     """Build one config's backend from the HF model, warm it up, time args.reps calls."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout.backend import build_backend
-    from rollout.runtime.model.fetch import fetch_model
     from rollout.types import SamplingParams, SpecConfig
 
     backend_name, drafter, k, selector = CONFIGS[args.one]
-    model_dir = fetch_model(args.model)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    tok, policy = hf_model(args.model, getattr(torch, args.dtype))
     spec = SpecConfig(drafter=drafter, num_draft_tokens=k, selector=selector, online_training=False,
                       drafter_path=args.drafter_path if drafter == "eagle3" else None)
     rows = args.prompts * args.group
@@ -89,11 +86,9 @@ def run_one(args) -> dict:
     tokens, wall = 0, 0.0
     for rep in range(args.reps):
         prompts = math_prompts(tok, args.prompts, seed=rep)
-        t = time.perf_counter()
-        out = backend.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
-                                                       n=args.group, seed=rep))
-        wall += time.perf_counter() - t
-        tokens += sum(len(r.completion_ids) for r in out)
+        params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group, seed=rep)
+        _, n, seconds = timed_generate(backend, prompts, params)
+        tokens, wall = tokens + n, wall + seconds
     s = backend.stats()
     table_ = getattr(backend, "depth_table", None)
     backend.close()

@@ -20,16 +20,13 @@ Writes JSON + PNG.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from common import line_plot, math_prompts, table, write_json
+from common import line_plot, math_prompts, parser, rollout_seconds, table, train_run, write_json
+from bench_engine import completion_tokens, hf_model, timed_generate
 
-ROOT = Path(__file__).resolve().parents[1]
 QUEUE_S = 0.002  # driver work per task (ray.wait + submit + a hub poll): an assumption, not measured here
 
 
@@ -51,15 +48,14 @@ def longtail(args, hf, tok, params) -> dict:
         t0 = time.perf_counter()
         out = pool.generate(prompts, params)
         s = pool.stats()
-        rows["pool 2x1"].append(dict(wall_s=time.perf_counter() - t0, tokens=sum(len(r.completion_ids) for r in out),
+        rows["pool 2x1"].append(dict(wall_s=time.perf_counter() - t0, tokens=completion_tokens(out),
                                      tail_s=s["workers/tail_s"], busy_share=s["workers/busy_share"],
                                      tasks=(s["workers/tasks_min"], s["workers/tasks_max"])))
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, params)
-        trace, wall = engine.batch_trace, time.perf_counter() - t0
+        out, tokens, wall = timed_generate(engine, prompts, params)
+        trace = engine.batch_trace
         engine.stats()
         tail_at = next((t for t, live, _, _ in trace if live <= max(1, len(out) // 4)), wall)
-        rows["engine 1x2"].append(dict(wall_s=wall, tokens=sum(len(r.completion_ids) for r in out), tail_s=wall - tail_at))
+        rows["engine 1x2"].append(dict(wall_s=wall, tokens=tokens, tail_s=wall - tail_at))
         print(f"[workers] rep {rep}: pool {rows['pool 2x1'][-1]['wall_s']:.1f} s, engine {wall:.1f} s", flush=True)
     costs = _costs(pool, hf, args)
     pool.close()
@@ -106,14 +102,9 @@ def spot(args, hf, tok, params) -> dict:
 def grpo(args) -> dict:
     runs = {}
     for label, extra in (("engine", []), ("ray x2", ["rollout.workers=2"])):
-        work = Path(args.workdir) / label.replace(" ", "_")
-        cmd = [sys.executable, "-m", "rlspec.train", "config=grpo_math.yaml", f"grpo.max_steps={args.grpo_steps}",
-               f"output_dir={work}", "grpo.save_steps=1000", *extra, *args.grpo_overrides]
-        print("[workers]", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        s = json.loads((work / "summary.json").read_text())
-        runs[label] = {"wall_s": s["wall_s"], "tokens_per_s": s["tokens_per_s"],
-                       "rollout_s": sum(r.get("rollout_s") or 0 for r in s["rows"])}
+        s = train_run("workers", Path(args.workdir) / label.replace(" ", "_"), "grpo_math.yaml", args.grpo_steps,
+                      ["grpo.save_steps=1000", *extra, *args.grpo_overrides])
+        runs[label] = {"wall_s": s["wall_s"], "tokens_per_s": s["tokens_per_s"], "rollout_s": rollout_seconds(s)}
     return runs
 
 
@@ -146,7 +137,7 @@ def project(lt: dict, args) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompts", type=int, default=16)
@@ -166,16 +157,12 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import ray
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.runtime.model.fetch import fetch_model
     from rollout.types import SamplingParams
     from rollout.workers.cluster import connect
 
     connect(num_cpus=2)  # a loopback-only local cluster, no dashboard
-    path = fetch_model(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    tok, hf = hf_model(args.model, "float32")
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group, seed=0)
     report = {"config": vars(args), "longtail": longtail(args, hf, tok, params)}
     report["spot"] = spot(args, hf, tok, params) if args.spot_steps > 0 else {}

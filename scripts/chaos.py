@@ -16,7 +16,6 @@ what was lost, and whether the continued run equals the straight one.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,9 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import table, write_json
+from common import ROOT, parser, summary_of, table, write_json
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS, SAVE_STEPS = 4, 2
 BASE = ["config=grpo_math.yaml", "dtype=float32", f"grpo.max_steps={STEPS}", f"grpo.save_steps={SAVE_STEPS}",
         "grpo.save_total_limit=2", "grpo.max_completion_length=48", "grpo.learning_rate=1e-4",
@@ -42,7 +40,6 @@ def child(argv: list[str]) -> int:
     """rlspec.train.main(argv) plus the hooks: <output_dir>.step-<k> is written when step k begins;
     CHAOS_NAN_AT_STEP=k puts a NaN into NAN_PARAM when step k begins (CHAOS_NAN_HEAL=1 restores it
     when the step ends: a transient fault)."""
-    sys.path.insert(0, str(REPO))
     import rlspec.train as train
     from transformers import TrainerCallback
 
@@ -85,13 +82,13 @@ class Run:
 
     def __init__(self, out: Path, extra: list[str] = (), env: dict | None = None):
         self.out, self.extra = out, list(extra)
-        env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false",
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false",
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
         for var in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_DIR"):
             env.pop(var, None)
         self.log = out.parent / f"{out.name}.log"
         self.proc = subprocess.Popen([sys.executable, __file__, "--child", *BASE, f"output_dir={out}", *self.extra],
-                                     cwd=REPO, env=env, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
+                                     cwd=ROOT, env=env, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 900) -> int:
         return self.proc.wait(timeout=timeout)
@@ -112,10 +109,8 @@ class Run:
 
 
 def history(out: Path) -> dict[int, float]:
-    summary = out / "summary.json"
-    if not summary.is_file():
-        return {}
-    return {h["step"]: h["reward"] for h in json.loads(summary.read_text())["history"] if "reward" in h}
+    summary = summary_of(out)
+    return {} if summary is None else {h["step"]: h["reward"] for h in summary["history"] if "reward" in h}
 
 
 def max_weight_diff(a: Path, b: Path) -> float:
@@ -183,7 +178,7 @@ def _signal_fault(work: Path, straight: Path, sig: signal.Signals) -> dict:
     time.sleep(1.0)
     run.proc.send_signal(sig)
     rc = run.wait()
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    summary = summary_of(out) or {}
     return {"fault": sig.name, "injected": "during step 2 (no checkpoint yet)", "exit_code": rc,
             "user_saw": run.said(), "status": summary.get("status"), "checkpoints_after_fault": complete_checkpoints(out),
             "lost": "nothing" if "checkpoint-2" in complete_checkpoints(out) else "steps since the last checkpoint",
@@ -223,7 +218,7 @@ def fault_nan_skip_batch(work: Path, straight: Path) -> dict:
     out = work / "nan_skip"
     run = Run(out, ["on_nonfinite=skip_batch"], env={"CHAOS_NAN_AT_STEP": "3", "CHAOS_NAN_HEAL": "1"})
     rc = run.wait()
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    summary = summary_of(out) or {}
     skipped = [h.get("rollout/nonfinite_skipped") for h in summary.get("history", []) if "rollout/nonfinite_skipped" in h]
     return {"fault": f"NaN in {NAN_PARAM}, gone after one step", "injected": "step 3 (on_nonfinite=skip_batch)",
             "exit_code": rc, "user_saw": run.said(), "status": summary.get("status"), "skipped_logged": skipped,
@@ -256,7 +251,6 @@ def fault_long_prompt(work: Path, straight: Path) -> dict:
 
 
 def fault_unsupported_model(work: Path, straight: Path) -> dict:
-    sys.path.insert(0, str(REPO))
     from rollout.runtime.model.fetch import fetch_model
 
     model = work / "longrope_model"
@@ -279,7 +273,7 @@ FAULTS = {f.__name__[len("fault_"):]: f for f in (
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--only", default="", help=f"comma-separated faults (default: all of {','.join(FAULTS)})")
     p.add_argument("--workdir", default="outputs/chaos")
     p.add_argument("--out", default="bench_out/chaos.json")

@@ -14,20 +14,15 @@ cold_bytes_per_token}}.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 
-# Run as `python scripts/drafter_speed.py` from anywhere: make the repo's packages importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import parser, write_json  # first: it puts the repo on sys.path
 
-from rollout.spec.drafters.base import make_drafter  # noqa: E402
-from rollout.spec.drafters.ngram import NgramIndex  # noqa: E402
-from rollout.runtime.sequence import Sequence  # noqa: E402
+from rollout.speculation.drafters.base import make_drafter
+from rollout.speculation.drafters.ngram import NgramIndex
+from rollout.runtime.sequence import Sequence
 
 
 def phrase_text(rng: random.Random, bank: list[list[int]], n: int, noise: float = 0.2) -> list[int]:
@@ -112,7 +107,7 @@ def suffix_memory(rng, bank, doc_len: int = 500) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=32, help="live sequences proposed for each step")
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (GRPO group size)")
     ap.add_argument("--seq-len", type=int, default=300, help="prompt + completion tokens at the end")
@@ -138,9 +133,7 @@ def main() -> None:
     memory = suffix_memory(rng, bank)
     print(f"suffix memory: indexed {memory['indexed_bytes_per_token']:.0f} bytes/token, "
           f"cold history {memory['cold_bytes_per_token']:.1f} bytes/token")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": vars(args), "results": results, "memory": memory}, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, {"config": vars(args), "results": results, "memory": memory})
 
 
 if __name__ == "__main__":

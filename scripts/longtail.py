@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 
-from common import math_prompts, table, write_json
+from common import math_prompts, png, table, write_json
+from bench_engine import hf_model, rotation, timed_generate, tokenizer_and_eos
 
 CONFIGS = {
     # name: (drafter, k, width, selector); "always" forces speculation at every live batch size
@@ -66,22 +67,18 @@ def make_engine(name, path, dtype, tokenizer, eos, rows, drafter_path=None):
 def run_engine(eng, prompts, params, tail_live: int | None = None) -> dict:
     """One timed rollout: tokens, wall time and the per-phase figures of its batch trace."""
     eng.stats()
-    t0 = time.perf_counter()
-    out = eng.generate(prompts, params)
-    wall = time.perf_counter() - t0
+    out, tokens, wall = timed_generate(eng, prompts, params)
     trace = list(eng.batch_trace)
     s = eng.stats()
-    return {"tokens": sum(len(r.completion_ids) for r in out), "wall_s": wall, "trace": trace,
+    return {"tokens": tokens, "wall_s": wall, "trace": trace,
             "accept_len": s.get("rollout/accept_len", 1.0), "spec_share": s.get("rollout/spec_step_share", 0.0),
             **phase_rates(trace, len(out), tail_live)}
 
 
 def hf_generator(path, dtype, params, seed):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
+    tok, model = hf_model(path, dtype, padding_side="left")
 
     def gen(ps) -> dict:
         batch = tok.pad({"input_ids": [p for p in ps for _ in range(params.n)]}, return_tensors="pt")
@@ -118,15 +115,12 @@ def aggregate(name: str, reps: list[dict]) -> dict:
 def run_longtail(args) -> dict:
     import torch
 
-    from rollout.engine import RolloutEngine
     from rollout.runtime.model.fetch import fetch_model
     from rollout.types import SamplingParams
 
     torch.manual_seed(0)
     path = fetch_model(args.model)
-    base = RolloutEngine.from_pretrained(path, dtype=args.dtype)
-    tokenizer, eos = base.tokenizer, list(base.eos_token_ids)
-    del base
+    tokenizer, eos = tokenizer_and_eos(path, args.dtype)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group, seed=args.seed)
     rows = args.prompts * args.group
     runners = {}
@@ -141,8 +135,7 @@ def run_longtail(args) -> dict:
     for rep in range(args.reps):
         # fresh prompts each repetition (no config sees a prompt twice), configs in rotating order
         prompts = math_prompts(tokenizer, args.prompts, seed=100 + rep)
-        order = args.configs[rep % len(args.configs):] + args.configs[:rep % len(args.configs)]
-        for name in order:
+        for name in rotation(args.configs, rep):
             res = runners[name](prompts) if name == "hf" else run_engine(runners[name], prompts, params, args.tail_live)
             results[name].append(res)
             if "trace" in res and rep == 0:
@@ -167,27 +160,20 @@ def run_longtail(args) -> dict:
 
 
 def plot(rows, traces, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    names = [r["config"] for r in rows]
-    x = range(len(rows))
-    for off, key in ((-0.25, "tokens_per_s"), (0.0, "full_tokens_per_s"), (0.25, "tail_tokens_per_s")):
-        a.bar([i + off for i in x], [r.get(key, 0) for r in rows], width=0.25, label=key.replace("_tokens_per_s", "")
-              .replace("tokens_per_s", "overall"))
-    a.set_xticks(list(x), names, rotation=30, ha="right")
-    a.set_ylabel("tokens/s")
-    a.legend()
-    a.set_title("long-tail rollout throughput")
-    for name, tr in traces.items():
-        b.step([t for t, *_ in tr], [live for _, live, *_ in tr], where="post", label=name)
-    b.set_xlabel("seconds into the rollout")
-    b.set_ylabel("live sequences")
-    b.legend()
-    b.set_title("live batch over time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    """Tokens/s per config (overall, full batch, tail) and each config's live batch over its first rollout."""
+    with png(path, 1, 2, dpi=110, figsize=(12, 4)) as (fig, (a, b)):
+        names = [r["config"] for r in rows]
+        x = range(len(rows))
+        for off, key in ((-0.25, "tokens_per_s"), (0.0, "full_tokens_per_s"), (0.25, "tail_tokens_per_s")):
+            a.bar([i + off for i in x], [r.get(key, 0) for r in rows], width=0.25,
+                  label=key.replace("_tokens_per_s", "").replace("tokens_per_s", "overall"))
+        a.set_xticks(list(x), names, rotation=30, ha="right")
+        a.set_ylabel("tokens/s")
+        a.legend()
+        a.set_title("long-tail rollout throughput")
+        for name, tr in traces.items():
+            b.step([t for t, *_ in tr], [live for _, live, *_ in tr], where="post", label=name)
+        b.set_xlabel("seconds into the rollout")
+        b.set_ylabel("live sequences")
+        b.legend()
+        b.set_title("live batch over time")

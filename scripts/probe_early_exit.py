@@ -12,13 +12,12 @@ would yield at that per-position acceptance a, sum_{i=0..k} a^i (independent pos
 """
 from __future__ import annotations
 
-import argparse
-
-from common import math_prompts, table, write_json
+from common import math_prompts, parser, table, write_json
+from bench_engine import hf_model
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=192)
@@ -28,13 +27,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.runtime.model.fetch import fetch_model
-
-    path = fetch_model(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    tok, model = hf_model(args.model, getattr(torch, args.dtype))
     L = model.config.num_hidden_layers
     layers = sorted({L // 2, L - 6, L - 3, L - 2, L - 1})
     overlap, entropy = {l: [] for l in layers}, []

@@ -10,13 +10,11 @@ an EAGLE-3 directory (vLLM/SGLang format) that a run loads with `drafter.drafter
 """
 from __future__ import annotations
 
-import argparse
-
-from common import math_prompts, write_json
+from common import math_prompts, parser, write_json
 
 
 def main(argv=None) -> str:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=8)
@@ -29,9 +27,9 @@ def main(argv=None) -> str:
     args = p.parse_args(argv)
 
     from rlspec.export import export_drafter
-    from rollout.spec.drafter_training import DrafterTrainer
+    from rollout.speculation.drafter_training import DrafterTrainer
     from rollout.engine import RolloutEngine
-    from rollout.spec.selectors.longtail import OFF
+    from rollout.speculation.selectors.longtail import OFF
     from rollout.types import SamplingParams, SpecConfig
 
     spec = SpecConfig(drafter="eagle3", online_training=False, draft_vocab_size=args.draft_vocab_size)
