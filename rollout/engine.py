@@ -22,7 +22,7 @@ from rollout.runtime.scheduler import Scheduler
 from rollout.speculation.draft_batch import DraftBatch, build_draft_batch
 from rollout.speculation.drafters.base import Drafter
 from rollout.eos import resolve_eos
-from rollout.limits import check_prompt_lengths, prompt_too_long_error
+from rollout.limits import check_request
 from rollout.metrics import RolloutMetrics
 from rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
 from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
@@ -138,7 +138,7 @@ class RolloutEngine:
                  use_tqdm: bool = False) -> list[RolloutResult]:
         """Sample params.n completions per prompt; one flat list, prompt-major, in order."""
         params = params or SamplingParams()
-        self._validate(prompt_token_ids, params)
+        check_request(prompt_token_ids, params, self.max_model_len, self.max_num_seqs, self.model.cfg.vocab_size)
         # the generator lives where sampling happens: on the engine's device
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else None
         stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -170,7 +170,9 @@ class RolloutEngine:
                 self._retire(ctx)
         if ctx.bar is not None:
             ctx.bar.close()
-        self._record_call(seqs, time.perf_counter() - ctx.t0, sched)
+        pool = self.runner.cache  # after any growth during the call
+        self._pool = (pool.nbytes() / 2**20, float(pool.alloc.capacity))
+        self._metrics.record_call(seqs, time.perf_counter() - ctx.t0, pool.alloc.stats, sched.preemptions)
         self.verifier.record(seqs)
         self._signal_idle(True)  # between rollouts the drafter may train
         if self.free_kv_between_rollouts:
@@ -372,35 +374,6 @@ class RolloutEngine:
     def _draft_slack(self) -> int:
         """Extra cache positions so padded drafts never write past the buffer (a drafted step included)."""
         return 1 + max(self.speculation.max_nodes, self.proposer.extra_nodes)
-
-    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if not prompts:
-            raise ValueError("generate() needs at least one prompt")
-        if params.n > self.max_num_seqs:
-            raise ValueError(f"n={params.n} samples per prompt exceed max_num_seqs={self.max_num_seqs}; "
-                             "raise max_num_seqs")
-        long = check_prompt_lengths(prompts, self.max_model_len)
-        if long:
-            raise prompt_too_long_error([(i, len(prompts[i])) for i in long], self.max_model_len, total=len(prompts))
-        vocab = self.model.cfg.vocab_size
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab})")
-
-    def _record_call(self, seqs: list[Sequence], seconds: float, sched: Scheduler) -> None:
-        m = self._metrics
-        stats = self.runner.cache.alloc.stats
-        self._pool = (self.runner.cache.nbytes() / 2**20, float(self.runner.cache.alloc.capacity))
-        m.kv_blocks_used = max(m.kv_blocks_used, stats.peak_used)
-        m.kv_shared_blocks += stats.shared_refs
-        m.preemptions += sched.preemptions
-        m.time_s += seconds
-        m.generate_calls += 1
-        m.sequences += len(seqs)
-        m.generated_tokens += sum(len(s.completion_ids) for s in seqs)
-        m.completion_lens.extend(len(s.completion_ids) for s in seqs)
 
 
 def _progress(total: int, enabled: bool):

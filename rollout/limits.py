@@ -39,3 +39,20 @@ def prompt_too_long_error(offending: Sequence[tuple[int, int]], max_model_len: i
     return PromptTooLongError(
         f"{len(offending)}{of} prompt(s) too long: {shown}{more} but {where} context is {max_model_len} tokens "
         f"(max_model_len), leaving {room}; raise max_model_len (rollout.max_model_len in a config) {fix}")
+
+
+def check_request(prompts: Sequence[Sequence[int]], params, max_model_len: int, max_num_seqs: int, vocab: int) -> None:
+    """What generate() refuses before any work: no prompt, more samples per prompt than rows, a prompt too long
+    (the rule above), an empty prompt, a token id outside the vocabulary."""
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt")
+    if params.n > max_num_seqs:
+        raise ValueError(f"n={params.n} samples per prompt exceed max_num_seqs={max_num_seqs}; raise max_num_seqs")
+    long = check_prompt_lengths(prompts, max_model_len)
+    if long:
+        raise prompt_too_long_error([(i, len(prompts[i])) for i in long], max_model_len, total=len(prompts))
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab})")

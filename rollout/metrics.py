@@ -45,6 +45,17 @@ class RolloutMetrics:
     # per decode step: (seconds into the call, live batch, tokens emitted, speculated)
     batch_trace: list[tuple[float, int, int, bool]] = field(default_factory=list)
 
+    def record_call(self, seqs, seconds: float, blocks, preemptions: int) -> None:
+        """A finished generate call: its sequences, wall time, the block allocator's stats, preemptions."""
+        self.kv_blocks_used = max(self.kv_blocks_used, blocks.peak_used)
+        self.kv_shared_blocks += blocks.shared_refs
+        self.preemptions += preemptions
+        self.time_s += seconds
+        self.generate_calls += 1
+        self.sequences += len(seqs)
+        self.generated_tokens += sum(len(s.completion_ids) for s in seqs)
+        self.completion_lens.extend(len(s.completion_ids) for s in seqs)
+
     def record_verify(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
         self.steps += 1
         if sum(drafted) == 0:
