@@ -32,7 +32,8 @@ from rollout.runtime.runner import ModelRunner
 from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
 from rollout.runtime.sequence import Sequence
 from rollout.speculation.speculation import Speculation, build_speculation
-from rollout.speculation.strategies import ExactVerifier, Proposer, Provenance, SelectorProposer, StepVerdict, Verifier
+from rollout.registry import STRATEGIES
+from rollout.speculation.strategies import Proposer, Provenance, StepVerdict, Verifier
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 
 
@@ -293,6 +294,9 @@ class RolloutEngine:
         """Raise NonFiniteLogitsError when a row's flag (from the step's one host transfer) says non-finite."""
         rows = bad_rows(flags)
         if rows:
+            # the pool now holds the non-finite keys and values this step wrote; a later call would read them
+            # at masked positions, where attention weighs them by 0, and 0 x NaN is NaN: start it afresh
+            self.release_kv()
             raise nonfinite_error(self.model, rows, step, where, seqs)
 
     def _commit(self, live, step: "_Step", is_chain: bool, ctx: "_Call") -> int:
@@ -415,15 +419,9 @@ class _Step:
 
 
 def build_strategies(spec: SpecConfig, model, tokenizer, speculation: Speculation) -> tuple[Proposer, Verifier]:
-    """The config's proposer and verifier: lossless speculation unless SpecConfig opts into a lossy mode
-    (judge verification or step routing), whose one LossyControl plays both roles (its router's state
-    spans a step's proposal and its verdict)."""
-    if not spec.lossy:
-        return SelectorProposer(speculation), ExactVerifier()
-    from rollout.lossy.control import LossyControl
-
-    control = LossyControl(spec, model, tokenizer, speculation)
-    return control, control
+    """The config's proposer and verifier (rollout/registry.py STRATEGIES): lossless speculation unless
+    SpecConfig opts into a lossy mode (judge verification or step routing)."""
+    return STRATEGIES.build("lossy" if spec.lossy else "exact", spec, model, tokenizer, speculation)
 
 
 def _to_host(*columns: torch.Tensor) -> list[list[float]]:

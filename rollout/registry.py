@@ -1,4 +1,5 @@
-"""One small registry class, used once per concept (drafters, selectors).
+"""One small registry class, used once per concept: drafters (what proposes tokens), selectors (which arm
+a decode step takes) and strategies (the proposer + verifier pair a decode step runs).
 
 A name maps to a factory plus metadata (e.g. whether a drafter is learned). Built-in plug-ins are
 listed here by name and module, so names validate without importing torch (config parsing stays
@@ -59,3 +60,6 @@ DRAFTERS = Registry("drafter", {"ngram": "rollout.speculation.drafters.ngram", "
 # factory(spec, drafter names (the first is the default), learned drafter names) -> Selector
 SELECTORS = Registry("selector", {"fixed": "rollout.speculation.selectors.longtail", "adaptive": "rollout.speculation.selectors.bandit",
                                   "always": "rollout.speculation.selectors.forced"})
+# factory(spec, model, tokenizer, speculation) -> (Proposer, Verifier) (rollout/speculation/strategies.py): "exact"
+# is lossless speculation, "lossy" the judge / step-routing pair; the engine takes "lossy" when SpecConfig.lossy
+STRATEGIES = Registry("strategy", {"exact": "rollout.speculation.strategies", "lossy": "rollout.lossy.control"})

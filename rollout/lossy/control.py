@@ -25,6 +25,7 @@ from rollout.lossy.judge import JUDGE, TARGET, judge_accepts, judge_labels, judg
 from rollout.lossy.router import agreement_labels, likelihood_scores, step_features
 from rollout.config_checks import DRAFT_MODEL_PREFIX
 from rollout.lossy.steps import StepBoundary
+from rollout.registry import STRATEGIES
 from rollout.speculation.drafters.base import Draft
 from rollout.speculation.strategies import ExactVerifier, Provenance, chain_verdict
 from rollout.types import LOSSY_SOURCES, TOKEN_SOURCES
@@ -234,6 +235,13 @@ class LossyControl:
             out["rollout/router_head_labels"] = float(self.router_head.seen)
         self._reset_counters()
         return out
+
+
+@STRATEGIES.register("lossy")
+def _lossy(spec, model, tokenizer, speculation) -> tuple[LossyControl, LossyControl]:
+    """One object in both roles: the router's state spans a step's proposal and its verdict."""
+    control = LossyControl(spec, model, tokenizer, speculation)
+    return control, control
 
 
 @contextmanager

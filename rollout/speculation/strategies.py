@@ -9,8 +9,8 @@ with which law each emitted token was drawn. The engine's decode step is the sam
 Lossless speculation is `SelectorProposer` (the selector's arm: no draft, a chain or a tree of the
 suffix / n-gram / EAGLE-3 drafters) + `ExactVerifier` (rollout/speculation/verify.py). The lossy modes
 (rollout/lossy/control.py: judge verification, Arbitrage step routing) are one more proposer and
-verifier pair, picked by the config (rollout/engine.py, `build_strategies`); the engine never branches on
-them.
+verifier pair; both pairs are registered in rollout/registry.py's STRATEGIES and picked by the config
+(rollout/engine.py, `build_strategies`): the engine never branches on them.
 
 What a verifier wants on the host besides the accepted tokens (a lossy mode's token sources and
 behaviour logprobs) rides in the step's one transfer: `StepVerdict.columns` are [B, c] device
@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from rollout.registry import STRATEGIES
 from rollout.speculation.draft_batch import DraftBatch
 from rollout.speculation.drafters.base import Draft
 from rollout.speculation.selectors.base import Arm
@@ -131,3 +132,7 @@ def chain_verdict(v, N: int, columns: tuple[torch.Tensor, ...] = ()) -> StepVerd
     steps = torch.arange(1, N + 1, device=v.accepted.device)[None, :].expand(len(v.accepted), N)
     return StepVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token, columns)
 
+
+@STRATEGIES.register("exact")
+def _exact(spec, model, tokenizer, speculation) -> tuple[SelectorProposer, ExactVerifier]:
+    return SelectorProposer(speculation), ExactVerifier()

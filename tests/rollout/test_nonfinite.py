@@ -114,3 +114,24 @@ def test_finite_flags_see_nan_and_both_infinities():
     logits[3, 1, 7] = float("-inf")
     assert finite_flags(logits).tolist() == [True, False, False, False, True]
     assert finite_flags(logits[:, 0]).tolist() == [True, True, False, True, True]
+
+
+@pytest.mark.parametrize("drafter", [None, "suffix"], ids=["plain", "suffix"])
+def test_after_a_transient_nan_the_next_call_equals_a_clean_engine(drafter):
+    """A NaN weight mid-rollout, then the weight restored (on_nonfinite=skip_batch's situation): the next call
+    samples exactly what an engine that never saw the NaN samples. The NaN keys and values the failed call
+    wrote must not survive in the KV pool, where masked attention would read them as 0 x NaN."""
+    eng, clean = _engine(drafter), _engine(drafter)
+    weight = eng.model.model.layers[0].mlp.gate_up_proj.weight
+    saved = weight.detach().clone()
+    shapes = _poison_after(eng, 3, weight)
+    with pytest.raises(NonFiniteLogitsError):
+        eng.generate(PROMPTS, SAMPLED)
+    eng.runner.step = type(eng.runner).step.__get__(eng.runner)  # the poisoning hook off
+    with torch.no_grad():
+        weight.copy_(saved)
+    assert len(shapes) > 3
+    if drafter:  # the failed call left no history: the clean engine sees the same first call
+        eng.speculation.load_state_dict(clean.speculation.state_dict())
+    got, want = eng.generate(PROMPTS, SAMPLED), clean.generate(PROMPTS, SAMPLED)
+    assert [r.completion_ids for r in got] == [r.completion_ids for r in want]
