@@ -17,22 +17,22 @@ from dataclasses import dataclass
 import torch
 
 import rollout.metrics as M
-from rollout.runtime.kv_ledger import KVLedger
-from rollout.runtime.scheduler import Scheduler
-from rollout.speculation.draft_batch import DraftBatch, build_draft_batch
-from rollout.speculation.drafters.base import Drafter
 from rollout.eos import resolve_eos
 from rollout.limits import check_request
 from rollout.metrics import RolloutMetrics
 from rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
+from rollout.registry import STRATEGIES
 from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
+from rollout.runtime.kv_ledger import KVLedger
 from rollout.runtime.model import loader
 from rollout.runtime.model.config import check_window
 from rollout.runtime.runner import ModelRunner
 from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
+from rollout.runtime.scheduler import Scheduler
 from rollout.runtime.sequence import Sequence
+from rollout.speculation.draft_batch import DraftBatch, build_draft_batch
+from rollout.speculation.drafters.base import Drafter
 from rollout.speculation.speculation import Speculation, build_speculation
-from rollout.registry import STRATEGIES
 from rollout.speculation.strategies import Proposer, Provenance, StepVerdict, Verifier
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 

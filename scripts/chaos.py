@@ -87,6 +87,7 @@ class Run:
         for var in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_DIR"):
             env.pop(var, None)
         self.log = out.parent / f"{out.name}.log"
+        self.start = self.log.stat().st_size if self.log.exists() else 0  # a resumed run appends: read its part
         self.proc = subprocess.Popen([sys.executable, __file__, "--child", *BASE, f"output_dir={out}", *self.extra],
                                      cwd=ROOT, env=env, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
 
@@ -103,7 +104,10 @@ class Run:
     def said(self) -> str:
         """The lines a user reads first: rlspec's own messages (not the Trainer's logging)."""
         keep = ("rlspec", "Error", "error:", "refused", "skips", "resuming", "dropped", "SIG")
-        lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines()
+        with self.log.open("rb") as f:
+            f.seek(self.start)
+            text = f.read().decode(errors="replace")
+        lines = [ln.strip() for ln in text.replace("\r", "\n").splitlines()
                  if not ln.startswith("rlspec.train: model ")]
         return " | ".join(ln[:400] for ln in lines if any(k in ln for k in keep) and "Warning" not in ln)[-1500:]
 

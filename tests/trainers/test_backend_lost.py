@@ -45,7 +45,6 @@ def test_backend_lost_checkpoints_the_last_step_and_resume_matches_a_straight_ru
     straight = _grpo(_fresh_model(char_tokenizer), char_tokenizer, tmp_path / "straight", "stop", save_steps=100)
     straight.train()
     straight.engine.close()
-    moved = False
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.allclose(a, b, atol=1e-5, rtol=0), name
     rewards = lambda t: {h["step"]: h["reward"] for h in t.state.log_history if "reward" in h}  # noqa: E731
