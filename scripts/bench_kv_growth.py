@@ -11,11 +11,14 @@ which is expected to fail to allocate under the limit. Writes bench_out/kv_growt
     python scripts/bench_kv_growth.py                     # 16 prompts x 16 samples, 4096 new tokens, 16 GiB
     python scripts/bench_kv_growth.py --fixed-rows-x-cap  # the rows x cap pool under the same limit
     python scripts/bench_kv_growth.py --prompts 2 --n 4 --max-new-tokens 8   # smoke: seconds
+    python scripts/bench_kv_growth.py --time-limit-s 900  # report the pool after 15 min, the call still running
 """
 from __future__ import annotations
 
 import argparse
+import os
 import resource
+import threading
 import time
 
 from common import math_prompts, parser, table, write_json  # light: main sets RLIMIT_AS before torch loads
@@ -33,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fixed-rows-x-cap", action="store_true", help="a fixed pool of rows x cap blocks instead")
+    p.add_argument("--time-limit-s", type=float, default=0, help="stop watching after this long and report the "
+                   "pool as it stands, the call still running (0: wait for the call to finish)")
     p.add_argument("--out", default="bench_out/kv_growth.json")
     return p.parse_args(argv)
 
@@ -49,13 +54,30 @@ def vm_gib(field: str = "VmSize") -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 2**20
 
 
-def run_call(engine, prompts: list[list[int]], params) -> dict:
-    """One generate call: what its pool did, or the error that stopped it."""
-    t0 = time.perf_counter()
-    try:
-        results = engine.generate(prompts, params, use_tqdm=True)
-    except (RuntimeError, MemoryError, ValueError) as e:
+def run_call(engine, prompts: list[list[int]], params, time_limit_s: float = 0) -> dict:
+    """One generate call: what its pool did, or the error that stopped it. With a time limit the call runs in a
+    thread and, if it is still running then, the pool is reported as it stands (ok "running"): at T=1 a few
+    samples of the embedded model ramble to the 4096-token cap, which takes over an hour on 2 CPU cores."""
+    t0, box = time.perf_counter(), {}
+
+    def call():
+        try:
+            box["results"] = engine.generate(prompts, params, use_tqdm=True)
+        except (RuntimeError, MemoryError, ValueError) as e:
+            box["error"] = e
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(time_limit_s or None)
+    if worker.is_alive():
+        alloc = engine.runner.cache.alloc
+        return dict(ok="running", seconds=time.perf_counter() - t0, pool_gib=engine.runner.cache.nbytes() / 2**30,
+                    pool_blocks=alloc.capacity, peak_blocks=alloc.stats.peak_used, growths=alloc.stats.growths,
+                    ceiling_blocks=alloc.max_blocks - 1)
+    if "error" in box:
+        e = box["error"]
         return dict(ok=False, error=str(e).splitlines()[0], seconds=time.perf_counter() - t0)
+    results = box["results"]
     seconds, alloc, stats = time.perf_counter() - t0, engine.runner.cache.alloc, engine.stats()
     return dict(ok=True, seconds=seconds, tokens=completion_tokens(results),
                 pool_gib=engine.runner.cache.nbytes() / 2**30, pool_blocks=alloc.capacity,
@@ -89,14 +111,16 @@ def main(argv=None) -> dict:
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=args.n, seed=args.seed)
     print(f"{rows} sequences, cap {args.max_new_tokens}, RLIMIT_AS {args.limit_gb:g} GiB, "
           f"VmSize {report['vm_after_model_gib']:.2f} GiB after the model; generating...", flush=True)
-    report.update(run_call(engine, prompts, params))
+    report.update(run_call(engine, prompts, params, args.time_limit_s))
     report["vm_peak_gib"] = vm_gib("VmPeak")
     cols = [c for c in ("ok", "rows_x_cap_gib", "pool_gib", "pool_blocks", "peak_blocks", "ceiling_blocks", "growths",
                         "preemptions", "tokens", "seconds", "vm_after_model_gib", "vm_peak_gib") if c in report]
     print(table([report], cols))
-    if not report["ok"]:
+    if report["ok"] is False:
         print("error:", report["error"])
     write_json(args.out, report)
+    if report["ok"] == "running":
+        os._exit(0)  # the call's thread is still decoding: leave without waiting for it
     return report
 
 
