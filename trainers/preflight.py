@@ -60,7 +60,8 @@ def check_dataset_prompts(dataset, tokenizer, max_model_len: int, *, max_new_tok
         raise prompt_too_long_error(
             [(i, lengths[i]) for i in long], max_model_len, total=len(lengths), where="the rollout engine's",
             min_new_tokens=max_new_tokens_min,
-            fix=f"or drop these {len(long)} rows before training (data.drop_long_prompts: true)")
+            fix=f"or drop {'this row' if len(long) == 1 else f'these {len(long)} rows'} before training "
+                "(data.drop_long_prompts: true)")
     bad = set(long)
     kept = dataset.select([i for i in range(len(lengths)) if i not in bad])
     logger.warning("dropped %d of %d prompts with no room for %d new token(s) in the rollout context of %d tokens",
