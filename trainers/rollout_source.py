@@ -42,17 +42,16 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
     engine_kwargs = dict(engine_kwargs)
     bucket_mb = engine_kwargs.pop("sync_bucket_mb", None) or DEFAULT_BUCKET_MB
     built_here = engine is None
-    context = getattr(engine, "max_model_len", None)
+    context = None  # the engine's own max_model_len unless we build it (a Ray pool does not expose one)
     if built_here:
         defaults = dict(max_model_len=max_model_len or default_max_model_len(policy), max_num_seqs=max_num_seqs)
         context = {**defaults, **engine_kwargs}["max_model_len"]
         engine = build_engine(policy, tokenizer, spec_config, defaults, engine_kwargs)
     # An engine built from the policy right now already holds step-0 weights: no first push needed.
-    source = RolloutSource(engine, trainer.accelerator, trainer.state.global_step if built_here else None,
-                           seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
-                           profile=lambda name: profiling_context(trainer, name), bucket_bytes=int(bucket_mb * 2**20))
-    source.max_model_len = context
-    return source
+    return RolloutSource(engine, trainer.accelerator, trainer.state.global_step if built_here else None,
+                         seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
+                         profile=lambda name: profiling_context(trainer, name), bucket_bytes=int(bucket_mb * 2**20),
+                         max_model_len=context)
 
 
 def preflight(trainer, drop_long_prompts: bool) -> int:
@@ -80,16 +79,17 @@ class RolloutSource:
     seed / process_index: make every call's sampling seed reproducible and distinct per process.
     profile: name -> context manager around sync and generation (TRL's profiling_context), optional.
     bucket_bytes: the most bytes one ZeRO-3 gather of a weight sync brings in.
+    max_model_len: the context every prompt must fit (None: the engine's own, if it has one).
     """
 
     def __init__(self, engine, accelerator, synced_step: int | None, seed: int, process_index: int = 0,
                  profile: Callable[[str], contextlib.AbstractContextManager] | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20):
+                 bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20, max_model_len: int | None = None):
         self.engine = engine
         self.weight_syncer = WeightSyncer(engine, accelerator, synced_step=synced_step, bucket_bytes=bucket_bytes)
         self.seed, self.process_index = seed, process_index
         self.calls = 0
-        self.max_model_len: int | None = getattr(engine, "max_model_len", None)  # the context prompts must fit
+        self.max_model_len: int | None = max_model_len or getattr(engine, "max_model_len", None)
         self._profile = profile or (lambda name: contextlib.nullcontext())
         self.last_wall_s = 0.0
 

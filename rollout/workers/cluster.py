@@ -26,7 +26,7 @@ import time
 
 import ray
 
-from rollout.workers.errors import RolloutBackendLost
+from rollout.errors import RolloutBackendLost
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rollout.workers.errors import RolloutBackendLost, RolloutWorkerError
+from rollout.errors import RolloutBackendLost, RolloutWorkerError
 from rollout.workers.tasks import Task
 
 log = logging.getLogger(__name__)

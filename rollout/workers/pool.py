@@ -26,7 +26,7 @@ from rollout.eos import resolve_eos
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.workers import cluster
 from rollout.workers.dispatch import DispatchStats, drop_worker, kill_actor, run_tasks
-from rollout.workers.errors import RolloutBackendLost, RolloutWorkerError
+from rollout.errors import RolloutBackendLost, RolloutWorkerError
 from rollout.workers.spot import DrafterHub
 from rollout.workers.stats import merge_stats
 from rollout.workers.tasks import split, merge

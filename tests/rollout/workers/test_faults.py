@@ -19,7 +19,7 @@ psutil = pytest.importorskip("psutil")
 from rollout.types import SamplingParams  # noqa: E402
 from rollout.workers import cluster  # noqa: E402
 from rollout.workers.dispatch import DispatchStats, run_tasks  # noqa: E402
-from rollout.workers.errors import RolloutBackendLost, RolloutWorkerError  # noqa: E402
+from rollout.errors import RolloutBackendLost, RolloutWorkerError  # noqa: E402
 from rollout.workers.tasks import split  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -104,7 +104,7 @@ CHILD = textwrap.dedent("""
     from rollout.backend import build_backend
     from rollout.types import SamplingParams
     from rollout.workers import cluster
-    from rollout.workers.errors import RolloutBackendLost
+    from rollout.errors import RolloutBackendLost
     from tests.conftest import make_tiny_hf
 
     cluster.connect(num_cpus=1)

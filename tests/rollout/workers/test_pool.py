@@ -149,7 +149,7 @@ def test_a_killed_worker_s_tasks_are_retried_on_the_survivor(pool, hf):
 def test_a_dead_drafter_trainer_is_backend_lost_and_close_still_kills_every_actor(pool):
     """After the killed-worker test: the hub dies; the next call says so (a trainer checkpoints on it),
     close() does not raise over it and kills the workers, and export_drafter reports what close() hit."""
-    from rollout.workers.errors import RolloutBackendLost, RolloutWorkerError
+    from rollout.errors import RolloutBackendLost, RolloutWorkerError
 
     ray.kill(pool.hub, no_restart=True)
     with pytest.raises(RolloutBackendLost, match="drafter trainer(.|\n)*died(.|\n)*resume=auto"):
