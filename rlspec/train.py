@@ -193,8 +193,8 @@ def warm_start_drafter(cfg: Config, trainer) -> dict | None:
     step (or load the cached result for these weights); None when there is nothing to warm."""
     from dataclasses import asdict
 
-    engine = trainer.engine
-    if not engine.has_learned_drafter or cfg.drafter.warm_start_s <= 0 or cfg.drafter.drafter_path:
+    engine = trainer.engine  # None: SpecGRPOTrainer generates through TRL (a model the engine cannot run)
+    if engine is None or not engine.has_learned_drafter or cfg.drafter.warm_start_s <= 0 or cfg.drafter.drafter_path:
         return None
     from trainers.data import prompt_token_ids
 

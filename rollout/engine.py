@@ -22,12 +22,12 @@ from rollout.limits import check_request
 from rollout.metrics import RolloutMetrics
 from rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
 from rollout.registry import STRATEGIES
+from rollout.runtime.history import TokenHistory
 from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 from rollout.runtime.kv_ledger import KVLedger
 from rollout.runtime.model import loader
-from rollout.runtime.model.config import check_window
 from rollout.runtime.runner import ModelRunner
-from rollout.runtime.sampling import logprobs_of, probs_from_logits, sample
+from rollout.runtime.sampling import greedy_tokens, logprobs_of, penalise, probs_from_logits, sample
 from rollout.runtime.scheduler import Scheduler
 from rollout.runtime.sequence import Sequence
 from rollout.speculation.draft_batch import DraftBatch, build_draft_batch
@@ -54,7 +54,6 @@ class RolloutEngine:
         self.spec = spec or SpecConfig()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        check_window(model.cfg, max_model_len)  # a sliding window the runtime does not compute: refuse it
         p = next(model.parameters())
         self.eos_token_ids = set(eos_token_ids or resolve_eos(None, tokenizer))
         self.policy_version = 0
@@ -62,6 +61,8 @@ class RolloutEngine:
         self.speculation: Speculation = build_speculation(self.spec, model, drafter)
         self.proposer, self.verifier = build_strategies(self.spec, model, tokenizer, self.speculation)
         # CUDA graphs (rollout/graphs.py) on GPUs, eager elsewhere; sized for the largest verify
+        if model.cfg.moe_layers:  # routed experts loop over the experts hit: not capturable (model/moe.py)
+            graph_mode = "off"
         self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack(),
                                   budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size))
         self.free_kv_between_rollouts = p.device.type == "cuda" if free_kv_between_rollouts is None \
@@ -140,6 +141,10 @@ class RolloutEngine:
         """Sample params.n completions per prompt; one flat list, prompt-major, in order."""
         params = params or SamplingParams()
         check_request(prompt_token_ids, params, self.max_model_len, self.max_num_seqs, self.model.cfg.vocab_size)
+        if params.penalised and self.spec.lossy:
+            # a lossy mode's behaviour law (rollout/lossy/law.py) is derived for a history-free processing
+            raise ValueError("repetition_penalty is not supported with a lossy mode (verification=judge or "
+                             "step_routing); use exact verification, or repetition_penalty=1.0")
         # the generator lives where sampling happens: on the engine's device
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else None
         stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else self.eos_token_ids)
@@ -153,11 +158,15 @@ class RolloutEngine:
                                          side=self.speculation.side_buffers)
         cache.reset()  # an earlier call that raised may have left blocks held
         self.speculation.calibrate(self.runner, cache.rows, cache.length)
-        self.speculation.start(seqs, cache, params, gen)  # a learned drafter keeps per-call state
+        # the repetition penalty's per-row token sets, on the device beside the KV table (only when asked for)
+        history = TokenHistory(cache.rows, self.model.cfg.vocab_size, self.runner.device) if params.penalised \
+            else None
+        self.speculation.start(seqs, cache, params, gen, history)  # a learned drafter keeps per-call state
         self.proposer.start(seqs, params, gen)
         sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows,
                           cache.alloc)
-        ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), KVLedger(cache, sched))
+        ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table
+        ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history)
         while sched.has_work:
             groups = sched.admit()
             if groups:
@@ -204,9 +213,16 @@ class RolloutEngine:
         sizes = torch.tensor([len(g) for g in fresh], device=logits.device)
         rows = logits.repeat_interleave(sizes, dim=0)  # [sum n, V]
         p = ctx.params
-        toks = rows.argmax(-1) if p.greedy else sample(probs_from_logits(rows, p), ctx.gen)
-        host = _to_host(toks, logprobs_of(rows, toks, p), finite_flags(rows))
         seqs = [s for g in fresh for s in g]
+        seen, at = None, None
+        if ctx.history is not None:  # the first token's history is the prompt
+            ctx.history.reset([s.row for s in seqs], [s.prompt_ids for s in seqs])
+            at = torch.tensor([s.row for s in seqs], device=logits.device)
+            seen = ctx.history.rows(at)
+        toks = greedy_tokens(rows, seen, p) if p.greedy else sample(probs_from_logits(rows, p, seen), ctx.gen)
+        if ctx.history is not None:
+            ctx.history.mark(at, toks[:, None])
+        host = _to_host(toks, logprobs_of(rows, toks, p), finite_flags(rows))
         self._check_finite([r[-1] for r in host], seqs, ctx.steps, f"the prefill after {ctx.steps} decode steps")
         for s, (tok, lp, _) in zip(seqs, host):
             s.append([int(tok)], [lp], ctx.stop_ids)
@@ -221,6 +237,8 @@ class RolloutEngine:
         _, hiddens = self.runner.prefill([s.all_ids()[:s.cache_len] for s in seqs], [s.row for s in seqs],
                                          self.speculation.aux_layers)
         self.speculation.observe_resume(seqs, hiddens)
+        if ctx.history is not None:  # everything it holds, the pending token included
+            ctx.history.reset([s.row for s in seqs], [s.all_ids() for s in seqs])
         for s in seqs:
             s.resumed = False
 
@@ -236,8 +254,10 @@ class RolloutEngine:
         start = torch.tensor([s.cache_len for s in live])
         logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
                                            self.speculation.aux_layers + self.verifier.hidden_layers)
-        verdict = self.verifier.verify(logits, hiddens, batch.to(logits.device), ctx.params, ctx.gen, routed)
-        step = self._fetch(logits, verdict, batch, ctx, live)
+        on_dev = batch.to(logits.device)
+        verdict = self.verifier.verify(self._penalised(logits, on_dev, ctx), hiddens, on_dev, ctx.params, ctx.gen,
+                                       routed)
+        step = self._fetch(logits, verdict, batch, ctx, live)  # logprobs from the raw logits (docs/verification.md)
         # before commit: the learned drafter stages features at the positions the sequences hold now
         self.speculation.observe_verify(live, hiddens, verdict.path, step.accepted, logits)
         before = [len(s.completion_ids) for s in live]
@@ -246,6 +266,15 @@ class RolloutEngine:
         # rejected drafts hold no block past their step: keep what covers the next pending position
         ctx.kv.trim(live)
         self._observe_step(arm, live, drafts, routed, step.accepted, emitted, (t0, t1), ctx)
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, batch: DraftBatch, ctx: "_Call") -> torch.Tensor:
+        """The verify's logits after the repetition penalty, each node against its own history: the row's
+        tokens plus the drafts on the path to it (rollout/runtime/history.py); unchanged without a penalty.
+        The verifier applies temperature and truncation itself."""
+        if ctx.history is None:
+            return logits
+        return penalise(logits, ctx.history.at_nodes(batch.tokens, batch.tree_mask), ctx.params)
 
     def _observe_step(self, arm, live, drafts, routed, accepted, emitted, times, ctx: "_Call") -> None:
         """The selector's statistics (cost and acceptance of the arm), metrics, the idle signal."""
@@ -281,6 +310,9 @@ class RolloutEngine:
         picked = logits[:, :1] if path.shape[1] == 0 else \
             logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
         lps = logprobs_of(picked, emitted, ctx.params)
+        if ctx.history is not None:  # the emitted tokens join their rows' histories, on the device
+            keep = torch.arange(emitted.shape[1], device=dev)[None, :] <= accepted[:, None]
+            ctx.history.mark(torch.arange(B, device=dev), emitted, keep)
         # the flag covers every logit the step used: those at the accepted path's nodes and the last one
         host = _to_host(accepted[:, None], path, emitted, lps, finite_flags(picked), *verdict.columns)
         N = path.shape[1]
@@ -398,6 +430,7 @@ class _Call:
     bar: object
     t0: float
     kv: KVLedger  # the call's block bookkeeping
+    history: TokenHistory | None = None  # per-row token sets, when a repetition penalty is on
     steps: int = 0  # decode steps run so far (errors name the step)
 
 

@@ -15,6 +15,10 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy (argmax)
     top_p: float = 1.0  # nucleus truncation; 1.0 keeps the whole distribution
     top_k: int = 0  # 0 keeps every token
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (after top-k/top-p); 0 = off
+    # HF/vLLM repetition penalty over the prompt and every token generated so far: a seen token's logit is
+    # divided by it when positive, multiplied when negative, before temperature; 1.0 = off
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 256
     n: int = 1  # samples per prompt; they share the prompt's prefill
     # None draws fresh randomness each call. What a seed reproduces: on the same device and dtype, with
@@ -36,6 +40,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1.0 disables it; > 1 discourages "
+                             f"repeats), got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
@@ -44,6 +53,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """A repetition penalty is on: the law of each token depends on the tokens before it."""
+        return self.repetition_penalty != 1.0
 
 
 def _help(default, text: str):
@@ -161,7 +175,8 @@ class RolloutResult:
     """One sample of one prompt.
 
     logprobs: one float per completion token, log p(token) under the target's
-    temperature-scaled distribution before top-k/top-p truncation (what TRL recomputes).
+    temperature-scaled distribution before any other processing (repetition penalty, top-k/top-p/min-p
+    truncation): what TRL recomputes (docs/verification.md#logprobs).
     behaviour_logprobs: log-probability of each token under the distribution it was actually drawn
     from (docs/lossy.md#honest-results); equal to logprobs when no lossy mode is on. None from a
     backend that does not record it: then it is logprobs.

@@ -2,6 +2,9 @@
 
 rollout_source.py  the engine side both trainers share: build, weight sync, seeds, rollout metrics
 grpo.py         SpecGRPOTrainer, a drop-in subclass of trl.GRPOTrainer
+trl_compat.py   what keeps it a drop-in: TRL's generation for a model the engine cannot run, VLM refusal,
+                the importance-sampling settings, rollout_func outputs
+peft_sync.py    PEFT (LoRA) policies: the merged weights the engine is built from and synced with
 ppo.py          PPOTrainer (TRL has none any more): actor-critic PPO, rollouts through the same engine
 ppo_config.py   PPOConfig, TrainingArguments + the former trl.PPOConfig's fields
 ppo_math.py     GAE, whitening, clipped policy/value losses, KL estimators, IS weights (pure functions)

@@ -41,8 +41,10 @@ STATE_FORMAT = 1
 class CheckpointMixin:
     """Atomic checkpoints, rlspec state, resume, signals and the non-finite policy for an HF Trainer subclass.
 
-    The trainer sets `self.on_nonfinite` ("stop" | "skip_batch") and `self.rollouts` (a RolloutSource), and
-    may override `rlspec_trainer_state()` / `load_rlspec_trainer_state(state)` for its own counters."""
+    The trainer sets `self.on_nonfinite` ("stop" | "skip_batch") and `self.rollouts` (a RolloutSource, or None
+    when it generates without the engine: SpecGRPOTrainer on TRL's generation, whose sampling state is the torch
+    RNG the Trainer's own checkpoint saves), and may override `rlspec_trainer_state()` /
+    `load_rlspec_trainer_state(state)` for its own counters."""
 
     _staging_run_dir: str | None = None
     on_nonfinite: str = "stop"
@@ -194,8 +196,10 @@ class CheckpointMixin:
         dirs.rotate(run_dir, self.args.save_total_limit, protect=[run_dir / name] + ([Path(best)] if best else []))
 
     def _write_rlspec_state(self, checkpoint_dir: Path) -> None:
+        rollouts = self.rollouts
         state = {"format": STATE_FORMAT, "global_step": self.state.global_step,
-                 "engine": engine_state(self.rollouts.engine), "rollout_calls": self.rollouts.calls,
+                 "engine": engine_state(rollouts.engine) if rollouts is not None else None,
+                 "rollout_calls": rollouts.calls if rollouts is not None else 0,
                  "trainer": {"nonfinite_skipped": self.nonfinite_skipped, **self.rlspec_trainer_state()},
                  "sampler": self._sampler_state()}
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -228,9 +232,14 @@ class CheckpointMixin:
                   "and the rollout seeds start afresh; the run will not match an uninterrupted one", file=sys.stderr)
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if state["engine"] is not None:
-            load_engine_state(self.rollouts.engine, state["engine"], checkpoint)
-        self.rollouts.calls = int(state["rollout_calls"])
+        if self.rollouts is None:
+            if state["engine"] is not None:
+                print(f"rlspec: {checkpoint} holds rollout engine state, but this run generates with TRL's own "
+                      "generation: the engine state is not used", file=sys.stderr)
+        else:
+            if state["engine"] is not None:
+                load_engine_state(self.rollouts.engine, state["engine"], checkpoint)
+            self.rollouts.calls = int(state["rollout_calls"])
         self.nonfinite_skipped = int(state["trainer"].get("nonfinite_skipped", 0))
         self.load_rlspec_trainer_state(state["trainer"])
         self._pending_sampler_state = state["sampler"]

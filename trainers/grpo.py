@@ -12,9 +12,14 @@ A drop-in: same constructor as `trl.GRPOTrainer` plus keyword-only `spec_config`
 - TRL runs its importance-sampling correction only when `self.use_vllm and
   self.vllm_importance_sampling_correction`. We set `self.use_vllm = True` after TRL's `__init__`
   (no vLLM is ever started: TRL reads that flag only inside the methods we replace and in that
-  check), so TRL recomputes the policy's logprobs of our samples and logs
+  check; trainers/trl_compat.py), so TRL recomputes the policy's logprobs of our samples and logs
   `sampling/sampling_logp_difference/{mean,max}` and `sampling/importance_sampling_ratio/{min,mean,max}`:
   a free, per-step check that speculation left the sampling law unchanged.
+- The drop-in promise (trainers/trl_compat.py): a policy the engine cannot run generates through TRL's own
+  `_generate_single_turn` after one warning (`rollout/engine` = 0 in the logs), a vision-language model is
+  refused at construction, a `rollout_func` gets the trainer with `trainer.engine` synced to the policy,
+  TRL's tool loop and environments call our `_generate_single_turn` once per turn, and a PEFT policy is
+  sampled from its merged weights (trainers/peft_sync.py).
 - Engine metrics (`engine.stats()`: rollout/tokens_per_s, rollout/mean_len, ...) and our timings
   (rollout/wall_s, rollout/sync_s) go into TRL's metric store, `self._metrics[mode][key]`, so they are
   averaged and logged with TRL's own metrics (W&B included) at the same step.
@@ -23,8 +28,10 @@ from __future__ import annotations
 
 from trl import GRPOTrainer
 
+import rollout.metrics as M
+from rollout.limits import fits
 from rollout.types import SpecConfig
-from trainers import rollout_source
+from trainers import rollout_source, trl_compat
 from trainers.callbacks import attach_summary_callback
 from trainers.checkpoint import CheckpointMixin
 from trainers.weight_sync import unwrap_model
@@ -46,24 +53,34 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
     drop_long_prompts: every prompt of train_dataset is checked against the rollout context at construction
         (trainers/preflight.py); False (default) raises PromptTooLongError naming the rows that do not fit,
         True drops them with a warning (`dropped_long_prompts` says how many).
+    After construction `engine` (also what a rollout_func reaches as `trainer.engine`), `weight_syncer` and
+    `rollouts` are None when the engine cannot run the policy and TRL's generation samples instead.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, spec_config: SpecConfig | None = None,
                  engine=None, engine_kwargs: dict | None = None, on_nonfinite: str = "stop", drop_long_prompts: bool = False,
                  **trainer_kwargs):
-        _check_supported(args, trainer_kwargs)
+        _check_supported(args)
+        # a processor passed in is refused before TRL loads anything; one TRL loads itself (AutoProcessor) after
+        positional = trainer_args[2] if len(trainer_args) > 2 else None  # after train_dataset, eval_dataset
+        trl_compat.refuse_vlm(trainer_kwargs.get("processing_class", positional))
         self.init_resilience(on_nonfinite)
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
-        _check_sampling_args(self)
-        self.rollouts = rollout_source.for_trainer(
+        trl_compat.refuse_vlm(self.processing_class)
+        # None when the engine cannot run the policy: TRL's own generation then samples (trl_compat.py)
+        self.rollouts = trl_compat.engine_or_trl_generation(lambda: rollout_source.for_trainer(
             self, unwrap_model(self.model, self.accelerator), self._tokenizer, spec_config, engine, engine_kwargs or {},
             max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation,
-            max_model_len=self.args.vllm_max_model_length)
-        self.engine, self.weight_syncer = self.rollouts.engine, self.rollouts.weight_syncer
-        self.dropped_long_prompts = rollout_source.preflight(self, drop_long_prompts)
-        # Turn on TRL's importance-sampling correction and its sampling/* metrics for our engine.
-        self.use_vllm = bool(self.vllm_importance_sampling_correction)
-        self.vllm_mode = "rlspec_engine"  # never "colocate"/"server": TRL's vLLM-only branches stay off
+            max_model_len=self.args.vllm_max_model_length), engine_given=engine is not None, fsdp=self.is_fsdp_enabled)
+        self.engine = self.rollouts.engine if self.rollouts is not None else None
+        self.weight_syncer = self.rollouts.weight_syncer if self.rollouts is not None else None
+        self.dropped_long_prompts = 0
+        if self.rollouts is not None:  # on TRL's generation, sampling and IS settings stay as plain TRL has them
+            _check_sampling_args(self)
+            self.dropped_long_prompts = rollout_source.preflight(self, drop_long_prompts)
+            # TRL's importance-sampling correction and its sampling/* metrics, against the engine's logprobs
+            trl_compat.turn_on_importance_sampling(self)
+            self.rollout_func = trl_compat.with_sampling_logprobs(self.rollout_func)
         self.summary_callback = attach_summary_callback(self)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -80,21 +97,70 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         self._step = int(state["trl_step"])
         self._buffered_inputs = state["buffered_inputs"]
 
+    def _generate(self, prompts: list):
+        """TRL's, plus for a rollout_func: the engine synced to the policy first (TRL syncs vLLM there), so a
+        rollout_func sampling from `trainer.engine` samples the current policy, and the engine's metrics after."""
+        if self.rollout_func is None or self.rollouts is None:
+            return super()._generate(prompts)
+        self.rollouts.weight_syncer.maybe_sync(self.model, self.state.global_step)
+        self._last_loaded_step = self.state.global_step  # TRL's vLLM sync check (use_vllm is on): nothing to do
+        output = super()._generate(prompts)
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        stats = self.engine.stats()
+        for key, value in stats.items():
+            metrics[key].append(float(value))
+        metrics[trl_compat.ENGINE_METRIC].append(float(stats.get(M.NUM_SEQUENCES, 0.0) > 0))
+        return output
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Generate one completion per entry of `prompt_ids` (TRL has already repeated each prompt
         `num_generations` times, consecutively). Returns (completion_ids, logprobs): lists of lists,
-        same order as `prompt_ids`, logprobs being the policy's per-token log-probabilities."""
-        if images is not None or multimodal_fields:
+        same order as `prompt_ids`, logprobs being the policy's per-token log-probabilities.
+
+        TRL calls it once for the first turn and, with tools or an environment_factory, once per tool turn
+        (num_generations=1, each prompt being prompt + completion + tool output)."""
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        if self.rollouts is None:
+            metrics[trl_compat.ENGINE_METRIC].append(0.0)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        if multimodal_fields:  # only a VLM has them, and VLMs are refused at construction
             raise NotImplementedError("SpecGRPOTrainer generates text only; multimodal prompts need trl.GRPOTrainer")
-        unique_ids, n = dedupe_repeated_prompts(prompt_ids, num_generations)
-        results = self.rollouts.generate(
-            self.model, self.state.global_step, unique_ids, n, temperature=self.temperature,
-            top_p=self.top_p, top_k=max(self.top_k or 0, 0),  # TRL and HF use 0 or -1 for "off"; ours is 0
-            max_new_tokens=self.max_completion_length, stop_token_ids=list(self.eos_token_ids))
-        self.rollouts.log_metrics(self._metrics["train" if self.model.training else "eval"])
-        # the sampling logprobs TRL's importance-sampling correction divides by: the behaviour policy's, which
-        # differ from the target's exactly on tokens a lossy mode kept (rollout/types.py, docs/lossy.md)
-        return [list(r.completion_ids) for r in results], [list(r.sampling_logprobs()) for r in results]
+        # `images` is ignored, as TRL's own text path ignores it (a text model's tool may return image blocks)
+        completions: list[list[int]] = [[] for _ in prompt_ids]
+        logprobs: list[list[float]] = [[] for _ in prompt_ids]
+        todo = self._prompts_that_fit(prompt_ids)
+        if todo:
+            unique_ids, n = dedupe_repeated_prompts([prompt_ids[i] for i in todo], num_generations)
+            results = self.rollouts.generate(
+                self.model, self.state.global_step, unique_ids, n, **self.engine_sampling,  # _check_sampling_args
+                max_new_tokens=self.max_completion_length, stop_token_ids=list(self.eos_token_ids))
+            self.rollouts.log_metrics(metrics)
+            # the sampling logprobs TRL's importance-sampling correction divides by: the behaviour policy's, which
+            # differ from the target's exactly on tokens a lossy mode kept (rollout/types.py, docs/lossy.md)
+            for i, r in zip(todo, results, strict=True):
+                completions[i], logprobs[i] = list(r.completion_ids), list(r.sampling_logprobs())
+        metrics[trl_compat.ENGINE_METRIC].append(1.0)
+        return completions, logprobs
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """TRL's tool loop; while it runs, _generate_single_turn is generating tool turns."""
+        self._in_tool_loop = True
+        try:
+            return super()._tool_call_loop(*args, **kwargs)
+        finally:
+            self._in_tool_loop = False
+
+    def _prompts_that_fit(self, prompt_ids: list[list[int]]) -> list[int]:
+        """Indices of the prompts to generate for. A tool turn whose prompt (prompt + completion + tool output)
+        fills the engine's context gets no tokens, as generating in a full context would give: TRL's tool loop
+        drops a tool result only past the model's max_position_embeddings, which may exceed the engine's
+        max_model_len. First-turn prompts were checked at construction (preflight) and all go to the engine,
+        which names any that do not fit."""
+        context = self.rollouts.max_model_len
+        if not getattr(self, "_in_tool_loop", False) or context is None:
+            return list(range(len(prompt_ids)))
+        return [i for i, ids in enumerate(prompt_ids) if fits(len(ids), context)]
 
 
 def dedupe_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:
@@ -111,27 +177,18 @@ def dedupe_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[l
     return [list(p) for p in prompt_ids], 1
 
 
-def _check_supported(args, trainer_kwargs: dict) -> None:
+def _check_supported(args) -> None:
     """Fail before TRL's __init__ starts anything we would not use."""
     if args is not None and getattr(args, "use_vllm", False):
         raise ValueError("SpecGRPOTrainer generates with its own engine: set use_vllm=False (the default)")
-    if trainer_kwargs.get("rollout_func") is not None:
-        raise ValueError("rollout_func replaces generation, which SpecGRPOTrainer routes through its engine; "
-                         "use trl.GRPOTrainer for a custom rollout_func")
 
 
 def _check_sampling_args(trainer) -> None:
-    """Sampling options the engine does not implement: refuse them rather than sample differently."""
-    unsupported = {
-        "min_p": trainer.min_p not in (None, 0.0),
-        "repetition_penalty": trainer.repetition_penalty != 1.0,
-        "generation_kwargs": bool(trainer.args.generation_kwargs),
-    }
-    bad = [name for name, is_set in unsupported.items() if is_set]
-    if bad:
-        raise ValueError(f"SpecGRPOTrainer's engine does not support {bad}: leave them at their defaults "
-                         "(min_p=None, repetition_penalty=1.0, generation_kwargs=None)")
-    if (trainer.loss_type == "vespo" and trainer.vllm_importance_sampling_correction
-            and trainer.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
-        # TRL checks this only when use_vllm is set in args; we turn the correction on later, so check here.
-        raise ValueError("loss_type='vespo' needs vllm_importance_sampling_mode='token_truncate' or 'token_mask'")
+    """TRL's sampling options as the engine's (trainer.engine_sampling, what every rollout asks for):
+    temperature, top_p, top_k, min_p and repetition_penalty, with generation_kwargs over them as TRL
+    applies them; a generation_kwargs key the engine does not implement is refused by name rather than
+    sampled differently (trainers/sampling_args.py)."""
+    from trainers.sampling_args import grpo_sampling
+
+    trainer.engine_sampling = grpo_sampling(trainer)
+

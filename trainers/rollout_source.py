@@ -15,19 +15,22 @@ from collections.abc import Callable
 
 import rollout.metrics as M
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
+from trainers.peft_sync import engine_source, is_peft_model
 from trainers.weight_sync import DEFAULT_BUCKET_MB, WeightSyncer, gathered_model
 
 
 def build_engine(policy, tokenizer, spec_config: SpecConfig | None, defaults: dict, engine_kwargs: dict):
     """A rollout backend (engine_kwargs["backend"], default the in-process RolloutEngine) holding a copy of
-    `policy` (a bare HF causal LM). engine_kwargs (the user's: max_model_len, max_num_seqs, dtype,
-    graph_mode, KV settings) override the trainer's `defaults`."""
+    `policy` (a bare HF causal LM, or a PEFT model: its base model's weights, trainers/peft_sync.py). engine_kwargs
+    (the user's: max_model_len, max_num_seqs, dtype, graph_mode, KV settings) override the trainer's `defaults`.
+    Raises rollout.errors.UnsupportedModelError for a policy the runtime cannot compute."""
     from rollout.backend import build_backend
 
     kwargs = {**defaults, **engine_kwargs}
     name = kwargs.pop("backend", "engine")
-    with gathered_model(policy):  # ZeRO-3 partitions weights at load time; the engine needs them whole
-        return build_backend(name, policy, tokenizer, spec_config, **kwargs)
+    # ZeRO-3 partitions weights at load time; the engine needs them whole (and merged, for PEFT)
+    with gathered_model(policy), engine_source(policy) as source:
+        return build_backend(name, source, tokenizer, spec_config, **kwargs)
 
 
 def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engine, engine_kwargs: dict,
@@ -47,11 +50,16 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
         defaults = dict(max_model_len=max_model_len or default_max_model_len(policy), max_num_seqs=max_num_seqs)
         context = {**defaults, **engine_kwargs}["max_model_len"]
         engine = build_engine(policy, tokenizer, spec_config, defaults, engine_kwargs)
-    # An engine built from the policy right now already holds step-0 weights: no first push needed.
-    return RolloutSource(engine, trainer.accelerator, trainer.state.global_step if built_here else None,
-                         seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
-                         profile=lambda name: profiling_context(trainer, name), bucket_bytes=int(bucket_mb * 2**20),
-                         max_model_len=context)
+    # An engine built from the policy right now already holds its weights: no first push needed, except for a
+    # PEFT policy, built from its base weights and pushed merged here (trainers/peft_sync.py).
+    peft = is_peft_model(policy)
+    source = RolloutSource(engine, trainer.accelerator, trainer.state.global_step if built_here and not peft else None,
+                           seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
+                           profile=lambda name: profiling_context(trainer, name), bucket_bytes=int(bucket_mb * 2**20),
+                           max_model_len=context)
+    if peft:
+        source.weight_syncer.maybe_sync(policy, trainer.state.global_step)
+    return source
 
 
 def preflight(trainer, drop_long_prompts: bool) -> int:
@@ -94,9 +102,10 @@ class RolloutSource:
         self.last_wall_s = 0.0
 
     def generate(self, policy, step: int, prompt_ids: list[list[int]], n: int, *, temperature: float,
-                 max_new_tokens: int, stop_token_ids: list[int], top_p: float = 1.0,
-                 top_k: int = 0) -> list[RolloutResult]:
+                 max_new_tokens: int, stop_token_ids: list[int], top_p: float = 1.0, top_k: int = 0,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0) -> list[RolloutResult]:
         """n samples of each prompt from the policy as of optimizer step `step`, prompt 0's n first.
+        The sampling options are SamplingParams' (trainers/sampling_args.py maps TRL's onto them).
 
         policy: the module whose parameters go to the engine when `step` differs from the synced step.
         Raises rollout.errors.NonFiniteLogitsError when the policy's logits are NaN/inf; the trainer's
@@ -105,7 +114,8 @@ class RolloutSource:
         start = time.perf_counter()
         with self._profile("sync_weights"):
             self.weight_syncer.maybe_sync(policy, step)
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
                                 n=n, seed=self._next_seed(), stop_token_ids=list(stop_token_ids))
         with self._profile("RolloutEngine.generate"):
             try:

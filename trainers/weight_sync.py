@@ -11,6 +11,10 @@ memory stays bounded by the group, never the whole model (docs/distributed.md). 
 sync at the same steps: the gathers are collectives, which the colocated design (one engine per rank,
 synced by the same trainer code) guarantees.
 
+A PEFT (LoRA) policy is pushed as its merged weights, each adapted layer merged while it is read and its base
+weights restored bit for bit after (trainers/peft_sync.py); under ZeRO-3 its parameters are gathered whole for
+the push, as TRL does for vLLM, since adapters cannot be merged shard by shard.
+
 `sync_weights` always pushes; `WeightSyncer` remembers the optimizer step it last pushed and skips a
 push when the policy has not changed since (gradient accumulation and several generations per step
 call it repeatedly with the same weights).
@@ -23,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from trainers.peft_sync import check_mergeable, is_peft_model, merged_named_tensors
 
 DEFAULT_BUCKET_MB = 512
 
@@ -78,11 +84,8 @@ def gather_groups(named_params: list[tuple[str, torch.Tensor]], bucket_bytes: in
 
 def _check_syncable(bare: torch.nn.Module) -> None:
     """Refuse, with what to do instead, the policies whose parameters this sync cannot read whole."""
-    if hasattr(bare, "peft_config"):
-        raise NotImplementedError(
-            "weight sync of a PEFT (LoRA) model is not supported yet: merge the adapter into the base model "
-            "(model.merge_and_unload()) or train without PEFT"
-        )
+    if is_peft_model(bare):
+        check_mergeable(bare)
     if _is_fsdp_sharded(bare):
         raise NotImplementedError(
             "weight sync from an FSDP-sharded policy is not supported: its parameters are flat shards (FSDP1) or "
@@ -107,18 +110,26 @@ class NamedWeights:
 
     Plain (DDP / ZeRO-2 / one process) parameters are yielded as they are, with no copy. ZeRO-3 ones are
     gathered a group at a time (gather_groups) and each is cloned inside the gather, since the gathered
-    storage is released when the group's context exits. `gathers` counts the collective gathers done.
+    storage is released when the group's context exits. A PEFT model yields its merged weights under plain
+    names (peft_sync.merged_named_tensors), gathered whole under ZeRO-3. `gathers` counts the collective
+    gathers done. Close the iterator when a consumer stops early, so that an open gather is released.
     """
 
     def __init__(self, model: torch.nn.Module, accelerator=None, bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20):
         bare = unwrap_model(model, accelerator)
         _check_syncable(bare)
+        self.peft = bare if is_peft_model(bare) else None
         self.named = [(hf_name(name), param) for name, param in bare.named_parameters()]
         self.zero3 = any(_is_zero3_param(p) for _, p in self.named)
-        self.groups = gather_groups(self.named, bucket_bytes) if self.zero3 else []
+        self.groups = gather_groups(self.named, bucket_bytes) if self.zero3 and self.peft is None else []
         self.gathers = 0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.peft is not None:
+            with gathered_model(self.peft):  # one whole gather under ZeRO-3 (a no-op otherwise)
+                self.gathers += self.zero3
+                yield from merged_named_tensors(self.peft, iter(self.named))
+            return
         if not self.zero3:
             for name, param in self.named:
                 yield name, param.detach()
@@ -170,8 +181,12 @@ def sync_weights(model: torch.nn.Module, engine, accelerator=None,
     """
     start = time.perf_counter()
     weights = iter_named_weights(model, accelerator, bucket_bytes)
-    with torch.no_grad():
-        engine.load_weights(weights)
+    stream = iter(weights)
+    try:
+        with torch.no_grad():
+            engine.load_weights(stream)
+    finally:
+        stream.close()  # a push that failed half way still releases its ZeRO-3 gather
     return time.perf_counter() - start, weights.gathers
 
 

@@ -23,8 +23,14 @@ from rollout.runtime.sequence import Sequence
 
 
 class KVLedger:
-    def __init__(self, cache: PagedKVCache, sched: Scheduler):
-        self.cache, self.sched = cache, sched
+    def __init__(self, cache: PagedKVCache, sched: Scheduler, followers: tuple = ()):
+        """followers: per-row device state kept aligned with the block table (a TokenHistory): every
+        row compaction applied to the table is applied to them too (`move_rows(src, dst)`)."""
+        self.cache, self.sched, self.followers = cache, sched, tuple(followers)
+
+    def _move_rows(self, src: list[int], dst: list[int]) -> None:
+        for t in (self.cache, *self.followers):
+            t.move_rows(src, dst)
 
     def prompt_blocks(self, fresh: list[list[Sequence]]) -> None:
         """Each fresh group's head sample gets blocks for its prompt and its pending token."""
@@ -45,7 +51,7 @@ class KVLedger:
         victims = sched.make_room()
         for victim, moves in victims:  # moves of successive removals: applied in order
             on_evict(victim)
-            cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
+            self._move_rows([m[0] for m in moves], [m[1] for m in moves])
         if victims:
             cache.clear_rows(len(sched.live))
         cache.grow([(s.row, id(s), s.cache_len + 1) for s in sched.live])
@@ -68,6 +74,6 @@ class KVLedger:
             on_finish(s)
             self.cache.release(id(s))
         if finished:
-            self.cache.move_rows([m[0] for m in moves], [m[1] for m in moves])
+            self._move_rows([m[0] for m in moves], [m[1] for m in moves])
             self.cache.clear_rows(len(self.sched.live))
         return finished

@@ -1,7 +1,8 @@
 """Logit processing shared by the target and every drafter, so both see the same distribution.
 
-Speculative sampling is lossless only if p (target) and q (drafter) go through identical
-temperature, top-k and top-p processing (docs/verification.md#processing); this is the one place it happens.
+Speculative sampling is lossless only if p (target) is processed exactly as the call asks, and
+acceptance stays high only if q (drafter) is processed the same way: repetition penalty, temperature,
+top-k, top-p, min-p (docs/verification.md#processing). This is the one place it happens.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from rollout.types import SamplingParams
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """log p(token) under the temperature-scaled distribution before top-k/top-p (what TRL recomputes).
+    """log p(token) under the temperature-scaled distribution of the raw logits, before the repetition
+    penalty and top-k/top-p/min-p (what TRL recomputes; docs/verification.md#logprobs).
 
     logits [..., V] float32, tokens [...] long -> [...] float32. Greedy uses temperature 1.
     """
@@ -19,22 +21,50 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingPara
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling distribution: softmax(logits / T) truncated by top-k then top-p.
+def penalise(logits: torch.Tensor, seen: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor: a logit of a token in the history (`seen`
+    [..., V] bool, broadcast against logits [..., V]) is divided by the penalty when positive and
+    multiplied by it otherwise. Raw logits in, before temperature: generate applies it as a processor,
+    ahead of every warper, and at temperature 0 too. seen None or penalty 1 -> logits unchanged."""
+    if seen is None or not params.penalised:
+        return logits
+    pen = params.repetition_penalty
+    return torch.where(seen, torch.where(logits < 0, logits * pen, logits / pen), logits)
+
+
+def greedy_tokens(logits: torch.Tensor, seen: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """Temperature 0: the argmax of the penalised logits (the warpers never drop the top token)."""
+    return penalise(logits, seen, params).argmax(-1)
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampling distribution: the repetition penalty over `seen` (the history each row's token follows;
+    None = no penalty), then logits / T truncated by top-k, top-p, then min-p.
 
     logits [..., V] float32 -> probs [..., V] float32 (rows sum to 1). The same operations, in the
-    same order, as transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper (with
-    min_tokens_to_keep=1), so that which tokens survive a tie or a top-p boundary is decided exactly as
-    there (and as in vLLM, whose top-p is the same ascending-sort rule); tests/rollout/runtime/
-    test_sampling_parity.py holds them together.
+    same order, as transformers' generate: RepetitionPenaltyLogitsProcessor, then
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper (with
+    min_tokens_to_keep=1), so that which tokens survive a tie or a boundary is decided exactly as
+    there; tests/rollout/runtime/test_sampling_parity.py holds them together. (vLLM applies min-p
+    before top-k/top-p: with top-p also on, its law differs from this one.)
     """
-    scores = logits / params.temperature
+    scores = penalise(logits, seen, params) / params.temperature
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th token stay
     if params.top_p < 1.0:
         scores = _top_p(scores, params.top_p)
+    if params.min_p > 0:
+        scores = _min_p(scores, params.min_p)
     return torch.softmax(scores, dim=-1)
+
+
+def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability (softmax of the truncated scores, as HF computes it) is below
+    min_p times the top token's. The top token always stays (its probability is the maximum and
+    min_p <= 1), which is HF's min_tokens_to_keep=1."""
+    probs = torch.softmax(scores, dim=-1)
+    return scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -110,9 +110,10 @@ class Speculation:
         return self.learned.version if self.learned is not None else 0
 
     # ---- the loop's hooks ----------------------------------------------------------------------
-    def start(self, seqs, cache, params, generator) -> None:
+    def start(self, seqs, cache, params, generator, history=None) -> None:
+        """history: the call's TokenHistory when a repetition penalty is on (rollout/runtime/history.py)."""
         if self.learned is not None:
-            self.learned.start(seqs, cache, params, generator)
+            self.learned.start(seqs, cache, params, generator, history)
 
     def begin(self, groups) -> None:
         for d in self.by_name.values():

@@ -199,6 +199,7 @@ class VLLMBackend:
         # call reproduces from params.seed
         seed = None if params.seed is None else (params.seed + i * params.n + j) % 2**31
         return VParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                       min_p=params.min_p,
                        max_tokens=min(params.max_new_tokens, self.max_model_len - len(prompt)), seed=seed,
                        stop_token_ids=stop, ignore_eos=True, logprobs=0, detokenize=False)
 
@@ -211,6 +212,17 @@ class VLLMBackend:
             raise ValueError(f"temperature {params.temperature} with speculation on: vLLM's logprobs are exact here "
                              "only at temperature 1 (docs/vllm_backend.md#logprobs); sample at temperature 1, or "
                              "turn speculation off (drafter.drafter=none) for other temperatures")
+        if params.min_p > 0 and params.top_p < 1:
+            # vLLM applies min-p before top-p, transformers (and our engine) after: the two laws differ (min-p
+            # commutes with top-k: both keep a top set by rank, the top token included)
+            raise ValueError(f"min_p={params.min_p} with top_p={params.top_p}: vLLM applies min-p before top-p, "
+                             "transformers after, so the vLLM backend would sample another law than the engine; "
+                             "use one of the two, or the in-process engine")
+        if params.penalised:
+            # the same law as the engine's, but vLLM's logprobs (processed or raw) cannot be the engine's
+            # temperature-only ones of the unpenalised logits (docs/verification.md#logprobs)
+            raise ValueError(f"repetition_penalty={params.repetition_penalty} on the vLLM backend: vLLM's logprobs "
+                             "would include the penalty where the engine's do not; use the in-process engine")
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")

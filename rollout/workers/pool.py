@@ -23,6 +23,7 @@ import torch
 
 import rollout.metrics as M
 from rollout.eos import resolve_eos
+from rollout.runtime.model.families import family_of_model
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.workers import cluster
 from rollout.workers.dispatch import DispatchStats, drop_worker, kill_actor, run_tasks
@@ -305,6 +306,8 @@ def _plan(workers: int | None) -> tuple[int, bool]:
 
 
 def _policy_blob(policy, tokenizer) -> dict:
-    """What a worker needs to build its engine: config, weights (CPU) and the EOS ids generate would use."""
-    return {"config": policy.config, "state": {k: v.detach().cpu() for k, v in policy.state_dict().items()},
+    """What a worker needs to build its engine: config, the family the live policy was recognised as (a worker
+    sees no model classes, runtime/model/families.py), weights (CPU) and the EOS ids generate would use."""
+    return {"config": policy.config, "family": family_of_model(policy),
+            "state": {k: v.detach().cpu() for k, v in policy.state_dict().items()},
             "eos": resolve_eos(policy, tokenizer)}

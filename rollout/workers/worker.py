@@ -137,7 +137,8 @@ def _build_engine(policy: dict, tokenizer, spec: SpecConfig | None, kwargs: dict
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray gives a GPU worker exactly one device
     dtype = kwargs.pop("dtype", None)
-    first = next(iter(policy["state"].values()))
-    model = loader.build_model(policy["config"], loader.resolve_dtype(dtype) if dtype else first.dtype, device)
+    body = loader.body_tensor(policy["state"].items())
+    model = loader.build_model(policy["config"], loader.resolve_dtype(dtype) if dtype else body.dtype, device,
+                               policy.get("family"))
     loader.load_named_tensors(model, policy["state"].items())  # checks every runtime tensor is written once
     return RolloutEngine(model, tokenizer, spec, eos_token_ids=policy["eos"], **kwargs)

@@ -63,17 +63,24 @@ def sequence_pvalue(samples: torch.Tensor, seqs: torch.Tensor, probs: torch.Tens
 
 
 def hf_warpers(params):
-    """transformers' own warpers for SamplingParams-like settings, in `generate`'s order."""
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+    """transformers' own processors for SamplingParams-like settings, in `generate`'s order
+    (generation/utils.py _get_logits_processor): the repetition penalty (a processor, over the ids
+    passed in: prompt and completion), then the warpers temperature, top-k, top-p, min-p."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
 
     out = LogitsProcessorList()
+    if getattr(params, "repetition_penalty", 1.0) != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
     if params.temperature != 1.0:
         out.append(TemperatureLogitsWarper(params.temperature))
     if params.top_k:
         out.append(TopKLogitsWarper(params.top_k))
     if params.top_p < 1.0:
         out.append(TopPLogitsWarper(params.top_p))
+    if getattr(params, "min_p", 0.0) > 0:
+        out.append(MinPLogitsWarper(params.min_p))
     return out
 
 
@@ -95,7 +102,7 @@ def hf_exact_law(hf, prompt: list[int], length: int, params, margin: float = 1e-
         ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
         with torch.no_grad():
             logits = hf(ids).logits[:, -1].float()
-        _check_margins(logits, params, margin)
+        _check_margins(_penalised(ids, logits, params), params, margin)
         p = torch.softmax(warpers(ids, logits.clone()), -1).double()
         for s, row in zip(seqs.tolist(), p):
             ranked[tuple(s)] = [t for t in row.argsort(descending=True).tolist() if row[t] > 0]
@@ -103,6 +110,14 @@ def hf_exact_law(hf, prompt: list[int], length: int, params, margin: float = 1e-
         seqs = torch.cat([seqs[parent], tok[:, None]], 1)
         probs = probs[parent] * p[parent, tok]
     return seqs, probs, ranked
+
+
+def _penalised(ids: torch.Tensor, logits: torch.Tensor, params) -> torch.Tensor:
+    """HF's repetition penalty alone (the margins are about what the warpers see)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    pen = float(getattr(params, "repetition_penalty", 1.0))
+    return logits if pen == 1.0 else RepetitionPenaltyLogitsProcessor(pen)(ids, logits.clone())
 
 
 def _check_margins(logits: torch.Tensor, params, margin: float) -> None:
@@ -124,6 +139,13 @@ def _check_margins(logits: torch.Tensor, params, margin: float) -> None:
         has = (dropped > 0) & torch.isfinite(s[rows, (dropped - 1).clamp(min=0)])
         gap = (s[rows, dropped.clamp(max=V - 1)] - s[rows, (dropped - 1).clamp(min=0)])[has]
         assert (gap > margin).all(), "tied scores straddle the top-p boundary"
+        from transformers.generation.logits_process import TopPLogitsWarper
+
+        scaled = TopPLogitsWarper(params.top_p)(None, scaled.clone())  # what min-p sees
+    min_p = getattr(params, "min_p", 0.0)
+    if min_p > 0:  # HF keeps a token iff its probability >= min_p x the top one's, i.e. log-ratio >= log(min_p)
+        gap = (scaled - scaled.amax(-1, keepdim=True) - torch.log(torch.tensor(min_p))).abs()
+        assert (gap[torch.isfinite(scaled)] > margin).all(), "a token sits on the min-p threshold: pick another seed"
 
 
 def make_law_model(vocab: int = 8, seed: int = 0, std: float = 0.3):
@@ -165,6 +187,7 @@ def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_f
     eng = RolloutEngine(runtime, None, spec=spec if drafter is not None else None, eos_token_ids=[], max_num_seqs=n,
                         drafter=drafter, **engine_kw)
     run = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                         min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                          max_new_tokens=length, n=n, seed=seed, ignore_eos=True)
     out = eng.generate([prompt], run)
     return torch.tensor([r.completion_ids for r in out]), eng.stats()

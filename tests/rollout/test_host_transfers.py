@@ -26,7 +26,7 @@ DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_fetch", "_commit", "_r
 ALLOWED = {("rollout/engine.py", "_to_host"): {"tolist"}}
 FILES = ["rollout/engine.py", "rollout/speculation/verify.py", "rollout/runtime/sampling.py", "rollout/speculation/draft_batch.py",
          "rollout/speculation/strategies.py", "rollout/lossy/control.py", "rollout/lossy/judge.py", "rollout/lossy/law.py",
-         "rollout/lossy/heads.py", "rollout/lossy/router.py"]
+         "rollout/lossy/heads.py", "rollout/lossy/router.py", "rollout/runtime/history.py"]
 
 
 def host_calls(path: str) -> list[tuple[str, int, str]]:
@@ -54,7 +54,9 @@ def test_static_check_sees_the_one_allowed_transfer():
     assert ("_to_host", "tolist") in {(fn, m) for fn, _, m in host_calls("rollout/engine.py")}
 
 
-def test_no_vocabulary_sized_tensor_reaches_the_host(monkeypatch):
+@pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["plain", "repetition_penalty"])
+def test_no_vocabulary_sized_tensor_reaches_the_host(monkeypatch, penalty):
+    """With a repetition penalty the per-row token sets and every node's history stay on the device too."""
     vocab = 2048  # larger than any bookkeeping transfer of this batch (8 rows x (2 x 6 nodes + 3))
     hf = make_tiny_hf("llama", seed=3, vocab=vocab)
     spec = SpecConfig(drafter="eagle3", selector="always", num_draft_tokens=3, tree_width=2, online_training=False)
@@ -68,7 +70,8 @@ def test_no_vocabulary_sized_tensor_reaches_the_host(monkeypatch):
             return _original(self, *a, **kw)
 
         monkeypatch.setattr(torch.Tensor, name, wrapped)
-    eng.generate(random_prompts(4, 3, 8, seed=3, vocab=vocab), SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=0))
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=0, repetition_penalty=penalty, min_p=0.01)
+    eng.generate(random_prompts(4, 3, 8, seed=3, vocab=vocab), params)
     monkeypatch.undo()
     assert eng.stats()["rollout/spec_step_share"] > 0.5  # speculative steps (trees of sampled drafts) ran
     assert sizes, "the wrapper saw no transfer at all: it is not wired"
@@ -111,6 +114,26 @@ def test_one_transfer_per_step_finite_check_included(monkeypatch):
     with pytest.raises(NonFiniteLogitsError):
         eng.generate(prompts, params)
     assert at_error == [1], "the prefill's one transfer must carry the check"
+
+
+def test_penalty_adds_no_transfer(monkeypatch):
+    """A repetition penalty under speculation (chains of scripted drafts, every step) still makes one
+    transfer per prefill and per decode step: histories are marked and read on the device."""
+    from rollout.speculation.selectors.longtail import Arm
+    from tests.conftest import TINY_VOCAB
+    from tests.rollout.spec_helpers import ScriptedDrafter
+
+    spec = SpecConfig(drafter="ngram", num_draft_tokens=3, max_spec_batch=10_000)
+    eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, spec=spec, eos_token_ids=[2],
+                        drafter=ScriptedDrafter(TINY_VOCAB, None, corrupt=0.3, seed=1))
+    eng.speculation.force(Arm("scripted", 3, 1))
+    prompts = random_prompts(4, 3, 8, seed=3)
+    calls = _count_transfers(monkeypatch)
+    eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=0, repetition_penalty=1.3))
+    monkeypatch.undo()
+    steps = len(eng.batch_trace)
+    assert eng.stats()["rollout/spec_step_share"] > 0.5
+    assert len(calls) == 1 + steps, f"{len(calls)} transfers for one prefill and {steps} decode steps"
 
 
 LOSSY_MODES = {

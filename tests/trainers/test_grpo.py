@@ -31,13 +31,10 @@ def test_dedupe_keeps_trl_order():
     assert dedupe_repeated_prompts([a, b], 1) == ([a, b], 1)
 
 
-def test_refuses_vllm_and_rollout_func(tmp_path):
+def test_refuses_vllm(tmp_path):
     args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, report_to=[])
     with pytest.raises(ValueError, match="use_vllm=False"):
         SpecGRPOTrainer(model="unused", reward_funcs=[distinct_chars_reward], args=args)
-    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    with pytest.raises(ValueError, match="rollout_func"):
-        SpecGRPOTrainer(model="unused", reward_funcs=[distinct_chars_reward], args=args, rollout_func=lambda p, t: {})
 
 
 def test_two_grpo_steps_are_lossless_and_logged_to_wandb(tiny_llama, char_tokenizer, tmp_path, monkeypatch):

@@ -21,6 +21,13 @@ Kernels for a step, picked by `use_flex` when the step's mask is built (`step_ma
     context, not with S; building the mask needs no host sync, so CUDA graphs capture it.
 `attend_dense` is the reference; tests compare `attend_flex` with it (on CPU through torch.compile's
 CPU backend, which also runs FlexAttention).
+
+Sliding-window layers (Mistral, Qwen2's upper layers, Gemma 2/3's local layers) attend through `dense_view`:
+the forward's mask with every key `window` or more positions behind its query hidden, transformers' rule
+(masking_utils.sliding_window_overlay: key position > query position - window), on the dense kernel on CPU and
+CUDA alike. FlexAttention's block mask is not reused for them: it marks whole blocks below each row's start
+`full` (never masked), and a window cuts through those. Gemma 2's attention soft-capping also goes dense (the
+scores must be capped before the softmax, which SDPA and the flex call here do not do).
 """
 from __future__ import annotations
 
@@ -102,6 +109,34 @@ def step_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor | None = N
     return AttnMask(kv_len=S, start=start, tree=tree, dense=dense_step_mask(start, T, S, tree))
 
 
+def dense_view(mask: AttnMask, positions: torch.Tensor, window: int | None = None) -> AttnMask:
+    """The same forward's mask as a dense one, keeping only keys less than `window` positions behind each query
+    when a window is given; no host sync (CUDA graphs capture it). positions [B, T]: the new tokens' positions
+    (RoPE positions: a tree node's is start + its depth, so a node's window counts its ancestors, not its
+    siblings' cache slots). Context keys sit at their own positions; the new keys at their nodes'.
+
+    A prefill stays `causal` (the keys are the new tokens themselves); a step's keys are gathered densely:
+    through the step's blocks, or on the paged flex path through `table` (the rows' blocks up to kv_len)."""
+    B, T = positions.shape
+    if mask.causal:
+        keep = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()[None]  # [1 or B, T, T]
+        if window is not None:
+            keep = keep & ((positions[:, :, None] - positions[:, None, :]) < window)
+        return AttnMask(causal=True, dense=keep[:, None])
+    S, start = mask.kv_len, mask.start
+    base = mask.dense if mask.dense is not None else dense_step_mask(start, T, S, mask.tree)
+    table = mask.table[:, : S // BLOCK] if mask.table is not None else None
+    tree = None if mask.tree is None else mask.tree[:, :T, :T]
+    if window is None:
+        return AttnMask(kv_len=S, start=start, tree=tree, dense=base, table=table)
+    cols = torch.arange(S, device=start.device)
+    rel = cols[None, :] - start[:, None]  # [B, S]: key index among the new tokens (negative: context)
+    new = (rel >= 0) & (rel < T)
+    key_pos = torch.where(new, positions.gather(1, rel.clamp(0, T - 1)), cols[None, :])
+    near = (positions[:, :, None] - key_pos[:, None, :]) < window  # [B, T, S]
+    return AttnMask(kv_len=S, start=start, tree=tree, dense=base & near[:, None], table=table)
+
+
 def dense_step_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor | None) -> torch.Tensor:
     """[B, 1, T, S] bool: context (key < start) always visible, new keys by the tree (None: a chain)."""
     B, dev = start.shape[0], start.device
@@ -169,41 +204,49 @@ def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor, table: t
     return AttnMask(kv_len=S, start=start, tree=tree, block=block, table=table, captured=(first, full))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, KV, S, D] (grouped KV heads) -> [B, H, T, D] in q's dtype."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, KV, S, D] (grouped KV heads) -> [B, H, T, D] in q's dtype. scale: the score
+    scaling (None: D ** -0.5); softcap: tanh soft-capping of the scores (never with a flex block mask)."""
+    if mask.dense is not None:  # a dense step, or any forward's dense view (a sliding window)
+        return attend_dense(q, k, v, mask.dense, scale, softcap)
     if mask.causal:
-        return attend_causal(q, k, v)
-    if mask.block is not None:
-        return attend_flex(q, k, v, mask)
-    return attend_dense(q, k, v, mask.dense)
+        return attend_causal(q, k, v, scale, softcap)
+    return attend_flex(q, k, v, mask, scale)
 
 
-def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """Prefill: q [B, H, T, D] over k/v [B, KV, T, D] of the same tokens, causally."""
     T, H, KV = q.shape[2], q.shape[1], k.shape[1]
-    if q.device.type == "cpu" and T <= FEW_QUERIES:
+    if (q.device.type == "cpu" and T <= FEW_QUERIES) or softcap is not None:
         tril = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        return attend_dense(q, k, v, tril[None, None])
+        return attend_dense(q, k, v, tril[None, None], scale, softcap)
     if q.device.type == "cuda" and H != KV and q.dtype == torch.float32:
         # flash (GQA-capable) takes only half types; the memory-efficient kernel wants equal heads
         k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != k.shape[1], scale=scale)
 
 
-def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The reference. mask [B or 1, 1, T, S] bool. Grouped matmuls for few queries on CPU, else SDPA."""
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
+    """The reference. mask [B or 1, 1, T, S] bool. Grouped matmuls for few queries on CPU (and wherever scores
+    are soft-capped, transformers' eager order: scale, cap, mask, float32 softmax), else SDPA."""
     B, H, T, D = q.shape
     KV = k.shape[1]
-    if q.device.type != "cpu" or T > FEW_QUERIES:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != KV)
+    if softcap is None and (q.device.type != "cpu" or T > FEW_QUERIES):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != KV, scale=scale)
     G = H // KV
-    scores = (q.reshape(B, KV, G * T, D) @ k.transpose(-1, -2)) * D ** -0.5  # [B, KV, G*T, S]
+    scores = (q.reshape(B, KV, G * T, D) @ k.transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(B, KV, G, T, -1).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, KV, G * T, -1)
     return (probs @ v).view(B, H, T, D)
 
 
-def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask) -> torch.Tensor:
+def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask,
+                scale: float | None = None) -> torch.Tensor:
     """FlexAttention over mask.block; q [B, H, T, D] is padded to the block mask's t queries. On a
     failure (a kernel this torch/GPU cannot compile) warn once and go dense from then on."""
     T, t = q.shape[2], mask.tree.shape[-1]
@@ -213,7 +256,7 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMas
         k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
     try:
         _mark_shapes(q, k, v, mask)
-        out = _compiled_flex()(q, k, v, block_mask=mask.block, enable_gqa=q.shape[1] != k.shape[1])
+        out = _compiled_flex()(q, k, v, block_mask=mask.block, enable_gqa=q.shape[1] != k.shape[1], scale=scale)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - any compile/runtime failure: the dense path is exact
@@ -224,7 +267,7 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMas
         if mask.table is not None:  # k, v are the whole paged pool: gather the rows' blocks
             k, v = (gather_blocks(x[0].transpose(0, 1).reshape(-1, BLOCK, *x.shape[1::2]),
                                   mask.table[:, : mask.kv_len // BLOCK]) for x in (k, v))
-        return attend_dense(q[:, :, :T], k, v, dense)
+        return attend_dense(q[:, :, :T], k, v, dense, scale)
     return out[:, :, :T]
 
 

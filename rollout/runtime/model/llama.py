@@ -1,4 +1,4 @@
-"""Our compact Llama-family runtime (Llama, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
+"""Our compact Llama-family runtime (the families of config.py) over a paged KV cache.
 
 One forward takes T new tokens per sequence with their own RoPE positions, the cache indices to
 write their keys/values at, and what they may attend to (attention.py). That single shape
@@ -7,17 +7,24 @@ serves batched prefill, plain decode (T=1), chain verification (T=k+1) and tree 
 
 Projections are fused (q|k|v and gate|up) to halve kernel launches, which dominate small-batch
 decode on CPU and GPU alike; `loader.py` maps Hugging Face names onto the fused weights.
+
+Family switches (ModelConfig) pick modules at construction (gemma.py's norms and scaled embedding, moe.py's
+routed experts) or add an op only where set (sliding-window masks, soft-capping, a second RoPE table), so a
+Llama runs exactly the ops it always ran.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.runtime.model.attention import AttnMask, attend
-from rollout.runtime.model.config import ModelConfig
+from rollout.runtime.model.attention import AttnMask, attend, dense_view
+from rollout.runtime.model.config import ModelConfig, main_rope_type
+from rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
+from rollout.runtime.model.moe import SparseMoE
 from rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
 
 
@@ -62,16 +69,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def norm_class(cfg: ModelConfig) -> type[nn.Module]:
+    return GemmaRMSNorm if cfg.gemma_norm else RMSNorm
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        norm = norm_class(cfg)
+        self.q_norm = norm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap  # None for all but Gemma 2/3
 
-    def forward(self, x, cos, sin, k_cache, v_cache, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x, cos, sin, k_cache, v_cache, fb: ForwardBatch, attn: AttnMask) -> torch.Tensor:
+        """attn: fb.attn, or the layer's own view of it (a sliding window, a dense mask: LlamaForCausalLM)."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q = q.view(B, T, self.nh, self.hd)
@@ -84,13 +98,15 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         write_slots(k_cache, fb.slots, k)
         write_slots(v_cache, fb.slots, v)
-        if fb.attn.causal:  # fresh prompts see only each other
+        if attn.causal:  # fresh prompts see only each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        elif fb.blocks is None:  # paged FlexAttention reads the pool itself, through its block mask
-            keys, values = pool_sequence(k_cache), pool_sequence(v_cache)
-        else:  # one gather of the rows' blocks: [B, KV, kv_len, hd]
+        elif fb.blocks is not None:  # one gather of the rows' blocks: [B, KV, kv_len, hd]
             keys, values = gather_blocks(k_cache, fb.blocks), gather_blocks(v_cache, fb.blocks)
-        out = attend(q.transpose(1, 2), keys, values, fb.attn)
+        elif attn.block is not None:  # paged FlexAttention reads the pool itself, through its block mask
+            keys, values = pool_sequence(k_cache), pool_sequence(v_cache)
+        else:  # a dense view of a paged flex step (a sliding layer): gather through the rows' block table
+            keys, values = gather_blocks(k_cache, attn.table), gather_blocks(v_cache, attn.table)
+        out = attend(q.transpose(1, 2), keys, values, attn, self.scale, self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -100,31 +116,48 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+# transformers' ACT2FN entries for config.ACTIVATIONS: F.silu, and GELUTanh's gelu(approximate="tanh")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+    """Llama's pre-norm block; with cfg.sandwich_norms Gemma 2/3's, whose post_attention_layernorm normalises
+    the attention output (not the MLP input) and whose MLP sits between pre/post_feedforward_layernorm."""
 
-    def forward(self, x, cos, sin, k_cache, v_cache, fb):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, fb)
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        norm, H, eps = norm_class(cfg), cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = norm(H, eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = norm(H, eps)
+        self.mlp = SparseMoE(cfg, ACTIVATIONS[cfg.hidden_act]) if cfg.moe_layers and cfg.moe_layers[index] else MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(H, eps), norm(H, eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, fb, attn):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache,
+                                                                 fb, attn))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, fb, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaBackbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale) \
+            if cfg.embed_scale is not None else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm_class(cfg)(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,17 +172,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_cos: torch.Tensor | None = None  # [max_len, hd] float32, built by init_rope
         self.rope_sin: torch.Tensor | None = None
+        self.rope_extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # other layer types' tables (Gemma 3)
 
     def init_rope(self, max_len: int) -> None:
         """Precompute cos/sin tables in float32 exactly as HF computes them per position. Tables only
         grow: engines (or a drafter trainer) sharing one model must never shrink another's."""
         if self.rope_cos is not None and self.rope_cos.shape[0] >= max_len:
             return
-        inv_freq, scaling = rope_inv_freq(self.cfg)
         device = self.lm_head.weight.device
-        freqs = torch.arange(max_len, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cos, self.rope_sin = emb.cos() * scaling, emb.sin() * scaling
+        self.rope_cos, self.rope_sin = rope_table(self.cfg, max_len, device)
+        self.rope_extra = {t: rope_table(self.cfg, max_len, device, t)
+                           for t in sorted({t for t in self.cfg.layer_rope if t is not None})}
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, k_cache, v_cache, hidden_layers=(), logits_index=None):
@@ -161,24 +194,57 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(fb.input_ids)
         dtype = x.dtype
-        cos = self.rope_cos[fb.positions].to(dtype).unsqueeze(2)
-        sin = self.rope_sin[fb.positions].to(dtype).unsqueeze(2)
+        ropes = {None: (self.rope_cos, self.rope_sin), **self.rope_extra}
+        ropes = {t: (c[fb.positions].to(dtype).unsqueeze(2), s[fb.positions].to(dtype).unsqueeze(2))
+                 for t, (c, s) in ropes.items()}
+        masks = self.layer_masks(fb)
         hiddens = {}
         for i, layer in enumerate(self.model.layers):
             if i in hidden_layers:
                 hiddens[i] = x
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], fb)
+            cos, sin = ropes[self.cfg.layer_rope[i] if self.cfg.layer_rope else None]
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], fb, masks[i])
         if len(self.model.layers) in hidden_layers:  # the last layer's output, pre-norm (rollout/lossy's heads)
             hiddens[len(self.model.layers)] = x
         if logits_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_index]
-        return self.lm_head(self.model.norm(x)).float(), hiddens
+        logits = self.lm_head(self.model.norm(x))
+        if self.cfg.final_softcap is not None:  # in the model dtype, as transformers
+            logits = softcap(logits, self.cfg.final_softcap)
+        return logits.float(), hiddens
+
+    def layer_masks(self, fb: ForwardBatch) -> list[AttnMask]:
+        """Each layer's mask, built once per forward: fb.attn, or for sliding layers fb.attn with the window
+        (dense: FlexAttention's block mask marks whole blocks full, which a window can cut, attention.dense_view).
+        Attention soft-capping (Gemma 2) needs the scores, which only the dense kernel exposes: no FlexAttention.
+        A window no position can reach (the RoPE table, which covers every position, is no longer) is dropped."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        window = cfg.sliding_window if cfg.windows and cfg.sliding_window < self.rope_cos.shape[0] else None
+        full = fb.attn
+        if cfg.attn_softcap is not None and full.block is not None:
+            full = dense_view(full, fb.positions)
+        if window is None:
+            return [full] * L
+        slide = dense_view(fb.attn, fb.positions, window)
+        return [slide if w else full for w in cfg.windows]
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling; non-default RoPE types go through transformers."""
+def rope_table(cfg: ModelConfig, max_len: int, device, layer_type: str | None = None):
+    """(cos, sin) [max_len, hd] float32 for one layer type's RoPE (None: the main one), as HF per position."""
+    inv_freq, scaling = rope_inv_freq(cfg, layer_type)
+    freqs = torch.arange(max_len, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling; non-default RoPE types go through transformers. With RoPE
+    parameters per layer type (Gemma 3), layer_type None is the main type (config.main_rope_type)."""
     hf = cfg.hf_config
     params = getattr(hf, "rope_parameters", None) or {}
+    kind = layer_type or main_rope_type(hf)
+    if kind is not None and isinstance(params.get(kind), dict):
+        params = params[kind]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
@@ -186,5 +252,6 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    extra = {"layer_type": kind} if kind is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **extra)
     return inv_freq.float(), float(scaling)

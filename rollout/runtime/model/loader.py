@@ -2,16 +2,23 @@
 
 HF keeps q/k/v and gate/up as separate matrices; our runtime fuses them. `load_named_tensors`
 is the one place that maps names, used at load time and for every policy weight sync.
+
+Qwen3-MoE experts come in two layouts: a live transformers model holds them fused per layer
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), as the runtime does; a checkpoint on
+disk keeps one matrix per expert (`mlp.experts.{e}.gate_proj.weight`, ...), which load into slices of the fused
+tensors (`_expert_slot`), the fused tensor counting as written once all its slices came.
 """
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 
 import torch
 
 from rollout.errors import ModelNotFoundError, UnknownWeightError, UnsupportedModelError, WeightSyncError
 from rollout.runtime.model.config import ModelConfig
+from rollout.runtime.model.families import family_of_model
 from rollout.runtime.model.llama import LlamaForCausalLM
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -58,6 +65,21 @@ def fused_parts(cfg: ModelConfig, name: str) -> list[tuple[str, int, int]]:
             for hf_part, (ours, index) in _FUSIONS.items() if ours in name]
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _expert_slot(cfg: ModelConfig, name: str) -> tuple[str, tuple, int] | None:
+    """For a per-expert checkpoint name: (fused parameter, index into it, slices that fill it); None otherwise."""
+    m = _EXPERT.match(name)
+    if m is None or not cfg.moe_layers or int(m.group(2)) >= cfg.num_experts:
+        return None
+    prefix, e, proj, inter = m.group(1), int(m.group(2)), m.group(3), cfg.moe_intermediate_size
+    if proj == "down_proj":
+        return f"{prefix}.down_proj", (e,), cfg.num_experts
+    rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)  # gate rows first, as transformers
+    return f"{prefix}.gate_up_proj", (e, rows), 2 * cfg.num_experts
+
+
 def expected_names(model: LlamaForCausalLM) -> set[str]:
     """The HF names a complete load or sync must write once each (a tied lm_head is not among them)."""
     names = set()
@@ -76,12 +98,22 @@ class WriteLedger:
         self.expected = expected_names(model)
         self.written: set[str] = set()
         self.tied_head: torch.Tensor | None = None  # an lm_head.weight sent to a tied model, checked in finish
+        self.parts: dict[str, set[str]] = {}  # fused expert tensor -> the per-expert slices written so far
 
     def mark(self, name: str) -> None:
         if name in self.written:
             raise WeightSyncError(f"weight {name!r} was written twice in one load/sync: two sources claim the "
                                   "same tensor (duplicate names in the state dict, or a bucket sent twice)")
         self.written.add(name)
+
+    def mark_part(self, name: str, fused: str, needed: int) -> None:
+        """A per-expert slice of `fused`; the fused tensor is written once all `needed` slices came."""
+        parts = self.parts.setdefault(fused, set())
+        if name in parts:
+            self.mark(name)  # raises: this slice came twice
+        parts.add(name)
+        if len(parts) == needed:
+            self.mark(fused)  # raises if the fused tensor also came whole
 
     def finish(self) -> None:
         """Raise unless every expected tensor was written; check a tied lm_head agrees with the embedding."""
@@ -120,12 +152,16 @@ def load_named_tensors(model: LlamaForCausalLM, named_tensors: Iterable[tuple[st
         name = name.removeprefix("module.")
         if "rotary_emb" in name:
             continue
-        fused = _fused_slot(model.cfg, name)
-        target, rows = (fused[0], slice(fused[1], fused[2])) if fused else (name, slice(None))
+        fused, expert = _fused_slot(model.cfg, name), _expert_slot(model.cfg, name)
+        target, rows = (fused[0], slice(fused[1], fused[2])) if fused else \
+            (expert[0], expert[1]) if expert else (name, slice(None))
         if target not in params:
             raise UnknownWeightError(f"weight {name!r} has no place in rlspec's runtime ({model.cfg.model_type}); "
-                                     "is the checkpoint a Llama/Qwen2/Qwen3 causal LM?")
-        ledger.mark(name)
+                                     f"is the checkpoint a {model.cfg.model_type} causal LM?")
+        if expert:
+            ledger.mark_part(name, target, expert[2])
+        else:
+            ledger.mark(name)
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             ledger.tied_head = tensor  # tied: the embedding holds it; finish() checks they agree
             continue
@@ -140,8 +176,10 @@ def load_named_tensors(model: LlamaForCausalLM, named_tensors: Iterable[tuple[st
     return count
 
 
-def build_model(hf_config, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_hf(hf_config)
+def build_model(hf_config, dtype: torch.dtype, device: str | torch.device,
+                family: str | None = None) -> LlamaForCausalLM:
+    """family: what families.family_of_model found for a live model; None: the config's model_type names it."""
+    cfg = ModelConfig.from_hf(hf_config, family)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)  # cast on meta: no float32 copy of the weights is ever made
@@ -168,8 +206,17 @@ def load_model(path: str, dtype: str | torch.dtype = "bfloat16", device="cpu") -
 
 
 def from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None) -> LlamaForCausalLM:
-    """Build our runtime from an in-memory transformers model (weights copied, not shared)."""
-    p = next(hf_model.parameters())
-    model = build_model(hf_model.config, dtype or p.dtype, device or p.device)
+    """Build our runtime from an in-memory transformers model (weights copied, not shared), recognised by its
+    classes (families.family_of_model). dtype None: the decoder layers' dtype, not the first parameter's: TRL's
+    cast_lm_head_to_fp32 turns a tied embedding (the first parameter) into float32 over a bfloat16 body."""
+    family = family_of_model(hf_model)
+    body = body_tensor(hf_model.named_parameters())
+    model = build_model(hf_model.config, dtype or body.dtype, device or body.device, family)
     load_named_tensors(model, hf_model.state_dict().items())  # checks every tensor came, once
     return model
+
+
+def body_tensor(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """A decoder layer's tensor (else the first): the dtype and device the runtime takes by default."""
+    named = list(named_tensors)
+    return next((t for name, t in named if ".layers." in name), named[0][1])

@@ -75,8 +75,11 @@ class LearnedDrafter(Drafter, Protocol):
         """Per-position data it stages in the KV pool's blocks (kv_cache.SideSpec: name -> (shape, dtype)),
         so the data follows the tokens held, is shared with a prompt and freed with the blocks."""
 
-    def start(self, seqs: list[Sequence], cache, params, generator) -> None:
-        """A generate call begins: its sequences, the engine's PagedKVCache, SamplingParams and generator."""
+    def start(self, seqs: list[Sequence], cache, params, generator, history=None) -> None:
+        """A generate call begins: its sequences, the engine's PagedKVCache, SamplingParams and generator;
+        history: the rows' token sets (rollout/runtime/history.py) when a repetition penalty is on, else
+        None. A sampled q should be penalised with them (the row's set plus the draft's own tokens before
+        each position) to stay close to p; exactness only needs q to be the law the draft was drawn from."""
 
     def observe_prefill(self, groups: list[list[Sequence]], feats) -> None:
         """feats [P, T, 3H]: the target's features at every prompt position of each admitted group."""

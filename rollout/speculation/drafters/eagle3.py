@@ -12,9 +12,10 @@ preempted (the engine's re-prefill of a preempted sequence stages them again). E
    sharing a row cannot clobber each other and rejected drafts leave nothing behind.
 At temperature 0 drafts are greedy (top-w at the root for trees) and verified as one-hot
 proposals. At temperature > 0 they are sampled from q, the drafter's distribution processed exactly
-like the target's (temperature, top-k, top-p), and returned with q so verification accepts with
-min(1, p/q): acceptance is then sum(min(p, q)), close to 1 where q matches p, while a greedy draft
-of a high-entropy target is accepted only with probability p(argmax q).
+like the target's (repetition penalty over the same history, temperature, top-k, top-p, min-p), and
+returned with q so verification accepts with min(1, p/q): acceptance is then sum(min(p, q)), close to 1
+where q matches p, while a greedy draft of a high-entropy target is accepted only with probability
+p(argmax q).
 New weights from a trainer are swapped in here, between decode iterations, and invalidate the drafter
 KV (it was computed by the old weights), which the staged features rebuild.
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from rollout.speculation.drafters.base import DRAFTERS, Draft
 from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
-from rollout.runtime.sampling import probs_from_logits, sample, sample_without_replacement
+from rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement
 from rollout.speculation.feature_buffer import Dist
 from rollout.runtime.sequence import Sequence
 
@@ -65,6 +66,7 @@ class Eagle3Drafter:
         self.policy_version = 0
         self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
         self.params = None  # the call's SamplingParams: drafts are processed like the target
+        self.history = None  # the call's TokenHistory when a repetition penalty is on
         self.generator = None
         self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
 
@@ -86,8 +88,8 @@ class Eagle3Drafter:
         """Whether this call's pool has the distribution buffers (side_buffers asked for them)."""
         return "eagle3/dist_ids" in self.target_cache.side
 
-    def start(self, seqs: list[Sequence], cache, params=None, generator=None) -> None:
-        self.target_cache, self.params, self.generator = cache, params, generator
+    def start(self, seqs: list[Sequence], cache, params=None, generator=None, history=None) -> None:
+        self.target_cache, self.params, self.generator, self.history = cache, params, generator, history
         self.valid = {id(s): 0 for s in seqs}
 
     def begin(self, groups) -> None:
@@ -262,24 +264,32 @@ class Eagle3Drafter:
         entropy = -(probs * torch.log(probs.clamp(min=1e-12))).sum(-1)
         return torch.sqrt(0.15 * entropy) <= SVIP_BOUND
 
-    def _pick(self, h: torch.Tensor, k: int):
+    def _pick(self, h: torch.Tensor, k: int, seen: torch.Tensor | None = None):
         """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, V] or None,
         confident [R]). Greedy: the top k. Sampling from q, the processed full-vocabulary distribution:
         k > 1 draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution
-        draw j came from given the earlier ones, which is what verification needs."""
+        draw j came from given the earlier ones, which is what verification needs. seen [R, V]: the
+        history the drafted token follows (repetition penalty; None = off), the same as the target's
+        node there, so q stays close to p."""
         logits = self.model.logits(h)
         ok = self._confident(logits)
         if self.params is None or self.params.greedy:
-            return self.model.to_target(logits.topk(k, -1).indices), None, ok
-        full = logits.new_full((len(h), self.model.cfg.vocab_size), float("-inf"))
-        full[:, self.model.to_target(torch.arange(logits.shape[-1], device=h.device))] = logits
-        q = probs_from_logits(full, self.params)  # [R, V]
+            if seen is None:
+                return self.model.to_target(logits.topk(k, -1).indices), None, ok
+            return penalise(self._full(logits), seen, self.params).topk(k, -1).indices, None, ok
+        q = probs_from_logits(self._full(logits), self.params, seen)  # [R, V]
         if k > 1 and self.tree_draws == "without_replacement":
             tok, qs = sample_without_replacement(q, k, self.generator)
             return tok, qs, ok
         q = q.repeat_interleave(k, 0)  # [R*k, V]
         tok = sample(q, self.generator)
         return tok.view(len(h), k), q.view(len(h), k, -1), ok
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [R, d] -> the target's vocabulary [R, V], -inf outside the draft's."""
+        full = logits.new_full((len(logits), self.model.cfg.vocab_size), float("-inf"))
+        full[:, self.model.to_target(torch.arange(logits.shape[-1], device=logits.device))] = logits
+        return full
 
     def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
         """Chains, `width` of them branching at the root -> (target ids [B, width, depth],
@@ -288,10 +298,15 @@ class Eagle3Drafter:
         B, dev = len(seqs), h.device
         cache, L = self.target_cache, self.target.cfg.num_layers
         with torch.inference_mode():
-            first, q_first, ok = self._pick(h, width)  # [B, w]
+            # each branch's history: its sequence's tokens (by table row: a lossy proposer may pass a subset of
+            # the live rows), then the branch's own drafts
+            seen = None if self.history is None else self.history.rows(torch.tensor([s.row for s in seqs], device=dev))
+            first, q_first, ok = self._pick(h, width, seen)  # [B, w]
             alive = ok.repeat_interleave(width)
             kept = alive.long()
             tok = first.reshape(-1)  # [B*w]
+            if seen is not None:
+                seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
             qs = None if q_first is None else [q_first.reshape(B * width, -1)]
             rows = torch.arange(B, device=dev).repeat_interleave(width)
             lens = torch.tensor([s.cache_len for s in seqs]).repeat_interleave(width)
@@ -311,10 +326,12 @@ class Eagle3Drafter:
                     return F.scaled_dot_product_attention(q, keys, vals, attn_mask=m[:, None, None], enable_gqa=True)
 
                 h = self.model(h[:, None], self._embed(tok[:, None]), *self._rope(pos), attend)[:, 0]
-                nxt, q, ok = self._pick(h, 1)
+                nxt, q, ok = self._pick(h, 1, seen)
                 alive &= ok
                 kept += alive.long()
                 tok = nxt[:, 0]
+                if seen is not None:
+                    seen = seen.scatter(1, tok[:, None], True)
                 out.append(tok)
                 if qs is not None:
                     qs.append(q[:, 0])

@@ -1,9 +1,9 @@
-"""Model features the runtime does not compute are refused by name at load (or at engine construction, where
-it depends on max_model_len); the harmless look-alikes real configs carry are not.
+"""Model features the runtime does not compute are refused by name at load; the harmless look-alikes real
+configs carry are not.
 
-Refused: a sliding window sequences could cross, position-dependent RoPE (dynamic, longrope), attention
-layer kinds other than full/sliding, and an lm_head contradicting tie_word_embeddings. Accepted: windows
-that are off or as long as the model's positions, and the static RoPE variants, which match transformers.
+Refused: position-dependent RoPE (dynamic, longrope), attention layer kinds other than full/sliding, and an
+lm_head contradicting tie_word_embeddings. Accepted: sliding windows (computed: test_families.py; one no position
+can reach costs nothing), windows that are off, and the static RoPE variants, which match transformers.
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import transformers as tf
 
 from rollout.engine import RolloutEngine
 from rollout.errors import UnsupportedModelError, WeightSyncError
+from rollout.runtime.graphs import build_step_batch
 from rollout.runtime.model import loader
 from rollout.runtime.model.config import ModelConfig
+from rollout.runtime.runner import ModelRunner
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_model_parity import ATOL, _ours_full_logits
 
@@ -28,29 +30,38 @@ def _qwen2_window(**kw) -> tf.Qwen2Config:
     return tf.Qwen2Config(**SMALL, **kw)
 
 
-def test_a_window_sequences_could_cross_is_refused_at_the_engine():
+def test_a_window_sequences_cross_is_computed_not_refused():
     hf = tf.Qwen2ForCausalLM(_qwen2_window(use_sliding_window=True, sliding_window=64, max_window_layers=1)).eval()
     model = loader.from_hf_model(hf)
-    assert model.cfg.sliding_window == 64
-    with pytest.raises(UnsupportedModelError, match=r"sliding-window attention \(window 64.*max_model_len <= 64"):
-        RolloutEngine(model, None, max_model_len=128)
-    RolloutEngine(model, None, max_model_len=64)  # no sequence can cross the window: exact full attention
+    assert model.cfg.windows == (False, True) and model.cfg.sliding_window == 64
+    RolloutEngine(model, None, max_model_len=128)  # sequences cross the window: test_families checks the arithmetic
+
+
+def test_a_window_no_position_reaches_adds_no_mask():
+    """Mistral configs often carry a window as long as the model: with a cache shorter than it, no layer gets
+    a mask of its own (the forward is Llama's)."""
+    model = loader.from_hf_model(tf.MistralForCausalLM(tf.MistralConfig(**SMALL, sliding_window=512)).eval())
+    assert model.cfg.windows == (True, True)
+    runner = ModelRunner(model, "cpu", torch.float32)
+    runner.ensure_cache(1, 64).reserve_rows(1, 64)
+    fb = build_step_batch(torch.tensor([[5]]), torch.tensor([3]), runner.cache, 8)
+    assert all(mask is fb.attn for mask in model.layer_masks(fb))
 
 
 @pytest.mark.parametrize("config", [
     _qwen2_window(use_sliding_window=False, sliding_window=64),  # the window is off
-    tf.MistralConfig(**SMALL, sliding_window=512),  # as long as every position: no effect
     tf.MistralConfig(**SMALL, sliding_window=None),
     tf.LlamaConfig(**SMALL),
-], ids=["qwen2-window-off", "mistral-window-covers-all", "mistral-no-window", "llama"])
+], ids=["qwen2-window-off", "mistral-no-window", "llama"])
 def test_windows_that_change_nothing_are_accepted(config):
-    assert ModelConfig.from_hf(config).sliding_window is None
+    cfg = ModelConfig.from_hf(config)
+    assert cfg.windows == () and cfg.sliding_window is None
 
 
 def test_a_window_the_qwen2_layer_types_do_not_use_is_accepted():
     config = _qwen2_window(use_sliding_window=True, sliding_window=64, max_window_layers=2)  # no layer >= 2
     assert "sliding_attention" not in config.layer_types
-    assert ModelConfig.from_hf(config).sliding_window is None
+    assert ModelConfig.from_hf(config).windows == ()
 
 
 def test_unknown_attention_layer_types_are_refused_by_name():

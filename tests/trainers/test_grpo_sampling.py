@@ -1,0 +1,71 @@
+"""SpecGRPOTrainer takes TRL's min_p, repetition_penalty and generation_kwargs to the engine, and refuses a
+generation_kwargs key the engine does not implement, by name, at construction."""
+from __future__ import annotations
+
+import pytest
+import trl
+
+from trainers.data import make_math_dataset
+from trainers.grpo import SpecGRPOTrainer
+from trainers.sampling_args import SUPPORTED_GENERATION_KWARGS, engine_sampling
+
+
+def distinct_chars_reward(completions, **kwargs):
+    return [float(len(set(c[0]["content"]))) for c in completions]
+
+
+def _args(tmp_path, **sampling):
+    return trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, seed=0, per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=12, max_steps=1, logging_steps=1, learning_rate=1e-2,
+        report_to="none", save_strategy="no", disable_tqdm=True, **sampling)
+
+
+def test_min_p_penalty_and_generation_kwargs_reach_the_engine(tiny_llama, char_tokenizer, tmp_path):
+    """generation_kwargs win over the config fields, as in TRL; every rollout samples with them, speculating
+    at every step; TRL's importance ratio stays 1: the engine's logprobs are the temperature-scaled policy's,
+    what TRL recomputes (docs/verification.md#logprobs)."""
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+    from rollout.speculation.selectors.longtail import Arm
+    from rollout.types import SpecConfig
+    from tests.rollout.spec_helpers import ScriptedDrafter
+
+    engine = RolloutEngine(loader.from_hf_model(tiny_llama), char_tokenizer, spec=SpecConfig(drafter="ngram"),
+                           max_model_len=256, max_num_seqs=8, eos_token_ids=[char_tokenizer.eos_token_id],
+                           drafter=ScriptedDrafter(tiny_llama.config.vocab_size, corrupt=0.5))
+    engine.speculation.force(Arm("scripted", 3, 1))
+    asked = []
+    real = engine.generate
+    engine.generate = lambda prompts, params=None, **kw: asked.append(params) or real(prompts, params, **kw)
+    args = _args(tmp_path, temperature=0.9, top_k=-1, min_p=0.05, repetition_penalty=1.1,
+                 generation_kwargs={"repetition_penalty": 1.3, "top_p": 0.95})
+    trainer = SpecGRPOTrainer(model=tiny_llama, reward_funcs=[distinct_chars_reward], args=args,
+                              train_dataset=make_math_dataset(16, seed=0), processing_class=char_tokenizer,
+                              engine=engine)
+    assert trainer.engine_sampling == dict(temperature=0.9, top_p=0.95, top_k=0, min_p=0.05, repetition_penalty=1.3)
+    trainer.train()
+    assert asked and all((p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.9, 0.95, 0, 0.05, 1.3)
+                         for p in asked)
+    log = next(log for log in trainer.state.log_history if "reward" in log)
+    assert log["rollout/spec_step_share"] > 0.5
+    assert log["sampling/sampling_logp_difference/max"] < 1e-4
+    assert abs(log["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
+
+
+def test_unsupported_generation_kwargs_key_is_refused_by_name(tiny_llama, char_tokenizer, tmp_path):
+    args = _args(tmp_path, generation_kwargs={"top_k": 5, "num_beams": 2})
+    with pytest.raises(ValueError, match=r"\['num_beams'\].*supported keys: \['temperature'"):
+        SpecGRPOTrainer(model=tiny_llama, reward_funcs=[distinct_chars_reward], args=args,
+                        train_dataset=make_math_dataset(8, seed=0), processing_class=char_tokenizer,
+                        engine_kwargs=dict(max_model_len=256, max_num_seqs=8))
+
+
+def test_engine_sampling_maps_trl_values_and_validates():
+    assert engine_sampling(1.0, None, None, None, None, None) == dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                                                                      repetition_penalty=1.0)
+    assert set(SUPPORTED_GENERATION_KWARGS) == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    with pytest.raises(ValueError, match="min_p"):
+        engine_sampling(1.0, 1.0, 0, 1.5, 1.0, None)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        engine_sampling(1.0, 1.0, 0, None, None, {"repetition_penalty": 0.0})

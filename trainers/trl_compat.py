@@ -1,0 +1,112 @@
+"""What SpecGRPOTrainer does so that everything plain `trl.GRPOTrainer` accepts still runs (trl 1.16).
+
+- A policy the engine cannot run (rollout.errors.UnsupportedModelError at engine construction: an unknown
+  model_type, a RoPE or attention kind the runtime does not compute, a PEFT method that cannot be merged)
+  is not an error: the trainer warns once and generates through TRL's own `_generate_single_turn`, with
+  TRL's importance-sampling settings exactly as plain TRL has them without vLLM (off). `rollout/engine`
+  (1: the rlspec engine sampled this step, 0: TRL's generation) says in W&B which path sampled. An FSDP run
+  takes the same path: its sharded parameters are what the engine's weight sync cannot read.
+- Vision-language models (a ProcessorMixin processing class, TRL's own test for `_is_vlm`) are
+  refused at construction: the engine generates text only, and a silent fallback would hide that the
+  speculative engine never runs.
+- TRL's importance-sampling correction is turned on for the engine (`turn_on_importance_sampling`), with
+  the one adjustment loss_type="vespo" needs (see `importance_sampling_mode`).
+- A `rollout_func` that returns no logprobs gets NaN ones (`with_sampling_logprobs`), which TRL's
+  correction treats as "no correction", so it trains as it would in plain TRL.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+from rollout.errors import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+ENGINE_METRIC = "rollout/engine"  # 1.0: the rlspec engine sampled; 0.0: TRL's own generation
+TOKEN_LEVEL_FOR_VESPO = {"sequence_mask": "token_mask", "sequence_truncate": "token_truncate"}
+
+
+def refuse_vlm(processing_class) -> None:
+    """Refuse a vision-language policy at construction, before any engine is built. TRL's test: a VLM is
+    one whose processing class is a ProcessorMixin (GRPOTrainer.__init__ sets `_is_vlm` from it)."""
+    from transformers import ProcessorMixin
+
+    if isinstance(processing_class, ProcessorMixin):
+        raise ValueError(
+            "SpecGRPOTrainer's engine generates text only, and this model comes with a multimodal processor "
+            "(a vision-language model): use trl.GRPOTrainer for it (same arguments, without spec_config, "
+            "engine and engine_kwargs)")
+
+
+def engine_or_trl_generation(build, engine_given: bool, fsdp: bool = False):
+    """build() (a RolloutSource), or None after one warning when the engine cannot run the policy.
+
+    engine_given: the user passed an engine; it already runs the model, so an UnsupportedModelError then
+    comes from something else and is raised as is.
+    fsdp: the Trainer will shard the policy with FSDP, whose flat shards / DTensors the weight sync cannot push
+    (trainers/weight_sync.py); TRL's generation gathers them itself (summon_full_params), so it samples instead."""
+    if fsdp and not engine_given:
+        return _trl_generation("the policy is FSDP-sharded, and the engine's weight sync reads whole tensors "
+                               "(DeepSpeed ZeRO-3 keeps the engine: accelerate launch --config_file "
+                               "configs/accelerate/zero3.yaml)")
+    try:
+        return build()
+    except UnsupportedModelError as e:
+        if engine_given:
+            raise
+        return _trl_generation(str(e))
+
+
+def _trl_generation(why: str) -> None:
+    warnings.warn(f"SpecGRPOTrainer: rlspec's rollout engine cannot run this policy ({why}); generating with TRL's "
+                  "own generation instead (no speculation; TRL's importance-sampling settings as in plain TRL). The "
+                  f"metric {ENGINE_METRIC} is 0 on this path", UserWarning, stacklevel=4)
+
+
+def importance_sampling_mode(trainer) -> str:
+    """The vllm_importance_sampling_mode to run the correction with.
+
+    TRL applies the correction to loss_type="vespo" inside its gamma weights, as a sum of per-token log
+    ratios, and refuses vespo with a sequence_* mode when vLLM is on (GRPOTrainer.__init__). Plain TRL
+    without vLLM never sees that refusal because it runs no correction at all, so a vespo config with the
+    default "sequence_mask" is one plain TRL accepts. Dropping the correction would be wrong for us: with a
+    lossy mode the engine's tokens come from a behaviour law that differs from the policy, and the
+    correction is what accounts for it. So we keep it on and use the token-level mode of the same kind
+    (mask -> token_mask, truncate -> token_truncate, with the user's clip bounds), which is what TRL's
+    vespo accepts, and say so in the log.
+    """
+    mode = trainer.vllm_importance_sampling_mode
+    if trainer.loss_type == "vespo" and mode in TOKEN_LEVEL_FOR_VESPO:
+        new = TOKEN_LEVEL_FOR_VESPO[mode]
+        logger.info("SpecGRPOTrainer: loss_type='vespo' takes a token-level importance-sampling correction; "
+                    "using vllm_importance_sampling_mode=%r instead of %r", new, mode)
+        return new
+    return mode
+
+
+def turn_on_importance_sampling(trainer) -> None:
+    """TRL runs its correction (and logs sampling/*) only when `use_vllm and vllm_importance_sampling_correction`.
+    Setting use_vllm after TRL's __init__ starts no vLLM: TRL reads the flag only in the methods we replace
+    (_generate_single_turn, the rollout_func branch of _generate, whose sync check we satisfy) and in the
+    correction's checks. vllm_mode is set to a name no vLLM-only branch tests for ("colocate", "server")."""
+    trainer.vllm_importance_sampling_mode = importance_sampling_mode(trainer)
+    trainer.use_vllm = bool(trainer.vllm_importance_sampling_correction)
+    trainer.vllm_mode = "rlspec_engine"
+
+
+def with_sampling_logprobs(rollout_func):
+    """rollout_func, with `logprobs: None` in its output replaced by NaN per token (None, which TRL turns into
+    NaN): TRL's correction gives NaN tokens a ratio of exactly 1, so a custom rollout that cannot score its
+    tokens trains as in plain TRL, which runs no correction without vLLM."""
+    if rollout_func is None:
+        return None
+
+    def rollout(prompts, trainer):
+        output = rollout_func(prompts, trainer)
+        if isinstance(output, dict) and output.get("logprobs", 0) is None and "completion_ids" in output:
+            output = {**output, "logprobs": [[None] * len(ids) for ids in output["completion_ids"]]}
+        return output
+
+    rollout.__wrapped__ = rollout_func
+    return rollout
