@@ -41,14 +41,17 @@ class RolloutEngine:
     def __init__(self, model, tokenizer, spec: SpecConfig | None = None, max_model_len: int = 2048,
                  max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None,
                  graph_mode: str = "auto", kv_memory_gb: float | None = None, kv_memory_fraction: float | None = None,
-                 kv_block_size: int = DEFAULT_BLOCK_SIZE, free_kv_between_rollouts: bool | None = None):
+                 kv_block_size: int = DEFAULT_BLOCK_SIZE, free_kv_between_rollouts: bool | None = None,
+                 compile_mode: str = "off"):
         """Prefer from_pretrained / from_hf_model. `drafter` plugs in a custom Drafter instance.
 
         KV memory (docs/runtime.md#paged-kv-cache): the pool holds kv_memory_gb GiB, or kv_memory_fraction
         of the free device memory, or by default what max_num_seqs sequences of the call's longest length
         could use (capped at 90% of free memory); sequences are admitted while blocks last and the
         youngest are preempted when they run out. free_kv_between_rollouts: hand the pool back at the
-        end of every generate() so a policy update has the memory (None: on for CUDA, off on CPU)."""
+        end of every generate() so a policy update has the memory (None: on for CUDA, off on CPU).
+        compile_mode: "on" runs decode/verify steps through the compiled decoder layer (runtime/compiled.py;
+        inside the CUDA graphs on a GPU), "off" eagerly."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -64,7 +67,8 @@ class RolloutEngine:
         if model.cfg.moe_layers:  # routed experts loop over the experts hit: not capturable (model/moe.py)
             graph_mode = "off"
         self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack(),
-                                  budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size))
+                                  budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size),
+                                  compile_mode=compile_mode)
         self.free_kv_between_rollouts = p.device.type == "cuda" if free_kv_between_rollouts is None \
             else free_kv_between_rollouts
         self._pool: tuple[float, float] | None = None  # (MiB, blocks) of the last call's KV pool

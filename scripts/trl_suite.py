@@ -215,12 +215,12 @@ def per_test_table(plain: dict | None, spec: dict | None, engine: dict) -> dict[
 def format_summary(doc: dict) -> str:
     s = doc["summary"]
     lines = ["", f"TRL GRPOTrainer suite ({doc.get('trl_tests_source', '?')}, trl {doc.get('trl_version', '?')})",
-             f"{'arm':8s} {'total':>6s} {'passed':>7s} {'failed':>7s} {'error':>6s} {'skipped':>8s} {'wall_s':>8s}"]
+             f"{'arm':8s} {'total':>6s} {'passed':>7s} {'failed':>7s} {'error':>6s} {'skipped':>8s} {'wall_s':>8s} {'test_s':>8s}"]
     for arm in ("plain", "spec"):
         if arm in s:
             c = s[arm]
             lines.append(f"{arm:8s} {c['total']:6d} {c['passed']:7d} {c['failed']:7d} {c['error']:6d} {c['skipped']:8d} "
-                         f"{doc.get('wall_s', {}).get(arm, 0):8.0f}")
+                         f"{doc.get('wall_s', {}).get(arm, 0):8.0f} {doc.get('test_time_s', {}).get(arm, 0):8.0f}")
     w = doc.get("wall_s", {})
     if "total" in w:
         lines.append(f"wall: {w['total']:.0f}s in all ({w.get('fixtures', 0):.0f}s building fixtures); "

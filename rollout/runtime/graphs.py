@@ -228,13 +228,15 @@ class GraphPool:
     """
 
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device, capture_mode: str = "lazy",
-                 max_rows: int | None = None, max_t: int = 16, hidden_layers=(), backend: str = "cuda"):
+                 max_rows: int | None = None, max_t: int = 16, hidden_layers=(), backend: str = "cuda",
+                 layer_call=None):
         if capture_mode not in ("lazy", "eager_start"):
             raise ValueError(f"capture_mode must be 'lazy' or 'eager_start', got {capture_mode!r}")
         if backend not in ("cuda", "emulate") or (backend == "cuda" and torch.device(device).type != "cuda"):
             raise ValueError(f"backend {backend!r} on device {device!s}: CUDA graphs need backend='cuda' on a "
                              "CUDA device; use EagerRunner (or backend='emulate' in tests) elsewhere")
         self.model, self.cache, self.device, self.backend = model, cache, torch.device(device), backend
+        self.layer_call = layer_call  # the compiled layer (runtime/compiled.py): graphs capture compiled kernels
         self.eager = EagerRunner(model, cache, device)
         self.flex = use_flex(self.device)  # decided once: every graph of the pool attends the same way
         self.batch_buckets = batch_buckets(min(max_rows or cache.rows, cache.rows))
@@ -319,12 +321,12 @@ class GraphPool:
         tokens, start, depths, tree = self.static.inputs(b, t)
         logits_out = self.static.logits_view(b, t)
         hidden_out = {i: self.static.hidden_view(i, b, t) for i in hl}  # allocated before capture
-        model, cache, flex = self.model, self.cache, self.flex
+        model, cache, flex, layer_call = self.model, self.cache, self.flex, self.layer_call
 
         def forward():  # reads and writes only static buffers, the cache and the weights
             with torch.inference_mode():
                 fb = build_step_batch(tokens, start, cache, cache.length, depths, tree, flex)
-                logits, hiddens = model(fb, cache.k, cache.v, hl)
+                logits, hiddens = model(fb, cache.k, cache.v, hl, layer_call=layer_call)
                 logits_out.copy_(logits)
                 for i in hl:
                     hidden_out[i].copy_(hiddens[i])
@@ -344,14 +346,16 @@ class GraphPool:
         return self.static.nbytes() + self.pool_bytes
 
 
-def make_step_runner(model: LlamaForCausalLM, cache: PagedKVCache, device, mode: str = "auto", **pool_kwargs):
+def make_step_runner(model: LlamaForCausalLM, cache: PagedKVCache, device, mode: str = "auto", layer_call=None,
+                     **pool_kwargs):
     """A GraphPool on CUDA unless mode is "off"; EagerRunner elsewhere.
 
-    mode: "auto" (= "lazy" on CUDA), "off", "lazy" or "eager_start"; pool_kwargs go to GraphPool.
+    mode: "auto" (= "lazy" on CUDA), "off", "lazy" or "eager_start"; layer_call: how the captured
+    forwards run each layer (runtime/compiled.py's compiled call); pool_kwargs go to GraphPool.
     """
     if mode not in MODES:
         raise ValueError(f"graph mode must be one of {MODES}, got {mode!r}")
     device = torch.device(device)
     if mode == "off" or device.type != "cuda" or not torch.cuda.is_available():
         return EagerRunner(model, cache, device)
-    return GraphPool(model, cache, device, "lazy" if mode == "auto" else mode, **pool_kwargs)
+    return GraphPool(model, cache, device, "lazy" if mode == "auto" else mode, layer_call=layer_call, **pool_kwargs)

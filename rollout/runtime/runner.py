@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.runtime.graphs import MODES, make_step_runner
+from rollout.runtime.compiled import CompiledRunner, compiled_layer_call, resolve_compile
+from rollout.runtime.graphs import MODES, EagerRunner, make_step_runner
 from rollout.runtime.kv_budget import KVBudget
 from rollout.runtime.kv_cache import PagedKVCache, SideSpec, block_bytes, side_bytes
 from rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
@@ -16,9 +17,10 @@ from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype, graph_mode: str = "auto",
-                 max_graph_t: int = 16, budget: KVBudget | None = None):
+                 max_graph_t: int = 16, budget: KVBudget | None = None, compile_mode: str = "off"):
         if graph_mode not in MODES:  # fail at construction, not at the first generate()
             raise ValueError(f"graph_mode must be one of {MODES}, got {graph_mode!r}")
+        self.compiled = resolve_compile(compile_mode, device)
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
         self.budget = budget or KVBudget()
@@ -52,7 +54,10 @@ class ModelRunner:
                                   side)
         self.cache.set_ceiling(size.max_blocks, lambda: self.budget.headroom(self.device))
         self.model.init_rope(self.cache.length)
-        self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode, max_t=self.max_graph_t)
+        self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode,
+                                      compiled_layer_call() if self.compiled else None, max_t=self.max_graph_t)
+        if self.compiled and type(self.steps) is EagerRunner:  # no CUDA graphs: compiled steps on their own
+            self.steps = CompiledRunner(self.model, self.cache, self.device)
         return self.cache
 
     def release(self) -> None:

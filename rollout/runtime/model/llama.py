@@ -185,12 +185,13 @@ class LlamaForCausalLM(nn.Module):
                            for t in sorted({t for t in self.cfg.layer_rope if t is not None})}
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, k_cache, v_cache, hidden_layers=(), logits_index=None):
+    def forward(self, fb: ForwardBatch, k_cache, v_cache, hidden_layers=(), logits_index=None, layer_call=None):
         """Run B x T new tokens; k_cache/v_cache: the paged pools [L, num_blocks, block_size, kv_heads, head_dim].
 
         Returns (logits, hiddens): logits [B, T, V] float32, or [B, V] when logits_index [B] picks
         one position per row (prefill); hiddens: {HF hidden_states index: [B, T, H]} for the layers
         asked for (index 0 = embeddings, i = output of layer i-1, for i <= L; L is before the final norm).
+        layer_call(layer, *args): how each layer runs (runtime/compiled.py passes its compiled call).
         """
         x = self.model.embed_tokens(fb.input_ids)
         dtype = x.dtype
@@ -203,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
             if i in hidden_layers:
                 hiddens[i] = x
             cos, sin = ropes[self.cfg.layer_rope[i] if self.cfg.layer_rope else None]
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], fb, masks[i])
+            x = (layer_call or _call)(layer, x, cos, sin, k_cache[i], v_cache[i], fb, masks[i])
         if len(self.model.layers) in hidden_layers:  # the last layer's output, pre-norm (rollout/lossy's heads)
             hiddens[len(self.model.layers)] = x
         if logits_index is not None:
@@ -227,6 +228,10 @@ class LlamaForCausalLM(nn.Module):
             return [full] * L
         slide = dense_view(fb.attn, fb.positions, window)
         return [slide if w else full for w in cfg.windows]
+
+
+def _call(layer, *args):
+    return layer(*args)
 
 
 def rope_table(cfg: ModelConfig, max_len: int, device, layer_type: str | None = None):

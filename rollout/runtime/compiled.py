@@ -1,0 +1,135 @@
+"""Compiled step forwards: the decoder layer compiled once by torch.compile and reused by every layer.
+
+Why: at small batch a decode step is launch- and dispatch-bound, not bandwidth-bound. SmolLM2-135M's
+269 MB of bf16 weights take ~9.5 ms to stream on this CPU, yet an eager step takes ~21-23 ms
+(docs/runtime.md#compiled-steps): each of the 30 layers issues ~70 small ops (norm, rotary, cache
+write, gather, masked softmax, residuals), each paying Python and dispatcher overhead. Inductor fuses the
+elementwise chains into a few generated kernels and leaves the matmuls to the same BLAS/oneDNN calls.
+
+How (regional compilation): one `torch.compile` of the layer's forward serves all layers, because the
+layers' parameters are inputs of the compiled graph (dynamo inlines built-in nn.Modules), so compile
+time is that of one layer (seconds), not of the whole model (minutes). What changes a graph:
+  * T, the tokens per row (1 = decode, k+1 = chain verify, nodes+1 = tree), padded to a power of two
+    (`graphs.pow2_buckets`); padding nodes extend the row as a chain and their keys land past the
+    row's length, where no mask looks (the CUDA graph pool pads the same way, graphs.py).
+  * the batch: dynamic (one graph for every B > 1; B = 1 gets its own, as torch specialises size 1).
+  * S, the cache positions read: dynamic (marked before the first call), so a rollout's growing
+    context never recompiles.
+The paged KV write is an opaque custom op that mutates the pool in place (kv_cache.write_slots): as a
+plain index_put on a graph input, functionalisation would copy the whole pool every layer.
+
+Artefacts (the FX graph and AOT caches) go under $RLSPEC_CACHE/inductor, so a machine compiles once and
+later processes load the kernels in a fraction of the time. `compile_mode="off"` keeps the eager path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rollout.runtime.graphs import EagerRunner, bucket_for, build_step_batch, pad_batch, pow2_buckets
+
+COMPILE_MODES = ("off", "on", "auto")
+MAX_COMPILED_T = 32  # verify sizes above this run eagerly (trees of more nodes are rare and costly anyway)
+RECOMPILE_LIMIT = 64
+
+
+def inductor_cache_dir(root: str | None = None) -> str:
+    """Point inductor's on-disk caches at $RLSPEC_CACHE/inductor unless the user chose a directory."""
+    from rollout.runtime.model.fetch import cache_root
+
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root(root) / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
+def resolve_compile(mode: str, device) -> bool:
+    """Whether steps are compiled. auto: yes on CUDA (inside the graph pool) and on CPU."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+    return mode != "off"
+
+
+def compiled_layer_call():
+    """A function (layer, *args) -> layer(*args) compiled once per process; dynamo treats the layer's
+    parameters as inputs, so every layer (and every model of the same class) shares its graphs."""
+    global _LAYER_CALL
+    if _LAYER_CALL is None:
+        import torch._dynamo
+
+        inductor_cache_dir()
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+
+        def call(layer, *args):
+            return layer.forward(*args)
+
+        _LAYER_CALL = torch.compile(call, dynamic=False)
+    return _LAYER_CALL
+
+
+_LAYER_CALL = None
+
+
+class CompiledRunner(EagerRunner):
+    """EagerRunner's API; the layers run through the compiled layer call, T padded to a power of two."""
+
+    def __init__(self, model, cache, device, max_t: int = MAX_COMPILED_T):
+        super().__init__(model, cache, device)
+        self.t_buckets = pow2_buckets(1, max_t)
+        self.layer_call = compiled_layer_call()
+        self.seen: set[tuple] = set()  # (batched, t) keys whose graphs exist: their inputs need no marks
+        self.counts = {"compiled": 0, "eager": 0}
+
+    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
+        B, T = tokens.shape
+        t = bucket_for(T, self.t_buckets)
+        if t is None or int(start.max()) + t > self.cache.length:
+            self.counts["eager"] += 1
+            return super().run(tokens, start, depths, tree_mask, hidden_layers)
+        if t != T:
+            tokens, start, depths, tree_mask = pad_batch(tokens, start, depths, tree_mask, B, t)
+        self.counts["compiled"] += 1
+        key = (B > 1, t)
+        call = self.layer_call if key in self.seen else _marking(self.layer_call, B > 1)
+        self.seen.add(key)
+        dev = self.device
+        S = self.cache.length if self.flex else int(start.max()) + t
+        fb = build_step_batch(tokens.to(dev), start.to(dev), self.cache, S, _to(depths, dev), _to(tree_mask, dev),
+                              self.flex)
+        logits, hiddens = self.model(fb, self.cache.k, self.cache.v, hidden_layers, layer_call=call)
+        if t != T:
+            logits, hiddens = logits[:, :T], {i: h[:, :T] for i, h in hiddens.items()}
+        return logits, hiddens
+
+
+def _marking(call, batched: bool):
+    """`call` after marking its inputs' batch (when batched) and context-length dims dynamic, so the
+    first compile of a key is already general and no later step recompiles for a new B or S."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    def tensors(obj):
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)] if hasattr(obj, "__dataclass_fields__") else []
+
+    def marked(layer, *args):
+        fb = next(a for a in args if hasattr(a, "slots"))
+        masks = [fb.attn] + [a for a in args if hasattr(a, "dense")]
+        if batched:  # every [B, ...] input; the KV pools' block dimension is left as it is
+            for x in [t for a in args + tuple(masks) for t in tensors(a)]:
+                if x.dim() > 0 and x.shape[0] == fb.input_ids.shape[0]:
+                    maybe_mark_dynamic(x, 0)
+        if fb.blocks is not None:
+            maybe_mark_dynamic(fb.blocks, 1)
+        for m in masks:
+            if m.dense is not None:
+                maybe_mark_dynamic(m.dense, 3)
+        return call(layer, *args)
+
+    return marked
+
+
+def _to(x, device):
+    return None if x is None else x.to(device)

@@ -1,0 +1,140 @@
+"""Where one decode step stands against this machine's limits (issue 27's table), measured side by side.
+
+In one process, on the embedded model (bf16 by default):
+  * memory bandwidth: torch's sum over a 1 GiB tensor (best of 5), and the roofline of a batch-1 step:
+    the bytes of the weights a step reads (every layer + the LM head) / bandwidth;
+  * transformers' bare forward of one token over a DynamicCache (no sampling), batch 1 and 8;
+  * the engine's plain decode step through the public API (`generate`, EOS ignored): the step time is
+    (t(N tokens) - t(1 token)) / (N - 1), so prefill and call set-up cancel; eager and compiled engines
+    (compile="off" / "on"), alternated over --reps repetitions (median), compilation done before timing;
+Writes bench_out/step.json (and prints the table).
+
+    python scripts/bench_step.py                    # step times: ~5 min on 2 cores once compiled
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from common import math_prompts, parser, table, write_json
+from bench_engine import hf_model
+
+
+def bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes read per second by torch.sum over `gib` GiB of float32 (best of `reps`): the roofline's rate."""
+    import torch
+
+    x = torch.ones(int(gib * 2**30) // 4)
+    x.sum()
+    best = min(_seconds(lambda: x.sum()) for _ in range(reps))
+    return x.numel() * 4 / best / 1e9
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def step_bytes(model) -> int:
+    """Weight bytes a decode step reads: every parameter except the input embedding table (one row
+    read), the LM head counted once even when tied to it."""
+    seen, total = set(), 0
+    emb = model.model.embed_tokens.weight
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is emb and not model.cfg.tie_word_embeddings):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def hf_step_ms(path: str, dtype, batch: int, ctx: int, steps: int) -> float:
+    """transformers' forward of one new token per row over a cache of ctx tokens, ms per step."""
+    import torch
+    from transformers import DynamicCache
+
+    _, model = hf_model(path, dtype)
+    ids = torch.randint(100, 1000, (batch, ctx))
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(ids, past_key_values=cache, use_cache=True)
+        tok = ids[:, -1:]
+        for _ in range(2):  # warm-up
+            model(tok, past_key_values=cache, use_cache=True)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model(tok, past_key_values=cache, use_cache=True)
+        return (time.perf_counter() - t0) / steps * 1e3
+
+
+def engine_step_ms(engine, prompts: list[list[int]], steps: int) -> float:
+    """Plain decode step of `engine` by the public API, ms: (t(steps + 1) - t(1)) / steps."""
+    from rollout.types import SamplingParams
+
+    def call(n):
+        params = SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=0)
+        return _seconds(lambda: engine.generate(prompts, params))
+
+    return (call(steps + 1) - call(1)) / steps * 1e3
+
+
+def measure_steps(args) -> list[dict]:
+    import torch
+
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model.fetch import fetch_model
+
+    path = fetch_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    engines = {mode: RolloutEngine.from_pretrained(path, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
+                                                   compile_mode=mode) for mode in ("off", "on")}
+    prompts = math_prompts(engines["off"].tokenizer, max(args.batch_sizes), seed=3)
+    rows = []
+    for b in args.batch_sizes:
+        ps = prompts[:b]
+        for mode, eng in engines.items():  # compile (and warm) every shape this batch size meets
+            t0 = time.perf_counter()
+            engine_step_ms(eng, ps, 4)
+            print(f"[step] batch {b} compile={mode}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+        runs = {mode: [] for mode in engines}
+        hf = []
+        for rep in range(args.reps):
+            for mode, eng in engines.items():
+                runs[mode].append(engine_step_ms(eng, ps, args.steps))
+            hf.append(hf_step_ms(path, dtype, b, args.ctx, args.steps))
+            print(f"[step] batch {b} rep {rep}: eager {runs['off'][-1]:.2f} ms, compiled {runs['on'][-1]:.2f} ms, "
+                  f"transformers {hf[-1]:.2f} ms", flush=True)
+        rows.append({"batch": b, "engine_eager_ms": statistics.median(runs["off"]),
+                     "engine_compiled_ms": statistics.median(runs["on"]), "transformers_ms": statistics.median(hf),
+                     "runs": {**runs, "transformers": hf}})
+    return rows, step_bytes(engines["off"].model)
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=48, help="decode steps per timed call")
+    ap.add_argument("--ctx", type=int, default=64, help="transformers' cache length (the prompts' order)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="bench_out/step.json")
+    args = ap.parse_args()
+    bw = bandwidth_gbs()
+    rows, nbytes = measure_steps(args)
+    roofline_ms = nbytes / (bw * 1e9) * 1e3
+    for r in rows:
+        r["roofline_ms"] = roofline_ms if r["batch"] == 1 else None
+        r["compiled_vs_roofline"] = r["engine_compiled_ms"] / roofline_ms if r["batch"] == 1 else None
+        r["compiled_vs_transformers"] = r["engine_compiled_ms"] / r["transformers_ms"]
+        r["compiled_vs_eager"] = r["engine_compiled_ms"] / r["engine_eager_ms"]
+    print(f"bandwidth {bw:.1f} GB/s, step weights {nbytes / 1e6:.0f} MB, batch-1 roofline {roofline_ms:.2f} ms")
+    print(table(rows, ["batch", "roofline_ms", "transformers_ms", "engine_eager_ms", "engine_compiled_ms",
+                       "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_eager"]))
+    write_json(args.out, {"config": vars(args), "bandwidth_gbs": bw, "step_weight_bytes": nbytes,
+                          "roofline_ms": roofline_ms, "steps": rows})
+
+
+if __name__ == "__main__":
+    main()
