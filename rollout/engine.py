@@ -42,7 +42,7 @@ class RolloutEngine:
                  max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None,
                  graph_mode: str = "auto", kv_memory_gb: float | None = None, kv_memory_fraction: float | None = None,
                  kv_block_size: int = DEFAULT_BLOCK_SIZE, free_kv_between_rollouts: bool | None = None,
-                 compile_mode: str = "off"):
+                 compile_mode: str = "auto"):
         """Prefer from_pretrained / from_hf_model. `drafter` plugs in a custom Drafter instance.
 
         KV memory (docs/runtime.md#paged-kv-cache): the pool holds kv_memory_gb GiB, or kv_memory_fraction
@@ -50,8 +50,8 @@ class RolloutEngine:
         could use (capped at 90% of free memory); sequences are admitted while blocks last and the
         youngest are preempted when they run out. free_kv_between_rollouts: hand the pool back at the
         end of every generate() so a policy update has the memory (None: on for CUDA, off on CPU).
-        compile_mode: "on" runs decode/verify steps through the compiled decoder layer (runtime/compiled.py;
-        inside the CUDA graphs on a GPU), "off" eagerly."""
+        compile_mode: "on" runs steps through the compiled decoder layer (runtime/compiled.py; inside the CUDA
+        graphs on a GPU), "off" eagerly, "auto" (default) compiles where it was measured to pay: a CPU in bf16."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()

@@ -340,14 +340,44 @@ def referenced_repo_ids(test_file: Path) -> tuple[list[str], list[str]]:
     return [i for i in ids if i not in datasets_], datasets_
 
 
-def _tokenizer(family: str):
-    import trl
-    from transformers import AutoTokenizer
+# Qwen2.5/Qwen3's ids for their special tokens: some TRL tests hard-code them (e.g. eos 151645, pad 151643), so
+# the Qwen families' tokenizers move these tokens to the same ids (the vocabulary keeps its other ids).
+QWEN_SPECIAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<tool_call>": 151657,
+                    "</tool_call>": 151658, "<tool_response>": 151665, "</tool_response>": 151666, "<think>": 151667,
+                    "</think>": 151668}
+
+
+def _smollm2_tokenizer_with_ids(special_ids: dict[str, int], out_dir: Path):
+    """The SmolLM2 tokenizer with the given tokens at the given ids (moved or added), saved to out_dir."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from rollout.runtime.model.fetch import fetch_model
 
+    src = Path(fetch_model(SMOLLM2))
+    if not special_ids:
+        return AutoTokenizer.from_pretrained(src)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    added = {a["content"]: a for a in spec["added_tokens"]}
+    for content, new_id in special_ids.items():
+        vocab.pop(content, None)
+        vocab[content] = new_id
+        entry = added.get(content) or {"content": content, "single_word": False, "lstrip": False, "rstrip": False,
+                                       "normalized": False, "special": True}
+        entry["id"] = new_id
+        added[content] = entry
+    spec["added_tokens"] = sorted(added.values(), key=lambda a: a["id"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tokenizer.json").write_text(json.dumps(spec))
+    return PreTrainedTokenizerFast(tokenizer_file=str(out_dir / "tokenizer.json"))
+
+
+def _tokenizer(family: str, scratch: Path):
+    import trl
+
     spec = FAMILIES[family]
-    tok = AutoTokenizer.from_pretrained(fetch_model(SMOLLM2))
+    tok = _smollm2_tokenizer_with_ids(QWEN_SPECIAL_IDS if family in ("qwen2_5", "qwen3") else {},
+                                      scratch / f"tokenizer-{family}")
     specials = [t for t in [spec["bos"], spec["eos"], spec["pad"], *spec["extra"]] if t]
     missing = [t for t in specials if t not in tok.get_vocab()]
     if missing:
@@ -366,10 +396,11 @@ def build_model(repo_id: str, target: Path) -> None:
     from transformers import GenerationConfig
 
     config_cls, model_cls, kwargs, family = MODEL_RECIPES[repo_id.split("/", 1)[1]]
-    tok = _tokenizer(family)
+    tok = _tokenizer(family, target.parent / ".tokenizer-src")
     ids = tok.convert_tokens_to_ids
     gen_eos = [ids(t) for t in FAMILIES[family]["gen_eos"]]
-    config = getattr(transformers, config_cls)(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+    vocab_size = max(len(tok), max(tok.get_vocab().values()) + 1)  # moved special ids leave holes below them
+    config = getattr(transformers, config_cls)(vocab_size=vocab_size, bos_token_id=tok.bos_token_id,
                                                eos_token_id=gen_eos[0] if len(gen_eos) == 1 else gen_eos,
                                                pad_token_id=tok.pad_token_id, **kwargs)
     if getattr(config, "layer_types", None) and len(config.layer_types) != config.num_hidden_layers:

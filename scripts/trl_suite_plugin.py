@@ -83,13 +83,13 @@ _install_dataset_redirect()
 
 # --- the Spec arm: a thin subclass that records whether rollouts went through rlspec's engine
 _STATE = {"constructed": 0, "on_trl_generation": 0, "engine_calls": 0, "engine_samples": 0}
-SpecGRPOTrainerUnderTest = None
-if ARM == "spec":
+
+
+def _spec_subclass():
+    """SpecGRPOTrainer, counting the rollouts that came back from its RolloutSource (the engine)."""
     from trainers.grpo import SpecGRPOTrainer
 
-    class SpecGRPOTrainerUnderTest(SpecGRPOTrainer):  # noqa: F811 - defined only for the spec arm
-        """SpecGRPOTrainer, counting the rollouts that came back from its RolloutSource (the engine)."""
-
+    class SpecGRPOTrainerUnderTest(SpecGRPOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             _STATE["constructed"] += 1
@@ -105,6 +105,11 @@ if ARM == "spec":
                 return results
 
             self.rollouts.generate = generate
+
+    return SpecGRPOTrainerUnderTest
+
+
+SpecGRPOTrainerUnderTest = _spec_subclass() if ARM == "spec" else None
 
 
 def pytest_collection_modifyitems(session, config, items):

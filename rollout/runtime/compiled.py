@@ -43,11 +43,14 @@ def inductor_cache_dir(root: str | None = None) -> str:
     return path
 
 
-def resolve_compile(mode: str, device) -> bool:
-    """Whether steps are compiled. auto: yes on CUDA (inside the graph pool) and on CPU."""
+def resolve_compile(mode: str, device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether steps are compiled. auto: on a CPU in bf16, where it was measured to pay (bench_out/step.json);
+    off on CUDA until `make gpu-check` has measured the compiled graphs there, and in float32."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-    return mode != "off"
+    if mode == "auto":
+        return torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    return mode == "on"
 
 
 def compiled_layer_call():
@@ -62,8 +65,8 @@ def compiled_layer_call():
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
 
-        def call(layer, *args):
-            return layer.forward(*args)
+        def call(fn, *args):  # a layer, or the model's head function (llama._head)
+            return fn(*args)
 
         _LAYER_CALL = torch.compile(call, dynamic=False)
     return _LAYER_CALL
@@ -75,17 +78,23 @@ _LAYER_CALL = None
 class CompiledRunner(EagerRunner):
     """EagerRunner's API; the layers run through the compiled layer call, T padded to a power of two."""
 
+    CPU_SINGLE_ROW_ONLY = True  # tests set it False to run every shape compiled on the CPU, as on CUDA
+
     def __init__(self, model, cache, device, max_t: int = MAX_COMPILED_T):
         super().__init__(model, cache, device)
         self.t_buckets = pow2_buckets(1, max_t)
         self.layer_call = compiled_layer_call()
         self.seen: set[tuple] = set()  # (batched, t) keys whose graphs exist: their inputs need no marks
+        # On a CPU only single-row steps (batch 1 decoding: the tail of a rollout) compile: their products
+        # become fused reductions (model/linear.py); with more rows the eager step on packed weights is faster
+        # than a compiled one, whose matmuls cannot use them (bench_out/step.json)
+        self.single_row_only = self.device.type == "cpu" and self.CPU_SINGLE_ROW_ONLY
         self.counts = {"compiled": 0, "eager": 0}
 
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         B, T = tokens.shape
         t = bucket_for(T, self.t_buckets)
-        if t is None or int(start.max()) + t > self.cache.length:
+        if t is None or int(start.max()) + t > self.cache.length or (self.single_row_only and B * T > 1):
             self.counts["eager"] += 1
             return super().run(tokens, start, depths, tree_mask, hidden_layers)
         if t != T:
@@ -115,13 +124,14 @@ def _marking(call, batched: bool):
         return [v for v in vars(obj).values() if isinstance(v, torch.Tensor)] if hasattr(obj, "__dataclass_fields__") else []
 
     def marked(layer, *args):
-        fb = next(a for a in args if hasattr(a, "slots"))
-        masks = [fb.attn] + [a for a in args if hasattr(a, "dense")]
+        fb = next((a for a in args if hasattr(a, "slots")), None)  # None: the head, whose input is x alone
+        masks = ([fb.attn] if fb is not None else []) + [a for a in args if hasattr(a, "dense")]
+        rows = next(a for a in args if isinstance(a, torch.Tensor)).shape[0]  # x [B, T, H] is the first tensor
         if batched:  # every [B, ...] input; the KV pools' block dimension is left as it is
             for x in [t for a in args + tuple(masks) for t in tensors(a)]:
-                if x.dim() > 0 and x.shape[0] == fb.input_ids.shape[0]:
+                if x.dim() > 0 and x.shape[0] == rows:
                     maybe_mark_dynamic(x, 0)
-        if fb.blocks is not None:
+        if fb is not None and fb.blocks is not None:
             maybe_mark_dynamic(fb.blocks, 1)
         for m in masks:
             if m.dense is not None:

@@ -12,15 +12,17 @@ from rollout.runtime.graphs import MODES, EagerRunner, make_step_runner
 from rollout.runtime.kv_budget import KVBudget
 from rollout.runtime.kv_cache import PagedKVCache, SideSpec, block_bytes, side_bytes
 from rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
+from rollout.runtime.model.linear import pack_linears
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device, dtype: torch.dtype, graph_mode: str = "auto",
-                 max_graph_t: int = 16, budget: KVBudget | None = None, compile_mode: str = "off"):
+                 max_graph_t: int = 16, budget: KVBudget | None = None, compile_mode: str = "auto"):
         if graph_mode not in MODES:  # fail at construction, not at the first generate()
             raise ValueError(f"graph_mode must be one of {MODES}, got {graph_mode!r}")
-        self.compiled = resolve_compile(compile_mode, device)
+        self.compiled = resolve_compile(compile_mode, device, dtype)
+        self.packed_bytes = pack_linears(model)  # CPU bf16: oneDNN copies of the weights (model/linear.py)
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
         self.budget = budget or KVBudget()

@@ -23,6 +23,7 @@ from torch import nn
 
 from rollout.runtime.model.attention import AttnMask, attend, dense_view
 from rollout.runtime.model.config import ModelConfig, main_rope_type
+from rollout.runtime.model.linear import Linear
 from rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
 from rollout.runtime.model.moe import SparseMoE
 from rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
@@ -77,8 +78,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         norm = norm_class(cfg)
         self.q_norm = norm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -114,8 +115,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaBackbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_cos: torch.Tensor | None = None  # [max_len, hd] float32, built by init_rope
@@ -209,10 +210,7 @@ class LlamaForCausalLM(nn.Module):
             hiddens[len(self.model.layers)] = x
         if logits_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_index]
-        logits = self.lm_head(self.model.norm(x))
-        if self.cfg.final_softcap is not None:  # in the model dtype, as transformers
-            logits = softcap(logits, self.cfg.final_softcap)
-        return logits.float(), hiddens
+        return (layer_call or _call)(_head, self.model.norm, self.lm_head, x, self.cfg.final_softcap), hiddens
 
     def layer_masks(self, fb: ForwardBatch) -> list[AttnMask]:
         """Each layer's mask, built once per forward: fb.attn, or for sliding layers fb.attn with the window
@@ -232,6 +230,15 @@ class LlamaForCausalLM(nn.Module):
 
 def _call(layer, *args):
     return layer(*args)
+
+
+def _head(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Final norm, LM head, soft-cap (in the model dtype, as transformers) -> float32 logits; a function so
+    that the compiled step compiles it too (its single-row product is the step's largest, compiled.py)."""
+    logits = lm_head(norm(x))
+    if cap is not None:
+        logits = softcap(logits, cap)
+    return logits.float()
 
 
 def rope_table(cfg: ModelConfig, max_len: int, device, layer_type: str | None = None):

@@ -46,9 +46,9 @@ def exact(hf, params):
     return _LAWS[key]
 
 
-def check(hf, params, drafter_for, width, k):
+def check(hf, params, drafter_for, width, k, **engine_kw):
     """Sample through the engine, assert the law; returns the engine stats."""
-    samples, stats = engine_samples(hf, PROMPT, params, N, LENGTH, drafter_for, width, k)
+    samples, stats = engine_samples(hf, PROMPT, params, N, LENGTH, drafter_for, width, k, **engine_kw)
     seqs, probs, _ = exact(hf, params)
     p = sequence_pvalue(samples, seqs, probs)
     assert p > ALPHA, p
@@ -79,6 +79,30 @@ def test_model_free_trees_keep_the_law(hf, params, monkeypatch):
     assert drafter.branched >= N // 2
     assert full_share(stats, 2) >= 0.02, stats
     assert min(seen["first"], seen["later"], seen["none"]) >= 1000, seen
+
+
+@pytest.mark.parametrize("width,k", [(1, 3), (2, 2)], ids=["chain", "tree"])
+def test_compiled_steps_keep_the_law(hf, width, k, monkeypatch):
+    """The same law when the target's steps run compiled (rollout/runtime/compiled.py): every verify went
+    through the compiled layer (counted), multi-token drafts were accepted, and trees branched."""
+    from rollout.runtime.compiled import CompiledRunner
+
+    calls = {"T>1": 0}
+    runners = []
+    run = CompiledRunner.run
+
+    def counted(self, tokens, *a, **kw):
+        calls["T>1"] += tokens.shape[1] > 1
+        runners.append(self)
+        return run(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(CompiledRunner, "run", counted)
+    monkeypatch.setattr(CompiledRunner, "CPU_SINGLE_ROW_ONLY", False)  # every shape compiled, as on CUDA
+    drafter = OracleDrafter(exact(hf, TOP_P)[2], VOCAB, corrupt=0.2, seed=3)
+    stats = check(hf, TOP_P, lambda runtime: drafter, width=width, k=k, compile_mode="on")
+    assert calls["T>1"] >= 2 and runners[-1].counts["eager"] == 0  # every verify ran compiled
+    assert full_share(stats, k) >= 0.01, stats
+    assert (drafter.branched if width > 1 else drafter.multi) >= N // 2
 
 
 def test_eagle3_sampled_chains_keep_the_law(hf):

@@ -1,0 +1,71 @@
+"""rollout/runtime/compiled.py: the compiled step equals the eager one (float32), greedy decoding through it
+equals transformers' generate, and speculation through it keeps the target's law.
+
+Compiling costs seconds per (batch 1 or many, tokens-per-row bucket), so these tests share one tiny model
+shape and few buckets; inductor's artefacts are cached on disk, so a second run loads them."""
+import pytest
+import torch
+
+from rollout.engine import RolloutEngine
+from rollout.runtime.compiled import CompiledRunner, resolve_compile
+from rollout.runtime.graphs import EagerRunner
+from rollout.runtime.model import loader
+from rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
+from tests.rollout.test_engine_ar import hf_greedy
+
+
+@pytest.fixture(autouse=True)
+def _every_shape_compiled(monkeypatch):
+    """On a CPU only single-row steps compile by default; here every shape does, as on CUDA."""
+    monkeypatch.setattr(CompiledRunner, "CPU_SINGLE_ROW_ONLY", False)
+
+
+@pytest.mark.parametrize("B,T,tree", [(1, 1, False), (5, 1, False), (5, 3, False), (3, 4, True)],
+                         ids=["b1-decode", "b5-decode", "b5-chain3-padded", "b3-tree"])
+def test_compiled_step_equals_eager_step(B, T, tree):
+    """Same logits and hidden states as EagerRunner at one step (T=3 runs padded to 4 nodes); and the keys and
+    values it wrote are the ones the eager step writes (the next step, eager, sees the same cache)."""
+    runner, lens = _runner(rows=8, length=64, n_prompts=5)
+    start = lens[:B].clone()
+    tokens = _tokens(B, T, seed=B + T)
+    depths, mask = _tree(B) if tree else (None, None)
+    eager, comp = EagerRunner(runner.model, runner.cache, "cpu"), CompiledRunner(runner.model, runner.cache, "cpu")
+    ref, ref_h = eager.run(tokens, start, depths, mask, hidden_layers=(1,))
+    nxt = _tokens(B, 1, seed=9)
+    ref_next = eager.run(nxt, start + T)[0]
+    got, got_h = comp.run(tokens, start, depths, mask, hidden_layers=(1,))  # rewrites the same slots
+    got_next = eager.run(nxt, start + T)[0]
+    assert comp.counts == {"compiled": 1, "eager": 0}
+    assert got.shape == ref.shape and got_h[1].shape == ref_h[1].shape
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_h[1], ref_h[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_next, ref_next, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_engine_greedy_matches_transformers():
+    """Plain decoding, chains and trees through compiled steps: token for token transformers' greedy output."""
+    hf = make_tiny_hf("llama")
+    prompts = random_prompts(6, 2, 25, seed=3)
+    specs = [None, SpecConfig(drafter="suffix", num_draft_tokens=3, selector="always"),
+             SpecConfig(drafter="suffix", num_draft_tokens=4, tree_width=2, selector="always")]
+    refs = []
+    for p in prompts:
+        ref = hf_greedy(hf, p, 24, eos=2)
+        refs.append(ref[: ref.index(2) + 1] if 2 in ref else ref)
+    for spec in specs:
+        eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2], spec=spec, compile_mode="on")
+        # twice: the second call's suffix index holds the first call's outputs, so its drafts are accepted
+        for _ in range(2):
+            got = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24))
+            assert [r.completion_ids for r in got] == refs
+        assert isinstance(eng.runner.steps, CompiledRunner) and eng.runner.steps.counts["eager"] == 0
+        if spec is not None:
+            assert eng.stats().get("rollout/accept_len", 1.0) > 1.0  # drafts were verified and accepted
+
+
+def test_compile_mode_is_checked_at_construction():
+    assert resolve_compile("on", "cpu") and not resolve_compile("off", "cpu")
+    with pytest.raises(ValueError, match="compile must be one of"):
+        resolve_compile("fast", "cpu")

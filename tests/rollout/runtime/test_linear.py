@@ -1,0 +1,64 @@
+"""rollout/runtime/model/linear.py: packed oneDNN weights give bit for bit F.linear's output and follow weight
+changes; the engine on packed weights decodes what it decodes without them."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout.engine import RolloutEngine
+from rollout.runtime.model import loader
+from rollout.runtime.model.linear import Linear, pack_linears, packable
+from rollout.types import SamplingParams
+from tests.conftest import make_tiny_hf, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_is_f_linear_bit_for_bit(rows, bias):
+    torch.manual_seed(rows)
+    lin = Linear(64, 96, bias=bias).to(torch.bfloat16)
+    x = torch.randn(2, rows, 64, dtype=torch.bfloat16)
+    ref = F.linear(x, lin.weight, lin.bias)
+    lin.pack()
+    assert torch.equal(lin(x), ref)
+
+
+def test_packed_weight_follows_in_place_changes():
+    """A policy sync or optimizer step writes the weight in place: the next call repacks."""
+    lin = Linear(32, 48).to(torch.bfloat16)
+    lin.pack()
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin.weight = torch.nn.Parameter(torch.randn(48, 32, dtype=torch.bfloat16))  # new storage
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_only_cpu_bf16_models_are_packed():
+    assert not packable(Linear(4, 4)) and pack_linears(Linear(4, 4)) == 0  # float32: F.linear is as fast
+    assert pack_linears(Linear(4, 4).to(torch.bfloat16)) == 4 * 4 * 2
+
+
+def test_bf16_engine_on_packed_weights_decodes_as_unpacked_after_a_sync():
+    """Greedy bf16 decoding with packed weights equals the same engine with packing removed, before and after
+    load_weights changed every weight in place (the packed copies must follow)."""
+    hf, hf2 = make_tiny_hf("llama", seed=0), make_tiny_hf("llama", seed=1)
+    prompts = random_prompts(4, 3, 12, seed=2)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+
+    def unpacked_run(weights_of):
+        eng = RolloutEngine(loader.from_hf_model(weights_of, torch.bfloat16), None, eos_token_ids=[2], compile_mode="off")
+        for m in eng.model.modules():
+            if isinstance(m, Linear):
+                m._packed = None
+        return [r.completion_ids for r in eng.generate(prompts, params)]
+
+    eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, eos_token_ids=[2], compile_mode="off")
+    assert any(isinstance(m, Linear) and m._packed is not None for m in eng.model.modules())
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == unpacked_run(hf)
+    eng.load_weights(hf2.state_dict().items())
+    after = unpacked_run(hf2)
+    assert after != unpacked_run(hf)  # stale packed weights would decode the first model's text
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == after
