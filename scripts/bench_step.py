@@ -5,8 +5,10 @@ In one process, on the embedded model (bf16 by default):
     the bytes of the weights a step reads (every layer + the LM head) / bandwidth;
   * transformers' bare forward of one token over a DynamicCache (no sampling), batch 1 and 8;
   * the engine's plain decode step through the public API (`generate`, EOS ignored): the step time is
-    (t(N tokens) - t(1 token)) / (N - 1), so prefill and call set-up cancel; eager and compiled engines
-    (compile="off" / "on"), alternated over --reps repetitions (median), compilation done before timing;
+    (t(N tokens) - t(1 token)) / (N - 1), so prefill and call set-up cancel; three arms alternated over
+    --reps repetitions (median), compilation done before timing: `unpacked` (eager, F.linear: the engine
+    before model/linear.py), `packed` (eager on packed oneDNN weights, compile_mode="off") and `compiled`
+    (compile_mode="auto": packed weights, batch-1 steps compiled);
 Writes bench_out/step.json (and prints the table).
 
     python scripts/bench_step.py                    # step times: ~5 min on 2 cores once compiled
@@ -79,6 +81,19 @@ def engine_step_ms(engine, prompts: list[list[int]], steps: int) -> float:
     return (call(steps + 1) - call(1)) / steps * 1e3
 
 
+def unpacked(engine):
+    """`engine` with its packed weights dropped: the eager step as it was before model/linear.py."""
+    from rollout.runtime.model.linear import Linear
+
+    for m in engine.model.modules():
+        if isinstance(m, Linear):
+            m._packed = None
+    return engine
+
+
+ARMS = ("unpacked", "packed", "compiled")  # eager F.linear; eager on packed weights; compile_mode="auto"
+
+
 def measure_steps(args) -> list[dict]:
     import torch
 
@@ -87,28 +102,27 @@ def measure_steps(args) -> list[dict]:
 
     path = fetch_model(args.model)
     dtype = getattr(torch, args.dtype)
-    engines = {mode: RolloutEngine.from_pretrained(path, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
-                                                   compile_mode=mode) for mode in ("off", "on")}
-    prompts = math_prompts(engines["off"].tokenizer, max(args.batch_sizes), seed=3)
+
+    def build(mode):
+        return RolloutEngine.from_pretrained(path, dtype=args.dtype, max_num_seqs=max(args.batch_sizes), compile_mode=mode)
+
+    engines = {"unpacked": unpacked(build("off")), "packed": build("off"), "compiled": build("auto")}
+    prompts = math_prompts(engines["packed"].tokenizer, max(args.batch_sizes), seed=3)
     rows = []
     for b in args.batch_sizes:
         ps = prompts[:b]
-        for mode, eng in engines.items():  # compile (and warm) every shape this batch size meets
+        for arm, eng in engines.items():  # compile (and warm) every shape this batch size meets
             t0 = time.perf_counter()
             engine_step_ms(eng, ps, 4)
-            print(f"[step] batch {b} compile={mode}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
-        runs = {mode: [] for mode in engines}
-        hf = []
+            print(f"[step] batch {b} {arm}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+        runs = {arm: [] for arm in (*ARMS, "transformers")}
         for rep in range(args.reps):
-            for mode, eng in engines.items():
-                runs[mode].append(engine_step_ms(eng, ps, args.steps))
-            hf.append(hf_step_ms(path, dtype, b, args.ctx, args.steps))
-            print(f"[step] batch {b} rep {rep}: eager {runs['off'][-1]:.2f} ms, compiled {runs['on'][-1]:.2f} ms, "
-                  f"transformers {hf[-1]:.2f} ms", flush=True)
-        rows.append({"batch": b, "engine_eager_ms": statistics.median(runs["off"]),
-                     "engine_compiled_ms": statistics.median(runs["on"]), "transformers_ms": statistics.median(hf),
-                     "runs": {**runs, "transformers": hf}})
-    return rows, step_bytes(engines["off"].model)
+            for arm, eng in engines.items():
+                runs[arm].append(engine_step_ms(eng, ps, args.steps))
+            runs["transformers"].append(hf_step_ms(path, dtype, b, args.ctx, args.steps))
+            print(f"[step] batch {b} rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in runs.items()), flush=True)
+        rows.append({"batch": b, **{f"{k}_ms": statistics.median(v) for k, v in runs.items()}, "runs": runs})
+    return rows, step_bytes(engines["packed"].model)
 
 
 def main() -> None:
@@ -126,12 +140,12 @@ def main() -> None:
     roofline_ms = nbytes / (bw * 1e9) * 1e3
     for r in rows:
         r["roofline_ms"] = roofline_ms if r["batch"] == 1 else None
-        r["compiled_vs_roofline"] = r["engine_compiled_ms"] / roofline_ms if r["batch"] == 1 else None
-        r["compiled_vs_transformers"] = r["engine_compiled_ms"] / r["transformers_ms"]
-        r["compiled_vs_eager"] = r["engine_compiled_ms"] / r["engine_eager_ms"]
+        r["compiled_vs_roofline"] = r["compiled_ms"] / roofline_ms if r["batch"] == 1 else None
+        r["compiled_vs_transformers"] = r["compiled_ms"] / r["transformers_ms"]
+        r["compiled_vs_unpacked"] = r["compiled_ms"] / r["unpacked_ms"]
     print(f"bandwidth {bw:.1f} GB/s, step weights {nbytes / 1e6:.0f} MB, batch-1 roofline {roofline_ms:.2f} ms")
-    print(table(rows, ["batch", "roofline_ms", "transformers_ms", "engine_eager_ms", "engine_compiled_ms",
-                       "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_eager"]))
+    print(table(rows, ["batch", "roofline_ms", "transformers_ms", "unpacked_ms", "packed_ms", "compiled_ms",
+                       "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_unpacked"]))
     write_json(args.out, {"config": vars(args), "bandwidth_gbs": bw, "step_weight_bytes": nbytes,
                           "roofline_ms": roofline_ms, "steps": rows})
 

@@ -136,6 +136,10 @@ class RolloutSection:
         "auto", "CUDA graphs for decode/verify steps (GPU only; CPU always runs eagerly): auto (= lazy), off, "
                 "lazy (capture each batch/draft shape when first needed) or eager_start (capture every shape, "
                 "largest first, when the engine allocates its KV cache)")
+    compile: Literal["auto", "on", "off"] = _f(
+        "auto", "compiled decode steps (rollout/runtime/compiled.py): auto compiles where it was measured to pay "
+                "(CPU bf16: batch-1 steps; compiled once per machine, cached under $RLSPEC_CACHE/inductor), on "
+                "compiles every step (inside the CUDA graphs on a GPU), off runs every step eagerly")
     kv_memory_gb: float | None = _f(None, "GiB of KV cache (every layer, K and V, the drafter's layer included); "
                                           "the pool holds fixed-size blocks that follow the tokens actually generated. "
                                           "None: kv_memory_fraction, or else what max_num_seqs x max_model_len could "
@@ -153,7 +157,7 @@ class RolloutSection:
         """What the trainer hands its rollout source (`engine_kwargs`): the backend, the engine's capacity and
         KV settings, the sync bucket, and the ray backend's own settings when it is the backend."""
         return dict(backend=self.backend, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                    graph_mode=self.graph_mode, kv_memory_gb=self.kv_memory_gb,
+                    graph_mode=self.graph_mode, compile_mode=self.compile, kv_memory_gb=self.kv_memory_gb,
                     kv_memory_fraction=self.kv_memory_fraction, kv_block_size=self.kv_block_size,
                     free_kv_between_rollouts=self.free_kv_between_rollouts, sync_bucket_mb=self.sync_bucket_mb,
                     **self.pool_kwargs())

@@ -1,25 +1,27 @@
 """Compiled step forwards: the decoder layer compiled once by torch.compile and reused by every layer.
 
-Why: at small batch a decode step is launch- and dispatch-bound, not bandwidth-bound. SmolLM2-135M's
-269 MB of bf16 weights take ~9.5 ms to stream on this CPU, yet an eager step takes ~21-23 ms
-(docs/runtime.md#compiled-steps): each of the 30 layers issues ~70 small ops (norm, rotary, cache
-write, gather, masked softmax, residuals), each paying Python and dispatcher overhead. Inductor fuses the
-elementwise chains into a few generated kernels and leaves the matmuls to the same BLAS/oneDNN calls.
+Why (docs/runtime.md#compiled-steps-and-packed-weights): a batch-1 decode step streams every weight once,
+and an eager step wastes most of it: ~70 small ops a layer pay Python and dispatcher overhead, and torch's
+single-row bf16 matmul streams weights at half the speed a fused reduction reaches (model/linear.py).
+Compiled, the norms, rotary, residuals and attention fuse into a few generated kernels and each single-row
+product becomes a vectorised multiply-and-sum.
 
-How (regional compilation): one `torch.compile` of the layer's forward serves all layers, because the
-layers' parameters are inputs of the compiled graph (dynamo inlines built-in nn.Modules), so compile
-time is that of one layer (seconds), not of the whole model (minutes). What changes a graph:
+How (regional compilation): one `torch.compile` of a call `fn(*args)` serves every layer, because dynamo
+treats the layers' parameters as graph inputs, so compile time is that of one layer (seconds), not of
+the whole model (minutes); the model's head (final norm, LM head) is compiled through the same call.
+What changes a graph:
   * T, the tokens per row (1 = decode, k+1 = chain verify, nodes+1 = tree), padded to a power of two
     (`graphs.pow2_buckets`); padding nodes extend the row as a chain and their keys land past the
     row's length, where no mask looks (the CUDA graph pool pads the same way, graphs.py).
   * the batch: dynamic (one graph for every B > 1; B = 1 gets its own, as torch specialises size 1).
   * S, the cache positions read: dynamic (marked before the first call), so a rollout's growing
     context never recompiles.
-The paged KV write is an opaque custom op that mutates the pool in place (kv_cache.write_slots): as a
-plain index_put on a graph input, functionalisation would copy the whole pool every layer.
+The paged KV write is an index_put on the layer's pool, a graph input, which inductor performs in place.
 
-Artefacts (the FX graph and AOT caches) go under $RLSPEC_CACHE/inductor, so a machine compiles once and
-later processes load the kernels in a fraction of the time. `compile_mode="off"` keeps the eager path.
+On a CPU only single-row steps compile (`CompiledRunner.single_row_only`): with more rows the eager step on
+packed weights is faster (model/linear.py). Artefacts (the FX graph and AOT caches) go under
+$RLSPEC_CACHE/inductor, so a machine compiles once and later processes load the kernels in a fraction of
+the time. `compile_mode="off"` keeps the eager path.
 """
 from __future__ import annotations
 
