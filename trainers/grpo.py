@@ -71,7 +71,8 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         self.rollouts = trl_compat.engine_or_trl_generation(lambda: rollout_source.for_trainer(
             self, unwrap_model(self.model, self.accelerator), self._tokenizer, spec_config, engine, engine_kwargs or {},
             max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation,
-            max_model_len=self.args.vllm_max_model_length), engine_given=engine is not None, fsdp=self.is_fsdp_enabled)
+            max_model_len=self.args.vllm_max_model_length), engine_given=engine is not None, fsdp=self.is_fsdp_enabled,
+            why_not=trl_compat.why_not_the_engine(unwrap_model(self.model, self.accelerator), self.args.generation_kwargs))
         self.engine = self.rollouts.engine if self.rollouts is not None else None
         self.weight_syncer = self.rollouts.weight_syncer if self.rollouts is not None else None
         self.dropped_long_prompts = 0
@@ -100,7 +101,8 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
     def _generate(self, prompts: list):
         """TRL's, plus for a rollout_func: the engine synced to the policy first (TRL syncs vLLM there), so a
         rollout_func sampling from `trainer.engine` samples the current policy, and the engine's metrics after."""
-        if self.rollout_func is None or self.rollouts is None:
+        # getattr: TRL's own tests build trainers without __init__ to test this method alone
+        if getattr(self, "rollout_func", None) is None or getattr(self, "rollouts", None) is None:
             return super()._generate(prompts)
         self.rollouts.weight_syncer.maybe_sync(self.model, self.state.global_step)
         self._last_loaded_step = self.state.global_step  # TRL's vLLM sync check (use_vllm is on): nothing to do
@@ -120,7 +122,7 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         TRL calls it once for the first turn and, with tools or an environment_factory, once per tool turn
         (num_generations=1, each prompt being prompt + completion + tool output)."""
         metrics = self._metrics["train" if self.model.training else "eval"]
-        if self.rollouts is None:
+        if getattr(self, "rollouts", None) is None:
             metrics[trl_compat.ENGINE_METRIC].append(0.0)
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)

@@ -23,6 +23,15 @@ from rollout.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
+
+def _transformers_generate():
+    from transformers import GenerationMixin
+
+    return GenerationMixin.generate
+
+
+_HF_GENERATE = _transformers_generate()  # as imported, before any test or user patches it
+
 ENGINE_METRIC = "rollout/engine"  # 1.0: the rlspec engine sampled; 0.0: TRL's own generation
 TOKEN_LEVEL_FOR_VESPO = {"sequence_mask": "token_mask", "sequence_truncate": "token_truncate"}
 
@@ -39,13 +48,33 @@ def refuse_vlm(processing_class) -> None:
             "engine and engine_kwargs)")
 
 
-def engine_or_trl_generation(build, engine_given: bool, fsdp: bool = False):
+def why_not_the_engine(model, generation_kwargs: dict | None) -> str | None:
+    """Why TRL's own generation, not the engine, must sample for this run (None: the engine can):
+    generation_kwargs the engine cannot honour (sampling_args.py), or a model whose `generate` is not
+    transformers' own (overridden by its class or patched): the engine could not reproduce custom decoding."""
+    from transformers import GenerationMixin
+
+    from trainers.sampling_args import SUPPORTED_GENERATION_KWARGS, unsupported_generation_kwargs
+
+    keys = unsupported_generation_kwargs(generation_kwargs)
+    if keys:
+        return (f"generation_kwargs {keys} are not honoured by the engine (it honours "
+                f"{list(SUPPORTED_GENERATION_KWARGS)}, do_sample and num_beams=1)")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(type(base), "generate", _HF_GENERATE) is not _HF_GENERATE or GenerationMixin.generate is not _HF_GENERATE:
+        return "the model's generate is not transformers' own (overridden or patched)"
+    return None
+
+
+def engine_or_trl_generation(build, engine_given: bool, fsdp: bool = False, why_not: str | None = None):
     """build() (a RolloutSource), or None after one warning when the engine cannot run the policy.
 
     engine_given: the user passed an engine; it already runs the model, so an UnsupportedModelError then
     comes from something else and is raised as is.
     fsdp: the Trainer will shard the policy with FSDP, whose flat shards / DTensors the weight sync cannot push
     (trainers/weight_sync.py); TRL's generation gathers them itself (summon_full_params), so it samples instead."""
+    if why_not is not None and not engine_given:
+        return _trl_generation(why_not)
     if fsdp and not engine_given:
         return _trl_generation("the policy is FSDP-sharded, and the engine's weight sync reads whole tensors "
                                "(DeepSpeed ZeRO-3 keeps the engine: accelerate launch --config_file "
@@ -59,7 +88,7 @@ def engine_or_trl_generation(build, engine_given: bool, fsdp: bool = False):
 
 
 def _trl_generation(why: str) -> None:
-    warnings.warn(f"SpecGRPOTrainer: rlspec's rollout engine cannot run this policy ({why}); generating with TRL's "
+    warnings.warn(f"SpecGRPOTrainer: rlspec's rollout engine cannot sample this run as TRL would ({why}); generating with TRL's "
                   "own generation instead (no speculation; TRL's importance-sampling settings as in plain TRL). The "
                   f"metric {ENGINE_METRIC} is 0 on this path", UserWarning, stacklevel=4)
 

@@ -129,12 +129,15 @@ def _marking(call, batched: bool):
         fb = next((a for a in args if hasattr(a, "slots")), None)  # None: the head, whose input is x alone
         masks = ([fb.attn] if fb is not None else []) + [a for a in args if hasattr(a, "dense")]
         rows = next(a for a in args if isinstance(a, torch.Tensor)).shape[0]  # x [B, T, H] is the first tensor
-        if batched:  # every [B, ...] input; the KV pools' block dimension is left as it is
+        if batched:  # every [B, ...] input
             for x in [t for a in args + tuple(masks) for t in tensors(a)]:
                 if x.dim() > 0 and x.shape[0] == rows:
                     maybe_mark_dynamic(x, 0)
         if fb is not None and fb.blocks is not None:
             maybe_mark_dynamic(fb.blocks, 1)
+        for a in args:  # a layer's KV pools: their block count changes when the pool grows (kv_cache.py)
+            if isinstance(a, torch.Tensor) and a._base is not None and a._base.dim() == 5:
+                maybe_mark_dynamic(a, 0)
         for m in masks:
             if m.dense is not None:
                 maybe_mark_dynamic(m.dense, 3)

@@ -1,5 +1,5 @@
-"""SpecGRPOTrainer takes TRL's min_p, repetition_penalty and generation_kwargs to the engine, and refuses a
-generation_kwargs key the engine does not implement, by name, at construction."""
+"""SpecGRPOTrainer takes TRL's min_p, repetition_penalty and generation_kwargs to the engine; a generation_kwargs
+key the engine does not implement (a beam search) leaves the run to TRL's own generation, named in one warning."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import trl
 
 from trainers.data import make_math_dataset
 from trainers.grpo import SpecGRPOTrainer
-from trainers.sampling_args import SUPPORTED_GENERATION_KWARGS, engine_sampling
+from trainers.sampling_args import SUPPORTED_GENERATION_KWARGS, engine_sampling, unsupported_generation_kwargs
 
 
 def distinct_chars_reward(completions, **kwargs):
@@ -53,12 +53,26 @@ def test_min_p_penalty_and_generation_kwargs_reach_the_engine(tiny_llama, char_t
     assert abs(log["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-4
 
 
-def test_unsupported_generation_kwargs_key_is_refused_by_name(tiny_llama, char_tokenizer, tmp_path):
-    args = _args(tmp_path, generation_kwargs={"top_k": 5, "num_beams": 2})
-    with pytest.raises(ValueError, match=r"\['num_beams'\].*supported keys: \['temperature'"):
-        SpecGRPOTrainer(model=tiny_llama, reward_funcs=[distinct_chars_reward], args=args,
-                        train_dataset=make_math_dataset(8, seed=0), processing_class=char_tokenizer,
-                        engine_kwargs=dict(max_model_len=256, max_num_seqs=8))
+def test_unsupported_generation_kwargs_key_goes_to_trl_generation_by_name(tiny_llama, char_tokenizer, tmp_path):
+    """Beam sampling (plain TRL accepts it through transformers' generate) trains, through TRL's generation:
+    one warning names the key and what the engine honours; rollout/engine logs 0."""
+    args = _args(tmp_path, generation_kwargs={"top_k": 5, "num_beams": 2, "length_penalty": -0.1, "do_sample": True})
+    with pytest.warns(UserWarning, match=r"\['length_penalty', 'num_beams'\] are not honoured by the engine.*'temperature'"):
+        trainer = SpecGRPOTrainer(model=tiny_llama, reward_funcs=[distinct_chars_reward], args=args,
+                                  train_dataset=make_math_dataset(8, seed=0), processing_class=char_tokenizer,
+                                  engine_kwargs=dict(max_model_len=256, max_num_seqs=8))
+    assert trainer.engine is None
+    trainer.train()
+    assert next(log for log in trainer.state.log_history if "reward" in log)["rollout/engine"] == 0.0
+
+
+def test_sampling_only_generation_kwargs_stay_on_the_engine():
+    """do_sample and one beam change nothing the engine does; do_sample=False is greedy decoding."""
+    assert unsupported_generation_kwargs({"do_sample": True, "num_beams": 1, "length_penalty": 1.0, "top_k": 3}) == []
+    assert unsupported_generation_kwargs({"num_beams": 4, "length_penalty": 1.0}) == ["length_penalty", "num_beams"]
+    assert unsupported_generation_kwargs({"typical_p": 0.9}) == ["typical_p"]
+    assert engine_sampling(0.8, None, None, None, None, {"do_sample": False})["temperature"] == 0.0
+    assert engine_sampling(0.8, None, None, None, None, {"do_sample": True, "num_beams": 1})["temperature"] == 0.8
 
 
 def test_engine_sampling_maps_trl_values_and_validates():
@@ -69,3 +83,25 @@ def test_engine_sampling_maps_trl_values_and_validates():
         engine_sampling(1.0, 1.0, 0, 1.5, 1.0, None)
     with pytest.raises(ValueError, match="repetition_penalty"):
         engine_sampling(1.0, 1.0, 0, None, None, {"repetition_penalty": 0.0})
+
+
+def test_a_model_with_its_own_generate_is_sampled_by_it(tiny_llama):
+    """A class that overrides generate (custom decoding), or a patched GenerationMixin.generate, is what TRL's
+    generation would run: the engine cannot reproduce it, so TRL's generation samples."""
+    from unittest import mock
+
+    import transformers
+
+    from trainers.trl_compat import why_not_the_engine
+
+    assert why_not_the_engine(tiny_llama, None) is None
+
+    class CustomDecoding(type(tiny_llama)):
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    custom = CustomDecoding(tiny_llama.config)
+    assert "generate is not transformers' own" in why_not_the_engine(custom, None)
+    with mock.patch("transformers.GenerationMixin.generate"):
+        assert "generate is not transformers' own" in why_not_the_engine(tiny_llama, None)
+    assert transformers.GenerationMixin.generate is not None

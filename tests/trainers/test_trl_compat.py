@@ -55,7 +55,7 @@ def tiny_gpt2(tokenizer):
 
 def test_unsupported_model_trains_on_trl_generation_and_resumes(char_tokenizer, tmp_path):
     args = grpo_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
-    with pytest.warns(UserWarning, match="cannot run this policy .*gpt2") as caught:
+    with pytest.warns(UserWarning, match="cannot sample this run as TRL would .*gpt2") as caught:
         trainer = trainer_for(tiny_gpt2(char_tokenizer), char_tokenizer, args)
     assert sum("TRL's own generation" in str(w.message) for w in caught) == 1  # warned once, saying why
     assert trainer.engine is None and trainer.rollouts is None
