@@ -71,14 +71,19 @@ def engine_matches_policy(trainer, record: dict, initial: dict) -> None:
 
 def instrument(trainer, record: dict) -> None:
     """Wrap this rank's engine.load_weights with the check (after the push it makes)."""
+    import trainers.weight_sync as weight_sync
+
     engine = trainer.engine
     initial = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     load = engine.load_weights
+    pushed = []  # the NamedWeights of each push: load_weights receives a plain iterator over it
+    make = weight_sync.iter_named_weights
+    weight_sync.iter_named_weights = lambda *a, **kw: pushed.append(make(*a, **kw)) or pushed[-1]
 
     def checked_load(named_tensors):
         load(named_tensors)
-        # the syncer sets last_gathers after load_weights returns; count the iterable's gathers here
-        trainer.weight_syncer.last_gathers = getattr(named_tensors, "gathers", 0)
+        # the syncer sets last_gathers after load_weights returns; count this push's gathers here
+        trainer.weight_syncer.last_gathers = pushed[-1].gathers if pushed else 0
         engine_matches_policy(trainer, record, initial)
 
     engine.load_weights = checked_load
