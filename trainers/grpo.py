@@ -15,8 +15,9 @@ A drop-in: same constructor as `trl.GRPOTrainer` plus keyword-only `spec_config`
   check; trainers/trl_compat.py), so TRL recomputes the policy's logprobs of our samples and logs
   `sampling/sampling_logp_difference/{mean,max}` and `sampling/importance_sampling_ratio/{min,mean,max}`:
   a free, per-step check that speculation left the sampling law unchanged.
-- The drop-in promise (trainers/trl_compat.py): a policy the engine cannot run generates through TRL's own
-  `_generate_single_turn` after one warning (`rollout/engine` = 0 in the logs), a vision-language model is
+- The drop-in promise (trainers/trl_compat.py): a policy the engine cannot run, generation_kwargs it cannot
+  honour (a beam search) or a model with its own `generate` go through TRL's own `_generate_single_turn`
+  after one warning (`rollout/engine` = 0 in the logs), a vision-language model is
   refused at construction, a `rollout_func` gets the trainer with `trainer.engine` synced to the policy,
   TRL's tool loop and environments call our `_generate_single_turn` once per turn, and a PEFT policy is
   sampled from its merged weights (trainers/peft_sync.py).
