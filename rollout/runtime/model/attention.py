@@ -237,7 +237,8 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     if softcap is None and (q.device.type != "cpu" or T > FEW_QUERIES):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != KV, scale=scale)
     G = H // KV
-    if torch.compiler.is_compiling() and q.device.type == "cpu":
+    fused = torch.compiler.is_compiling() and q.device.type == "cpu"
+    if fused:
         # compiled (runtime/compiled.py): products and sums that inductor fuses with the block gather, reading
         # each cached key and value once, in the pool's layout; a matmul would first copy the gathered keys
         # transposed, element by element (1.3 ms a layer at batch 8 for SmolLM2, against 0.06 ms)
@@ -248,7 +249,7 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(B, KV, G, T, -1).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, KV, G * T, -1)
-    if torch.compiler.is_compiling() and q.device.type == "cpu":
+    if fused:
         return (probs[..., None] * v[:, :, None]).sum(-2).view(B, H, T, D)
     return (probs @ v).view(B, H, T, D)
 

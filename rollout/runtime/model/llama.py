@@ -23,8 +23,8 @@ from torch import nn
 
 from rollout.runtime.model.attention import AttnMask, attend, dense_view
 from rollout.runtime.model.config import ModelConfig, main_rope_type
-from rollout.runtime.model.linear import Linear
 from rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
+from rollout.runtime.model.linear import Linear
 from rollout.runtime.model.moe import SparseMoE
 from rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
 
