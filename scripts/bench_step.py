@@ -83,11 +83,9 @@ def engine_step_ms(engine, prompts: list[list[int]], steps: int) -> float:
 
 def unpacked(engine):
     """`engine` with its packed weights dropped: the eager step as it was before model/linear.py."""
-    from rollout.runtime.model.linear import Linear
+    from rollout.runtime.model.linear import unpack_linears
 
-    for m in engine.model.modules():
-        if isinstance(m, Linear):
-            m._packed = None
+    unpack_linears(engine.model)
     return engine
 
 

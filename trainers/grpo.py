@@ -35,6 +35,7 @@ from rollout.types import SpecConfig
 from trainers import rollout_source, trl_compat
 from trainers.callbacks import attach_summary_callback
 from trainers.checkpoint import CheckpointMixin
+from trainers.sampling_args import grpo_sampling
 from trainers.weight_sync import unwrap_model
 
 
@@ -69,16 +70,19 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         trl_compat.refuse_vlm(self.processing_class)
         # None when the engine cannot run the policy: TRL's own generation then samples (trl_compat.py)
+        policy = unwrap_model(self.model, self.accelerator)
         self.rollouts = trl_compat.engine_or_trl_generation(lambda: rollout_source.for_trainer(
-            self, unwrap_model(self.model, self.accelerator), self._tokenizer, spec_config, engine, engine_kwargs or {},
+            self, policy, self._tokenizer, spec_config, engine, engine_kwargs or {},
             max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation,
             max_model_len=self.args.vllm_max_model_length), engine_given=engine is not None, fsdp=self.is_fsdp_enabled,
-            why_not=trl_compat.why_not_the_engine(unwrap_model(self.model, self.accelerator), self.args.generation_kwargs))
+            why_not=trl_compat.why_not_the_engine(policy, self.args.generation_kwargs))
         self.engine = self.rollouts.engine if self.rollouts is not None else None
         self.weight_syncer = self.rollouts.weight_syncer if self.rollouts is not None else None
         self.dropped_long_prompts = 0
         if self.rollouts is not None:  # on TRL's generation, sampling and IS settings stay as plain TRL has them
-            _check_sampling_args(self)
+            # TRL's sampling options as the engine's, what every rollout asks for (why_not_the_engine has sent
+            # generation_kwargs the engine cannot honour to TRL's generation)
+            self.engine_sampling = grpo_sampling(self)
             self.dropped_long_prompts = rollout_source.preflight(self, drop_long_prompts)
             # TRL's importance-sampling correction and its sampling/* metrics, against the engine's logprobs
             trl_compat.turn_on_importance_sampling(self)
@@ -109,9 +113,7 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         self._last_loaded_step = self.state.global_step  # TRL's vLLM sync check (use_vllm is on): nothing to do
         output = super()._generate(prompts)
         metrics = self._metrics["train" if self.model.training else "eval"]
-        stats = self.engine.stats()
-        for key, value in stats.items():
-            metrics[key].append(float(value))
+        stats = self.rollouts.log_engine_stats(metrics)
         metrics[trl_compat.ENGINE_METRIC].append(float(stats.get(M.NUM_SEQUENCES, 0.0) > 0))
         return output
 
@@ -136,7 +138,7 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         if todo:
             unique_ids, n = dedupe_repeated_prompts([prompt_ids[i] for i in todo], num_generations)
             results = self.rollouts.generate(
-                self.model, self.state.global_step, unique_ids, n, **self.engine_sampling,  # _check_sampling_args
+                self.model, self.state.global_step, unique_ids, n, **self.engine_sampling,
                 max_new_tokens=self.max_completion_length, stop_token_ids=list(self.eos_token_ids))
             self.rollouts.log_metrics(metrics)
             # the sampling logprobs TRL's importance-sampling correction divides by: the behaviour policy's, which
@@ -184,14 +186,3 @@ def _check_supported(args) -> None:
     """Fail before TRL's __init__ starts anything we would not use."""
     if args is not None and getattr(args, "use_vllm", False):
         raise ValueError("SpecGRPOTrainer generates with its own engine: set use_vllm=False (the default)")
-
-
-def _check_sampling_args(trainer) -> None:
-    """TRL's sampling options as the engine's (trainer.engine_sampling, what every rollout asks for):
-    temperature, top_p, top_k, min_p and repetition_penalty, with generation_kwargs over them as TRL
-    applies them; a generation_kwargs key the engine does not implement is refused by name rather than
-    sampled differently (trainers/sampling_args.py)."""
-    from trainers.sampling_args import grpo_sampling
-
-    trainer.engine_sampling = grpo_sampling(trainer)
-

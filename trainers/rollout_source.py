@@ -136,11 +136,17 @@ class RolloutSource:
         self.calls += 1
         return seed
 
-    def log_metrics(self, metrics) -> None:
-        """Engine stats and the last call's timings into a metric store (key -> list of floats), the shape
-        of TRL's `self._metrics[mode]`, which the trainer averages and logs at the next log()."""
-        for key, value in self.engine.stats().items():
+    def log_engine_stats(self, metrics) -> dict:
+        """The engine's stats since the last call into a metric store (key -> list of floats), the shape of
+        TRL's `self._metrics[mode]`, which the trainer averages and logs at the next log(); returns them."""
+        stats = self.engine.stats()
+        for key, value in stats.items():
             metrics[key].append(float(value))
+        return stats
+
+    def log_metrics(self, metrics) -> None:
+        """log_engine_stats, plus the last generate call's timings and its sync's gathers."""
+        self.log_engine_stats(metrics)
         metrics[M.WALL_S].append(self.last_wall_s)
         metrics["rollout/sync_s"].append(self.weight_syncer.last_time_s)
         # ZeRO-3 collective gathers of the last push (0 without ZeRO-3 or without a push)

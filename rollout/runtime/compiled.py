@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from rollout.runtime.graphs import EagerRunner, bucket_for, build_step_batch, pad_batch, pow2_buckets
+from rollout.runtime.graphs import EagerRunner, bucket_for, pad_batch, pow2_buckets
 
 COMPILE_MODES = ("off", "on", "auto")
 MAX_COMPILED_T = 32  # verify sizes above this run eagerly (trees of more nodes are rare and costly anyway)
@@ -105,11 +105,7 @@ class CompiledRunner(EagerRunner):
         key = (B > 1, t)
         call = self.layer_call if key in self.seen else _marking(self.layer_call, B > 1)
         self.seen.add(key)
-        dev = self.device
-        S = self.cache.length if self.flex else int(start.max()) + t
-        fb = build_step_batch(tokens.to(dev), start.to(dev), self.cache, S, _to(depths, dev), _to(tree_mask, dev),
-                              self.flex)
-        logits, hiddens = self.model(fb, self.cache.k, self.cache.v, hidden_layers, layer_call=call)
+        logits, hiddens = super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=call)
         if t != T:
             logits, hiddens = logits[:, :T], {i: h[:, :T] for i, h in hiddens.items()}
         return logits, hiddens
@@ -144,7 +140,3 @@ def _marking(call, batched: bool):
         return call(layer, *args)
 
     return marked
-
-
-def _to(x, device):
-    return None if x is None else x.to(device)

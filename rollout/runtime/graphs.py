@@ -130,15 +130,16 @@ class EagerRunner:
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.flex = use_flex(self.device)
 
-    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
+    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=(), layer_call=None):
         """T new tokens for live rows 0..B-1; tokens [B, T], start [B] long; depths [B, T] and
         tree_mask [B, T, T] for trees. Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]}).
-        Dense attention reads max(start) + T positions (a host read of start); flex skips by block."""
+        Dense attention reads max(start) + T positions (a host read of start); flex skips by block.
+        layer_call: how each layer runs (the model's forward; compiled.py passes its compiled call)."""
         dev = self.device
         S = self.cache.length if self.flex else int(start.max()) + tokens.shape[1]
         fb = build_step_batch(tokens.to(dev), start.to(dev), self.cache, S, _to(depths, dev), _to(tree_mask, dev),
                               self.flex)
-        return self.model(fb, self.cache.k, self.cache.v, hidden_layers)
+        return self.model(fb, self.cache.k, self.cache.v, hidden_layers, layer_call=layer_call)
 
     def memory_bytes(self) -> int:
         return 0

@@ -22,7 +22,7 @@ class ModelRunner:
         if graph_mode not in MODES:  # fail at construction, not at the first generate()
             raise ValueError(f"graph_mode must be one of {MODES}, got {graph_mode!r}")
         self.compiled = resolve_compile(compile_mode, device, dtype)
-        self.packed_bytes = pack_linears(model)  # CPU bf16: oneDNN copies of the weights (model/linear.py)
+        pack_linears(model)  # CPU bf16: oneDNN copies of the weights (model/linear.py)
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
         self.budget = budget or KVBudget()

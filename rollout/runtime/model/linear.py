@@ -65,3 +65,10 @@ def pack_linears(model: nn.Module) -> int:
             m.pack()
             total += m.weight.numel() * m.weight.element_size()
     return total
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Drop the packed copies: every Linear runs F.linear again (the reference in tests and benchmarks)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m._packed = None

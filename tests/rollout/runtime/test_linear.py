@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from rollout.engine import RolloutEngine
 from rollout.runtime.model import loader
-from rollout.runtime.model.linear import Linear, pack_linears, packable
+from rollout.runtime.model.linear import Linear, pack_linears, packable, unpack_linears
 from rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 
@@ -50,9 +50,7 @@ def test_bf16_engine_on_packed_weights_decodes_as_unpacked_after_a_sync():
 
     def unpacked_run(weights_of):
         eng = RolloutEngine(loader.from_hf_model(weights_of, torch.bfloat16), None, eos_token_ids=[2], compile_mode="off")
-        for m in eng.model.modules():
-            if isinstance(m, Linear):
-                m._packed = None
+        unpack_linears(eng.model)
         return [r.completion_ids for r in eng.generate(prompts, params)]
 
     eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, eos_token_ids=[2], compile_mode="off")
