@@ -53,6 +53,14 @@ class RolloutBackend(Protocol):
         """Stop background work (drafter training, workers); a learned drafter stays exportable."""
 
 
+def drafter_intake(backend):
+    """The backend's optional `drafter_intake()` (rollout/speculation/intake.py): where a trainer that runs the
+    policy over every rollout anyway sends the learned drafter's training samples (trainers/drafter_feed.py).
+    None when the backend has none (a Ray pool: its engines keep banking their own) or nothing trains a drafter."""
+    get = getattr(backend, "drafter_intake", None)
+    return get() if get is not None else None
+
+
 # name -> factory(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend. `policy` is a bare HF causal
 # LM (already gathered when ZeRO-3 partitions it); engine_kwargs are the rollout section's engine settings.
 BackendFactory = Callable[..., RolloutBackend]

@@ -380,6 +380,22 @@ class RolloutEngine:
         return warm_start(self, prompts, budget_s=budget_s, group=group, max_new_tokens=max_new_tokens,
                           temperature=temperature)
 
+    def drafter_intake(self):
+        """Where a caller that computes drafter training samples itself (a trainer's forward pass,
+        rollout/speculation/feature_tap.py) hands them: a DrafterIntake over the online trainer, whose
+        claim() stops this engine banking its own finished samples; None without online training."""
+        from rollout.speculation.intake import TrainerIntake
+
+        spec = self.speculation
+        if spec.learned is None or spec.trainer is None:
+            return None
+        dtype = next(spec.learned.network().parameters()).dtype
+
+        def stop_banking() -> None:
+            spec.learned.bank_samples = False
+
+        return TrainerIntake(lambda: spec.trainer, spec.aux_layers, dtype, on_claim=stop_banking)
+
     def export_drafter(self, path: str, metadata: dict | None = None) -> str:
         """Write the learned drafter (as trained so far) in the EAGLE-3 format vLLM and SGLang load."""
         meta = {"policy_version": self.policy_version, **(metadata or {})}

@@ -31,7 +31,11 @@ CONFIGS = {
     "eagle3-always": ("eagle3", 4, 1, "always"),
     "eagle3-tree-always": ("eagle3", 8, 2, "always"),
     "auto": ("auto", 4, 1, "fixed"),  # suffix + ngram + eagle3, chosen per batch (the adaptive selector)
+    # the same with an untrained EAGLE-3 drafter (no --drafter-path, no training): what `auto` starts
+    # from; its gate keeps the drafter out until evidence says it pays (docs/selectors.md#learned-drafter-gate)
+    "auto-untrained": ("auto", 4, 1, "adaptive"),
 }
+UNTRAINED = ("auto-untrained",)  # learned configs that run without --drafter-path
 
 
 def phase_rates(trace, total_seqs: int, tail_live: int | None = None) -> dict:
@@ -55,7 +59,7 @@ def make_engine(name, path, dtype, tokenizer, eos, rows, drafter_path=None):
     from rollout.types import SpecConfig
 
     drafter, k, width, selector = CONFIGS[name]
-    learned = drafter in ("eagle3", "auto")
+    learned = drafter in ("eagle3", "auto") and name not in UNTRAINED
     if learned and not drafter_path:
         raise SystemExit(f"config {name} needs a trained drafter: --drafter-path DIR (scripts/bench_distill.py --save)")
     spec = SpecConfig(drafter=drafter, num_draft_tokens=max(k, 1), tree_width=width, selector=selector,

@@ -8,6 +8,9 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every engine times its own calibration: a table cached by an earlier test (or run) would make a test's
+# arm choices depend on what ran before it (rollout/speculation/calibration_cache.py)
+os.environ["RLSPEC_CALIBRATION_CACHE"] = "off"
 
 TINY_VOCAB = 96
 

@@ -27,6 +27,7 @@ A drop-in: same constructor as `trl.GRPOTrainer` plus keyword-only `spec_config`
 """
 from __future__ import annotations
 
+import torch
 from trl import GRPOTrainer
 
 import rollout.metrics as M
@@ -147,6 +148,27 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
                 completions[i], logprobs[i] = list(r.completion_ids), list(r.sampling_logprobs())
         metrics[trl_compat.ENGINE_METRIC].append(1.0)
         return completions, logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's; its first no-grad pass of the policy over the rollouts (the old logprobs) also feeds the
+        learned drafter (trainers/drafter_feed.py)."""
+        self._feed_drafter = getattr(self, "rollouts", None) is not None
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._feed_drafter = False
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """TRL's, with the drafter's tap around the old-logprob pass: the first no-grad pass of the policy in
+        _generate_and_score_completions. Only that one: TRL's reference pass comes after it, and for a PEFT
+        policy it runs through the very same layers with the adapter off."""
+        if not getattr(self, "_feed_drafter", False) or model is not self.model or torch.is_grad_enabled():
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                               *args, **kwargs)
+        self._feed_drafter = False
+        with self.rollouts.drafter_pass(input_ids, attention_mask, logits_to_keep):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                               *args, **kwargs)
 
     def _tool_call_loop(self, *args, **kwargs):
         """TRL's tool loop; while it runs, _generate_single_turn is generating tool turns."""

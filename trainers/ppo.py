@@ -161,7 +161,9 @@ class PPOTrainer(CheckpointMixin, PPOUpdateMixin, Trainer):
     def _experience(self, model, batch: RolloutBatch) -> Experience:
         """Old logprobs and values of the frozen policy, reference logprobs, importance weights, GAE."""
         args, mask = self.args, batch.mask
-        old_logprobs, old_values, entropy = self._forward_chunks(model, batch)
+        # the pass over the rollout also feeds the learned drafter its features (trainers/drafter_feed.py)
+        with self.rollouts.drafter_pass(batch.input_ids, batch.attention_mask, batch.completion_len):
+            old_logprobs, old_values, entropy = self._forward_chunks(model, batch)
         exp = Experience(**vars(batch), old_logprobs=old_logprobs, old_values=old_values)
         kl = None
         if self.ref_policy is not None:

@@ -59,6 +59,9 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
                            max_model_len=context)
     if peft:
         source.weight_syncer.maybe_sync(policy, trainer.state.global_step)
+    from trainers.drafter_feed import DrafterFeed
+
+    source.drafter_feed = DrafterFeed.for_backend(engine, policy)  # the learned drafter learns from our own pass
     return source
 
 
@@ -100,6 +103,11 @@ class RolloutSource:
         self.max_model_len: int | None = max_model_len or getattr(engine, "max_model_len", None)
         self._profile = profile or (lambda name: contextlib.nullcontext())
         self.last_wall_s = 0.0
+        # trainers/drafter_feed.py: feeds the drafter from the trainer's pass over the rollouts (None: the
+        # backend banks its own samples, or trains no drafter); it needs the last call's law and policy version
+        self.drafter_feed = None
+        self.last_params: SamplingParams | None = None
+        self.last_policy_version = 0
 
     def generate(self, policy, step: int, prompt_ids: list[list[int]], n: int, *, temperature: float,
                  max_new_tokens: int, stop_token_ids: list[int], top_p: float = 1.0, top_k: int = 0,
@@ -117,6 +125,8 @@ class RolloutSource:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens,
                                 n=n, seed=self._next_seed(), stop_token_ids=list(stop_token_ids))
+        if self.drafter_feed is not None:
+            self.drafter_feed.claim()  # from the first rollout on, our pass feeds the drafter, not the backend
         with self._profile("RolloutEngine.generate"):
             try:
                 results = self.engine.generate(prompt_ids, params)
@@ -128,7 +138,16 @@ class RolloutSource:
         if len(results) != len(prompt_ids) * n:
             raise RuntimeError(f"engine returned {len(results)} results for {len(prompt_ids) * n} requested samples")
         self.last_wall_s = time.perf_counter() - start
+        self.last_params, self.last_policy_version = params, results[0].policy_version if results else 0
         return results
+
+    def drafter_pass(self, input_ids, attention_mask, completion_len: int):
+        """Context for the trainer's no-grad forward over the last rollout's rows: feeds the learned drafter
+        (DrafterFeed.around_pass) when a feed has claimed the backend's intake; else does nothing."""
+        feed = self.drafter_feed
+        if feed is None or not feed.claimed or self.last_params is None:
+            return contextlib.nullcontext()
+        return feed.around_pass(input_ids, attention_mask, completion_len, self.last_params, self.last_policy_version)
 
     def _next_seed(self) -> int:
         # A fresh, reproducible seed per call and per process: same seed -> same rollouts.

@@ -60,8 +60,11 @@ class CostModel:
         c1, ct = self.cost(batch, 1), self.cost(batch, T)
         return None if c1 is None or ct is None else ct / c1
 
-    def calibrate(self, runner, max_batch: int, Ts: list[int], context: int = 128, repeats: int = 1) -> None:
-        """Time dummy forwards at each batch bucket at a few anchor sizes of Ts (once per engine).
+    def calibrate(self, runner, max_batch: int, Ts: list[int], context: int = 128, repeats: int = 1,
+                  skip: tuple[int, ...] = ()) -> None:
+        """Time dummy forwards at each batch bucket at a few anchor sizes of Ts (once per engine; once
+        per machine and model with the calibration cache, calibration_cache.py). skip: buckets whose
+        entries are already known (loaded from that cache).
 
         Only anchors: the smallest and largest T and one in between; `cost` interpolates the
         rest along T, and real steps replace the guesses (EMA) as soon as an arm runs. Timing
@@ -70,6 +73,9 @@ class CostModel:
         anchors = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
         b = 1
         while b <= max_batch:
+            if b in skip:
+                b *= 2
+                continue
             start = torch.full((b,), context, dtype=torch.long)
             runner.step(torch.zeros(b, anchors[-1], dtype=torch.long), start)  # warm-up: the bucket's shapes
             for T in anchors:

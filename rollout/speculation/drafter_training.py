@@ -51,6 +51,7 @@ def _record(device: torch.device) -> torch.cuda.Event | None:
     return ev
 
 
+ACCEPT_WINDOWS = 8  # buffered windows the acceptance estimate of a published version is taken on
 DEFAULT_LOSS = "kl"  # forward KL to the top-k target won the comparison (bench_out/distill.json: 1.61 accepted
 # per verify against 1.42 for the sampled-token cross-entropy and 1.07 for total variation, same data and steps)
 
@@ -164,6 +165,7 @@ class DrafterTrainer:
         self.stats = TrainerStats()
         self.version = 0
         self._published: tuple[int, dict] | None = None
+        self._estimate: tuple[int, torch.Tensor | None] | None = None  # see acceptance_estimate()
         self.published_at = 0  # stats.steps at the latest publication
         self._vocab_chosen = False
         # one optimizer step or publish at a time: the background thread, a synchronous caller
@@ -195,9 +197,37 @@ class DrafterTrainer:
         with self.lock, self._on_stream():
             self.version += 1
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self._estimate = (self.version, self._judge())  # before _published: whoever sees the version sees it
             self._publish_event = _record(self.cos.device)
             self._published = (self.version, state)
             self.published_at = self.stats.steps
+
+    def acceptance_estimate(self) -> tuple[int, float | None] | None:
+        """(version, expected per-token acceptance) of the newest published weights, measured on buffered
+        rollouts without the engine spending a verify on them (the selector's gate, selectors/gate.py);
+        the rate is None when there was nothing to judge them by (weights loaded before any data)."""
+        est = self._estimate
+        if est is None or est[1] is None:
+            return est
+        with self._on_stream():  # read on the trainer's stream: ordered after the forward that made it
+            return est[0], float(est[1])
+
+    def _judge(self) -> torch.Tensor | None:
+        """Acceptance of a sampled draft is sum_x min(p(x), q(x)) = 1 - TV(p, q) per position: one minus
+        the "tv" loss over the target's buffered top-k (mass outside it counts as unmatched, so this is a
+        lower bound), unrolled over the training-time-test steps as drafting is, on ACCEPT_WINDOWS windows
+        drawn with a generator of their own (training's window sequence stays as it was). Kept as a tensor,
+        read when asked for (acceptance_estimate); None without target distributions in the buffer."""
+        if self.buffer.dist is None:
+            return None
+        b = self.buffer.sample(ACCEPT_WINDOWS, self.window, torch.Generator().manual_seed(self.version))
+        if b is None or not bool(b.dist.has.any()):
+            return None
+        with torch.no_grad():
+            tv = ttt_loss(self.model, self.embed, self.cos, self.sin, b.feats.float(), b.next_tokens, b.valid,
+                          self.model.target_to_draft(), self.ttt_steps, dist=b.dist, loss="tv",
+                          temperature=b.temperature, prompt_loss=False)
+        return (1.0 - tv).clamp(0.0, 1.0) if isinstance(tv, torch.Tensor) else None
 
     def load_weights(self, state: dict) -> None:
         """Continue from these drafter weights (a warm-started drafter): its draft vocabulary (d2t)
@@ -336,7 +366,13 @@ class DrafterTrainer:
         return {"drafter/loss": self._loss_value(), "drafter/version": float(self.version), "drafter/train_steps": float(s.steps),
                 "drafter/train_time_s": s.train_time_s, "drafter/buffer_tokens": float(self.buffer.tokens),
                 "drafter/policy_lag": float(policy_version - s.data_policy_version),
-                "drafter/failed": float(s.error is not None)}
+                "drafter/failed": float(s.error is not None)} | self._estimate_metrics()
+
+    def _estimate_metrics(self) -> dict[str, float]:
+        """drafter/est_accept (nan: none yet, or nothing to judge by) and the version it is of."""
+        est = self.acceptance_estimate()
+        rate = float("nan") if est is None or est[1] is None else est[1]
+        return {"drafter/est_accept": rate, "drafter/est_accept_version": float(est[0]) if est else 0.0}
 
 
 def _rope_tables(target, length: int):

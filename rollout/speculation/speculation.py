@@ -9,6 +9,10 @@ a selector that always answers OFF, so the engine loop has no `if speculating` b
 Hooks fan out: bookkeeping reaches every drafter, a proposal goes to the drafter the chosen arm
 names, and the learned drafter (at most one: it needs the target's hidden states and a KV layer of
 its own) also receives features and the call's sampling state.
+
+The selector hears what says whether the learned drafter can pay before it plays (`_feed_gate`,
+selectors/gate.py): its trainer's acceptance estimate of each published version, or, for weights that
+arrived from elsewhere (warm-start cache, a checkpoint's drafter), that they are trusted.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import weakref
 
 import torch
 
+from rollout.speculation.calibration_cache import calibration_key, load_table, save_table
 from rollout.speculation.checkpoint import mismatch
 from rollout.speculation.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
 from rollout.registry import DRAFTERS, SELECTORS
@@ -46,6 +51,8 @@ class Speculation:
         if trainer is not None:
             self.attach_trainer(trainer)
         self._seen_version = self.version()
+        self._gate_version = self.version()  # the drafter version the selector's gate last heard of
+        self._admitted = None  # the trainer's (version, estimate) last handed to the selector
         self._forced: Arm | None = None  # see force()
 
     def attach_trainer(self, trainer):
@@ -71,6 +78,7 @@ class Speculation:
         if self.trainer is None:
             return
         self.learned.swap_latest()
+        self._feed_gate()  # the trainer's last estimate (a warm start's) outlives the trainer
         self.trainer.stop()
         self._stop_at_exit.detach()
         self.learned.attach(None)
@@ -114,6 +122,9 @@ class Speculation:
         """history: the call's TokenHistory when a repetition penalty is on (rollout/runtime/history.py)."""
         if self.learned is not None:
             self.learned.start(seqs, cache, params, generator, history)
+            self._feed_gate()
+        if hasattr(self.selector, "begin_call"):
+            self.selector.begin_call()
 
     def begin(self, groups) -> None:
         for d in self.by_name.values():
@@ -166,6 +177,7 @@ class Speculation:
         if self.version() != self._seen_version:
             self._seen_version = self.version()
             self.selector.reset_acceptance(self.learned.name, keep=UPDATE_KEEP)
+            self._feed_gate()
         self.selector.observe(arm, batch, seconds, draft_seconds, drafted, accepted)
 
     def evict(self, seq) -> None:
@@ -187,18 +199,45 @@ class Speculation:
         if self.trainer is not None:
             self.trainer.set_idle(idle)
 
+    def _feed_gate(self) -> None:
+        """Tell the selector's gate (selectors/gate.py) what judges the learned drafter's weights: the
+        trainer's estimated acceptance of its newest published version (None from the trainer: weights
+        it was given, not trained, e.g. the warm-start cache's), or, with no trainer, that weights
+        which changed came from elsewhere and are trusted. Each piece of evidence is handed over once."""
+        admit = getattr(self.selector, "admit", None)
+        if admit is None or self.learned is None:
+            return
+        estimate = getattr(self.trainer, "acceptance_estimate", None)
+        judged = estimate() if estimate is not None else None  # (version, rate or None) or None
+        if judged is not None and judged != self._admitted:
+            self._admitted = judged
+            self._gate_version = max(self._gate_version, int(judged[0]))
+            admit(self.learned.name, judged[1])
+        elif self.trainer is None and self.version() != self._gate_version:
+            self._gate_version = self.version()
+            admit(self.learned.name, None)
+
     def _features(self, hiddens: dict) -> torch.Tensor:
         """EAGLE-3 features: the chosen layers' hidden states side by side [.., 3H]."""
         return torch.cat([hiddens[i] for i in self.aux_layers], dim=-1)
 
     # ---- costs, metrics, lifetime ------------------------------------------------------------
     def calibrate(self, runner, rows: int, length: int) -> None:
-        """Seed the cost model once: dummy forwards per batch bucket at every verify size."""
+        """Seed the cost model once: dummy forwards per batch bucket at the verify sizes' anchors, or
+        the table an earlier engine measured on this machine for this model and runner mode
+        (calibration_cache.py); buckets the cached table lacks are timed and added to it."""
         sizes = sorted(set(self.selector.verify_sizes()))
-        if not sizes or self.selector.costs.table:
+        costs = self.selector.costs
+        if not sizes or costs.table:
             return
-        ctx = min(128, length - max(sizes) - 1)
-        self.selector.costs.calibrate(runner, rows, sizes, context=max(ctx, 1))
+        ctx = max(min(128, length - max(sizes) - 1), 1)
+        key = calibration_key(runner, sizes, ctx)
+        cached = load_table(key)
+        costs.table.update({k: s for k, s in cached.items() if k[0] <= rows})
+        have = {b for b, _ in costs.table}
+        if any(b not in have for b in _buckets(rows)):
+            costs.calibrate(runner, rows, sizes, context=ctx, skip=tuple(have))
+            save_table(key, {**cached, **costs.table})
 
     def metrics(self, stats: dict[str, float], policy_version: int) -> dict[str, float]:
         out = dict(self.selector.metrics())
@@ -247,6 +286,10 @@ class Speculation:
         if self.trainer is not None:
             self.trainer.load_state_dict(state["trainer"])
         self._seen_version = int(state["seen_version"])
+        # the selector's state holds its gates: evidence already given must not be given again
+        self._gate_version = self.version()
+        estimate = getattr(self.trainer, "acceptance_estimate", None)
+        self._admitted = estimate() if estimate is not None else None
         self._forced = None if state["forced"] is None else arm_of(state["forced"])
 
     def _misfits(self, state: dict) -> list[str]:
@@ -323,6 +366,15 @@ def _selector_misfits(saved: dict | None, here: dict | None, fix: str) -> list[s
         a, b = [x for x in a if x not in b], [x for x in b if x not in a]
     return [mismatch(f"{here['kind']} selector arms (only in each)", a, b,
                      fix + ": drafter, num_draft_tokens, tree_width")]
+
+
+def _buckets(rows: int) -> list[int]:
+    """The batch buckets calibration covers: 1, 2, 4, ... up to rows."""
+    out, b = [], 1
+    while b <= rows:
+        out.append(b)
+        b *= 2
+    return out
 
 
 def _state_of(obj):

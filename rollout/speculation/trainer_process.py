@@ -175,6 +175,15 @@ class ProcessTrainer:
         m[FAILED] = float(bool(m.get(FAILED)) or self.failed)
         return m
 
+    def acceptance_estimate(self) -> tuple[int, float | None] | None:
+        """The child's DrafterTrainer.acceptance_estimate(), from its metrics snapshot (it may lag the
+        newest version by a snapshot period; the engine asks again at the next version)."""
+        m = self._snapshot()
+        version, rate = int(m.get("drafter/est_accept_version", 0)), m.get("drafter/est_accept")
+        if version <= 0:
+            return None
+        return version, None if rate is None or rate != rate else float(rate)
+
     @property
     def failed(self) -> bool:
         """The child reported an error, or died without being asked to stop."""

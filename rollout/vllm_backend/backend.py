@@ -2,11 +2,11 @@
 
 What rlspec keeps when vLLM decodes (docs/vllm_backend.md):
 - the speculation policy: SpecConfig maps to vLLM's speculative_config (spec_map.py); the long-tail
-  selector becomes vLLM's per-batch-size depth table, computed from rlspec's cost model calibrated on
-  the policy (host.py);
-- the learned drafter: an rlspec engine on the side (host.py) owns it (drafter_path, warm start,
-  export); vLLM speculates with its EAGLE-3 export, and every new version is pushed into vLLM's draft
-  model before the next rollout;
+  selector becomes vLLM's per-batch-size depth table, from step costs (depth.py);
+- the learned drafter: the host (host.py) owns the network and its trainer, no copy of the policy; the
+  trainer's own pass over vLLM's rollouts feeds it (drafter_intake, trainers/drafter_feed.py), the warm
+  start samples with vLLM and feeds one pass of the policy; vLLM speculates with its EAGLE-3 export, and
+  a new version is pushed into vLLM's draft model before a rollout (at most one push per rollout);
 - the result shape: prompt-major RolloutResults with the sampling distribution's per-token logprobs.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so weights move by reference: the trainer's
@@ -25,16 +25,19 @@ import rollout.metrics as M
 from rollout.eos import resolve_eos
 from rollout.metrics import RolloutMetrics
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from rollout.vllm_backend import weights
+from rollout.vllm_backend import cpu_fixes, step_costs, weights
+from rollout.vllm_backend.depth import depths
 from rollout.vllm_backend.host import DrafterHost
 from rollout.vllm_backend.scratch import ScratchDir
-from rollout.vllm_backend.spec_map import check_supported, speculative_config
+from rollout.vllm_backend.spec_map import DepthTable, check_supported, speculative_config
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 
+# drafts counted before the depth table follows a new acceptance figure (a few verifies of a batch are noise)
+MIN_TABLE_DRAFTS = 32
 # On a GPU vLLM takes this share of the device's memory (the trainer's policy and optimizer share it).
 GPU_MEMORY_SHARE = 0.3
 
@@ -47,12 +50,14 @@ class VLLMBackend:
     CPU sizing subtracts this process's whole footprint, the trainer's included, from its share of RAM
     and fails when colocated); on GPU memory_share of the device (gpu_memory_utilization).
     graph_mode "off" forces eager mode (enforce_eager); CPU always runs eagerly here.
+    drafter_push_every: push the learned drafter into vLLM once its version moved by at least this many
+    versions since the last push (1: every new version; checked once per generate).
     Other engine settings (kv_block_size, free_kv_between_rollouts, ...) have no vLLM meaning and are ignored.
     """
 
     def __init__(self, policy, tokenizer, spec: SpecConfig | None = None, *, dtype=None, max_model_len: int = 2048,
                  max_num_seqs: int = 64, kv_memory_gb: float | None = None, memory_share: float | None = None,
-                 graph_mode: str = "auto", seed: int = 0, **_engine_only):
+                 graph_mode: str = "auto", seed: int = 0, drafter_push_every: int = 1, **_engine_only):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move by reference
         from vllm import LLM
 
@@ -61,6 +66,11 @@ class VLLMBackend:
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.policy_version = 0
         self.host = None
+        if drafter_push_every < 1:
+            raise ValueError(f"drafter_push_every must be >= 1 (versions between pushes), got {drafter_push_every}")
+        self.drafter_push_every = drafter_push_every
+        # the trainer's own policy, by reference (no copy): the warm start's pass runs it (host.warm_start)
+        self._policy = policy
         # the policy copy vLLM loads from (GBs): removed by close(), at exit, or by the next run after a kill
         self._scratch = ScratchDir.create("rlspec-vllm-")
         self._dir = self._scratch.path
@@ -79,27 +89,32 @@ class VLLMBackend:
         if tokenizer is not None:
             tokenizer.save_pretrained(self._dir / "policy")
         self.eos_token_ids = set(resolve_eos(policy, tokenizer))
-        self.host = DrafterHost.build(policy, tokenizer, self.spec, dtype=dtype, max_model_len=max_model_len,
-                                      max_num_seqs=max_num_seqs)
-        self.depth_table = self.host.depth_table() if self.host is not None else None
-        if self.host is not None and not self.host.learned:
-            self.host = None  # the table was all a model-free drafter needed of it: free its copy of the policy
-        drafter_dir = self.host.export(self._dir / "drafter_v0") if self.host and self.host.learned else None
+        if on_cpu:
+            cpu_fixes.apply()  # vLLM's CPU build samples drafted positions at garbage temperatures (cpu_fixes.py)
+        self.host = DrafterHost.build(policy, self.spec)
+        # selector fixed: vLLM starts with up to num_draft_tokens at every batch size; the table from its own
+        # measured step costs replaces it once it runs (below), and follows the measured acceptance
+        k = self.spec.num_draft_tokens
+        fixed = self.spec.enabled and self.spec.selector == "fixed"
+        self.depth_table = DepthTable(((1, max_num_seqs, k),)) if fixed else None
+        drafter_dir = self.host.export(self._dir / "drafter_v0") if self.host is not None else None
         if drafter_dir:
             _check_layer_ids(drafter_dir)
         self.speculative_config = speculative_config(self.spec, drafter_dir, self.depth_table)
-        # processed_logprobs = log softmax(logits / T), ours at top_p = 1 and top_k = 0; but with a draft model
-        # vLLM 0.32 (CPU) returns wrong and NaN ones at the positions verification touched (measured on a tiny
-        # float32 Llama, docs/vllm_backend.md#logprobs), while raw_logprobs (T = 1) stay exact: so with
-        # speculation on, raw ones, and generate() admits only temperature 1 (or greedy)
-        self.logprobs_mode = "raw_logprobs" if self.speculative_config else "processed_logprobs"
+        # processed_logprobs = log softmax(logits / T), ours at top_p = 1 and top_k = 0 (exact under speculation
+        # too once cpu_fixes is in: the wrong and NaN ones measured before were its temperatures)
         memory = _memory_args(policy.config, dtype, on_cpu, kv_memory_gb, memory_share, max_num_seqs, max_model_len)
         self.llm = LLM(model=str(self._dir / "policy"), dtype=dtype, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, enforce_eager=on_cpu or graph_mode == "off", seed=seed,
                        speculative_config=self.speculative_config, disable_log_stats=False,
-                       logprobs_mode=self.logprobs_mode, skip_tokenizer_init=tokenizer is None, **memory)
+                       logprobs_mode="processed_logprobs", skip_tokenizer_init=tokenizer is None, **memory)
         self._pushed_drafter = self.host.version() if self.host is not None else 0
         self._drafter_pushes = 0
+        self.acceptance: float | None = None  # vLLM's measured per-token acceptance the table rests on
+        if fixed:
+            probe = [i % policy.config.get_text_config().vocab_size for i in range(1, 17)]
+            self.costs = step_costs.measure(self.llm, max_num_seqs, depths(k), probe)
+            self._retable(step_costs.counters(self.llm), force=True)
         self._metrics = RolloutMetrics()
         self._spec_counters = weights.spec_counters(self.llm)
 
@@ -114,29 +129,60 @@ class VLLMBackend:
         # prefix cache shares each prompt's KV among its samples
         requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids for _ in range(params.n)]
         sampling = [self._vllm_params(p, i, j, params) for i, p in enumerate(prompt_token_ids) for j in range(params.n)]
-        outs = self.llm.generate(requests, sampling, use_tqdm=False)
+        if self.host is not None:
+            self.host.set_idle(False)  # vLLM decodes: the drafter's trainer waits, as it does for the engine
+        try:
+            outs = self.llm.generate(requests, sampling, use_tqdm=False)
+        finally:
+            if self.host is not None:
+                self.host.set_idle(True)
         results = [_result(r["prompt_token_ids"], k // params.n, k % params.n, o.outputs[0], self.policy_version)
                    for k, (r, o) in enumerate(zip(requests, outs))]
         self._record(results, time.perf_counter() - t0)
+        if self.depth_table is not None:
+            self._retable(step_costs.counters(self.llm))
         return results
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The policy's parameters (HF names) into vLLM's model (and the drafter host's copy); bumps
-        policy_version. vLLM's prefix cache holds KV of the old weights: dropped."""
-        named = [(n, t.detach()) for n, t in named_tensors]
-        weights.load_policy(self.llm, named)
-        if self.host is not None:
-            self.host.load_weights(named)
+        """The policy's parameters (HF names) into vLLM's model; bumps policy_version. vLLM's prefix cache
+        holds KV of the old weights: dropped."""
+        weights.load_policy(self.llm, [(n, t.detach()) for n, t in named_tensors])
         self.policy_version += 1
 
-    def push_drafter(self) -> bool:
-        """Push the host's learned drafter into vLLM's draft model if its version moved; True if pushed."""
-        if self.host is None or not self.host.learned or self.host.version() == self._pushed_drafter:
+    def push_drafter(self, force: bool = False) -> bool:
+        """Push the host's learned drafter into vLLM's draft model when its version moved by drafter_push_every
+        (force: by any amount); True if pushed."""
+        if self.host is None:
+            return False
+        version = self.host.version()
+        moved = version - self._pushed_drafter
+        if moved <= 0 or (moved < self.drafter_push_every and not force):
             return False
         weights.load_drafter(self.llm, self.host.drafter_tensors())
-        self._pushed_drafter = self.host.version()
+        self._pushed_drafter = version
         self._drafter_pushes += 1
+        if self.depth_table is not None:
+            self._table_counters = step_costs.counters(self.llm)  # the new drafter's acceptance is measured anew
         return True
+
+    def _retable(self, now: dict, force: bool = False) -> None:
+        """Re-derive the depth table once MIN_TABLE_DRAFTS drafts measured the acceptance since the last
+        table (or the last drafter push), and install it in vLLM's scheduler if it changed."""
+        a, drafts = step_costs.acceptance(self._table_counters, now) if not force else (None, 0.0)
+        if not force and drafts < MIN_TABLE_DRAFTS:
+            return
+        self.acceptance = a if a is not None else self.acceptance
+        self._table_counters = now
+        table = step_costs.table_for(self.costs, self.acceptance, self.spec.num_draft_tokens, self.max_num_seqs,
+                                     self.spec.max_spec_batch)
+        if force or table != self.depth_table:
+            step_costs.install(self.llm, table)
+            self.depth_table = table
+
+    def drafter_intake(self):
+        """Where the trainer's pass over vLLM's rollouts sends the drafter's samples (trainers/drafter_feed.py);
+        None without a learned drafter trained online. vLLM banks nothing itself, so claim() changes nothing."""
+        return self.host.intake() if self.host is not None else None
 
     def stats(self) -> dict[str, float]:
         """rollout/* as the engine names them (accept_len and accept_rate from vLLM's speculation
@@ -154,8 +200,11 @@ class VLLMBackend:
         out["vllm/max_depth"] = float(self.depth_table.max_depth if self.depth_table else
                                       (self.spec.num_draft_tokens if self.speculative_config else 0))
         out["vllm/drafter_pushes"] = float(self._drafter_pushes)
-        if self.host is not None and self.host.learned:
-            out["drafter/version"] = float(self._pushed_drafter)
+        if self.acceptance is not None:
+            out["vllm/table_acceptance"] = self.acceptance
+        if self.host is not None:
+            out.update(self.host.metrics(self.policy_version))  # the trainer's loss, buffer, lag
+            out["drafter/version"] = float(self._pushed_drafter)  # the version vLLM drafts with
             out["drafter/accept_len"] = out.get(M.ACCEPT_LEN, 1.0)
         self._metrics = RolloutMetrics()
         return out
@@ -165,14 +214,16 @@ class VLLMBackend:
 
     @property
     def has_learned_drafter(self) -> bool:
-        return self.host is not None and self.host.learned
+        return self.host is not None
 
-    def warm_start_drafter(self, prompts, *, budget_s: float, group: int, max_new_tokens: int, temperature: float):
-        """Warm the learned drafter on the policy's own rollouts (the host engine's: they need hidden
-        states), then push it into vLLM."""
-        result = self.host.warm_start(prompts, budget_s=budget_s, group=group, max_new_tokens=max_new_tokens,
-                                      temperature=temperature)
-        self.push_drafter()
+    def warm_start_drafter(self, prompts, *, budget_s: float, group: int, max_new_tokens: int, temperature: float,
+                           **options):
+        """Warm the learned drafter on vLLM's rollouts of `prompts`, their features from one no-grad pass of
+        the policy (host.warm_start: options such as max_steps, or a warm-up trainer's min_tokens), then push
+        it into vLLM."""
+        result = self.host.warm_start(self.generate, self._policy, prompts, budget_s=budget_s, group=group,
+                                      max_new_tokens=max_new_tokens, temperature=temperature, **options)
+        self.push_drafter(force=True)
         return result
 
     def export_drafter(self, path: str, metadata: dict | None = None) -> str:
@@ -208,10 +259,6 @@ class VLLMBackend:
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
-        if self.logprobs_mode == "raw_logprobs" and params.temperature not in (0.0, 1.0):
-            raise ValueError(f"temperature {params.temperature} with speculation on: vLLM's logprobs are exact here "
-                             "only at temperature 1 (docs/vllm_backend.md#logprobs); sample at temperature 1, or "
-                             "turn speculation off (drafter.drafter=none) for other temperatures")
         if params.min_p > 0 and params.top_p < 1:
             # vLLM applies min-p before top-p, transformers (and our engine) after: the two laws differ (min-p
             # commutes with top-k: both keep a top set by rank, the top token included)

@@ -1,78 +1,170 @@
-"""DrafterHost: an rlspec RolloutEngine beside vLLM, for what only rlspec has.
+"""DrafterHost: the learned EAGLE-3 drafter beside vLLM: its network, trainer and export, no policy copy.
 
-vLLM decodes the rollouts; this engine (a second copy of the policy, no rollouts of its own) supplies
-- the cost model: calibrated on the policy here, it turns the long-tail selector into vLLM's
-  per-batch-size depth table (docs/vllm_backend.md#the-depth-table);
-- the learned EAGLE-3 drafter: loaded from drafter_path or created cold, warmed on the policy's own
-  rollouts (they need the target's hidden states, which vLLM does not hand out), exported in the
-  format vLLM loads, and versioned so the backend pushes each new version into vLLM's draft model.
+vLLM decodes the rollouts and speculates with the drafter's EAGLE-3 export. The host owns
+- the drafter network (loaded from drafter_path, or created cold) and its version;
+- its online trainer (SpecConfig.online_training / online_trainer, as the engine builds it), fed through
+  the intake (rollout/speculation/intake.py) by the trainer's own no-grad pass over vLLM's rollouts
+  (trainers/drafter_feed.py): vLLM shows no hidden states, the policy's pass has them all;
+- the warm start: vLLM samples, one no-grad pass of the policy through the same tap feeds the buffer;
+- the export, and the tensors the backend pushes into vLLM's draft model.
+A trainer reads of the target only its embedding, final norm, LM head and RoPE tables: a TargetView
+over the policy's own tensors (shared storage, not a copy), the same view a trainer process builds.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
-from rollout.types import SpecConfig
-from rollout.vllm_backend.spec_map import DepthTable, depth_table
+import torch
+
+from rollout.speculation.intake import TrainerIntake
+from rollout.types import SamplingParams, SpecConfig
+
+
+def target_view(policy: torch.nn.Module):
+    """The policy as a drafter trainer sees it (trainer_child.TargetView), over its own tensors."""
+    from rollout.runtime.model.config import ModelConfig
+    from rollout.runtime.model.families import family_of_model
+    from rollout.speculation.trainer_child import TargetView
+
+    lm = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    embed, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    parts = SimpleNamespace(cfg=ModelConfig.from_hf(lm.config, family_of_model(lm)), embed=embed.detach(),
+                            norm=getattr(lm, lm.base_model_prefix).norm.weight.detach(),
+                            lm_head=None if head is embed else head.detach(), rope=None)
+    return TargetView(parts)
 
 
 class DrafterHost:
-    def __init__(self, engine, spec: SpecConfig):
-        self.engine = engine
-        self.spec = spec
+    def __init__(self, drafter, trainer, spec: SpecConfig):
+        self.drafter, self.trainer, self.spec = drafter, trainer, spec
 
     @classmethod
-    def build(cls, policy, tokenizer, spec: SpecConfig, **engine_kwargs) -> "DrafterHost | None":
-        """A host when the spec needs one: a learned drafter, or a depth table (selector fixed); else None."""
-        if not spec.enabled or (spec.selector != "fixed" and spec.drafter != "eagle3"):
+    def build(cls, policy, spec: SpecConfig) -> "DrafterHost | None":
+        """A host when the spec has a learned drafter (eagle3), else None."""
+        if not spec.enabled or spec.drafter != "eagle3":
             return None
-        from rollout.engine import RolloutEngine
+        from rollout.speculation.drafters.base import make_drafter
+        from rollout.speculation.speculation import trains_online
+        from rollout.speculation.trainer_process import make_trainer
 
-        return cls(RolloutEngine.from_hf_model(policy, tokenizer, spec, **engine_kwargs), spec)
-
-    @property
-    def learned(self) -> bool:
-        return self.engine.has_learned_drafter
+        target = target_view(policy)
+        drafter = make_drafter("eagle3", target=target, spec=spec)
+        trainer = make_trainer(drafter, spec) if trains_online(spec, target) else None
+        if trainer is not None:
+            drafter.attach(trainer)
+        return cls(drafter, trainer, spec)
 
     def version(self) -> int:
-        return self.engine.speculation.version()
+        """The newest published drafter version (taken in first, as the engine does between steps)."""
+        self.drafter.swap_latest()
+        return self.drafter.version
 
-    def depth_table(self) -> DepthTable | None:
-        """The long-tail selector's depth at every batch-size bucket, from forwards timed on the policy
-        (one calibration, the engine's own); None when the selector is not the long-tail one."""
-        if self.spec.selector != "fixed":
+    def intake(self) -> TrainerIntake | None:
+        """Where the trainer's pass sends samples; None without online training (nothing would read them)."""
+        if self.trainer is None:
             return None
-        engine = self.engine
-        sel = engine.speculation.selector
-        cache = engine.runner.ensure_cache(engine.max_num_seqs, engine.max_model_len, engine.speculation.extra_kv_layers)
-        engine.speculation.calibrate(engine.runner, cache.rows, cache.length)
-        engine.release_kv()  # the table is all we keep of the calibration
+        return TrainerIntake(lambda: self.trainer, self.drafter.aux_layers, self._dtype())
 
-        def choose(batch: int) -> int:
-            sel.on = False  # no hysteresis across buckets: each is judged on its own costs
-            return sel.choose(batch).depth
-
-        return depth_table(choose, engine.max_num_seqs, self.spec.max_spec_batch)
+    def set_idle(self, idle: bool) -> None:
+        """The online trainer trains between rollouts, as the engine lets it; vLLM's decoding is busy time."""
+        if self.trainer is not None:
+            self.trainer.set_idle(idle)
 
     def drafter_tensors(self) -> list:
-        """The learned drafter's newest weights under the names of the exported file (what vLLM loads)."""
-        import torch
-
+        """The version version() reports, under the names of the exported file (what vLLM loads)."""
         from rollout.speculation.drafters.eagle3_io import drafter_tensors
 
-        spec = self.engine.speculation
-        model = spec.trainer.model if spec.trainer is not None else spec.learned.network()
-        return list(drafter_tensors(model, torch.float32).items())
+        return list(drafter_tensors(self.drafter.network(), torch.float32).items())
 
     def export(self, path: str | Path, metadata: dict | None = None) -> str:
-        return self.engine.export_drafter(str(path), metadata)
+        from rollout.speculation.drafters.eagle3_io import save_eagle3
 
-    def warm_start(self, prompts, **kwargs):
-        result = self.engine.warm_start_drafter(prompts, **kwargs)
-        self.engine.release_kv()  # its rollouts are over; vLLM's are the run's
+        model = self.trainer.model if self.trainer is not None else self.drafter.network()  # float32 master
+        meta = {"train_steps": self.trainer.stats.steps if self.trainer is not None else 0, **(metadata or {})}
+        return save_eagle3(model, self.drafter.target.cfg.hf_config, str(path), metadata=meta)
+
+    def metrics(self, policy_version: int) -> dict[str, float]:
+        return self.trainer.metrics(policy_version) if self.trainer is not None else {}
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.drafter.network().parameters()).dtype
+
+    def warm_start(self, generate, policy, prompts: list[list[int]], *, budget_s: float, group: int,
+                   max_new_tokens: int, temperature: float, max_steps: int | None = None, prompts_per_round: int = 16,
+                   steps_per_round: int = 50, root=None, use_tqdm: bool = True, **trainer_kwargs):
+        """Rounds of (generate: the backend's sampler; one no-grad pass of `policy` over the samples through
+        the tap into the trainer; train) until budget_s (or max_steps optimizer steps) is spent, then cache
+        the drafter, as the engine's warm start does (rollout/speculation/warm_start.py; cached per policy
+        weights). With online training the online trainer keeps the data; otherwise a
+        DrafterTrainer(**trainer_kwargs) lives for the warm-up only."""
+        from rollout.speculation.feature_tap import feed_results
+        from rollout.speculation.warm_start import WarmStartResult, _bar, _tick, cache_dir, cache_key
+
+        key = cache_key(policy, self.drafter.model.cfg, tag="hf")  # an HF model's names: not the engine's key
+        out = cache_dir(root) / key
+        if (out / "config.json").is_file() and self._load(out):
+            return WarmStartResult(key, str(out), cached=True)
+        trainer = self.trainer or self._own_trainer(**trainer_kwargs)
+        intake = TrainerIntake(lambda: trainer, self.drafter.aux_layers, self._dtype())
+        t0, steps0, rnd, bar = time.perf_counter(), trainer.stats.steps, 0, _bar(budget_s, None, use_tqdm)
+        left = lambda: max_steps is None or trainer.stats.steps - steps0 < max_steps  # noqa: E731
+        while time.perf_counter() - t0 < budget_s and left() and prompts:
+            batch = [prompts[(rnd * prompts_per_round + i) % len(prompts)] for i in range(min(prompts_per_round,
+                                                                                              len(prompts)))]
+            params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=group, seed=rnd)
+            feed_results(policy, intake, generate(batch, params), params, policy_version=0)
+            for _ in range(steps_per_round):
+                if time.perf_counter() - t0 >= budget_s or not left():
+                    break
+                trainer.train_steps(1)
+                _tick(bar, t0, budget_s, trainer.stats.loss)
+            rnd += 1
+        if bar is not None:
+            bar.close()
+        trainer.publish()
+        self._take(trainer)
+        steps = trainer.stats.steps - steps0
+        result = WarmStartResult(key, str(out), cached=False, steps=steps, seconds=time.perf_counter() - t0,
+                                 tokens=int(trainer.metrics(0).get("drafter/buffer_tokens", 0)),
+                                 loss=float(trainer.stats.loss))
+        if steps > 0:
+            self.export(out, {"warm_start": asdict(result), "cache_key": key})
         return result
 
-    def load_weights(self, named) -> None:
-        self.engine.load_weights(named)
+    def _own_trainer(self, **kwargs):
+        from rollout.speculation.drafter_training import DrafterTrainer
+
+        return DrafterTrainer(self.drafter, **{"publish_every": 10**9, **kwargs})  # publishes once, at the end
+
+    def _take(self, trainer) -> None:
+        """The drafter takes the trainer's newest published weights (a warm-up trainer is then dropped)."""
+        if trainer is self.trainer:
+            self.drafter.swap_latest()
+            return
+        self.drafter.model.load_state_dict(trainer.latest()[1])
+        self.drafter.version += 1
+
+    def _load(self, path: Path) -> bool:
+        """Install a cached drafter (the online trainer too, which publishes it); False if unreadable."""
+        from rollout.speculation.drafters.eagle3_io import load_eagle3
+
+        try:
+            model = load_eagle3(str(path))
+        except (FileNotFoundError, ValueError):
+            return False
+        if model.cfg != self.drafter.model.cfg:
+            return False
+        if self.trainer is not None:
+            self.trainer.load_weights(model.state_dict())
+            self.drafter.swap_latest()
+        else:
+            self.drafter.model.load_state_dict(model.state_dict())
+            self.drafter.version += 1
+        return True
 
     def close(self) -> None:
-        self.engine.close()
+        if self.trainer is not None:
+            self.trainer.stop()

@@ -98,10 +98,15 @@ def speculative_config(spec: SpecConfig, drafter_dir: str | None = None,
             raise UnsupportedSpec("drafter: eagle3 needs an exported drafter directory (drafter_path, or the "
                                   "run's own drafter exported on the fly)")
         out["model"] = drafter_dir
+        # drafts sampled from the drafter's q and accepted with min(1, p/q), as the engine's: vLLM's default
+        # (greedy drafts, accepted with p(draft)) accepts far less at the temperatures RL samples at
+        # (bench_out/vllm_acceptance.json: 1.52 vs 1.74 tokens per verify at T = 1); greedy requests still
+        # draft greedily
+        out["draft_sample_method"] = "probabilistic"
     elif method == "ngram":
         out.update(prompt_lookup_min=NGRAM_MIN, prompt_lookup_max=NGRAM_MAX)
     elif method == "suffix":
         out["suffix_decoding_max_tree_depth"] = max(24, k)
-    if table is not None and len(table.ranges) > 1:
+    if table is not None:  # even one range: vLLM then keeps a per-batch-size lookup the backend can replace
         out["num_speculative_tokens_per_batch_size"] = table.as_vllm()
     return out

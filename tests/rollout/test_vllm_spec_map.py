@@ -26,7 +26,7 @@ def test_depth_table_honours_max_spec_batch():
 def test_mapping_of_each_method():
     table = DepthTable(((1, 4, 3), (5, 64, 0)))
     cfg = speculative_config(SpecConfig(drafter="eagle3", num_draft_tokens=5), "/d", table)
-    assert cfg == {"method": "eagle3", "num_speculative_tokens": 3, "model": "/d",
+    assert cfg == {"method": "eagle3", "num_speculative_tokens": 3, "model": "/d", "draft_sample_method": "probabilistic",
                    "num_speculative_tokens_per_batch_size": [(1, 4, 3), (5, 64, 0)]}
     ngram = speculative_config(SpecConfig(drafter="ngram", num_draft_tokens=4, selector="always"))
     assert ngram["method"] == "ngram" and ngram["num_speculative_tokens"] == 4

@@ -62,6 +62,9 @@ class Eagle3Drafter:
         self.aux_layers = tuple(model.cfg.aux_layer_ids)
         self.version = 0
         self.trainer = None  # a DrafterTrainer: takes finished samples (add), publishes weights (latest)
+        # False once a trainer's own forward pass feeds the trainer (rollout/speculation/intake.py): the
+        # engine then stages features for drafting only, and banks nothing (no sample counted twice)
+        self.bank_samples = True
         self.target_cache = None  # the engine's PagedKVCache, given at each start()
         self.policy_version = 0
         self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
@@ -74,10 +77,11 @@ class Eagle3Drafter:
     def side_buffers(self) -> dict:
         """What the drafter stages per cached position, in the KV pool's blocks: the target's features
         [3H]; with a trainer whose loss reads it, the target's top-k distribution of the next token too
-        (ids, probs, the mass outside the top k, and whether the position has one: prompt positions don't)."""
+        (ids, probs, the mass outside the top k, and whether the position has one: prompt positions don't),
+        unless the samples come from elsewhere (bank_samples False)."""
         p = next(self.model.parameters())
         side = {"eagle3/features": ((3 * self.model.cfg.hidden_size,), p.dtype)}
-        k = getattr(self.trainer, "topk", 0)
+        k = getattr(self.trainer, "topk", 0) if self.bank_samples else 0
         if k > 0:
             side.update({"eagle3/dist_ids": ((k,), torch.int32), "eagle3/dist_probs": ((k,), torch.float16),
                          "eagle3/dist_rest": ((), torch.float16), "eagle3/dist_has": ((), torch.bool)})
@@ -161,7 +165,7 @@ class Eagle3Drafter:
         pos = torch.where(j <= torch.tensor(accepted, device=dev)[:, None], start + j, -1)  # unkept -> trash
         slots = cache.slots(torch.arange(len(seqs), device=dev), pos)
         cache.write_side("eagle3/features", slots, kept)
-        if self.stages_dist and logits is not None:
+        if self.stages_dist and self.bank_samples and logits is not None:
             self._stage_dist(slots, nodes, pos >= 0, logits)
 
     def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, kept: torch.Tensor, logits: torch.Tensor) -> None:
@@ -188,9 +192,10 @@ class Eagle3Drafter:
             self.valid[id(seq)] = 0
 
     def finish(self, seq: Sequence) -> None:
-        """Bank a finished sample's staged features (read now: the engine frees its blocks next)."""
+        """Bank a finished sample's staged features (read now: the engine frees its blocks next), unless a
+        trainer's own pass feeds the trainer (bank_samples False, rollout/speculation/intake.py)."""
         known = self.valid.pop(id(seq), None) is not None
-        if known and self.trainer is not None and seq.cache_len > 2:
+        if known and self.trainer is not None and self.bank_samples and seq.cache_len > 2:
             cache, n = self.target_cache, seq.cache_len
             slots = cache.owner_slots(id(seq), n)
             dist = Dist(*(cache.read_side(f"eagle3/dist_{f}", slots) for f in ("ids", "probs", "rest", "has"))) \

@@ -33,6 +33,10 @@ errors + `jump_margin`), or the engine says its weights were replaced (`reset_ac
 assigning a fresh `acceptance`), its evidence, measurements and bias are dropped and it is probed
 again. An online trainer's update (`reset_acceptance(name, keep)`) only fades the acceptance
 evidence: dropping it at every update put the drafter back on its optimistic prior over and over.
+
+A learned drafter is an arm only while its gate is open (selectors/gate.py): an untrained one never
+is, one judged by its trainer or by measurements only while its best prior gain exceeds 1.05.
+`metrics` reports the call's regret against the best fixed arm (selectors/regret.py).
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ from rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker,
 from rollout.speculation.selectors.bandit_state import AcceptanceBook, ArmStat, BucketState, bandit_state, \
     load_bandit_state
 from rollout.speculation.selectors.base import OFF, SELECTORS, Arm
+from rollout.speculation.selectors.gate import make_gates
+from rollout.speculation.selectors.regret import RegretLedger
 
 FRESH_DECAY = 0.5  # the change detector looks at the last ~2 uses of a drafter
 RECENT = 0.99  # the exploration cap also holds over ~100 bucket steps: no saved-up bursts
@@ -124,6 +130,8 @@ class AdaptiveSelector:
     jump_margin: float = 0.15  # recent acceptance this far (+ 3 standard errors) off = a new drafter
     jump_min_trials: float = 8.0  # ... judged once the recent evidence has this many trials
     costs: CostModel = field(default_factory=CostModel)
+    gates: dict = field(default_factory=dict)  # learned drafter -> LearnedGate (absent: always an arm)
+    ledger: RegretLedger = field(default_factory=RegretLedger)  # this call's steps, for strategy/regret
     buckets: dict = field(default_factory=dict)  # bucket -> BucketState
     draft_level: dict = field(default_factory=dict)  # (drafter, bucket) -> EMA seconds per draft level
     last_seen: dict = field(default_factory=dict)  # drafter -> step it was last observed
@@ -136,6 +144,7 @@ class AdaptiveSelector:
         if OFF not in self.arms:
             self.arms = [OFF] + list(self.arms)  # plain decoding is always a choice and the reference
         self._trackers = AcceptanceBook()
+        self._playable = [a for a in self.arms if a.drafter not in self.gates]  # refreshed by _check_gates
 
     # ---- engine-facing surface ----------------------------------------------------------------
     @property
@@ -157,8 +166,22 @@ class AdaptiveSelector:
         if keep > 0:
             self._trackers[drafter].fade(keep)
             return
-        self._trackers[drafter] = AcceptanceTracker()
+        self._trackers[drafter] = self._fresh_tracker(drafter)
         self._forget(drafter)
+
+    def admit(self, drafter: str, rate: float | None = None) -> None:
+        """Evidence for a learned drafter's gate: its trainer's estimated per-token acceptance of the
+        weights drafting now (also its tracker's prior), or None: weights from elsewhere (trusted)."""
+        gate = self.gates.get(drafter)
+        if gate is None:
+            return
+        gate.admit(rate)
+        tr = self._trackers[drafter]
+        tr.prior_accepts, tr.prior_rejects = gate.prior() or (1.0, 1.0)
+
+    def begin_call(self) -> None:
+        """A generate call starts: strategy/regret covers its steps only."""
+        self.ledger.clear()
 
     def depths(self) -> list[int]:
         """Distinct draft sizes (nodes) of the arms; 1 + each is a verify size to calibrate."""
@@ -178,8 +201,8 @@ class AdaptiveSelector:
             self.last = (OFF, b, batch, {})
             return OFF
         st = self._tick(b)
-        est = {a: self.estimate(a, b) for a in self.arms}
-        greedy = max(self.arms, key=est.__getitem__)  # ties: earlier in the list (off first)
+        est = {a: self.estimate(a, b) for a in self._check_gates()}
+        greedy = max(est, key=est.__getitem__)  # ties: earlier in the list (off first)
         self._update_bench(st, est, est[greedy])
         arm = greedy
         pick = self._stale_probe(est, greedy, b) or self._ucb_pick(st, est, greedy)
@@ -195,6 +218,7 @@ class AdaptiveSelector:
                 drafted: list[int], accepted: list[int]) -> None:
         b = bucket(batch)
         st = self._bucket(b)
+        self.ledger.record(b, batch, sum(a + 1 for a in accepted), seconds + draft_seconds)
         reward = self._reward(arm, b, seconds, draft_seconds, accepted)
         self._track_noise(st, arm, reward, self.estimate(arm, b))
         if arm.speculative:
@@ -213,9 +237,15 @@ class AdaptiveSelector:
                "strategy/bucket": float(b)}
         plain = self.costs.cost(b, 1)
         if est and plain:
-            out["strategy/expected_speedup"] = est[arm]
-            for a in self.arms:
+            out["strategy/expected_speedup"] = est.get(arm, 0.0)
+            for a in est:
                 out[f"strategy/expected_goodput/{arm_name(a)}"] = est[a] * batch / plain
+        for name, gate in self.gates.items():
+            out[f"strategy/gate/{name}"] = float(gate.open)
+        regret = self.ledger.regret(self._playable, lambda bb: self.costs.cost(bb, 1), self.estimate)
+        if regret is not None:
+            out["strategy/regret"] = regret[0]
+            out["strategy/best_fixed_arm"] = float(self.arms.index(regret[1]))
         return out
 
     def state_dict(self) -> dict:
@@ -239,6 +269,27 @@ class AdaptiveSelector:
             return 1.0
         tokens = expected_tokens(arm, self._trackers[arm.drafter], rate)
         return tokens / (self._relative(b, 1 + arm.nodes) + self._draft_relative(arm, b))
+
+    def _fresh_tracker(self, drafter: str) -> AcceptanceTracker:
+        """A new tracker; a gated drafter's starts from its trainer's estimate when there is one."""
+        prior = self.gates[drafter].prior() if drafter in self.gates else None
+        return AcceptanceTracker(*prior) if prior else AcceptanceTracker()
+
+    def _check_gates(self) -> list[Arm]:
+        """The arms that may be played now: a gated drafter's only while its gate is open."""
+        changed = False
+        for name, gate in self.gates.items():
+            was = gate.open
+            changed |= was != gate.check(self.steps, lambda: self._best_gain(name))
+        if changed:
+            self._playable = [a for a in self.arms if a.drafter not in self.gates or self.gates[a.drafter].open]
+        return self._playable
+
+    def _best_gain(self, drafter: str) -> float:
+        """The drafter's highest prior (no bias) over the calibrated buckets (bucket 1 when none is)."""
+        known = sorted({bb for bb, _ in self.costs.table}) or [1]
+        arms = [a for a in self.arms if a.drafter == drafter]
+        return max((self._prior(a, bb) for bb in known for a in arms), default=0.0)
 
     def _relative(self, b: int, T: int) -> float:
         """cost(b, T) / cost(b, 1); an uncalibrated bucket borrows the nearest calibrated one's,
@@ -282,14 +333,14 @@ class AdaptiveSelector:
     def _ucb_pick(self, st: BucketState, est: dict, greedy: Arm) -> Arm:
         recent = sum(s.weight for s in st.stats.values())  # discounted step count (D-UCB)
         scale = self.ucb_c * est[greedy] * math.sqrt(math.log(max(recent, 2.0)))
-        open_arms = [a for a in self.arms if a not in st.bench or a == greedy]
+        open_arms = [a for a in est if a not in st.bench or a == greedy]
         return max(open_arms, key=lambda a: est[a] + scale * self._stderr(st, a))
 
     def _stale_probe(self, est: dict, greedy: Arm, b: int) -> Arm | None:
         """A drafter unused for probe_every steps may have changed (new weights, a drifted policy),
         and one with little evidence (new, just reset, one unlucky probe) is not known yet: re-check
         it where even perfect acceptance could beat the current best."""
-        for name in dict.fromkeys(a.drafter for a in self.arms if a.speculative):
+        for name in dict.fromkeys(a.drafter for a in est if a.speculative):
             tr = self._trackers[name]
             due = THIN_PROBE_EVERY if tr.accepts + tr.rejects < 2 * self.jump_min_trials else self.probe_every
             if name == greedy.drafter or self.steps - self.last_seen.get(name, 0) < due:
@@ -317,7 +368,7 @@ class AdaptiveSelector:
                 and st.recent_explores + 1 <= self.explore_cap * st.recent_steps)
 
     def _update_bench(self, st: BucketState, est: dict, best: float) -> None:
-        for arm in self.arms:
+        for arm in est:
             if arm in st.bench:
                 if st.bench[arm] <= st.steps or est[arm] >= best:  # over, or best again
                     del st.bench[arm]
@@ -343,6 +394,8 @@ class AdaptiveSelector:
         old = self.draft_level.get(key)
         self.draft_level[key] = level if old is None else (1 - EMA) * old + EMA * level
         acc, rej = path_evidence(arm, drafted, accepted)
+        if arm.drafter in self.gates:
+            self.gates[arm.drafter].observed(acc + rej)
         fa, fr = self.fresh.get(arm.drafter, (0.0, 0.0))
         fa, fr = FRESH_DECAY * fa + acc, FRESH_DECAY * fr + rej
         self.fresh[arm.drafter] = (fa, fr)
@@ -404,7 +457,8 @@ def _adaptive(spec, drafters: list[str], learned: tuple[str, ...]) -> AdaptiveSe
     """A bandit over every drafter of the set x chain depths x tree widths (x stop rules if learned)."""
     widths = (spec.tree_width,) if spec.tree_width > 1 else (2, 3)
     arms = default_arms(drafters, max_depth=spec.num_draft_tokens, widths=widths, learned=learned)
+    gates = make_gates(learned, trusted=bool(spec.drafter_path))  # a cold learned drafter waits for evidence
     # exploring a losing arm at a large batch costs up to ~2x a plain step on CPU (bench_out/
     # longtail.json: 10% exploration made the bandit 7% slower than plain decoding), so the
     # engine explores at most 3% of steps; the class default stays general
-    return AdaptiveSelector(arms, max_spec_batch=spec.max_spec_batch, explore_cap=0.03)
+    return AdaptiveSelector(arms, max_spec_batch=spec.max_spec_batch, explore_cap=0.03, gates=gates)

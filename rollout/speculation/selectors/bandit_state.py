@@ -2,8 +2,8 @@
 
 Everything the bandit learned between generate() calls: the cost table, one acceptance tracker per
 drafter, per bucket the discounted arm statistics, benches and biases, the drafting costs, when
-each drafter was last seen, the change detector's recent evidence, the step counters and the last
-choice (for metrics). Arms become tuples (selectors.base.arm_key) and dicts become lists of pairs
+each drafter was last seen, the change detector's recent evidence, the learned drafters' gates, the
+step counters and the last choice (for metrics). The regret ledger is per call and not saved. Arms become tuples (selectors.base.arm_key) and dicts become lists of pairs
 in insertion order, so that torch.load(weights_only=True) reads it back and a restored selector
 iterates exactly as the saved one did. The arm list itself is the state's "shape": a state only
 loads into a selector with the same arms (same drafters, num_draft_tokens, tree_width). The state's
@@ -55,6 +55,7 @@ def bandit_state(sel) -> dict:
             "draft_level": [[d, b, s] for (d, b), s in sel.draft_level.items()],
             "last_seen": [[d, step] for d, step in sel.last_seen.items()],
             "fresh": [[d, acc, rej] for d, (acc, rej) in sel.fresh.items()],
+            "gates": [[d, gate.state_dict()] for d, gate in sel.gates.items()],
             "steps": sel.steps, "explores": sel.explores, "last": last}
 
 
@@ -71,6 +72,10 @@ def load_bandit_state(sel, state: dict) -> None:
     sel.draft_level = {(d, int(b)): float(s) for d, b, s in state["draft_level"]}
     sel.last_seen = {d: int(step) for d, step in state["last_seen"]}
     sel.fresh = {d: (float(acc), float(rej)) for d, acc, rej in state["fresh"]}
+    for d, gate in state.get("gates", []):  # absent in states saved before the gates existed
+        if d in sel.gates:
+            sel.gates[d].load_state_dict(gate)
+    sel._playable = [a for a in sel.arms if a.drafter not in sel.gates or sel.gates[a.drafter].open]
     sel.steps, sel.explores = int(state["steps"]), int(state["explores"])
     last = state["last"]
     sel.last = None if last is None else \

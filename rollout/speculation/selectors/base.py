@@ -58,7 +58,9 @@ def check_selector_state(state: dict, kind: str, shape, shape_name: str) -> None
 
 
 class Selector(Protocol):
-    """Everything the engine calls on a selector."""
+    """Everything the engine calls on a selector. Optional, called when present: `admit(drafter, rate)`
+    (evidence for a learned drafter's gate, selectors/gate.py) and `begin_call()` (a generate call
+    starts: per-call metrics such as strategy/regret restart)."""
 
     costs: CostModel  # measured forward costs per (batch bucket, tokens per row); the engine calibrates it
 

@@ -6,13 +6,18 @@ the expected tokens per verify (from the tracked acceptance rate) with the measu
 verify of that size relative to one plain decode step at the same live batch (plus the drafting
 time). Verification is cheap relative to decode at small batches and dear at large ones, so the
 chosen depth grows as the batch shrinks into its tail, with no batch threshold written down.
+A learned drafter speculates only while its gate is open (selectors/gate.py); `metrics` reports the
+call's regret against the best fixed depth or OFF (selectors/regret.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket
 from rollout.speculation.selectors.base import OFF, Arm, SELECTORS, check_selector_state
+from rollout.speculation.selectors.gate import LearnedGate
+from rollout.speculation.selectors.regret import RegretLedger
 
 HYSTERESIS = 0.05  # speculation turns on above 1.05x estimated gain, off below 0.95x
 
@@ -28,6 +33,9 @@ class LongTailSelector:
     draft_seconds: dict = field(default_factory=dict)  # batch bucket -> EMA seconds per propose
     on: bool = False
     last_gain: float = 0.0
+    gate: LearnedGate | None = None  # set when the drafter is learned: no speculation without evidence
+    ledger: RegretLedger = field(default_factory=RegretLedger)
+    steps: int = 0
 
     def depths(self) -> list[int]:
         ds, d = [], 1
@@ -49,17 +57,39 @@ class LongTailSelector:
         if keep > 0:
             self.acceptance.fade(keep)
         else:
-            self.acceptance = AcceptanceTracker()
+            prior = self.gate.prior() if self.gate is not None else None
+            self.acceptance = AcceptanceTracker(*prior) if prior else AcceptanceTracker()
+
+    def admit(self, drafter: str, rate: float | None = None) -> None:
+        """Evidence for the learned drafter's gate (AdaptiveSelector.admit)."""
+        if self.gate is None or drafter != self.drafter:
+            return
+        self.gate.admit(rate)
+        self.acceptance.prior_accepts, self.acceptance.prior_rejects = self.gate.prior() or (1.0, 1.0)
+
+    def begin_call(self) -> None:
+        self.ledger.clear()
 
     def metrics(self) -> dict[str, float]:
-        return {"strategy/spec_on": float(self.on), "strategy/expected_speedup": self.last_gain,
-                "strategy/accept_rate": self.acceptance.rate}
+        out = {"strategy/spec_on": float(self.on), "strategy/expected_speedup": self.last_gain,
+               "strategy/accept_rate": self.acceptance.rate}
+        if self.gate is not None:
+            out[f"strategy/gate/{self.drafter}"] = float(self.gate.open)
+        arms = [OFF] + ([Arm(self.drafter, d, self.width) for d in self.depths()]
+                        if self.gate is None or self.gate.open else [])
+        regret = self.ledger.regret(arms, lambda b: self.costs.cost(b, 1),
+                                    lambda a, b: self.gain(b, a.depth) if a.speculative else 1.0)
+        if regret is not None:
+            out["strategy/regret"] = regret[0]
+            out["strategy/best_fixed_depth"] = float(regret[1].depth)
+        return out
 
     def state_dict(self) -> dict:
         return {"kind": "fixed", "shape": [self.drafter, self.max_depth, self.width], "costs": self.costs.state_dict(),
                 "acceptance": self.acceptance.state_dict(),
                 "draft_seconds": [[b, s] for b, s in self.draft_seconds.items()], "on": self.on,
-                "last_gain": self.last_gain}
+                "last_gain": self.last_gain, "steps": self.steps,
+                "gate": None if self.gate is None else self.gate.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         check_selector_state(state, "fixed", [self.drafter, self.max_depth, self.width], "(drafter, depth, width)")
@@ -67,6 +97,9 @@ class LongTailSelector:
         self.acceptance.load_state_dict(state["acceptance"])
         self.draft_seconds = {int(b): float(s) for b, s in state["draft_seconds"]}
         self.on, self.last_gain = bool(state["on"]), float(state["last_gain"])
+        self.steps = int(state.get("steps", 0))  # absent in states saved before the gate existed
+        if self.gate is not None and state.get("gate") is not None:
+            self.gate.load_state_dict(state["gate"])
 
     def gain(self, batch: int, depth: int) -> float:
         """Estimated tokens per second with `depth` drafts over tokens per second without."""
@@ -75,12 +108,21 @@ class LongTailSelector:
         plain = self.costs.cost(batch, 1)
         if rel is None or not plain:
             return 0.0
-        draft = self.draft_seconds.get(bucket(batch), 0.0) / plain
+        draft = self._draft_cost(bucket(batch)) / plain
         # the tracked rate is per level of this shape: a chain token, or any of `width` siblings
         return self.acceptance.expected_tokens(depth) / (rel + draft)
 
+    def _draft_cost(self, b: int) -> float:
+        """Seconds per propose in bucket b; a bucket not drafted in yet borrows the nearest measured one
+        (as the bandit does): taking it as free made unmeasured buckets look like wins, and kept a
+        learned drafter's gate open on them after its measured acceptance had fallen."""
+        if b in self.draft_seconds or not self.draft_seconds:
+            return self.draft_seconds.get(b, 0.0)
+        return self.draft_seconds[min(self.draft_seconds, key=lambda bb: abs(math.log2(bb) - math.log2(b)))]
+
     def choose(self, batch: int) -> Arm:
-        if self.max_spec_batch is not None and batch > self.max_spec_batch:
+        self.steps += 1
+        if self.max_spec_batch is not None and batch > self.max_spec_batch or not self._gate_open():
             self.on = False
             return OFF
         best_depth, best = max(((d, self.gain(batch, d)) for d in self.depths()), key=lambda x: x[1])
@@ -98,10 +140,22 @@ class LongTailSelector:
             # evidence per level: a tree of n nodes offers n // width levels, each passed or not
             levels = [n if self.width == 1 else max(1, n // self.width) for n in drafted]
             self.acceptance.observe(levels, accepted)
+            if self.gate is not None:
+                self.gate.observed(sum(a + (a < n) for n, a in zip(levels, accepted) if n > 0))
+        self.ledger.record(bucket(batch), batch, sum(a + 1 for a in accepted), seconds + draft_seconds)
+
+    def _gate_open(self) -> bool:
+        """No gate (a model-free drafter), or the learned drafter's gate is open: its best gain over the
+        calibrated buckets (bucket 1 when none is) exceeds 1.05 on evidence."""
+        if self.gate is None:
+            return True
+        known = sorted({b for b, _ in self.costs.table}) or [1]
+        return self.gate.check(self.steps, lambda: max(self.gain(b, d) for b in known for d in self.depths()))
 
 
 
 @SELECTORS.register("fixed")
 def _fixed(spec, drafters: list[str], learned: tuple[str, ...]) -> LongTailSelector:
     """The configured drafter (the first of the set) and shape, deeper as the batch shrinks."""
-    return LongTailSelector(drafters[0], spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch)
+    gate = LearnedGate(trusted=bool(spec.drafter_path)) if drafters[0] in learned else None
+    return LongTailSelector(drafters[0], spec.num_draft_tokens, spec.tree_width, spec.max_spec_batch, gate=gate)

@@ -1,0 +1,148 @@
+"""Calibration measured once per machine, model and runner mode (rollout/speculation/calibration_cache.py):
+a second engine loads the table instead of timing forwards; another key (dtype, threads, verify sizes)
+calibrates again; buckets the file lacks are timed and added; a corrupt file is ignored with a warning."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from rollout.engine import RolloutEngine
+from rollout.runtime.model import loader
+from rollout.speculation.calibration_cache import cache_file, calibration_key
+from rollout.speculation.selectors.bandit import AdaptiveSelector
+from rollout.speculation.selectors.base import Arm
+from rollout.speculation.speculation import Speculation
+from rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLSPEC_CALIBRATION_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def count_steps(runner) -> list[int]:
+    """runner.step calls from now on (one entry per call: its batch size)."""
+    calls, step = [], runner.step
+
+    def spy(tokens, start, *args, **kw):
+        calls.append(tokens.shape[0])
+        return step(tokens, start, *args, **kw)
+
+    runner.step = spy
+    return calls
+
+
+def suffix_engine(hf, **kw) -> RolloutEngine:
+    spec = SpecConfig(drafter="suffix", selector="adaptive", num_draft_tokens=4)
+    return RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], max_num_seqs=8, **kw)
+
+
+def calibrate(eng) -> list[int]:
+    """Run the engine's calibration as generate() does; the batch sizes of the forwards it timed."""
+    cache = eng.runner.ensure_cache(8, 128, eng.speculation.extra_kv_layers)
+    calls = count_steps(eng.runner)
+    eng.speculation.calibrate(eng.runner, cache.rows, cache.length)
+    eng.runner.step = type(eng.runner).step.__get__(eng.runner)
+    return calls
+
+
+def test_the_second_engine_loads_the_table_instead_of_timing(cache):
+    hf = make_tiny_hf("llama", seed=31)
+    first = suffix_engine(hf)
+    assert calibrate(first)  # timed
+    table = dict(first.selector.costs.table)
+    assert {b for b, _ in table} == {1, 2, 4, 8} and len(list(cache.glob("*.json"))) == 1
+    second = suffix_engine(hf)
+    assert calibrate(second) == []  # not one forward
+    assert second.selector.costs.table == table
+    # and a real call goes through with the loaded table
+    out = second.generate(random_prompts(2, 4, 8), SamplingParams(temperature=1.0, max_new_tokens=8, seed=0))
+    assert len(out) == 2
+
+
+def test_another_key_calibrates_again(cache, monkeypatch):
+    hf = make_tiny_hf("llama", seed=32)
+    calibrate(suffix_engine(hf))
+    other_dtype = RolloutEngine(loader.from_hf_model(hf, dtype=torch.bfloat16), None, eos_token_ids=[2], max_num_seqs=8,
+                                spec=SpecConfig(drafter="suffix", selector="adaptive", num_draft_tokens=4))
+    assert calibrate(other_dtype)
+    deeper = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2], max_num_seqs=8,
+                           spec=SpecConfig(drafter="suffix", selector="adaptive", num_draft_tokens=8))
+    assert calibrate(deeper)  # other verify sizes
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)  # another machine, as far as the key knows
+    assert calibrate(suffix_engine(hf))
+    assert len(list(cache.glob("*.json"))) == 4
+
+
+def test_buckets_the_file_lacks_are_timed_and_added(cache):
+    hf = make_tiny_hf("llama", seed=33)
+    small = suffix_engine(hf)
+    small.runner.ensure_cache(2, 128)
+    calls = count_steps(small.runner)
+    small.speculation.calibrate(small.runner, 2, 128)  # buckets 1, 2
+    assert set(calls) == {1, 2}
+    big = suffix_engine(hf)
+    assert set(calibrate(big)) == {4, 8}  # only the buckets it did not find
+    assert calibrate(suffix_engine(hf)) == []
+
+
+def test_a_corrupt_file_is_ignored_with_a_warning(cache, caplog):
+    hf = make_tiny_hf("llama", seed=34)
+    eng = suffix_engine(hf)
+    calibrate(eng)
+    (path,) = cache.glob("*.json")
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="rollout.speculation.calibration_cache"):
+        assert calibrate(suffix_engine(hf))
+    assert "ignoring the calibration cache file" in caplog.text
+    assert json.loads(path.read_text())["table"]  # rewritten whole
+    assert calibrate(suffix_engine(hf)) == []
+
+
+def test_a_file_of_another_key_is_not_trusted(cache, caplog):
+    """A file at the key's path whose stored key differs (a hash collision, a hand-copied file)."""
+    hf = make_tiny_hf("llama", seed=35)
+    eng = suffix_engine(hf)
+    calibrate(eng)
+    (path,) = cache.glob("*.json")
+    saved = json.loads(path.read_text())
+    saved["key"]["dtype"] = "torch.float64"
+    path.write_text(json.dumps(saved))
+    with caplog.at_level(logging.WARNING, logger="rollout.speculation.calibration_cache"):
+        assert calibrate(suffix_engine(hf))
+    assert "another key" in caplog.text
+
+
+def test_off_times_every_engine(monkeypatch):
+    monkeypatch.setenv("RLSPEC_CALIBRATION_CACHE", "off")
+    hf = make_tiny_hf("llama", seed=36)
+    assert calibrate(suffix_engine(hf)) and calibrate(suffix_engine(hf))
+    assert cache_file({"any": "key"}) is None
+
+
+def _ready(eng):
+    eng.runner.ensure_cache(8, 128)
+    return eng.runner
+
+
+def test_key_names_machine_model_mode_and_sizes():
+    eng = suffix_engine(make_tiny_hf("llama", seed=37))
+    key = calibration_key(_ready(eng), [5, 1, 3, 5], 64)
+    assert key["sizes"] == [1, 3, 5] and key["context"] == 64
+    assert key["machine"]["threads"] == torch.get_num_threads() and key["machine"]["cores"]
+    assert key["dtype"] == "torch.float32" and key["steps"] and "compiled" in key
+    assert len(key["model"]) == 64  # a sha256 of the model's configuration
+
+
+def test_a_restored_table_is_neither_timed_nor_cached(cache):
+    eng = suffix_engine(make_tiny_hf("llama", seed=38))
+    spec = Speculation({}, AdaptiveSelector([Arm("suffix", 2)]))
+    spec.selector.costs.table[(1, 1)] = 0.5  # a resumed engine: its table came with the checkpoint
+    calls = count_steps(_ready(eng))
+    spec.calibrate(eng.runner, 8, 128)
+    assert calls == [] and list(cache.glob("*.json")) == []
