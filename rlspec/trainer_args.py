@@ -31,6 +31,9 @@ def _build(cfg: Config, out: Path, cls):
     section_cfg = cfg.algorithm
     valid = {f.name for f in dataclasses.fields(cls)}
     section = {k: v for k, v in dataclasses.asdict(section_cfg).items() if k != "extra" and v is not None}
+    if "activation_checkpointing" in section and "activation_checkpointing" not in valid:
+        # transformers < 5.24 (the one vLLM pins, .venv-vllm) calls it gradient_checkpointing
+        section["gradient_checkpointing"] = section.pop("activation_checkpointing")
     for key in section_cfg.extra:
         if key in section:
             raise ConfigError(f"{name}.extra.{key}: {key} is a {name} key; set {name}.{key} instead")

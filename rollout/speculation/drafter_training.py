@@ -51,6 +51,7 @@ def _record(device: torch.device) -> torch.cuda.Event | None:
     return ev
 
 
+DEFAULT_TOPK = 32  # entries of the target's distribution kept per position (feature_buffer.py: 5% of its bytes)
 ACCEPT_WINDOWS = 8  # buffered windows the acceptance estimate of a published version is taken on
 DEFAULT_LOSS = "kl"  # forward KL to the top-k target won the comparison (bench_out/distill.json: 1.61 accepted
 # per verify against 1.42 for the sampled-token cross-entropy and 1.07 for total variation, same data and steps)
@@ -142,7 +143,7 @@ class DrafterTrainer:
 
     def __init__(self, drafter, lr: float = 1e-3, batch: int = 8, window: int = 64, ttt_steps: int = 3,
                  buffer_tokens: int = 32768, min_tokens: int = 1024, publish_every: int = 10, seed: int = 0,
-                 loss: str = DEFAULT_LOSS, topk: int = 32, prompt_loss: bool = True, half_life: float = 2.0):
+                 loss: str = DEFAULT_LOSS, topk: int = DEFAULT_TOPK, prompt_loss: bool = True, half_life: float = 2.0):
         get_loss(loss)  # fail on an unknown name now, not in the training thread
         self.drafter = drafter
         target = drafter.target

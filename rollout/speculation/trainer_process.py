@@ -34,6 +34,7 @@ as a separate context; SpecConfig's "auto" keeps a thread with its own stream th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -47,6 +48,7 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing as mp
 
+from rollout.speculation.drafter_training import DEFAULT_LOSS, DEFAULT_TOPK
 from rollout.speculation.trainer_child import FAILED, STATS_BYTES, Recipe, _child_main, network_from_state
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,10 @@ class ProcessTrainer:
         self._seen, self._latest, self._idle_now, self._stopped = 0, None, False, False
         self._stats_cache: dict[str, float] = {}
         self._req = itertools.count(1)
+        # what the child's trainer keeps of the target's distribution per position (0 when its loss reads none),
+        # so the engine and the trainer's feed send it the laws they send a trainer in this process
+        self.topk = 0 if factory != DEFAULT_FACTORY or trainer_kwargs.get("loss", DEFAULT_LOSS) == "ce" else \
+            int(trainer_kwargs.get("topk", DEFAULT_TOPK))
         recipe = _recipe(drafter, factory, trainer_kwargs, threads, device, nice)
         channels = SimpleNamespace(inbox=self._inbox, outbox=self._outbox, idle=self._idle, stop=self._stop_evt,
                                    state=self._state, version=self._version, weights_lock=self._weights_lock,
@@ -307,9 +313,20 @@ def _shared_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _is_record(obj) -> bool:
+    """A dataclass instance (the buffer's Dist of a sample's target distribution) whose fields are tensors."""
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
+    elif _is_record(obj):
+        yield from _tensors(_fields(obj))
     elif isinstance(obj, (list, tuple)):
         for x in obj:
             yield from _tensors(x)
@@ -322,6 +339,8 @@ def _cpu_copy(obj):
     """obj with every tensor replaced by a private copy (received ones live in shared memory)."""
     if isinstance(obj, torch.Tensor):
         return obj.clone()
+    if _is_record(obj):
+        return dataclasses.replace(obj, **_cpu_copy(_fields(obj)))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu_copy(x) for x in obj)
     if isinstance(obj, dict):
@@ -333,6 +352,8 @@ def _share(obj):
     """obj with every tensor replaced by a shared-memory copy (views of engine buffers never leave)."""
     if isinstance(obj, torch.Tensor):
         return _shared_copy(obj.detach())
+    if _is_record(obj):
+        return dataclasses.replace(obj, **_share(_fields(obj)))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_share(x) for x in obj)
     if isinstance(obj, dict):

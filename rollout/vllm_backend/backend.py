@@ -15,6 +15,7 @@ tensors go straight into vLLM's model through `collective_rpc` (weights.py), no 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -162,7 +163,11 @@ class VLLMBackend:
         self._pushed_drafter = version
         self._drafter_pushes += 1
         if self.depth_table is not None:
-            self._table_counters = step_costs.counters(self.llm)  # the new drafter's acceptance is measured anew
+            # a new drafter: the table rests on its trainer's estimate of it (else the prior) until vLLM has
+            # counted enough of its drafts; a table of zeros would otherwise never draft again to find out
+            est = self.host.metrics(self.policy_version).get("drafter/est_accept", float("nan"))
+            self.acceptance = est if math.isfinite(est) else None
+            self._retable(step_costs.counters(self.llm), force=True)
         return True
 
     def _retable(self, now: dict, force: bool = False) -> None:

@@ -83,7 +83,7 @@ def acceptance(before: dict, after: dict) -> tuple[float | None, float]:
     return first / drafts, drafts
 
 
-def measure(llm, max_batch: int, depths: list[int], prompt: list[int], lengths: tuple[int, int] = (4, 16)
+def measure(llm, max_batch: int, depths: list[int], prompt: list[int], lengths: tuple[int, int] = (2, 8)
             ) -> dict[tuple[int, int], float]:
     """cost(B, d) in seconds at every batch bucket 1, 2, 4, ... <= max_batch (and max_batch) and each
     depth in `depths` (0 included). See the module docstring."""

@@ -90,6 +90,9 @@ def fake_vllm(monkeypatch, tmp_path):
             return []
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    from rollout.vllm_backend import cpu_fixes
+
+    monkeypatch.setattr(cpu_fixes, "apply", lambda: None)  # it patches vLLM internals the stand-in lacks
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return seen
 

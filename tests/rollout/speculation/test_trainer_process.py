@@ -58,6 +58,8 @@ def test_trains_idle_and_on_request_publishes_and_stays_exact(tmp_path):
     assert eng.speculation.learned.version == trainer.version >= 2
     assert stats["drafter/version"] >= 2 and stats["drafter/train_steps"] >= 140 and stats["drafter/failed"] == 0
     assert stats["rollout/accept_len"] > cold + 0.5, (cold, stats["rollout/accept_len"])
+    # the engine staged the target's top-k law for the child, as for a trainer in this process
+    assert trainer.topk == 32 and bool(trainer.state_dict()["buffer"]["dist"]["has"].any())
     pid = trainer.pid
     eng.close()
     assert wait_for(lambda: gone(pid), 10) and trainer._proc.exitcode == 0
