@@ -78,7 +78,7 @@ bench: venv model
 # A GPU machine has a preinstalled CUDA torch, transformers, scipy and pytest but no package registry and
 # no hub: this target installs nothing, uses no venv, and is budgeted for 10 minutes on an H100 (the benchmark
 # stops starting new measurements after --budget-s). The benchmark runs even when a test fails; the target then
-# fails with the tests' status.
+# fails with the tests' status. Where vLLM's CUDA build is importable, the vLLM backend's tests run on the GPU too.
 gpu-check:
 	@$(PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else \
 	  'make gpu-check needs an NVIDIA GPU and a CUDA build of torch for $(PYTHON)')"
@@ -87,6 +87,10 @@ gpu-check:
 	  -p no:cacheprovider -q -rs || status=$$?; \
 	HF_HUB_OFFLINE=1 PYTHONPATH=. $(PYTHON) scripts/bench_gpu.py --out bench_out/gpu_check.json $(GPU_BENCH_ARGS) \
 	  || status=$$?; \
+	if $(PYTHON) -c "import vllm" 2>/dev/null; then \
+	  HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=. $(PYTHON) -m pytest tests/rollout/test_vllm_spec_map.py \
+	    tests/rlspec/test_vllm_export.py tests/vllm -p no:cacheprovider -q -rs || status=$$?; \
+	else echo "gpu-check: no vLLM in $(PYTHON): the vLLM backend's CUDA tests were not run"; fi; \
 	exit $$status
 
 vllm-venv: $(VLLM_STAMP)

@@ -268,7 +268,7 @@ def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict]
 
 
 # (loss/, val/, objective/, policy/: PPO's curves, for scripts/bench_ppo.py)
-_HISTORY_PREFIXES = ("rollout/", "drafter/", "strategy/", "sampling/", "reward", "loss/", "val/", "objective/",
+_HISTORY_PREFIXES = ("rollout/", "drafter/", "strategy/", "sampling/", "vllm/", "reward", "loss/", "val/", "objective/",
                      "policy/")
 
 

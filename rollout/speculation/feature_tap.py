@@ -8,7 +8,7 @@ only inside `capture()` and only in forwards run without grad (a training forwar
 thing). With `on_forward`, each forward's states are handed over as soon as its final norm ran and
 not kept, so a pass chunked by rows holds one chunk's states at a time, as the forward itself does.
 `samples()` turns them into exactly what the engine banks when it finishes a sample
-(Eagle3Drafter.finish, docs/drafter_training.md#data):
+(Eagle3Drafter.finish, docs/drafter_training.md#data-featurebuffer):
   feats  [n, 3H]  the drafter's dtype, positions 0..n-1, n = prompt + completion - 1 (the last token
                   was sampled but never fed: the engine's cache_len at finish);
   tokens          the n + 1 tokens;

@@ -1,7 +1,7 @@
 """DrafterIntake: where a learned drafter's training samples go, whoever computes them.
 
 Two producers can fill a drafter trainer's buffer with the same samples (target features [n, 3H],
-tokens, top-k next-token laws, policy version, temperature; docs/drafter_training.md#data):
+tokens, top-k next-token laws, policy version, temperature; docs/drafter_training.md#data-featurebuffer):
 - the engine alone (scripts, warm start, a run without a trainer): Eagle3Drafter.finish banks every
   finished sample from the features it staged while decoding;
 - a trainer, which runs the policy over every rollout anyway (its no-grad old-logprob forward):

@@ -90,8 +90,7 @@ class VLLMBackend:
         if tokenizer is not None:
             tokenizer.save_pretrained(self._dir / "policy")
         self.eos_token_ids = set(resolve_eos(policy, tokenizer))
-        if on_cpu:
-            cpu_fixes.apply()  # vLLM's CPU build samples drafted positions at garbage temperatures (cpu_fixes.py)
+        cpu_fixes.apply()  # vLLM's CPU build samples drafted positions at garbage temperatures (cpu_fixes.py)
         self.host = DrafterHost.build(policy, self.spec)
         # selector fixed: vLLM starts with up to num_draft_tokens at every batch size; the table from its own
         # measured step costs replaces it once it runs (below), and follows the measured acceptance
