@@ -133,6 +133,28 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
 
         trainer = spec.attach_trainer(DrafterTrainer(spec.learned, publish_every=10**9, **trainer_kwargs))
     from rollout.speculation.selectors.base import OFF
+
+    def collect(batch, params):
+        with spec.forced(OFF):  # collect plainly (a cold drafter only costs time); features are still captured
+            engine.generate(batch, params)
+
+    result = train_rounds(collect, trainer, prompts, key, out, budget_s=budget_s, max_steps=max_steps, group=group,
+                          prompts_per_round=prompts_per_round, steps_per_round=steps_per_round,
+                          max_new_tokens=max_new_tokens, temperature=temperature, use_tqdm=use_tqdm)
+    if result.steps > 0:  # the trainer's weights, in-thread or from its process (export reads either)
+        engine.export_drafter(str(out), metadata={"warm_start": asdict(result), "cache_key": key, "tag": tag})
+    if own_trainer:  # no online training follows: keep the weights, stop staging data nobody trains on
+        spec.detach_trainer()
+    return result
+
+
+def train_rounds(collect, trainer, prompts: list[list[int]], key: str, out: Path, *, budget_s: float | None,
+                 max_steps: int | None, group: int, prompts_per_round: int, steps_per_round: int, max_new_tokens: int,
+                 temperature: float, use_tqdm: bool) -> WarmStartResult:
+    """The warm-up loop of every backend: rounds of collect(batch, params) (the target's rollouts of the next
+    prompts_per_round prompts, whose features reach `trainer`: the engine banks them, the vLLM backend feeds
+    the policy's pass), then up to steps_per_round optimizer steps, until budget_s or max_steps is spent; a
+    round that started collecting finishes. Publishes the weights and says what the warm-up did."""
     from rollout.types import SamplingParams
 
     t0, steps0, rnd = time.perf_counter(), trainer.stats.steps, 0
@@ -142,9 +164,7 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
     while left_s() > 0 and left_steps() > 0 and prompts:
         batch = [prompts[(rnd * prompts_per_round + i) % len(prompts)] for i in range(min(prompts_per_round,
                                                                                           len(prompts)))]
-        with spec.forced(OFF):  # collect plainly (a cold drafter only costs time); features are still captured
-            engine.generate(batch, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=group,
-                                                  seed=rnd))
+        collect(batch, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=group, seed=rnd))
         _tick(bar, t0, budget_s, trainer.stats.loss, step=False)
         for _ in range(min(steps_per_round, left_steps())):
             if left_s() <= 0:
@@ -155,15 +175,9 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
     if bar is not None:
         bar.close()
     trainer.publish()
-    steps = trainer.stats.steps - steps0
-    tokens = int(trainer.metrics(0).get("drafter/buffer_tokens", 0))
-    result = WarmStartResult(key, str(out), cached=False, steps=steps, seconds=time.perf_counter() - t0,
-                             tokens=tokens, loss=float(trainer.stats.loss))
-    if steps > 0:  # the trainer's weights, in-thread or from its process (export reads either)
-        engine.export_drafter(str(out), metadata={"warm_start": asdict(result), "cache_key": key, "tag": tag})
-    if own_trainer:  # no online training follows: keep the weights, stop staging data nobody trains on
-        spec.detach_trainer()
-    return result
+    return WarmStartResult(key, str(out), cached=False, steps=trainer.stats.steps - steps0,
+                           seconds=time.perf_counter() - t0,
+                           tokens=int(trainer.metrics(0).get("drafter/buffer_tokens", 0)), loss=float(trainer.stats.loss))
 
 
 def _bar(budget_s, max_steps, use_tqdm):

@@ -12,7 +12,6 @@ over the policy's own tensors (shared storage, not a copy), the same view a trai
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from rollout.speculation.intake import TrainerIntake
-from rollout.types import SamplingParams, SpecConfig
+from rollout.types import SpecConfig
 
 
 def target_view(policy: torch.nn.Module):
@@ -101,7 +100,7 @@ class DrafterHost:
         weights). With online training the online trainer keeps the data; otherwise a
         DrafterTrainer(**trainer_kwargs) lives for the warm-up only."""
         from rollout.speculation.feature_tap import feed_results
-        from rollout.speculation.warm_start import WarmStartResult, _bar, _tick, cache_dir, cache_key
+        from rollout.speculation.warm_start import WarmStartResult, cache_dir, cache_key, train_rounds
 
         key = cache_key(policy, self.drafter.model.cfg, tag="hf")  # an HF model's names: not the engine's key
         out = cache_dir(root) / key
@@ -109,28 +108,15 @@ class DrafterHost:
             return WarmStartResult(key, str(out), cached=True)
         trainer = self.trainer or self._own_trainer(**trainer_kwargs)
         intake = TrainerIntake(lambda: trainer, self.drafter.aux_layers, self._dtype())
-        t0, steps0, rnd, bar = time.perf_counter(), trainer.stats.steps, 0, _bar(budget_s, None, use_tqdm)
-        left = lambda: max_steps is None or trainer.stats.steps - steps0 < max_steps  # noqa: E731
-        while time.perf_counter() - t0 < budget_s and left() and prompts:
-            batch = [prompts[(rnd * prompts_per_round + i) % len(prompts)] for i in range(min(prompts_per_round,
-                                                                                              len(prompts)))]
-            params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, n=group, seed=rnd)
+
+        def collect(batch, params):  # vLLM samples, the policy's pass feeds the drafter
             feed_results(policy, intake, generate(batch, params), params, policy_version=0)
-            for _ in range(steps_per_round):
-                if time.perf_counter() - t0 >= budget_s or not left():
-                    break
-                trainer.train_steps(1)
-                _tick(bar, t0, budget_s, trainer.stats.loss)
-            rnd += 1
-        if bar is not None:
-            bar.close()
-        trainer.publish()
+
+        result = train_rounds(collect, trainer, prompts, key, str(out), budget_s=budget_s, max_steps=max_steps,
+                              group=group, prompts_per_round=prompts_per_round, steps_per_round=steps_per_round,
+                              max_new_tokens=max_new_tokens, temperature=temperature, use_tqdm=use_tqdm)
         self._take(trainer)
-        steps = trainer.stats.steps - steps0
-        result = WarmStartResult(key, str(out), cached=False, steps=steps, seconds=time.perf_counter() - t0,
-                                 tokens=int(trainer.metrics(0).get("drafter/buffer_tokens", 0)),
-                                 loss=float(trainer.stats.loss))
-        if steps > 0:
+        if result.steps > 0:
             self.export(out, {"warm_start": asdict(result), "cache_key": key})
         return result
 
