@@ -8,6 +8,7 @@ accepted counts and the number of verifies that stopped on a rejection.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -23,6 +24,20 @@ def bucket(batch: int) -> int:
     while b < batch:
         b *= 2
     return b
+
+
+def buckets(max_batch: int) -> list[int]:
+    """The buckets 1, 2, 4, ... up to max_batch (what calibration times)."""
+    out, b = [], 1
+    while b <= max_batch:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def nearest_bucket(known, b: int) -> int:
+    """The bucket of `known` closest to b in log2 distance (an unmeasured bucket borrows its figures)."""
+    return min(known, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
 
 
 @dataclass
@@ -55,6 +70,10 @@ class CostModel:
     def load_state_dict(self, state: dict) -> None:
         self.table = {(int(b), int(t)): float(s) for b, t, s in state["table"]}
 
+    def measured_buckets(self) -> list[int]:
+        """The buckets the table has any entry for, ascending."""
+        return sorted({b for b, _ in self.table})
+
     def relative(self, batch: int, T: int) -> float | None:
         """cost(B, T) / cost(B, 1): how many plain decode steps one verify of T tokens costs."""
         c1, ct = self.cost(batch, 1), self.cost(batch, T)
@@ -71,10 +90,8 @@ class CostModel:
         every size of a bandit's arm set at every bucket took ~17 s per engine on 2 CPU cores."""
         sizes = sorted(set(Ts))
         anchors = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
-        b = 1
-        while b <= max_batch:
+        for b in buckets(max_batch):
             if b in skip:
-                b *= 2
                 continue
             start = torch.full((b,), context, dtype=torch.long)
             runner.step(torch.zeros(b, anchors[-1], dtype=torch.long), start)  # warm-up: the bucket's shapes
@@ -84,7 +101,6 @@ class CostModel:
                 for _ in range(repeats):
                     runner.step(tokens, start)
                 self.table[(b, T)] = (time.perf_counter() - t0) / repeats
-            b *= 2
 
 
 @dataclass

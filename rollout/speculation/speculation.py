@@ -23,6 +23,7 @@ import torch
 
 from rollout.speculation.calibration_cache import calibration_key, load_table, save_table
 from rollout.speculation.checkpoint import mismatch
+from rollout.speculation.cost_model import buckets
 from rollout.speculation.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
 from rollout.registry import DRAFTERS, SELECTORS
 from rollout.speculation.selectors.base import OFF, Arm, Selector, arm_key, arm_of
@@ -235,7 +236,7 @@ class Speculation:
         cached = load_table(key)
         costs.table.update({k: s for k, s in cached.items() if k[0] <= rows})
         have = {b for b, _ in costs.table}
-        if any(b not in have for b in _buckets(rows)):
+        if any(b not in have for b in buckets(rows)):
             costs.calibrate(runner, rows, sizes, context=ctx, skip=tuple(have))
             save_table(key, {**cached, **costs.table})
 
@@ -366,15 +367,6 @@ def _selector_misfits(saved: dict | None, here: dict | None, fix: str) -> list[s
         a, b = [x for x in a if x not in b], [x for x in b if x not in a]
     return [mismatch(f"{here['kind']} selector arms (only in each)", a, b,
                      fix + ": drafter, num_draft_tokens, tree_width")]
-
-
-def _buckets(rows: int) -> list[int]:
-    """The batch buckets calibration covers: 1, 2, 4, ... up to rows."""
-    out, b = [], 1
-    while b <= rows:
-        out.append(b)
-        b *= 2
-    return out
 
 
 def _state_of(obj):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from rollout.speculation.cost_model import bucket
+from rollout.speculation.cost_model import buckets
 from rollout.vllm_backend.depth import PRIOR_ACCEPTANCE, depth_table_from_costs
 from rollout.vllm_backend.spec_map import DepthTable
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -89,7 +89,7 @@ def measure(llm, max_batch: int, depths: list[int], prompt: list[int], lengths: 
     depth in `depths` (0 included). See the module docstring."""
     from vllm import SamplingParams
 
-    batches = sorted({bucket(b) for b in range(1, max_batch + 1) if bucket(b) <= max_batch} | {max_batch})
+    batches = sorted(set(buckets(max_batch)) | {max_batch})
     table: dict[tuple[int, int], float] = {}
     for depth in sorted(set(depths) | {0}):
         with forced_depth(llm, depth):

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket
+from rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket, nearest_bucket
 from rollout.speculation.selectors.bandit_state import AcceptanceBook, ArmStat, BucketState, bandit_state, \
     load_bandit_state
 from rollout.speculation.selectors.base import OFF, SELECTORS, Arm
@@ -109,11 +109,6 @@ def path_evidence(arm: Arm, drafted: list[int], accepted: list[int]) -> tuple[fl
         a_tok = 1 - (1 - acc / m) ** (1 / arm.width)
         acc, rej = m * a_tok, m * (1 - a_tok)
     return acc, rej
-
-
-def _nearest(buckets, b: int) -> int:
-    """The bucket of `buckets` closest to b in log2 distance."""
-    return min(buckets, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
 
 
 @dataclass
@@ -287,7 +282,7 @@ class AdaptiveSelector:
 
     def _best_gain(self, drafter: str) -> float:
         """The drafter's highest prior (no bias) over the calibrated buckets (bucket 1 when none is)."""
-        known = sorted({bb for bb, _ in self.costs.table}) or [1]
+        known = self.costs.measured_buckets() or [1]
         arms = [a for a in self.arms if a.drafter == drafter]
         return max((self._prior(a, bb) for bb in known for a in arms), default=0.0)
 
@@ -297,10 +292,10 @@ class AdaptiveSelector:
         rel = self.costs.relative(b, T)
         if rel is not None:
             return rel
-        known = {bb for bb, _ in self.costs.table}
+        known = self.costs.measured_buckets()
         if not known:
             return 1.0
-        return self.costs.relative(_nearest(known, b), T) or 1.0
+        return self.costs.relative(nearest_bucket(known, b), T) or 1.0
 
     def _draft_relative(self, arm: Arm, b: int) -> float:
         """Drafting time in plain decode steps. A bucket where this drafter has not drafted yet
@@ -315,7 +310,7 @@ class AdaptiveSelector:
             seen = [bb for d, bb in self.draft_level if d == arm.drafter]
             if not seen:
                 return 0.0
-            level = self.draft_level[(arm.drafter, _nearest(seen, b))]
+            level = self.draft_level[(arm.drafter, nearest_bucket(seen, b))]
         return level * arm.depth / plain
 
     def _bias(self, st: BucketState, arm: Arm) -> float:

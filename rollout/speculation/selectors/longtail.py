@@ -11,10 +11,9 @@ call's regret against the best fixed depth or OFF (selectors/regret.py).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket
+from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket, nearest_bucket
 from rollout.speculation.selectors.base import OFF, Arm, SELECTORS, check_selector_state
 from rollout.speculation.selectors.gate import LearnedGate
 from rollout.speculation.selectors.regret import RegretLedger
@@ -118,7 +117,7 @@ class LongTailSelector:
         learned drafter's gate open on them after its measured acceptance had fallen."""
         if b in self.draft_seconds or not self.draft_seconds:
             return self.draft_seconds.get(b, 0.0)
-        return self.draft_seconds[min(self.draft_seconds, key=lambda bb: abs(math.log2(bb) - math.log2(b)))]
+        return self.draft_seconds[nearest_bucket(self.draft_seconds, b)]
 
     def choose(self, batch: int) -> Arm:
         self.steps += 1
@@ -149,7 +148,7 @@ class LongTailSelector:
         calibrated buckets (bucket 1 when none is) exceeds 1.05 on evidence."""
         if self.gate is None:
             return True
-        known = sorted({b for b, _ in self.costs.table}) or [1]
+        known = self.costs.measured_buckets() or [1]
         return self.gate.check(self.steps, lambda: max(self.gain(b, d) for b in known for d in self.depths()))
 
 
