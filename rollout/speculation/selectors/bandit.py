@@ -47,7 +47,7 @@ from rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker,
 from rollout.speculation.selectors.bandit_state import AcceptanceBook, ArmStat, BucketState, bandit_state, \
     load_bandit_state
 from rollout.speculation.selectors.base import OFF, SELECTORS, Arm
-from rollout.speculation.selectors.gate import make_gates
+from rollout.speculation.selectors.gate import acceptance_tracker, make_gates
 from rollout.speculation.selectors.regret import RegretLedger
 
 FRESH_DECAY = 0.5  # the change detector looks at the last ~2 uses of a drafter
@@ -161,7 +161,7 @@ class AdaptiveSelector:
         if keep > 0:
             self._trackers[drafter].fade(keep)
             return
-        self._trackers[drafter] = self._fresh_tracker(drafter)
+        self._trackers[drafter] = acceptance_tracker(self.gates.get(drafter))
         self._forget(drafter)
 
     def admit(self, drafter: str, rate: float | None = None) -> None:
@@ -170,9 +170,7 @@ class AdaptiveSelector:
         gate = self.gates.get(drafter)
         if gate is None:
             return
-        gate.admit(rate)
-        tr = self._trackers[drafter]
-        tr.prior_accepts, tr.prior_rejects = gate.prior() or (1.0, 1.0)
+        gate.admit(rate, self._trackers[drafter])
 
     def begin_call(self) -> None:
         """A generate call starts: strategy/regret covers its steps only."""
@@ -264,11 +262,6 @@ class AdaptiveSelector:
             return 1.0
         tokens = expected_tokens(arm, self._trackers[arm.drafter], rate)
         return tokens / (self._relative(b, 1 + arm.nodes) + self._draft_relative(arm, b))
-
-    def _fresh_tracker(self, drafter: str) -> AcceptanceTracker:
-        """A new tracker; a gated drafter's starts from its trainer's estimate when there is one."""
-        prior = self.gates[drafter].prior() if drafter in self.gates else None
-        return AcceptanceTracker(*prior) if prior else AcceptanceTracker()
 
     def _check_gates(self) -> list[Arm]:
         """The arms that may be played now: a gated drafter's only while its gate is open."""

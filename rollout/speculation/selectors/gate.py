@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from rollout.speculation.cost_model import AcceptanceTracker
+
 GATE_MARGIN = 0.05  # as the long-tail selector's hysteresis: break-even is no reason to draft
 GATE_TRIALS = 16.0  # measured per-token trials after which the engine's acceptance decides
 ESTIMATE_WEIGHT = 4.0  # the trainer's estimate counts as this many trials in the tracker's prior
@@ -42,14 +44,18 @@ class LearnedGate:
     def has_evidence(self) -> bool:
         return self.trusted or self.estimate is not None or self.measured >= GATE_TRIALS
 
-    def admit(self, rate: float | None) -> None:
-        """New weights judged by the trainer (rate), or weights from elsewhere (None: trusted)."""
+    def admit(self, rate: float | None, tracker: AcceptanceTracker | None = None) -> None:
+        """New weights judged by the trainer (rate), or weights from elsewhere (None: trusted); the
+        drafter's `tracker` takes the prior that evidence gives (acceptance_tracker)."""
         if rate is None:
             self.trusted, self.estimate = True, None
         else:
             self.estimate = min(max(float(rate), 0.0), 1.0)
         self.measured = 0.0
         self.checked_at = -RECHECK_EVERY  # check at the next step
+        if tracker is not None:
+            fresh = acceptance_tracker(self)
+            tracker.prior_accepts, tracker.prior_rejects = fresh.prior_accepts, fresh.prior_rejects
 
     def observed(self, trials: float) -> None:
         """The engine measured `trials` per-token accepts + rejects of this drafter."""
@@ -84,6 +90,13 @@ class LearnedGate:
         self.trusted, self.open = bool(state["trusted"]), bool(state["open"])
         self.estimate = None if state["estimate"] is None else float(state["estimate"])
         self.measured, self.checked_at = float(state["measured"]), int(state["checked_at"])
+
+
+def acceptance_tracker(gate: LearnedGate | None) -> AcceptanceTracker:
+    """A fresh tracker for a drafter: its prior the trainer's estimate when its gate has one, else the
+    tracker's usual a = 0.5."""
+    prior = gate.prior() if gate is not None else None
+    return AcceptanceTracker(*prior) if prior else AcceptanceTracker()
 
 
 def make_gates(learned: tuple[str, ...], trusted: bool) -> dict[str, LearnedGate]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket, nearest_bucket
 from rollout.speculation.selectors.base import OFF, Arm, SELECTORS, check_selector_state
-from rollout.speculation.selectors.gate import LearnedGate
+from rollout.speculation.selectors.gate import LearnedGate, acceptance_tracker
 from rollout.speculation.selectors.regret import RegretLedger
 
 HYSTERESIS = 0.05  # speculation turns on above 1.05x estimated gain, off below 0.95x
@@ -56,15 +56,13 @@ class LongTailSelector:
         if keep > 0:
             self.acceptance.fade(keep)
         else:
-            prior = self.gate.prior() if self.gate is not None else None
-            self.acceptance = AcceptanceTracker(*prior) if prior else AcceptanceTracker()
+            self.acceptance = acceptance_tracker(self.gate)
 
     def admit(self, drafter: str, rate: float | None = None) -> None:
         """Evidence for the learned drafter's gate (AdaptiveSelector.admit)."""
         if self.gate is None or drafter != self.drafter:
             return
-        self.gate.admit(rate)
-        self.acceptance.prior_accepts, self.acceptance.prior_rejects = self.gate.prior() or (1.0, 1.0)
+        self.gate.admit(rate, self.acceptance)
 
     def begin_call(self) -> None:
         self.ledger.clear()
