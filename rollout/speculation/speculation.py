@@ -253,11 +253,9 @@ class Speculation:
         EAGLE-3 format vLLM and SGLang load."""
         if self.learned is None:
             raise ValueError("this engine has no learned drafter to export; use drafter='eagle3' or 'auto'")
-        from rollout.speculation.drafters.eagle3_io import save_eagle3
+        from rollout.speculation.drafters.eagle3_io import save_learned
 
-        model = self.trainer.model if self.trainer is not None else self.learned.network()  # float32 master
-        meta = {"train_steps": self.trainer.stats.steps if self.trainer is not None else 0, **(metadata or {})}
-        return save_eagle3(model, target_hf_config, path, metadata=meta)
+        return save_learned(self.learned, self.trainer, target_hf_config, path, metadata)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -84,18 +84,23 @@ def cache_key(target: torch.nn.Module, drafter_cfg, tag: str | None = None, samp
 def load_cached(engine, path: str | os.PathLike) -> bool:
     """Install the drafter saved at `path` into the engine (its trainer too, so online training goes
     on from it); False when there is no readable drafter there."""
+    spec = engine.speculation
+    return spec.learned is not None and install_drafter(spec.learned, spec.trainer, path)
+
+
+def install_drafter(drafter, trainer, path: str | os.PathLike) -> bool:
+    """The EAGLE-3 directory at `path` as `drafter`'s weights (through `trainer` when one trains it, which
+    publishes them: the drafter swaps them in at its next proposal); False when there is no readable
+    drafter of the same shape there."""
     from rollout.speculation.drafters.eagle3_io import load_eagle3
 
     try:
         model = load_eagle3(str(path))
     except (FileNotFoundError, ValueError):
         return False
-    spec = engine.speculation
-    drafter = spec.learned
-    if drafter is None or model.cfg != drafter.model.cfg:
+    if model.cfg != drafter.model.cfg:
         return False
-    trainer = spec.trainer
-    if trainer is not None:  # the trainer publishes it; the drafter swaps it in at its next proposal
+    if trainer is not None:
         trainer.load_weights(model.state_dict())
     else:
         drafter.model.load_state_dict(model.state_dict())

@@ -79,11 +79,9 @@ class DrafterHost:
         return list(drafter_tensors(self.drafter.network(), torch.float32).items())
 
     def export(self, path: str | Path, metadata: dict | None = None) -> str:
-        from rollout.speculation.drafters.eagle3_io import save_eagle3
+        from rollout.speculation.drafters.eagle3_io import save_learned
 
-        model = self.trainer.model if self.trainer is not None else self.drafter.network()  # float32 master
-        meta = {"train_steps": self.trainer.stats.steps if self.trainer is not None else 0, **(metadata or {})}
-        return save_eagle3(model, self.drafter.target.cfg.hf_config, str(path), metadata=meta)
+        return save_learned(self.drafter, self.trainer, self.drafter.target.cfg.hf_config, str(path), metadata)
 
     def metrics(self, policy_version: int) -> dict[str, float]:
         return self.trainer.metrics(policy_version) if self.trainer is not None else {}
@@ -135,20 +133,12 @@ class DrafterHost:
 
     def _load(self, path: Path) -> bool:
         """Install a cached drafter (the online trainer too, which publishes it); False if unreadable."""
-        from rollout.speculation.drafters.eagle3_io import load_eagle3
+        from rollout.speculation.warm_start import install_drafter
 
-        try:
-            model = load_eagle3(str(path))
-        except (FileNotFoundError, ValueError):
-            return False
-        if model.cfg != self.drafter.model.cfg:
+        if not install_drafter(self.drafter, self.trainer, path):
             return False
         if self.trainer is not None:
-            self.trainer.load_weights(model.state_dict())
             self.drafter.swap_latest()
-        else:
-            self.drafter.model.load_state_dict(model.state_dict())
-            self.drafter.version += 1
         return True
 
     def close(self) -> None:

@@ -82,6 +82,14 @@ def expected_shapes(c: Eagle3Config) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------------------- save
 
+def save_learned(drafter, trainer, target_hf_config: Any, out_dir: str, metadata: dict | None = None) -> str:
+    """save_eagle3 of a learned drafter as it stands: the trainer's float32 master weights when one trains
+    it (else the drafter's own), its optimizer steps in the metadata."""
+    model = trainer.model if trainer is not None else drafter.network()
+    meta = {"train_steps": trainer.stats.steps if trainer is not None else 0, **(metadata or {})}
+    return save_eagle3(model, target_hf_config, out_dir, metadata=meta)
+
+
 def save_eagle3(model: Eagle3Model, target_hf_config: Any, out_dir: str,
                 dtype: torch.dtype | str = torch.bfloat16, metadata: dict | None = None) -> str:
     """Write `model` as an EAGLE-3 directory at `out_dir` (atomically) and return its path.
