@@ -38,6 +38,17 @@ class Dist:
     has: torch.Tensor
 
 
+def law_top_k(logits: torch.Tensor, params, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids int32, probs, rest) [.., k]: the top-k of the processed next-token law a drafter trains toward,
+    the call's processing of `logits` (temperature, top-k, top-p, min-p; softmax at temperature 1 for a
+    greedy call or params None), and the mass outside it. Both producers stage it (Eagle3Drafter, FeatureTap)."""
+    from rollout.runtime.sampling import probs_from_logits
+
+    probs = torch.softmax(logits, -1) if params is None or params.greedy else probs_from_logits(logits, params)
+    top = probs.topk(k, -1)
+    return top.indices.to(torch.int32), top.values, (1.0 - top.values.sum(-1)).clamp(min=0.0)
+
+
 @dataclass
 class Batch:
     """Training windows. feats [B, W, 3H], next_tokens [B, W] (token t+1 at t), valid [B, W] bool,

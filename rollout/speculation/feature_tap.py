@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.speculation.feature_buffer import Dist
+from rollout.speculation.feature_buffer import Dist, law_top_k
 from rollout.types import RolloutResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -127,16 +127,11 @@ class FeatureTap:
 
     def _dist(self, normed: torch.Tensor, n: int, P: int, k: int, params: SamplingParams) -> Dist:
         """Top-k of the processed law at positions P..n-1 (normed [n - P, H]); zeros elsewhere."""
-        from rollout.runtime.sampling import probs_from_logits
-
-        logits = self.logits(normed)
-        probs = torch.softmax(logits, -1) if params.greedy else probs_from_logits(logits, params)
-        top = probs.topk(k, -1)
+        ids, probs, rest = law_top_k(self.logits(normed), params, k)
         dev = probs.device
         dist = Dist(torch.zeros(n, k, dtype=torch.int32, device=dev), torch.zeros(n, k, dtype=torch.float16, device=dev),
                     torch.zeros(n, dtype=torch.float16, device=dev), torch.zeros(n, dtype=torch.bool, device=dev))
-        dist.ids[P:], dist.probs[P:] = top.indices.to(torch.int32), top.values.to(torch.float16)
-        dist.rest[P:] = (1.0 - top.values.sum(-1)).clamp(min=0.0).to(torch.float16)
+        dist.ids[P:], dist.probs[P:], dist.rest[P:] = ids, probs.to(torch.float16), rest.to(torch.float16)
         dist.has[P:] = True
         return dist
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from rollout.speculation.drafters.base import DRAFTERS, Draft
 from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement
-from rollout.speculation.feature_buffer import Dist
+from rollout.speculation.feature_buffer import Dist, law_top_k
 from rollout.runtime.sequence import Sequence
 
 
@@ -176,13 +176,11 @@ class Eagle3Drafter:
         rows, cols = kept.nonzero(as_tuple=True)  # only the kept nodes: ~2 per row
         slots = slots[rows, cols]  # [K]
         sel = logits[rows.to(logits.device), nodes[rows, cols].to(logits.device)]  # [K, V]
-        probs = torch.softmax(sel, -1) if self.params is None or self.params.greedy \
-            else probs_from_logits(sel, self.params)
-        top = probs.topk(cache.side["eagle3/dist_ids"].shape[-1], -1)
+        ids, probs, rest = law_top_k(sel, self.params, cache.side["eagle3/dist_ids"].shape[-1])
         slots = slots.to(probs.device)
-        cache.write_side("eagle3/dist_ids", slots, top.indices.to(torch.int32))
-        cache.write_side("eagle3/dist_probs", slots, top.values)
-        cache.write_side("eagle3/dist_rest", slots, (1.0 - top.values.sum(-1)).clamp(min=0.0))
+        cache.write_side("eagle3/dist_ids", slots, ids)
+        cache.write_side("eagle3/dist_probs", slots, probs)
+        cache.write_side("eagle3/dist_rest", slots, rest)
         cache.write_side("eagle3/dist_has", slots, torch.ones(slots.shape, dtype=torch.bool, device=slots.device))
 
     def evict(self, seq: Sequence) -> None:
