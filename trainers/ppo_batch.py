@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rollout.padding import pad_rollouts
 from rollout.types import RolloutResult
 
 
@@ -51,18 +52,11 @@ class Experience(RolloutBatch):
 
 def pad_results(results: list[RolloutResult], pad_token_id: int, device) -> RolloutBatch:
     """Left-pad prompts and right-pad completions so every completion starts at the same column."""
-    P = max(len(r.prompt_ids) for r in results)
-    T = max(1, max(len(r.completion_ids) for r in results))
-    B = len(results)
-    input_ids = torch.full((B, P + T), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
-    engine_logprobs = torch.zeros((B, T))
-    for i, r in enumerate(results):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        input_ids[i, P - p:P] = torch.tensor(r.prompt_ids)
-        input_ids[i, P:P + c] = torch.tensor(r.completion_ids, dtype=torch.long)
-        attention_mask[i, P - p:P + c] = 1
-        engine_logprobs[i, :c] = torch.tensor(r.sampling_logprobs())  # behaviour logprobs: lossy tokens included
+    input_ids, attention_mask, T = pad_rollouts(results, pad_token_id)
+    P = input_ids.shape[1] - T
+    engine_logprobs = torch.zeros((len(results), T))
+    for i, r in enumerate(results):  # behaviour logprobs: lossy tokens included
+        engine_logprobs[i, :len(r.completion_ids)] = torch.tensor(r.sampling_logprobs())
     batch = RolloutBatch(
         input_ids=input_ids, attention_mask=attention_mask, completion_ids=input_ids[:, P:],
         mask=attention_mask[:, P:].float(), engine_logprobs=engine_logprobs,

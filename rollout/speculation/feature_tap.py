@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.speculation.feature_buffer import Dist, law_top_k
+from rollout.padding import pad_rollouts
 from rollout.types import RolloutResult, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -186,17 +187,3 @@ def feed_results(policy: torch.nn.Module, intake, results: list[RolloutResult], 
             tap.backbone(input_ids=ids[lo:lo + rows_per_forward], attention_mask=mask[lo:lo + rows_per_forward])
     tap.release()
     return feeder.fed
-
-
-def pad_rollouts(results: list[RolloutResult], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(input_ids, attention_mask [B, P + C], C): prompts left-padded, completions right-padded."""
-    P = max(len(r.prompt_ids) for r in results)
-    C = max(1, max(len(r.completion_ids) for r in results))
-    ids = torch.full((len(results), P + C), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(results):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        ids[i, P - p:P] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        ids[i, P:P + c] = torch.tensor(list(r.completion_ids), dtype=torch.long)
-        mask[i, P - p:P + c] = 1
-    return ids, mask, C

@@ -12,7 +12,8 @@ import torch
 from rollout.engine import RolloutEngine
 from rollout.runtime.model import loader
 from rollout.speculation.feature_buffer import Dist
-from rollout.speculation.feature_tap import FeatureTap, feed_pass, feed_results, pad_rollouts
+from rollout.padding import pad_rollouts
+from rollout.speculation.feature_tap import FeatureTap, feed_pass, feed_results
 from rollout.speculation.intake import TrainerIntake
 from rollout.speculation.selectors.longtail import Arm
 from rollout.types import SamplingParams, SpecConfig
