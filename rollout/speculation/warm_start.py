@@ -180,9 +180,9 @@ def train_rounds(collect, trainer, prompts: list[list[int]], key: str, out: Path
     if bar is not None:
         bar.close()
     trainer.publish()
+    tokens = int(trainer.metrics(0).get("drafter/buffer_tokens", 0))
     return WarmStartResult(key, str(out), cached=False, steps=trainer.stats.steps - steps0,
-                           seconds=time.perf_counter() - t0,
-                           tokens=int(trainer.metrics(0).get("drafter/buffer_tokens", 0)), loss=float(trainer.stats.loss))
+                           seconds=time.perf_counter() - t0, tokens=tokens, loss=float(trainer.stats.loss))
 
 
 def _bar(budget_s, max_steps, use_tqdm):

@@ -114,7 +114,7 @@ class VLLMBackend:
         if fixed:
             probe = [i % policy.config.get_text_config().vocab_size for i in range(1, 17)]
             self.costs = step_costs.measure(self.llm, max_num_seqs, depths(k), probe)
-            self._retable(step_costs.counters(self.llm), force=True)
+            self._retable(weights.spec_counters(self.llm), force=True)
         self._metrics = RolloutMetrics()
         self._spec_counters = weights.spec_counters(self.llm)
 
@@ -140,7 +140,7 @@ class VLLMBackend:
                    for k, (r, o) in enumerate(zip(requests, outs))]
         self._record(results, time.perf_counter() - t0)
         if self.depth_table is not None:
-            self._retable(step_costs.counters(self.llm))
+            self._retable(weights.spec_counters(self.llm))
         return results
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -166,7 +166,7 @@ class VLLMBackend:
             # counted enough of its drafts; a table of zeros would otherwise never draft again to find out
             est = self.host.metrics(self.policy_version).get("drafter/est_accept", float("nan"))
             self.acceptance = est if math.isfinite(est) else None
-            self._retable(step_costs.counters(self.llm), force=True)
+            self._retable(weights.spec_counters(self.llm), force=True)
         return True
 
     def _retable(self, now: dict, force: bool = False) -> None:

@@ -8,7 +8,8 @@ float32 temperatures the target's logits are divided by are whatever memory `new
 input is truncated to an integer on the way too, T = 0.7 -> 0). So vLLM's target probabilities at
 the drafted positions are garbage: drafts are almost never accepted at T > 0 (accepted length 1.05 vs
 rlspec's 1.75 on the same EAGLE-3 export at T = 1) and the processed logprobs there are wrong or NaN.
-Greedy requests skip the expansion, which is why T = 0 was fine. Reproduction: docs/vllm_backend.md#acceptance-at-the-temperatures-rl-samples-at.
+Greedy requests skip the expansion, which is why T = 0 was fine.
+Reproduction: docs/vllm_backend.md#acceptance-at-the-temperatures-rl-samples-at.
 
 The fix: `expand_batch_to_tokens` (looked up by name when vLLM processes the target's logits) becomes a
 plain torch function with the same contract. vLLM's CUDA build runs the Triton kernel and is left alone.

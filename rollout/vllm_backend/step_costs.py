@@ -26,8 +26,7 @@ from contextlib import contextmanager
 from rollout.speculation.cost_model import buckets
 from rollout.vllm_backend.depth import PRIOR_ACCEPTANCE, depth_table_from_costs
 from rollout.vllm_backend.spec_map import DepthTable
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-DRAFTS = "vllm:spec_decode_num_drafts"
+from rollout.vllm_backend.weights import spec_counters
 
 
 def scheduler(llm):
@@ -61,20 +60,8 @@ def forced_depth(llm, depth: int):
         sched.dynamic_sd_lookup = saved
 
 
-def counters(llm) -> dict:
-    """drafts so far and accepted drafts per position (cumulative since vLLM started)."""
-    out = {"drafts": 0.0, "per_pos": []}
-    for m in llm.get_metrics():
-        if m.name == DRAFTS and hasattr(m, "value"):
-            out["drafts"] += float(m.value)
-        elif m.name == PER_POS and hasattr(m, "values"):
-            vals = [float(v) for v in m.values]
-            out["per_pos"] = [a + b for a, b in zip(vals, out["per_pos"] + [0.0] * len(vals))]
-    return out
-
-
 def acceptance(before: dict, after: dict) -> tuple[float | None, float]:
-    """(per-token acceptance a, drafts it rests on) between two counters() readings; a is None
+    """(per-token acceptance a, drafts it rests on) between two weights.spec_counters() readings; a is None
     without drafts."""
     drafts = after["drafts"] - before["drafts"]
     if drafts <= 0 or not after["per_pos"]:
@@ -97,11 +84,11 @@ def measure(llm, max_batch: int, depths: list[int], prompt: list[int], lengths: 
                 points = []
                 for m in lengths:
                     params = SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, seed=m, detokenize=False)
-                    before = counters(llm)
+                    before = spec_counters(llm)
                     t0 = time.perf_counter()
                     llm.generate([{"prompt_token_ids": list(prompt)}] * b, [params] * b, use_tqdm=False)
                     wall = time.perf_counter() - t0
-                    drafts = counters(llm)["drafts"] - before["drafts"]
+                    drafts = spec_counters(llm)["drafts"] - before["drafts"]
                     points.append((wall, drafts / b if depth > 0 else m - 1))
                 (w1, s1), (w2, s2) = points
                 table[(b, depth)] = max(w2 - w1, 1e-6) / max(s2 - s1, 1e-6)

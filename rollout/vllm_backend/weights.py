@@ -13,6 +13,7 @@ from __future__ import annotations
 # vLLM's Prometheus-style counters for speculation (cumulative since the engine started)
 COUNTERS = {"drafts": "vllm:spec_decode_num_drafts", "draft_tokens": "vllm:spec_decode_num_draft_tokens",
             "accepted": "vllm:spec_decode_num_accepted_tokens"}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"  # a vector: one count per draft position
 
 
 def _load_policy(worker, named) -> int:
@@ -64,11 +65,16 @@ def load_drafter(llm, named: list) -> None:
     llm.reset_prefix_cache()
 
 
-def spec_counters(llm) -> dict[str, float]:
-    """drafts / draft_tokens / accepted so far (0 without speculation)."""
-    out = dict.fromkeys(COUNTERS, 0.0)
+def spec_counters(llm) -> dict:
+    """drafts / draft_tokens / accepted so far (0 without speculation), and per_pos: accepted drafts at
+    each draft position (cumulative since vLLM started)."""
+    out: dict = dict.fromkeys(COUNTERS, 0.0)
+    out["per_pos"] = []
     names = {v: k for k, v in COUNTERS.items()}
     for m in llm.get_metrics():
         if m.name in names and hasattr(m, "value"):
             out[names[m.name]] += float(m.value)
+        elif m.name == PER_POS and hasattr(m, "values"):
+            vals = [float(v) for v in m.values]
+            out["per_pos"] = [a + b for a, b in zip(vals, out["per_pos"] + [0.0] * len(vals))]
     return out

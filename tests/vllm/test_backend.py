@@ -73,7 +73,7 @@ def test_long_tail_depth_table_from_vllms_measured_costs_follows_acceptance(char
     """selector fixed: vLLM's per-batch-size depth table comes from vLLM's own step times at every batch bucket
     and depth (step_costs.measure) and vLLM's counted acceptance; it is installed in vLLM's scheduler and
     rebuilt when the acceptance moves (rollout/vllm_backend/step_costs.py). The drafter host holds no policy."""
-    from rollout.vllm_backend import step_costs
+    from rollout.vllm_backend import step_costs, weights
     from tests.vllm.conftest import build_tiny_llama64
 
     policy = build_tiny_llama64(char_tokenizer, layers=8)
@@ -90,10 +90,10 @@ def test_long_tail_depth_table_from_vllms_measured_costs_follows_acceptance(char
         backend._table_counters = {"drafts": 0.0, "per_pos": [0.0]}
         backend._retable({"drafts": 100.0, "per_pos": [0.0, 0.0, 0.0, 0.0]})
         assert backend.acceptance == 0.0 and backend.depth_table.max_depth == 0
-        before = step_costs.counters(backend.llm)["drafts"]
+        before = weights.spec_counters(backend.llm)["drafts"]
         out = backend.generate([char_tokenizer.encode("hi")], SamplingParams(temperature=1.0, max_new_tokens=6, n=2,
                                                                             seed=0))
-        assert len(out) == 2 and step_costs.counters(backend.llm)["drafts"] == before  # vLLM drafted nothing
+        assert len(out) == 2 and weights.spec_counters(backend.llm)["drafts"] == before  # vLLM drafted nothing
         # one that always is: deep drafts at small batches again
         backend._retable({"drafts": 200.0, "per_pos": [100.0, 100.0, 100.0, 100.0]})
         assert backend.depth_table.depth(1) == 4 and step_costs.scheduler(backend.llm).dynamic_sd_lookup[1] == 4
