@@ -16,6 +16,7 @@ Each vLLM row runs in a process of its own. Run inside .venv-vllm:
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -38,14 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-fix", action="store_true", help="leave vLLM's CPU temperature bug in (rollout/vllm_backend/cpu_fixes.py)")
     p.add_argument("--out", default="bench_out/vllm_acceptance.json")
-    p.add_argument("--one", nargs=2, default=None, help=argparse_suppress())
+    p.add_argument("--one", nargs=2, default=None, help=argparse.SUPPRESS)  # internal: one row, its JSON printed
     return p.parse_args(argv)
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def run_engine(args, temperature: float) -> dict:
