@@ -18,8 +18,9 @@ What changes a graph:
     context never recompiles.
 The paged KV write is an index_put on the layer's pool, a graph input, which inductor performs in place.
 
-On a CPU only single-row steps compile (`CompiledRunner.single_row_only`): with more rows the eager step on
-packed weights is faster (model/linear.py). Artefacts (the FX graph and AOT caches) go under
+On a CPU only steps of at most `CompiledRunner.max_rows` tokens compile: a single row, or up to 16 where our bf16
+kernel for few-row products is available (model/kernels); with more rows the eager step on packed weights is
+faster (model/linear.py). Artefacts (the FX graph and AOT caches) go under
 $RLSPEC_CACHE/inductor, so a machine compiles once and later processes load the kernels in a fraction of
 the time. `compile_mode="off"` keeps the eager path.
 """
@@ -80,23 +81,31 @@ _LAYER_CALL = None
 class CompiledRunner(EagerRunner):
     """EagerRunner's API; the layers run through the compiled layer call, T padded to a power of two."""
 
-    CPU_SINGLE_ROW_ONLY = True  # tests set it False to run every shape compiled on the CPU, as on CUDA
+    CPU_EVERY_SHAPE = False  # tests set it True to run every shape compiled on the CPU, as on CUDA
 
     def __init__(self, model, cache, device, max_t: int = MAX_COMPILED_T):
         super().__init__(model, cache, device)
         self.t_buckets = pow2_buckets(1, max_t)
         self.layer_call = compiled_layer_call()
         self.seen: set[tuple] = set()  # (batched, t) keys whose graphs exist: their inputs need no marks
-        # On a CPU only single-row steps (batch 1 decoding: the tail of a rollout) compile: their products
-        # become fused reductions (model/linear.py); with more rows the eager step on packed weights is faster
-        # than a compiled one, whose matmuls cannot use them (bench_out/step.json)
-        self.single_row_only = self.device.type == "cpu" and self.CPU_SINGLE_ROW_ONLY
+        self.max_rows = self.cpu_max_rows(model) if self.device.type == "cpu" and not self.CPU_EVERY_SHAPE else None
         self.counts = {"compiled": 0, "eager": 0}
+
+    @staticmethod
+    def cpu_max_rows(model) -> int:
+        """Most tokens (batch x tokens per row) a compiled CPU step takes. A single row's products become fused
+        reductions (model/linear.py); 2-16 rows (verify steps in the tail, small batches) take our bf16 kernel
+        where the CPU has it (model/kernels); otherwise, and with more rows, the eager step on packed weights is
+        faster than a compiled one, whose matmuls cannot use them (bench_out/step.json)."""
+        from rollout.runtime.model import kernels
+
+        bf16 = next(model.parameters()).dtype == torch.bfloat16
+        return kernels.MAX_ROWS if bf16 and kernels.available() else 1
 
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         B, T = tokens.shape
         t = bucket_for(T, self.t_buckets)
-        if t is None or int(start.max()) + t > self.cache.length or (self.single_row_only and B * T > 1):
+        if t is None or int(start.max()) + t > self.cache.length or (self.max_rows is not None and B * t > self.max_rows):
             self.counts["eager"] += 1
             return super().run(tokens, start, depths, tree_mask, hidden_layers)
         if t != T:

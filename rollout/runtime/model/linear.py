@@ -12,6 +12,9 @@ layout on every call; two ways around it (scripts/bench_step.py measures them in
     vectorises and fuses, streams the weight at ~15 GB/s (the packed product reaches ~12-13). It reads
     the weight once per row, so only single-row products take it. Accumulation is float32 and the output
     is rounded once to the input dtype, as in the matmul.
+  * 2-16 rows inside a compiled CPU step (a verify at batch 1): kernels.small_linear, our AVX-512 BF16 kernel,
+    which streams the weight once for all rows (kernels/small_gemm.cpp); where it is unavailable such steps
+    run eagerly on the packed weights (runtime/compiled.py).
 CUDA, float32 weights and training never take either path.
 """
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rollout.runtime.model import kernels
 
 
 class Linear(nn.Linear):
@@ -32,6 +37,8 @@ class Linear(nn.Linear):
                 if self.bias is not None:
                     y = y + self.bias.float()
                 return y.to(x.dtype)
+            if kernels.usable(x, self.weight):  # 2-16 rows (a verify step): each weight streamed once for all
+                return kernels.small_linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         if self._packed is not None:
             if self._packed_key != _key(self.weight):

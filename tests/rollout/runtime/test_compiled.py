@@ -19,7 +19,7 @@ from tests.rollout.test_engine_ar import hf_greedy
 @pytest.fixture(autouse=True)
 def _every_shape_compiled(monkeypatch):
     """On a CPU only single-row steps compile by default; here every shape does, as on CUDA."""
-    monkeypatch.setattr(CompiledRunner, "CPU_SINGLE_ROW_ONLY", False)
+    monkeypatch.setattr(CompiledRunner, "CPU_EVERY_SHAPE", True)
 
 
 @pytest.mark.parametrize("B,T,tree", [(1, 1, False), (5, 1, False), (5, 3, False), (3, 4, True)],

@@ -97,7 +97,7 @@ def test_compiled_steps_keep_the_law(hf, width, k, monkeypatch):
         return run(self, tokens, *a, **kw)
 
     monkeypatch.setattr(CompiledRunner, "run", counted)
-    monkeypatch.setattr(CompiledRunner, "CPU_SINGLE_ROW_ONLY", False)  # every shape compiled, as on CUDA
+    monkeypatch.setattr(CompiledRunner, "CPU_EVERY_SHAPE", True)  # every shape compiled, as on CUDA
     drafter = OracleDrafter(exact(hf, TOP_P)[2], VOCAB, corrupt=0.2, seed=3)
     stats = check(hf, TOP_P, lambda runtime: drafter, width=width, k=k, compile_mode="on")
     assert calls["T>1"] >= 2 and runners[-1].counts["eager"] == 0  # every verify ran compiled

@@ -1,0 +1,94 @@
+"""CPU kernels of our own, built on first use: `small_linear`, the bf16 product of a verify step (small_gemm.cpp).
+
+Why: a speculative verify at batch 1 multiplies each weight by 2-16 rows. Inside a compiled step inductor lowers
+such a product to oneDNN on the unpacked weight, which reorders it on every call (a third of the bandwidth), and
+the single-row reduction of model/linear.py reads the weight once per row; so verify steps ran eagerly at about
+twice a decode step's time, and speculation had to accept two tokens a step just to break even. The kernel streams
+each weight once for all rows (docs/runtime.md#verify-steps-on-the-cpu).
+
+Built once per machine with torch's extension builder (about 30 s; ninja and a C++ compiler) under
+$RLSPEC_CACHE/kernels/<source hash>, and loaded from there afterwards. Only where the CPU has AVX-512 BF16
+(`available`); anywhere else, when the build fails (one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes:
+verify steps run as before. The op is a real torch op (`torch.ops.rlspec_kernels.small_linear`), so inductor
+calls it from a compiled step like any extern kernel and fuses everything around it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("small_gemm.cpp")
+MAX_ROWS = 16  # products of more rows are compute-bound in this kernel; oneDNN's blocked GEMM wins there
+ENV = "RLSPEC_CPU_KERNELS"
+ready = False  # set by available() once the op is loaded; read inside compiled code, which must not build it
+
+
+def cpu_has_avx512_bf16() -> bool:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512_bf16"} <= set(flags.split())
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether torch.ops.rlspec_kernels.small_linear can be called (building it the first time)."""
+    if os.environ.get(ENV, "1") == "0" or not cpu_has_avx512_bf16():
+        return False
+    try:
+        _build()
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: keep the previous path
+        warnings.warn(f"rlspec: CPU verify kernel unavailable ({type(exc).__name__}: {exc}); verify steps run as "
+                      f"before. Set {ENV}=0 to silence this.", stacklevel=2)
+        return False
+    global ready
+    ready = True
+    return True
+
+
+def _build() -> None:
+    """Build (or find built) and load the op, once per process: a torch library namespace registers once."""
+    global _loaded
+    if _loaded:
+        return
+    from torch.utils.cpp_extension import load
+
+    from rollout.runtime.model.fetch import cache_root
+
+    flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+    digest = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
+    build_dir = cache_root() / "kernels" / digest
+    build_dir.mkdir(parents=True, exist_ok=True)
+    load(name=f"rlspec_kernels_{digest}", sources=[str(SOURCE)], build_directory=str(build_dir),
+         extra_cflags=flags,
+         extra_ldflags=["-fopenmp"], is_python_module=False,
+         verbose=False)
+
+    @torch.library.register_fake("rlspec_kernels::small_linear")
+    def _(x, w, bias=None):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    _loaded = True
+
+
+_loaded = False
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether small_linear serves x @ weight^T: CPU, bf16, at most MAX_ROWS rows, and the kernel loaded (by
+    `available`, which the compiled runner calls before compiling anything)."""
+    return (ready and x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.shape[:-1].numel() <= MAX_ROWS)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.rlspec_kernels.small_linear(x, weight, bias)

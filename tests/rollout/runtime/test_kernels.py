@@ -1,0 +1,104 @@
+"""rollout/runtime/model/kernels: the bf16 few-row product of compiled verify steps.
+
+The kernel's answer is the exact product rounded once to bf16 (float32 accumulation can move a value that sits
+on a rounding boundary by one bf16 step, nothing more); compiled bf16 steps of 2-16 tokens go through it and
+agree with the eager step; where it is switched off, such steps run eagerly as before."""
+import pytest
+import torch
+
+from rollout.runtime.compiled import CompiledRunner
+from rollout.runtime.graphs import EagerRunner
+from rollout.runtime.model import kernels
+from rollout.runtime.model.loader import from_hf_model
+from rollout.runtime.runner import ModelRunner
+from tests.conftest import make_tiny_hf, random_prompts
+from tests.rollout.runtime.test_graphs import _tokens, _tree
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")
+
+
+def _bf16_ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps (at the exact value's magnitude) separate got from the exact float64 value."""
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    return (got.double() - exact).abs() / ulp
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K", [(96, 64), (130, 100), (7, 45), (8, 32), (576, 1536)])
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_linear_is_the_rounded_exact_product(M, N, K, bias):
+    """Every shape the kernel splits differently: K with and without a 32-element tail, N with and without an
+    8-row tail, odd M (the last pass has one row). At most one bf16 step from the exact value, and exact for
+    nearly all outputs; a wrong block/row/bias index or a dropped K tail breaks this by far more."""
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) * 0.1).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = kernels.small_linear(x, w, b)
+    assert got.shape == (M, N) and got.dtype == torch.bfloat16
+    ulps = _bf16_ulps(got, exact)
+    assert ulps.max() <= 1.0
+    assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.99
+
+
+@needs_kernel
+def test_small_linear_keeps_leading_dims_and_reads_strided_inputs():
+    x = torch.randn(2, 3, 64).bfloat16()
+    w = torch.randn(64, 80).bfloat16().T  # [80, 64], not contiguous
+    got = kernels.small_linear(x, w)
+    torch.testing.assert_close(got, (x.float() @ w.float().T).bfloat16(), atol=0.05, rtol=0.02)
+    assert got.shape == (2, 3, 80)
+
+
+def _bf16_runner():
+    model = from_hf_model(make_tiny_hf("llama"), torch.bfloat16, "cpu")
+    runner = ModelRunner(model, "cpu", torch.bfloat16, compile_mode="on")
+    runner.ensure_cache(8, 64).reserve_rows(8, 64)
+    prompts = random_prompts(4, 3, 12, seed=3)
+    runner.prefill(prompts, list(range(4)))
+    return runner, torch.tensor([len(p) for p in prompts])
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,tree", [(1, 4, False), (1, 3, True), (4, 4, False)], ids=["chain4", "tree", "b4-chain4"])
+def test_compiled_bf16_verify_steps_use_the_kernel_and_match_eager(B, T, tree):
+    """A bf16 verify step of B x T <= 16 tokens compiles on the CPU (it ran eagerly before the kernel), calls the
+    kernel, and gives the eager step's logits up to bf16 rounding (different accumulation order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner, lens = _bf16_runner()
+    assert isinstance(runner.steps, CompiledRunner) and runner.steps.max_rows == kernels.MAX_ROWS
+    start = lens[:B].clone()
+    tokens = _tokens(B, T, seed=B + T)
+    depths, mask = _tree(B) if tree else (None, None)
+    if tree:
+        tokens = _tokens(B, 4, seed=7)
+    eager = EagerRunner(runner.model, runner.cache, "cpu")
+    ref = eager.run(tokens, start, depths, mask)[0]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = runner.step(tokens, start, depths, mask)[0]
+    assert runner.steps.counts == {"compiled": 1, "eager": 0}
+    assert any(e.key == "rlspec_kernels::small_linear" for e in prof.key_averages())
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_without_the_kernel_cpu_steps_of_several_tokens_run_eagerly(monkeypatch):
+    """RLSPEC_CPU_KERNELS=0 (or a CPU without AVX-512 BF16): only single-token steps compile, as before."""
+    monkeypatch.setenv(kernels.ENV, "0")
+    kernels.available.cache_clear()
+    monkeypatch.setattr(kernels, "ready", False)
+    try:
+        runner, lens = _bf16_runner()
+        assert runner.steps.max_rows == 1
+        runner.step(_tokens(1, 4), lens[:1])
+        assert runner.steps.counts == {"compiled": 0, "eager": 1}
+    finally:
+        kernels.available.cache_clear()
+
+
+def test_float32_steps_never_take_the_kernel():
+    model = from_hf_model(make_tiny_hf("llama"), torch.float32, "cpu")
+    assert CompiledRunner.cpu_max_rows(model) == 1
