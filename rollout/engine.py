@@ -283,14 +283,15 @@ class RolloutEngine:
     def _observe_step(self, arm, live, drafts, routed, accepted, emitted, times, ctx: "_Call") -> None:
         """The selector's statistics (cost and acceptance of the arm), metrics, the idle signal."""
         t0, t1 = times
+        t2 = time.perf_counter()
         drafted = [len(d) for d in drafts]
         if routed is not None and any(routed):
             # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
             drafted, accepted = [0 if r else n for n, r in zip(drafted, routed)], \
                 [0 if r else a for a, r in zip(accepted, routed)]
         else:
-            self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, drafted, accepted)
-        self._metrics.record_verify(arm.drafter, drafted, accepted)
+            self.speculation.observe_step(arm, len(live), t2 - t1, t1 - t0, drafted, accepted)
+        self._metrics.record_verify(arm.drafter, drafted, accepted, t1 - t0, t2 - t1)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 

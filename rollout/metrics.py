@@ -24,6 +24,9 @@ KV_CACHE_MB = "rollout/kv_cache_mb"  # the KV pool's size
 KV_BLOCKS_TOTAL = "rollout/kv_blocks_total"  # the KV pool's blocks at the end of the call
 GRAPH_POOL_MB = "rollout/graph_pool_mb"  # CUDA graph memory
 WALL_S = "rollout/wall_s"  # a trainer's rollout, weight sync included
+PLAIN_STEP_MS = "rollout/plain_step_ms"  # mean time of a decode step that carried no drafts (forward to commit)
+DRAFT_MS_PER_TOKEN = "rollout/draft_ms_per_token"  # /<drafter>: proposing time per drafted token
+DRAFT_COST = "rollout/draft_cost"  # /<drafter>: DRAFT_MS_PER_TOKEN / PLAIN_STEP_MS (issue 27's aim: <= 0.05)
 
 
 @dataclass
@@ -38,7 +41,8 @@ class RolloutMetrics:
     drafted: int = 0
     accepted: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify -> count
-    per_drafter: dict = field(default_factory=dict)  # name -> [drafted, accepted, verifies]
+    per_drafter: dict = field(default_factory=dict)  # name -> [drafted, accepted, verifies, draft seconds]
+    plain_steps: list[float] = field(default_factory=lambda: [0, 0.0])  # [steps without drafts, their seconds]
     kv_blocks_used: int = 0  # most KV blocks held at once (paged cache, kv_cache.py)
     kv_shared_blocks: int = 0  # block references a prompt's samples shared instead of allocating
     preemptions: int = 0  # sequences that gave their blocks back to make room (scheduler.py)
@@ -56,12 +60,18 @@ class RolloutMetrics:
         self.generated_tokens += sum(len(s.completion_ids) for s in seqs)
         self.completion_lens.extend(len(s.completion_ids) for s in seqs)
 
-    def record_verify(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
+    def record_verify(self, drafter: str, drafted: list[int], accepted: list[int], draft_s: float = 0.0,
+                      step_s: float = 0.0) -> None:
+        """One decode step: its drafts and their acceptance per row, the seconds spent proposing (draft_s) and
+        in the rest of the step (step_s: forward, verify, transfer, commit)."""
         self.steps += 1
         if sum(drafted) == 0:
+            self.plain_steps[0] += 1
+            self.plain_steps[1] += step_s
             return
         self.spec_steps += 1
-        d = self.per_drafter.setdefault(drafter, [0, 0, 0])
+        d = self.per_drafter.setdefault(drafter, [0, 0, 0, 0.0])
+        d[3] += draft_s
         for n, a in zip(drafted, accepted):
             if n > 0:
                 self.drafted += n
@@ -93,7 +103,14 @@ class RolloutMetrics:
             out[ACCEPT_RATE] = self.accepted / max(self.drafted, 1)
             for a, c in sorted(self.accept_hist.items()):
                 out[f"rollout/accept_hist/{a}"] = c / verifies
-        for name, (n, a, v) in self.per_drafter.items():
+        plain_ms = self.plain_steps[1] / self.plain_steps[0] * 1e3 if self.plain_steps[0] else None
+        if plain_ms is not None:
+            out[PLAIN_STEP_MS] = plain_ms
+        for name, (n, a, v, secs) in self.per_drafter.items():
             out[f"rollout/accept_rate/{name}"] = a / max(n, 1)
             out[f"rollout/accept_len/{name}"] = 1.0 + a / max(v, 1)
+            if n:
+                out[f"{DRAFT_MS_PER_TOKEN}/{name}"] = secs / n * 1e3
+                if plain_ms:
+                    out[f"{DRAFT_COST}/{name}"] = secs / n * 1e3 / plain_ms
         return out

@@ -12,6 +12,7 @@ tokens/s, which does not depend on which lengths were drawn as much as wall time
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 from common import math_prompts, png, table, write_json
@@ -53,11 +54,33 @@ def phase_rates(trace, total_seqs: int, tail_live: int | None = None) -> dict:
         f"{k}_seconds": s for k, (_, s) in out.items()}
 
 
+EAGER_VERIFY = "/eager-verify"  # a config name's suffix: the engine before the CPU verify kernel (model/kernels),
+# its compiled CPU steps limited to one token, so steps of several tokens (verifies) run eagerly
+
+
+@contextlib.contextmanager
+def verify_mode(name: str):
+    """While a `<config>/eager-verify` engine runs (it builds its step runner at each call), compile one-token
+    steps only; other configs run as the engine does."""
+    if not name.endswith(EAGER_VERIFY):
+        yield
+        return
+    from rollout.runtime.compiled import CompiledRunner
+
+    saved = CompiledRunner.__dict__["cpu_max_rows"]
+    CompiledRunner.cpu_max_rows = staticmethod(lambda model: 1)
+    try:
+        yield
+    finally:
+        CompiledRunner.cpu_max_rows = saved
+
+
 def make_engine(name, path, dtype, tokenizer, eos, rows, drafter_path=None):
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
     from rollout.types import SpecConfig
 
+    name = name.removesuffix(EAGER_VERIFY)
     drafter, k, width, selector = CONFIGS[name]
     learned = drafter in ("eagle3", "auto") and name not in UNTRAINED
     if learned and not drafter_path:
@@ -133,14 +156,17 @@ def run_longtail(args) -> dict:
                          else make_engine(name, path, args.dtype, tokenizer, eos, rows, args.drafter_path))
     warm = math_prompts(tokenizer, 2, seed=8)
     for name, r in runners.items():
-        r(warm) if name == "hf" else r.generate(warm, params)
+        with verify_mode(name):
+            r(warm) if name == "hf" else r.generate(warm, params)
     results = {name: [] for name in args.configs}
     traces = {}
     for rep in range(args.reps):
         # fresh prompts each repetition (no config sees a prompt twice), configs in rotating order
         prompts = math_prompts(tokenizer, args.prompts, seed=100 + rep)
         for name in rotation(args.configs, rep):
-            res = runners[name](prompts) if name == "hf" else run_engine(runners[name], prompts, params, args.tail_live)
+            with verify_mode(name):
+                res = runners[name](prompts) if name == "hf" else run_engine(runners[name], prompts, params,
+                                                                             args.tail_live)
             results[name].append(res)
             if "trace" in res and rep == 0:
                 traces[name] = res["trace"]

@@ -50,7 +50,8 @@ def calibration_key(runner, sizes: list[int], context: int) -> dict:
     return {"machine": machine_fingerprint(runner.device), "torch": torch.__version__,
             "model": hashlib.sha256(json.dumps(model, sort_keys=True, default=str).encode()).hexdigest(),
             "dtype": str(runner.dtype), "steps": type(runner.steps).__name__, "graph_mode": runner.graph_mode,
-            "compiled": bool(runner.compiled), "sizes": sorted(set(sizes)), "context": int(context)}
+            "compiled": bool(runner.compiled), "compiled_rows": getattr(runner.steps, "max_rows", None),
+            "sizes": sorted(set(sizes)), "context": int(context)}
 
 
 def machine_fingerprint(device) -> dict:

@@ -1,0 +1,33 @@
+"""rollout/metrics.py: what a drafted token costs, against a plain decode step (issue 27's "a drafter token
+costs <= 5% of a target step", reported per drafter in every engine's stats)."""
+import pytest
+
+from rollout import metrics as M
+from rollout.engine import RolloutEngine
+from rollout.runtime.model import loader
+from rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+
+
+def test_draft_cost_is_draft_time_per_token_over_the_plain_step():
+    m = M.RolloutMetrics()
+    m.record_verify("off", [0, 0], [0, 0], draft_s=0.0, step_s=0.020)
+    m.record_verify("off", [0], [0], draft_s=0.0, step_s=0.030)
+    m.record_verify("suffix", [4, 2], [1, 0], draft_s=0.003, step_s=0.040)  # 6 tokens in 3 ms
+    m.record_verify("eagle3", [3], [3], draft_s=0.006, step_s=0.035)  # 3 tokens in 6 ms
+    s = m.as_dict()
+    assert s[M.PLAIN_STEP_MS] == pytest.approx(25.0)  # drafted steps do not count as plain ones
+    assert s[f"{M.DRAFT_MS_PER_TOKEN}/suffix"] == pytest.approx(0.5)
+    assert s[f"{M.DRAFT_COST}/suffix"] == pytest.approx(0.02)
+    assert s[f"{M.DRAFT_COST}/eagle3"] == pytest.approx(0.08)
+
+
+def test_the_engine_reports_each_drafters_cost():
+    eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama")), None, eos_token_ids=[2],
+                        spec=SpecConfig(drafter="suffix", num_draft_tokens=3), compile_mode="off")
+    prompts = random_prompts(4, 3, 12, seed=1)
+    eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))  # off at first: plain steps
+    eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))  # repeats: suffix drafts
+    s = eng.stats()
+    assert s[M.PLAIN_STEP_MS] > 0
+    assert 0 < s[f"{M.DRAFT_COST}/suffix"] < 10
