@@ -9,7 +9,13 @@ In one process, on the embedded model (bf16 by default):
     --reps repetitions (median), compilation done before timing: `unpacked` (eager, F.linear: the engine
     before model/linear.py), `packed` (eager on packed oneDNN weights, compile_mode="off") and `compiled`
     (compile_mode="auto": packed weights, batch-1 steps compiled);
-Writes bench_out/step.json (and prints the table).
+  * verify steps at batch 1 (T = 2, 4, 8 tokens: a chain of T-1 drafts), timed at the step runner over a
+    --verify-ctx-token context, against the plain step of the same runner: `compiled` (steps of up to 16
+    tokens compiled, their products through the bf16 kernel of rollout/runtime/model/kernels) and
+    `eager-verify` (the engine before that kernel: only one-token steps compiled);
+  * what a drafted token costs per proposer (ngram, suffix, eagle3) as a share of a plain step: the engine's
+    own `rollout/draft_cost/<drafter>` over a batch-1 rollout with the drafter forced on every step.
+Writes bench_out/step.json (and prints the tables).
 
     python scripts/bench_step.py                    # step times: ~5 min on 2 cores once compiled
 """
@@ -123,6 +129,79 @@ def measure_steps(args) -> list[dict]:
     return rows, step_bytes(engines["packed"].model)
 
 
+def verify_rows(args) -> list[dict]:
+    """Batch-1 step time at T tokens per row, compiled with the kernel vs the one-token-only compile, ms."""
+    import torch
+
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.compiled import CompiledRunner
+    from rollout.runtime.model.fetch import fetch_model
+
+    path = fetch_model(args.model)
+    arms = {}
+    for arm in ("compiled", "eager-verify"):
+        eng = RolloutEngine.from_pretrained(path, dtype=args.dtype, max_num_seqs=1, compile_mode="auto")
+        saved = CompiledRunner.__dict__["cpu_max_rows"]
+        if arm == "eager-verify":
+            CompiledRunner.cpu_max_rows = staticmethod(lambda model: 1)
+        try:
+            runner = eng.runner
+            cache = runner.ensure_cache(1, args.verify_ctx + 64)
+        finally:
+            CompiledRunner.cpu_max_rows = saved
+        cache.grow([(0, "bench", args.verify_ctx + 32)])
+        arms[arm] = runner
+    start = torch.tensor([args.verify_ctx])
+    rows = []
+    for T in (1, *args.verify_tokens):
+        tokens = torch.randint(100, 1000, (1, T), generator=torch.Generator().manual_seed(T))
+        runs = {arm: [] for arm in arms}
+        for arm, runner in arms.items():
+            for _ in range(3):  # compile and warm
+                runner.step(tokens, start)
+        for _ in range(args.reps):
+            for arm, runner in arms.items():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    runner.step(tokens, start)
+                runs[arm].append((time.perf_counter() - t0) / args.steps * 1e3)
+        row = {"tokens": T, **{f"{a}_ms": statistics.median(v) for a, v in runs.items()}, "runs": runs,
+               "counts": {a: dict(r.steps.counts) for a, r in arms.items()}}
+        rows.append(row)
+        print(f"[step] verify T={T}: " + ", ".join(f"{a} {row[f'{a}_ms']:.2f} ms" for a in arms), flush=True)
+    base = rows[0]
+    for r in rows:
+        for a in arms:
+            r[f"{a}_vs_plain"] = r[f"{a}_ms"] / base["compiled_ms"]  # against the plain (compiled) step
+    return rows
+
+
+def draft_costs(args) -> list[dict]:
+    """Each proposer's time per drafted token as a share of a plain step (the engine's rollout/draft_cost)."""
+    from rollout import metrics as M
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model.fetch import fetch_model
+    from rollout.types import SamplingParams, SpecConfig
+
+    path = fetch_model(args.model)
+    rows = []
+    for drafter in args.drafters:
+        spec = SpecConfig(drafter=drafter, num_draft_tokens=4, selector="always", online_training=False)
+        eng = RolloutEngine.from_pretrained(path, spec=spec, dtype=args.dtype, max_num_seqs=1)
+        prompts = math_prompts(eng.tokenizer, 2, seed=5)
+        params = SamplingParams(temperature=1.0, max_new_tokens=args.draft_tokens, seed=0)
+        eng.generate(prompts[:1], params)  # warm-up; the suffix index learns from it
+        eng.stats()
+        eng.generate(prompts[1:], params)
+        s = eng.stats()
+        rows.append({"drafter": drafter, "plain_step_ms": s.get(M.PLAIN_STEP_MS),
+                     "draft_ms_per_token": s.get(f"{M.DRAFT_MS_PER_TOKEN}/{drafter}"),
+                     "draft_cost": s.get(f"{M.DRAFT_COST}/{drafter}"), "accept_len": s.get(M.ACCEPT_LEN)})
+        eng.close()
+        print(f"[step] draft cost {drafter}: {rows[-1]}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -131,10 +210,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48, help="decode steps per timed call")
     ap.add_argument("--ctx", type=int, default=64, help="transformers' cache length (the prompts' order)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--verify-tokens", type=int, nargs="*", default=[2, 4, 8], help="verify rows' T (none: skip)")
+    ap.add_argument("--verify-ctx", type=int, default=200, help="context the verify rows' steps attend over")
+    ap.add_argument("--drafters", nargs="*", default=["ngram", "suffix", "eagle3"], help="draft-cost rows (none: skip)")
+    ap.add_argument("--draft-tokens", type=int, default=128, help="tokens of the draft-cost rollout")
+    ap.add_argument("--skip-plain", action="store_true", help="only the verify and draft-cost rows")
     ap.add_argument("--out", default="bench_out/step.json")
     args = ap.parse_args()
     bw = bandwidth_gbs()
-    rows, nbytes = measure_steps(args)
+    rows, nbytes = measure_steps(args) if not args.skip_plain else ([], None)
+    verify = verify_rows(args) if args.verify_tokens else []
+    costs = draft_costs(args) if args.drafters else []
+    if nbytes is None:
+        from rollout.runtime.model import loader
+        from rollout.runtime.model.fetch import fetch_model
+
+        nbytes = step_bytes(loader.load_model(fetch_model(args.model), dtype=args.dtype))
     roofline_ms = nbytes / (bw * 1e9) * 1e3
     for r in rows:
         r["roofline_ms"] = roofline_ms if r["batch"] == 1 else None
@@ -142,10 +233,15 @@ def main() -> None:
         r["compiled_vs_transformers"] = r["compiled_ms"] / r["transformers_ms"]
         r["compiled_vs_unpacked"] = r["compiled_ms"] / r["unpacked_ms"]
     print(f"bandwidth {bw:.1f} GB/s, step weights {nbytes / 1e6:.0f} MB, batch-1 roofline {roofline_ms:.2f} ms")
-    print(table(rows, ["batch", "roofline_ms", "transformers_ms", "unpacked_ms", "packed_ms", "compiled_ms",
-                       "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_unpacked"]))
+    if rows:
+        print(table(rows, ["batch", "roofline_ms", "transformers_ms", "unpacked_ms", "packed_ms", "compiled_ms",
+                           "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_unpacked"]))
+    if verify:
+        print(table(verify, ["tokens", "compiled_ms", "eager-verify_ms", "compiled_vs_plain", "eager-verify_vs_plain"]))
+    if costs:
+        print(table(costs, ["drafter", "plain_step_ms", "draft_ms_per_token", "draft_cost", "accept_len"]))
     write_json(args.out, {"config": vars(args), "bandwidth_gbs": bw, "step_weight_bytes": nbytes,
-                          "roofline_ms": roofline_ms, "steps": rows})
+                          "roofline_ms": roofline_ms, "steps": rows, "verify_steps": verify, "draft_costs": costs})
 
 
 if __name__ == "__main__":

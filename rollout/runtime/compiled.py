@@ -18,9 +18,9 @@ What changes a graph:
     context never recompiles.
 The paged KV write is an index_put on the layer's pool, a graph input, which inductor performs in place.
 
-On a CPU only steps of at most `CompiledRunner.max_rows` tokens compile: a single row, or up to 16 where our bf16
-kernel for few-row products is available (model/kernels); with more rows the eager step on packed weights is
-faster (model/linear.py). Artefacts (the FX graph and AOT caches) go under
+On a CPU only batch-1 steps compile: of one token, or up to 16 (`CompiledRunner.max_rows`, a verify) where our
+bf16 kernel for few-row products is available (model/kernels); with more rows the eager step on packed weights
+is as fast or faster (model/linear.py). Artefacts (the FX graph and AOT caches) go under
 $RLSPEC_CACHE/inductor, so a machine compiles once and later processes load the kernels in a fraction of
 the time. `compile_mode="off"` keeps the eager path.
 """
@@ -93,10 +93,11 @@ class CompiledRunner(EagerRunner):
 
     @staticmethod
     def cpu_max_rows(model) -> int:
-        """Most tokens (batch x tokens per row) a compiled CPU step takes. A single row's products become fused
-        reductions (model/linear.py); 2-16 rows (verify steps in the tail, small batches) take our bf16 kernel
-        where the CPU has it (model/kernels); otherwise, and with more rows, the eager step on packed weights is
-        faster than a compiled one, whose matmuls cannot use them (bench_out/step.json)."""
+        """Most tokens a compiled CPU step takes; CPU steps compile at batch 1 only. One token's products become
+        fused reductions (model/linear.py); 2-16 (a verify at batch 1, the tail of a rollout) take our bf16 kernel
+        where the CPU has it (model/kernels). Steps of several rows run eagerly on packed weights: compiled, with
+        a dynamic batch, they were no faster (batch 4-8) or slower (batch 16, or 2 rows x 4 tokens), measured
+        in docs/runtime.md#verify-steps-on-the-cpu."""
         from rollout.runtime.model import kernels
 
         bf16 = next(model.parameters()).dtype == torch.bfloat16
@@ -105,7 +106,8 @@ class CompiledRunner(EagerRunner):
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         B, T = tokens.shape
         t = bucket_for(T, self.t_buckets)
-        if t is None or int(start.max()) + t > self.cache.length or (self.max_rows is not None and B * t > self.max_rows):
+        cpu_eager = self.max_rows is not None and (B > 1 or t > self.max_rows)
+        if t is None or int(start.max()) + t > self.cache.length or cpu_eager:
             self.counts["eager"] += 1
             return super().run(tokens, start, depths, tree_mask, hidden_layers)
         if t != T:

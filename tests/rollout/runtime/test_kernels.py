@@ -62,10 +62,10 @@ def _bf16_runner():
 
 
 @needs_kernel
-@pytest.mark.parametrize("B,T,tree", [(1, 4, False), (1, 3, True), (4, 4, False)], ids=["chain4", "tree", "b4-chain4"])
+@pytest.mark.parametrize("B,T,tree", [(1, 4, False), (1, 3, True), (1, 16, False)], ids=["chain4", "tree", "chain16"])
 def test_compiled_bf16_verify_steps_use_the_kernel_and_match_eager(B, T, tree):
-    """A bf16 verify step of B x T <= 16 tokens compiles on the CPU (it ran eagerly before the kernel), calls the
-    kernel, and gives the eager step's logits up to bf16 rounding (different accumulation order)."""
+    """A bf16 verify step at batch 1 of up to 16 tokens compiles on the CPU (it ran eagerly before the kernel),
+    calls the kernel, and gives the eager step's logits up to bf16 rounding (different accumulation order)."""
     from torch.profiler import ProfilerActivity, profile
 
     runner, lens = _bf16_runner()
@@ -102,3 +102,11 @@ def test_without_the_kernel_cpu_steps_of_several_tokens_run_eagerly(monkeypatch)
 def test_float32_steps_never_take_the_kernel():
     model = from_hf_model(make_tiny_hf("llama"), torch.float32, "cpu")
     assert CompiledRunner.cpu_max_rows(model) == 1
+
+
+@needs_kernel
+def test_cpu_steps_of_several_rows_or_over_16_tokens_stay_eager():
+    runner, lens = _bf16_runner()
+    runner.step(_tokens(2, 4), lens[:2])
+    runner.step(_tokens(1, 17), lens[:1])
+    assert runner.steps.counts == {"compiled": 0, "eager": 2}
