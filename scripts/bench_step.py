@@ -221,6 +221,10 @@ def main() -> None:
     rows, nbytes = measure_steps(args) if not args.skip_plain else ([], None)
     verify = verify_rows(args) if args.verify_tokens else []
     costs = draft_costs(args) if args.drafters else []
+    for c in costs:  # a drafter forced on every step leaves no plain step of its own: use the verify rows' one
+        if c["draft_cost"] is None and c["draft_ms_per_token"] is not None and verify:
+            c["plain_step_ms"] = verify[0]["compiled_ms"]
+            c["draft_cost"] = c["draft_ms_per_token"] / c["plain_step_ms"]
     if nbytes is None:
         from rollout.runtime.model import loader
         from rollout.runtime.model.fetch import fetch_model

@@ -94,7 +94,8 @@ class CostModel:
             if b in skip:
                 continue
             start = torch.full((b,), context, dtype=torch.long)
-            runner.step(torch.zeros(b, anchors[-1], dtype=torch.long), start)  # warm-up: the bucket's shapes
+            for T in anchors:  # warm-up: every shape timed below (a compiled step compiles at its first call,
+                runner.step(torch.zeros(b, T, dtype=torch.long), start)  # seconds that are no step's cost)
             for T in anchors:
                 tokens = torch.zeros(b, T, dtype=torch.long)
                 t0 = time.perf_counter()

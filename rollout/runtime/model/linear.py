@@ -79,3 +79,12 @@ def unpack_linears(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, Linear):
             m._packed = None
+
+
+def fast_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) for a plain nn.Linear outside autograd, through the bf16 few-row kernel where it serves x (a
+    learned drafter's step: one to a few rows, whose unpacked oneDNN products reorder every weight at each
+    call, ~8 GB/s); layer(x) everywhere else, and always when gradients are on (training the drafter)."""
+    if not torch.is_grad_enabled() and kernels.usable(x, layer.weight):
+        return kernels.small_linear(x, layer.weight, layer.bias)
+    return layer(x)

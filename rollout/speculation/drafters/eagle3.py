@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from rollout.speculation.drafters.base import DRAFTERS, Draft
 from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rollout.runtime.model import kernels
 from rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement
 from rollout.speculation.feature_buffer import Dist, law_top_k
 from rollout.runtime.sequence import Sequence
@@ -59,6 +60,8 @@ class Eagle3Drafter:
                 f"(vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size}); train or export a drafter "
                 "for this target model")
         self.model = model.to(device=p.device, dtype=p.dtype).eval()
+        if p.device.type == "cpu" and p.dtype == torch.bfloat16:
+            kernels.available()  # load (once a machine: build) the few-row kernel its steps use (linear.fast_linear)
         self.aux_layers = tuple(model.cfg.aux_layer_ids)
         self.version = 0
         self.trainer = None  # a DrafterTrainer: takes finished samples (add), publishes weights (latest)

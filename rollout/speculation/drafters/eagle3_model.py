@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.runtime.model.config import ModelConfig
+from rollout.runtime.model.linear import fast_linear
 from rollout.runtime.model.llama import RMSNorm, rotate_half
 
 
@@ -112,22 +113,22 @@ class Eagle3Model(nn.Module):
         Returns the pre-norm output [B, T, H] (the next draft step's `hidden`)."""
         c, m = self.cfg, self.midlayer
         if hidden.shape[-1] != c.hidden_size:
-            hidden = self.fc(hidden)
+            hidden = fast_linear(self.fc, hidden)
         B, T, _ = hidden.shape
         x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(hidden)], dim=-1)
-        q = m.self_attn.q_proj(x).view(B, T, c.num_heads, c.head_dim)
-        k = m.self_attn.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
-        v = m.self_attn.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        q = fast_linear(m.self_attn.q_proj, x).view(B, T, c.num_heads, c.head_dim)
+        k = fast_linear(m.self_attn.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
+        v = fast_linear(m.self_attn.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
         q = (q * cos + rotate_half(q) * sin).transpose(1, 2)
         k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
         out = attend(q, k, v.transpose(1, 2))
-        h = hidden + m.self_attn.o_proj(out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+        h = hidden + fast_linear(m.self_attn.o_proj, out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
         y = m.post_attention_layernorm(h)
-        return h + m.mlp.down_proj(F.silu(m.mlp.gate_proj(y)) * m.mlp.up_proj(y))
+        return h + fast_linear(m.mlp.down_proj, F.silu(fast_linear(m.mlp.gate_proj, y)) * fast_linear(m.mlp.up_proj, y))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., Vd] float32 from the pre-norm output."""
-        return self.lm_head(self.norm(out)).float()
+        return fast_linear(self.lm_head, self.norm(out)).float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
