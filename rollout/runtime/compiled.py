@@ -18,9 +18,9 @@ What changes a graph:
     context never recompiles.
 The paged KV write is an index_put on the layer's pool, a graph input, which inductor performs in place.
 
-On a CPU only batch-1 steps compile: of one token, or up to 16 (`CompiledRunner.max_rows`, a verify) where our
-bf16 kernel for few-row products is available (model/kernels); with more rows the eager step on packed weights
-is as fast or faster (model/linear.py). Artefacts (the FX graph and AOT caches) go under
+On a CPU only batch-1 steps of up to 16 tokens (a verify) and one-token steps of up to 8 rows compile, where our
+bf16 kernel for few-row products is available (model/kernels; without it, single-token batch-1 steps only);
+other shapes run eagerly on packed weights, as fast or faster (model/linear.py). Artefacts (the FX graph and AOT caches) go under
 $RLSPEC_CACHE/inductor, so a machine compiles once and later processes load the kernels in a fraction of
 the time. `compile_mode="off"` keeps the eager path.
 """
@@ -33,6 +33,7 @@ import torch
 from rollout.runtime.graphs import EagerRunner, bucket_for, pad_batch, pow2_buckets
 
 COMPILE_MODES = ("off", "on", "auto")
+CPU_MAX_DECODE_BATCH = 8  # plain decode steps of more rows run eagerly on a CPU (16 rows: 51 vs 48 ms eager)
 MAX_COMPILED_T = 32  # verify sizes above this run eagerly (trees of more nodes are rare and costly anyway)
 RECOMPILE_LIMIT = 64
 
@@ -93,11 +94,11 @@ class CompiledRunner(EagerRunner):
 
     @staticmethod
     def cpu_max_rows(model) -> int:
-        """Most tokens a compiled CPU step takes; CPU steps compile at batch 1 only. One token's products become
-        fused reductions (model/linear.py); 2-16 (a verify at batch 1, the tail of a rollout) take our bf16 kernel
-        where the CPU has it (model/kernels). Steps of several rows run eagerly on packed weights: compiled, with
-        a dynamic batch, they were no faster (batch 4-8) or slower (batch 16, or 2 rows x 4 tokens), measured
-        in docs/runtime.md#verify-steps-on-the-cpu."""
+        """Most tokens a compiled CPU step takes. One token's products become fused reductions (model/linear.py);
+        2-16 take our bf16 kernel where the CPU has it (model/kernels): a verify at batch 1, or a plain decode step
+        of up to CPU_MAX_DECODE_BATCH rows (the tail of a rollout). Other shapes run eagerly on packed weights:
+        compiled, with a dynamic batch, several rows of several tokens each (2 x 4, 4 x 2) were no faster, and
+        16 rows slower (docs/runtime.md#verify-steps-on-the-cpu)."""
         from rollout.runtime.model import kernels
 
         bf16 = next(model.parameters()).dtype == torch.bfloat16
@@ -106,7 +107,8 @@ class CompiledRunner(EagerRunner):
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         B, T = tokens.shape
         t = bucket_for(T, self.t_buckets)
-        cpu_eager = self.max_rows is not None and (B > 1 or t > self.max_rows)
+        cpu_eager = self.max_rows is not None and not ((B == 1 and t <= self.max_rows) or
+                                                       (t == 1 and B <= min(self.max_rows, CPU_MAX_DECODE_BATCH)))
         if t is None or int(start.max()) + t > self.cache.length or cpu_eager:
             self.counts["eager"] += 1
             return super().run(tokens, start, depths, tree_mask, hidden_layers)

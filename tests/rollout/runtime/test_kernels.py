@@ -105,8 +105,25 @@ def test_float32_steps_never_take_the_kernel():
 
 
 @needs_kernel
-def test_cpu_steps_of_several_rows_or_over_16_tokens_stay_eager():
+def test_which_cpu_steps_compile():
+    """Batch 1 up to 16 tokens, and one token for up to 8 rows; several rows of several tokens, more than 8 rows
+    or more than 16 tokens stay eager."""
     runner, lens = _bf16_runner()
+    lens = torch.cat([lens, lens])  # 8 rows (4 prompts' caches read twice: fine for counting)
+    runner.step(_tokens(4, 1), lens[:4])
+    runner.step(_tokens(1, 16), lens[:1])
+    assert runner.steps.counts == {"compiled": 2, "eager": 0}
     runner.step(_tokens(2, 4), lens[:2])
     runner.step(_tokens(1, 17), lens[:1])
-    assert runner.steps.counts == {"compiled": 0, "eager": 2}
+    runner.step(_tokens(8, 2), lens[:8])
+    assert runner.steps.counts == {"compiled": 2, "eager": 3}
+
+
+@needs_kernel
+def test_compiled_bf16_batched_decode_step_matches_eager():
+    runner, lens = _bf16_runner()
+    tokens = _tokens(4, 1, seed=11)
+    ref = EagerRunner(runner.model, runner.cache, "cpu").run(tokens, lens)[0]
+    got = runner.step(tokens, lens)[0]
+    assert runner.steps.counts == {"compiled": 1, "eager": 0}
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
