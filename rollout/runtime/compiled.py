@@ -20,9 +20,9 @@ The paged KV write is an index_put on the layer's pool, a graph input, which ind
 
 On a CPU only batch-1 steps of up to 16 tokens (a verify) and one-token steps of up to 8 rows compile, where our
 bf16 kernel for few-row products is available (model/kernels; without it, single-token batch-1 steps only);
-other shapes run eagerly on packed weights, as fast or faster (model/linear.py). Artefacts (the FX graph and AOT caches) go under
-$RLSPEC_CACHE/inductor, so a machine compiles once and later processes load the kernels in a fraction of
-the time. `compile_mode="off"` keeps the eager path.
+other shapes run eagerly on packed weights, as fast or faster (model/linear.py). Artefacts (the FX graph and
+AOT caches) go under $RLSPEC_CACHE/inductor, so a machine compiles once and later processes load the kernels
+in a fraction of the time. `compile_mode="off"` keeps the eager path.
 """
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ layout on every call; two ways around it (scripts/bench_step.py measures them in
     vectorises and fuses, streams the weight at ~15 GB/s (the packed product reaches ~12-13). It reads
     the weight once per row, so only single-row products take it. Accumulation is float32 and the output
     is rounded once to the input dtype, as in the matmul.
-  * 2-16 rows inside a compiled CPU step (a verify at batch 1): kernels.small_linear, our AVX-512 BF16 kernel,
-    which streams the weight once for all rows (kernels/small_gemm.cpp); where it is unavailable such steps
-    run eagerly on the packed weights (runtime/compiled.py).
-CUDA, float32 weights and training never take either path.
+  * 2-16 rows inside a compiled CPU step (a verify at batch 1, a decode step of 2-8 rows): kernels.small_linear,
+    our AVX-512 BF16 kernel, which streams the weight once for all rows (kernels/small_gemm.cpp); where it is
+    unavailable such steps run eagerly on the packed weights (runtime/compiled.py). `fast_linear` gives a
+    plain nn.Linear (the learned drafter's) the same kernel outside autograd.
+CUDA, float32 weights and training never take any of these paths.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Linear(nn.Linear):
                 if self.bias is not None:
                     y = y + self.bias.float()
                 return y.to(x.dtype)
-            if kernels.usable(x, self.weight):  # 2-16 rows (a verify step): each weight streamed once for all
+            if kernels.usable(x, self.weight):  # 2-16 rows: each weight streamed once for all of them
                 return kernels.small_linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         if self._packed is not None:
