@@ -42,8 +42,13 @@ class StopOnSignal(TrainerCallback):
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.aborted = False  # a second signal came: abort now, never save
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.aborted:
+            # the handler re-delivered the signal, whose KeyboardInterrupt can land inside code that swallows it
+            # (a finalizer, a library's broad except): never let the step end in a checkpoint after an abort
+            raise KeyboardInterrupt("second signal: aborted without a checkpoint")
         if self.signum is not None:
             control.should_save = True
             control.should_training_stop = True
@@ -63,6 +68,7 @@ def stop_on_signals(callback: StopOnSignal):
         if callback.signum is not None:
             print(f"rlspec: second {signal.Signals(signum).name}: aborting without a checkpoint", file=sys.stderr,
                   flush=True)
+            callback.aborted = True
             signal.signal(signum, previous[signum])
             signal.raise_signal(signum)
             return

@@ -1,0 +1,27 @@
+"""trainers/interrupts.py: a second signal aborts without a checkpoint even when the KeyboardInterrupt it
+re-delivers is lost (it can land inside a finalizer or a library's broad except, which swallow it)."""
+import os
+import signal
+
+import pytest
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from trainers.interrupts import StopOnSignal, stop_on_signals
+
+
+def test_a_swallowed_abort_still_stops_before_the_checkpoint(monkeypatch, tmp_path):
+    swallowed = []
+    signal.signal(signal.SIGINT, lambda s, f: swallowed.append(s))  # the re-delivered signal gets lost here
+    try:
+        cb = StopOnSignal()
+        with stop_on_signals(cb):
+            os.kill(os.getpid(), signal.SIGINT)  # first: finish the step, then save
+            control = TrainerControl()
+            cb.on_step_end(TrainingArguments(output_dir=str(tmp_path)), TrainerState(), control)
+            assert control.should_save and control.should_training_stop and not cb.aborted
+            os.kill(os.getpid(), signal.SIGINT)  # second: abort; its KeyboardInterrupt never arrives
+            assert swallowed == [signal.SIGINT] and cb.aborted
+            with pytest.raises(KeyboardInterrupt):
+                cb.on_step_end(TrainingArguments(output_dir=str(tmp_path)), TrainerState(), TrainerControl())
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
