@@ -61,13 +61,15 @@ class RolloutMetrics:
         self.completion_lens.extend(len(s.completion_ids) for s in seqs)
 
     def record_verify(self, drafter: str, drafted: list[int], accepted: list[int], draft_s: float = 0.0,
-                      step_s: float = 0.0) -> None:
+                      step_s: float | None = 0.0) -> None:
         """One decode step: its drafts and their acceptance per row, the seconds spent proposing (draft_s) and
-        in the rest of the step (step_s: forward, verify, transfer, commit)."""
+        in the rest of the step (step_s: forward, verify, transfer, commit; None when the step compiled its
+        shape first, which is no step's cost)."""
         self.steps += 1
         if sum(drafted) == 0:
-            self.plain_steps[0] += 1
-            self.plain_steps[1] += step_s
+            if step_s is not None:
+                self.plain_steps[0] += 1
+                self.plain_steps[1] += step_s
             return
         self.spec_steps += 1
         d = self.per_drafter.setdefault(drafter, [0, 0, 0, 0.0])

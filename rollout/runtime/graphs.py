@@ -126,6 +126,10 @@ def _to(x, device):
 class EagerRunner:
     """The step forward without graphs: on CPU, and for every shape a GraphPool did not capture."""
 
+    # True when the last run also compiled or captured its shape (its first use): its time is no step's cost,
+    # and the selectors' cost model must not learn it (rollout/engine.py)
+    fresh = False
+
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device):
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.flex = use_flex(self.device)
@@ -228,6 +232,8 @@ class GraphPool:
     those warm-ups write positions 0..t-1 of rows 0..b-1. backend "emulate" replays by calling (tests).
     """
 
+    fresh = False  # as EagerRunner.fresh: the last run captured its graph first
+
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device, capture_mode: str = "lazy",
                  max_rows: int | None = None, max_t: int = 16, hidden_layers=(), backend: str = "cuda",
                  layer_call=None):
@@ -274,11 +280,15 @@ class GraphPool:
         if self.cache.generation != self._generation:
             self._drop_graphs()
         key = self.key_for(tokens, start, hidden_layers)
+        self.fresh = False
         if key is None:
             self.counts["eager"] += 1
-            return self.eager.run(tokens, start, depths, tree_mask, hidden_layers)
+            out = self.eager.run(tokens, start, depths, tree_mask, hidden_layers)
+            self.fresh = getattr(self.eager, "fresh", False)
+            return out
         b, t, _ = key
         self.static.load(b, t, pad_batch(tokens, start, depths, tree_mask, b, t))
+        self.fresh = key not in self.graphs
         graph = self.graphs.get(key) or self._capture(key)
         graph.replay()
         self.counts["replays"] += 1

@@ -69,3 +69,51 @@ def test_compile_mode_is_checked_at_construction():
     assert resolve_compile("on", "cpu") and not resolve_compile("off", "cpu")
     with pytest.raises(ValueError, match="compile must be one of"):
         resolve_compile("fast", "cpu")
+
+
+def test_a_step_that_compiles_is_marked_fresh():
+    """A step during which dynamo compiled (its shape's first use in the process) says so: `fresh`."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # other tests compiled these shapes already
+    runner, lens = _runner(rows=8, length=64, n_prompts=5)
+    comp = CompiledRunner(runner.model, runner.cache, "cpu")
+    comp.run(_tokens(1, 1), lens[:1])
+    assert comp.fresh
+    comp.run(_tokens(1, 1, seed=1), lens[:1] + 1)
+    assert not comp.fresh
+    comp.run(_tokens(1, 3), lens[:1] + 2)  # a new bucket (t = 4)
+    assert comp.fresh
+    EagerRunner.run(comp, _tokens(1, 1), lens[:1] + 5)
+    comp.run(_tokens(2, 33), lens[:2])  # no bucket: eager, never fresh
+    assert not comp.fresh and comp.counts["eager"] == 1
+
+
+def test_the_selector_never_learns_a_compiling_steps_time(monkeypatch):
+    """A step that compiled is no measure of its cost: a 1000x outlier that the cost model's average would
+    carry for dozens of steps, keeping a good arm off. The engine does not feed such a step to the selector
+    (steps marked fresh here, and made to take as long as a compile)."""
+    import time
+
+    eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama")), None, eos_token_ids=[2],
+                        spec=SpecConfig(drafter="suffix", num_draft_tokens=3), compile_mode="on")
+    prompts = random_prompts(4, 3, 12, seed=1)
+    eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))  # calibration happens here
+    eng.stats()
+    seen, fresh = [], []
+    observe, step = eng.speculation.observe_step, eng.runner.step
+    monkeypatch.setattr(eng.speculation, "observe_step", lambda *a, **k: (seen.append(a[2]), observe(*a, **k)))
+
+    def slow_first_steps(*a, **k):
+        out = step(*a, **k)
+        if len(fresh) % 2 == 0:  # as if this step had compiled its shape
+            eng.runner.steps.fresh = True
+            time.sleep(0.3)
+        fresh.append(eng.runner.steps.fresh)
+        return out
+
+    monkeypatch.setattr(eng.runner, "step", slow_first_steps)
+    eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))
+    assert eng.stats()["rollout/decode_steps"] == len(fresh) and sum(fresh) >= 2
+    assert len(seen) == len(fresh) - sum(fresh)
+    assert max(seen) < 0.2  # only real steps' times: milliseconds
