@@ -46,8 +46,9 @@ class StopOnSignal(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.aborted:
-            # the handler re-delivered the signal, whose KeyboardInterrupt can land inside code that swallows it
-            # (a finalizer, a library's broad except): never let the step end in a checkpoint after an abort
+            # the handler re-delivered the signal to the previous disposition, which may not end anything (SIGINT
+            # is ignored in a process a non-interactive shell started in the background), or its KeyboardInterrupt
+            # may land in code that swallows it: never let the step end in a checkpoint after an abort
             raise KeyboardInterrupt("second signal: aborted without a checkpoint")
         if self.signum is not None:
             control.should_save = True

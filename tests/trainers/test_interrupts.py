@@ -1,5 +1,6 @@
-"""trainers/interrupts.py: a second signal aborts without a checkpoint even when the KeyboardInterrupt it
-re-delivers is lost (it can land inside a finalizer or a library's broad except, which swallow it)."""
+"""trainers/interrupts.py: a second signal aborts without a checkpoint even when the signal it re-delivers
+ends nothing (SIGINT ignored: a process started in the background by a non-interactive shell) or its
+KeyboardInterrupt is lost (a finalizer or a library's broad except swallows it)."""
 import os
 import signal
 
