@@ -68,10 +68,8 @@ def _build() -> None:
     digest = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     build_dir = cache_root() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=f"rlspec_kernels_{digest}", sources=[str(SOURCE)], build_directory=str(build_dir),
-         extra_cflags=flags,
-         extra_ldflags=["-fopenmp"], is_python_module=False,
-         verbose=False)
+    load(name=f"rlspec_kernels_{digest}", sources=[str(SOURCE)], build_directory=str(build_dir), extra_cflags=flags,
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
     @torch.library.register_fake("rlspec_kernels::small_linear")
     def _(x, w, bias=None):

@@ -1,4 +1,4 @@
-// rlspec::small_linear: y = x @ w^T (+ bias) for bf16 x [M, K] with few rows (M <= 16) and bf16 w [N, K],
+// rlspec_kernels::small_linear: y = x @ w^T (+ bias) for bf16 x [M, K] with few rows (M <= 16) and bf16 w [N, K],
 // float32 accumulation, rounded once to bf16 (round to nearest even), as torch's matmul rounds.
 //
 // Why (docs/runtime.md#verify-steps-on-the-cpu): a speculative verify step at batch 1 multiplies every weight by
