@@ -21,11 +21,13 @@ Writes bench_out/step.json (and prints the tables).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 from common import math_prompts, parser, table, write_json
 from bench_engine import hf_model
+from longtail import eager_verify
 
 
 def bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
@@ -134,21 +136,15 @@ def verify_rows(args) -> list[dict]:
     import torch
 
     from rollout.engine import RolloutEngine
-    from rollout.runtime.compiled import CompiledRunner
     from rollout.runtime.model.fetch import fetch_model
 
     path = fetch_model(args.model)
     arms = {}
     for arm in ("compiled", "eager-verify"):
         eng = RolloutEngine.from_pretrained(path, dtype=args.dtype, max_num_seqs=1, compile_mode="auto")
-        saved = CompiledRunner.__dict__["cpu_max_rows"]
-        if arm == "eager-verify":
-            CompiledRunner.cpu_max_rows = staticmethod(lambda model: 1)
-        try:
-            runner = eng.runner
+        runner = eng.runner
+        with eager_verify() if arm == "eager-verify" else contextlib.nullcontext():  # the step runner is built here
             cache = runner.ensure_cache(1, args.verify_ctx + 64)
-        finally:
-            CompiledRunner.cpu_max_rows = saved
         cache.grow([(0, "bench", args.verify_ctx + 32)])
         arms[arm] = runner
     start = torch.tensor([args.verify_ctx])

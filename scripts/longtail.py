@@ -59,12 +59,8 @@ EAGER_VERIFY = "/eager-verify"  # a config name's suffix: the engine before the 
 
 
 @contextlib.contextmanager
-def verify_mode(name: str):
-    """While a `<config>/eager-verify` engine runs (it builds its step runner at each call), compile one-token
-    steps only; other configs run as the engine does."""
-    if not name.endswith(EAGER_VERIFY):
-        yield
-        return
+def eager_verify():
+    """While it lasts, step runners built compile one-token steps only: the engine before the CPU verify kernel."""
     from rollout.runtime.compiled import CompiledRunner
 
     saved = CompiledRunner.__dict__["cpu_max_rows"]
@@ -73,6 +69,12 @@ def verify_mode(name: str):
         yield
     finally:
         CompiledRunner.cpu_max_rows = saved
+
+
+def verify_mode(name: str):
+    """eager_verify() while a `<config>/eager-verify` engine runs (it builds its step runner at each call); other
+    configs run as the engine does."""
+    return eager_verify() if name.endswith(EAGER_VERIFY) else contextlib.nullcontext()
 
 
 def make_engine(name, path, dtype, tokenizer, eos, rows, drafter_path=None):
