@@ -289,10 +289,9 @@ class RolloutEngine:
             # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
             drafted, accepted = [0 if r else n for n, r in zip(drafted, routed)], \
                 [0 if r else a for a, r in zip(accepted, routed)]
-        elif not self.runner.steps.fresh:  # a step that compiled its shape first is no measure of its cost
+        elif not self.runner.fresh:  # a step that compiled its shape first is no measure of its cost
             self.speculation.observe_step(arm, len(live), t2 - t1, t1 - t0, drafted, accepted)
-        self._metrics.record_verify(arm.drafter, drafted, accepted, t1 - t0,
-                                    None if self.runner.steps.fresh else t2 - t1)
+        self._metrics.record_verify(arm.drafter, drafted, accepted, t1 - t0, None if self.runner.fresh else t2 - t1)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 

@@ -109,29 +109,19 @@ class CompiledRunner(EagerRunner):
         t = bucket_for(T, self.t_buckets)
         cpu_eager = self.max_rows is not None and not ((B == 1 and t <= self.max_rows) or
                                                        (t == 1 and B <= min(self.max_rows, CPU_MAX_DECODE_BATCH)))
-        self.fresh = False
         if t is None or int(start.max()) + t > self.cache.length or cpu_eager:
             self.counts["eager"] += 1
             return super().run(tokens, start, depths, tree_mask, hidden_layers)
         if t != T:
             tokens, start, depths, tree_mask = pad_batch(tokens, start, depths, tree_mask, B, t)
         self.counts["compiled"] += 1
-        frames = _compiled_frames()
         key = (B > 1, t)
         call = self.layer_call if key in self.seen else _marking(self.layer_call, B > 1)
         self.seen.add(key)
         logits, hiddens = super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=call)
-        self.fresh = _compiled_frames() != frames  # dynamo compiled (or loaded) a graph inside this step
         if t != T:
             logits, hiddens = logits[:, :T], {i: h[:, :T] for i, h in hiddens.items()}
         return logits, hiddens
-
-
-def _compiled_frames() -> int:
-    """How many frames dynamo has compiled in this process (first compiles and recompiles alike)."""
-    from torch._dynamo.utils import counters
-
-    return counters["frames"]["ok"]
 
 
 def _marking(call, batched: bool):

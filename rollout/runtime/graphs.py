@@ -126,9 +126,7 @@ def _to(x, device):
 class EagerRunner:
     """The step forward without graphs: on CPU, and for every shape a GraphPool did not capture."""
 
-    # True when the last run also compiled or captured its shape (its first use): its time is no step's cost,
-    # and the selectors' cost model must not learn it (rollout/engine.py)
-    fresh = False
+    fresh = False  # a GraphPool's last run captured its graph first (ModelRunner.step reads it)
 
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device):
         self.model, self.cache, self.device = model, cache, torch.device(device)
@@ -232,7 +230,7 @@ class GraphPool:
     those warm-ups write positions 0..t-1 of rows 0..b-1. backend "emulate" replays by calling (tests).
     """
 
-    fresh = False  # as EagerRunner.fresh: the last run captured its graph first
+    fresh = False  # the last run captured its graph first: seconds that are no step's cost (ModelRunner.step)
 
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, device, capture_mode: str = "lazy",
                  max_rows: int | None = None, max_t: int = 16, hidden_layers=(), backend: str = "cuda",
@@ -283,9 +281,7 @@ class GraphPool:
         self.fresh = False
         if key is None:
             self.counts["eager"] += 1
-            out = self.eager.run(tokens, start, depths, tree_mask, hidden_layers)
-            self.fresh = getattr(self.eager, "fresh", False)
-            return out
+            return self.eager.run(tokens, start, depths, tree_mask, hidden_layers)
         b, t, _ = key
         self.static.load(b, t, pad_batch(tokens, start, depths, tree_mask, b, t))
         self.fresh = key not in self.graphs

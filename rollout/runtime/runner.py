@@ -5,6 +5,8 @@ paged KV cache (sized by a KVBudget); knows nothing of sequences, drafters or st
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from rollout.runtime.compiled import CompiledRunner, compiled_layer_call, resolve_compile
@@ -29,6 +31,7 @@ class ModelRunner:
         self.cache: PagedKVCache | None = None
         self.steps = None  # EagerRunner or GraphPool over self.cache; rebuilt with it
         self.kv_peak_blocks = 0  # most blocks the last released pool held: where a growing pool starts
+        self.fresh = False  # the last step compiled or captured (step)
 
     def ensure_cache(self, rows: int, length: int, extra_layers: int = 0, min_positions: int = 0,
                      side: SideSpec | None = None) -> PagedKVCache:
@@ -97,5 +100,18 @@ class ModelRunner:
         tokens [B, T] long; start [B] long. A chain by default; a tree passes depths [B, T]
         (RoPE offsets) and tree_mask [B, T, T] bool (node t may see node s). Returns
         (logits [B, T, V] float32, hiddens). On CUDA a captured graph replays when one fits.
+        Sets `fresh` when dynamo compiled (a shape's first use, a recompile: compiled layers, FlexAttention) or
+        a CUDA graph was captured during the step: seconds that are no step's cost, which the selectors' cost
+        model must not learn (rollout/engine.py).
         """
-        return self.steps.run(tokens, start, depths, tree_mask, hidden_layers)
+        frames = compiled_frames()
+        out = self.steps.run(tokens, start, depths, tree_mask, hidden_layers)
+        self.fresh = self.steps.fresh or compiled_frames() != frames
+        return out
+
+
+def compiled_frames() -> int:
+    """How many frames dynamo has compiled in this process (first compiles and recompiles alike); 0 while
+    dynamo was never imported, which then costs nothing to ask."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils.counters["frames"]["ok"] if utils is not None else 0

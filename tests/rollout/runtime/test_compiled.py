@@ -77,16 +77,16 @@ def test_a_step_that_compiles_is_marked_fresh():
 
     torch._dynamo.reset()  # other tests compiled these shapes already
     runner, lens = _runner(rows=8, length=64, n_prompts=5)
-    comp = CompiledRunner(runner.model, runner.cache, "cpu")
-    comp.run(_tokens(1, 1), lens[:1])
-    assert comp.fresh
-    comp.run(_tokens(1, 1, seed=1), lens[:1] + 1)
-    assert not comp.fresh
-    comp.run(_tokens(1, 3), lens[:1] + 2)  # a new bucket (t = 4)
-    assert comp.fresh
+    runner.steps = comp = CompiledRunner(runner.model, runner.cache, "cpu")
+    runner.step(_tokens(1, 1), lens[:1])
+    assert runner.fresh
+    runner.step(_tokens(1, 1, seed=1), lens[:1] + 1)
+    assert not runner.fresh
+    runner.step(_tokens(1, 3), lens[:1] + 2)  # a new bucket (t = 4)
+    assert runner.fresh
     EagerRunner.run(comp, _tokens(1, 1), lens[:1] + 5)
-    comp.run(_tokens(2, 33), lens[:2])  # no bucket: eager, never fresh
-    assert not comp.fresh and comp.counts["eager"] == 1
+    runner.step(_tokens(2, 33), lens[:2])  # no bucket: eager, never fresh
+    assert not runner.fresh and comp.counts["eager"] == 1
 
 
 def test_the_selector_never_learns_a_compiling_steps_time(monkeypatch):
@@ -107,9 +107,9 @@ def test_the_selector_never_learns_a_compiling_steps_time(monkeypatch):
     def slow_first_steps(*a, **k):
         out = step(*a, **k)
         if len(fresh) % 2 == 0:  # as if this step had compiled its shape
-            eng.runner.steps.fresh = True
+            eng.runner.fresh = True
             time.sleep(0.3)
-        fresh.append(eng.runner.steps.fresh)
+        fresh.append(eng.runner.fresh)
         return out
 
     monkeypatch.setattr(eng.runner, "step", slow_first_steps)
