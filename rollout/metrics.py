@@ -42,7 +42,8 @@ class RolloutMetrics:
     accepted: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify -> count
     per_drafter: dict = field(default_factory=dict)  # name -> [drafted, accepted, verifies, draft seconds]
-    plain_steps: list[float] = field(default_factory=lambda: [0, 0.0])  # [steps without drafts, their seconds]
+    plain_steps: int = 0  # timed steps without drafts
+    plain_seconds: float = 0.0  # and their seconds
     kv_blocks_used: int = 0  # most KV blocks held at once (paged cache, kv_cache.py)
     kv_shared_blocks: int = 0  # block references a prompt's samples shared instead of allocating
     preemptions: int = 0  # sequences that gave their blocks back to make room (scheduler.py)
@@ -68,8 +69,8 @@ class RolloutMetrics:
         self.steps += 1
         if sum(drafted) == 0:
             if step_s is not None:
-                self.plain_steps[0] += 1
-                self.plain_steps[1] += step_s
+                self.plain_steps += 1
+                self.plain_seconds += step_s
             return
         self.spec_steps += 1
         d = self.per_drafter.setdefault(drafter, [0, 0, 0, 0.0])
@@ -105,7 +106,7 @@ class RolloutMetrics:
             out[ACCEPT_RATE] = self.accepted / max(self.drafted, 1)
             for a, c in sorted(self.accept_hist.items()):
                 out[f"rollout/accept_hist/{a}"] = c / verifies
-        plain_ms = self.plain_steps[1] / self.plain_steps[0] * 1e3 if self.plain_steps[0] else None
+        plain_ms = self.plain_seconds / self.plain_steps * 1e3 if self.plain_steps else None
         if plain_ms is not None:
             out[PLAIN_STEP_MS] = plain_ms
         for name, (n, a, v, secs) in self.per_drafter.items():
