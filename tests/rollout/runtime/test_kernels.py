@@ -10,9 +10,8 @@ from rollout.runtime.compiled import CompiledRunner
 from rollout.runtime.graphs import EagerRunner
 from rollout.runtime.model import kernels
 from rollout.runtime.model.loader import from_hf_model
-from rollout.runtime.runner import ModelRunner
-from tests.conftest import make_tiny_hf, random_prompts
-from tests.rollout.runtime.test_graphs import _tokens, _tree
+from tests.conftest import make_tiny_hf
+from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")
 
@@ -53,12 +52,7 @@ def test_small_linear_keeps_leading_dims_and_reads_strided_inputs():
 
 
 def _bf16_runner():
-    model = from_hf_model(make_tiny_hf("llama"), torch.bfloat16, "cpu")
-    runner = ModelRunner(model, "cpu", torch.bfloat16, compile_mode="on")
-    runner.ensure_cache(8, 64).reserve_rows(8, 64)
-    prompts = random_prompts(4, 3, 12, seed=3)
-    runner.prefill(prompts, list(range(4)))
-    return runner, torch.tensor([len(p) for p in prompts])
+    return _runner(rows=8, length=64, n_prompts=4, dtype=torch.bfloat16, compile_mode="on")
 
 
 @needs_kernel
