@@ -29,6 +29,7 @@ import torch
 
 from rollout.engine import RolloutEngine
 from rollout.runtime.graphs import EagerRunner, GraphPool
+from rollout.runtime.runner import compiled_frames
 from rollout.types import SamplingParams
 
 # (transformers config class, shape, new tokens per sequence): fewer tokens for the larger models
@@ -146,10 +147,6 @@ def bench_engine(engine, prompts, batches, N: int, device, args, left) -> list[d
     """Engine tokens/s, step times eager vs graph, bandwidth, per batch; `left()` is the time budget left."""
     greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     engine.generate(prompts.tolist(), greedy)  # allocates the cache (all rows) and its graph pool
-    model, cache = engine.runner.model, engine.runner.cache
-    pool = engine.runner.steps if isinstance(engine.runner.steps, GraphPool) else \
-        GraphPool(model, cache, device, max_t=1, backend="emulate")  # CPU smoke: the pool's plumbing
-    eager = EagerRunner(model, cache, device)
     ctx = args.prompt_len + N // 2
     rows = []
     for B in batches:
@@ -157,18 +154,36 @@ def bench_engine(engine, prompts, batches, N: int, device, args, left) -> list[d
             break
         ids = prompts[:B].tolist()
         engine.generate(ids, greedy)  # captures this batch's graph, compiles its attention kernel
+        before = _step_counts(engine)
         secs = timed(lambda: engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=N,
                                                                  ignore_eos=True)), device)[1]
+        # what the timed call spent besides replays: compiles, captures, eager steps, a new pool
+        during = {k: v - before.get(k, 0) for k, v in _step_counts(engine).items()}
+        during["new_pool"] = bool(during.pop("pool"))
+        # the engine may have replaced its pool (and the graphs over it) during the calls: time the current one
+        model, cache = engine.runner.model, engine.runner.cache
+        pool = engine.runner.steps if isinstance(engine.runner.steps, GraphPool) else \
+            GraphPool(model, cache, device, max_t=1, backend="emulate")  # CPU smoke: the pool's plumbing
+        eager = EagerRunner(model, cache, device)
         tokens, start = prompts[:B, :1].cpu(), torch.full((B,), ctx)
         eager_s = time_steps(eager.run, tokens, start, args.iters, device, warmup=2)
         graph_s = time_steps(pool.run, tokens, start, args.iters, device, warmup=2)
         moved = weight_bytes(model) + kv_bytes(model, B, ctx + 1, cache.k.dtype)
         rows.append(dict(batch=B, engine_tok_s=B * N / secs, step_eager_ms=eager_s * 1e3,
                          step_graph_ms=graph_s * 1e3, graph_speedup=eager_s / graph_s,
-                         achieved_gbs=moved / graph_s / 1e9, bytes_per_step=moved))
+                         achieved_gbs=moved / graph_s / 1e9, bytes_per_step=moved, timed_call=during))
         print(f"  batch {B}: engine {rows[-1]['engine_tok_s']:.0f} tok/s, step eager {eager_s * 1e3:.2f} ms, "
-              f"graph {graph_s * 1e3:.2f} ms, {rows[-1]['achieved_gbs']:.0f} GB/s", flush=True)
+              f"graph {graph_s * 1e3:.2f} ms, {rows[-1]['achieved_gbs']:.0f} GB/s; timed call: {during}", flush=True)
     return rows
+
+
+def _step_counts(engine) -> dict[str, int]:
+    """Counters of the engine's step runner: dynamo compiles, graph replays/captures/eager steps, and the
+    KV pool's identity and generation (a new pool or a grown one drops the graphs over it)."""
+    runner = engine.runner
+    counts = dict(getattr(runner.steps, "counts", {}))
+    counts.update(compiles=compiled_frames(), pool=id(runner.cache), pool_generation=runner.cache.generation)
+    return counts
 
 
 def bench_model(name: str, args, device, dtype, peak_gbs: float, left) -> tuple[list[dict], dict]:

@@ -5,6 +5,7 @@ paged KV cache (sized by a KVBudget); knows nothing of sequences, drafters or st
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -42,8 +43,12 @@ class ModelRunner:
         layers = self.model.cfg.num_layers + extra_layers
         side = dict(side or {})
         old = self.cache
+        # paged FlexAttention maps its 128-position blocks one to one onto the pool's blocks; the budget then
+        # counts in those blocks (counting in its own 16-position ones asked 8x the positions: gpu-check)
+        bs = BLOCK if use_flex(self.device) else self.budget.block_size
+        budget = dataclasses.replace(self.budget, block_size=bs)
         if old is not None and old.fits(rows, length) and old.layers == layers and old.side_spec == side \
-                and old.refit(self.budget, max(min_positions, 1), self.device):
+                and old.block_size == bs and old.refit(budget, max(min_positions, 1), self.device):
             return old
         rows = max(rows, old.rows if old else 0)
         length = max(length, old.length if old else 0)
@@ -51,13 +56,11 @@ class ModelRunner:
             length = -(-length // BLOCK) * BLOCK
         self.release()  # graphs hold the old cache/RoPE addresses: drop them, and the old pool, first
         del old
-        # paged FlexAttention maps its 128-position blocks one to one onto the pool's blocks
-        bs = BLOCK if use_flex(self.device) else self.budget.block_size
         per_block = block_bytes(self.model.cfg, layers, bs, self.dtype) + side_bytes(side, bs)
-        size = self.budget.pool_size(per_block, rows, length, max(min_positions, 1), self.device, self.kv_peak_blocks)
+        size = budget.pool_size(per_block, rows, length, max(min_positions, 1), self.device, self.kv_peak_blocks)
         self.cache = PagedKVCache(self.model.cfg, rows, length, size.blocks, bs, self.dtype, self.device, extra_layers,
                                   side)
-        self.cache.set_ceiling(size.max_blocks, lambda: self.budget.headroom(self.device))
+        self.cache.set_ceiling(size.max_blocks, lambda: budget.headroom(self.device))
         self.model.init_rope(self.cache.length)
         self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode,
                                       compiled_layer_call() if self.compiled else None, max_t=self.max_graph_t)

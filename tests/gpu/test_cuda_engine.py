@@ -164,7 +164,8 @@ def test_eagle3_drafter_trains_on_cuda_and_stays_exact():
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     ref = plain(hf, prompts, params)
     eng = eagle_engine(hf, k=4)
-    trainer = DrafterTrainer(eng.drafters.learned, lr=3e-3, batch=8, window=32, min_tokens=64, publish_every=20)
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, lr=3e-3, batch=8, window=32,
+                                                            min_tokens=64, publish_every=20))
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
     first = trainer.train_steps(1)
     last = trainer.train_steps(100)

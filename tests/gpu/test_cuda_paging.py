@@ -39,14 +39,19 @@ def test_paged_flex_equals_gathered_dense_eager_and_in_graphs(shape):
     assert pool.counts["replays"] == 2
 
 
-@pytest.mark.parametrize("spec", [None, SpecConfig(drafter="eagle3", num_draft_tokens=3, tree_width=2,
-                                                   selector="always", online_training=False)], ids=["plain", "eagle3"])
-def test_greedy_with_graphs_under_forced_preemption_equals_transformers(spec):
+@pytest.mark.parametrize("spec,blocks", [(None, 3), (SpecConfig(drafter="eagle3", num_draft_tokens=3, tree_width=2,
+                                                              selector="always", online_training=False), 6)],
+                         ids=["plain", "eagle3"])
+def test_greedy_with_graphs_under_forced_preemption_equals_transformers(spec, blocks):
+    """Every sequence outgrows one 128-position block. Admission keeps a block of headroom per live
+    sequence, so plain decoding runs one group (2 samples) at a time: 3 blocks force a preemption where 6
+    never do (as on a CPU with kv_block_size=128); EAGLE-3's side buffers make its blocks larger."""
     hf = make_tiny_hf("llama", seed=2).cuda()
     prompts = random_prompts(8, 2, 60, seed=3)
     layers = 2 + (spec is not None)
     block = 2 * layers * 128 * 2 * 16 * 4  # 128-position blocks on CUDA, 2 KV heads x 16, float32
-    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], kv_memory_gb=6 * block / 2**30)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2],
+                        kv_memory_gb=blocks * block / 2**30)
     got = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=150, n=2))
     stats = eng.stats()
     assert stats["rollout/preemptions"] > 0

@@ -282,8 +282,13 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMas
 
 def _mark_shapes(q, k, v, mask: AttnMask) -> None:
     """Batch dynamic, query count static: one compile serves every batch bucket, one per t bucket.
-    Batch 1 stays static (torch.compile specialises sizes of 1 anyway)."""
-    from torch._dynamo import mark_dynamic, mark_static
+    Batch 1 stays static (torch.compile specialises sizes of 1 anyway). Inside a compiled layer
+    (runtime/compiled.py) flex is traced into the layer's graph, whose own shapes rule: marking there is
+    an error. `maybe_`: where torch specialises the batch anyway (flex compares q's batch with the paged
+    pool's expanded one, a constant, in torch 2.11), it compiles per batch instead of failing."""
+    if torch.compiler.is_compiling():
+        return
+    from torch._dynamo import mark_static, maybe_mark_dynamic
 
     bm = mask.block
     kv = [k, v] if k.stride(0) else []  # the paged pool's stride-0 batch stays as it is
@@ -294,7 +299,7 @@ def _mark_shapes(q, k, v, mask: AttnMask) -> None:
     if q.shape[0] > 1 and not (mask.table is not None and q.device.type == "cpu"):
         for x in batched:
             if x is not None:  # the q-side tables exist for the backward; torch may leave them out
-                mark_dynamic(x, 0)
+                maybe_mark_dynamic(x, 0)
     mark_static(q, 2)
     mark_static(mask.tree, 1)
     mark_static(mask.tree, 2)

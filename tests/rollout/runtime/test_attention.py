@@ -131,10 +131,14 @@ BLOCK_ = attention.BLOCK
 
 
 @needs_compiler
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-layer"])
 @pytest.mark.parametrize("shape", ["decode", "tree"])
-def test_paged_flex_reads_the_pool_through_the_block_table(shape):
+def test_paged_flex_reads_the_pool_through_the_block_table(shape, compiled):
     """CUDA's path: FlexAttention over the whole pool with physical block indices (no gather) equals the
-    dense attention over each row's gathered blocks."""
+    dense attention over each row's gathered blocks; also inside the compiled layer (runtime/compiled.py),
+    where the flex call is traced rather than called (`make gpu-check` found it failing there first)."""
+    from rollout.runtime.compiled import compiled_layer_call
+
     runner, lens = _paged_runner()
     cache = runner.cache
     T = 1 if shape == "decode" else 4
@@ -143,7 +147,7 @@ def test_paged_flex_reads_the_pool_through_the_block_table(shape):
     ref, ref_h = EagerRunner(runner.model, cache, "cpu").run(tokens, lens, depths, tree, hidden_layers=(1,))
     fb = build_step_batch(tokens, lens, cache, cache.length, depths, tree, flex=True)
     assert fb.blocks is None and fb.attn.table is not None and fb.attn.block is not None
-    got, got_h = runner.model(fb, cache.k, cache.v, (1,))
+    got, got_h = runner.model(fb, cache.k, cache.v, (1,), layer_call=compiled_layer_call() if compiled else None)
     assert attention.flex_error() is None, attention.flex_error()
     assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
     assert torch.allclose(got_h[1], ref_h[1], atol=1e-5, rtol=0)

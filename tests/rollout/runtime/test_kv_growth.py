@@ -155,6 +155,23 @@ def test_graphs_over_a_grown_pool_are_dropped_and_captured_again():
     assert pool.drops == 1 and pool.counts["captures"] == 2 and torch.allclose(got, ref, atol=1e-5, rtol=0)
 
 
+def test_a_flex_pool_counts_its_budget_in_its_own_128_position_blocks(monkeypatch):
+    """CUDA's pool (paged FlexAttention) has 128-position blocks whatever the budget's block size: a budget
+    of 6 such blocks holds a 209-position sequence (2 blocks). Counted in 16-position blocks it asked for
+    14 and refused (found by `make gpu-check`); on a CPU the dispatch is forced to flex's pool here."""
+    import rollout.runtime.runner as runner_mod
+    from rollout.runtime.kv_cache import block_bytes
+    from rollout.runtime.model.attention import BLOCK
+
+    model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, "cpu")
+    budget = KVBudget(memory_gb=6 * block_bytes(model.cfg, 2, BLOCK, torch.float32) / 2**30)
+    runner = ModelRunner(model, "cpu", torch.float32, budget=budget)
+    monkeypatch.setattr(runner_mod, "use_flex", lambda device: True)
+    cache = runner.ensure_cache(16, 256, min_positions=209)
+    assert cache.block_size == BLOCK and cache.alloc.capacity * BLOCK >= 209
+    assert runner.ensure_cache(16, 256, min_positions=250) is cache  # and the kept pool refits in its blocks
+
+
 # ---- the engine ---------------------------------------------------------------------------------------
 def _engine(hf, spec=None, **kw):
     return RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], kv_block_size=BS, **kw)
