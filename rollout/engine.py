@@ -157,6 +157,7 @@ class RolloutEngine:
             for i, p in enumerate(prompt_token_ids) for j in range(params.n)
         ]
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
+        self.runner.refresh_weights()
         cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(),
                                          self.speculation.extra_kv_layers, min_positions=longest,
                                          side=self.speculation.side_buffers)

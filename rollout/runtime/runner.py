@@ -15,7 +15,7 @@ from rollout.runtime.graphs import MODES, EagerRunner, make_step_runner
 from rollout.runtime.kv_budget import KVBudget
 from rollout.runtime.kv_cache import PagedKVCache, SideSpec, block_bytes, side_bytes
 from rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
-from rollout.runtime.model.linear import pack_linears
+from rollout.runtime.model.linear import pack_linears, refresh_linears
 from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 
@@ -25,7 +25,7 @@ class ModelRunner:
         if graph_mode not in MODES:  # fail at construction, not at the first generate()
             raise ValueError(f"graph_mode must be one of {MODES}, got {graph_mode!r}")
         self.compiled = resolve_compile(compile_mode, device, dtype)
-        pack_linears(model)  # CPU bf16: oneDNN copies of the weights (model/linear.py)
+        pack_linears(model, blocked=self.compiled)  # CPU bf16: the weights' fast copies (model/linear.py)
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.graph_mode, self.max_graph_t = graph_mode, max_graph_t
         self.budget = budget or KVBudget()
@@ -67,6 +67,11 @@ class ModelRunner:
         if self.compiled and type(self.steps) is EagerRunner:  # no CUDA graphs: compiled steps on their own
             self.steps = CompiledRunner(self.model, self.cache, self.device)
         return self.cache
+
+    def refresh_weights(self) -> None:
+        """Bring the weights' packed copies up to date (a sync or an in-place update may have changed them);
+        once per generate call: compiled steps cannot check them (model/linear.py)."""
+        refresh_linears(self.model)
 
     def release(self) -> None:
         """Give the pool (and the graphs over it) back, e.g. to the policy update between rollouts; the next

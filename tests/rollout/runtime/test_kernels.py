@@ -40,6 +40,22 @@ def test_small_linear_is_the_rounded_exact_product(M, N, K, bias):
     ulps = _bf16_ulps(got, exact)
     assert ulps.max() <= 1.0
     assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.99
+    # the blocked layout (zero-padded to 8 rows x 32 elements) makes the same products in the same order
+    packed = kernels.pack(w)
+    assert packed.shape == (-(-N // 8), -(-K // 32), 8, 32)
+    assert torch.equal(kernels.packed_linear(x, packed, b, N), got)
+
+
+@needs_kernel
+def test_pack_rewrites_in_place_and_packed_linear_refuses_a_foreign_layout():
+    w = torch.randn(20, 40).bfloat16()
+    packed = kernels.pack(w)
+    w2 = torch.randn(20, 40).bfloat16()
+    assert kernels.pack(w2, packed) is packed  # compiled steps hold the tensor: a refresh keeps it
+    x = torch.randn(3, 40).bfloat16()
+    assert torch.equal(kernels.packed_linear(x, packed, None, 20), kernels.small_linear(x, w2))
+    with pytest.raises(RuntimeError, match="pack"):
+        kernels.packed_linear(x, w2, None, 20)  # a row-major weight is not the blocked layout
 
 
 @needs_kernel
@@ -74,7 +90,7 @@ def test_compiled_bf16_verify_steps_use_the_kernel_and_match_eager(B, T, tree):
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         got = runner.step(tokens, start, depths, mask)[0]
     assert runner.steps.counts == {"compiled": 1, "eager": 0}
-    assert any(e.key == "rlspec_kernels::small_linear" for e in prof.key_averages())
+    assert any(e.key == "rlspec_kernels::packed_linear" for e in prof.key_averages())
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
@@ -121,3 +137,25 @@ def test_compiled_bf16_batched_decode_step_matches_eager():
     got = runner.step(tokens, lens)[0]
     assert runner.steps.counts == {"compiled": 1, "eager": 0}
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
+
+
+@needs_kernel
+def test_compiled_steps_follow_a_weight_sync():
+    """Compiled steps read the kernel's blocked copies of the weights, which a sync must rewrite: after
+    load_weights an engine samples what an engine built on the new weights samples."""
+    from rollout.engine import RolloutEngine
+    from rollout.types import SamplingParams
+    from tests.conftest import random_prompts
+
+    old, new = make_tiny_hf("llama", seed=0), make_tiny_hf("llama", seed=1)
+    prompts, params = random_prompts(3, 4, 9, seed=5), SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+    def engine(hf):
+        return RolloutEngine(from_hf_model(hf, torch.bfloat16), None, compile_mode="on", eos_token_ids=[2])
+
+    synced, fresh = engine(old), engine(new)
+    before = [r.completion_ids for r in synced.generate(prompts, params)]
+    synced.load_weights(new.state_dict().items())
+    after = [r.completion_ids for r in synced.generate(prompts, params)]
+    assert after == [r.completion_ids for r in fresh.generate(prompts, params)] and after != before
+    assert isinstance(synced.runner.steps, CompiledRunner) and synced.runner.steps.counts["compiled"] > 0

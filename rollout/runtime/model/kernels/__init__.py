@@ -75,6 +75,10 @@ def _build() -> None:
     def _(x, w, bias=None):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
+    @torch.library.register_fake("rlspec_kernels::packed_linear")
+    def _(x, wp, bias, N):
+        return x.new_empty(*x.shape[:-1], N)
+
     _loaded = True
 
 
@@ -90,3 +94,24 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.rlspec_kernels.small_linear(x, weight, bias)
+
+
+BLOCK_ROWS, BLOCK_K = 8, 32  # small_gemm.cpp's NB and its 32-element step
+
+
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight [N, K] in packed_linear's layout [ceil(N/8), ceil(K/32), 8, 32], zero-padded: each block of 8 rows
+    one contiguous stream. out: a tensor of that shape to write into (keeping its identity, which compiled
+    steps hold), else a new one."""
+    N, K = weight.shape
+    nb, kc = -(-N // BLOCK_ROWS), -(-K // BLOCK_K)
+    padded = torch.nn.functional.pad(weight.detach(), (0, kc * BLOCK_K - K, 0, nb * BLOCK_ROWS - N))
+    blocked = padded.view(nb, BLOCK_ROWS, kc, BLOCK_K).transpose(1, 2)
+    if out is None:
+        return blocked.contiguous()
+    return out.copy_(blocked)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x @ W^T (+ bias) from pack(W): the same bits as small_linear(x, W, bias), read at a contiguous stream's speed."""
+    return torch.ops.rlspec_kernels.packed_linear(x, packed, bias, out_features)

@@ -1,18 +1,24 @@
-// rlspec_kernels::small_linear: y = x @ w^T (+ bias) for bf16 x [M, K] with few rows (M <= 16) and bf16 w [N, K],
-// float32 accumulation, rounded once to bf16 (round to nearest even), as torch's matmul rounds.
+// rlspec_kernels: y = x @ w^T (+ bias) for bf16 x [M, K] with few rows (M <= 16) and bf16 w [N, K], float32
+// accumulation, rounded once to bf16 (round to nearest even), as torch's matmul rounds. Two entry points:
+//   small_linear(x, w, bias)          w row-major [N, K], as a module holds it;
+//   packed_linear(x, wp, bias, N)     w in the blocked layout of `pack`: [ceil(N/8), ceil(K/32), 8, 32], zero-padded.
+// Both compute the same products in the same order, so they agree bit for bit.
 //
 // Why (docs/runtime.md#verify-steps-on-the-cpu): a speculative verify step at batch 1 multiplies every weight by
 // 2-16 rows. oneDNN reorders the weight on every unpacked call (~8 GB/s), and inside a compiled step inductor
 // cannot use pre-packed weights, so a compiled verify step ran at a third of the memory bandwidth. This kernel
-// reads each weight once per call, straight from its row-major layout, and multiplies it by every row while it
-// sits in L1: bandwidth-bound like a decode step for M up to ~8. AVX-512 BF16 (vdpbf16ps: 32 bf16 products into
-// 16 float32 lanes per instruction); built on first use only where the CPU has it (kernels/__init__.py).
+// reads each weight once per call and multiplies it by every row while it sits in L1. Row-major, a block of 8
+// weight rows is 8 strided streams (~20 GB/s on the development machine); blocked, each thread reads one
+// contiguous stream, which the hardware prefetcher follows at ~30 GB/s (bench_out/step.json). AVX-512 BF16
+// (vdpbf16ps: 32 bf16 products into 16 float32 lanes per instruction); built on first use only where the CPU
+// has it (kernels/__init__.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace {
@@ -59,10 +65,26 @@ void row(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y
   }
 }
 
-// Weight rows n0 .. n0 + NB - 1 against every input row, MB input rows at a time.
-void block(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N, int64_t K,
-           int64_t n0) {
-  const uint16_t* w0 = w + n0 * K;
+// Where weight row n0 + j's elements k .. k + 31 live. RowMajor: the module's [N, K]; its last 32-element step is
+// read masked, and a software prefetch two blocks ahead helps its strided streams (+7%). Blocked: `pack`'s layout,
+// one contiguous stream per block, zero-padded (so never masked), no prefetch (the hardware's is better).
+struct RowMajor {
+  const uint16_t* w;
+  int64_t K;
+  static constexpr bool padded = false;
+  const uint16_t* at(int64_t n0, int j, int64_t k) const { return w + (n0 + j) * K + k; }
+};
+struct Blocked {
+  const uint16_t* w;
+  int64_t KC;  // 32-element steps per row, K rounded up
+  static constexpr bool padded = true;
+  const uint16_t* at(int64_t n0, int j, int64_t k) const { return w + ((n0 / NB * KC + k / 32) * NB + j) * 32; }
+};
+
+// Weight rows n0 .. n0 + valid - 1 (valid <= NB) against every input row, MB input rows at a time.
+template <typename W>
+void block(const uint16_t* x, W w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+           int valid) {
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t mm = M - m0 < MB ? M - m0 : MB;
     __m512 acc[MB][NB];
@@ -72,11 +94,10 @@ void block(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t*
     // then one masked step for K % 32
     auto step = [&](int64_t k, __mmask32 mk, bool masked) {
       __m512bh wv[NB];
-      for (int j = 0; j < NB; j++) wv[j] = masked ? load(w0 + j * K + k, mk) : load(w0 + j * K + k);
-      // the block after next, on the first pass over this one: +7% bandwidth (a prefetch past the end of the
-      // weight does not fault)
-      if (m0 == 0)
-        for (int j = 0; j < NB; j++) _mm_prefetch(reinterpret_cast<const char*>(w0 + (PREFETCH * NB + j) * K + k), _MM_HINT_T0);
+      for (int j = 0; j < NB; j++) wv[j] = masked && !W::padded ? load(w.at(n0, j, k), mk) : load(w.at(n0, j, k));
+      if (!W::padded && m0 == 0)  // a prefetch past the end of the weight does not fault
+        for (int j = 0; j < NB; j++)
+          _mm_prefetch(reinterpret_cast<const char*>(w.at(n0 + PREFETCH * NB, j, k)), _MM_HINT_T0);
       for (int i = 0; i < MB; i++) {
         if (i >= mm) break;
         __m512bh xv = masked ? load(x + (m0 + i) * K + k, mk) : load(x + (m0 + i) * K + k);
@@ -89,41 +110,80 @@ void block(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t*
     for (int i = 0; i < mm; i++) {
       float s[NB];
       for (int q = 0; q < NB; q += 4) hsum4(acc[i][q], acc[i][q + 1], acc[i][q + 2], acc[i][q + 3], s + q);
-      for (int j = 0; j < NB; j++)
+      for (int j = 0; j < valid; j++)
         y[(m0 + i) * N + n0 + j] = store_bf16(s[j] + (bias ? bf16_to_float(bias[n0 + j]) : 0.f));
     }
   }
+}
+
+// The bias as a raw pointer (nullptr: none), checked against N.
+const uint16_t* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N, "rlspec_kernels: bias bf16 [N]");
+  keep = bias->contiguous();
+  return reinterpret_cast<const uint16_t*>(keep.data_ptr());
+}
+
+// Blocks [0, blocks) over torch's thread pool: at least ~64 KB of weights per task, so that small layers do not
+// pay for waking threads.
+template <typename F>
+void over_blocks(int64_t blocks, int64_t K, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (NB * K * 2));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) f(b);
+  });
+}
+
+at::Tensor out_like(const at::Tensor& x, const at::Tensor& y, int64_t N) {
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
 }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "small_linear: bf16 only");
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "small_linear: x [..., K], w [N, K]");
   const int64_t K = w.size(1), N = w.size(0);
-  at::Tensor xc = x.reshape({-1, K}).contiguous(), wc = w.contiguous();
+  at::Tensor xc = x.reshape({-1, K}).contiguous(), wc = w.contiguous(), bc;
   const int64_t M = xc.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N, "small_linear: bias bf16 [N]");
-    bc = bias->contiguous();
-  }
   auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-  auto* bp = bc.defined() ? reinterpret_cast<const uint16_t*>(bc.data_ptr()) : nullptr;
+  const RowMajor wl{reinterpret_cast<const uint16_t*>(wc.data_ptr()), K};
+  const uint16_t* bp = bias_ptr(bias, N, bc);
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t blocks = N / NB;
-  // at least ~64 KB of weights per task, so small layers do not pay for waking threads
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (NB * K * 2));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b++) block(xp, wp, bp, yp, M, N, K, b * NB);
+  over_blocks(blocks, K, [&](int64_t b) { block(xp, wl, bp, yp, M, N, K, b * NB, NB); });
+  for (int64_t n = blocks * NB; n < N; n++) row(xp, wl.w, bp, yp, M, N, K, n);
+  return out_like(x, y, N);
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
+                         int64_t N) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16, "packed_linear: bf16 only");
+  const int64_t K = x.size(-1), KC = (K + 31) / 32, blocks = (N + NB - 1) / NB;
+  TORCH_CHECK(wp.dim() == 4 && wp.size(0) == blocks && wp.size(1) == KC && wp.size(2) == NB && wp.size(3) == 32 &&
+                  wp.is_contiguous(),
+              "packed_linear: wp must be pack(w) of a [N, K] weight: [ceil(N/8), ceil(K/32), 8, 32], contiguous");
+  at::Tensor xc = x.reshape({-1, K}).contiguous(), bc;
+  const int64_t M = xc.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const Blocked wl{reinterpret_cast<const uint16_t*>(wp.data_ptr()), KC};
+  const uint16_t* bp = bias_ptr(bias, N, bc);
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  over_blocks(blocks, K, [&](int64_t b) {
+    block(xp, wl, bp, yp, M, N, K, b * NB, static_cast<int>(std::min<int64_t>(NB, N - b * NB)));
   });
-  for (int64_t n = blocks * NB; n < N; n++) row(xp, wp, bp, yp, M, N, K, n);
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  return out_like(x, y, N);
 }
 
 }  // namespace
 
-TORCH_LIBRARY(rlspec_kernels, m) { m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
-TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) { m.impl("small_linear", &small_linear); }
+TORCH_LIBRARY(rlspec_kernels, m) {
+  m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor wp, Tensor? bias, int N) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) {
+  m.impl("small_linear", &small_linear);
+  m.impl("packed_linear", &packed_linear);
+}
