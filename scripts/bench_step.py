@@ -9,10 +9,11 @@ In one process, on the embedded model (bf16 by default):
     --reps repetitions (median), compilation done before timing: `unpacked` (eager, F.linear: the engine
     before model/linear.py), `packed` (eager on packed oneDNN weights, compile_mode="off") and `compiled`
     (compile_mode="auto": packed weights, batch-1 steps compiled);
-  * verify steps at batch 1 (T = 2, 4, 8 tokens: a chain of T-1 drafts), timed at the step runner over a
-    --verify-ctx-token context, against the plain step of the same runner: `compiled` (steps of up to 16
-    tokens compiled, their products through the bf16 kernel of rollout/runtime/model/kernels) and
-    `eager-verify` (the engine before that kernel: only one-token steps compiled);
+  * verify steps at batch 1 (T = 1, the plain step, and 2, 4, 8 tokens: a chain of T-1 drafts), timed at the
+    step runner over a --verify-ctx-token context: `compiled` (steps of up to 16 tokens compiled, their
+    products through the bf16 kernel of rollout/runtime/model/kernels on blocked weight copies), `row-major`
+    (the same kernel reading the weights as the modules hold them: session 13's kernel) and `eager-verify`
+    (the engine before that kernel: only one-token steps compiled);
   * what a drafted token costs per proposer (ngram, suffix, eagle3) as a share of a plain step: the engine's
     own `rollout/draft_cost/<drafter>` over a batch-1 rollout with the drafter forced on every step.
 Writes bench_out/step.json (and prints the tables).
@@ -140,9 +141,13 @@ def verify_rows(args) -> list[dict]:
 
     path = fetch_model(args.model)
     arms = {}
-    for arm in ("compiled", "eager-verify"):
+    for arm in ("compiled", "row-major", "eager-verify"):
         eng = RolloutEngine.from_pretrained(path, dtype=args.dtype, max_num_seqs=1, compile_mode="auto")
         runner = eng.runner
+        if arm == "row-major":  # without its blocked copies a Linear hands the kernel its own weight
+            for m in runner.model.modules():
+                if hasattr(m, "_blocked"):
+                    m._blocked = None
         with eager_verify() if arm == "eager-verify" else contextlib.nullcontext():  # the step runner is built here
             cache = runner.ensure_cache(1, args.verify_ctx + 64)
         cache.grow([(0, "bench", args.verify_ctx + 32)])
@@ -168,7 +173,7 @@ def verify_rows(args) -> list[dict]:
     base = rows[0]
     for r in rows:
         for a in arms:
-            r[f"{a}_vs_plain"] = r[f"{a}_ms"] / base["compiled_ms"]  # against the plain (compiled) step
+            r[f"{a}_vs_plain"] = r[f"{a}_ms"] / base[f"{a}_ms"]  # against the same arm's plain step
     return rows
 
 
@@ -237,7 +242,8 @@ def main() -> None:
         print(table(rows, ["batch", "roofline_ms", "transformers_ms", "unpacked_ms", "packed_ms", "compiled_ms",
                            "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_unpacked"]))
     if verify:
-        print(table(verify, ["tokens", "compiled_ms", "eager-verify_ms", "compiled_vs_plain", "eager-verify_vs_plain"]))
+        print(table(verify, ["tokens", "compiled_ms", "row-major_ms", "eager-verify_ms", "compiled_vs_plain",
+                             "row-major_vs_plain", "eager-verify_vs_plain"]))
     if costs:
         print(table(costs, ["drafter", "plain_step_ms", "draft_ms_per_token", "draft_cost", "accept_len"]))
     write_json(args.out, {"config": vars(args), "bandwidth_gbs": bw, "step_weight_bytes": nbytes,

@@ -15,7 +15,7 @@ layout on every call; two ways around it (scripts/bench_step.py measures them in
     inductor vectorises and fuses (~15-20 GB/s; it reads the weight once per row), and steps of several rows
     run eagerly on the packed weights (runtime/compiled.py). Accumulation is float32 and the output is rounded
     once to the input dtype, as in the matmul. `fast_linear` gives a plain nn.Linear (the learned drafter's)
-    the row-major kernel outside autograd.
+    the same kernel outside autograd.
 Both copies follow the weight: the eager path checks its key at every call; compiled steps cannot (a check
 there would be a guard), so the runner refreshes every copy at the start of each generate call
 (`refresh_linears`), and the blocked copy is rewritten in place (compiled steps hold it).
@@ -111,7 +111,12 @@ def unpack_linears(model: nn.Module) -> None:
 def fast_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for a plain nn.Linear outside autograd, through the bf16 few-row kernel where it serves x (a
     learned drafter's step: one to a few rows, whose unpacked oneDNN products reorder every weight at each
-    call, ~8 GB/s); layer(x) everywhere else, and always when gradients are on (training the drafter)."""
+    call, ~8 GB/s); layer(x) everywhere else, and always when gradients are on (training the drafter). The
+    kernel reads a blocked copy of the weight, made again whenever the weight changed (new drafter weights)."""
     if not torch.is_grad_enabled() and kernels.usable(x, layer.weight):
-        return kernels.small_linear(x, layer.weight, layer.bias)
+        key, blocked = getattr(layer, "_rlspec_blocked", ((), None))
+        if key != _key(layer.weight):
+            blocked = kernels.pack(layer.weight)
+            layer._rlspec_blocked = (_key(layer.weight), blocked)
+        return kernels.packed_linear(x, blocked, layer.bias, layer.out_features)
     return layer(x)

@@ -159,3 +159,22 @@ def test_compiled_steps_follow_a_weight_sync():
     after = [r.completion_ids for r in synced.generate(prompts, params)]
     assert after == [r.completion_ids for r in fresh.generate(prompts, params)] and after != before
     assert isinstance(synced.runner.steps, CompiledRunner) and synced.runner.steps.counts["compiled"] > 0
+
+
+@needs_kernel
+def test_fast_linear_follows_the_drafters_weight_changes():
+    """The learned drafter's products: the kernel on a blocked copy that is made again when the weight changes
+    in place (an optimizer step, load_state_dict) or is replaced (assign=True); gradients on: the module itself."""
+    from torch import nn
+
+    from rollout.runtime.model.linear import fast_linear
+
+    layer = nn.Linear(40, 20).bfloat16()
+    x = torch.randn(2, 40).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(fast_linear(layer, x), kernels.small_linear(x, layer.weight, layer.bias))
+        layer.weight.mul_(-1)
+        assert torch.equal(fast_linear(layer, x), kernels.small_linear(x, layer.weight, layer.bias))
+        layer.load_state_dict({"weight": torch.randn(20, 40).bfloat16(), "bias": layer.bias}, assign=True)
+        assert torch.equal(fast_linear(layer, x), kernels.small_linear(x, layer.weight, layer.bias))
+    assert fast_linear(layer, x.requires_grad_()).grad_fn is not None  # training: autograd's path
