@@ -104,12 +104,29 @@ class CompiledRunner(EagerRunner):
         bf16 = next(model.parameters()).dtype == torch.bfloat16
         return kernels.MAX_ROWS if bf16 and kernels.available() else 1
 
+    def compiles(self, B: int, t: int | None) -> bool:
+        """Whether a step of B rows of t (bucketed) tokens runs compiled on this device."""
+        if t is None:
+            return False
+        return self.max_rows is None or (B == 1 and t <= self.max_rows) or \
+            (t == 1 and B <= min(self.max_rows, CPU_MAX_DECODE_BATCH))
+
+    def warm(self, Ts: list[int], rows: int) -> None:
+        """Compile (or load from inductor's cache) every graph that steps of these token counts can use, with
+        one dummy step each, before a rollout's first step needs it: a graph first met mid-rollout cost that
+        rollout 0.7 s (loaded) to 7 s (compiled), an exploring selector meeting several. The dummy KV lands in
+        the trash block (no row holds a block yet)."""
+        for t in sorted({bucket_for(T, self.t_buckets) for T in Ts} - {None}):
+            for B in (1, 2) if rows > 1 else (1,):
+                if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length:
+                    continue
+                start = torch.full((B,), min(128, (self.cache.length - t) // 2), dtype=torch.long)
+                self.run(torch.zeros(B, t, dtype=torch.long), start)
+
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         B, T = tokens.shape
         t = bucket_for(T, self.t_buckets)
-        cpu_eager = self.max_rows is not None and not ((B == 1 and t <= self.max_rows) or
-                                                       (t == 1 and B <= min(self.max_rows, CPU_MAX_DECODE_BATCH)))
-        if t is None or int(start.max()) + t > self.cache.length or cpu_eager:
+        if int(start.max()) + (t or T) > self.cache.length or not self.compiles(B, t):
             self.counts["eager"] += 1
             return super().run(tokens, start, depths, tree_mask, hidden_layers)
         if t != T:

@@ -68,6 +68,11 @@ class ModelRunner:
             self.steps = CompiledRunner(self.model, self.cache, self.device)
         return self.cache
 
+    def warm(self, Ts: list[int], rows: int) -> None:
+        """Compile ahead every step graph that steps of these token counts (1 + each draft size) will use."""
+        if isinstance(self.steps, CompiledRunner):
+            self.steps.warm(Ts, rows)
+
     def refresh_weights(self) -> None:
         """Bring the weights' packed copies up to date (a sync or an in-place update may have changed them);
         once per generate call: compiled steps cannot check them (model/linear.py)."""

@@ -228,6 +228,7 @@ class Speculation:
         the table an earlier engine measured on this machine for this model and runner mode
         (calibration_cache.py); buckets the cached table lacks are timed and added to it."""
         sizes = sorted(set(self.selector.verify_sizes()))
+        runner.warm(sizes or [1, 1 + self.selector.max_nodes], rows)  # compile before the steps, cached table or not
         costs = self.selector.costs
         if not sizes or costs.table:
             return

@@ -178,3 +178,21 @@ def test_fast_linear_follows_the_drafters_weight_changes():
         layer.load_state_dict({"weight": torch.randn(20, 40).bfloat16(), "bias": layer.bias}, assign=True)
         assert torch.equal(fast_linear(layer, x), kernels.small_linear(x, layer.weight, layer.bias))
     assert fast_linear(layer, x.requires_grad_()).grad_fn is not None  # training: autograd's path
+
+
+@needs_kernel
+def test_warm_compiles_every_graph_the_steps_will_use():
+    """Graphs compiled ahead (Speculation.calibrate calls it with 1 + each draft size): no step of those sizes
+    compiles afterwards, so no compilation lands inside a rollout (or a selector's timing). Contexts of two
+    blocks or more, as every chat prompt has: dynamo gives a one-block context a graph of its own."""
+    from rollout.runtime.runner import compiled_frames
+
+    runner, lens = _bf16_runner()
+    lens = lens.clamp_min(17)  # the cache rows hold garbage past the prompts: fine for counting compiles
+    runner.steps.warm([1, 3, 5], rows=4)
+    assert {(False, 1), (True, 1), (False, 4), (False, 8)} <= runner.steps.seen
+    frames = compiled_frames()
+    for B, T in [(1, 1), (1, 3), (1, 4), (1, 5), (3, 1), (4, 1)]:  # T buckets 1, 4, 8
+        runner.step(_tokens(B, T), lens[:B])
+        assert not runner.fresh, (B, T)
+    assert compiled_frames() == frames
