@@ -80,16 +80,18 @@ class CostModel:
         return None if c1 is None or ct is None else ct / c1
 
     def calibrate(self, runner, max_batch: int, Ts: list[int], context: int = 128, repeats: int = 1,
-                  skip: tuple[int, ...] = ()) -> None:
+                  skip: tuple[int, ...] = ()) -> dict[tuple[int, int], float]:
         """Time dummy forwards at each batch bucket at a few anchor sizes of Ts (once per engine; once
         per machine and model with the calibration cache, calibration_cache.py). skip: buckets whose
         entries are already known (loaded from that cache).
 
         Only anchors: the smallest and largest T and one in between; `cost` interpolates the
         rest along T, and real steps replace the guesses (EMA) as soon as an arm runs. Timing
-        every size of a bandit's arm set at every bucket took ~17 s per engine on 2 CPU cores."""
+        every size of a bandit's arm set at every bucket took ~17 s per engine on 2 CPU cores. Returns the
+        entries it timed."""
         sizes = sorted(set(Ts))
         anchors = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
+        timed = {}
         for b in buckets(max_batch):
             if b in skip:
                 continue
@@ -101,7 +103,8 @@ class CostModel:
                 t0 = time.perf_counter()
                 for _ in range(repeats):
                     runner.step(tokens, start)
-                self.table[(b, T)] = (time.perf_counter() - t0) / repeats
+                self.table[(b, T)] = timed[(b, T)] = (time.perf_counter() - t0) / repeats
+        return timed
 
 
 @dataclass

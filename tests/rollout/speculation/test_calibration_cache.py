@@ -91,6 +91,26 @@ def test_buckets_the_file_lacks_are_timed_and_added(cache):
     assert calibrate(suffix_engine(hf)) == []
 
 
+def test_a_later_larger_call_calibrates_the_buckets_it_reaches_first(cache):
+    """One engine, a call of 2 sequences then one of 4: bucket 4 is timed when the second call starts, even
+    though the table holds entries for it by then (verify steps observed there). Its plain cost was read off
+    the smallest verify observed before (about twice a plain step: every draft looked twice as good)."""
+    hf = make_tiny_hf("llama", seed=36)
+    eng = suffix_engine(hf)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+    eng.generate(random_prompts(2, 4, 8), params)
+    costs = eng.selector.costs
+    assert (1, 1) in costs.table and (2, 1) in costs.table and not any(b == 4 for b, _ in costs.table)
+    costs.observe(4, 5, 1.0)  # a verify step seen in bucket 4 (absurdly slow): no plain cost there yet
+    calls = count_steps(eng.runner)
+    eng.generate(random_prompts(4, 4, 8, seed=1), params)
+    eng.runner.step = type(eng.runner).step.__get__(eng.runner)
+    assert (4, 1) in costs.table and costs.cost(4, 1) < 0.5
+    assert 4 in calls[:3]  # timed before the call's first step
+    (path,) = cache.glob("*.json")
+    assert {b for b, _, _ in json.loads(path.read_text())["table"]} == {1, 2, 4}  # and went into the file
+
+
 def test_a_corrupt_file_is_ignored_with_a_warning(cache, caplog):
     hf = make_tiny_hf("llama", seed=34)
     eng = suffix_engine(hf)
@@ -142,7 +162,10 @@ def test_key_names_machine_model_mode_and_sizes():
 def test_a_restored_table_is_neither_timed_nor_cached(cache):
     eng = suffix_engine(make_tiny_hf("llama", seed=38))
     spec = Speculation({}, AdaptiveSelector([Arm("suffix", 2)]))
-    spec.selector.costs.table[(1, 1)] = 0.5  # a resumed engine: its table came with the checkpoint
+    for b in (1, 2, 4):  # a resumed engine: its table came with the checkpoint
+        spec.selector.costs.table[(b, 1)] = 0.5
     calls = count_steps(_ready(eng))
-    spec.calibrate(eng.runner, 8, 128)
+    spec.calibrate(eng.runner, 4, 128)
     assert calls == [] and list(cache.glob("*.json")) == []
+    spec.calibrate(eng.runner, 8, 128)  # a bucket the checkpoint never reached is timed (and cached)
+    assert set(calls) == {8} and len(list(cache.glob("*.json"))) == 1
