@@ -1,4 +1,6 @@
-"""CPU kernels of our own, built on first use: `small_linear`, the bf16 product of a verify step (small_gemm.cpp).
+"""CPU kernels of our own, built on first use: the bf16 few-row product of compiled steps (small_gemm.cpp), on a
+weight as a module holds it (`small_linear`) or on a blocked copy of it (`pack`, `packed_linear`: the same bits,
+read as one contiguous stream per block of 8 rows; what compiled steps use).
 
 Why: a speculative verify at batch 1 multiplies each weight by 2-16 rows. Inside a compiled step inductor lowers
 such a product to oneDNN on the unpacked weight, which reorders it on every call (a third of the bandwidth), and
@@ -9,8 +11,8 @@ each weight once for all rows (docs/runtime.md#verify-steps-on-the-cpu).
 Built once per machine with torch's extension builder (about 30 s; ninja and a C++ compiler) under
 $RLSPEC_CACHE/kernels/<source hash>, and loaded from there afterwards. Only where the CPU has AVX-512 BF16
 (`available`); anywhere else, when the build fails (one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes:
-verify steps run as before. The op is a real torch op (`torch.ops.rlspec_kernels.small_linear`), so inductor
-calls it from a compiled step like any extern kernel and fuses everything around it.
+verify steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them
+from a compiled step like any extern kernel and fuses everything around them.
 """
 from __future__ import annotations
 
