@@ -35,6 +35,21 @@ def buckets(max_batch: int) -> list[int]:
     return out
 
 
+def reachable_buckets(rows: int) -> list[int]:
+    """The buckets live batches of 1..rows fall in: buckets(rows), and bucket(rows) when rows is no power of
+    two (60 rows reach bucket 64, whose costs calibration then times at 60 rows)."""
+    out = buckets(rows)
+    return out if bucket(rows) in out else out + [bucket(rows)]
+
+
+def step_width(drafted: list[int]) -> int:
+    """Tokens per row of the verify forward that carried these drafts (draft tokens or tree nodes per row):
+    what its seconds are the cost of. An arm's nominal 1 + nodes overstated it when drafts came short (a
+    model-free drafter finding fewer matches, none at all), making verifies look cheap and, with no drafts,
+    leaving the plain-step cost the rewards divide by unrefreshed (bench_out/RESULTS.md, session 14)."""
+    return 1 + max(drafted, default=0)
+
+
 def nearest_bucket(known, b: int) -> int:
     """The bucket of `known` closest to b in log2 distance (an unmeasured bucket borrows its figures)."""
     return min(known, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
@@ -92,14 +107,15 @@ class CostModel:
         sizes = sorted(set(Ts))
         anchors = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
         timed = {}
-        for b in buckets(max_batch):
+        for b in reachable_buckets(max_batch):
             if b in skip:
                 continue
-            start = torch.full((b,), context, dtype=torch.long)
+            n = min(b, max_batch)  # the top bucket's largest batch
+            start = torch.full((n,), context, dtype=torch.long)
             for T in anchors:  # warm-up: every shape timed below (a compiled step compiles at its first call,
-                runner.step(torch.zeros(b, T, dtype=torch.long), start)  # seconds that are no step's cost)
+                runner.step(torch.zeros(n, T, dtype=torch.long), start)  # seconds that are no step's cost)
             for T in anchors:
-                tokens = torch.zeros(b, T, dtype=torch.long)
+                tokens = torch.zeros(n, T, dtype=torch.long)
                 t0 = time.perf_counter()
                 for _ in range(repeats):
                     runner.step(tokens, start)

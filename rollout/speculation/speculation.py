@@ -23,7 +23,7 @@ import torch
 
 from rollout.speculation.calibration_cache import calibration_key, load_table, save_table
 from rollout.speculation.checkpoint import mismatch
-from rollout.speculation.cost_model import buckets
+from rollout.speculation.cost_model import reachable_buckets
 from rollout.speculation.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
 from rollout.registry import DRAFTERS, SELECTORS
 from rollout.speculation.selectors.base import OFF, Arm, Selector, arm_key, arm_of
@@ -233,7 +233,7 @@ class Speculation:
         sizes = sorted(set(self.selector.verify_sizes()))
         runner.warm(sizes or [1, 1 + self.selector.max_nodes], rows)  # compile before the steps, cached table or not
         costs = self.selector.costs
-        missing = [b for b in buckets(rows) if sizes and (b, sizes[0]) not in costs.table]
+        missing = [b for b in reachable_buckets(rows) if sizes and (b, sizes[0]) not in costs.table]
         if not missing:
             return
         ctx = max(min(128, length - max(sizes) - 1), 1)
@@ -242,8 +242,8 @@ class Speculation:
         costs.table.update({k: s for k, s in cached.items() if k[0] in missing})
         todo = [b for b in missing if (b, sizes[0]) not in costs.table]
         if todo:
-            skip = tuple(b for b in buckets(max(todo)) if b not in todo)
-            save_table(key, {**cached, **costs.calibrate(runner, max(todo), sizes, context=ctx, skip=skip)})
+            skip = tuple(b for b in reachable_buckets(rows) if b not in todo)
+            save_table(key, {**cached, **costs.calibrate(runner, rows, sizes, context=ctx, skip=skip)})
 
     def metrics(self, stats: dict[str, float], policy_version: int) -> dict[str, float]:
         out = dict(self.selector.metrics())

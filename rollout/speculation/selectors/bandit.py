@@ -43,7 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket, nearest_bucket
+from rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket, nearest_bucket, \
+    step_width
 from rollout.speculation.selectors.bandit_state import AcceptanceBook, ArmStat, BucketState, bandit_state, \
     load_bandit_state
 from rollout.speculation.selectors.base import OFF, SELECTORS, Arm
@@ -217,7 +218,7 @@ class AdaptiveSelector:
         if arm.speculative:
             self._observe_drafter(arm, b, draft_seconds, drafted, accepted)  # may forget stale stats
         self._record(st, arm, reward, self._prior(arm, b))
-        self.costs.observe(batch, 1 + arm.nodes, seconds)
+        self.costs.observe(batch, step_width(drafted), seconds)
 
     def metrics(self) -> dict[str, float]:
         """strategy/arm (index into arms), strategy/explore_share, strategy/expected_speedup of the

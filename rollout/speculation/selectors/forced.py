@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import CostModel
+from rollout.speculation.cost_model import CostModel, step_width
 from rollout.speculation.selectors.base import SELECTORS, Arm, arm_key, check_selector_state
 
 
@@ -29,7 +29,7 @@ class ForcedSelector:
 
     def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                 drafted: list[int], accepted: list[int]) -> None:
-        self.costs.observe(batch, 1 + arm.nodes, seconds)
+        self.costs.observe(batch, step_width(drafted), seconds)
 
     def reset_acceptance(self, drafter: str, keep: float = 0.0) -> None:
         pass

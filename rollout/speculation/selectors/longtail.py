@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket, nearest_bucket
+from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket, nearest_bucket, step_width
 from rollout.speculation.selectors.base import OFF, Arm, SELECTORS, check_selector_state
 from rollout.speculation.selectors.gate import LearnedGate, acceptance_tracker
 from rollout.speculation.selectors.regret import RegretLedger
@@ -129,7 +129,7 @@ class LongTailSelector:
 
     def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                 drafted: list[int], accepted: list[int]) -> None:
-        self.costs.observe(batch, 1 + arm.nodes, seconds)
+        self.costs.observe(batch, step_width(drafted), seconds)
         if arm.speculative:
             key = bucket(batch)
             old = self.draft_seconds.get(key)

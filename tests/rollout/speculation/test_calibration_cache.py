@@ -111,6 +111,16 @@ def test_a_later_larger_call_calibrates_the_buckets_it_reaches_first(cache):
     assert {b for b, _, _ in json.loads(path.read_text())["table"]} == {1, 2, 4}  # and went into the file
 
 
+def test_the_top_bucket_of_rows_that_are_no_power_of_two_is_timed_at_those_rows(cache):
+    """6 rows reach bucket 8 (live batches 5-6): it is calibrated, at 6 rows, not left to the first verify
+    steps observed there (whose widths then stretched linearly to the arms' larger verifies)."""
+    eng = suffix_engine(make_tiny_hf("llama", seed=39))
+    eng.runner.ensure_cache(6, 128)
+    calls = count_steps(eng.runner)
+    eng.speculation.calibrate(eng.runner, 6, 128)
+    assert set(calls) == {1, 2, 4, 6} and {b for b, _ in eng.selector.costs.table} == {1, 2, 4, 8}
+
+
 def test_a_corrupt_file_is_ignored_with_a_warning(cache, caplog):
     hf = make_tiny_hf("llama", seed=34)
     eng = suffix_engine(hf)

@@ -11,9 +11,12 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
+
 from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket
 from rollout.speculation.selectors.bandit import AdaptiveSelector, arm_name, default_arms, path_evidence
-from rollout.speculation.selectors.longtail import OFF, Arm
+from rollout.speculation.selectors.forced import ForcedSelector
+from rollout.speculation.selectors.longtail import OFF, Arm, LongTailSelector
 
 DRAFTERS = ["suffix", "ngram", "eagle3"]
 BATCHES = [1, 3, 12, 48]  # buckets 1, 4, 16, 64
@@ -283,3 +286,15 @@ def test_online_updates_fade_acceptance_instead_of_restarting_from_the_prior():
     dropped = [_with_online_updates(0.0, seed) for seed in range(3)]
     assert min(faded) >= 0.96, faded  # measured 0.98-0.99
     assert sum(dropped) / 3 < sum(faded) / 3 - 0.03, (faded, dropped)  # measured 0.93-0.94
+
+
+@pytest.mark.parametrize("make", [lambda: AdaptiveSelector([Arm("suffix", 4)]),
+                                  lambda: LongTailSelector("suffix", 4),
+                                  lambda: ForcedSelector(Arm("suffix", 4))], ids=["adaptive", "longtail", "forced"])
+def test_a_steps_cost_is_filed_under_the_width_it_verified(make):
+    """A k=4 arm whose drafts came short verified 3 tokens a row (2 drafted at most), and one with no draft
+    at all ran a plain step: their seconds are the costs of T = 3 and T = 1, not of the arm's nominal 5."""
+    sel = make()
+    sel.observe(Arm("suffix", 4), 2, 0.03, 0.0, [2, 1], [1, 0])
+    sel.observe(Arm("suffix", 4), 2, 0.02, 0.0, [0, 0], [0, 0])
+    assert sel.costs.table == {(2, 3): 0.03, (2, 1): 0.02}
