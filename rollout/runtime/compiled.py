@@ -22,7 +22,8 @@ On a CPU only batch-1 steps of up to 16 tokens (a verify) and one-token steps of
 bf16 kernel for few-row products is available (model/kernels; without it, single-token batch-1 steps only);
 other shapes run eagerly on packed weights, as fast or faster (model/linear.py). Artefacts (the FX graph and
 AOT caches) go under $RLSPEC_CACHE/inductor, so a machine compiles once and later processes load the kernels
-in a fraction of the time. `compile_mode="off"` keeps the eager path.
+in a fraction of the time; `warm` compiles (or loads) a call's graphs before its first step, so that none
+compiles inside a rollout. `compile_mode="off"` keeps the eager path.
 """
 from __future__ import annotations
 
@@ -94,9 +95,9 @@ class CompiledRunner(EagerRunner):
 
     @staticmethod
     def cpu_max_rows(model) -> int:
-        """Most tokens a compiled CPU step takes. One token's products become fused reductions (model/linear.py);
-        2-16 take our bf16 kernel where the CPU has it (model/kernels): a verify at batch 1, or a plain decode step
-        of up to CPU_MAX_DECODE_BATCH rows (the tail of a rollout). Other shapes run eagerly on packed weights:
+        """Most tokens a compiled CPU step takes: 1-16 where the CPU has our bf16 kernel (model/kernels; a verify
+        at batch 1, or a plain decode step of up to CPU_MAX_DECODE_BATCH rows, the tail of a rollout), else one
+        (its products then fused reductions, model/linear.py). Other shapes run eagerly on packed weights:
         compiled, with a dynamic batch, several rows of several tokens each (2 x 4, 4 x 2) were no faster, and
         16 rows slower (docs/runtime.md#verify-steps-on-the-cpu)."""
         from rollout.runtime.model import kernels
