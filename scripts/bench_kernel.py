@@ -47,7 +47,8 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit("the kernel is not available here (no AVX-512 BF16, or no C++ toolchain)")
     torch.manual_seed(0)
-    weights = [torch.randn(o, i).bfloat16() for _ in range(args.layers) for o, i in LAYER] + [torch.randn(*HEAD).bfloat16()]
+    weights = [torch.randn(o, i).bfloat16() for _ in range(args.layers) for o, i in LAYER]
+    weights.append(torch.randn(*HEAD).bfloat16())
     blocked = [kernels.pack(w) for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     src = torch.empty(2**30, dtype=torch.uint8)

@@ -11,9 +11,9 @@ layout on every call; two ways around it (scripts/bench_step.py measures them in
   * 1-16 rows inside a compiled CPU step (a decode step of up to 8 rows, a verify at batch 1):
     kernels.packed_linear, our AVX-512 BF16 kernel, which streams the weight once for all rows from a blocked
     copy of it (`_blocked`, one contiguous stream per block of 8 rows: 1.15-1.35x the bandwidth of the
-    row-major weight at 1-4 rows, bench_out/kernel_stream.json; kernels/small_gemm.cpp). Without the kernel, a single row takes `(x * W).sum(-1)`, a reduction
-    inductor vectorises and fuses (~15-20 GB/s; it reads the weight once per row), and steps of several rows
-    run eagerly on the packed weights (runtime/compiled.py). Accumulation is float32 and the output is rounded
+    row-major weight at 1-4 rows, bench_out/kernel_stream.json; kernels/small_gemm.cpp). Without the
+    kernel, a single row takes `(x * W).sum(-1)`, a reduction inductor vectorises and fuses (it reads the
+    weight once per row), and steps of several rows run eagerly on the packed weights (runtime/compiled.py). Accumulation is float32 and the output is rounded
     once to the input dtype, as in the matmul. `fast_linear` gives a plain nn.Linear (the learned drafter's)
     the same kernel outside autograd.
 Both copies follow the weight: the eager path checks its key at every call; compiled steps cannot (a check
