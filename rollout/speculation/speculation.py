@@ -232,8 +232,10 @@ class Speculation:
         looked twice as good: `auto` speculated on every step of 3-4 rows, at 0.6-0.8x of plain decoding)."""
         sizes = sorted(set(self.selector.verify_sizes()))
         runner.warm(sizes or [1, 1 + self.selector.max_nodes], rows)  # compile before the steps, cached table or not
+        if not sizes:  # the selector never reads costs
+            return
         costs = self.selector.costs
-        missing = [b for b in reachable_buckets(rows) if sizes and (b, sizes[0]) not in costs.table]
+        missing = [b for b in reachable_buckets(rows) if (b, sizes[0]) not in costs.table]
         if not missing:
             return
         ctx = max(min(128, length - max(sizes) - 1), 1)

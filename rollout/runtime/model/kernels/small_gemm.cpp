@@ -134,27 +134,34 @@ void over_blocks(int64_t blocks, int64_t K, const F& f) {
   });
 }
 
-at::Tensor out_like(const at::Tensor& x, const at::Tensor& y, int64_t N) {
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
-}
+// What both ops do around the weight: x as M contiguous rows of K, the [M, N] output, the bias; `result` gives y
+// back in x's leading shape.
+struct Call {
+  at::Tensor xc, y, bc;
+  const uint16_t *x, *bias;
+  uint16_t* out;
+  int64_t M, N;
+  Call(const at::Tensor& x_, const c10::optional<at::Tensor>& bias_, int64_t K, int64_t N_)
+      : xc(x_.reshape({-1, K}).contiguous()), y(at::empty({xc.size(0), N_}, x_.options())),
+        x(reinterpret_cast<const uint16_t*>(xc.data_ptr())), bias(bias_ptr(bias_, N_, bc)),
+        out(reinterpret_cast<uint16_t*>(y.data_ptr())), M(xc.size(0)), N(N_) {}
+  at::Tensor result(const at::Tensor& x_) const {
+    auto shape = x_.sizes().vec();
+    shape.back() = N;
+    return y.view(shape);
+  }
+};
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "small_linear: bf16 only");
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "small_linear: x [..., K], w [N, K]");
-  const int64_t K = w.size(1), N = w.size(0);
-  at::Tensor xc = x.reshape({-1, K}).contiguous(), wc = w.contiguous(), bc;
-  const int64_t M = xc.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const int64_t K = w.size(1), N = w.size(0), blocks = N / NB;
+  const at::Tensor wc = w.contiguous();
   const RowMajor wl{reinterpret_cast<const uint16_t*>(wc.data_ptr()), K};
-  const uint16_t* bp = bias_ptr(bias, N, bc);
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t blocks = N / NB;
-  over_blocks(blocks, K, [&](int64_t b) { block(xp, wl, bp, yp, M, N, K, b * NB, NB); });
-  for (int64_t n = blocks * NB; n < N; n++) row(xp, wl.w, bp, yp, M, N, K, n);
-  return out_like(x, y, N);
+  const Call c(x, bias, K, N);
+  over_blocks(blocks, K, [&](int64_t b) { block(c.x, wl, c.bias, c.out, c.M, N, K, b * NB, NB); });
+  for (int64_t n = blocks * NB; n < N; n++) row(c.x, wl.w, c.bias, c.out, c.M, N, K, n);  // past the last block
+  return c.result(x);
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
@@ -164,17 +171,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::o
   TORCH_CHECK(wp.dim() == 4 && wp.size(0) == blocks && wp.size(1) == KC && wp.size(2) == NB && wp.size(3) == 32 &&
                   wp.is_contiguous(),
               "packed_linear: wp must be pack(w) of a [N, K] weight: [ceil(N/8), ceil(K/32), 8, 32], contiguous");
-  at::Tensor xc = x.reshape({-1, K}).contiguous(), bc;
-  const int64_t M = xc.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const Blocked wl{reinterpret_cast<const uint16_t*>(wp.data_ptr()), KC};
-  const uint16_t* bp = bias_ptr(bias, N, bc);
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  over_blocks(blocks, K, [&](int64_t b) {
-    block(xp, wl, bp, yp, M, N, K, b * NB, static_cast<int>(std::min<int64_t>(NB, N - b * NB)));
+  const Call c(x, bias, K, N);
+  over_blocks(blocks, K, [&](int64_t b) {  // the last block zero-padded: only its first N - b * NB rows are stored
+    block(c.x, wl, c.bias, c.out, c.M, N, K, b * NB, static_cast<int>(std::min<int64_t>(NB, N - b * NB)));
   });
-  return out_like(x, y, N);
+  return c.result(x);
 }
 
 }  // namespace
