@@ -15,9 +15,9 @@ os.environ["RLSPEC_CALIBRATION_CACHE"] = "off"
 TINY_VOCAB = 96
 
 
-def make_tiny_hf(kind: str = "llama", seed: int = 0, tie: bool = False, vocab: int = TINY_VOCAB):
+def make_tiny_hf(kind: str = "llama", seed: int = 0, tie: bool = False, vocab: int = TINY_VOCAB, **overrides):
     """A 2-layer random model of the given layout, float32. Weights are drawn wide (std 0.1) so that
-    logits are peaked and greedy argmaxes are far from ties."""
+    logits are peaked and greedy argmaxes are far from ties. overrides: config fields (head_dim=32, ...)."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -26,6 +26,7 @@ def make_tiny_hf(kind: str = "llama", seed: int = 0, tie: bool = False, vocab: i
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[kind]
     extra = {"head_dim": 16} if kind == "qwen3" else {}
+    extra.update(overrides)
     torch.manual_seed(seed)
     model = cls[1](cls[0](**common, **extra)).float().eval()
     if kind == "qwen2":  # random init leaves biases at zero; make them matter

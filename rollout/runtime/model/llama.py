@@ -24,6 +24,7 @@ from torch import nn
 from rollout.runtime.model.attention import AttnMask, attend, dense_view
 from rollout.runtime.model.config import ModelConfig, main_rope_type
 from rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
+from rollout.runtime.model import kernels
 from rollout.runtime.model.linear import Linear
 from rollout.runtime.model.moe import SparseMoE
 from rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
@@ -101,6 +102,11 @@ class Attention(nn.Module):
         write_slots(v_cache, fb.slots, v)
         if attn.causal:  # fresh prompts see only each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        elif fb.blocks is not None and attn.dense is not None and self.softcap is None and \
+                kernels.attention_usable(q, k_cache):  # CPU bf16: read in place from the pool (kernels/)
+            out = kernels.paged_attention(q.transpose(1, 2), k_cache, v_cache, fb.blocks, attn.dense,
+                                          self.hd ** -0.5 if self.scale is None else self.scale)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         elif fb.blocks is not None:  # one gather of the rows' blocks: [B, KV, kv_len, hd]
             keys, values = gather_blocks(k_cache, fb.blocks), gather_blocks(v_cache, fb.blocks)
         elif attn.block is not None:  # paged FlexAttention reads the pool itself, through its block mask

@@ -19,10 +19,10 @@ CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _runner(rows=8, length=64, n_prompts=5, device="cpu", dtype=torch.float32, compile_mode="auto"):
-    """A tiny Llama (float32 by default) with n_prompts prefilled into rows 0..n-1; returns (runner, prompt
-    lengths)."""
-    model = loader.from_hf_model(make_tiny_hf("llama"), dtype, device)
+def _runner(rows=8, length=64, n_prompts=5, device="cpu", dtype=torch.float32, compile_mode="auto", **config):
+    """A tiny Llama (float32 by default; config: its config fields) with n_prompts prefilled into rows 0..n-1;
+    returns (runner, prompt lengths)."""
+    model = loader.from_hf_model(make_tiny_hf("llama", **config), dtype, device)
     runner = ModelRunner(model, device, dtype, compile_mode=compile_mode)
     runner.ensure_cache(rows, length).reserve_rows(rows, length)
     prompts = random_prompts(n_prompts, 3, 12, seed=3)

@@ -196,3 +196,81 @@ def test_warm_compiles_every_graph_the_steps_will_use():
         runner.step(_tokens(B, T), lens[:B])
         assert not runner.fresh, (B, T)
     assert compiled_frames() == frames
+
+
+def _exact_attention(q, k_pool, v_pool, blocks, mask, scale):
+    """float64 attention of q [B, H, T, D] over each row's positions, gathered one by one from the pool."""
+    B, H, T, D = q.shape
+    bs, KV = k_pool.shape[1], k_pool.shape[2]
+    S = mask.shape[-1]
+    out = torch.zeros(B, H, T, D, dtype=torch.float64)
+    for b in range(B):
+        keys = torch.stack([k_pool[blocks[b, s // bs], s % bs] for s in range(S)]).double()  # [S, KV, D]
+        vals = torch.stack([v_pool[blocks[b, s // bs], s % bs] for s in range(S)]).double()
+        for h in range(H):
+            kv = h // (H // KV)
+            scores = (q[b, h].double() @ keys[:, kv].T) * scale  # [T, S]
+            scores = scores.masked_fill(~mask[b, 0], float("-inf"))
+            out[b, h] = torch.softmax(scores, -1) @ vals[:, kv]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,H,KV,T,D,ctx,tree", [
+    (1, 9, 3, 1, 64, 200, False),     # SmolLM2's heads, one decode token
+    (1, 9, 3, 4, 64, 700, True),      # a tree verify over three position chunks
+    (3, 8, 2, 16, 128, 300, True),    # rows of different lengths, 16 tokens, head size 128
+    (2, 4, 4, 2, 96, 40, False),      # no grouping, a head size with no register path
+    (4, 6, 1, 1, 64, 530, False),     # one KV head for all, rows ending in different chunks
+])
+def test_paged_attention_is_the_exact_attention(B, H, KV, T, D, ctx, tree):
+    """The kernel against float64 attention computed position by position from the pool: within one bf16 step
+    of the output's scale, and the bf16 rounding of the exact value for nearly all outputs. Pools with blocks
+    in random order (a row's blocks are not adjacent), rows whose lengths differ (the kernel skips what no query
+    sees), contexts over several 256-position chunks (their partial softmaxes merged). A wrong chunk rescale, a
+    mask read off by one position or a wrong KV head breaks this by far more."""
+    from rollout.runtime.model.attention import dense_step_mask
+
+    g = torch.Generator().manual_seed(B * 100 + T + D)
+    bs = 16
+    n = -(-(ctx + T) // bs)
+    nb = B * n + 5
+    k_pool = torch.randn(nb, bs, KV, D, generator=g).bfloat16()
+    v_pool = torch.randn(nb, bs, KV, D, generator=g).bfloat16()
+    blocks = torch.stack([torch.randperm(nb, generator=g)[:n] for _ in range(B)])
+    start = torch.randint(max(ctx - 300, 1), ctx + 1, (B,), generator=g)
+    start[0] = ctx
+    tm = None
+    if tree:
+        tm = (torch.rand(B, T, T, generator=g) < 0.5).tril() | torch.eye(T, dtype=torch.bool)
+    mask = dense_step_mask(start, T, n * bs, tm)
+    q = (torch.randn(B, H, T, D, generator=g) * 2).bfloat16()
+    exact = _exact_attention(q, k_pool, v_pool, blocks, mask, D ** -0.5)
+    got = kernels.paged_attention(q, k_pool, v_pool, blocks, mask, D ** -0.5)
+    assert got.shape == (B, H, T, D) and got.dtype == torch.bfloat16
+    scale = exact.abs().amax(-1, keepdim=True)
+    assert ((got.double() - exact).abs() / scale).max() <= 2 ** -8
+    assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.9
+
+
+@needs_kernel
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_bf16_steps_attend_through_the_kernel(compile_mode, monkeypatch):
+    """A bf16 CPU step (eager or compiled; decode, chain and tree) reads its cache through paged_attention
+    where the head size allows, and gives the logits of the gather-and-matmul path it replaced, up to bf16
+    rounding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner, lens = _runner(rows=8, length=64, n_prompts=4, dtype=torch.bfloat16, compile_mode=compile_mode,
+                           head_dim=32)
+    for B, T, tree in [(2, 1, False), (1, 4, False), (1, 4, True)]:
+        tokens = _tokens(B, T, seed=B + T)
+        depths, tmask = _tree(B) if tree else (None, None)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "attention_usable", lambda q, pool: False)
+            ref = EagerRunner(runner.model, runner.cache, "cpu").run(tokens, lens[:B], depths, tmask)[0]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = runner.step(tokens, lens[:B], depths, tmask)[0]
+        assert any(e.key == "rlspec_kernels::paged_attention" for e in prof.key_averages()), (B, T, tree)
+        torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9

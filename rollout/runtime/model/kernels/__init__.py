@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("small_gemm.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attention.cpp")]
 MAX_ROWS = 16  # products of more rows are compute-bound in this kernel; oneDNN's blocked GEMM wins there
 ENV = "RLSPEC_CPU_KERNELS"
 ready = False  # set by available() once the op is loaded; read inside compiled code, which must not build it
@@ -67,10 +67,10 @@ def _build() -> None:
     from rollout.runtime.model.fetch import cache_root
 
     flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-    digest = hashlib.sha256(SOURCE.read_bytes() + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     build_dir = cache_root() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=f"rlspec_kernels_{digest}", sources=[str(SOURCE)], build_directory=str(build_dir), extra_cflags=flags,
+    load(name=f"rlspec_kernels_{digest}", sources=[str(p) for p in SOURCES], build_directory=str(build_dir), extra_cflags=flags,
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
     @torch.library.register_fake("rlspec_kernels::small_linear")
@@ -80,6 +80,10 @@ def _build() -> None:
     @torch.library.register_fake("rlspec_kernels::packed_linear")
     def _(x, wp, bias, N):
         return x.new_empty(*x.shape[:-1], N)
+
+    @torch.library.register_fake("rlspec_kernels::paged_attention")
+    def _(q, k_pool, v_pool, blocks, mask, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     _loaded = True
 
@@ -117,3 +121,17 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x @ W^T (+ bias) from pack(W): the same bits as small_linear(x, W, bias), read at a contiguous stream's speed."""
     return torch.ops.rlspec_kernels.packed_linear(x, packed, bias, out_features)
+
+
+def attention_usable(q: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether paged_attention serves a step's queries q [B, H, T, D] over this KV pool: CPU, bf16, at most
+    MAX_ROWS tokens a row, a head size of whole 32-element steps, and the kernel loaded."""
+    return (ready and q.device.type == "cpu" and q.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16
+            and q.shape[2] <= MAX_ROWS and q.shape[3] % 32 == 0)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
+                    mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over the rows' cached keys and values, read in place from the layer's pools
+    [num_blocks, bs, KV, D] through blocks [B, n]; mask [B, 1, T, n * bs] bool (paged_attention.cpp)."""
+    return torch.ops.rlspec_kernels.paged_attention(q, k_pool, v_pool, blocks, mask, scale)
