@@ -18,8 +18,8 @@ What changes a graph:
     context never recompiles.
 The paged KV write is an index_put on the layer's pool, a graph input, which inductor performs in place.
 
-On a CPU only batch-1 steps of up to 16 tokens (a verify) and one-token steps of up to 8 rows compile, where our
-bf16 kernel for few-row products is available (model/kernels; without it, single-token batch-1 steps only);
+On a CPU only steps of up to 16 tokens over up to 8 rows compile, where our bf16 kernels for few-row products and
+paged attention are available (model/kernels; without them, single-token batch-1 steps only);
 other shapes run eagerly on packed weights, as fast or faster (model/linear.py). Artefacts (the FX graph and
 AOT caches) go under $RLSPEC_CACHE/inductor, so a machine compiles once and later processes load the kernels
 in a fraction of the time; `warm` compiles (or loads) a call's graphs before its first step, so that none
@@ -95,22 +95,23 @@ class CompiledRunner(EagerRunner):
 
     @staticmethod
     def cpu_max_rows(model) -> int:
-        """Most tokens a compiled CPU step takes: 1-16 where the CPU has our bf16 kernel (model/kernels; a verify
-        at batch 1, or a plain decode step of up to CPU_MAX_DECODE_BATCH rows, the tail of a rollout), else one
-        (its products then fused reductions, model/linear.py). Other shapes run eagerly on packed weights:
-        compiled, with a dynamic batch, several rows of several tokens each (2 x 4, 4 x 2) were no faster, and
-        16 rows slower (docs/runtime.md#verify-steps-on-the-cpu)."""
+        """Most tokens (rows x tokens per row) a compiled CPU step takes: 1-16 where the CPU has our bf16 kernels
+        (model/kernels: the products stream each weight once for all 16, attention reads the paged cache in place),
+        else one (its products then fused reductions, model/linear.py). Bigger steps run eagerly on packed weights:
+        at 16 one-token rows compiled was slower (51 vs 48 ms, docs/runtime.md#verify-steps-on-the-cpu)."""
         from rollout.runtime.model import kernels
 
         bf16 = next(model.parameters()).dtype == torch.bfloat16
         return kernels.MAX_ROWS if bf16 and kernels.available() else 1
 
     def compiles(self, B: int, t: int | None) -> bool:
-        """Whether a step of B rows of t (bucketed) tokens runs compiled on this device."""
+        """Whether a step of B rows of t (bucketed) tokens runs compiled on this device: on a CPU, up to 16 tokens
+        in all over at most CPU_MAX_DECODE_BATCH rows (a verify at batch 1, the batched verify or plain decode of
+        a rollout's tail). Several rows of several tokens were slower compiled until attention read the cache
+        through the kernel (2 x 4 tokens 33.7 vs 32.0 ms eager before, 32.6 vs 37.0 after)."""
         if t is None:
             return False
-        return self.max_rows is None or (B == 1 and t <= self.max_rows) or \
-            (t == 1 and B <= min(self.max_rows, CPU_MAX_DECODE_BATCH))
+        return self.max_rows is None or (B * t <= self.max_rows and B <= CPU_MAX_DECODE_BATCH)
 
     def warm(self, Ts: list[int], rows: int) -> None:
         """Compile (or load from inductor's cache) every graph that steps of these token counts can use, with

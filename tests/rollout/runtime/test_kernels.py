@@ -116,17 +116,18 @@ def test_float32_steps_never_take_the_kernel():
 
 @needs_kernel
 def test_which_cpu_steps_compile():
-    """Batch 1 up to 16 tokens, and one token for up to 8 rows; several rows of several tokens, more than 8 rows
-    or more than 16 tokens stay eager."""
+    """Up to 16 tokens in all over up to 8 rows (batch 1 up to 16 tokens, 8 rows of one or two); more tokens, or
+    more than 8 rows, stay eager."""
     runner, lens = _bf16_runner()
     lens = torch.cat([lens, lens])  # 8 rows (4 prompts' caches read twice: fine for counting)
     runner.step(_tokens(4, 1), lens[:4])
     runner.step(_tokens(1, 16), lens[:1])
-    assert runner.steps.counts == {"compiled": 2, "eager": 0}
     runner.step(_tokens(2, 4), lens[:2])
-    runner.step(_tokens(1, 17), lens[:1])
     runner.step(_tokens(8, 2), lens[:8])
-    assert runner.steps.counts == {"compiled": 2, "eager": 3}
+    assert runner.steps.counts == {"compiled": 4, "eager": 0}
+    runner.step(_tokens(1, 17), lens[:1])
+    runner.step(_tokens(4, 8), lens[:4])
+    assert runner.steps.counts == {"compiled": 4, "eager": 2}
 
 
 @needs_kernel
