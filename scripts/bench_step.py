@@ -10,10 +10,10 @@ In one process, on the embedded model (bf16 by default):
     before model/linear.py), `packed` (eager on packed oneDNN weights, compile_mode="off") and `compiled`
     (compile_mode="auto": packed weights, batch-1 steps compiled);
   * verify steps at batch 1 (T = 1, the plain step, and 2, 4, 8 tokens: a chain of T-1 drafts), timed at the
-    step runner over a --verify-ctx-token context: `compiled` (steps of up to 16 tokens compiled, their
-    products through the bf16 kernel of rollout/runtime/model/kernels on blocked weight copies), `row-major`
-    (the same kernel reading the weights as the modules hold them: session 13's kernel) and `eager-verify`
-    (the engine before that kernel: only one-token steps compiled);
+    step runner over contexts of --verify-ctx tokens: `compiled` (the engine: steps of up to 16 tokens compiled,
+    products and attention through the bf16 kernels of rollout/runtime/model/kernels), `inductor-attention` (the
+    same, attending through inductor's fused gather/softmax: the engine before the paged-attention kernel) and
+    `eager-verify` (the engine before the product kernel: only one-token steps compiled);
   * what a drafted token costs per proposer (ngram, suffix, eagle3) as a share of a plain step: the engine's
     own `rollout/draft_cost/<drafter>` over a batch-1 rollout with the drafter forced on every step.
 Writes bench_out/step.json (and prints the tables).
@@ -132,8 +132,27 @@ def measure_steps(args) -> list[dict]:
     return rows, step_bytes(engines["packed"].model)
 
 
+VERIFY_ARMS = ("compiled", "inductor-attention", "eager-verify")
+
+
+@contextlib.contextmanager
+def verify_arm(arm: str):
+    """While an arm's steps run: `inductor-attention` attends through inductor's fused gather/softmax (the engine
+    before the paged-attention kernel; dynamo keeps both graphs, guarded on the switch)."""
+    from rollout.runtime.model import kernels
+
+    saved = kernels.attention
+    kernels.attention = arm != "inductor-attention"
+    try:
+        yield
+    finally:
+        kernels.attention = saved
+
+
 def verify_rows(args) -> list[dict]:
-    """Batch-1 step time at T tokens per row, compiled with the kernel vs the one-token-only compile, ms."""
+    """Batch-1 step time at T tokens per row and each --verify-ctx context, ms: `compiled` (the engine),
+    `inductor-attention` (the same without the paged-attention kernel) and `eager-verify` (only one-token steps
+    compiled, the engine before the verify kernel)."""
     import torch
 
     from rollout.engine import RolloutEngine
@@ -141,37 +160,38 @@ def verify_rows(args) -> list[dict]:
 
     path = fetch_model(args.model)
     arms = {}
-    for arm in ("compiled", "row-major", "eager-verify"):
+    top = max(args.verify_ctx)
+    for arm in VERIFY_ARMS:
         eng = RolloutEngine.from_pretrained(path, dtype=args.dtype, max_num_seqs=1, compile_mode="auto")
         runner = eng.runner
-        if arm == "row-major":  # without its blocked copies a Linear hands the kernel its own weight
-            for m in runner.model.modules():
-                if hasattr(m, "_blocked"):
-                    m._blocked = None
         with eager_verify() if arm == "eager-verify" else contextlib.nullcontext():  # the step runner is built here
-            cache = runner.ensure_cache(1, args.verify_ctx + 64)
-        cache.grow([(0, "bench", args.verify_ctx + 32)])
+            cache = runner.ensure_cache(1, top + 64)
+        cache.grow([(0, "bench", top + 32)])
         arms[arm] = runner
-    start = torch.tensor([args.verify_ctx])
     rows = []
-    for T in (1, *args.verify_tokens):
-        tokens = torch.randint(100, 1000, (1, T), generator=torch.Generator().manual_seed(T))
-        runs = {arm: [] for arm in arms}
-        for arm, runner in arms.items():
-            for _ in range(3):  # compile and warm
-                runner.step(tokens, start)
-        for _ in range(args.reps):
+    for ctx in args.verify_ctx:
+        start = torch.tensor([ctx])
+        for T in (1, *args.verify_tokens):
+            tokens = torch.randint(100, 1000, (1, T), generator=torch.Generator().manual_seed(T))
+            runs = {arm: [] for arm in arms}
             for arm, runner in arms.items():
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    runner.step(tokens, start)
-                runs[arm].append((time.perf_counter() - t0) / args.steps * 1e3)
-        row = {"tokens": T, **{f"{a}_ms": statistics.median(v) for a, v in runs.items()}, "runs": runs,
-               "counts": {a: dict(r.steps.counts) for a, r in arms.items()}}
-        rows.append(row)
-        print(f"[step] verify T={T}: " + ", ".join(f"{a} {row[f'{a}_ms']:.2f} ms" for a in arms), flush=True)
-    base = rows[0]
+                with verify_arm(arm):
+                    for _ in range(3):  # compile and warm
+                        runner.step(tokens, start)
+            for _ in range(args.reps):
+                for arm, runner in arms.items():
+                    with verify_arm(arm):
+                        t0 = time.perf_counter()
+                        for _ in range(args.steps):
+                            runner.step(tokens, start)
+                    runs[arm].append((time.perf_counter() - t0) / args.steps * 1e3)
+            row = {"ctx": ctx, "tokens": T, **{f"{a}_ms": statistics.median(v) for a, v in runs.items()},
+                   "runs": runs, "counts": {a: dict(r.steps.counts) for a, r in arms.items()}}
+            rows.append(row)
+            print(f"[step] verify ctx {ctx} T={T}: " + ", ".join(f"{a} {row[f'{a}_ms']:.2f} ms" for a in arms),
+                  flush=True)
     for r in rows:
+        base = next(b for b in rows if b["ctx"] == r["ctx"] and b["tokens"] == 1)
         for a in arms:
             r[f"{a}_vs_plain"] = r[f"{a}_ms"] / base[f"{a}_ms"]  # against the same arm's plain step
     return rows
@@ -212,7 +232,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=64, help="transformers' cache length (the prompts' order)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--verify-tokens", type=int, nargs="*", default=[2, 4, 8], help="verify rows' T (none: skip)")
-    ap.add_argument("--verify-ctx", type=int, default=200, help="context the verify rows' steps attend over")
+    ap.add_argument("--verify-ctx", type=int, nargs="+", default=[200, 1000], help="contexts the verify rows' steps attend over")
     ap.add_argument("--drafters", nargs="*", default=["ngram", "suffix", "eagle3"], help="draft-cost rows (none: skip)")
     ap.add_argument("--draft-tokens", type=int, default=128, help="tokens of the draft-cost rollout")
     ap.add_argument("--skip-plain", action="store_true", help="only the verify and draft-cost rows")
@@ -242,8 +262,7 @@ def main() -> None:
         print(table(rows, ["batch", "roofline_ms", "transformers_ms", "unpacked_ms", "packed_ms", "compiled_ms",
                            "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_unpacked"]))
     if verify:
-        print(table(verify, ["tokens", "compiled_ms", "row-major_ms", "eager-verify_ms", "compiled_vs_plain",
-                             "row-major_vs_plain", "eager-verify_vs_plain"]))
+        print(table(verify, ["ctx", "tokens", *(f"{a}_ms" for a in VERIFY_ARMS), *(f"{a}_vs_plain" for a in VERIFY_ARMS)]))
     if costs:
         print(table(costs, ["drafter", "plain_step_ms", "draft_ms_per_token", "draft_cost", "accept_len"]))
     write_json(args.out, {"config": vars(args), "bandwidth_gbs": bw, "step_weight_bytes": nbytes,

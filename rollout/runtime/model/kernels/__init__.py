@@ -29,6 +29,7 @@ SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attent
 MAX_ROWS = 16  # products of more rows are compute-bound in this kernel; oneDNN's blocked GEMM wins there
 ENV = "RLSPEC_CPU_KERNELS"
 ready = False  # set by available() once the op is loaded; read inside compiled code, which must not build it
+attention = True  # steps attend through paged_attention where it serves them (benchmarks switch it off to compare)
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -126,7 +127,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def attention_usable(q: torch.Tensor, pool: torch.Tensor) -> bool:
     """Whether paged_attention serves a step's queries q [B, H, T, D] over this KV pool: CPU, bf16, at most
     MAX_ROWS tokens a row, a head size of whole 32-element steps, and the kernel loaded."""
-    return (ready and q.device.type == "cpu" and q.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16
+    return (ready and attention and q.device.type == "cpu" and q.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16
             and q.shape[2] <= MAX_ROWS and q.shape[3] % 32 == 0)
 
 
