@@ -114,12 +114,13 @@ class CompiledRunner(EagerRunner):
         return self.max_rows is None or (B * t <= self.max_rows and B <= CPU_MAX_DECODE_BATCH)
 
     def warm(self, Ts: list[int], rows: int) -> None:
-        """Compile (or load from inductor's cache) every graph that steps of these token counts can use, with
-        one dummy step each, before a rollout's first step needs it: a graph first met mid-rollout cost that
+        """Compile (or load from inductor's cache) the graphs that batch-1 steps of these token counts, and batched
+        one-token steps, use (batched verify graphs compile on first use: warming them all cost the test suite
+        minutes), with one dummy step each, before a rollout's first step needs it: a graph first met mid-rollout cost that
         rollout 0.7 s (loaded) to 7 s (compiled), an exploring selector meeting several. The dummy KV lands in
         the trash block (no row holds a block yet)."""
         for t in sorted({bucket_for(T, self.t_buckets) for T in Ts} - {None}):
-            for B in (1, 2) if rows > 1 else (1,):
+            for B in (1, 2) if rows > 1 and t == 1 else (1,):  # batched verify graphs compile on first use
                 if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length:
                     continue
                 start = torch.full((B,), min(128, (self.cache.length - t) // 2), dtype=torch.long)

@@ -1,18 +1,22 @@
-"""CPU kernels of our own, built on first use: the bf16 few-row product of compiled steps (small_gemm.cpp), on a
-weight as a module holds it (`small_linear`) or on a blocked copy of it (`pack`, `packed_linear`: the same bits,
-read as one contiguous stream per block of 8 rows; what compiled steps use).
+"""CPU kernels of our own, built on first use:
+  * the bf16 few-row product of compiled steps (small_gemm.cpp), on a weight as a module holds it (`small_linear`)
+    or on a blocked copy of it (`pack`, `packed_linear`: the same bits, read as one contiguous stream per block of
+    8 rows; what compiled steps use);
+  * a step's attention read in place from the paged KV pool (paged_attention.cpp, `paged_attention`), each key
+    and value once for all the queries of its KV head (docs/runtime.md#attention-on-the-cpu).
 
 Why: a speculative verify at batch 1 multiplies each weight by 2-16 rows. Inside a compiled step inductor lowers
 such a product to oneDNN on the unpacked weight, which reorders it on every call (a third of the bandwidth), and
 the single-row reduction of model/linear.py reads the weight once per row; so verify steps ran eagerly at about
 twice a decode step's time, and speculation had to accept two tokens a step just to break even. The kernel streams
-each weight once for all rows (docs/runtime.md#verify-steps-on-the-cpu).
+each weight once for all rows (docs/runtime.md#verify-steps-on-the-cpu). Attention through inductor's fused
+kernel read the cache at ~5 GB/s and once per query: half of a long rollout's step.
 
 Built once per machine with torch's extension builder (about 30 s; ninja and a C++ compiler) under
 $RLSPEC_CACHE/kernels/<source hash>, and loaded from there afterwards. Only where the CPU has AVX-512 BF16
 (`available`); anywhere else, when the build fails (one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes:
-verify steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them
-from a compiled step like any extern kernel and fuses everything around them.
+steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them from a
+compiled step like any extern kernel and fuses everything around them.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attention.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]  # included by both: part of the build's hash
 MAX_ROWS = 16  # products of more rows are compute-bound in this kernel; oneDNN's blocked GEMM wins there
 ENV = "RLSPEC_CPU_KERNELS"
 ready = False  # set by available() once the op is loaded; read inside compiled code, which must not build it
@@ -68,7 +73,7 @@ def _build() -> None:
     from rollout.runtime.model.fetch import cache_root
 
     flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     build_dir = cache_root() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     load(name=f"rlspec_kernels_{digest}", sources=[str(p) for p in SOURCES], build_directory=str(build_dir), extra_cflags=flags,

@@ -20,6 +20,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,11 +30,10 @@
 
 namespace {
 
+using namespace rlspec_simd;
+
 constexpr int64_t CHUNK = 256;  // positions per task: ~100 KB of keys and values at SmolLM2's shape
 
-inline __m512 bf16x16_to_f32(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
 
 // exp(x) for x <= 0 (scores minus their running maximum), 16 lanes: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5],
 // 2^f by its degree-7 Taylor polynomial (relative error < 1e-7); lanes below -87 (masked keys: -inf) give 0.
@@ -49,16 +50,6 @@ inline __m512 exp_nonpos(__m512 x) {
 struct Shapes {
   int64_t B, H, T, D, KV, G, bs, n, S, chunks;
 };
-
-// Sum each of four accumulators' 16 lanes: out[j] = sum(a_j) (as small_gemm.cpp's hsum4).
-inline void hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
-  auto half = [](__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
-  __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
-  __m256 abcd = _mm256_hadd_ps(ab, cd);
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
-}
 
 // Unnormalised outputs o[r, :] = sum_i p[r, i] v_i for queries r0 .. r0 + RG - 1, each query's D / 16 float32
 // accumulators held in registers while the chunk's values (in L1/L2 after the first query group) stream past.
@@ -225,7 +216,7 @@ at::Tensor paged_attention(const at::Tensor& q_, const at::Tensor& k_pool, const
         }
         const int64_t g = r / z.T, t = r % z.T;
         uint16_t* dst = op + ((b * z.H + kvh * z.G + g) * z.T + t) * z.D;
-        for (int64_t d = 0; d < z.D; d++) dst[d] = c10::BFloat16(L > 0.f ? acc[d] / L : 0.f).x;
+        for (int64_t d = 0; d < z.D; d++) dst[d] = store_bf16(L > 0.f ? acc[d] / L : 0.f);
       }
   return out;
 }

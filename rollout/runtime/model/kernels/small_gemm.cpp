@@ -18,10 +18,14 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 
 namespace {
+
+using namespace rlspec_simd;
 
 constexpr int NB = 8;  // weight rows per block: 8 independent accumulator chains hide vdpbf16ps's latency
 constexpr int MB = 2;  // input rows per pass over a block (2 x 8 accumulators + 8 weight registers fit 32)
@@ -32,24 +36,6 @@ inline __mmask32 tail_mask(int64_t rest) { return rest >= 32 ? ~__mmask32(0) : (
 inline __m512bh load(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
 inline __m512bh load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-// Sum each of four accumulators' 16 lanes: out[j] = sum(a_j).
-inline void hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
-  auto half = [](__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
-  __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
-  __m256 abcd = _mm256_hadd_ps(ab, cd);
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
-}
-
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t store_bf16(float v) { return c10::BFloat16(v).x; }  // round to nearest even, NaN kept
 
 // One weight row n against every input row (the N % NB tail).
 void row(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N, int64_t K,
