@@ -115,10 +115,10 @@ class CompiledRunner(EagerRunner):
 
     def warm(self, Ts: list[int], rows: int) -> None:
         """Compile (or load from inductor's cache) the graphs that batch-1 steps of these token counts, and batched
-        one-token steps, use (batched verify graphs compile on first use: warming them all cost the test suite
-        minutes), with one dummy step each, before a rollout's first step needs it: a graph first met mid-rollout cost that
-        rollout 0.7 s (loaded) to 7 s (compiled), an exploring selector meeting several. The dummy KV lands in
-        the trash block (no row holds a block yet)."""
+        one-token steps, use, with one dummy step each, before a rollout's first step needs them: a graph first met
+        mid-rollout cost that rollout 0.7 s (loaded) to 7 s (compiled), an exploring selector meeting several.
+        Batched verify graphs (several rows of several tokens) compile on first use, which keeps a call's start as
+        costly as before they compiled. The dummy KV lands in the trash block (no row holds a block yet)."""
         for t in sorted({bucket_for(T, self.t_buckets) for T in Ts} - {None}):
             for B in (1, 2) if rows > 1 and t == 1 else (1,):  # batched verify graphs compile on first use
                 if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length:
