@@ -28,7 +28,7 @@ def make_tiny_hf(kind: str = "llama", seed: int = 0, tie: bool = False, vocab: i
     extra = {"head_dim": 16} if kind == "qwen3" else {}
     extra.update(overrides)
     torch.manual_seed(seed)
-    model = cls[1](cls[0](**common, **extra)).float().eval()
+    model = cls[1](cls[0](**{**common, **extra})).float().eval()
     if kind == "qwen2":  # random init leaves biases at zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:

@@ -19,6 +19,9 @@ Kernels for a step, picked by `use_flex` when the step's mask is built (`step_ma
     or two blocks holding the new tokens are `partial` (mask_mod applies the tree), blocks past
     start + T are never read. Scores are never materialised and reads scale with each row's live
     context, not with S; building the mask needs no host sync, so CUDA graphs capture it.
+  * paged (CPU, bf16, where our kernel is built): a step's keys and values read in place from the layer's pool
+    through the block table, the dense mask deciding what each query sees (model/kernels/paged_attention.cpp).
+    It needs the pool, not gathered keys, so llama.Attention calls it before any gather; `attend` serves the rest.
 `attend_dense` is the reference; tests compare `attend_flex` with it (on CPU through torch.compile's
 CPU backend, which also runs FlexAttention).
 

@@ -100,20 +100,21 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         write_slots(k_cache, fb.slots, k)
         write_slots(v_cache, fb.slots, v)
+        q, out = q.transpose(1, 2), None  # q [B, nh, T, hd]
         if attn.causal:  # fresh prompts see only each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)
         elif fb.blocks is not None and attn.dense is not None and self.softcap is None and \
                 kernels.attention_usable(q, k_cache):  # CPU bf16: read in place from the pool (kernels/)
-            out = kernels.paged_attention(q.transpose(1, 2), k_cache, v_cache, fb.blocks, attn.dense,
+            out = kernels.paged_attention(q, k_cache, v_cache, fb.blocks, attn.dense,
                                           self.hd ** -0.5 if self.scale is None else self.scale)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
         elif fb.blocks is not None:  # one gather of the rows' blocks: [B, KV, kv_len, hd]
             keys, values = gather_blocks(k_cache, fb.blocks), gather_blocks(v_cache, fb.blocks)
         elif attn.block is not None:  # paged FlexAttention reads the pool itself, through its block mask
             keys, values = pool_sequence(k_cache), pool_sequence(v_cache)
         else:  # a dense view of a paged flex step (a sliding layer): gather through the rows' block table
             keys, values = gather_blocks(k_cache, attn.table), gather_blocks(v_cache, attn.table)
-        out = attend(q.transpose(1, 2), keys, values, attn, self.scale, self.softcap)
+        if out is None:
+            out = attend(q, keys, values, attn, self.scale, self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 

@@ -255,15 +255,15 @@ def test_paged_attention_is_the_exact_attention(B, H, KV, T, D, ctx, tree):
 
 
 @needs_kernel
-@pytest.mark.parametrize("compile_mode", ["off", "on"])
-def test_bf16_steps_attend_through_the_kernel(compile_mode, monkeypatch):
+@pytest.mark.parametrize("compile_mode,heads", [("off", 4), ("on", 4), ("off", 32)])
+def test_bf16_steps_attend_through_the_kernel(compile_mode, heads, monkeypatch):
     """A bf16 CPU step (eager or compiled; decode, chain and tree) reads its cache through paged_attention
-    where the head size allows, and gives the logits of the gather-and-matmul path it replaced, up to bf16
-    rounding."""
+    where the head size allows, whatever the head count (more heads than the kernel's 16 tokens a row, as a
+    7B model has), and gives the logits of the gather-and-matmul path it replaced, up to bf16 rounding."""
     from torch.profiler import ProfilerActivity, profile
 
     runner, lens = _runner(rows=8, length=64, n_prompts=4, dtype=torch.bfloat16, compile_mode=compile_mode,
-                           head_dim=32)
+                           head_dim=32, num_attention_heads=heads)
     for B, T, tree in [(2, 1, False), (1, 4, False), (1, 4, True)]:
         tokens = _tokens(B, T, seed=B + T)
         depths, tmask = _tree(B) if tree else (None, None)

@@ -73,11 +73,12 @@ def _build() -> None:
     from rollout.runtime.model.fetch import cache_root
 
     flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + f"{torch.__version__} {flags}".encode()
+    digest = hashlib.sha256(text).hexdigest()[:16]
     build_dir = cache_root() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=f"rlspec_kernels_{digest}", sources=[str(p) for p in SOURCES], build_directory=str(build_dir), extra_cflags=flags,
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    load(name=f"rlspec_kernels_{digest}", sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
+         extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
     @torch.library.register_fake("rlspec_kernels::small_linear")
     def _(x, w, bias=None):
@@ -132,8 +133,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def attention_usable(q: torch.Tensor, pool: torch.Tensor) -> bool:
     """Whether paged_attention serves a step's queries q [B, H, T, D] over this KV pool: CPU, bf16, at most
     MAX_ROWS tokens a row, a head size of whole 32-element steps, and the kernel loaded."""
-    return (ready and attention and q.device.type == "cpu" and q.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16
-            and q.shape[2] <= MAX_ROWS and q.shape[3] % 32 == 0)
+    return (ready and attention and q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and pool.dtype == torch.bfloat16 and q.shape[2] <= MAX_ROWS and q.shape[3] % 32 == 0)
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,

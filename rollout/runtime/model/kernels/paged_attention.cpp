@@ -34,7 +34,6 @@ using namespace rlspec_simd;
 
 constexpr int64_t CHUNK = 256;  // positions per task: ~100 KB of keys and values at SmolLM2's shape
 
-
 // exp(x) for x <= 0 (scores minus their running maximum), 16 lanes: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5],
 // 2^f by its degree-7 Taylor polynomial (relative error < 1e-7); lanes below -87 (masked keys: -inf) give 0.
 inline __m512 exp_nonpos(__m512 x) {
@@ -198,13 +197,14 @@ at::Tensor paged_attention(const at::Tensor& q_, const at::Tensor& k_pool, const
   // merge the chunks: softmax over all positions = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c
   at::Tensor out = at::empty({z.B, z.H, z.T, z.D}, q.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  std::vector<float> acc(z.D);
   for (int64_t b = 0; b < z.B; b++)
     for (int64_t kvh = 0; kvh < z.KV; kvh++)
       for (int64_t r = 0; r < R; r++) {
         const int64_t base = (b * z.KV + kvh) * z.chunks;
         float M = -std::numeric_limits<float>::infinity();
         for (int64_t c = 0; c < z.chunks; c++) M = std::max(M, m[(base + c) * R + r]);
-        std::vector<float> acc(z.D, 0.f);
+        std::fill(acc.begin(), acc.end(), 0.f);
         float L = 0.f;
         for (int64_t c = 0; c < z.chunks; c++) {
           const float lc = l[(base + c) * R + r];
