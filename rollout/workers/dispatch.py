@@ -33,7 +33,7 @@ from rollout.workers.tasks import Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DispatchStats", "RolloutWorkerError", "drop_worker", "kill_actor", "run_tasks"]
+__all__ = ["DispatchStats", "RolloutWorkerError", "drop_worker", "kill_actor", "kill_and_wait", "run_tasks"]
 
 
 @dataclass
@@ -143,6 +143,23 @@ def kill_actor(actor) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as err:  # noqa: BLE001 - killing the dead fails in several ways, all harmless
         log.debug("ray.kill of a dropped actor: %s", err)
+
+
+def kill_and_wait(actors: list, timeout_s: float = 10.0) -> None:
+    """Kill every actor and return once each is gone (or timeout_s has passed). ray.kill only sends the kill, so a
+    call submitted right after it can still reach the actor: twice in full-suite runs a worker answered a call
+    made after close() (test_pool.py::test_a_dead_drafter_trainer_is_backend_lost_and_close_still_kills_every_
+    actor), and a closed pool may hold its CPUs/GPUs a moment longer than its caller believes."""
+    for actor in actors:
+        kill_actor(actor)
+    deadline = time.monotonic() + timeout_s
+    for actor in actors:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.01))
+            except Exception:  # noqa: BLE001 - RayActorError (gone), a cluster already down, the deadline: done
+                break
+            time.sleep(0.05)
 
 
 def _no_workers(stats: DispatchStats) -> str:

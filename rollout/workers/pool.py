@@ -26,7 +26,7 @@ from rollout.eos import resolve_eos
 from rollout.runtime.model.families import family_of_model
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.workers import cluster
-from rollout.workers.dispatch import DispatchStats, drop_worker, kill_actor, run_tasks
+from rollout.workers.dispatch import DispatchStats, drop_worker, kill_and_wait, run_tasks
 from rollout.errors import RolloutBackendLost, RolloutWorkerError
 from rollout.workers.spot import DrafterHub
 from rollout.workers.stats import merge_stats
@@ -197,9 +197,7 @@ class RayPool:
             self._kill_all()
 
     def _kill_all(self) -> None:
-        for actor in [self.hub, *self.workers.values()]:
-            if actor is not None:
-                kill_actor(actor)
+        kill_and_wait([a for a in (self.hub, *self.workers.values()) if a is not None])
         self.hub, self.workers = None, {}
         self.watch.close()
 
