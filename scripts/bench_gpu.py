@@ -8,7 +8,12 @@ Per model and batch (default 1, 8, 32, 128), with the same prompts, greedy, EOS 
   * achieved memory bandwidth of a graph step: (weights + KV bytes read) / step time, and its fraction
     of the device's bandwidth measured by a 1 GiB device-to-device copy;
   * the KV cache's and the graph pool's memory;
-  * what the timed call did besides replays: dynamo compiles, graph captures, eager steps, a new KV pool.
+  * what the timed call did besides replays: dynamo compiles, graph captures, eager steps, a new KV pool;
+  * with --compile both (the default), the same rows with the compiled decoder layer inside the CUDA graphs
+    (compile_mode="on") for the batches in --compile-batches: whether compiling pays on this GPU;
+  * --pool-sweep: generate calls of growing lengths at batch 8, the pool handed back between them as in
+    training, twice through: the dynamo compiles and seconds each call spent (a new pool size may recompile
+    FlexAttention).
 Models that would not fit in free memory, and whatever the --budget-s time bound leaves, are skipped and
 say why. Prints a table and writes JSON after every model (a cut-off run keeps what it measured):
 {device, torch, transformers, peak_gbs, elapsed_s, config, models: {name: {...}}, results: [...], skipped: {}}.
@@ -57,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence (default: per model)")
     p.add_argument("--iters", type=int, default=20, help="timed decode steps per step-time measurement")
     p.add_argument("--budget-s", type=float, default=150.0, help="stop starting new measurements after this")
+    p.add_argument("--compile", default="both", choices=["off", "on", "both"],
+                   help="engine arms: graphs of eager layers (off), of compiled layers (on), or both side by side")
+    p.add_argument("--compile-batches", type=int, nargs="+", default=[1, 8],
+                   help="batches measured with compiled layers (each compiles its own step graph)")
+    p.add_argument("--pool-sweep", type=int, nargs="*", default=None,
+                   help="new tokens per call of the pool-size sweep (no value: 96 224 480 992); SmolLM2 shape")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV")
     p.add_argument("--smoke", action="store_true", help="tiny model, batches 1 and 2, 4 tokens: runs on CPU too")
     p.add_argument("--out", default="bench_out/gpu_check.json", help="where to write the JSON results")
@@ -171,7 +182,7 @@ def bench_engine(engine, prompts, batches, N: int, device, args, left) -> list[d
         eager_s = time_steps(eager.run, tokens, start, args.iters, device, warmup=2)
         graph_s = time_steps(pool.run, tokens, start, args.iters, device, warmup=2)
         moved = weight_bytes(model) + kv_bytes(model, B, ctx + 1, cache.k.dtype)
-        rows.append(dict(batch=B, engine_tok_s=B * N / secs, step_eager_ms=eager_s * 1e3,
+        rows.append(dict(batch=B, compile="on" if engine.runner.compiled else "off", engine_tok_s=B * N / secs, step_eager_ms=eager_s * 1e3,
                          step_graph_ms=graph_s * 1e3, graph_speedup=eager_s / graph_s,
                          achieved_gbs=moved / graph_s / 1e9, bytes_per_step=moved, timed_call=during))
         print(f"  batch {B}: engine {rows[-1]['engine_tok_s']:.0f} tok/s, step eager {eager_s * 1e3:.2f} ms, "
@@ -196,32 +207,64 @@ def bench_model(name: str, args, device, dtype, peak_gbs: float, left) -> tuple[
     prompts = torch.randint(3, vocab, (max(args.batch_sizes), args.prompt_len), generator=gen).to(device)
     print(f"{name}: HF generate", flush=True)
     hf_tok_s = bench_hf(hf, prompts, args.batch_sizes, N, device)
-    engine = RolloutEngine.from_hf_model(hf, None, dtype=dtype, device=device, max_num_seqs=max(args.batch_sizes),
-                                         max_model_len=args.prompt_len + N + 8, graph_mode="lazy",
-                                         free_kv_between_rollouts=False)  # steps are timed over its cache
-    del hf
-    release_cached(device)  # between models, not mid-rollout: HF's weights go before ours run
-    print(f"{name}: engine", flush=True)
-    rows = bench_engine(engine, prompts, args.batch_sizes, N, device, args, left)
+    rows, info = [], {}
+    for compiled in [c for c in ("off", "on") if args.compile in (c, "both")]:
+        batches = args.batch_sizes if compiled == "off" else [b for b in args.batch_sizes if b in args.compile_batches]
+        if left() <= 0 or not batches:
+            break
+        engine = RolloutEngine.from_hf_model(hf, None, dtype=dtype, device=device,
+                                             max_num_seqs=max(args.batch_sizes), max_model_len=args.prompt_len + N + 8,
+                                             graph_mode="lazy", free_kv_between_rollouts=False,  # steps timed over it
+                                             compile_mode=compiled)
+        print(f"{name}: engine, compile {compiled}", flush=True)
+        rows += bench_engine(engine, prompts, batches, N, device, args, left)
+        steps = engine.runner.steps
+        info = dict(params_m=sum(p.numel() for p in engine.model.parameters()) / 1e6,
+                    weight_mib=weight_bytes(engine.model) / 2**20, kv_cache_mib=engine.runner.cache.nbytes() / 2**20,
+                    graph_pool_mib=steps.memory_bytes() / 2**20, graphs=len(getattr(steps, "graphs", {})),
+                    new_tokens=N)
+        del engine, steps
+        release_cached(device)
     for r in rows:
         r.update(model=name, new_tokens=N, hf_tok_s=hf_tok_s[r["batch"]],
                  speedup_vs_hf=r["engine_tok_s"] / hf_tok_s[r["batch"]], bw_fraction=r["achieved_gbs"] / peak_gbs)
-    steps = engine.runner.steps
-    info = dict(params_m=sum(p.numel() for p in engine.model.parameters()) / 1e6,
-                weight_mib=weight_bytes(engine.model) / 2**20, kv_cache_mib=engine.runner.cache.nbytes() / 2**20,
-                graph_pool_mib=steps.memory_bytes() / 2**20, graphs=len(getattr(steps, "graphs", {})),
-                new_tokens=N)
-    del engine
+    del hf
     release_cached(device)
     return rows, info
 
 
+def pool_sweep(lengths: list[int], device, dtype, prompt_len: int) -> list[dict]:
+    """Calls of growing lengths at batch 8 (SmolLM2 shape), the pool handed back after each as in training,
+    twice through: per call its seconds, dynamo compiles and whether its pool was new. The second pass sees
+    only sizes met before, so compiles there say that some kernel specialises on a size it had already seen."""
+    hf = build_hf("smollm2-135m", dtype, device)
+    prompts = torch.randint(3, hf.config.vocab_size, (8, prompt_len), generator=torch.Generator().manual_seed(1))
+    engine = RolloutEngine.from_hf_model(hf, None, dtype=dtype, device=device, max_num_seqs=8,
+                                         max_model_len=prompt_len + max(lengths) + 8, graph_mode="lazy",
+                                         free_kv_between_rollouts=True, compile_mode="off")
+    del hf
+    out = []
+    for rep in range(2):
+        for n in lengths:
+            before = compiled_frames()
+            secs = timed(lambda: engine.generate(prompts.tolist(), SamplingParams(temperature=0, max_new_tokens=n,
+                                                                                  ignore_eos=True)), device)[1]
+            pool = engine.stats().get("rollout/kv_blocks_total")
+            out.append(dict(rep=rep, new_tokens=n, seconds=secs, compiles=compiled_frames() - before,
+                            pool_blocks=pool))
+            print(f"  pool sweep {rep}: {n} tokens, {secs:.2f} s, {out[-1]['compiles']} compiles, pool {pool}",
+                  flush=True)
+    del engine
+    release_cached(device)
+    return out
+
+
 def print_table(results: list[dict], models: dict, skipped: dict, peak_gbs: float) -> None:
     print(f"\npeak (measured copy) {peak_gbs:.0f} GB/s")
-    head = ["model", "batch", "HF tok/s", "eng tok/s", "x HF", "eager ms", "graph ms", "x graph", "GB/s", "% peak"]
+    head = ["model", "compiled", "batch", "HF tok/s", "eng tok/s", "x HF", "eager ms", "graph ms", "x graph", "GB/s", "% peak"]
     print("".join(f"{h:>11}" if i else f"{h:<14}" for i, h in enumerate(head)))
     for r in results:
-        vals = [r["batch"], f"{r['hf_tok_s']:.0f}", f"{r['engine_tok_s']:.0f}", f"{r['speedup_vs_hf']:.2f}",
+        vals = [r["compile"], r["batch"], f"{r['hf_tok_s']:.0f}", f"{r['engine_tok_s']:.0f}", f"{r['speedup_vs_hf']:.2f}",
                 f"{r['step_eager_ms']:.2f}", f"{r['step_graph_ms']:.2f}", f"{r['graph_speedup']:.2f}",
                 f"{r['achieved_gbs']:.0f}", f"{100 * r['bw_fraction']:.0f}"]
         print(f"{r['model']:<14}" + "".join(f"{v:>11}" for v in vals))
@@ -237,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     if args.smoke:
         args.models, args.batch_sizes, args.prompt_len, args.iters = ["tiny"], [1, 2], 8, 3
+        args.compile_batches = [1]  # one compiled step graph: the arm's plumbing, in seconds
     elif not cuda:
         print("CUDA is unavailable: run with --smoke on a machine without a GPU.")
         return 1
@@ -260,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         payload["results"] += rows
         payload["elapsed_s"] = time.perf_counter() - t0
         write_json(args.out, payload)
+    if args.pool_sweep is not None:
+        payload["pool_sweep"] = pool_sweep(args.pool_sweep or [96, 224, 480, 992], device, dtype, args.prompt_len)
     payload["elapsed_s"] = time.perf_counter() - t0
     print_table(payload["results"], payload["models"], payload["skipped"], peak)
     write_json(args.out, payload)

@@ -20,7 +20,9 @@ def test_smoke_run_measures_every_column(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     payload = json.loads(out.read_text())
-    assert [r["batch"] for r in payload["results"]] == [1, 2] and not payload["skipped"]
+    # the eager-layer graphs at both batches, then the compiled-layer arm at the smoke's one compile batch
+    assert [(r["compile"], r["batch"]) for r in payload["results"]] == [("off", 1), ("off", 2), ("on", 1)]
+    assert not payload["skipped"]
     keys = {"hf_tok_s", "engine_tok_s", "step_eager_ms", "step_graph_ms", "achieved_gbs", "bw_fraction"}
     assert all(keys <= r.keys() and all(r[k] > 0 for k in keys) for r in payload["results"])
     assert payload["peak_gbs"] > 0 and payload["models"]["tiny"]["kv_cache_mib"] > 0
