@@ -50,7 +50,8 @@ def inductor_cache_dir(root: str | None = None) -> str:
 
 def resolve_compile(mode: str, device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether steps are compiled. auto: on a CPU in bf16, where it was measured to pay (bench_out/step.json);
-    off on CUDA until `make gpu-check` has measured the compiled graphs there, and in float32."""
+    off in float32, and off on CUDA: there compiled graphs run 1.2-1.4x faster but recompile every shape for each
+    new KV pool size (3-8 s a shape; bench_out/RESULTS.md, session 16), and training re-sizes the pool per rollout."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
     if mode == "auto":
