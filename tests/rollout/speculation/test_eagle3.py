@@ -175,3 +175,58 @@ def test_a_new_drafter_version_fades_the_selectors_evidence_rather_than_dropping
     assert 0 < UPDATE_KEEP < 1
     kept = spec.selector.acceptance["eagle3"]
     assert (kept.accepts, kept.rejects) == (30.0 * UPDATE_KEEP, 10.0 * UPDATE_KEEP)
+
+
+def test_draft_attention_equals_attention_over_context_and_drafts():
+    """The draft steps' attention (context scored apart, in float32) equals one attention over the context
+    and the draft keys concatenated, positions at or past each row's length hidden (they hold garbage)."""
+    from rollout.runtime.model.attention import attend_dense
+    from rollout.speculation.drafters.eagle3 import _DraftAttention
+
+    g = torch.Generator().manual_seed(0)
+    R, H, KV, D, S = 3, 6, 2, 16, 20
+    lens = torch.tensor([20, 7, 13])
+    ctx_k, ctx_v = torch.randn(R, KV, S, D, generator=g), torch.randn(R, KV, S, D, generator=g)
+    attend = _DraftAttention(ctx_k, ctx_v, lens)
+    keys, vals = [ctx_k.double()], [ctx_v.double()]
+    for step in range(3):
+        q = torch.randn(R, H, 1, D, generator=g)
+        k, v = torch.randn(R, KV, 1, D, generator=g), torch.randn(R, KV, 1, D, generator=g)
+        keys.append(k.double())
+        vals.append(v.double())
+        seen = torch.cat([torch.arange(S)[None] < lens[:, None], torch.ones(R, step + 1, dtype=torch.bool)], 1)
+        ref = attend_dense(q.double(), torch.cat(keys, 2), torch.cat(vals, 2), seen[:, None, None])
+        torch.testing.assert_close(attend(q, k, v).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not __import__("rollout.runtime.model.kernels", fromlist=["available"]).available(),
+                    reason="no AVX-512 BF16 CPU or no C++ toolchain")
+def test_bf16_catch_up_attends_through_the_kernel(monkeypatch):
+    """In bf16 on the CPU the catch-up reads the drafter's cached keys in place (paged_attention) and gives
+    what gathering them gave, up to bf16 rounding, on every catch-up of a rollout."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollout.runtime.model import kernels
+
+    hf = make_tiny_hf("llama", seed=7, head_dim=32)
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, spec=spec, eos_token_ids=[2])
+    eng.speculation.force(Arm("eagle3", 3, 1))
+    real, usable, pairs = Eagle3Drafter._catch_up, kernels.attention_usable, []
+
+    def both(self, seqs):
+        valid = dict(self.valid)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "attention_usable", lambda q, pool: False)
+            ref = real(self, seqs)[0]
+        self.valid = valid
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = real(self, seqs)
+        pairs.append((out[0], ref, any(e.key == "rlspec_kernels::paged_attention" for e in prof.key_averages())))
+        return out
+
+    monkeypatch.setattr(Eagle3Drafter, "_catch_up", both)
+    eng.generate(random_prompts(2, 6, 12, seed=7), SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
+    assert len(pairs) >= 5 and all(used for *_, used in pairs) and usable is kernels.attention_usable
+    for got, ref, _ in pairs:
+        torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=0.05)

@@ -15,6 +15,7 @@ times dearer per run, covers them pairwise. Trees at T = 1 and the rule for chil
 replacement have their own engine-level tests in test_rsd.py.
 """
 import pytest
+import torch
 
 from rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rollout.types import SamplingParams
@@ -23,6 +24,7 @@ from tests.rollout.law_helpers import (ALPHA, engine_samples, hf_exact_law, make
 from tests.rollout.spec_helpers import OracleDrafter
 
 VOCAB, PROMPT, LENGTH, N = 8, [3, 4, 5, 1], 5, 10_000
+DRAFT_VOCAB = [0, 2, 3, 5, 6]  # not a prefix of the ids: q must land on these, not on 0..4
 TOP_K = SamplingParams(temperature=0.7, top_k=3)
 TOP_P = SamplingParams(temperature=0.9, top_p=0.9)  # at T 0.8 one prefix's cumulative mass sits 5e-5 from 0.1
 _LAWS: dict = {}
@@ -108,6 +110,18 @@ def test_compiled_steps_keep_the_law(hf, width, k, monkeypatch):
 def test_eagle3_sampled_chains_keep_the_law(hf):
     """The learned drafter samples chains from q (processed like p): min(1, p/q) and residuals."""
     stats = check(hf, TOP_P, lambda runtime: Eagle3Drafter(runtime), width=1, k=3)
+    assert full_share(stats, 3) >= 0.005 and full_share(stats, 2) >= 0.03, stats
+
+
+def test_eagle3_with_a_draft_vocabulary_keeps_the_law(hf):
+    """A draft vocabulary of 5 of the 8 tokens: q is sampled over those 5 and spread over the 8 for
+    verification; tokens outside it come only from residuals and bonuses."""
+    def drafter(runtime):
+        d = Eagle3Drafter(runtime, draft_vocab_size=5)
+        d.model.set_draft_vocab(torch.tensor(DRAFT_VOCAB))
+        return d
+
+    stats = check(hf, TOP_K, drafter, width=1, k=3)
     assert full_share(stats, 3) >= 0.005 and full_share(stats, 2) >= 0.03, stats
 
 
