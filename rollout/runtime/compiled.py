@@ -50,8 +50,10 @@ def inductor_cache_dir(root: str | None = None) -> str:
 
 def resolve_compile(mode: str, device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether steps are compiled. auto: on a CPU in bf16, where it was measured to pay (bench_out/step.json);
-    off in float32, and off on CUDA: there compiled graphs run 1.2-1.4x faster but recompile every shape for each
-    new KV pool size (3-8 s a shape; bench_out/RESULTS.md, session 16), and training re-sizes the pool per rollout."""
+    off in float32, and off on CUDA: measured there (bench_out/RESULTS.md, session 16), compiled graphs ran 1.2-1.4x
+    faster but recompiled every shape for each new KV pool size (3-8 s a shape), and training re-sizes the pool per
+    rollout. FlexAttention now stays outside the layer's graphs, which take any pool size (captured_layer_call); the
+    graphs' speed with that graph break is unmeasured on a GPU, so CUDA stays off until `make gpu-check` has run it."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
     if mode == "auto":
@@ -143,6 +145,14 @@ class CompiledRunner(EagerRunner):
         if t != T:
             logits, hiddens = logits[:, :T], {i: h[:, :T] for i, h in hiddens.items()}
         return logits, hiddens
+
+
+def captured_layer_call():
+    """The compiled layer call for CUDA graph captures (graphs.GraphPool): each call first marks its inputs'
+    batch, block-table width and the pool's block count dynamic, so one graph per token bucket serves every
+    batch bucket and every pool size (the pool is re-sized between rollouts). Only captures call it: a replay
+    runs no Python. FlexAttention stays outside these graphs (attention._flex_outside_graph)."""
+    return _marking(compiled_layer_call(), batched=True)
 
 
 def _marking(call, batched: bool):

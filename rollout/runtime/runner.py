@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from rollout.runtime.compiled import CompiledRunner, compiled_layer_call, resolve_compile
+from rollout.runtime.compiled import CompiledRunner, captured_layer_call, resolve_compile
 from rollout.runtime.graphs import MODES, EagerRunner, make_step_runner
 from rollout.runtime.kv_budget import KVBudget
 from rollout.runtime.kv_cache import PagedKVCache, SideSpec, block_bytes, side_bytes
@@ -63,7 +63,7 @@ class ModelRunner:
         self.cache.set_ceiling(size.max_blocks, lambda: budget.headroom(self.device))
         self.model.init_rope(self.cache.length)
         self.steps = make_step_runner(self.model, self.cache, self.device, self.graph_mode,
-                                      compiled_layer_call() if self.compiled else None, max_t=self.max_graph_t)
+                                      captured_layer_call() if self.compiled else None, max_t=self.max_graph_t)
         if self.compiled and type(self.steps) is EagerRunner:  # no CUDA graphs: compiled steps on their own
             self.steps = CompiledRunner(self.model, self.cache, self.device)
         return self.cache

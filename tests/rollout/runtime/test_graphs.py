@@ -1,6 +1,7 @@
 """rollout/graphs.py: bucket and padding logic, the eager fallback against ModelRunner.step, the pool's
 padding/static-buffer path on CPU (emulated replay), and real CUDA graph replay where a GPU exists."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,6 +158,45 @@ def test_emulated_pool_greedy_decode_with_shrinking_batch_matches_eager():
                 lens, tok = lens[1:], tok[1:]
         outs.append(emitted)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_layer_graphs_serve_every_pool_size(monkeypatch):
+    """CUDA's pairing emulated on the CPU: captured graphs of the compiled layer, attending through FlexAttention
+    over the paged pool. Over pools of three sizes (the engine re-sizes its pool between rollouts) the layer's
+    graphs compile for the first and serve the others (FlexAttention, kept outside them, recompiles on its own),
+    and every step equals the eager dense one."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    from rollout.runtime import graphs
+    from rollout.runtime.compiled import captured_layer_call, compiled_layer_call
+    from rollout.runtime.model import attention
+
+    monkeypatch.setattr(graphs, "use_flex", lambda device: True)
+    model = loader.from_hf_model(make_tiny_hf("llama", seed=4), torch.float32, "cpu")
+    layer_code = compiled_layer_call()._torchdynamo_orig_callable.__code__
+    graphs_after = []
+    try:
+        for blocks in (9, 13, 17):  # 128-position blocks, FlexAttention's
+            cache = PagedKVCache(model.cfg, 1, 512, blocks, 128, torch.float32, "cpu")
+            cache.reserve_rows(1, 300)
+            cache.k.normal_(generator=torch.Generator().manual_seed(blocks))  # a context of 200 cached positions
+            cache.v.normal_(generator=torch.Generator().manual_seed(blocks + 1))
+            model.init_rope(cache.length)
+            pool = GraphPool(model, cache, "cpu", backend="emulate", layer_call=captured_layer_call(), max_t=4)
+            tokens, start = _tokens(1, 1, seed=blocks), torch.tensor([200])
+            ref = EagerRunner(model, cache, "cpu").run(tokens, start)[0]
+            got = pool.run(tokens, start)[0]
+            assert pool.counts["captures"] == 1
+            assert attention.flex_error() is None, attention.flex_error()  # flex ran, not its dense fallback
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+            graphs_after.append(len(eval_frame._debug_get_cache_entry_list(layer_code)))
+    finally:
+        # dynamo's frame state outlives the test: flex, having met three pool sizes, would next compile with a
+        # dynamic KV length, which torch's C++ (CPU) flex template cannot build (CUDA's can); later tests start
+        # afresh
+        torch._dynamo.reset()
+    assert graphs_after[1:] == graphs_after[:1] * 2, graphs_after
 
 
 def test_pool_falls_back_to_eager_outside_its_buckets():
