@@ -186,11 +186,13 @@ def bench_engine(engine, prompts, batches, N: int, device, args, left) -> list[d
         eager_s = time_steps(eager.run, tokens, start, args.iters, device, warmup=2)
         graph_s = time_steps(pool.run, tokens, start, args.iters, device, warmup=2)
         moved = weight_bytes(model) + kv_bytes(model, B, ctx + 1, cache.k.dtype)
-        rows.append(dict(batch=B, compile="on" if engine.runner.compiled else "off", engine_tok_s=B * N / secs, step_eager_ms=eager_s * 1e3,
-                         step_graph_ms=graph_s * 1e3, first_call_s=first_s, setup_s=setup_s, graph_speedup=eager_s / graph_s,
-                         achieved_gbs=moved / graph_s / 1e9, bytes_per_step=moved, timed_call=during))
+        rows.append(dict(batch=B, compile="on" if engine.runner.compiled else "off", engine_tok_s=B * N / secs,
+                         step_eager_ms=eager_s * 1e3, step_graph_ms=graph_s * 1e3, first_call_s=first_s,
+                         setup_s=setup_s, graph_speedup=eager_s / graph_s, achieved_gbs=moved / graph_s / 1e9,
+                         bytes_per_step=moved, timed_call=during))
         print(f"  batch {B}: engine {rows[-1]['engine_tok_s']:.0f} tok/s, step eager {eager_s * 1e3:.2f} ms, "
-              f"graph {graph_s * 1e3:.2f} ms, {rows[-1]['achieved_gbs']:.0f} GB/s, first call {first_s:.1f} s; timed call: {during}", flush=True)
+              f"graph {graph_s * 1e3:.2f} ms, {rows[-1]['achieved_gbs']:.0f} GB/s, first call {first_s:.1f} s; "
+              f"timed call: {during}", flush=True)
     return rows
 
 
@@ -239,7 +241,7 @@ def bench_model(name: str, args, device, dtype, peak_gbs: float, left) -> tuple[
 
 def pool_sweep(lengths: list[int], device, dtype, prompt_len: int, compile_mode: str) -> list[dict]:
     """Calls of growing lengths at batch 8 (SmolLM2 shape), the pool handed back after each as in training,
-    twice through: per call its seconds, dynamo compiles and whether its pool was new. The second pass sees
+    twice through: per call its seconds, dynamo compiles and the pool's blocks. The second pass sees
     only sizes met before, so compiles there say that some kernel specialises on a size it had already seen."""
     hf = build_hf("smollm2-135m", dtype, device)
     prompts = torch.randint(3, hf.config.vocab_size, (8, prompt_len), generator=torch.Generator().manual_seed(1))
@@ -265,10 +267,12 @@ def pool_sweep(lengths: list[int], device, dtype, prompt_len: int, compile_mode:
 
 def print_table(results: list[dict], models: dict, skipped: dict, peak_gbs: float) -> None:
     print(f"\npeak (measured copy) {peak_gbs:.0f} GB/s")
-    head = ["model", "compiled", "batch", "HF tok/s", "eng tok/s", "x HF", "eager ms", "graph ms", "x graph", "GB/s", "% peak"]
+    head = ["model", "compiled", "batch", "HF tok/s", "eng tok/s", "x HF", "eager ms", "graph ms", "x graph", "GB/s",
+            "% peak"]
     print("".join(f"{h:>11}" if i else f"{h:<14}" for i, h in enumerate(head)))
     for r in results:
-        vals = [r["compile"], r["batch"], f"{r['hf_tok_s']:.0f}", f"{r['engine_tok_s']:.0f}", f"{r['speedup_vs_hf']:.2f}",
+        vals = [r["compile"], r["batch"], f"{r['hf_tok_s']:.0f}", f"{r['engine_tok_s']:.0f}",
+                f"{r['speedup_vs_hf']:.2f}",
                 f"{r['step_eager_ms']:.2f}", f"{r['step_graph_ms']:.2f}", f"{r['graph_speedup']:.2f}",
                 f"{r['achieved_gbs']:.0f}", f"{100 * r['bw_fraction']:.0f}"]
         print(f"{r['model']:<14}" + "".join(f"{v:>11}" for v in vals))

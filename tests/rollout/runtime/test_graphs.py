@@ -160,7 +160,8 @@ def test_emulated_pool_greedy_decode_with_shrinking_batch_matches_eager():
     assert outs[0] == outs[1]
 
 
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="inductor's CPU backend needs a C++ compiler")
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_layer_graphs_serve_every_pool_size(monkeypatch):
     """CUDA's pairing emulated on the CPU: captured graphs of the compiled layer, attending through FlexAttention
     over the paged pool. Over pools of three sizes (the engine re-sizes its pool between rollouts) the layer's
