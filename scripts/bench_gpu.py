@@ -11,9 +11,9 @@ Per model and batch (default 1, 8, 32, 128), with the same prompts, greedy, EOS 
   * what the timed call did besides replays: dynamo compiles, graph captures, eager steps, a new KV pool;
   * with --compile both (the default), the same rows with the compiled decoder layer inside the CUDA graphs
     (compile_mode="on") for the batches in --compile-batches: whether compiling pays on this GPU;
-  * --pool-sweep: generate calls of growing lengths at batch 8, the pool handed back between them as in
-    training, twice through: the dynamo compiles and seconds each call spent (a new pool size may recompile
-    FlexAttention).
+  * the pool sweep (--pool-sweep; none: skip): generate calls of growing lengths at batch 8, the pool handed
+    back between them as in training, twice through, with compiled layers by default (--sweep-compile): the
+    dynamo compiles and seconds each call spent (a new pool size must not recompile the layer's graphs).
 Models that would not fit in free memory, and whatever the --budget-s time bound leaves, are skipped and
 say why. Prints a table and writes JSON after every model (a cut-off run keeps what it measured):
 {device, torch, transformers, peak_gbs, elapsed_s, config, models: {name: {...}}, results: [...], skipped: {}}.
@@ -66,9 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="engine arms: graphs of eager layers (off), of compiled layers (on), or both side by side")
     p.add_argument("--compile-batches", type=int, nargs="+", default=[1, 8],
                    help="batches measured with compiled layers (each compiles its own step graph)")
-    p.add_argument("--pool-sweep", type=int, nargs="*", default=None,
-                   help="new tokens per call of the pool-size sweep (no value: 96 224 480 992); SmolLM2 shape")
-    p.add_argument("--sweep-compile", default="off", choices=["off", "on"], help="the pool sweep's compile_mode")
+    p.add_argument("--pool-sweep", type=int, nargs="*", default=[96, 224, 480, 992],
+                   help="new tokens per call of the pool-size sweep, SmolLM2 shape (none: no sweep)")
+    p.add_argument("--sweep-compile", default="on", choices=["off", "on"],
+                   help="the pool sweep's compile_mode (on: do compiled graphs serve every pool size?)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV")
     p.add_argument("--smoke", action="store_true", help="tiny model, batches 1 and 2, 4 tokens: runs on CPU too")
     p.add_argument("--out", default="bench_out/gpu_check.json", help="where to write the JSON results")
@@ -239,11 +240,11 @@ def bench_model(name: str, args, device, dtype, peak_gbs: float, left) -> tuple[
     return rows, info
 
 
-def pool_sweep(lengths: list[int], device, dtype, prompt_len: int, compile_mode: str) -> list[dict]:
-    """Calls of growing lengths at batch 8 (SmolLM2 shape), the pool handed back after each as in training,
+def pool_sweep(lengths: list[int], shape: str, device, dtype, prompt_len: int, compile_mode: str) -> list[dict]:
+    """Calls of growing lengths at batch 8, the pool handed back after each as in training,
     twice through: per call its seconds, dynamo compiles and the pool's blocks. The second pass sees
     only sizes met before, so compiles there say that some kernel specialises on a size it had already seen."""
-    hf = build_hf("smollm2-135m", dtype, device)
+    hf = build_hf(shape, dtype, device)
     prompts = torch.randint(3, hf.config.vocab_size, (8, prompt_len), generator=torch.Generator().manual_seed(1))
     engine = RolloutEngine.from_hf_model(hf, None, dtype=dtype, device=device, max_num_seqs=8,
                                          max_model_len=prompt_len + max(lengths) + 8, graph_mode="lazy",
@@ -289,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.models, args.batch_sizes, args.prompt_len, args.iters = ["tiny"], [1, 2], 8, 3
         args.compile_batches = [1]  # one compiled step graph: the arm's plumbing, in seconds
+        args.pool_sweep, args.sweep_compile = [4, 8], "off"
     elif not cuda:
         print("CUDA is unavailable: run with --smoke on a machine without a GPU.")
         return 1
@@ -312,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         payload["results"] += rows
         payload["elapsed_s"] = time.perf_counter() - t0
         write_json(args.out, payload)
-    if args.pool_sweep is not None:
-        payload["pool_sweep"] = pool_sweep(args.pool_sweep or [96, 224, 480, 992], device, dtype, args.prompt_len,
-                                         args.sweep_compile)
+    if args.pool_sweep:
+        payload["pool_sweep"] = pool_sweep(args.pool_sweep, args.models[0] if args.smoke else "smollm2-135m",
+                                           device, dtype, args.prompt_len, args.sweep_compile)
     payload["elapsed_s"] = time.perf_counter() - t0
     print_table(payload["results"], payload["models"], payload["skipped"], peak)
     write_json(args.out, payload)

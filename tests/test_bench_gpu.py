@@ -26,4 +26,8 @@ def test_smoke_run_measures_every_column(tmp_path):
     keys = {"hf_tok_s", "engine_tok_s", "step_eager_ms", "step_graph_ms", "achieved_gbs", "bw_fraction"}
     assert all(keys <= r.keys() and all(r[k] > 0 for k in keys) for r in payload["results"])
     assert payload["peak_gbs"] > 0 and payload["models"]["tiny"]["kv_cache_mib"] > 0
+    # the pool sweep: two passes over two lengths, each call's pool sized for it
+    sweep = payload["pool_sweep"]
+    assert [(c["rep"], c["new_tokens"]) for c in sweep] == [(0, 4), (0, 8), (1, 4), (1, 8)]
+    assert all(c["seconds"] > 0 and c["pool_blocks"] > 0 for c in sweep)
     assert "x graph" in proc.stdout  # the summary table
