@@ -197,7 +197,7 @@ def test_compiled_layer_graphs_serve_every_pool_size(monkeypatch):
         # dynamic KV length, which torch's C++ (CPU) flex template cannot build (CUDA's can); later tests start
         # afresh
         torch._dynamo.reset()
-    assert graphs_after[1:] == graphs_after[:1] * 2, graphs_after
+    assert graphs_after[1:] == graphs_after[:1] * 2, graphs_after  # pools of other sizes: no new layer graph
 
 
 def test_pool_falls_back_to_eager_outside_its_buckets():
