@@ -135,8 +135,8 @@ BLOCK_ = attention.BLOCK
 @pytest.mark.parametrize("shape", ["decode", "tree"])
 def test_paged_flex_reads_the_pool_through_the_block_table(shape, compiled):
     """CUDA's path: FlexAttention over the whole pool with physical block indices (no gather) equals the
-    dense attention over each row's gathered blocks; also inside the compiled layer (runtime/compiled.py),
-    where the flex call is traced rather than called (`make gpu-check` found it failing there first)."""
+    dense attention over each row's gathered blocks; also inside the compiled layer (runtime/compiled.py), where
+    the flex call sits behind a graph break (`make gpu-check` found it failing there first, traced into the layer)."""
     from rollout.runtime.compiled import compiled_layer_call
 
     runner, lens = _paged_runner()
