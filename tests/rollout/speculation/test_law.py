@@ -113,16 +113,21 @@ def test_eagle3_sampled_chains_keep_the_law(hf):
     assert full_share(stats, 3) >= 0.005 and full_share(stats, 2) >= 0.03, stats
 
 
-def test_eagle3_with_a_draft_vocabulary_keeps_the_law(hf):
+@pytest.mark.parametrize("width,k", [(1, 3), (3, 1)], ids=["chain", "tree"])
+def test_eagle3_with_a_draft_vocabulary_keeps_the_law(hf, width, k):
     """A draft vocabulary of 5 of the 8 tokens: q is sampled over those 5 and spread over the 8 for
-    verification; tokens outside it come only from residuals and bonuses."""
+    verification; tokens outside it come only from residuals and bonuses. Chains, and trees whose three
+    root children are drawn without replacement."""
     def drafter(runtime):
         d = Eagle3Drafter(runtime, draft_vocab_size=5)
         d.model.set_draft_vocab(torch.tensor(DRAFT_VOCAB))
         return d
 
-    stats = check(hf, TOP_K, drafter, width=1, k=3)
-    assert full_share(stats, 3) >= 0.005 and full_share(stats, 2) >= 0.03, stats
+    stats = check(hf, TOP_K, drafter, width=width, k=k)
+    if width == 1:
+        assert full_share(stats, 3) >= 0.005 and full_share(stats, 2) >= 0.03, stats
+    else:
+        assert full_share(stats, 1) >= 0.2, stats
 
 
 @pytest.mark.parametrize("params,draws", [(TOP_K, "without_replacement"), (TOP_P, "iid")],
