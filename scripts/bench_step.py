@@ -232,7 +232,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=64, help="transformers' cache length (the prompts' order)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--verify-tokens", type=int, nargs="*", default=[2, 4, 8], help="verify rows' T (none: skip)")
-    ap.add_argument("--verify-ctx", type=int, nargs="+", default=[200, 1000], help="contexts the verify rows' steps attend over")
+    ap.add_argument("--verify-ctx", type=int, nargs="+", default=[200, 1000],
+                    help="contexts the verify rows' steps attend over")
     ap.add_argument("--drafters", nargs="*", default=["ngram", "suffix", "eagle3"], help="draft-cost rows (none: skip)")
     ap.add_argument("--draft-tokens", type=int, default=128, help="tokens of the draft-cost rollout")
     ap.add_argument("--skip-plain", action="store_true", help="only the verify and draft-cost rows")
@@ -262,7 +263,8 @@ def main() -> None:
         print(table(rows, ["batch", "roofline_ms", "transformers_ms", "unpacked_ms", "packed_ms", "compiled_ms",
                            "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_unpacked"]))
     if verify:
-        print(table(verify, ["ctx", "tokens", *(f"{a}_ms" for a in VERIFY_ARMS), *(f"{a}_vs_plain" for a in VERIFY_ARMS)]))
+        print(table(verify, ["ctx", "tokens", *(f"{a}_ms" for a in VERIFY_ARMS),
+                             *(f"{a}_vs_plain" for a in VERIFY_ARMS)]))
     if costs:
         print(table(costs, ["drafter", "plain_step_ms", "draft_ms_per_token", "draft_cost", "accept_len"]))
     write_json(args.out, {"config": vars(args), "bandwidth_gbs": bw, "step_weight_bytes": nbytes,

@@ -252,7 +252,7 @@ class DrafterTrainer:
         self.model.set_draft_vocab(draft_vocab_from_counts(counts, self.model.cfg.draft_vocab_size))
         target = self.drafter.target
         with torch.no_grad():
-            ids = self.model.to_target(torch.arange(self.model.cfg.draft_vocab_size, device=self.model.d2t.device))
+            ids = self.model.draft_vocab()
             self.model.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)].float())
             self.model.norm.weight.copy_(target.model.norm.weight.float())
         self._vocab_chosen = True

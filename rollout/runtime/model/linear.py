@@ -13,9 +13,9 @@ layout on every call; two ways around it (scripts/bench_step.py measures them in
     copy of it (`_blocked`, one contiguous stream per block of 8 rows: 1.15-1.35x the bandwidth of the
     row-major weight at 1-4 rows, bench_out/kernel_stream.json; kernels/small_gemm.cpp). Without the
     kernel, a single row takes `(x * W).sum(-1)`, a reduction inductor vectorises and fuses (it reads the
-    weight once per row), and steps of several rows run eagerly on the packed weights (runtime/compiled.py). Accumulation is float32 and the output is rounded
-    once to the input dtype, as in the matmul. `fast_linear` gives a plain nn.Linear (the learned drafter's)
-    the same kernel outside autograd.
+    weight once per row), and steps of several rows run eagerly on the packed weights (runtime/compiled.py).
+    Accumulation is float32 and the output is rounded once to the input dtype, as in the matmul.
+    `fast_linear` gives a plain nn.Linear (the learned drafter's) the same kernel outside autograd.
 Both copies follow the weight: the eager path checks its key at every call; compiled steps cannot (a check
 there would be a guard), so the runner refreshes every copy at the start of each generate call
 (`refresh_linears`), and the blocked copy is rewritten in place (compiled steps hold it).

@@ -276,7 +276,7 @@ class Eagle3Drafter:
 
     def _pick(self, h: torch.Tensor, k: int, ids: torch.Tensor, seen: torch.Tensor | None = None):
         """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, Vd] or None,
-        confident [R]); ids [Vd]: the draft vocabulary's target ids (`_vocab`). Greedy: the top k. Sampling
+        confident [R]); ids [Vd]: the draft vocabulary's target ids (`Eagle3Model.draft_vocab`). Greedy: the top k. Sampling
         from q, the processed distribution over the draft vocabulary (zero elsewhere, so sampling there loses
         nothing; `_draft` spreads q over the target's vocabulary once per proposal, for verification): k > 1
         draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution draw j came
@@ -296,10 +296,6 @@ class Eagle3Drafter:
         tok = sample(q, self.generator)
         return ids[tok].view(len(h), k), q.view(len(h), k, -1), ok
 
-    def _vocab(self) -> torch.Tensor:
-        """[Vd] long: the target id of each draft id (sorted; d2t may change when new weights arrive)."""
-        return self.model.to_target(torch.arange(self.model.cfg.draft_vocab_size, device=self.model.d2t.device))
-
     def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
         """Chains, `width` of them branching at the root -> (target ids [B, width, depth],
         q [B, width, depth, V] on the CPU or None for greedy drafts, nodes to keep per row [B] by the
@@ -310,7 +306,7 @@ class Eagle3Drafter:
             # each branch's history: its sequence's tokens (by table row: a lossy proposer may pass a subset of
             # the live rows), then the branch's own drafts
             seen = None if self.history is None else self.history.rows(torch.tensor([s.row for s in seqs], device=dev))
-            vocab = self._vocab()
+            vocab = self.model.draft_vocab()
             first, q_first, ok = self._pick(h, width, vocab, seen)  # [B, w]
             alive = ok.repeat_interleave(width)
             kept = alive.long()

@@ -133,11 +133,14 @@ class Eagle3Model(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def draft_vocab(self) -> torch.Tensor:
+        """[Vd] long: the target id of each draft id, ascending (d2t changes with set_draft_vocab and new weights)."""
+        return self.to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device))
+
     def target_to_draft(self) -> torch.Tensor:
         """[V] long: the draft id of each target token, -1 where the draft vocabulary lacks it."""
         t2d = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
-        ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
-        t2d[self.to_target(ids)] = ids
+        t2d[self.draft_vocab()] = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
         return t2d
 
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from rollout.speculation.drafter_training import DrafterTrainer, ttt_loss
 from rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
+from rollout.runtime.model import kernels, loader
 from rollout.speculation.selectors.longtail import Arm
 from rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
@@ -199,14 +199,11 @@ def test_draft_attention_equals_attention_over_context_and_drafts():
         torch.testing.assert_close(attend(q, k, v).double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not __import__("rollout.runtime.model.kernels", fromlist=["available"]).available(),
-                    reason="no AVX-512 BF16 CPU or no C++ toolchain")
+@pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")
 def test_bf16_catch_up_attends_through_the_kernel(monkeypatch):
     """In bf16 on the CPU the catch-up reads the drafter's cached keys in place (paged_attention) and gives
     what gathering them gave, up to bf16 rounding, on every catch-up of a rollout."""
     from torch.profiler import ProfilerActivity, profile
-
-    from rollout.runtime.model import kernels
 
     hf = make_tiny_hf("llama", seed=7, head_dim=32)
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
