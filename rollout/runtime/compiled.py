@@ -32,6 +32,7 @@ import os
 import torch
 
 from rollout.runtime.graphs import EagerRunner, bucket_for, pad_batch, pow2_buckets
+from rollout.runtime.model import fused
 
 COMPILE_MODES = ("off", "on", "auto")
 CPU_MAX_DECODE_BATCH = 8  # plain decode steps of more rows run eagerly on a CPU (16 rows: 51 vs 48 ms eager)
@@ -94,7 +95,9 @@ class CompiledRunner(EagerRunner):
         self.layer_call = compiled_layer_call()
         self.seen: set[tuple] = set()  # (batched, t) keys whose graphs exist: their inputs need no marks
         self.max_rows = self.cpu_max_rows(model) if self.device.type == "cpu" and not self.CPU_EVERY_SHAPE else None
-        self.counts = {"compiled": 0, "eager": 0}
+        # steps that would compile run fused instead, where the model allows (model/fused.py)
+        self.fused = fused.FusedLayers(model) if self.device.type == "cpu" and fused.usable(model) else None
+        self.counts = {"fused": 0, "compiled": 0, "eager": 0}
 
     @staticmethod
     def cpu_max_rows(model) -> int:
@@ -124,13 +127,16 @@ class CompiledRunner(EagerRunner):
         costly as before they compiled. The dummy KV lands in the trash block (no row holds a block yet)."""
         for t in sorted({bucket_for(T, self.t_buckets) for T in Ts} - {None}):
             for B in (1, 2) if rows > 1 and t == 1 else (1,):  # batched verify graphs compile on first use
-                if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length:
+                if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length or self.fused is not None:
                     continue
                 start = torch.full((B,), min(128, (self.cache.length - t) // 2), dtype=torch.long)
                 self.run(torch.zeros(B, t, dtype=torch.long), start)
 
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         B, T = tokens.shape
+        if self.fused is not None and self.compiles(B, T) and int(start.max()) + T <= self.cache.length:
+            self.counts["fused"] += 1
+            return super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=self.fused)
         t = bucket_for(T, self.t_buckets)
         if int(start.max()) + (t or T) > self.cache.length or not self.compiles(B, t):
             self.counts["eager"] += 1

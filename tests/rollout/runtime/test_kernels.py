@@ -89,7 +89,7 @@ def test_compiled_bf16_verify_steps_use_the_kernel_and_match_eager(B, T, tree):
     ref = eager.run(tokens, start, depths, mask)[0]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         got = runner.step(tokens, start, depths, mask)[0]
-    assert runner.steps.counts == {"compiled": 1, "eager": 0}
+    assert runner.steps.counts == {"fused": 0, "compiled": 1, "eager": 0}
     assert any(e.key == "rlspec_kernels::packed_linear" for e in prof.key_averages())
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
@@ -104,7 +104,7 @@ def test_without_the_kernel_cpu_steps_of_several_tokens_run_eagerly(monkeypatch)
         runner, lens = _bf16_runner()
         assert runner.steps.max_rows == 1
         runner.step(_tokens(1, 4), lens[:1])
-        assert runner.steps.counts == {"compiled": 0, "eager": 1}
+        assert runner.steps.counts == {"fused": 0, "compiled": 0, "eager": 1}
     finally:
         kernels.available.cache_clear()
 
@@ -124,10 +124,10 @@ def test_which_cpu_steps_compile():
     runner.step(_tokens(1, 16), lens[:1])
     runner.step(_tokens(2, 4), lens[:2])
     runner.step(_tokens(8, 2), lens[:8])
-    assert runner.steps.counts == {"compiled": 4, "eager": 0}
+    assert runner.steps.counts == {"fused": 0, "compiled": 4, "eager": 0}
     runner.step(_tokens(1, 17), lens[:1])
     runner.step(_tokens(4, 8), lens[:4])
-    assert runner.steps.counts == {"compiled": 4, "eager": 2}
+    assert runner.steps.counts == {"fused": 0, "compiled": 4, "eager": 2}
 
 
 @needs_kernel
@@ -136,7 +136,7 @@ def test_compiled_bf16_batched_decode_step_matches_eager():
     tokens = _tokens(4, 1, seed=11)
     ref = EagerRunner(runner.model, runner.cache, "cpu").run(tokens, lens)[0]
     got = runner.step(tokens, lens)[0]
-    assert runner.steps.counts == {"compiled": 1, "eager": 0}
+    assert runner.steps.counts == {"fused": 0, "compiled": 1, "eager": 0}
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
 
 
@@ -259,9 +259,13 @@ def test_paged_attention_is_the_exact_attention(B, H, KV, T, D, ctx, tree):
 def test_bf16_steps_attend_through_the_kernel(compile_mode, heads, monkeypatch):
     """A bf16 CPU step (eager or compiled; decode, chain and tree) reads its cache through paged_attention
     where the head size allows, whatever the head count (more heads than the kernel's 16 tokens a row, as a
-    7B model has), and gives the logits of the gather-and-matmul path it replaced, up to bf16 rounding."""
+    7B model has), and gives the logits of the gather-and-matmul path it replaced, up to bf16 rounding. (Fused
+    steps, which would take these shapes, call it from C++: test_fused.py covers them.)"""
     from torch.profiler import ProfilerActivity, profile
 
+    from rollout.runtime.model import fused
+
+    monkeypatch.setattr(fused, "enabled", False)
     runner, lens = _runner(rows=8, length=64, n_prompts=4, dtype=torch.bfloat16, compile_mode=compile_mode,
                            head_dim=32, num_attention_heads=heads)
     for B, T, tree in [(2, 1, False), (1, 4, False), (1, 4, True)]:

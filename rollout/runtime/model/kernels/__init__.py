@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attention.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]  # included by both: part of the build's hash
+SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attention.cpp", "decoder_layer.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]  # included by the sources: part of the hash
 MAX_ROWS = 16  # products of more rows are compute-bound in this kernel; oneDNN's blocked GEMM wins there
 ENV = "RLSPEC_CPU_KERNELS"
 ready = False  # set by available() once the op is loaded; read inside compiled code, which must not build it
@@ -87,6 +87,14 @@ def _build() -> None:
     @torch.library.register_fake("rlspec_kernels::packed_linear")
     def _(x, wp, bias, N):
         return x.new_empty(*x.shape[:-1], N)
+
+    @torch.library.register_fake("rlspec_kernels::decoder_layer")
+    def _(x, *args):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("rlspec_kernels::final_head")
+    def _(x, norm, lm_head, vocab, eps):
+        return x.new_empty(*x.shape[:-1], vocab, dtype=torch.float32)
 
     @torch.library.register_fake("rlspec_kernels::paged_attention")
     def _(q, k_pool, v_pool, blocks, mask, scale):

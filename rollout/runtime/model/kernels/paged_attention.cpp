@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -149,6 +150,10 @@ void chunk_task(const Shapes& z, const uint16_t* q, const uint16_t* kp, const ui
   }
 }
 
+}  // namespace
+
+namespace rlspec_kernels {
+
 at::Tensor paged_attention(const at::Tensor& q_, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& blocks_, const at::Tensor& mask_, double scale) {
   TORCH_CHECK(q_.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
@@ -221,9 +226,9 @@ at::Tensor paged_attention(const at::Tensor& q_, const at::Tensor& k_pool, const
   return out;
 }
 
-}  // namespace
+}  // namespace rlspec_kernels
 
 TORCH_LIBRARY_FRAGMENT(rlspec_kernels, m) {
   m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor blocks, Tensor mask, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) { m.impl("paged_attention", &rlspec_kernels::paged_attention); }

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -29,7 +30,8 @@ using namespace rlspec_simd;
 
 constexpr int NB = 8;  // weight rows per block: 8 independent accumulator chains hide vdpbf16ps's latency
 constexpr int MB = 2;  // input rows per pass over a block (2 x 8 accumulators + 8 weight registers fit 32)
-constexpr int PREFETCH = 2;  // blocks ahead
+constexpr int PREFETCH = 2;  // row-major: blocks ahead
+constexpr int BLOCKED_AHEAD = 4096;  // blocked: bytes ahead in the stream
 
 inline __mmask32 tail_mask(int64_t rest) { return rest >= 32 ? ~__mmask32(0) : (__mmask32(1) << rest) - 1; }
 
@@ -81,9 +83,14 @@ void block(const uint16_t* x, W w, const uint16_t* bias, uint16_t* y, int64_t M,
     auto step = [&](int64_t k, __mmask32 mk, bool masked) {
       __m512bh wv[NB];
       for (int j = 0; j < NB; j++) wv[j] = masked && !W::padded ? load(w.at(n0, j, k), mk) : load(w.at(n0, j, k));
-      if (!W::padded && m0 == 0)  // a prefetch past the end of the weight does not fault
-        for (int j = 0; j < NB; j++)
-          _mm_prefetch(reinterpret_cast<const char*>(w.at(n0 + PREFETCH * NB, j, k)), _MM_HINT_T0);
+      if (m0 == 0) {  // a prefetch past the end of the weight does not fault
+        if (W::padded)  // the stream BLOCKED_AHEAD bytes on, into L2
+          for (int j = 0; j < NB; j++)
+            _mm_prefetch(reinterpret_cast<const char*>(w.at(n0, j, k) + BLOCKED_AHEAD / 2), _MM_HINT_T1);
+        else
+          for (int j = 0; j < NB; j++)
+            _mm_prefetch(reinterpret_cast<const char*>(w.at(n0 + PREFETCH * NB, j, k)), _MM_HINT_T0);
+      }
       for (int i = 0; i < MB; i++) {
         if (i >= mm) break;
         __m512bh xv = masked ? load(x + (m0 + i) * K + k, mk) : load(x + (m0 + i) * K + k);
@@ -138,6 +145,10 @@ struct Call {
   }
 };
 
+}  // namespace
+
+namespace rlspec_kernels {
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "small_linear: bf16 only");
   TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "small_linear: x [..., K], w [N, K]");
@@ -165,13 +176,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::o
   return c.result(x);
 }
 
-}  // namespace
+}  // namespace rlspec_kernels
 
 TORCH_LIBRARY(rlspec_kernels, m) {
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor wp, Tensor? bias, int N) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) {
-  m.impl("small_linear", &small_linear);
-  m.impl("packed_linear", &packed_linear);
+  m.impl("small_linear", &rlspec_kernels::small_linear);
+  m.impl("packed_linear", &rlspec_kernels::packed_linear);
 }

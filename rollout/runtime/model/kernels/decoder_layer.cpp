@@ -1,0 +1,152 @@
+// rlspec_kernels::decoder_layer and final_head: a CPU decode or verify step's Llama layer, and its head, each in
+// one call.
+//
+//   decoder_layer(x [B, T, H], cos, sin [B, T, 1, D], k_pool, v_pool [NB, bs, KV, D], slots [B, T], blocks [B, n],
+//                 mask [B, 1, T, n * bs], norm1, qkv, qkv_bias?, o, o_bias?, norm2, gate_up, gate_up_bias?, down,
+//                 down_bias?, heads, kv_heads, inter, eps, scale) -> [B, T, H]
+//   final_head(x [B, T, H], norm, lm_head, vocab, eps) -> float32 logits [B, T, vocab]
+//
+// The products are packed_linear's (weights in `pack`'s blocked layout), attention is paged_attention's; every
+// other op is done here in float32 and rounded to bf16 where the eager layer (llama.py) rounds: RMSNorm as HF's
+// (x * rsqrt(mean(x^2) + eps) rounded, times the weight, rounded), RoPE as q * cos + rotate_half(q) * sin with each
+// product and the sum rounded, silu(gate) rounded before it multiplies up, each residual sum rounded. The new keys
+// and values are written to their pool slots before attention reads the pool, as the eager layer does.
+//
+// Why (docs/runtime.md#the-fused-cpu-step): a batch-1 step spends about as long around its kernels as in them. A
+// compiled layer is a Python call into dynamo's and inductor's wrappers (guards, size asserts, allocations, five
+// op dispatches), ~150 us a layer on this CPU, 30 times a step; here a layer is one op call.
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "ops.h"
+#include "simd.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+using namespace rlspec_simd;
+
+using bf16 = uint16_t;
+inline float f(bf16 v) { return bf16_to_float(v); }
+inline float rnd(float v) { return f(store_bf16(v)); }  // v rounded to bf16, as a float
+
+const bf16* ptr(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+bf16* mut(at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr()); }
+
+// HF's LlamaRMSNorm in bf16: w * bf16(x * rsqrt(mean(x^2) + eps)), M rows of H.
+void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t H, float eps) {
+  for (int64_t m = 0; m < M; m++) {
+    const bf16* xr = x + m * H;
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; i++) ss += f(xr[i]) * f(xr[i]);
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    for (int64_t i = 0; i < H; i++) y[m * H + i] = store_bf16(f(w[i]) * rnd(f(xr[i]) * r));
+  }
+}
+
+// out = x * cos + rotate_half(x) * sin for one head of D, as the eager bf16 ops round it.
+void rope(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; d++) {
+    const float rot = d < half ? -f(x[d + half]) : f(x[d - half]);
+    out[d] = store_bf16(rnd(f(x[d]) * f(c[d])) + rnd(rot * f(s[d])));
+  }
+}
+
+// y = x + r, each sum rounded (a residual connection)
+void add(const bf16* x, const bf16* r, bf16* y, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] = store_bf16(f(x[i]) + f(r[i]));
+}
+
+at::Tensor rows(const at::Tensor& like, int64_t M, int64_t N) { return at::empty({M, N}, like.options()); }
+
+at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor& k_pool,
+                         at::Tensor& v_pool, const at::Tensor& slots_, const at::Tensor& blocks,
+                         const at::Tensor& mask, const at::Tensor& norm1, const at::Tensor& qkv,
+                         const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o,
+                         const c10::optional<at::Tensor>& o_bias, const at::Tensor& norm2, const at::Tensor& gate_up,
+                         const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                         const c10::optional<at::Tensor>& down_bias, int64_t heads, int64_t kv_heads, int64_t inter,
+                         double eps_, double scale) {
+  TORCH_CHECK(x_.scalar_type() == at::kBFloat16 && x_.dim() == 3, "decoder_layer: x [B, T, H] bf16");
+  const int64_t B = x_.size(0), T = x_.size(1), H = x_.size(2), M = B * T, D = k_pool.size(3);
+  const int64_t KV = k_pool.size(2), QKV = (heads + 2 * kv_heads) * D;
+  TORCH_CHECK(kv_heads == KV && k_pool.is_contiguous() && v_pool.is_contiguous() && D % 2 == 0,
+              "decoder_layer: contiguous pools [NB, bs, kv_heads, D]");
+  TORCH_CHECK(cos_.numel() == M * D && sin_.numel() == M * D && slots_.numel() == M, "decoder_layer: cos, sin, slots");
+  const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
+  const at::Tensor slots = slots_.to(at::kLong).contiguous();
+  const float eps = static_cast<float>(eps_);
+
+  at::Tensor h = rows(x, M, H);
+  rms_norm(ptr(x), ptr(norm1), mut(h), M, H, eps);
+  const at::Tensor proj = rlspec_kernels::packed_linear(h, qkv, qkv_bias, QKV);  // [M, q | k | v]
+  // RoPE: queries into [B, heads, T, D] (paged_attention's layout), keys and values into their pool slots
+  at::Tensor q = at::empty({B, heads, T, D}, x.options());
+  const bf16 *pp = ptr(proj), *cp = ptr(cos), *sp = ptr(sin);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  bf16 *kp = mut(k_pool), *vp = mut(v_pool), *qp = mut(q);
+  for (int64_t m = 0; m < M; m++) {
+    const int64_t b = m / T, t = m % T;
+    const bf16* row = pp + m * QKV;
+    for (int64_t hh = 0; hh < heads; hh++) rope(row + hh * D, cp + m * D, sp + m * D, qp + ((b * heads + hh) * T + t) * D, D);
+    for (int64_t kh = 0; kh < KV; kh++) {
+      const int64_t dst = (sl[m] * KV + kh) * D;
+      rope(row + (heads + kh) * D, cp + m * D, sp + m * D, kp + dst, D);
+      std::copy(row + (heads + KV + kh) * D, row + (heads + KV + kh + 1) * D, vp + dst);
+    }
+  }
+  const at::Tensor att = rlspec_kernels::paged_attention(q, k_pool, v_pool, blocks, mask, scale);  // [B, heads, T, D]
+  at::Tensor flat = rows(x, M, heads * D);  // [B, T, heads * D], o_proj's input
+  const bf16* ap = ptr(att);
+  bf16* fp = mut(flat);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t hh = 0; hh < heads; hh++)
+      std::copy_n(ap + ((m / T * heads + hh) * T + m % T) * D, D, fp + (m * heads + hh) * D);
+  at::Tensor x2 = rows(x, M, H);
+  add(ptr(x), ptr(rlspec_kernels::packed_linear(flat, o, o_bias, H)), mut(x2), M * H);
+
+  rms_norm(ptr(x2), ptr(norm2), mut(h), M, H, eps);
+  const at::Tensor gu = rlspec_kernels::packed_linear(h, gate_up, gate_up_bias, 2 * inter);  // [M, gate | up]
+  at::Tensor act = rows(x, M, inter);
+  const bf16* gp = ptr(gu);
+  bf16* actp = mut(act);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t j = 0; j < inter; j++) {
+      const float g = f(gp[m * 2 * inter + j]), u = f(gp[m * 2 * inter + inter + j]);
+      actp[m * inter + j] = store_bf16(rnd(g / (1.f + std::exp(-g))) * u);
+    }
+  at::Tensor y = at::empty_like(x);
+  add(ptr(x2), ptr(rlspec_kernels::packed_linear(act, down, down_bias, H)), mut(y), M * H);
+  return y;
+}
+
+at::Tensor final_head(const at::Tensor& x_, const at::Tensor& norm, const at::Tensor& lm_head, int64_t vocab,
+                      double eps) {
+  TORCH_CHECK(x_.scalar_type() == at::kBFloat16, "final_head: bf16 x");
+  const at::Tensor x = x_.contiguous();
+  const int64_t H = x.size(-1), M = x.numel() / H;
+  at::Tensor h = rows(x, M, H);
+  rms_norm(ptr(x), ptr(norm), mut(h), M, H, static_cast<float>(eps));
+  auto shape = x.sizes().vec();
+  shape.back() = vocab;
+  return rlspec_kernels::packed_linear(h, lm_head, c10::nullopt, vocab).to(at::kFloat).view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(rlspec_kernels, m) {
+  m.def(
+      "decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
+      "Tensor blocks, Tensor mask, Tensor norm1, Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor? o_bias, "
+      "Tensor norm2, Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias, int heads, int kv_heads, "
+      "int inter, float eps, float scale) -> Tensor");
+  m.def("final_head(Tensor x, Tensor norm, Tensor lm_head, int vocab, float eps) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) {
+  m.impl("decoder_layer", &decoder_layer);
+  m.impl("final_head", &final_head);
+}
