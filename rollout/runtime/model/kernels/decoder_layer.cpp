@@ -17,6 +17,7 @@
 // op dispatches), ~150 us a layer on this CPU, 30 times a step; here a layer is one op call.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include "ops.h"
@@ -53,6 +54,28 @@ void rope(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64_t D) {
   for (int64_t d = 0; d < D; d++) {
     const float rot = d < half ? -f(x[d + half]) : f(x[d - half]);
     out[d] = store_bf16(rnd(f(x[d]) * f(c[d])) + rnd(rot * f(s[d])));
+  }
+}
+
+// act = bf16(silu(gate)) * up, rounded, for one row [gate | up] of n each: silu(g) = g / (1 + exp(-g)), with
+// exp of -|g| only (exp_nonpos): g * 1 / (1 + e) for g >= 0, g * e / (1 + e) below. 16 lanes at a time; the
+// scalar libm exp this replaced took half of a batch-8 layer's time outside its products.
+void silu_mul(const bf16* gu, bf16* act, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 g = bf16x16_to_f32(gu + j), u = bf16x16_to_f32(gu + n + j);
+    const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e,
+                                            _mm512_set1_ps(1.f));
+    const __m512 s = _mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    alignas(64) float sv[16], uv[16];
+    _mm512_store_ps(sv, s);
+    _mm512_store_ps(uv, u);
+    for (int i = 0; i < 16; i++) act[j + i] = store_bf16(rnd(sv[i]) * uv[i]);
+  }
+  for (; j < n; j++) {
+    const float g = f(gu[j]);
+    act[j] = store_bf16(rnd(g / (1.f + std::exp(-g))) * f(gu[n + j]));
   }
 }
 
@@ -112,13 +135,7 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
   rms_norm(ptr(x2), ptr(norm2), mut(h), M, H, eps);
   const at::Tensor gu = rlspec_kernels::packed_linear(h, gate_up, gate_up_bias, 2 * inter);  // [M, gate | up]
   at::Tensor act = rows(x, M, inter);
-  const bf16* gp = ptr(gu);
-  bf16* actp = mut(act);
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t j = 0; j < inter; j++) {
-      const float g = f(gp[m * 2 * inter + j]), u = f(gp[m * 2 * inter + inter + j]);
-      actp[m * inter + j] = store_bf16(rnd(g / (1.f + std::exp(-g))) * u);
-    }
+  for (int64_t m = 0; m < M; m++) silu_mul(ptr(gu) + m * 2 * inter, mut(act) + m * inter, inter);
   at::Tensor y = at::empty_like(x);
   add(ptr(x2), ptr(rlspec_kernels::packed_linear(act, down, down_bias, H)), mut(y), M * H);
   return y;

@@ -29,6 +29,18 @@ inline __m512 bf16x16_to_f32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
+// exp(x) for x <= 0 (scores minus their running maximum), 16 lanes: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5],
+// 2^f by its degree-7 Taylor polynomial (relative error < 1e-7); lanes below -87 (masked keys: -inf) give 0.
+inline __m512 exp_nonpos(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));  // f ln 2
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
 inline uint16_t store_bf16(float v) { return c10::BFloat16(v).x; }  // round to nearest even, NaN kept
 
 }  // namespace rlspec_simd
