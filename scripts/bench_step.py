@@ -7,13 +7,14 @@ In one process, on the embedded model (bf16 by default):
   * the engine's plain decode step through the public API (`generate`, EOS ignored): the step time is
     (t(N tokens) - t(1 token)) / (N - 1), so prefill and call set-up cancel; three arms alternated over
     --reps repetitions (median), compilation done before timing: `unpacked` (eager, F.linear: the engine
-    before model/linear.py), `packed` (eager on packed oneDNN weights, compile_mode="off") and `compiled`
-    (compile_mode="auto": packed weights, batch-1 steps compiled);
+    before model/linear.py), `packed` (eager on packed oneDNN weights, compile_mode="off"), `compiled`
+    (compile_mode="auto" with the fused step switched off: the engine of session 16) and `fused` (the engine:
+    compile_mode="auto", each layer one C++ op, rollout/runtime/model/fused.py);
   * verify steps at batch 1 (T = 1, the plain step, and 2, 4, 8 tokens: a chain of T-1 drafts), timed at the
-    step runner over contexts of --verify-ctx tokens: `compiled` (the engine: steps of up to 16 tokens compiled,
-    products and attention through the bf16 kernels of rollout/runtime/model/kernels), `inductor-attention` (the
-    same, attending through inductor's fused gather/softmax: the engine before the paged-attention kernel) and
-    `eager-verify` (the engine before the product kernel: only one-token steps compiled);
+    step runner over contexts of --verify-ctx tokens: `fused` (the engine), `compiled` (steps of up to 16 tokens
+    compiled, products and attention through the bf16 kernels of rollout/runtime/model/kernels),
+    `inductor-attention` (compiled, attending through inductor's fused gather/softmax: before the paged-attention
+    kernel) and `eager-verify` (the engine before the product kernel: only one-token steps compiled);
   * what a drafted token costs per proposer (ngram, suffix, eagle3) as a share of a plain step: the engine's
     own `rollout/draft_cost/<drafter>` over a batch-1 rollout with the drafter forced on every step.
 Writes bench_out/step.json (and prints the tables).
@@ -98,7 +99,20 @@ def unpacked(engine):
     return engine
 
 
-ARMS = ("unpacked", "packed", "compiled")  # eager F.linear; eager on packed weights; compile_mode="auto"
+ARMS = ("unpacked", "packed", "compiled", "fused")  # eager F.linear; eager on packed weights; compiled; the engine
+
+
+@contextlib.contextmanager
+def fused_steps(on: bool):
+    """While an arm's steps run: fused steps (model/fused.py) on or off; off, the engine compiles them."""
+    from rollout.runtime.model import fused
+
+    saved = fused.enabled
+    fused.enabled = on
+    try:
+        yield
+    finally:
+        fused.enabled = saved
 
 
 def measure_steps(args) -> list[dict]:
@@ -113,38 +127,43 @@ def measure_steps(args) -> list[dict]:
     def build(mode):
         return RolloutEngine.from_pretrained(path, dtype=args.dtype, max_num_seqs=max(args.batch_sizes), compile_mode=mode)
 
-    engines = {"unpacked": unpacked(build("off")), "packed": build("off"), "compiled": build("auto")}
+    engines = {"unpacked": unpacked(build("off")), "packed": build("off"), "compiled": build("auto"),
+               "fused": build("auto")}
     prompts = math_prompts(engines["packed"].tokenizer, max(args.batch_sizes), seed=3)
     rows = []
     for b in args.batch_sizes:
         ps = prompts[:b]
         for arm, eng in engines.items():  # compile (and warm) every shape this batch size meets
             t0 = time.perf_counter()
-            engine_step_ms(eng, ps, 4)
+            with fused_steps(arm == "fused"):
+                engine_step_ms(eng, ps, 4)
             print(f"[step] batch {b} {arm}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         runs = {arm: [] for arm in (*ARMS, "transformers")}
         for rep in range(args.reps):
             for arm, eng in engines.items():
-                runs[arm].append(engine_step_ms(eng, ps, args.steps))
+                with fused_steps(arm == "fused"):
+                    runs[arm].append(engine_step_ms(eng, ps, args.steps))
             runs["transformers"].append(hf_step_ms(path, dtype, b, args.ctx, args.steps))
             print(f"[step] batch {b} rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in runs.items()), flush=True)
         rows.append({"batch": b, **{f"{k}_ms": statistics.median(v) for k, v in runs.items()}, "runs": runs})
     return rows, step_bytes(engines["packed"].model)
 
 
-VERIFY_ARMS = ("compiled", "inductor-attention", "eager-verify")
+VERIFY_ARMS = ("fused", "compiled", "inductor-attention", "eager-verify")
 
 
 @contextlib.contextmanager
 def verify_arm(arm: str):
-    """While an arm's steps run: `inductor-attention` attends through inductor's fused gather/softmax (the engine
-    before the paged-attention kernel; dynamo keeps both graphs, guarded on the switch)."""
+    """While an arm's steps run: fused steps only for `fused`; `inductor-attention` attends through inductor's
+    fused gather/softmax (the engine before the paged-attention kernel; dynamo keeps both graphs, guarded on the
+    switch)."""
     from rollout.runtime.model import kernels
 
     saved = kernels.attention
     kernels.attention = arm != "inductor-attention"
     try:
-        yield
+        with fused_steps(arm == "fused"):
+            yield
     finally:
         kernels.attention = saved
 
@@ -245,7 +264,7 @@ def main() -> None:
     costs = draft_costs(args) if args.drafters else []
     for c in costs:  # a drafter forced on every step leaves no plain step of its own: use the verify rows' one
         if c["draft_cost"] is None and c["draft_ms_per_token"] is not None and verify:
-            c["plain_step_ms"] = verify[0]["compiled_ms"]
+            c["plain_step_ms"] = verify[0]["fused_ms"]
             c["draft_cost"] = c["draft_ms_per_token"] / c["plain_step_ms"]
     if nbytes is None:
         from rollout.runtime.model import loader
@@ -253,15 +272,16 @@ def main() -> None:
 
         nbytes = step_bytes(loader.load_model(fetch_model(args.model), dtype=args.dtype))
     roofline_ms = nbytes / (bw * 1e9) * 1e3
-    for r in rows:
+    for r in rows:  # the engine's step is the fused arm's
         r["roofline_ms"] = roofline_ms if r["batch"] == 1 else None
-        r["compiled_vs_roofline"] = r["compiled_ms"] / roofline_ms if r["batch"] == 1 else None
-        r["compiled_vs_transformers"] = r["compiled_ms"] / r["transformers_ms"]
-        r["compiled_vs_unpacked"] = r["compiled_ms"] / r["unpacked_ms"]
+        r["fused_vs_roofline"] = r["fused_ms"] / roofline_ms if r["batch"] == 1 else None
+        r["fused_vs_transformers"] = r["fused_ms"] / r["transformers_ms"]
+        r["fused_vs_compiled"] = r["fused_ms"] / r["compiled_ms"]
+        r["fused_vs_unpacked"] = r["fused_ms"] / r["unpacked_ms"]
     print(f"bandwidth {bw:.1f} GB/s, step weights {nbytes / 1e6:.0f} MB, batch-1 roofline {roofline_ms:.2f} ms")
     if rows:
         print(table(rows, ["batch", "roofline_ms", "transformers_ms", "unpacked_ms", "packed_ms", "compiled_ms",
-                           "compiled_vs_roofline", "compiled_vs_transformers", "compiled_vs_unpacked"]))
+                           "fused_ms", "fused_vs_roofline", "fused_vs_transformers", "fused_vs_compiled"]))
     if verify:
         print(table(verify, ["ctx", "tokens", *(f"{a}_ms" for a in VERIFY_ARMS),
                              *(f"{a}_vs_plain" for a in VERIFY_ARMS)]))

@@ -1,4 +1,5 @@
-"""Compiled step forwards: the decoder layer compiled once by torch.compile and reused by every layer.
+"""Compiled step forwards: the decoder layer compiled once by torch.compile and reused by every layer; on a CPU,
+where the model allows, the fused step instead (model/fused.py: each layer one C++ op, nothing to compile).
 
 Why (docs/runtime.md#compiled-steps-and-packed-weights): a batch-1 decode step streams every weight once,
 and an eager step wastes most of it: ~70 small ops a layer pay Python and dispatcher overhead, and torch's
@@ -85,7 +86,9 @@ _LAYER_CALL = None
 
 
 class CompiledRunner(EagerRunner):
-    """EagerRunner's API; the layers run through the compiled layer call, T padded to a power of two."""
+    """EagerRunner's API; the layers run through the compiled layer call, T padded to a power of two. On a CPU,
+    steps of up to fused.MAX_TOKENS tokens run fused where the model allows (`fused`; model/fused.py): the layer
+    as one op, any T, no compile; the compiled call serves the other models."""
 
     CPU_EVERY_SHAPE = False  # tests set it True to run every shape compiled on the CPU, as on CUDA
 
@@ -127,14 +130,16 @@ class CompiledRunner(EagerRunner):
         costly as before they compiled. The dummy KV lands in the trash block (no row holds a block yet)."""
         for t in sorted({bucket_for(T, self.t_buckets) for T in Ts} - {None}):
             for B in (1, 2) if rows > 1 and t == 1 else (1,):  # batched verify graphs compile on first use
-                if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length or self.fused is not None:
+                if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length or \
+                        (self.fused is not None and fused.enabled):
                     continue
                 start = torch.full((B,), min(128, (self.cache.length - t) // 2), dtype=torch.long)
                 self.run(torch.zeros(B, t, dtype=torch.long), start)
 
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         B, T = tokens.shape
-        if self.fused is not None and self.compiles(B, T) and int(start.max()) + T <= self.cache.length:
+        if self.fused is not None and fused.enabled and B * T <= fused.MAX_TOKENS and \
+                int(start.max()) + T <= self.cache.length:
             self.counts["fused"] += 1
             return super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=self.fused)
         t = bucket_for(T, self.t_buckets)

@@ -2,8 +2,8 @@
 
 `CostModel.calibrate` times dummy forwards: seconds per engine, in every process that builds one. What
 they measure depends on the machine (CPU model, cores and torch threads, or the CUDA device), the
-model's shape and dtype, how the runner executes a step (eager, compiled, CUDA graphs), torch's
-version and the sizes timed, not on the weights' values or on the run asking. `Speculation.calibrate`
+model's shape and dtype, how the runner executes a step (eager, compiled, fused with its kernels' build,
+CUDA graphs), torch's version and the sizes timed, not on the weights' values or on the run asking. `Speculation.calibrate`
 therefore keys the table by all of those (`calibration_key`) and keeps it as JSON in
 
     $RLSPEC_CACHE (default ~/.cache/rlspec) / calibration / <sha256 of the key>.json
@@ -51,7 +51,15 @@ def calibration_key(runner, sizes: list[int], context: int) -> dict:
             "model": hashlib.sha256(json.dumps(model, sort_keys=True, default=str).encode()).hexdigest(),
             "dtype": str(runner.dtype), "steps": type(runner.steps).__name__, "graph_mode": runner.graph_mode,
             "compiled": bool(runner.compiled), "compiled_rows": getattr(runner.steps, "max_rows", None),
+            "fused": fused_steps(runner),
             "sizes": sorted(set(sizes)), "context": int(context)}
+
+
+def fused_steps(runner) -> str | None:
+    """The fused CPU step's kernel build when the runner's steps run fused (model/fused.py), else None."""
+    from rollout.runtime.model import fused, kernels
+
+    return kernels.source_digest() if getattr(runner.steps, "fused", None) is not None and fused.enabled else None
 
 
 def machine_fingerprint(device) -> dict:

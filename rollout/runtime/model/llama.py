@@ -199,7 +199,8 @@ class LlamaForCausalLM(nn.Module):
         Returns (logits, hiddens): logits [B, T, V] float32, or [B, V] when logits_index [B] picks
         one position per row (prefill); hiddens: {HF hidden_states index: [B, T, H]} for the layers
         asked for (index 0 = embeddings, i = output of layer i-1, for i <= L; L is before the final norm).
-        layer_call(layer, *args): how each layer runs (runtime/compiled.py passes its compiled call).
+        layer_call(layer, *args): how each layer runs (runtime/compiled.py passes its compiled call, or
+        fused.FusedLayers, which runs each layer as one C++ op).
         """
         x = self.model.embed_tokens(fb.input_ids)
         dtype = x.dtype

@@ -165,7 +165,7 @@ def test_key_names_machine_model_mode_and_sizes():
     key = calibration_key(_ready(eng), [5, 1, 3, 5], 64)
     assert key["sizes"] == [1, 3, 5] and key["context"] == 64
     assert key["machine"]["threads"] == torch.get_num_threads() and key["machine"]["cores"]
-    assert key["dtype"] == "torch.float32" and key["steps"] and "compiled" in key
+    assert key["dtype"] == "torch.float32" and key["steps"] and "compiled" in key and key["fused"] is None
     assert len(key["model"]) == 64  # a sha256 of the model's configuration
 
 

@@ -63,6 +63,16 @@ def available() -> bool:
     return True
 
 
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+
+
+def source_digest() -> str:
+    """The build's identity: the sources, headers, flags and torch version (a build directory's name, and part of
+    the calibration cache's key: a changed kernel is timed again)."""
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + f"{torch.__version__} {FLAGS}".encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
 def _build() -> None:
     """Build (or find built) and load the op, once per process: a torch library namespace registers once."""
     global _loaded
@@ -72,13 +82,11 @@ def _build() -> None:
 
     from rollout.runtime.model.fetch import cache_root
 
-    flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + f"{torch.__version__} {flags}".encode()
-    digest = hashlib.sha256(text).hexdigest()[:16]
+    digest = source_digest()
     build_dir = cache_root() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     load(name=f"rlspec_kernels_{digest}", sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-         extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+         extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
     @torch.library.register_fake("rlspec_kernels::small_linear")
     def _(x, w, bias=None):
