@@ -148,3 +148,25 @@ def test_models_the_op_does_not_cover_keep_the_compiled_step(monkeypatch):
     monkeypatch.setattr(fused, "enabled", False)
     runner, _ = _runner(rows=2, length=32, n_prompts=1, dtype=torch.bfloat16, compile_mode="on", **HEAD32)
     assert runner.steps.fused is None
+
+
+def test_fused_steps_follow_a_weight_sync():
+    """The fused op reads the blocked copies and the norm weights it gathered when its runner was built; a sync
+    rewrites them in place: after load_weights the engine samples what an engine built on the new weights samples
+    (with norm weights that differ, so a stale norm would show)."""
+    old, new = _tiny_hf(), make_tiny_hf("llama", seed=1, **HEAD32)
+    with torch.no_grad():
+        for name, p in new.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name) + 1))
+    prompts, params = random_prompts(3, 4, 9, seed=5), SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+    def engine(hf):
+        return RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, compile_mode="auto", eos_token_ids=[2])
+
+    synced, fresh = engine(old), engine(new)
+    before = [r.completion_ids for r in synced.generate(prompts, params)]
+    synced.load_weights(new.state_dict().items())
+    after = [r.completion_ids for r in synced.generate(prompts, params)]
+    assert after == [r.completion_ids for r in fresh.generate(prompts, params)] and after != before
+    assert synced.runner.steps.counts["fused"] > 0 and synced.runner.steps.counts["compiled"] == 0

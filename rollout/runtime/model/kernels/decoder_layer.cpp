@@ -99,7 +99,12 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
   const int64_t KV = k_pool.size(2), QKV = (heads + 2 * kv_heads) * D;
   TORCH_CHECK(kv_heads == KV && k_pool.is_contiguous() && v_pool.is_contiguous() && D % 2 == 0,
               "decoder_layer: contiguous pools [NB, bs, kv_heads, D]");
-  TORCH_CHECK(cos_.numel() == M * D && sin_.numel() == M * D && slots_.numel() == M, "decoder_layer: cos, sin, slots");
+  TORCH_CHECK(cos_.numel() == M * D && sin_.numel() == M * D && slots_.numel() == M &&
+                  cos_.scalar_type() == at::kBFloat16 && sin_.scalar_type() == at::kBFloat16,
+              "decoder_layer: cos, sin [B, T, 1, D] bf16, slots [B, T]");
+  TORCH_CHECK(norm1.numel() == H && norm2.numel() == H && norm1.scalar_type() == at::kBFloat16 &&
+                  norm2.scalar_type() == at::kBFloat16 && norm1.is_contiguous() && norm2.is_contiguous(),
+              "decoder_layer: norm weights [H] bf16");
   const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
   const at::Tensor slots = slots_.to(at::kLong).contiguous();
   const float eps = static_cast<float>(eps_);
@@ -146,6 +151,8 @@ at::Tensor final_head(const at::Tensor& x_, const at::Tensor& norm, const at::Te
   TORCH_CHECK(x_.scalar_type() == at::kBFloat16, "final_head: bf16 x");
   const at::Tensor x = x_.contiguous();
   const int64_t H = x.size(-1), M = x.numel() / H;
+  TORCH_CHECK(norm.numel() == H && norm.scalar_type() == at::kBFloat16 && norm.is_contiguous(),
+              "final_head: norm weight [H] bf16");
   at::Tensor h = rows(x, M, H);
   rms_norm(ptr(x), ptr(norm), mut(h), M, H, static_cast<float>(eps));
   auto shape = x.sizes().vec();
