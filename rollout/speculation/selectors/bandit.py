@@ -261,8 +261,11 @@ class AdaptiveSelector:
     def _prior(self, arm: Arm, b: int, rate: float | None = None) -> float:
         if not arm.speculative:
             return 1.0
-        tokens = expected_tokens(arm, self._trackers[arm.drafter], rate)
-        return tokens / (self._relative(b, 1 + arm.nodes) + self._draft_relative(arm, b))
+        return expected_tokens(arm, self._trackers[arm.drafter], rate) / self._steps_per_verify(arm, b)
+
+    def _steps_per_verify(self, arm: Arm, b: int) -> float:
+        """A verify of this arm, drafting included, in plain decode steps of bucket b."""
+        return self._relative(b, 1 + arm.nodes) + self._draft_relative(arm, b)
 
     def _check_gates(self) -> list[Arm]:
         """The arms that may be played now: a gated drafter's only while its gate is open."""
@@ -344,8 +347,11 @@ class AdaptiveSelector:
         one whose result tells most about whether the drafter can win now."""
         st = self._bucket(b)
         arms = [a for a in self.arms if a.drafter == name]
+        # the cost side once per arm, not once per rate: a drafter that stays due re-checks at every step
+        scale = {a: self._bias(st, a) / self._steps_per_verify(a, b) for a in arms}
+        tracker = self._trackers[name]
         for rate in (0.5, 0.7, 0.85, 1.0):
-            value = {a: self._prior(a, b, rate) * self._bias(st, a) for a in arms}
+            value = {a: expected_tokens(a, tracker, rate) * scale[a] for a in arms}
             arm = max(arms, key=value.__getitem__)
             if value[arm] > best:
                 return arm
