@@ -24,8 +24,10 @@ from __future__ import annotations
 import torch
 
 from rollout.speculation.drafters.base import DRAFTERS, Draft
+from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
 from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rollout.runtime.model import kernels
+from rollout.runtime.model.linear import fast_linear
 from rollout.runtime.model.attention import attend_dense
 from rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement
 from rollout.speculation.feature_buffer import Dist, law_top_k
@@ -60,6 +62,8 @@ class Eagle3Drafter:
                 f"(vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size}); train or export a drafter "
                 "for this target model")
         self.model = model.to(device=p.device, dtype=p.dtype).eval()
+        self.fused_layer = FusedDraftLayer(self.model)  # chains' draft steps as one op (eagle3_fused.py)
+        self.fused = None  # fused_layer while a proposal may use it (propose decides)
         if p.device.type == "cpu" and p.dtype == torch.bfloat16:
             kernels.available()  # load (once a machine: build) the few-row kernel its steps use (linear.fast_linear)
         self.aux_layers = tuple(model.cfg.aux_layer_ids)
@@ -209,6 +213,7 @@ class Eagle3Drafter:
         self.swap_latest()
         if max(max_tokens, default=0) == 0:
             return [Draft() for _ in seqs]
+        self.fused = self.fused_layer.prepare() if FusedDraftLayer.usable(self.model) else None
         h_last, ready = self._catch_up(seqs)
         depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
         branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
@@ -258,7 +263,12 @@ class Eagle3Drafter:
             return attend_dense(q, keys, values, visible)
 
         with torch.inference_mode():
-            out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
+            if self.fused is not None and S % cache.block_size == 0:  # one op, attending in place (eagle3_fused)
+                blocks = cache.table[rows, : S // cache.block_size]
+                out = self.fused.step(fast_linear(self.model.fc, feats), self._embed(toks), *self._rope(pos),
+                                      cache.k[L], cache.v[L], slots, blocks, mask[:, None].to(dev))
+            else:
+                out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
         for s in seqs:
             self.valid[id(s)] = s.cache_len
         last = torch.tensor([max(c - 1, 0) for c in counts], device=dev)
@@ -283,7 +293,7 @@ class Eagle3Drafter:
         from given the earlier ones, which is what verification needs. seen [R, V]: the history the drafted
         token follows (repetition penalty; None = off), the same as the target's node there, so q stays close
         to p."""
-        logits = self.model.logits(h)
+        logits = self.model.logits(h) if self.fused is None else self.fused.logits(h)
         ok = self._confident(logits)
         seen = None if seen is None else seen[:, ids]
         if self.params is None or self.params.greedy:
@@ -316,12 +326,14 @@ class Eagle3Drafter:
             qs = None if q_first is None else [q_first.reshape(B * width, -1)]
             rows = torch.arange(B, device=dev).repeat_interleave(width)
             lens = torch.tensor([s.cache_len for s in seqs]).repeat_interleave(width)
-            attend = _DraftAttention(*cache.gather(L, rows, int(lens.max())), lens.to(dev))
+            chain = self.fused is not None and width == 1  # fused steps write their keys (eagle3_fused.py)
+            step_fn = self._fused_steps(rows, lens, depth) if chain else \
+                self._eager_steps(_DraftAttention(*cache.gather(L, rows, int(lens.max())), lens.to(dev)))
             out = [tok]
             h = h.repeat_interleave(width, 0)
             for step in range(1, depth):
                 pos = (lens + step - 1).clamp(max=self.target.rope_cos.shape[0] - 1)[:, None]
-                h = self.model(h[:, None], self._embed(tok[:, None]), *self._rope(pos), attend)[:, 0]
+                h = step_fn(h[:, None], self._embed(tok[:, None]), pos, lens + step - 1)[:, 0]
                 nxt, q, ok = self._pick(h, 1, vocab, seen)
                 alive &= ok
                 kept += alive.long()
@@ -338,6 +350,25 @@ class Eagle3Drafter:
         q = torch.stack(qs, 1).view(B, width, depth, -1).float()  # over the draft vocabulary
         full = q.new_zeros(B, width, depth, self.model.cfg.vocab_size)
         return ids, full.index_copy_(3, vocab.to(q.device), q), keep
+
+    def _eager_steps(self, attend):
+        """Draft steps through the network, attending with `attend` (_DraftAttention)."""
+        return lambda h, embeds, pos, write: self.model(h, embeds, *self._rope(pos), attend)
+
+    def _fused_steps(self, rows: torch.Tensor, lens: torch.Tensor, depth: int):
+        """Draft steps of chains through the fused op: step j's key and value go to the drafter's KV layer at
+        position write = lens + j - 1 (past the row's table: the trash block, for drafts no cap keeps), and it
+        attends positions 0..write of its row."""
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        dev, bs = cache.table.device, cache.block_size
+        n = min(-(-(int(lens.max()) + depth - 1) // bs), cache.table.shape[1])
+        blocks, key = cache.table[rows, :n], torch.arange(n * bs, device=dev)
+
+        def step(h, embeds, pos, write):
+            write = write.to(dev)[:, None]
+            return self.fused.step(h, embeds, *self._rope(pos), cache.k[L], cache.v[L], cache.slots(rows, write),
+                                   blocks, (key[None, :] <= write)[:, None, None])
+        return step
 
     def _embed(self, toks: torch.Tensor) -> torch.Tensor:
         return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))

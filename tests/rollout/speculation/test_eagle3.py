@@ -205,6 +205,9 @@ def test_bf16_catch_up_attends_through_the_kernel(monkeypatch):
     what gathering them gave, up to bf16 rounding, on every catch-up of a rollout."""
     from torch.profiler import ProfilerActivity, profile
 
+    from rollout.runtime.model import fused
+
+    monkeypatch.setattr(fused, "enabled", False)  # the network's own step (the fused one: the next test)
     hf = make_tiny_hf("llama", seed=7, head_dim=32)
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, spec=spec, eos_token_ids=[2])
@@ -227,3 +230,57 @@ def test_bf16_catch_up_attends_through_the_kernel(monkeypatch):
     assert len(pairs) >= 5 and all(used for *_, used in pairs) and usable is kernels.attention_usable
     for got, ref, _ in pairs:
         torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")
+def test_fused_draft_steps_are_the_networks(monkeypatch):
+    """bf16 on the CPU: the catch-up and a chain's draft steps run as one fused op each (eagle3_fused.py). On every
+    proposal of a rollout their outputs are the network's (eager, its draft keys held apart) up to bf16 rounding:
+    the catch-up's last output and each draft step's; and decoding stays plain decoding's, token for token (the
+    fused target step gives a token the same bits in a verify as alone, test_fused.py)."""
+    from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
+
+    hf = make_tiny_hf("llama", seed=7, head_dim=32)
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, spec=spec, eos_token_ids=[2])
+    eng.speculation.force(Arm("eagle3", 3, 1))
+    catch_up, draft, pick, pairs, drafts = Eagle3Drafter._catch_up, Eagle3Drafter._draft, Eagle3Drafter._pick, [], []
+    calls = {"step": 0}
+    fused_step = FusedDraftLayer.step
+
+    def counted(self, *a):
+        calls["step"] += 1
+        return fused_step(self, *a)
+
+    def both_catch_up(self, seqs):
+        valid, layer = dict(self.valid), self.fused
+        self.fused = None
+        ref = catch_up(self, seqs)[0]
+        self.valid, self.fused = valid, layer
+        out = catch_up(self, seqs)
+        pairs.append((out[0], ref))
+        return out
+
+    def both_draft(self, seqs, h, depth, width):  # each draft step's output, as the next pick reads it
+        layer, seen = self.fused, {True: [], False: []}
+        with monkeypatch.context() as m:
+            m.setattr(Eagle3Drafter, "_pick", lambda s, h, *a: (seen[s.fused is not None].append(h), pick(s, h, *a))[1])
+            self.fused = None
+            draft(self, seqs, h, depth, width)
+            self.fused = layer
+            out = draft(self, seqs, h, depth, width)
+        drafts.extend(zip(seen[True], seen[False], strict=True))
+        return out
+
+    monkeypatch.setattr(FusedDraftLayer, "step", counted)
+    monkeypatch.setattr(Eagle3Drafter, "_catch_up", both_catch_up)
+    monkeypatch.setattr(Eagle3Drafter, "_draft", both_draft)
+    prompts, params = random_prompts(2, 6, 12, seed=7), SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    got = [r.completion_ids for r in eng.generate(prompts, params)]
+    assert len(pairs) >= 5 and calls["step"] >= 2 * len(pairs)  # each catch-up and most chains' draft steps fused
+    assert len(drafts) >= 2 * len(pairs)
+    for out, ref in pairs + drafts:
+        torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.05)
+    plain_eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, eos_token_ids=[2])
+    assert got == [r.completion_ids for r in plain_eng.generate(prompts, params)]
+    assert eng.runner.steps.counts["eager"] == 0 and eng.runner.steps.counts["fused"] > 0

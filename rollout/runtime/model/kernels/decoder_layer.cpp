@@ -3,8 +3,11 @@
 //
 //   decoder_layer(x [B, T, H], cos, sin [B, T, 1, D], k_pool, v_pool [NB, bs, KV, D], slots [B, T], blocks [B, n],
 //                 mask [B, 1, T, n * bs], norm1, qkv, qkv_bias?, o, o_bias?, norm2, gate_up, gate_up_bias?, down,
-//                 down_bias?, heads, kv_heads, inter, eps, scale) -> [B, T, H]
+//                 down_bias?, heads, kv_heads, inter, eps, scale, embeds?, embed_norm?) -> [B, T, H]
 //   final_head(x [B, T, H], norm, lm_head, vocab, eps) -> float32 logits [B, T, vocab]
+//
+// With embeds [B, T, H] (EAGLE-3's layer, drafters/eagle3_model.py) q, k and v are products of
+// [norm(embeds; embed_norm) | norm1(x)] (2H wide); the residual stream is x either way.
 //
 // The products are packed_linear's (weights in `pack`'s blocked layout), attention is paged_attention's; every
 // other op is done here in float32 and rounded to bf16 where the eager layer (llama.py) rounds: RMSNorm as HF's
@@ -93,7 +96,8 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
                          const c10::optional<at::Tensor>& o_bias, const at::Tensor& norm2, const at::Tensor& gate_up,
                          const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
                          const c10::optional<at::Tensor>& down_bias, int64_t heads, int64_t kv_heads, int64_t inter,
-                         double eps_, double scale) {
+                         double eps_, double scale, const c10::optional<at::Tensor>& embeds_,
+                         const c10::optional<at::Tensor>& embed_norm) {
   TORCH_CHECK(x_.scalar_type() == at::kBFloat16 && x_.dim() == 3, "decoder_layer: x [B, T, H] bf16");
   const int64_t B = x_.size(0), T = x_.size(1), H = x_.size(2), M = B * T, D = k_pool.size(3);
   const int64_t KV = k_pool.size(2), QKV = (heads + 2 * kv_heads) * D;
@@ -110,8 +114,21 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
   const float eps = static_cast<float>(eps_);
 
   at::Tensor h = rows(x, M, H);
-  rms_norm(ptr(x), ptr(norm1), mut(h), M, H, eps);
-  const at::Tensor proj = rlspec_kernels::packed_linear(h, qkv, qkv_bias, QKV);  // [M, q | k | v]
+  at::Tensor proj;  // [M, q | k | v]
+  if (embeds_.has_value() && embeds_->defined()) {  // EAGLE-3: [norm(embedding) | norm(hidden)] -> q, k, v
+    const at::Tensor embeds = embeds_->contiguous();
+    TORCH_CHECK(embed_norm.has_value() && embed_norm->numel() == H && embeds.numel() == M * H &&
+                    embeds.scalar_type() == at::kBFloat16, "decoder_layer: embeds [B, T, H] bf16 with embed_norm [H]");
+    at::Tensor both = rows(x, M, 2 * H);
+    for (int64_t m = 0; m < M; m++) {
+      rms_norm(ptr(embeds) + m * H, ptr(*embed_norm), mut(both) + m * 2 * H, 1, H, eps);
+      rms_norm(ptr(x) + m * H, ptr(norm1), mut(both) + m * 2 * H + H, 1, H, eps);
+    }
+    proj = rlspec_kernels::packed_linear(both, qkv, qkv_bias, QKV);
+  } else {
+    rms_norm(ptr(x), ptr(norm1), mut(h), M, H, eps);
+    proj = rlspec_kernels::packed_linear(h, qkv, qkv_bias, QKV);
+  }
   // RoPE: queries into [B, heads, T, D] (paged_attention's layout), keys and values into their pool slots
   at::Tensor q = at::empty({B, heads, T, D}, x.options());
   const bf16 *pp = ptr(proj), *cp = ptr(cos), *sp = ptr(sin);
@@ -167,7 +184,7 @@ TORCH_LIBRARY_FRAGMENT(rlspec_kernels, m) {
       "decoder_layer(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
       "Tensor blocks, Tensor mask, Tensor norm1, Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor? o_bias, "
       "Tensor norm2, Tensor gate_up, Tensor? gate_up_bias, Tensor down, Tensor? down_bias, int heads, int kv_heads, "
-      "int inter, float eps, float scale) -> Tensor");
+      "int inter, float eps, float scale, Tensor? embeds=None, Tensor? embed_norm=None) -> Tensor");
   m.def("final_head(Tensor x, Tensor norm, Tensor lm_head, int vocab, float eps) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) {
