@@ -9,7 +9,10 @@ preempted (the engine's re-prefill of a preempted sequence stages them again). E
    writing the drafter's KV; the last output predicts the token after the pending one;
 2. draft: feed the drafter's own output back for depth-1 more steps. These speculative steps attend
    over the cached context plus their own keys held locally, never written, so tree branches
-   sharing a row cannot clobber each other and rejected drafts leave nothing behind.
+   sharing a row cannot clobber each other and rejected drafts leave nothing behind. Chains on a bf16
+   CPU run both stages as one fused op a step (eagle3_fused.py); their draft keys go to the drafter's
+   KV layer at the positions they stand for, which the next catch-up rewrites before any step reads
+   them as context.
 At temperature 0 drafts are greedy (top-w at the root for trees) and verified as one-hot
 proposals. At temperature > 0 they are sampled from q, the drafter's distribution processed exactly
 like the target's (repetition penalty over the same history, temperature, top-k, top-p, min-p), and
