@@ -17,6 +17,25 @@ inline void hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
 }
 
+// Sum each of eight accumulators' 16 lanes: lane j of the result = sum(a[j]).
+inline __m256 hsum8(const __m512* a) {
+  __m256 h[8];
+  for (int j = 0; j < 8; j++)
+    h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+  const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// Eight float32 lanes rounded to bf16 exactly as c10::BFloat16 rounds one (nearest even; NaN -> 0x7FC0).
+inline __m128i store_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_mask_blend_epi32(_mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm256_set1_epi32(0x7FC0));
+  return _mm256_cvtepi32_epi16(r);
+}
+
 inline float bf16_to_float(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;
