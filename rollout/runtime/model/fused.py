@@ -19,7 +19,7 @@ import torch
 from rollout.runtime.model import kernels
 from rollout.runtime.model.linear import Linear
 
-enabled = True  # tests and benchmarks switch it off to measure or check the compiled step it replaces
+enabled = True  # read at each step: tests and benchmarks switch it off to check or time the compiled step
 # Most tokens (rows x tokens a row) a fused step takes: its products are compute-bound past a few rows, and at 32
 # one-token rows it is still ahead of the eager step on oneDNN's packed weights (50.9 vs 53.8 ms; 29.7 vs 37.5 at
 # 16 rows, SmolLM2 on 2 cores), where the compiled step stopped at 8 rows and 16 tokens.
@@ -27,11 +27,12 @@ MAX_TOKENS = 32
 
 
 def usable(model) -> bool:
-    """Whether this model's decode and verify steps can run fused: see the module docstring."""
+    """Whether this model's decode and verify steps can run fused (see the module docstring); they do while
+    `enabled`."""
     from rollout.runtime.model.llama import MLP, RMSNorm
 
     cfg, p = model.cfg, next(model.parameters())
-    if not (enabled and p.device.type == "cpu" and p.dtype == torch.bfloat16 and kernels.available()):
+    if not (p.device.type == "cpu" and p.dtype == torch.bfloat16 and kernels.available()):
         return False
     if cfg.sandwich_norms or cfg.qk_norm or cfg.attn_softcap is not None or cfg.hidden_act != "silu":
         return False

@@ -136,7 +136,8 @@ def test_fused_engine_greedy_is_the_same_with_and_without_speculation():
 
 
 def test_models_the_op_does_not_cover_keep_the_compiled_step(monkeypatch):
-    """q/k norms (Qwen3), float32, or the switch off: no fused steps, the compiled ones as before."""
+    """q/k norms (Qwen3), float32, or the switch off (read at each step): no fused steps, the compiled ones as
+    before."""
     from rollout.runtime.runner import ModelRunner
 
     qwen3 = loader.from_hf_model(make_tiny_hf("qwen3", head_dim=32), torch.bfloat16, "cpu")
@@ -146,8 +147,9 @@ def test_models_the_op_does_not_cover_keep_the_compiled_step(monkeypatch):
         runner.ensure_cache(2, 32)
         assert not fused.usable(model) and runner.steps.fused is None
     monkeypatch.setattr(fused, "enabled", False)
-    runner, _ = _runner(rows=2, length=32, n_prompts=1, dtype=torch.bfloat16, compile_mode="on", **HEAD32)
-    assert runner.steps.fused is None
+    runner, lens = _runner(rows=2, length=32, n_prompts=1, dtype=torch.bfloat16, compile_mode="on", **HEAD32)
+    runner.step(_tokens(1, 1), lens[:1])
+    assert runner.steps.fused is not None and runner.steps.counts == {"fused": 0, "compiled": 1, "eager": 0}
 
 
 def test_fused_steps_follow_a_weight_sync():
