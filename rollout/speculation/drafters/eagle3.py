@@ -30,6 +30,7 @@ from rollout.speculation.drafters.base import DRAFTERS, Draft
 from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
 from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rollout.runtime.model import kernels
+from rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
 from rollout.runtime.model.linear import fast_linear
 from rollout.runtime.model.attention import attend_dense
 from rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement
@@ -266,7 +267,9 @@ class Eagle3Drafter:
             return attend_dense(q, keys, values, visible)
 
         with torch.inference_mode():
-            if self.fused is not None and S % cache.block_size == 0:  # one op, attending in place (eagle3_fused)
+            # one op, attending in place (eagle3_fused.py), up to the fused step's token count: a long catch-up
+            # (a drafter unused for a while) is a product of many rows, which oneDNN does better than our kernel
+            if self.fused is not None and S % cache.block_size == 0 and B * C <= FUSED_MAX_TOKENS:
                 blocks = cache.table[rows, : S // cache.block_size]
                 out = self.fused.step(fast_linear(self.model.fc, feats), self._embed(toks), *self._rope(pos),
                                       cache.k[L], cache.v[L], slots, blocks, mask[:, None].to(dev))
@@ -329,7 +332,8 @@ class Eagle3Drafter:
             qs = None if q_first is None else [q_first.reshape(B * width, -1)]
             rows = torch.arange(B, device=dev).repeat_interleave(width)
             lens = torch.tensor([s.cache_len for s in seqs]).repeat_interleave(width)
-            chain = self.fused is not None and width == 1  # fused steps write their keys (eagle3_fused.py)
+            # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
+            chain = self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS
             step_fn = self._fused_steps(rows, lens, depth) if chain else \
                 self._eager_steps(_DraftAttention(*cache.gather(L, rows, int(lens.max())), lens.to(dev)))
             out = [tok]
