@@ -3,8 +3,8 @@
 `CostModel.calibrate` times dummy forwards: seconds per engine, in every process that builds one. What
 they measure depends on the machine (CPU model, cores and torch threads, or the CUDA device), the
 model's shape and dtype, how the runner executes a step (eager, compiled, fused with its kernels' build,
-CUDA graphs), torch's version and the sizes timed, not on the weights' values or on the run asking. `Speculation.calibrate`
-therefore keys the table by all of those (`calibration_key`) and keeps it as JSON in
+CUDA graphs), torch's version and the sizes timed, not on the weights' values or on the run asking.
+`Speculation.calibrate` therefore keys the table by all of those (`calibration_key`) and keeps it as JSON in
 
     $RLSPEC_CACHE (default ~/.cache/rlspec) / calibration / <sha256 of the key>.json
 

@@ -299,7 +299,7 @@ class Eagle3Drafter:
         from given the earlier ones, which is what verification needs. seen [R, V]: the history the drafted
         token follows (repetition penalty; None = off), the same as the target's node there, so q stays close
         to p."""
-        logits = self.model.logits(h) if self.fused is None else self.fused.logits(h)
+        logits = self.model.logits(h) if self.fused is None or len(h) > FUSED_MAX_TOKENS else self.fused.logits(h)
         ok = self._confident(logits)
         seen = None if seen is None else seen[:, ids]
         if self.params is None or self.params.greedy:

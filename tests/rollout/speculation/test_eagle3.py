@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout.speculation.drafter_training import DrafterTrainer, ttt_loss
+from rollout.speculation.drafter_training import DrafterTrainer
 from rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rollout.engine import RolloutEngine
 from rollout.runtime.model import kernels, loader

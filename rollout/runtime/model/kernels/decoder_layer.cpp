@@ -137,7 +137,8 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
   for (int64_t m = 0; m < M; m++) {
     const int64_t b = m / T, t = m % T;
     const bf16* row = pp + m * QKV;
-    for (int64_t hh = 0; hh < heads; hh++) rope(row + hh * D, cp + m * D, sp + m * D, qp + ((b * heads + hh) * T + t) * D, D);
+    for (int64_t hh = 0; hh < heads; hh++)
+      rope(row + hh * D, cp + m * D, sp + m * D, qp + ((b * heads + hh) * T + t) * D, D);
     for (int64_t kh = 0; kh < KV; kh++) {
       const int64_t dst = (sl[m] * KV + kh) * D;
       rope(row + (heads + kh) * D, cp + m * D, sp + m * D, kp + dst, D);

@@ -21,7 +21,8 @@ inline void hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
 inline __m256 hsum8(const __m512* a) {
   __m256 h[8];
   for (int j = 0; j < 8; j++)
-    h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
+    h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
   const __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
   const __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
