@@ -169,11 +169,15 @@ class Eagle3Drafter:
         """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
         positions cache_len..cache_len+accepted of each row (sequence i sits in table row i)."""
         dev, cache = feats.device, self.target_cache
-        nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long, device=path.device), path.clamp(min=0)], 1).to(dev)
-        kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
-        j = torch.arange(nodes.shape[1], device=dev)[None, :]
         start = torch.tensor([s.cache_len for s in seqs], device=dev)[:, None]
-        pos = torch.where(j <= torch.tensor(accepted, device=dev)[:, None], start + j, -1)  # unkept -> trash
+        if feats.shape[1] == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
+            nodes, kept, pos = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), feats, start
+        else:
+            nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long, device=path.device), path.clamp(min=0)],
+                              1).to(dev)
+            kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
+            j = torch.arange(nodes.shape[1], device=dev)[None, :]
+            pos = torch.where(j <= torch.tensor(accepted, device=dev)[:, None], start + j, -1)  # unkept -> trash
         slots = cache.slots(torch.arange(len(seqs), device=dev), pos)
         cache.write_side("eagle3/features", slots, kept)
         if self.stages_dist and self.bank_samples and logits is not None:
