@@ -55,6 +55,7 @@ FRESH_DECAY = 0.5  # the change detector looks at the last ~2 uses of a drafter
 RECENT = 0.99  # the exploration cap also holds over ~100 bucket steps: no saved-up bursts
 NOISE_EMA = 0.05
 THIN_PROBE_EVERY = 20  # steps between probes of a drafter whose tracker holds too little evidence
+PROBE_RECHECK = 8  # steps before a due drafter that no arm could make win is checked again
 
 
 STOP_RULES = ("max_conf", "entropy")
@@ -135,6 +136,9 @@ class AdaptiveSelector:
     steps: int = 0
     explores: int = 0
     last: tuple | None = None  # (arm, bucket, batch, estimates) of the latest choice
+    # (drafter, bucket) -> step at which a due probe found no arm that could win: re-checked PROBE_RECHECK steps on
+    # (every step, a due drafter's check was half of `choose`'s time, which the step pays)
+    probe_checked: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if OFF not in self.arms:
@@ -335,11 +339,13 @@ class AdaptiveSelector:
         for name in dict.fromkeys(a.drafter for a in est if a.speculative):
             tr = self._trackers[name]
             due = THIN_PROBE_EVERY if tr.accepts + tr.rejects < 2 * self.jump_min_trials else self.probe_every
-            if name == greedy.drafter or self.steps - self.last_seen.get(name, 0) < due:
+            if name == greedy.drafter or self.steps - self.last_seen.get(name, 0) < due or \
+                    self.steps - self.probe_checked.get((name, b), -PROBE_RECHECK) < PROBE_RECHECK:
                 continue
             arm = self._probe_arm(name, b, est[greedy])
             if arm is not None:
                 return arm
+            self.probe_checked[(name, b)] = self.steps
         return None
 
     def _probe_arm(self, name: str, b: int, best: float) -> Arm | None:

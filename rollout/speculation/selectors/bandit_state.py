@@ -77,6 +77,7 @@ def load_bandit_state(sel, state: dict) -> None:
             sel.gates[d].load_state_dict(gate)
     sel._playable = [a for a in sel.arms if a.drafter not in sel.gates or sel.gates[a.drafter].open]
     sel.steps, sel.explores = int(state["steps"]), int(state["explores"])
+    sel.probe_checked = {}  # steps of this run's count: not carried over
     last = state["last"]
     sel.last = None if last is None else \
         (arm_of(last[0]), int(last[1]), int(last[2]), {arm_of(a): float(v) for a, v in last[3]})
