@@ -17,7 +17,7 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingPara
 
     logits [..., V] float32, tokens [...] long -> [...] float32. Greedy uses temperature 1.
     """
-    scaled = logits if params.greedy else logits / params.temperature
+    scaled = logits if params.greedy or params.temperature == 1.0 else logits / params.temperature  # x / 1 == x
     return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -48,7 +48,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.
     there; tests/rollout/runtime/test_sampling_parity.py holds them together. (vLLM applies min-p
     before top-k/top-p: with top-p also on, its law differs from this one.)
     """
-    scores = penalise(logits, seen, params) / params.temperature
+    scores = penalise(logits, seen, params)
+    if params.temperature != 1.0:  # x / 1 == x: at T = 1 (RL's usual setting) skip a pass over [rows, V]
+        scores = scores / params.temperature
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th token stay
