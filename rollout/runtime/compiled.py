@@ -122,6 +122,11 @@ class CompiledRunner(EagerRunner):
             return False
         return self.max_rows is None or (B * t <= self.max_rows and B <= CPU_MAX_DECODE_BATCH)
 
+    @property
+    def fusing(self) -> bool:
+        """Whether steps that would compile run fused now (the model allows it and the switch is on)."""
+        return self.fused is not None and fused.enabled
+
     def warm(self, Ts: list[int], rows: int) -> None:
         """Compile (or load from inductor's cache) the graphs that batch-1 steps of these token counts, and batched
         one-token steps, use, with one dummy step each, before a rollout's first step needs them: a graph first met
@@ -130,16 +135,14 @@ class CompiledRunner(EagerRunner):
         costly as before they compiled. The dummy KV lands in the trash block (no row holds a block yet)."""
         for t in sorted({bucket_for(T, self.t_buckets) for T in Ts} - {None}):
             for B in (1, 2) if rows > 1 and t == 1 else (1,):  # batched verify graphs compile on first use
-                if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length or \
-                        (self.fused is not None and fused.enabled):
+                if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length or self.fusing:
                     continue
                 start = torch.full((B,), min(128, (self.cache.length - t) // 2), dtype=torch.long)
                 self.run(torch.zeros(B, t, dtype=torch.long), start)
 
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         B, T = tokens.shape
-        if self.fused is not None and fused.enabled and B * T <= fused.MAX_TOKENS and \
-                int(start.max()) + T <= self.cache.length:
+        if self.fusing and B * T <= fused.MAX_TOKENS and int(start.max()) + T <= self.cache.length:
             self.counts["fused"] += 1
             return super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=self.fused)
         t = bucket_for(T, self.t_buckets)

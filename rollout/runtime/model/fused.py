@@ -26,17 +26,23 @@ enabled = True  # read at each step: tests and benchmarks switch it off to check
 MAX_TOKENS = 32
 
 
+def cpu_ready(model) -> bool:
+    """The op can run this model's tensors: CPU, bf16, the kernels built (the target's, or a drafter's)."""
+    p = next(model.parameters())
+    return p.device.type == "cpu" and p.dtype == torch.bfloat16 and kernels.available()
+
+
 def usable(model) -> bool:
     """Whether this model's decode and verify steps can run fused (see the module docstring); they do while
     `enabled`."""
     from rollout.runtime.model.llama import MLP, RMSNorm
 
-    cfg, p = model.cfg, next(model.parameters())
-    if not (p.device.type == "cpu" and p.dtype == torch.bfloat16 and kernels.available()):
+    cfg = model.cfg
+    if not cpu_ready(model) or cfg.head_dim % 32:
         return False
     if cfg.sandwich_norms or cfg.qk_norm or cfg.attn_softcap is not None or cfg.hidden_act != "silu":
         return False
-    if cfg.head_dim % 32 or not isinstance(model.model.norm, RMSNorm):
+    if not isinstance(model.model.norm, RMSNorm):
         return False
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     return all(isinstance(layer.mlp, MLP) for layer in model.model.layers) and \

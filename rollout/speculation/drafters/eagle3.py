@@ -261,11 +261,13 @@ class Eagle3Drafter:
         slots = cache.slots(rows, write.to(dev))
         feats = cache.read_side("eagle3/features", slots)  # [B, C, 3H]; padding reads the trash block, masked
 
+        visible = mask[:, None].to(dev)
+        # whole blocks: read in place (the kernel, the fused op), as target steps do
+        blocks = cache.table[rows, : S // cache.block_size] if S % cache.block_size == 0 else None
+
         def attend(q, k, v):
             cache.write(L, slots, k.transpose(1, 2), v.transpose(1, 2))
-            visible = mask[:, None].to(dev)
-            if S % cache.block_size == 0 and kernels.attention_usable(q, cache.k[L]):  # in place, as target steps
-                blocks = cache.table[rows, : S // cache.block_size]
+            if blocks is not None and kernels.attention_usable(q, cache.k[L]):
                 return kernels.paged_attention(q, cache.k[L], cache.v[L], blocks, visible, q.shape[-1] ** -0.5)
             keys, values = cache.gather(L, rows, S)
             return attend_dense(q, keys, values, visible)
@@ -273,10 +275,9 @@ class Eagle3Drafter:
         with torch.inference_mode():
             # one op, attending in place (eagle3_fused.py), up to the fused step's token count: a long catch-up
             # (a drafter unused for a while) is a product of many rows, which oneDNN does better than our kernel
-            if self.fused is not None and S % cache.block_size == 0 and B * C <= FUSED_MAX_TOKENS:
-                blocks = cache.table[rows, : S // cache.block_size]
+            if self.fused is not None and blocks is not None and B * C <= FUSED_MAX_TOKENS:
                 out = self.fused.step(fast_linear(self.model.fc, feats), self._embed(toks), *self._rope(pos),
-                                      cache.k[L], cache.v[L], slots, blocks, mask[:, None].to(dev))
+                                      cache.k[L], cache.v[L], slots, blocks, visible)
             else:
                 out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
         for s in seqs:

@@ -32,9 +32,7 @@ class FusedDraftLayer:
 
     @staticmethod
     def usable(model) -> bool:
-        p = next(model.parameters())
-        return (fused.enabled and p.device.type == "cpu" and p.dtype == torch.bfloat16 and kernels.available()
-                and model.cfg.head_dim % 32 == 0)
+        return fused.enabled and fused.cpu_ready(model) and model.cfg.head_dim % 32 == 0
 
     def prepare(self) -> "FusedDraftLayer":
         model, m, c = self.model, self.model.midlayer, self.model.cfg

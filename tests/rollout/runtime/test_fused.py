@@ -17,6 +17,7 @@ from rollout.runtime.model.linear import Linear
 from rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
+from tests.rollout.runtime.test_kernels import _bf16_ulps
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")
 
@@ -53,17 +54,10 @@ def _kernel_products(self, x):
     return kernels.packed_linear(x, self._blocked, self.bias, self.out_features)
 
 
-def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many bf16 steps (at the larger magnitude) separate a and b, elementwise."""
-    a, b = a.double(), b.double()
-    ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(a.abs(), b.abs()).clamp_min(torch.finfo(torch.bfloat16).tiny)
-    return (a - b).abs() / ulp
-
-
 def _agree(got: torch.Tensor, ref: torch.Tensor, exact_share: float = 0.97, most: float = 2.0):
     """Equal bits for nearly every element; the rest one or two bf16 steps apart (summation order). Rounding an
     intermediate the eager layer rounds, or not rounding it, moves far more elements than 3%."""
-    steps = _bf16_steps(got, ref)
+    steps = _bf16_ulps(got, ref.double())
     assert (got == ref).float().mean() >= exact_share, (got == ref).float().mean()
     assert steps.max() <= most, steps.max()
 
