@@ -30,6 +30,8 @@ CONFIGS = {
     # the learned drafter (trained weights from --drafter-path, not trained further while measured)
     "eagle3": ("eagle3", 4, 1, "fixed"),
     "eagle3-always": ("eagle3", 4, 1, "always"),
+    "eagle3-k1-always": ("eagle3", 1, 1, "always"),  # the shortest chains: the cheapest verify (the tail's ceiling)
+    "eagle3-k2-always": ("eagle3", 2, 1, "always"),
     "eagle3-tree-always": ("eagle3", 8, 2, "always"),
     "auto": ("auto", 4, 1, "fixed"),  # suffix + ngram + eagle3, chosen per batch (the adaptive selector)
     # the same with an untrained EAGLE-3 drafter (no --drafter-path, no training): what `auto` starts

@@ -174,11 +174,16 @@ class Speculation:
 
     def observe_step(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                      drafted: list[int], accepted: list[int]) -> None:
-        """Feed the selector; new drafter weights make the acceptance it measured partly stale."""
+        """Feed the selector; new drafter weights make the acceptance it measured partly stale. A learned
+        drafter's catch-up over steps it sat out (its backlog) is kept out of the drafting seconds: drafting on
+        every step never pays it, and counted in, a probe after a long gap made the drafter's levels look several
+        times dearer than they are, so the selector dropped it again at once (bench_out/RESULTS.md, session 18)."""
         if self.version() != self._seen_version:
             self._seen_version = self.version()
             self.selector.reset_acceptance(self.learned.name, keep=UPDATE_KEEP)
             self._feed_gate()
+        if self.learned is not None and arm.drafter == self.learned.name:
+            draft_seconds = max(draft_seconds - self.learned.backlog_seconds, 0.0)
         self.selector.observe(arm, batch, seconds, draft_seconds, drafted, accepted)
 
     def evict(self, seq) -> None:

@@ -165,10 +165,16 @@ def test_adaptive_selector_keeps_the_sampled_law(monkeypatch):
     """The bandit switches drafters and shapes step by step; the law must not notice."""
     from scipy.stats import chisquare
 
-    # A fake clock (every reading 1 ms later) makes every forward cost the same, so speculation
-    # always looks worth it and the selector really does move between arms, whatever the machine load.
+    # A fake clock (every reading 1 ms later) makes every forward cost the same, and drafting is reported
+    # free, so speculation always looks worth it and the selector really does move between arms, whatever
+    # the machine load.
+    from rollout.speculation.speculation import Speculation
+
     ticks = iter(range(10**9))
     monkeypatch.setattr("time.perf_counter", lambda: next(ticks) * 1e-3)
+    observe = Speculation.observe_step
+    monkeypatch.setattr(Speculation, "observe_step", lambda self, arm, batch, seconds, draft_seconds, *a:
+                        observe(self, arm, batch, seconds, 0.0, *a))
 
     hf = make_tiny_hf("llama", vocab=6, seed=2)
     prompt = [3, 4, 5, 1, 3, 4]

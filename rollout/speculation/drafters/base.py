@@ -70,6 +70,7 @@ class LearnedDrafter(Drafter, Protocol):
     aux_layers: tuple[int, ...]  # target layers whose hidden states it reads (HF hidden_states indices)
     extra_kv_layers: int  # KV layers it keeps as extra layers of the engine's cache (they move with rows)
     version: int  # weights version; changes when a trainer publishes new weights
+    backlog_seconds: float  # of the latest propose: catching up on steps it sat out (the selector leaves it out)
 
     def side_buffers(self) -> dict:
         """Per-position data it stages in the KV pool's blocks (kv_cache.SideSpec: name -> (shape, dtype)),

@@ -24,6 +24,8 @@ KV (it was computed by the old weights), which the staged features rebuild.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rollout.speculation.drafters.base import DRAFTERS, Draft
@@ -79,6 +81,11 @@ class Eagle3Drafter:
         self.target_cache = None  # the engine's PagedKVCache, given at each start()
         self.policy_version = 0
         self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
+        self.committed: dict[int, int] = {}  # id(sequence) -> tokens its latest step committed (observe_verify)
+        # seconds of the latest proposal's catch-up spent on a backlog: positions beyond what the latest step
+        # committed (the drafter sat out some steps). Drafting on every step never pays them, so the selector
+        # keeps them out of the drafter's per-level cost (Speculation.observe_step)
+        self.backlog_seconds = 0.0
         self.params = None  # the call's SamplingParams: drafts are processed like the target
         self.history = None  # the call's TokenHistory when a repetition penalty is on
         self.generator = None
@@ -106,6 +113,7 @@ class Eagle3Drafter:
     def start(self, seqs: list[Sequence], cache, params=None, generator=None, history=None) -> None:
         self.target_cache, self.params, self.generator, self.history = cache, params, generator, history
         self.valid = {id(s): 0 for s in seqs}
+        self.committed = {}
 
     def begin(self, groups) -> None:
         pass
@@ -169,6 +177,8 @@ class Eagle3Drafter:
         """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
         positions cache_len..cache_len+accepted of each row (sequence i sits in table row i)."""
         dev, cache = feats.device, self.target_cache
+        for s, a in zip(seqs, accepted):
+            self.committed[id(s)] = a + 1
         start = torch.tensor([s.cache_len for s in seqs], device=dev)[:, None]
         if feats.shape[1] == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
             nodes, kept, pos = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), feats, start
@@ -208,6 +218,7 @@ class Eagle3Drafter:
         """Bank a finished sample's staged features (read now: the engine frees its blocks next), unless a
         trainer's own pass feeds the trainer (bank_samples False, rollout/speculation/intake.py)."""
         known = self.valid.pop(id(seq), None) is not None
+        self.committed.pop(id(seq), None)
         if known and self.trainer is not None and self.bank_samples and seq.cache_len > 2:
             cache, n = self.target_cache, seq.cache_len
             slots = cache.owner_slots(id(seq), n)
@@ -222,7 +233,9 @@ class Eagle3Drafter:
         if max(max_tokens, default=0) == 0:
             return [Draft() for _ in seqs]
         self.fused = self.fused_layer.prepare() if FusedDraftLayer.usable(self.model) else None
-        h_last, ready = self._catch_up(seqs)
+        t0 = time.perf_counter()
+        h_last, ready, backlog = self._catch_up(seqs)
+        self.backlog_seconds = (time.perf_counter() - t0) * backlog
         depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
         branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
         return [_to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
@@ -237,11 +250,13 @@ class Eagle3Drafter:
             self.valid = {k: 0 for k in self.valid}  # drafter KV came from the old weights
 
     def _catch_up(self, seqs: list[Sequence]):
-        """Run the positions each sequence has not yet shown the drafter; returns its last output [B, H]."""
+        """Run the positions each sequence has not yet shown the drafter; returns its last output [B, H], which
+        rows had any, and the backlog's share of the positions run (those beyond each row's latest commit)."""
         B = len(seqs)
         cache, L = self.target_cache, self.target.cfg.num_layers
         starts = [self.valid[id(s)] for s in seqs]
         counts = [s.cache_len - st for s, st in zip(seqs, starts)]
+        backlog = sum(max(0, c - self.committed.get(id(s), 1)) for s, c in zip(seqs, counts)) / max(sum(counts), 1)
         C = max(max(counts), 1)
         toks = torch.zeros(B, C, dtype=torch.long)
         for i, (s, st, c) in enumerate(zip(seqs, starts, counts)):
@@ -283,7 +298,7 @@ class Eagle3Drafter:
         for s in seqs:
             self.valid[id(s)] = s.cache_len
         last = torch.tensor([max(c - 1, 0) for c in counts], device=dev)
-        return out[torch.arange(B, device=dev), last], [c > 0 for c in counts]
+        return out[torch.arange(B, device=dev), last], [c > 0 for c in counts], backlog
 
     def _confident(self, logits: torch.Tensor) -> torch.Tensor:
         """[R] bool: may the chain go on, by the arm's stop rule (docs/drafters.md#stop-rules)?"""

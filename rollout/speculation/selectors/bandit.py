@@ -5,7 +5,7 @@ drafters. Each live-batch bucket (`cost_model.bucket`) is its own bandit: verifi
 small batches and dear at large ones, so the best arm differs.
 
 Reward: the step's speedup over plain decoding in its bucket (off is worth ~1 in every bucket),
-    r = (sum_i (accepted_i + 1) / B) / ((seconds + draft_seconds) / cost(b, 1)).
+    r = (sum_i (accepted_i + 1) / B) / ((seconds + draft_seconds) / cost(b, 1)), and 1 for plain decoding.
 
 Prior, so that a new bucket's first choice is already sensible: with per-token acceptance a (one
 AcceptanceTracker per drafter, fed by every bucket), width w lifting each level to
@@ -56,6 +56,12 @@ RECENT = 0.99  # the exploration cap also holds over ~100 bucket steps: no saved
 NOISE_EMA = 0.05
 THIN_PROBE_EVERY = 20  # steps between probes of a drafter whose tracker holds too little evidence
 PROBE_RECHECK = 8  # steps before a due drafter that no arm could make win is checked again
+# Most plain steps a probe may cost beyond its own step: the arm's verify and drafting in plain steps, less one.
+# Acceptance is one figure per drafter whatever the batch, so the cheapest bucket's probe tells as much as a dear
+# one's; on 2 CPU cores a 32-row probe cost 1.6-8 plain steps (a 4-deep chain, a learned drafter's catch-up)
+# where its 1-4 row probes cost 0.1-0.5 (bench_out/RESULTS.md, session 18). On a GPU, where verifying a few more
+# tokens is nearly free at every batch, every bucket stays probe-able.
+PROBE_MAX_LOSS = 0.6
 
 
 STOP_RULES = ("max_conf", "entropy")
@@ -199,16 +205,19 @@ class AdaptiveSelector:
             self.last = (OFF, b, batch, {})
             return OFF
         st = self._tick(b)
-        est = {a: self.estimate(a, b) for a in self._check_gates()}
+        est = self._estimates(self._check_gates(), b)
         greedy = max(est, key=est.__getitem__)  # ties: earlier in the list (off first)
-        self._update_bench(st, est, est[greedy])
         arm = greedy
-        pick = self._stale_probe(est, greedy, b) or self._ucb_pick(st, est, greedy)
-        if pick != greedy and self._may_explore(st):
-            arm = pick
-            st.explores += 1
-            st.recent_explores += 1.0
-            self.explores += 1
+        # the exploration rules only where the cap lets an exploration happen: most steps it does not (3% in the
+        # engine), and they were over half of this method's time, which every step pays
+        if self._may_explore(st):
+            self._update_bench(st, est, est[greedy])
+            pick = self._stale_probe(est, greedy, b) or self._ucb_pick(st, est, greedy)
+            if pick != greedy:
+                arm = pick
+                st.explores += 1
+                st.recent_explores += 1.0
+                self.explores += 1
         self.last = (arm, b, batch, est)
         return arm
 
@@ -218,10 +227,14 @@ class AdaptiveSelector:
         st = self._bucket(b)
         self.ledger.record(b, batch, sum(a + 1 for a in accepted), seconds + draft_seconds)
         reward = self._reward(arm, b, seconds, draft_seconds, accepted)
-        self._track_noise(st, arm, reward, self.estimate(arm, b))
+        self._track_noise(st, arm, reward, self.estimate(arm, b))  # plain steps too: they are most of the noise
         if arm.speculative:
             self._observe_drafter(arm, b, draft_seconds, drafted, accepted)  # may forget stale stats
-        self._record(st, arm, reward, self._prior(arm, b))
+        # plain decoding's speedup over itself is 1 by definition. Measured, it read cost(b, 1), a lagging EMA,
+        # over this step: ~0.6-0.9 for a while after the batch entered a bucket whose figure came from
+        # calibration (the forward alone, a shorter context), and arms whose priors were below 1 won on that
+        # (bench_out/RESULTS.md, session 18)
+        self._record(st, arm, reward if arm.speculative else 1.0, self._prior(arm, b))
         self.costs.observe(batch, step_width(drafted), seconds)
 
     def metrics(self) -> dict[str, float]:
@@ -257,10 +270,28 @@ class AdaptiveSelector:
     # ---- estimates ----------------------------------------------------------------------------
     def estimate(self, arm: Arm, b: int) -> float:
         """Expected speedup over plain decoding in bucket b: the prior blended with measurements."""
+        return self._estimates([arm], b)[arm]
+
+    def _estimates(self, arms: list[Arm], b: int) -> dict[Arm, float]:
+        """estimate(a, b) of each arm, each verify size's relative cost and each drafter's acceptance and
+        drafting cost computed once: arm by arm they were looked up again for each of ~25 arms, and this is most
+        of `choose`, which every step pays (0.11 -> 0.03 ms on a synthetic world, session 18)."""
         st = self._bucket(b)
-        guess = self._prior(arm, b) * self._bias(st, arm)
-        s = st.stats.get(arm, ArmStat())
-        return (self.prior_weight * guess + s.total) / (self.prior_weight + s.weight)
+        relative, drafters, out = {}, {}, {}
+        for arm in arms:
+            guess = 1.0
+            if arm.speculative:
+                T = 1 + arm.nodes
+                if T not in relative:
+                    relative[T] = self._relative(b, T)
+                if arm.drafter not in drafters:
+                    tr = self._trackers[arm.drafter]
+                    drafters[arm.drafter] = (tr, tr.rate, self._draft_steps(arm.drafter, b))
+                tr, rate, level = drafters[arm.drafter]
+                guess = expected_tokens(arm, tr, rate) / (relative[T] + level * arm.depth) * self._bias(st, arm)
+            s = st.stats.get(arm)
+            out[arm] = guess if s is None else (self.prior_weight * guess + s.total) / (self.prior_weight + s.weight)
+        return out
 
     def _prior(self, arm: Arm, b: int, rate: float | None = None) -> float:
         if not arm.speculative:
@@ -299,20 +330,24 @@ class AdaptiveSelector:
         return self.costs.relative(nearest_bucket(known, b), T) or 1.0
 
     def _draft_relative(self, arm: Arm, b: int) -> float:
-        """Drafting time in plain decode steps. A bucket where this drafter has not drafted yet
+        """Drafting time in plain decode steps."""
+        return self._draft_steps(arm.drafter, b) * arm.depth
+
+    def _draft_steps(self, drafter: str, b: int) -> float:
+        """One level's drafting time in plain decode steps. A bucket where this drafter has not drafted yet
         borrows the nearest bucket's seconds per level (taking it as free made every new bucket's
         first guess optimistic: a learned drafter's levels cost a sizeable part of a step); a
         drafter never measured anywhere is taken as free, so that it gets tried."""
         plain = self.costs.cost(b, 1)
         if not plain:
             return 0.0
-        level = self.draft_level.get((arm.drafter, b))
+        level = self.draft_level.get((drafter, b))
         if level is None:
-            seen = [bb for d, bb in self.draft_level if d == arm.drafter]
+            seen = [bb for d, bb in self.draft_level if d == drafter]
             if not seen:
                 return 0.0
-            level = self.draft_level[(arm.drafter, nearest_bucket(seen, b))]
-        return level * arm.depth / plain
+            level = self.draft_level[(drafter, nearest_bucket(seen, b))]
+        return level / plain
 
     def _bias(self, st: BucketState, arm: Arm) -> float:
         """Measured / predicted for this drafter here; shrunk toward 1 by a pseudo step of speedup 2
@@ -350,11 +385,15 @@ class AdaptiveSelector:
 
     def _probe_arm(self, name: str, b: int, best: float) -> Arm | None:
         """The drafter's arm that would beat `best` at the lowest acceptance, if any would: it is the
-        one whose result tells most about whether the drafter can win now."""
+        one whose result tells most about whether the drafter can win now. Only arms that cost at most
+        PROBE_MAX_LOSS plain steps beyond a plain step are probes: a dear bucket leaves the check to a cheap one."""
         st = self._bucket(b)
-        arms = [a for a in self.arms if a.drafter == name]
+        steps = {a: self._steps_per_verify(a, b) for a in self.arms if a.drafter == name}
+        arms = [a for a, s in steps.items() if s <= 1 + PROBE_MAX_LOSS]  # probes that cannot cost much
+        if not arms:
+            return None
         # the cost side once per arm, not once per rate: a drafter that stays due re-checks at every step
-        scale = {a: self._bias(st, a) / self._steps_per_verify(a, b) for a in arms}
+        scale = {a: self._bias(st, a) / steps[a] for a in arms}
         tracker = self._trackers[name]
         for rate in (0.5, 0.7, 0.85, 1.0):
             value = {a: expected_tokens(a, tracker, rate) * scale[a] for a in arms}

@@ -22,6 +22,15 @@ class Arm:
     # ("max_conf": top-1 probability < 0.4; "entropy": SVIP's sqrt(0.15 H) > 0.3, H in nats)
     stop: str = "none"
 
+    def __post_init__(self) -> None:  # arms key the selector's dicts, ~75 lookups a step: hash them once
+        object.__setattr__(self, "_hash", hash((self.drafter, self.depth, self.width, self.stop)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuilt from its fields: a string's hash differs between processes
+        return Arm, (self.drafter, self.depth, self.width, self.stop)
+
     @property
     def nodes(self) -> int:
         """Draft tree size: a chain of `depth`, or `width` branches of `depth` each."""

@@ -188,6 +188,37 @@ def test_turns_speculation_off_where_verification_is_dear():
     assert sum(a != OFF for a in picks) <= 0.12 * len(picks)  # losing arms are barely tried
 
 
+def test_plain_decoding_stays_the_reference_when_calibration_misses_overheads():
+    """Real steps cost far more than the calibrated bare forward (sampling, a longer context: here an overhead as
+    large as the forward). Plain decoding's speedup over itself is 1 whatever cost(b, 1) reads meanwhile: scored
+    by that lagging EMA, it read ~0.6 for the bucket's first steps, and for ~100 steps after, arms that lose
+    (no drafter here is ever accepted) looked better than not speculating."""
+    world = World(accept={"suffix": 0.0, "ngram": 0.0, "eagle3": 0.0}, overhead=0.02)
+    rng = random.Random(3)
+    sel = make(world)
+    assert all(world.true_speedup(a, 12) < 1 for a in sel.arms if a.speculative)
+    greedy = []  # the arm of highest estimate at each step (what the selector plays when it does not explore)
+    for _ in range(400):
+        world.step(sel, 12, rng)
+        est = sel.last[3]
+        greedy.append(max(est, key=est.__getitem__))
+    assert Counter(greedy[50:])[OFF] >= 0.98 * 350, Counter(arm_name(a) for a in greedy[50:]).most_common(4)
+
+
+def test_probes_only_where_they_cost_little():
+    """A drafter with no evidence is probed where a probe costs at most 0.6 plain steps more than a plain step:
+    its acceptance is one figure for every batch, so a cheap bucket's probe tells as much as a dear one's. Here
+    a 2-token verify of 64 rows costs ~2 plain steps, where perfect acceptance would still have won (2 tokens),
+    which made a probe there under the old rule; at one row it costs 1.33."""
+    world = World(base=0.002, slope=0.001)
+    sel = make(world)
+    assert sel._relative(64, 2) > 1.6 and sel._relative(1, 2) < 1.6
+    assert max(sel._prior(a, 64, rate=1.0) for a in sel.arms if a.drafter == "suffix") > 1.0  # could win
+    assert sel._probe_arm("suffix", 64, 1.0) is None
+    arm = sel._probe_arm("suffix", 1, 1.0)
+    assert arm is not None and sel._steps_per_verify(arm, 1) <= 1.6
+
+
 def test_priors_pick_a_sensible_first_arm():
     """With acceptance already known, the first choice per bucket is near the true best."""
     world = World(overhead=0.0)
