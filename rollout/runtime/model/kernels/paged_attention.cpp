@@ -73,7 +73,13 @@ void chunk_task(const Shapes& z, const uint16_t* q, const uint16_t* kp, const ui
                 float* o) {
   const int64_t R = z.G * z.T, D = z.D, len = s1 - s0, len4 = (len + 3) / 4 * 4;
   const float ninf = -std::numeric_limits<float>::infinity();
-  std::vector<const uint16_t*> krow(len4), vrow(len);  // where each position's key and value live
+  // where each position's key and value live, and the scores: this thread's buffers, kept between tasks (three
+  // allocations a task were a few percent of a short chunk's time)
+  thread_local std::vector<const uint16_t*> krow, vrow;
+  thread_local std::vector<float> scores;
+  krow.resize(len4);
+  vrow.resize(len);
+  scores.resize(R * len4);
   for (int64_t i = 0; i < len; i++) {
     const int64_t s = s0 + i, slot = blocks[b * z.n + s / z.bs] * z.bs + s % z.bs;
     krow[i] = kp + (slot * z.KV + kvh) * D;
@@ -81,7 +87,6 @@ void chunk_task(const Shapes& z, const uint16_t* q, const uint16_t* kp, const ui
   }
   for (int64_t i = len; i < len4; i++) krow[i] = krow[0];  // a whole last group of four (its scores dropped)
   // scores: each query against the chunk's keys four at a time (they stay in L1/L2 after the first query)
-  std::vector<float> scores(R * len4);
   for (int64_t r = 0; r < R; r++) {
     const int64_t g = r / z.T, t = r % z.T;
     const uint16_t* qr = q + (((b * z.H) + kvh * z.G + g) * z.T + t) * D;
@@ -97,15 +102,25 @@ void chunk_task(const Shapes& z, const uint16_t* q, const uint16_t* kp, const ui
       }
       hsum4(a0, a1, a2, a3, sc + i);
     }
+    // scaled, -inf where the query may not look, and the chunk's max, 16 positions at a time (one by one, these
+    // two passes cost about as much as the products above)
     const bool* seen = mask + (b * z.T + t) * z.S + s0;
-    for (int64_t i = 0; i < len; i++) sc[i] = seen[i] ? sc[i] * scale : ninf;
+    const __m512 vscale = _mm512_set1_ps(scale), vninf = _mm512_set1_ps(ninf);
+    __m512 vmax = vninf;
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 live = len - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - i)) - 1);
+      const __m128i bytes = _mm_maskz_loadu_epi8(live, seen + i);
+      const __mmask16 vis = _mm_test_epi8_mask(bytes, bytes);  // lanes past len: 0 (masked load)
+      const __m512 v = _mm512_mask_mul_ps(vninf, vis, _mm512_maskz_loadu_ps(live, sc + i), vscale);
+      _mm512_mask_storeu_ps(sc + i, live, v);
+      vmax = _mm512_max_ps(vmax, v);
+    }
+    m[r] = _mm512_reduce_max_ps(vmax);
   }
-  // per query: the chunk's max, then exp(score - max) in place and its sum
+  // per query: exp(score - the chunk's max) in place and its sum
   for (int64_t r = 0; r < R; r++) {
     float* sc = scores.data() + r * len4;
-    float mx = ninf;
-    for (int64_t i = 0; i < len; i++) mx = std::max(mx, sc[i]);
-    m[r] = mx;
+    const float mx = m[r];
     if (mx == ninf) {  // no key of this chunk is visible to this query
       l[r] = 0.f;
       std::fill(sc, sc + len, 0.f);
