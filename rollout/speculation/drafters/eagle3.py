@@ -258,19 +258,16 @@ class Eagle3Drafter:
         counts = [s.cache_len - st for s, st in zip(seqs, starts)]
         backlog = sum(max(0, c - self.committed.get(id(s), 1)) for s, c in zip(seqs, counts)) / max(sum(counts), 1)
         C = max(max(counts), 1)
-        toks = torch.zeros(B, C, dtype=torch.long)
-        for i, (s, st, c) in enumerate(zip(seqs, starts, counts)):
-            toks[i, :c] = torch.tensor(s.all_ids()[st + 1:st + 1 + c])
+        toks = torch.tensor([s.all_ids()[st + 1:st + 1 + c] + [0] * (C - c) for s, st, c in zip(seqs, starts, counts)])
         j = torch.arange(C)[None, :]
-        real = j < torch.tensor(counts)[:, None]
-        start = torch.tensor(starts)[:, None]
-        write = torch.where(real, start + j, -1)  # padding lands in the trash block
+        start_count = torch.tensor([starts, counts])
+        start = start_count[0][:, None]
+        write = torch.where(j < start_count[1][:, None], start + j, -1)  # padding lands in the trash block
         pos = write.clamp(0, self.target.rope_cos.shape[0] - 1)
         # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
         # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
-        S = min(-(-int((start + C).max()) // cache.block_size) * cache.block_size, cache.length)
-        key = torch.arange(S)[None, None, :]
-        mask = (key < start[..., None]) | ((key >= start[..., None]) & (key <= (start + j)[..., None]))
+        S = min(-(-(max(starts) + C) // cache.block_size) * cache.block_size, cache.length)
+        mask = torch.arange(S)[None, None, :] <= (start + j)[..., None]  # the cached positions and its own prefix
         dev = cache.table.device
         rows = torch.arange(B, device=dev)
         slots = cache.slots(rows, write.to(dev))
@@ -302,8 +299,6 @@ class Eagle3Drafter:
 
     def _confident(self, logits: torch.Tensor) -> torch.Tensor:
         """[R] bool: may the chain go on, by the arm's stop rule (docs/drafters.md#stop-rules)?"""
-        if self.stop_rule == "none":
-            return torch.ones(len(logits), dtype=torch.bool, device=logits.device)
         probs = torch.softmax(logits, -1)
         if self.stop_rule == "max_conf":
             return probs.max(-1).values >= MAX_CONF
@@ -312,7 +307,7 @@ class Eagle3Drafter:
 
     def _pick(self, h: torch.Tensor, k: int, ids: torch.Tensor, seen: torch.Tensor | None = None):
         """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, Vd] or None,
-        confident [R]); ids [Vd]: the draft vocabulary's target ids (`Eagle3Model.draft_vocab`). Greedy: the top k. Sampling
+        confident [R] or None with no stop rule); ids [Vd]: the draft vocabulary's target ids (`Eagle3Model.draft_vocab`). Greedy: the top k. Sampling
         from q, the processed distribution over the draft vocabulary (zero elsewhere, so sampling there loses
         nothing; `_draft` spreads q over the target's vocabulary once per proposal, for verification): k > 1
         draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution draw j came
@@ -320,7 +315,7 @@ class Eagle3Drafter:
         token follows (repetition penalty; None = off), the same as the target's node there, so q stays close
         to p."""
         logits = self.model.logits(h) if self.fused is None or len(h) > FUSED_MAX_TOKENS else self.fused.logits(h)
-        ok = self._confident(logits)
+        ok = None if self.stop_rule == "none" else self._confident(logits)
         seen = None if seen is None else seen[:, ids]
         if self.params is None or self.params.greedy:
             return ids[penalise(logits, seen, self.params).topk(k, -1).indices], None, ok
@@ -328,7 +323,8 @@ class Eagle3Drafter:
         if k > 1 and self.tree_draws == "without_replacement":
             tok, qs = sample_without_replacement(q, k, self.generator)
             return ids[tok], qs, ok
-        q = q.repeat_interleave(k, 0)  # [R*k, Vd]
+        if k > 1:
+            q = q.repeat_interleave(k, 0)  # [R*k, Vd]
         tok = sample(q, self.generator)
         return ids[tok].view(len(h), k), q.view(len(h), k, -1), ok
 
@@ -344,8 +340,9 @@ class Eagle3Drafter:
             seen = None if self.history is None else self.history.rows(torch.tensor([s.row for s in seqs], device=dev))
             vocab = self.model.draft_vocab()
             first, q_first, ok = self._pick(h, width, vocab, seen)  # [B, w]
-            alive = ok.repeat_interleave(width)
-            kept = alive.long()
+            # a stop rule's bookkeeping only where one is on: without, every chain keeps its depth
+            alive = None if ok is None else ok.repeat_interleave(width)
+            kept = None if ok is None else alive.long()
             tok = first.reshape(-1)  # [B*w]
             if seen is not None:
                 seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
@@ -355,15 +352,15 @@ class Eagle3Drafter:
             # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
             chain = self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS
             step_fn = self._fused_steps(rows, lens, depth) if chain else \
-                self._eager_steps(_DraftAttention(*cache.gather(L, rows, int(lens.max())), lens.to(dev)))
+                self._eager_steps(_DraftAttention(*cache.gather(L, rows, int(lens.max())), lens.to(dev)), lens, depth)
             out = [tok]
             h = h.repeat_interleave(width, 0)
             for step in range(1, depth):
-                pos = (lens + step - 1).clamp(max=self.target.rope_cos.shape[0] - 1)[:, None]
-                h = step_fn(h[:, None], self._embed(tok[:, None]), pos, lens + step - 1)[:, 0]
+                h = step_fn(h[:, None], self._embed(tok[:, None]), step - 1)[:, 0]
                 nxt, q, ok = self._pick(h, 1, vocab, seen)
-                alive &= ok
-                kept += alive.long()
+                if ok is not None:
+                    alive &= ok
+                    kept += alive.long()
                 tok = nxt[:, 0]
                 if seen is not None:
                     seen = seen.scatter(1, tok[:, None], True)
@@ -371,30 +368,45 @@ class Eagle3Drafter:
                 if qs is not None:
                     qs.append(q[:, 0])
         ids = torch.stack(out, 1).view(B, width, depth).cpu()
-        keep = (kept.view(B, width).min(-1).values * width).tolist()  # trees: every branch to the shortest
+        # trees: every branch to the shortest
+        keep = [depth * width] * B if kept is None else (kept.view(B, width).min(-1).values * width).tolist()
         if qs is None:
             return ids, None, keep
         q = torch.stack(qs, 1).view(B, width, depth, -1).float()  # over the draft vocabulary
         full = q.new_zeros(B, width, depth, self.model.cfg.vocab_size)
         return ids, full.index_copy_(3, vocab.to(q.device), q), keep
 
-    def _eager_steps(self, attend):
-        """Draft steps through the network, attending with `attend` (_DraftAttention)."""
-        return lambda h, embeds, pos, write: self.model(h, embeds, *self._rope(pos), attend)
+    def _step_rope(self, lens: torch.Tensor, depth: int) -> tuple[list, list]:
+        """RoPE of draft steps 1..depth-1 (step j stands at position lens + j - 1), gathered for all of them at
+        once: per step, cos and sin [R, 1, 1, D], contiguous."""
+        pos = (lens[:, None] + torch.arange(depth - 1)).clamp(max=self.target.rope_cos.shape[0] - 1)
+        cos, sin = self._rope(pos.t())  # [depth-1, R, 1, D] each
+        return [c[:, None] for c in cos.unbind(0)], [s_[:, None] for s_ in sin.unbind(0)]
+
+    def _eager_steps(self, attend, lens: torch.Tensor, depth: int):
+        """Draft steps through the network, attending with `attend` (_DraftAttention): step(h, embeds, j), j =
+        0 .. depth-2 for draft steps 1 .. depth-1."""
+        cos, sin = self._step_rope(lens, depth)
+        return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
 
     def _fused_steps(self, rows: torch.Tensor, lens: torch.Tensor, depth: int):
-        """Draft steps of chains through the fused op: step j's key and value go to the drafter's KV layer at
-        position write = lens + j - 1 (past the row's table: the trash block, for drafts no cap keeps), and it
-        attends positions 0..write of its row."""
+        """Draft steps of chains through the fused op: step(h, embeds, j) runs draft step j + 1, whose key and
+        value go to the drafter's KV layer at position write = lens + j (past the row's table: the trash block,
+        for drafts no cap keeps), and it attends positions 0..write of its row. What the steps differ in (RoPE,
+        slots, masks) is made here for all of them at once: per step, those ~20 small ops were most of a drafted
+        token's time beside its op call (session 18)."""
         cache, L = self.target_cache, self.target.cfg.num_layers
         dev, bs = cache.table.device, cache.block_size
         n = min(-(-(int(lens.max()) + depth - 1) // bs), cache.table.shape[1])
         blocks, key = cache.table[rows, :n], torch.arange(n * bs, device=dev)
+        write = (lens.to(dev)[:, None] + torch.arange(depth - 1, device=dev)).t()  # [depth-1, R]
+        slots = cache.slots(rows, write.t()).t().contiguous()  # [depth-1, R]
+        masks = (key[None, None, :] <= write[..., None])[:, :, None, None]  # [depth-1, R, 1, 1, n*bs]
+        cos, sin = self._step_rope(lens, depth)
+        k, v = cache.k[L], cache.v[L]
 
-        def step(h, embeds, pos, write):
-            write = write.to(dev)[:, None]
-            return self.fused.step(h, embeds, *self._rope(pos), cache.k[L], cache.v[L], cache.slots(rows, write),
-                                   blocks, (key[None, :] <= write)[:, None, None])
+        def step(h, embeds, j):
+            return self.fused.step(h, embeds, cos[j], sin[j], k, v, slots[j][:, None], blocks, masks[j])
         return step
 
     def _embed(self, toks: torch.Tensor) -> torch.Tensor:
