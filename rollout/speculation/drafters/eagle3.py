@@ -307,7 +307,8 @@ class Eagle3Drafter:
 
     def _pick(self, h: torch.Tensor, k: int, ids: torch.Tensor, seen: torch.Tensor | None = None):
         """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, Vd] or None,
-        confident [R] or None with no stop rule); ids [Vd]: the draft vocabulary's target ids (`Eagle3Model.draft_vocab`). Greedy: the top k. Sampling
+        confident [R], None without a stop rule); ids [Vd]: the draft vocabulary's target ids
+        (`Eagle3Model.draft_vocab`). Greedy: the top k. Sampling
         from q, the processed distribution over the draft vocabulary (zero elsewhere, so sampling there loses
         nothing; `_draft` spreads q over the target's vocabulary once per proposal, for verification): k > 1
         draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution draw j came
