@@ -16,6 +16,7 @@ import torch
 import rollout.engine
 import rollout.speculation.cost_model
 import rollout.speculation.drafter_training
+import rollout.speculation.drafters.eagle3
 from rollout.engine import RolloutEngine
 from rollout.runtime.model import loader
 from rollout.runtime.sequence import Sequence
@@ -27,12 +28,14 @@ from tests.conftest import make_tiny_hf, random_prompts
 
 @pytest.fixture
 def clock(monkeypatch):
-    """A deterministic clock for the engine, the cost model and the drafter trainer: the adaptive selector
-    decides on measured seconds, so two engines only choose alike when their clocks agree. Ticks of 2^-10 s keep every
-    difference exact in binary floating point, whatever the absolute time."""
+    """A deterministic clock for the engine, the cost model, the drafter trainer and the learned drafter (its
+    catch-up backlog's seconds): the adaptive selector decides on measured seconds, so two engines only choose alike
+    when their clocks agree. Ticks of 2^-10 s keep every difference exact in binary floating point, whatever the
+    absolute time."""
     ticks = iter(range(1, 1 << 40))
     fake = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 2.0 ** -10, sleep=time.sleep)
-    for module in (rollout.engine, rollout.speculation.cost_model, rollout.speculation.drafter_training):
+    for module in (rollout.engine, rollout.speculation.cost_model, rollout.speculation.drafter_training,
+                   rollout.speculation.drafters.eagle3):
         monkeypatch.setattr(module, "time", fake)
 
 
