@@ -284,3 +284,36 @@ def test_fused_draft_steps_are_the_networks(monkeypatch):
     plain_eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, eos_token_ids=[2])
     assert got == [r.completion_ids for r in plain_eng.generate(prompts, params)]
     assert eng.runner.steps.counts["eager"] == 0 and eng.runner.steps.counts["fused"] > 0
+
+
+def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(monkeypatch):
+    """A drafter that sat out steps catches up on their positions at its next proposal (its backlog). The selector
+    learns drafting's cost from the seconds without that backlog: drafting on every step never pays it. The first
+    chain after plain steps has a backlog and the selector is told less than the proposal took; the chains after
+    it, each catching up on the previous step's commit only, have none."""
+    from rollout.speculation.selectors.base import OFF
+    from rollout.speculation.speculation import Speculation
+
+    hf = make_tiny_hf("llama", seed=5)
+    eng = eagle_engine(hf, k=3, force=False)
+    arms = iter([OFF] * 6 + [Arm("eagle3", 3, 1)] * 100)
+    monkeypatch.setattr(Speculation, "choose", lambda self, batch: next(arms))
+    seen, told = [], []
+    observe_step, observe = Speculation.observe_step, eng.speculation.selector.observe
+
+    def spy_step(self, arm, batch, seconds, draft_seconds, *rest):
+        seen.append((arm, draft_seconds, self.learned.backlog_seconds))
+        return observe_step(self, arm, batch, seconds, draft_seconds, *rest)
+
+    monkeypatch.setattr(Speculation, "observe_step", spy_step)
+    monkeypatch.setattr(eng.speculation.selector, "observe",
+                        lambda arm, batch, seconds, draft_seconds, *rest: (told.append(draft_seconds),
+                                                                           observe(arm, batch, seconds, draft_seconds,
+                                                                                   *rest)))
+    params = SamplingParams(temperature=1.0, max_new_tokens=14, ignore_eos=True, seed=0)
+    eng.generate(random_prompts(1, 5, 8, seed=5), params)
+    chains = [(i, d, b) for i, (arm, d, b) in enumerate(seen) if arm.speculative]
+    assert len(chains) >= 3 and chains[0][0] == 6
+    first, later = chains[0], chains[1:]
+    assert 0 < first[2] < first[1] and told[first[0]] == pytest.approx(first[1] - first[2])
+    assert all(b == 0.0 and told[i] == d for i, d, b in later)
