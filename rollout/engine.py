@@ -315,12 +315,14 @@ class RolloutEngine:
         # plain decoding predicts from node 0 only: a view, not a vocabulary-sized gather
         picked = logits[:, :1] if path.shape[1] == 0 else \
             logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
-        lps = logprobs_of(picked, emitted, ctx.params)
+        if verdict.logprob is not None and ctx.history is None:  # a plain draw that came with both (un-penalised)
+            lps, flags = verdict.logprob[:, None], verdict.finite
+        else:  # the flag covers every logit the step used: those at the accepted path's nodes and the last one
+            lps, flags = logprobs_of(picked, emitted, ctx.params), finite_flags(picked)
         if ctx.history is not None:  # the emitted tokens join their rows' histories, on the device
             keep = torch.arange(emitted.shape[1], device=dev)[None, :] <= accepted[:, None]
             ctx.history.mark(torch.arange(B, device=dev), emitted, keep)
-        # the flag covers every logit the step used: those at the accepted path's nodes and the last one
-        host = _to_host(accepted[:, None], path, emitted, lps, finite_flags(picked), *verdict.columns)
+        host = _to_host(accepted[:, None], path, emitted, lps, flags, *verdict.columns)
         N = path.shape[1]
         self._check_finite([r[3 * N + 3] for r in host], live, ctx.steps, f"decode step {ctx.steps}")
         step = _Step(*_unpack(host, N))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from rollout.runtime.model import kernels
 from rollout.types import SamplingParams
 
 
@@ -93,6 +94,22 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     cdf = probs.cumsum(-1)
     u = (1 - torch.rand(probs.shape[:-1] + (1,), generator=generator, device=probs.device)) * cdf[..., -1:]
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """A plain step's draw from probs_from_logits(logits, params), with its logprob (logprobs_of) and each row's
+    finite flag (nonfinite.finite_flags), as one op (kernels/sample.cpp) -> (tokens [B], logprobs [B], finite [B]);
+    None where it does not serve: off the CPU, the kernels not built, greedy, or top-k, top-p or min-p on (a
+    repetition penalty is the caller's: it passes the penalised logits, and then reads the logprob elsewhere).
+    The same uniforms from the generator as sample(); the same law, not the same bits (its softmax is its own).
+
+    logits [B, V] float32. Why: torch's five passes over each row's vocabulary and ~35 small ops were ~0.75 ms of a
+    batch-1 CPU step (docs/verification.md#plain-steps-on-the-cpu)."""
+    if params.greedy or 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0 or params.min_p > 0 or \
+            logits.device.type != "cpu" or logits.dtype != torch.float32 or not kernels.available():
+        return None
+    r = torch.rand(logits.shape[0], generator=generator)  # the op draws at 1 - r, in (0, 1], as sample() does
+    return torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None):

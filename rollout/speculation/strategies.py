@@ -44,6 +44,8 @@ class StepVerdict:
     accepted: torch.Tensor  # [B] long
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     columns: tuple[torch.Tensor, ...] = ()  # [B, c] extras for the step's host transfer (provenance)
+    logprob: torch.Tensor | None = None  # [B]: a plain step's draw came with its logprob and finite flag (Verdict)
+    finite: torch.Tensor | None = None
 
 
 @dataclass
@@ -130,7 +132,8 @@ class ExactVerifier:
 def chain_verdict(v, N: int, columns: tuple[torch.Tensor, ...] = ()) -> StepVerdict:
     """A chain's Verdict (accepted, next_token) as a StepVerdict: its path is 1..accepted, -1 after."""
     steps = torch.arange(1, N + 1, device=v.accepted.device)[None, :].expand(len(v.accepted), N)
-    return StepVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token, columns)
+    return StepVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token, columns,
+                       v.logprob, v.finite)
 
 
 @STRATEGIES.register("exact")

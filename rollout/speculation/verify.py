@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.runtime.sampling import probs_from_logits, sample
+from rollout.runtime.sampling import probs_from_logits, sample, sample_plain
 from rollout.types import SamplingParams
 
 
@@ -37,6 +37,10 @@ class Verdict:
     accepted: torch.Tensor  # [B] long: drafts accepted per sequence (0..num_drafts[b])
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     exact: torch.Tensor | None = None  # [B, K] bool: the exact test's verdict at each draft position
+    # a plain step drawn by sampling.sample_plain: the token's logprob under the logits given and each row's finite
+    # flag, which came with the draw (None otherwise: the engine computes them)
+    logprob: torch.Tensor | None = None
+    finite: torch.Tensor | None = None
 
 
 def verify_chain(
@@ -54,6 +58,14 @@ def verify_chain(
     order, so with kept all False the result is the lossless one draw for draw."""
     B, K = draft_tokens.shape
     _check_q(draft_probs, (B, K), target_logits.shape[-1], "verify_chain")
+    if K == 0 and not params.greedy:  # plain decoding: nothing to verify, the next token is drawn from p
+        dev = target_logits.device
+        none, zero = torch.zeros(B, 0, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
+        drawn = sample_plain(target_logits[:, 0], params, generator) if p is None else None
+        if drawn is not None:
+            return Verdict(zero, drawn[0], none, drawn[1], drawn[2])
+        p = probs_from_logits(target_logits, params) if p is None else p
+        return Verdict(zero, sample(p[:, 0], generator), none)  # the same draws as below
     in_range = torch.arange(K, device=draft_tokens.device)[None, :] < num_drafts[:, None]  # [B, K]
     if params.greedy:
         target_top = target_logits.argmax(-1)  # [B, K+1]
@@ -62,9 +74,6 @@ def verify_chain(
         return Verdict(accepted, target_top.gather(1, accepted[:, None]).squeeze(1), exact)
 
     p = probs_from_logits(target_logits, params) if p is None else p  # [B, K+1, V]
-    if K == 0:  # plain decoding: nothing to verify, the next token is drawn from p (same draws as below)
-        none = torch.zeros(B, 0, dtype=torch.bool, device=p.device)
-        return Verdict(torch.zeros(B, dtype=torch.long, device=p.device), sample(p[:, 0], generator), none)
     if draft_probs is None:
         q_draft = torch.ones(B, K, device=p.device)  # one-hot q: q_i(x_i) = 1
     else:

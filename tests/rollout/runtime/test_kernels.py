@@ -279,3 +279,34 @@ def test_bf16_steps_attend_through_the_kernel(compile_mode, heads, monkeypatch):
         assert any(e.key == "rlspec_kernels::paged_attention" for e in prof.key_averages()), (B, T, tree)
         torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_kernel
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sample_rows_draws_the_softmax_with_its_logprob(temperature):
+    """sample_rows against the law computed in float64 apart from it: 40000 draws of one row of logits spread over
+    ~6 nats (an off-by-one token, a wrong temperature or a missed block fails the chi-square test by far), tokens
+    whose probability is 0 in float32 never drawn, the logprob of each drawn token, and rows with a NaN or an inf
+    flagged."""
+    from scipy.stats import chisquare
+
+    from rollout.runtime.model import kernels
+
+    g = torch.Generator().manual_seed(11)
+    V, N = 1000, 40000
+    x = torch.randn(V, generator=g) * 1.5
+    x[::7] = -300.0  # exp((x - max) / T) underflows to exactly 0: never drawn
+    r = torch.rand(N, generator=g)
+    tok, lp, fin = torch.ops.rlspec_kernels.sample_rows(x.expand(N, V).contiguous(), r, temperature)
+    assert tok.dtype == torch.long and fin.all() and kernels.ready
+    law = torch.softmax(x.double() / temperature, -1)
+    assert (law[tok] > 0).all() and not (tok % 7 == 0).any()
+    torch.testing.assert_close(lp.double(), torch.log_softmax(x.double() / temperature, -1)[tok], atol=2e-5, rtol=0)
+    counts = torch.bincount(tok, minlength=V).double()
+    big = law * N >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([law[big], law[~big].sum()[None]]) * N
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    bad = torch.stack([x, x, x])
+    bad[0, 5], bad[2, 900] = float("nan"), float("inf")
+    assert torch.ops.rlspec_kernels.sample_rows(bad, r[:3], temperature)[2].tolist() == [False, True, False]

@@ -3,7 +3,9 @@
     or on a blocked copy of it (`pack`, `packed_linear`: the same bits, read as one contiguous stream per block of
     8 rows; what compiled steps use);
   * a step's attention read in place from the paged KV pool (paged_attention.cpp, `paged_attention`), each key
-    and value once for all the queries of its KV head (docs/runtime.md#attention-on-the-cpu).
+    and value once for all the queries of its KV head (docs/runtime.md#attention-on-the-cpu);
+  * each decoder layer of a step as one op (decoder_layer.cpp, model/fused.py);
+  * a plain step's draw, logprob and finite check (sample.cpp, `sample_rows`: runtime/sampling.py).
 
 Why: a speculative verify at batch 1 multiplies each weight by 2-16 rows. Inside a compiled step inductor lowers
 such a product to oneDNN on the unpacked weight, which reorders it on every call (a third of the bandwidth), and
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attention.cpp", "decoder_layer.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attention.cpp", "decoder_layer.cpp",
+                                                 "sample.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]  # included by the sources: part of the hash
 MAX_ROWS = 16  # products of more rows are compute-bound in this kernel; oneDNN's blocked GEMM wins there
 ENV = "RLSPEC_CPU_KERNELS"
@@ -107,6 +110,12 @@ def _build() -> None:
     @torch.library.register_fake("rlspec_kernels::paged_attention")
     def _(q, k_pool, v_pool, blocks, mask, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("rlspec_kernels::sample_rows")
+    def _(logits, u, temperature):
+        B = logits.shape[0]
+        return (logits.new_empty(B, dtype=torch.long), logits.new_empty(B),
+                logits.new_empty(B, dtype=torch.bool))
 
     _loaded = True
 

@@ -1,0 +1,120 @@
+// rlspec_kernels::sample_rows: a plain decode step's draw from softmax(logits / T), the drawn token's logprob and
+// the row's finiteness, in one op.
+//
+//   sample_rows(logits [B, V] float32, r [B] float32 in [0, 1), temperature) -> (token [B] long,
+//               logprob [B] float32, finite [B] bool)
+//
+// The token inverts the CDF of softmax(logits / T) at u = 1 - r, as sampling.sample does: the first token whose cumulative
+// (unnormalised) mass reaches u times the total, so a token of probability 0 is never drawn. logprob is
+// log softmax(logits / T) at that token (sampling.logprobs_of), finite says every logit of the row is finite
+// (nonfinite.finite_flags; the token is then meaningless and the engine raises).
+//
+// Why (docs/verification.md#plain-steps-on-the-cpu): torch took five passes over each row's 49k logits (softmax,
+// cumsum, log_softmax, a sum for the finite check, the CDF search) and ~35 small ops around them, ~0.75 ms of a
+// ~11 ms batch-1 step; here three passes in one call.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "simd.h"
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using namespace rlspec_simd;
+
+constexpr int64_t W = 16;  // lanes: the exponentials' partial sums are kept per block of 16 tokens
+
+// One row: x [V] raw logits -> (token, logprob, finite).
+std::tuple<int64_t, float, bool> sample_row(const float* x, int64_t V, float u, float temperature,
+                                            std::vector<float>& e, std::vector<float>& block) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const __m512 vt = _mm512_set1_ps(temperature);
+  // pass 1: the scaled maximum; any NaN or inf among the raw logits
+  __m512 vmax = _mm512_set1_ps(ninf);
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < V; i += W) {
+    const __mmask16 live = V - i >= W ? __mmask16(0xFFFF) : __mmask16((1u << (V - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(live, x + i);
+    bad |= _mm512_mask_cmp_ps_mask(live, _mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // NaN or inf
+    vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_div_ps(v, vt));
+  }
+  if (bad) return {0, std::numeric_limits<float>::quiet_NaN(), false};
+  const float m = _mm512_reduce_max_ps(vmax);
+  // pass 2: exp(x / T - max), kept, with each block's sum and the total
+  const __m512 vm = _mm512_set1_ps(m);
+  float total = 0.f;
+  for (int64_t i = 0, k = 0; i < V; i += W, k++) {
+    const __mmask16 live = V - i >= W ? __mmask16(0xFFFF) : __mmask16((1u << (V - i)) - 1);
+    const __m512 s = _mm512_div_ps(_mm512_maskz_loadu_ps(live, x + i), vt);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, vm)));
+    _mm512_storeu_ps(e.data() + i, p);
+    block[k] = _mm512_reduce_add_ps(p);
+    total += block[k];
+  }
+  // pass 3: the first token whose cumulative mass reaches u * total, found block by block
+  const float target = u * total;
+  float c = 0.f;
+  int64_t token = -1, last = 0;
+  for (int64_t i = 0, k = 0; i < V && token < 0; i += W, k++) {
+    if (block[k] > 0.f) last = i;
+    if (c + block[k] < target) {
+      c += block[k];
+      continue;
+    }
+    for (int64_t j = i; j < std::min(i + W, V); j++) {
+      c += e[j];
+      if (e[j] > 0.f && c >= target) {
+        token = j;
+        break;
+      }
+    }
+  }
+  if (token < 0) {  // rounding left the running sum just short of the total: the last token of nonzero mass
+    token = last;
+    for (int64_t j = last; j < std::min(last + W, V); j++)
+      if (e[j] > 0.f) token = j;
+  }
+  return {token, x[token] / temperature - m - std::log(total), true};
+}
+
+}  // namespace
+
+namespace rlspec_kernels {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_, const at::Tensor& u_,
+                                                           double temperature) {
+  TORCH_CHECK(logits_.scalar_type() == at::kFloat && logits_.dim() == 2 && logits_.device().is_cpu(),
+              "sample_rows: logits [B, V] float32 on the CPU");
+  TORCH_CHECK(u_.scalar_type() == at::kFloat && u_.numel() == logits_.size(0), "sample_rows: r [B] float32");
+  TORCH_CHECK(temperature > 0, "sample_rows: temperature > 0");
+  const at::Tensor logits = logits_.contiguous(), u = u_.contiguous();
+  const int64_t B = logits.size(0), V = logits.size(1);
+  at::Tensor token = at::empty({B}, logits.options().dtype(at::kLong));
+  at::Tensor logprob = at::empty({B}, logits.options());
+  at::Tensor finite = at::empty({B}, logits.options().dtype(at::kBool));
+  const float* xp = logits.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> e((V + W - 1) / W * W), block((V + W - 1) / W);
+    for (int64_t b = b0; b < b1; b++) {
+      const auto [t, lp, ok] = sample_row(xp + b * V, V, 1.f - up[b], static_cast<float>(temperature), e, block);
+      token.data_ptr<int64_t>()[b] = t;
+      logprob.data_ptr<float>()[b] = lp;
+      finite.data_ptr<bool>()[b] = ok;
+    }
+  });
+  return {token, logprob, finite};
+}
+
+}  // namespace rlspec_kernels
+
+TORCH_LIBRARY_FRAGMENT(rlspec_kernels, m) {
+  m.def("sample_rows(Tensor logits, Tensor r, float temperature) -> (Tensor, Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) { m.impl("sample_rows", &rlspec_kernels::sample_rows); }
