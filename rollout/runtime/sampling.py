@@ -38,6 +38,12 @@ def greedy_tokens(logits: torch.Tensor, seen: torch.Tensor | None, params: Sampl
     return penalise(logits, seen, params).argmax(-1)
 
 
+def truncates(params: SamplingParams, vocab: int) -> bool:
+    """Whether probs_from_logits cuts the distribution after the temperature (top-k, top-p or min-p on). Where it
+    does not, its law is softmax(logits / T) of the penalised logits: what sample_plain's op draws from."""
+    return 0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0
+
+
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
     """Sampling distribution: the repetition penalty over `seen` (the history each row's token follows;
     None = no penalty), then logits / T truncated by top-k, top-p, then min-p.
@@ -52,6 +58,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.
     scores = penalise(logits, seen, params)
     if params.temperature != 1.0:  # x / 1 == x: at T = 1 (RL's usual setting) skip a pass over [rows, V]
         scores = scores / params.temperature
+    if not truncates(params, scores.shape[-1]):  # sample_plain draws from exactly this (keep the two in step)
+        return torch.softmax(scores, dim=-1)
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th token stay
@@ -105,8 +113,8 @@ def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
     logits [B, V] float32. Why: torch's five passes over each row's vocabulary and ~35 small ops were ~0.75 ms of a
     batch-1 CPU step (docs/verification.md#plain-steps-on-the-cpu)."""
-    if params.greedy or 0 < params.top_k < logits.shape[-1] or params.top_p < 1.0 or params.min_p > 0 or \
-            logits.device.type != "cpu" or logits.dtype != torch.float32 or not kernels.available():
+    if params.greedy or truncates(params, logits.shape[-1]) or logits.device.type != "cpu" or \
+            logits.dtype != torch.float32 or not kernels.available():
         return None
     r = torch.rand(logits.shape[0], generator=generator)  # the op draws at 1 - r, in (0, 1], as sample() does
     return torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
