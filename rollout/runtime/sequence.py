@@ -42,6 +42,13 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
+    def ids(self, start: int, stop: int) -> list[int]:
+        """all_ids()[start:stop] without copying the whole sequence (drafters read a few new tokens a step)."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.completion_ids[start - P:stop - P]
+        return self.prompt_ids[start:stop] + self.completion_ids[:max(stop - P, 0)]
+
     def append(self, tokens: list[int], logprobs: list[float], stop_ids: set[int], sources: list[int] | None = None,
                behaviour: list[float] | None = None) -> int:
         """Append emitted tokens, stopping at a stop token or the length limit. Returns how many were kept.

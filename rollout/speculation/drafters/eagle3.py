@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 
 from rollout.speculation.drafters.base import DRAFTERS, Draft
 from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
@@ -35,7 +36,7 @@ from rollout.runtime.model import kernels
 from rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
 from rollout.runtime.model.linear import fast_linear
 from rollout.runtime.model.attention import attend_dense
-from rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement
+from rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement, truncates
 from rollout.speculation.feature_buffer import Dist, law_top_k
 from rollout.runtime.sequence import Sequence
 
@@ -90,6 +91,8 @@ class Eagle3Drafter:
         self.history = None  # the call's TokenHistory when a repetition penalty is on
         self.generator = None
         self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
+        self._rope_of, self._rope_tables = None, ()  # the target's RoPE tables in its dtype (_rope)
+        self._vocab_of, self._vocab = None, None  # the draft vocabulary's target ids (_draft_vocab)
 
     # ---- engine hooks ---------------------------------------------------------------------------
     def side_buffers(self) -> dict:
@@ -232,7 +235,7 @@ class Eagle3Drafter:
         self.swap_latest()
         if max(max_tokens, default=0) == 0:
             return [Draft() for _ in seqs]
-        self.fused = self.fused_layer.prepare() if FusedDraftLayer.usable(self.model) else None
+        self.fused = self.fused_layer.prepare() if self.fused_layer.usable else None
         t0 = time.perf_counter()
         h_last, ready, backlog = self._catch_up(seqs)
         self.backlog_seconds = (time.perf_counter() - t0) * backlog
@@ -258,22 +261,23 @@ class Eagle3Drafter:
         counts = [s.cache_len - st for s, st in zip(seqs, starts)]
         backlog = sum(max(0, c - self.committed.get(id(s), 1)) for s, c in zip(seqs, counts)) / max(sum(counts), 1)
         C = max(max(counts), 1)
-        toks = torch.tensor([s.all_ids()[st + 1:st + 1 + c] + [0] * (C - c) for s, st, c in zip(seqs, starts, counts)])
-        j = torch.arange(C)[None, :]
-        start_count = torch.tensor([starts, counts])
-        start = start_count[0][:, None]
-        write = torch.where(j < start_count[1][:, None], start + j, -1)  # padding lands in the trash block
-        pos = write.clamp(0, self.target.rope_cos.shape[0] - 1)
+        top = self.target.rope_cos.shape[0] - 1
+        # per row and query j: its token (the embedding of t + 1), where its key goes (-1 for padding: the trash
+        # block), its RoPE position and the last position it sees (its cached context and own prefix); made as
+        # lists, one tensor: a catch-up is a few positions a row, and each small op costs more than its work
+        grid = torch.tensor([[s.ids(st + 1, st + 1 + c) + [0] * (C - c), [st + j if j < c else -1 for j in range(C)],
+                              [min(st + j, top) if j < c else 0 for j in range(C)], list(range(st, st + C))]
+                             for s, st, c in zip(seqs, starts, counts)])
+        dev = cache.table.device
+        toks, write, pos, sees = grid.to(dev).unbind(1)
         # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
         # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
         S = min(-(-(max(starts) + C) // cache.block_size) * cache.block_size, cache.length)
-        mask = torch.arange(S)[None, None, :] <= (start + j)[..., None]  # the cached positions and its own prefix
-        dev = cache.table.device
         rows = torch.arange(B, device=dev)
-        slots = cache.slots(rows, write.to(dev))
+        slots = cache.slots(rows, write)
         feats = cache.read_side("eagle3/features", slots)  # [B, C, 3H]; padding reads the trash block, masked
 
-        visible = mask[:, None].to(dev)
+        visible = (torch.arange(S, device=dev) <= sees[..., None])[:, None]  # [B, 1, C, S]
         # whole blocks: read in place (the kernel, the fused op), as target steps do
         blocks = cache.table[rows, : S // cache.block_size] if S % cache.block_size == 0 else None
 
@@ -294,8 +298,10 @@ class Eagle3Drafter:
                 out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
         for s in seqs:
             self.valid[id(s)] = s.cache_len
-        last = torch.tensor([max(c - 1, 0) for c in counts], device=dev)
-        return out[torch.arange(B, device=dev), last], [c > 0 for c in counts], backlog
+        ready = [c > 0 for c in counts]
+        if min(counts) == C:  # every row ran C positions (one index op fewer: most steps)
+            return out[:, C - 1], ready, backlog
+        return out[rows, torch.tensor([max(c - 1, 0) for c in counts], device=dev)], ready, backlog
 
     def _confident(self, logits: torch.Tensor) -> torch.Tensor:
         """[R] bool: may the chain go on, by the arm's stop rule (docs/drafters.md#stop-rules)?"""
@@ -334,90 +340,137 @@ class Eagle3Drafter:
         q [B, width, depth, V] on the CPU or None for greedy drafts, nodes to keep per row [B] by the
         stop rule: a chain ends before the first token drawn from an unsure distribution)."""
         B, dev = len(seqs), h.device
-        cache, L = self.target_cache, self.target.cfg.num_layers
         with torch.inference_mode():
             # each branch's history: its sequence's tokens (by table row: a lossy proposer may pass a subset of
             # the live rows), then the branch's own drafts
             seen = None if self.history is None else self.history.rows(torch.tensor([s.row for s in seqs], device=dev))
-            vocab = self.model.draft_vocab()
-            first, q_first, ok = self._pick(h, width, vocab, seen)  # [B, w]
-            # a stop rule's bookkeeping only where one is on: without, every chain keeps its depth
-            alive = None if ok is None else ok.repeat_interleave(width)
-            kept = None if ok is None else alive.long()
-            tok = first.reshape(-1)  # [B*w]
-            if seen is not None:
-                seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
-            qs = None if q_first is None else [q_first.reshape(B * width, -1)]
-            rows = torch.arange(B, device=dev).repeat_interleave(width)
-            lens = torch.tensor([s.cache_len for s in seqs]).repeat_interleave(width)
+            vocab = self._draft_vocab()
+            rows = torch.arange(B, device=dev) if width == 1 else torch.arange(B, device=dev).repeat_interleave(width)
+            lens = [s.cache_len for s in seqs for _ in range(width)]
             # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
-            chain = self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS
-            step_fn = self._fused_steps(rows, lens, depth) if chain else \
-                self._eager_steps(_DraftAttention(*cache.gather(L, rows, int(lens.max())), lens.to(dev)), lens, depth)
-            out = [tok]
-            h = h.repeat_interleave(width, 0)
-            for step in range(1, depth):
-                h = step_fn(h[:, None], self._embed(tok[:, None]), step - 1)[:, 0]
-                nxt, q, ok = self._pick(h, 1, vocab, seen)
-                if ok is not None:
-                    alive &= ok
-                    kept += alive.long()
-                tok = nxt[:, 0]
-                if seen is not None:
-                    seen = seen.scatter(1, tok[:, None], True)
-                out.append(tok)
-                if qs is not None:
-                    qs.append(q[:, 0])
-        ids = torch.stack(out, 1).view(B, width, depth).cpu()
+            if self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS:
+                inputs = self._chain_inputs(rows, lens, depth)
+                if self._chain_op_serves(seen, len(vocab)):
+                    ids, q, kept = self._chain_op(h, depth, vocab, inputs)
+                else:
+                    ids, q, kept = self._draw_steps(h, depth, 1, vocab, seen, self._fused_steps(inputs))
+            else:
+                cache, L = self.target_cache, self.target.cfg.num_layers
+                attend = _DraftAttention(*cache.gather(L, rows, max(lens)), torch.tensor(lens, device=dev))
+                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._eager_steps(attend, lens, depth))
+        ids = ids.view(B, width, depth).cpu()
         # trees: every branch to the shortest
-        keep = [depth * width] * B if kept is None else (kept.view(B, width).min(-1).values * width).tolist()
-        if qs is None:
-            return ids, None, keep
-        q = torch.stack(qs, 1).view(B, width, depth, -1).float()  # over the draft vocabulary
-        full = q.new_zeros(B, width, depth, self.model.cfg.vocab_size)
-        return ids, full.index_copy_(3, vocab.to(q.device), q), keep
+        keep = [depth * width] * B if kept is None else \
+            (kept if width == 1 else kept.view(B, width).amin(-1) * width).tolist()
+        V = self.model.cfg.vocab_size
+        if q is None or q.shape[-1] == V:  # none (greedy), or already over the target's vocabulary (the chain op)
+            return ids, None if q is None else q.view(B, width, depth, V), keep
+        q = q.view(B, width, depth, -1).float()  # over the draft vocabulary
+        return ids, q.new_zeros(B, width, depth, V).index_copy_(3, vocab.to(q.device), q), keep
 
-    def _step_rope(self, lens: torch.Tensor, depth: int) -> tuple[list, list]:
+    def _draft_vocab(self) -> torch.Tensor:
+        """Eagle3Model.draft_vocab, made again only when d2t changed (set_draft_vocab, new weights)."""
+        d2t = self.model.d2t
+        if self._vocab_of != (d2t._version, d2t.data_ptr()):
+            self._vocab_of, self._vocab = (d2t._version, d2t.data_ptr()), self.model.draft_vocab()
+        return self._vocab
+
+    def _chain_op_serves(self, seen, vocab: int) -> bool:
+        """Whether the chain op draws from what _pick would: the processed distribution is softmax(logits / T)
+        (no repetition penalty, no truncation) or greedy drafts, and the target's embedding is its plain table."""
+        return seen is None and type(self.target.model.embed_tokens) is nn.Embedding and (
+            self.params is None or self.params.greedy or not truncates(self.params, vocab))
+
+    def _chain_op(self, h: torch.Tensor, depth: int, vocab: torch.Tensor, inputs: tuple):
+        """Chains (one per row of h [R, H]) drawn in one op (FusedDraftLayer.chain, kernels/draft_chain.cpp): the
+        processed distribution is softmax(logits / T) there (no penalty, no truncation; greedy: the top token).
+        -> (target ids [R, depth], q [R, depth, Vd] or None when greedy, nodes to keep [R]: the leading draws
+        that were finite and, with a stop rule, drawn from a sure distribution)."""
+        greedy = self.params is None or self.params.greedy
+        # the uniforms of every draw at once, from the call's generator, as sample() takes them
+        r = torch.zeros(depth, len(h)) if greedy else torch.rand(depth, len(h), generator=self.generator)
+        ids, q, logits, finite = self.fused.chain(h, self.target.model.embed_tokens.weight, *inputs, vocab, r,
+                                                  0.0 if greedy else float(self.params.temperature))
+        ok = finite if self.stop_rule == "none" else finite & self._confident(logits)
+        return ids, None if greedy else q, ok.long().cumprod(1).sum(1)
+
+    def _draw_steps(self, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen, step_fn):
+        """Chains drawn one token at a time, `width` of them below each row of h [B, H], each draft step through
+        step_fn(h, embeds, j) -> (target ids [B * width, depth], q [B * width, depth, Vd] or None when greedy,
+        nodes to keep [B * width] by the stop rule or None without one)."""
+        first, q_first, ok = self._pick(h, width, vocab, seen)  # [B, w]
+        # a stop rule's bookkeeping only where one is on: without, every chain keeps its depth
+        alive = None if ok is None else ok.repeat_interleave(width)
+        kept = None if ok is None else alive.long()
+        tok = first.reshape(-1)  # [B*w]
+        if seen is not None:
+            seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
+        qs = None if q_first is None else [q_first.reshape(len(tok), -1)]
+        out = [tok]
+        h = h.repeat_interleave(width, 0)
+        for step in range(1, depth):
+            h = step_fn(h[:, None], self._embed(tok[:, None]), step - 1)[:, 0]
+            nxt, q, ok = self._pick(h, 1, vocab, seen)
+            if ok is not None:
+                alive &= ok
+                kept += alive.long()
+            tok = nxt[:, 0]
+            if seen is not None:
+                seen = seen.scatter(1, tok[:, None], True)
+            out.append(tok)
+            if qs is not None:
+                qs.append(q[:, 0])
+        return torch.stack(out, 1), None if qs is None else torch.stack(qs, 1), kept
+
+    def _step_rope(self, lens: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of draft steps 1..depth-1 (step j stands at position lens + j - 1), gathered for all of them at
-        once: per step, cos and sin [R, 1, 1, D], contiguous."""
-        pos = (lens[:, None] + torch.arange(depth - 1)).clamp(max=self.target.rope_cos.shape[0] - 1)
-        cos, sin = self._rope(pos.t())  # [depth-1, R, 1, D] each
-        return [c[:, None] for c in cos.unbind(0)], [s_[:, None] for s_ in sin.unbind(0)]
+        once: cos and sin [depth - 1, R, 1, 1, D], contiguous, so that step j's [R, 1, 1, D] is cos[j - 1]."""
+        top = self.target.rope_cos.shape[0] - 1
+        pos = torch.tensor([[min(n + j, top) for n in lens] for j in range(depth - 1)], dtype=torch.long)
+        cos, sin = self._rope(pos)
+        return cos[:, :, None], sin[:, :, None]
 
-    def _eager_steps(self, attend, lens: torch.Tensor, depth: int):
+    def _eager_steps(self, attend, lens: list[int], depth: int):
         """Draft steps through the network, attending with `attend` (_DraftAttention): step(h, embeds, j), j =
         0 .. depth-2 for draft steps 1 .. depth-1."""
         cos, sin = self._step_rope(lens, depth)
         return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
 
-    def _fused_steps(self, rows: torch.Tensor, lens: torch.Tensor, depth: int):
-        """Draft steps of chains through the fused op: step(h, embeds, j) runs draft step j + 1, whose key and
-        value go to the drafter's KV layer at position write = lens + j (past the row's table: the trash block,
-        for drafts no cap keeps), and it attends positions 0..write of its row. What the steps differ in (RoPE,
-        slots, masks) is made here for all of them at once, not ~15 small ops a step again (with the changes beside
-        it, a 4-token proposal 2.55 -> 2.31 ms, session 18)."""
+    def _chain_inputs(self, rows: torch.Tensor, lens: list[int], depth: int) -> tuple:
+        """What the fused draft steps of chains differ in, made for all of them at once (not ~15 small ops a step
+        again: with the changes beside it, a 4-token proposal 2.55 -> 2.31 ms, session 18). Draft step j + 1 writes
+        its key and value to the drafter's KV layer at position write = lens + j (past the row's table: the trash
+        block, for drafts no cap keeps) and attends positions 0..write of its row. -> (cos, sin [depth - 1, R, 1,
+        1, D], the drafter's K and V pools, slots [depth - 1, R], blocks [R, n], masks [depth - 1, R, 1, 1, n * bs]):
+        FusedDraftLayer.chain's inputs after h."""
         cache, L = self.target_cache, self.target.cfg.num_layers
         dev, bs = cache.table.device, cache.block_size
-        n = min(-(-(int(lens.max()) + depth - 1) // bs), cache.table.shape[1])
-        blocks, key = cache.table[rows, :n], torch.arange(n * bs, device=dev)
-        write = lens.to(dev)[:, None] + torch.arange(depth - 1, device=dev)  # [R, depth-1]
-        slots = cache.slots(rows, write).t().contiguous()  # [depth-1, R]
-        masks = (key[None, None, :] <= write.t()[..., None])[:, :, None, None]  # [depth-1, R, 1, 1, n*bs]
-        cos, sin = self._step_rope(lens, depth)
-        k, v = cache.k[L], cache.v[L]
+        n = min(-(-(max(lens) + depth - 1) // bs), cache.table.shape[1])
+        write = torch.tensor([[m + j for m in lens] for j in range(depth - 1)], dtype=torch.long).to(dev)
+        slots = cache.slots(rows, write.t()).t().contiguous()  # [depth-1, R]
+        masks = (torch.arange(n * bs, device=dev) <= write[..., None])[:, :, None, None]  # [depth-1, R, 1, 1, n*bs]
+        return (*self._step_rope(lens, depth), cache.k[L], cache.v[L], slots, cache.table[rows, :n], masks)
 
-        def step(h, embeds, j):
-            return self.fused.step(h, embeds, cos[j], sin[j], k, v, slots[j][:, None], blocks, masks[j])
-        return step
+    def _fused_steps(self, inputs: tuple):
+        """Draft steps of chains through the fused layer op, one call each: step(h, embeds, j) runs draft step
+        j + 1 on `_chain_inputs`."""
+        cos, sin, k, v, slots, blocks, masks = inputs
+        return lambda h, embeds, j: self.fused.step(h, embeds, cos[j], sin[j], k, v, slots[j][:, None], blocks,
+                                                    masks[j])
 
     def _embed(self, toks: torch.Tensor) -> torch.Tensor:
         return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))
 
     def _rope(self, pos: torch.Tensor):
-        dtype = self.target.lm_head.weight.dtype
-        dev = self.target.rope_cos.device
-        return (self.target.rope_cos[pos.to(dev)].to(dtype).unsqueeze(2),
-                self.target.rope_sin[pos.to(dev)].to(dtype).unsqueeze(2))
+        """RoPE at positions pos [...] -> cos, sin [..., 1, D] in the target's dtype, from its tables converted once
+        (while the target keeps the same tables)."""
+        if self._rope_of is not self.target.rope_cos:
+            dtype = self.target.lm_head.weight.dtype
+            self._rope_of = self.target.rope_cos
+            self._rope_tables = (self.target.rope_cos.to(dtype), self.target.rope_sin.to(dtype))
+        cos, sin = self._rope_tables
+        pos = pos.to(cos.device)
+        return cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
 
 
 class _DraftAttention:

@@ -26,26 +26,33 @@ class FusedDraftLayer:
 
     def __init__(self, model):
         self.model = model
+        m = model.midlayer
+        a, mlp = m.self_attn, m.mlp
+        self._sources = {"qkv": (a.q_proj, a.k_proj, a.v_proj), "o": (a.o_proj,),
+                         "gate_up": (mlp.gate_proj, mlp.up_proj), "down": (mlp.down_proj,), "lm_head": (model.lm_head,)}
+        self._linears = [lin for group in self._sources.values() for lin in group]
+        self._fits = fused.cpu_ready(model) and model.cfg.head_dim % 32 == 0  # the model's device and dtype stay
         self._key: tuple = ()
-        self.layer_args: tuple = ()
+        self.layer_args: tuple = ()  # decoder_layer's, after its inputs
+        self.chain_args: tuple = ()  # draft_chain's layer arguments (no biases, the embedding norm)
         self.head_args: tuple = ()
 
-    @staticmethod
-    def usable(model) -> bool:
-        return fused.enabled and fused.cpu_ready(model) and model.cfg.head_dim % 32 == 0
+    @property
+    def usable(self) -> bool:
+        return fused.enabled and self._fits
 
     def prepare(self) -> "FusedDraftLayer":
         model, m, c = self.model, self.model.midlayer, self.model.cfg
-        a, mlp = m.self_attn, m.mlp
-        sources = {"qkv": (a.q_proj, a.k_proj, a.v_proj), "o": (a.o_proj,), "gate_up": (mlp.gate_proj, mlp.up_proj),
-                   "down": (mlp.down_proj,), "lm_head": (model.lm_head,)}
-        key = tuple((lin.weight._version, lin.weight.data_ptr()) for group in sources.values() for lin in group)
+        key = tuple((w._version, w.data_ptr()) for w in (lin.weight for lin in self._linears))
         if key != self._key:  # new weights (a trainer's, a checkpoint's): pack them again
             with torch.no_grad():
-                w = {name: kernels.pack(torch.cat([lin.weight for lin in group])) for name, group in sources.items()}
+                w = {name: kernels.pack(torch.cat([lin.weight for lin in group]))
+                     for name, group in self._sources.items()}
+            self.shape_args = (c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5)
+            self.chain_args = (m.hidden_norm.weight, w["qkv"], w["o"], m.post_attention_layernorm.weight, w["gate_up"],
+                               w["down"], m.input_layernorm.weight, *self.shape_args)
             self.layer_args = (m.hidden_norm.weight, w["qkv"], None, w["o"], None, m.post_attention_layernorm.weight,
-                               w["gate_up"], None, w["down"], None, c.num_heads, c.num_kv_heads, c.intermediate_size,
-                               c.rms_norm_eps, c.head_dim ** -0.5)
+                               w["gate_up"], None, w["down"], None, *self.shape_args)
             self.head_args = (model.norm.weight, w["lm_head"], c.draft_vocab_size, c.rms_norm_eps)
             self._key = key
         self.embed_norm = m.input_layernorm.weight
@@ -56,6 +63,16 @@ class FusedDraftLayer:
         [R, n] and mask [R, 1, T, n * bs] what they attend -> the pre-norm output [R, T, H]."""
         return torch.ops.rlspec_kernels.decoder_layer(h, cos, sin, k_pool, v_pool, slots, blocks, mask,
                                                       *self.layer_args, embeds, self.embed_norm)
+
+    def chain(self, h, embed, cos, sin, k_pool, v_pool, slots, blocks, masks, ids, r, temperature: float):
+        """A whole chain after the catch-up as one op (kernels/draft_chain.cpp): draw 0 from h [R, H], then per
+        draft step j (cos, sin [S, R, 1, 1, D], slots [S, R], masks [S, R, 1, 1, n * bs]) the layer on the last
+        draw's embedding (embed: the target's table [V, H]) and a draw from its head. ids [Vd]: each draft id's
+        target id; r [S + 1, R] uniforms (draws at 1 - r; unused at temperature 0, greedy). -> (target ids [R, S + 1],
+        q [R, S + 1, V] over the target's vocabulary (empty when greedy), logits [R, S + 1, Vd], finite [R, S + 1])."""
+        norm, lm_head, vocab, _ = self.head_args  # the layer's eps is the head's
+        return torch.ops.rlspec_kernels.draft_chain(h, embed, cos, sin, k_pool, v_pool, slots, blocks, masks,
+                                                    *self.chain_args, norm, lm_head, vocab, ids, r, temperature)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., Vd] float32 from the pre-norm output (Eagle3Model.logits)."""

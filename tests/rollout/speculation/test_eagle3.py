@@ -234,23 +234,31 @@ def test_bf16_catch_up_attends_through_the_kernel(monkeypatch):
 
 @pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")
 def test_fused_draft_steps_are_the_networks(monkeypatch):
-    """bf16 on the CPU: the catch-up and a chain's draft steps run as one fused op each (eagle3_fused.py). On every
-    proposal of a rollout their outputs are the network's (eager, its draft keys held apart) up to bf16 rounding:
-    the catch-up's last output and each draft step's; and decoding stays plain decoding's, token for token (the
-    fused target step gives a token the same bits in a verify as alone, test_fused.py)."""
+    """bf16 on the CPU: the catch-up runs as one fused layer op and a chain after it as one op (draft_chain.cpp).
+    On every proposal of a rollout their outputs are the network's (eager, its draft keys held apart) up to bf16
+    rounding: the catch-up's last output, and the logits of each draw (compared along each chain as far as the
+    eager and fused greedy drafts agree, and at the first draw where they part, whose logits share a prefix); and
+    decoding stays plain decoding's, token for token (the fused target step gives a token the same bits in a
+    verify as alone, test_fused.py)."""
     from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
+    from rollout.speculation.drafters.eagle3_model import Eagle3Model
 
     hf = make_tiny_hf("llama", seed=7, head_dim=32)
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, spec=spec, eos_token_ids=[2])
     eng.speculation.force(Arm("eagle3", 3, 1))
-    catch_up, draft, pick, pairs, drafts = Eagle3Drafter._catch_up, Eagle3Drafter._draft, Eagle3Drafter._pick, [], []
-    calls = {"step": 0}
-    fused_step = FusedDraftLayer.step
+    catch_up, draft, pairs, chains = Eagle3Drafter._catch_up, Eagle3Drafter._draft, [], []
+    chain, logits = FusedDraftLayer.chain, Eagle3Model.logits
+    got_logits, ref_logits = [], []
 
-    def counted(self, *a):
-        calls["step"] += 1
-        return fused_step(self, *a)
+    def chained(self, *a):
+        out = chain(self, *a)
+        got_logits.append(out[2])
+        return out
+
+    def eager_logits(self, out):
+        ref_logits.append(logits(self, out))
+        return ref_logits[-1]
 
     def both_catch_up(self, seqs):
         valid, layer = dict(self.valid), self.fused
@@ -261,29 +269,109 @@ def test_fused_draft_steps_are_the_networks(monkeypatch):
         pairs.append((out[0], ref))
         return out
 
-    def both_draft(self, seqs, h, depth, width):  # each draft step's output, as the next pick reads it
-        layer, seen = self.fused, {True: [], False: []}
+    def both_draft(self, seqs, h, depth, width):
+        layer = self.fused
         with monkeypatch.context() as m:
-            m.setattr(Eagle3Drafter, "_pick", lambda s, h, *a: (seen[s.fused is not None].append(h), pick(s, h, *a))[1])
+            m.setattr(Eagle3Model, "logits", eager_logits)
             self.fused = None
-            draft(self, seqs, h, depth, width)
-            self.fused = layer
-            out = draft(self, seqs, h, depth, width)
-        drafts.extend(zip(seen[True], seen[False], strict=True))
+            ref = draft(self, seqs, h, depth, width)
+        self.fused = layer
+        out = draft(self, seqs, h, depth, width)
+        chains.append((out[0][:, 0], got_logits.pop(), ref[0][:, 0], torch.stack(ref_logits, 1)))
+        ref_logits.clear()
         return out
 
-    monkeypatch.setattr(FusedDraftLayer, "step", counted)
+    monkeypatch.setattr(FusedDraftLayer, "chain", chained)
     monkeypatch.setattr(Eagle3Drafter, "_catch_up", both_catch_up)
     monkeypatch.setattr(Eagle3Drafter, "_draft", both_draft)
-    prompts, params = random_prompts(2, 6, 12, seed=7), SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    prompts = random_prompts(2, 6, 12, seed=7)
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     got = [r.completion_ids for r in eng.generate(prompts, params)]
-    assert len(pairs) >= 5 and calls["step"] >= 2 * len(pairs)  # each catch-up and most chains' draft steps fused
-    assert len(drafts) >= 2 * len(pairs)
-    for out, ref in pairs + drafts:
+    assert len(pairs) >= 5 and len(chains) == len(pairs)  # every proposal's chain through the op
+    for out, ref in pairs:
         torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.05)
+    compared = 0
+    for ids, lg, ref_ids, ref_lg in chains:  # [R, depth] target ids, [R, depth, Vd] logits
+        for r in range(len(ids)):
+            agree = int((ids[r] == ref_ids[r]).long().cumprod(0).sum())
+            upto = min(agree + 1, ids.shape[1])
+            torch.testing.assert_close(lg[r, :upto], ref_lg[r, :upto], atol=0.05, rtol=0.05)
+            compared += upto
+    assert compared >= 2 * len(chains) * 2  # most draws of most chains
     plain_eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, eos_token_ids=[2])
     assert got == [r.completion_ids for r in plain_eng.generate(prompts, params)]
     assert eng.runner.steps.counts["eager"] == 0 and eng.runner.steps.counts["fused"] > 0
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chain_op_draws_each_token_from_the_networks_law(temperature):
+    """draft_chain's sampled chains have the drafter network's law. 20000 chains of two draws from one state (a
+    cached context of 5 keys, the second draw's step writing the 6th): their (first, second) pairs against the exact
+    joint law q0(a) q1(b | a), computed in float64 by the network itself (Eagle3Model.forward, attention written
+    out here), chi-square at the suite's ALPHA. Each returned q is softmax(logits / T) of the logits returned beside
+    it, and near the float64 law. A draft vocabulary of 6 ids that are not a prefix of the target's checks the id
+    map; weights scaled up make q peaked and q1 depend on the first draw, so a second draw from q0, from another
+    token's state or at another temperature fails (q1 moves by >= 0.1 between first draws)."""
+    from tests.rollout.law_helpers import ALPHA, chi2_pvalue
+    from rollout.runtime.model.linear import fast_linear
+    from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
+    from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+
+    H, D, V, ctx = 64, 32, 16, 5
+    cfg = Eagle3Config(H, 128, 2, 1, D, 1e-5, V, 6, (1, 1, 1))
+    g = torch.Generator().manual_seed(3)
+    model = Eagle3Model.initialised(cfg, g)
+    with torch.no_grad():
+        for lin, scale in ((model.lm_head, 3.0), (model.midlayer.self_attn.v_proj, 8.0),
+                           (model.midlayer.mlp.down_proj, 8.0)):
+            lin.weight.mul_(scale)
+    model.set_draft_vocab(torch.tensor([1, 4, 5, 9, 12, 15]))
+    model = model.to(torch.bfloat16).eval()
+    embed = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    h0 = torch.randn(1, H, generator=g).to(torch.bfloat16)
+    k_pool, v_pool = (torch.randn(1, 16, 1, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    theta = ctx / 10000 ** (torch.arange(0, D, 2) / D)
+    cos, sin = (f(torch.cat([theta, theta])).to(torch.bfloat16).view(1, 1, 1, 1, D) for f in (torch.cos, torch.sin))
+    mask = (torch.arange(16) <= ctx).view(1, 1, 1, 1, 16)
+    ids = model.draft_vocab()
+    layer = FusedDraftLayer(model).prepare()
+
+    # the exact law, in float64 from the bf16 weights
+    ref = Eagle3Model(cfg).double().eval()
+    ref.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in model.state_dict().items()})
+
+    def attend(q, k, v):  # the context's keys and this step's own, every head over its KV head
+        keys, vals = torch.cat([k_pool[0, :ctx, 0].double()[None, None], k], 2), torch.cat(
+            [v_pool[0, :ctx, 0].double()[None, None], v], 2)
+        return torch.softmax(q @ keys.transpose(-1, -2) * D ** -0.5, -1) @ vals
+
+    def law_after(h):  # Eagle3Model.logits rounds to float32
+        return torch.softmax(fast_linear(ref.lm_head, ref.norm(h)) / temperature, -1)
+
+    with torch.no_grad():
+        q0 = law_after(h0.double())[0]
+        q1 = torch.stack([law_after(ref(h0.double()[None], embed[t].double().view(1, 1, H), cos[0].double(),
+                                        sin[0].double(), attend))[0, 0] for t in ids])
+    apart = (q1[:, None] - q1[None]).abs().sum(-1) + torch.eye(6)  # L1 between q1 after two first draws
+    assert apart.min() >= 0.1 and q0.max() < 0.9  # the wrong variants differ from the law
+    law = (q0[:, None] * q1).reshape(-1)
+
+    N, t2d = 20_000, model.target_to_draft()
+    pairs = torch.empty(N, dtype=torch.long)
+    r = torch.rand(N, 2, 1, generator=g)
+    for n in range(N):
+        tok, q, logits, finite = layer.chain(h0, embed, cos, sin, k_pool, v_pool, torch.tensor([[ctx]]),
+                                             torch.tensor([[0]]), mask, ids, r[n], temperature)
+        pairs[n] = t2d[tok[0, 0]] * 6 + t2d[tok[0, 1]]
+        if n < 50:
+            assert finite.all() and (t2d[tok] >= 0).all()
+            assert q.shape == (1, 2, V) and q[..., t2d < 0].abs().max() == 0  # over the target's vocabulary
+            q = q[..., ids].double()
+            torch.testing.assert_close(q, torch.softmax(logits.double() / temperature, -1), atol=1e-6, rtol=0)
+            torch.testing.assert_close(q[0, 0], q0, atol=0.02, rtol=0)
+            torch.testing.assert_close(q[0, 1], q1[t2d[tok[0, 0]]], atol=0.02, rtol=0)
+    assert chi2_pvalue(torch.bincount(pairs, minlength=36), law) > ALPHA
 
 
 def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(monkeypatch):

@@ -89,6 +89,10 @@ void add(const bf16* x, const bf16* r, bf16* y, int64_t n) {
 
 at::Tensor rows(const at::Tensor& like, int64_t M, int64_t N) { return at::empty({M, N}, like.options()); }
 
+}  // namespace
+
+namespace rlspec_kernels {
+
 at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor& k_pool,
                          at::Tensor& v_pool, const at::Tensor& slots_, const at::Tensor& blocks,
                          const at::Tensor& mask, const at::Tensor& norm1, const at::Tensor& qkv,
@@ -124,10 +128,10 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
       rms_norm(ptr(embeds) + m * H, ptr(*embed_norm), mut(both) + m * 2 * H, 1, H, eps);
       rms_norm(ptr(x) + m * H, ptr(norm1), mut(both) + m * 2 * H + H, 1, H, eps);
     }
-    proj = rlspec_kernels::packed_linear(both, qkv, qkv_bias, QKV);
+    proj = packed_linear(both, qkv, qkv_bias, QKV);
   } else {
     rms_norm(ptr(x), ptr(norm1), mut(h), M, H, eps);
-    proj = rlspec_kernels::packed_linear(h, qkv, qkv_bias, QKV);
+    proj = packed_linear(h, qkv, qkv_bias, QKV);
   }
   // RoPE: queries into [B, heads, T, D] (paged_attention's layout), keys and values into their pool slots
   at::Tensor q = at::empty({B, heads, T, D}, x.options());
@@ -145,7 +149,7 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
       std::copy(row + (heads + KV + kh) * D, row + (heads + KV + kh + 1) * D, vp + dst);
     }
   }
-  const at::Tensor att = rlspec_kernels::paged_attention(q, k_pool, v_pool, blocks, mask, scale);  // [B, heads, T, D]
+  const at::Tensor att = paged_attention(q, k_pool, v_pool, blocks, mask, scale);  // [B, heads, T, D]
   at::Tensor flat = rows(x, M, heads * D);  // [B, T, heads * D], o_proj's input
   const bf16* ap = ptr(att);
   bf16* fp = mut(flat);
@@ -153,14 +157,14 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
     for (int64_t hh = 0; hh < heads; hh++)
       std::copy_n(ap + ((m / T * heads + hh) * T + m % T) * D, D, fp + (m * heads + hh) * D);
   at::Tensor x2 = rows(x, M, H);
-  add(ptr(x), ptr(rlspec_kernels::packed_linear(flat, o, o_bias, H)), mut(x2), M * H);
+  add(ptr(x), ptr(packed_linear(flat, o, o_bias, H)), mut(x2), M * H);
 
   rms_norm(ptr(x2), ptr(norm2), mut(h), M, H, eps);
-  const at::Tensor gu = rlspec_kernels::packed_linear(h, gate_up, gate_up_bias, 2 * inter);  // [M, gate | up]
+  const at::Tensor gu = packed_linear(h, gate_up, gate_up_bias, 2 * inter);  // [M, gate | up]
   at::Tensor act = rows(x, M, inter);
   for (int64_t m = 0; m < M; m++) silu_mul(ptr(gu) + m * 2 * inter, mut(act) + m * inter, inter);
   at::Tensor y = at::empty_like(x);
-  add(ptr(x2), ptr(rlspec_kernels::packed_linear(act, down, down_bias, H)), mut(y), M * H);
+  add(ptr(x2), ptr(packed_linear(act, down, down_bias, H)), mut(y), M * H);
   return y;
 }
 
@@ -175,10 +179,10 @@ at::Tensor final_head(const at::Tensor& x_, const at::Tensor& norm, const at::Te
   rms_norm(ptr(x), ptr(norm), mut(h), M, H, static_cast<float>(eps));
   auto shape = x.sizes().vec();
   shape.back() = vocab;
-  return rlspec_kernels::packed_linear(h, lm_head, c10::nullopt, vocab).to(at::kFloat).view(shape);
+  return packed_linear(h, lm_head, c10::nullopt, vocab).to(at::kFloat).view(shape);
 }
 
-}  // namespace
+}  // namespace rlspec_kernels
 
 TORCH_LIBRARY_FRAGMENT(rlspec_kernels, m) {
   m.def(
@@ -189,6 +193,6 @@ TORCH_LIBRARY_FRAGMENT(rlspec_kernels, m) {
   m.def("final_head(Tensor x, Tensor norm, Tensor lm_head, int vocab, float eps) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) {
-  m.impl("decoder_layer", &decoder_layer);
-  m.impl("final_head", &final_head);
+  m.impl("decoder_layer", &rlspec_kernels::decoder_layer);
+  m.impl("final_head", &rlspec_kernels::final_head);
 }

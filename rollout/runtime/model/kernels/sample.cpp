@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <cmath>
@@ -24,15 +25,13 @@
 #include <tuple>
 #include <vector>
 
-namespace {
+namespace rlspec_kernels {
 
 using namespace rlspec_simd;
 
-constexpr int64_t W = 16;  // lanes: the exponentials' partial sums are kept per block of 16 tokens
+constexpr int64_t W = kDrawLanes;  // lanes: the exponentials' partial sums are kept per block of 16 tokens
 
-// One row: x [V] raw logits -> (token, logprob, finite).
-std::tuple<int64_t, float, bool> sample_row(const float* x, int64_t V, float u, float temperature,
-                                            std::vector<float>& e, std::vector<float>& block) {
+Draw draw_row(const float* x, int64_t V, float u, float temperature, float* e, float* block) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const __m512 vt = _mm512_set1_ps(temperature);
   // pass 1: the scaled maximum; any NaN or inf among the raw logits
@@ -44,7 +43,7 @@ std::tuple<int64_t, float, bool> sample_row(const float* x, int64_t V, float u, 
     bad |= _mm512_mask_cmp_ps_mask(live, _mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // NaN or inf
     vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_div_ps(v, vt));
   }
-  if (bad) return {0, std::numeric_limits<float>::quiet_NaN(), false};
+  if (bad) return {0, std::numeric_limits<float>::quiet_NaN(), false, 0.f};
   const float m = _mm512_reduce_max_ps(vmax);
   // pass 2: exp(x / T - max), kept, with each block's sum and the total
   const __m512 vm = _mm512_set1_ps(m);
@@ -53,7 +52,7 @@ std::tuple<int64_t, float, bool> sample_row(const float* x, int64_t V, float u, 
     const __mmask16 live = V - i >= W ? __mmask16(0xFFFF) : __mmask16((1u << (V - i)) - 1);
     const __m512 s = _mm512_div_ps(_mm512_maskz_loadu_ps(live, x + i), vt);
     const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpos(_mm512_sub_ps(s, vm)));
-    _mm512_storeu_ps(e.data() + i, p);
+    _mm512_storeu_ps(e + i, p);
     block[k] = _mm512_reduce_add_ps(p);
     total += block[k];
   }
@@ -80,12 +79,8 @@ std::tuple<int64_t, float, bool> sample_row(const float* x, int64_t V, float u, 
     for (int64_t j = last; j < std::min(last + W, V); j++)
       if (e[j] > 0.f) token = j;
   }
-  return {token, x[token] / temperature - m - std::log(total), true};
+  return {token, x[token] / temperature - m - std::log(total), true, total};
 }
-
-}  // namespace
-
-namespace rlspec_kernels {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_, const at::Tensor& u_,
                                                            double temperature) {
@@ -103,10 +98,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& log
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> e((V + W - 1) / W * W), block((V + W - 1) / W);
     for (int64_t b = b0; b < b1; b++) {
-      const auto [t, lp, ok] = sample_row(xp + b * V, V, 1.f - up[b], static_cast<float>(temperature), e, block);
-      token.data_ptr<int64_t>()[b] = t;
-      logprob.data_ptr<float>()[b] = lp;
-      finite.data_ptr<bool>()[b] = ok;
+      const Draw d = draw_row(xp + b * V, V, 1.f - up[b], static_cast<float>(temperature), e.data(), block.data());
+      token.data_ptr<int64_t>()[b] = d.token;
+      logprob.data_ptr<float>()[b] = d.logprob;
+      finite.data_ptr<bool>()[b] = d.finite;
     }
   });
   return {token, logprob, finite};
