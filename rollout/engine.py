@@ -308,17 +308,20 @@ class RolloutEngine:
         (a lossy mode's sources and behaviour logprobs): B x (3N + 4 + c) numbers."""
         B, dev = verdict.accepted.shape[0], logits.device
         path, accepted = verdict.path, verdict.accepted
-        if path.shape[1] == 0:  # plain decoding: the drawn token, predicted from node 0 (a view, no gather)
-            emitted, picked = verdict.next_token[:, None], logits[:, :1]
+        if path.shape[1] == 0:  # plain decoding: the drawn token
+            emitted = verdict.next_token[:, None]
         else:
-            at = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)  # predicting node
             emitted = torch.cat([batch.tokens.to(dev).gather(1, path.clamp(min=0)),
                                  torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)
             emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
-            picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))
-        if verdict.logprob is not None and ctx.history is None:  # a plain draw that came with both (un-penalised)
-            lps, flags = verdict.logprob[:, None], verdict.finite
+        if verdict.logprob is not None and ctx.history is None:  # drawn by a kernel that gave both (un-penalised)
+            lps, flags = verdict.logprob, verdict.finite
         else:  # the flag covers every logit the step used: those at the accepted path's nodes and the last one
+            if path.shape[1] == 0:  # predicted from node 0 (a view, no gather)
+                picked = logits[:, :1]
+            else:
+                at = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)
+                picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))  # the predicting nodes
             lps, flags = logprobs_of(picked, emitted, ctx.params), finite_flags(picked)
         if ctx.history is not None:  # the emitted tokens join their rows' histories, on the device
             keep = torch.arange(emitted.shape[1], device=dev)[None, :] <= accepted[:, None]

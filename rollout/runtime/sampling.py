@@ -104,17 +104,23 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
+def kernel_draws(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether the CPU kernels draw this step (kernels/sample.cpp, verify_chain.cpp): sampling with no top-k, top-p
+    or min-p (a repetition penalty is the caller's: it passes the penalised logits), float32 logits on the CPU, the
+    kernels built. Their law is probs_from_logits' there; their bits are not (their softmax is their own)."""
+    return not (params.greedy or truncates(params, logits.shape[-1]) or logits.device.type != "cpu"
+                or logits.dtype != torch.float32) and kernels.available()
+
+
 def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
     """A plain step's draw from probs_from_logits(logits, params), with its logprob (logprobs_of) and each row's
     finite flag (nonfinite.finite_flags), as one op (kernels/sample.cpp) -> (tokens [B], logprobs [B], finite [B]);
-    None where it does not serve: off the CPU, the kernels not built, greedy, or top-k, top-p or min-p on (a
-    repetition penalty is the caller's: it passes the penalised logits, and then reads the logprob elsewhere).
-    The same uniforms from the generator as sample(); the same law, not the same bits (its softmax is its own).
+    None where it does not serve (`kernel_draws`; with a repetition penalty the caller reads the logprob
+    elsewhere). The same uniforms from the generator as sample().
 
     logits [B, V] float32. Why: torch's five passes over each row's vocabulary and ~35 small ops were ~0.75 ms of a
     batch-1 CPU step (docs/verification.md#plain-steps-on-the-cpu)."""
-    if params.greedy or truncates(params, logits.shape[-1]) or logits.device.type != "cpu" or \
-            logits.dtype != torch.float32 or not kernels.available():
+    if not kernel_draws(logits, params):
         return None
     r = torch.rand(logits.shape[0], generator=generator)  # the op draws at 1 - r, in (0, 1], as sample() does
     return torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))

@@ -44,7 +44,8 @@ class StepVerdict:
     accepted: torch.Tensor  # [B] long
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     columns: tuple[torch.Tensor, ...] = ()  # [B, c] extras for the step's host transfer (provenance)
-    logprob: torch.Tensor | None = None  # [B]: a plain step's draw came with its logprob and finite flag (Verdict)
+    logprob: torch.Tensor | None = None  # [B, N+1]: a kernel's draws came with their logprobs and finite flags
+    # (verify.Verdict)
     finite: torch.Tensor | None = None
 
 

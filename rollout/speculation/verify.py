@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.runtime.sampling import probs_from_logits, sample, sample_plain
+from rollout.runtime.sampling import kernel_draws, probs_from_logits, sample, sample_plain
 from rollout.types import SamplingParams
 
 
@@ -37,8 +37,9 @@ class Verdict:
     accepted: torch.Tensor  # [B] long: drafts accepted per sequence (0..num_drafts[b])
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     exact: torch.Tensor | None = None  # [B, K] bool: the exact test's verdict at each draft position
-    # a plain step drawn by sampling.sample_plain: the token's logprob under the logits given and each row's finite
-    # flag, which came with the draw (None otherwise: the engine computes them)
+    # a step drawn by a CPU kernel (sampling.sample_plain, _chain_op): [B, K+1] log p of each token emitted (the
+    # accepted drafts, then the next token) under the logits given, and each row's finite flag, which came with the
+    # draws (None otherwise: the engine computes them)
     logprob: torch.Tensor | None = None
     finite: torch.Tensor | None = None
 
@@ -63,9 +64,13 @@ def verify_chain(
         none, zero = torch.zeros(B, 0, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
         drawn = sample_plain(target_logits[:, 0], params, generator) if p is None else None
         if drawn is not None:
-            return Verdict(zero, drawn[0], none, drawn[1], drawn[2])
+            return Verdict(zero, drawn[0], none, drawn[1][:, None], drawn[2])
         p = probs_from_logits(target_logits, params) if p is None else p
         return Verdict(zero, sample(p[:, 0], generator), none)  # the same draws as below
+    drawn = _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) \
+        if kept is None and p is None else None
+    if drawn is not None:
+        return drawn
     in_range = torch.arange(K, device=draft_tokens.device)[None, :] < num_drafts[:, None]  # [B, K]
     if params.greedy:
         target_top = target_logits.argmax(-1)  # [B, K+1]
@@ -89,6 +94,23 @@ def verify_chain(
     q_next = _q_at(draft_probs, draft_tokens, accepted.clamp(max=max(K - 1, 0)), p_next)  # [B, V]
     dist = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
     return Verdict(accepted, sample(dist, generator), exact)
+
+
+def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:
+    """verify_chain's rule as one CPU op (kernels/verify_chain.cpp), with the emitted tokens' logprobs and finite
+    flags; None where it does not serve (sampling.kernel_draws). The same uniforms in the same order as below: u
+    [B, K] for the acceptance tests, then one per row for the next token. No `exact` (the lossless path reads
+    none). Why: ~40 small ops over [B, K+1, V] and the host transfer's log-softmax were ~1.2 ms of a ~12 ms batch-1
+    CPU step with one draft (docs/verification.md#chains-on-the-cpu)."""
+    if not kernel_draws(target_logits, params):
+        return None
+    B, K = draft_tokens.shape
+    u = torch.rand(B, K, generator=generator)
+    r = torch.rand(B, generator=generator)
+    q = target_logits.new_empty(0) if draft_probs is None else draft_probs
+    accepted, token, logprob, finite = torch.ops.rlspec_kernels.verify_chain_rows(
+        target_logits, draft_tokens, num_drafts, q, u, r, float(params.temperature))
+    return Verdict(accepted, token, None, logprob, finite)
 
 
 def _accepted(exact: torch.Tensor, kept: torch.Tensor | None, in_range: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ from tests.rollout.speculation.markov import K, P_LOGITS, V, chain_step, sample_
 
 B = 40_000
 SETTINGS = {"T1": SamplingParams(temperature=1.0), "T0.7-top_p0.8": SamplingParams(temperature=0.7, top_p=0.8),
-            "T0.8-top_k3": SamplingParams(temperature=0.8, top_k=3)}
+            "T0.8-top_k3": SamplingParams(temperature=0.8, top_k=3),
+            "T1-torch": SamplingParams(temperature=1.0)}  # chains by the torch rule where the CPU kernel serves T1
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +41,22 @@ def run(params, mode, seed=0, **kw):
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("mode", ["sampled", "deterministic", "iid", "wor", "topk"])
 def test_real_verifier_keeps_target_law(setting, mode, monkeypatch):
-    """The window's joint law equals the target's; the paths the law depends on were exercised."""
+    """The window's joint law equals the target's; the paths the law depends on were exercised. Chains at T1 run
+    through the CPU kernel where it is built (kernels/verify_chain.cpp: counted), and through the torch rule too."""
+    from rollout.runtime.model import kernels
+
     params = SETTINGS[setting]
-    seen = {"full": 0, "later_sibling": 0}
-    real_chain, real_reject = verify.verify_chain, verify._recursive_reject
+    if setting.endswith("-torch"):
+        if mode not in ("sampled", "deterministic"):
+            pytest.skip("trees have no kernel: T1 covers them")
+        monkeypatch.setattr(verify, "_chain_op", lambda *a: None)
+    seen = {"full": 0, "later_sibling": 0, "kernel": 0}
+    real_chain, real_reject, real_op = verify.verify_chain, verify._recursive_reject, verify._chain_op
+
+    def op_spy(*a):
+        v = real_op(*a)
+        seen["kernel"] += v is not None
+        return v
 
     def chain_spy(logits, drafts, num, *a):
         v = real_chain(logits, drafts, num, *a)
@@ -57,10 +70,13 @@ def test_real_verifier_keeps_target_law(setting, mode, monkeypatch):
 
     monkeypatch.setattr(verify, "verify_chain", chain_spy)
     monkeypatch.setattr(verify, "_recursive_reject", reject_spy)
+    monkeypatch.setattr(verify, "_chain_op", op_spy)
     samples = run(params, mode)
     assert window_pvalue(samples, params) > ALPHA
     key = "full" if mode in ("sampled", "deterministic") else "later_sibling"
     assert seen[key] >= 1000, seen
+    if setting == "T1" and mode in ("sampled", "deterministic") and kernels.available():
+        assert seen["kernel"] > 0, seen
 
 
 def test_greedy_chain_and_tree_follow_argmax():

@@ -122,6 +122,8 @@ FLAWS = {
 @pytest.mark.parametrize("flaw", list(FLAWS))
 def test_flawed_verifier_fails_the_law_test(monkeypatch, flaw):
     mode, name, broken, options = FLAWS[flaw]
+    if name in ("_residual", "_accept"):  # a flaw in the torch rule: chains take it, not the CPU kernel's
+        monkeypatch.setattr(verify, "_chain_op", lambda *a: None)
     if name is not None:
         monkeypatch.setattr(verify, name, broken)
     assert window_pvalue(run(T1, mode, **options), T1) <= ALPHA

@@ -5,7 +5,8 @@
   * a step's attention read in place from the paged KV pool (paged_attention.cpp, `paged_attention`), each key
     and value once for all the queries of its KV head (docs/runtime.md#attention-on-the-cpu);
   * each decoder layer of a step as one op (decoder_layer.cpp, model/fused.py);
-  * a plain step's draw, logprob and finite check (sample.cpp, `sample_rows`: runtime/sampling.py);
+  * a plain step's draw, logprob and finite check (sample.cpp, `sample_rows`: runtime/sampling.py), and a chain's
+    verification with them (verify_chain.cpp, `verify_chain_rows`: speculation/verify.py);
   * a learned drafter's chain after its catch-up: draft steps, head and draws (draft_chain.cpp,
     speculation/drafters/eagle3_fused.py).
 
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attention.cpp", "decoder_layer.cpp",
-                                                 "sample.cpp", "draft_chain.cpp")]
+                                                 "sample.cpp", "draft_chain.cpp", "verify_chain.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]  # included by the sources: part of the hash
 MAX_ROWS = 16  # products of more rows are compute-bound in this kernel; oneDNN's blocked GEMM wins there
 ENV = "RLSPEC_CPU_KERNELS"

@@ -20,10 +20,20 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& cos, const at::T
 at::Tensor final_head(const at::Tensor& x, const at::Tensor& norm, const at::Tensor& lm_head, int64_t vocab,
                       double eps);
 
-// One row's draw from softmax(x / temperature) at u in (0, 1] (sample.cpp): the token, its logprob, whether every
-// logit is finite (if not, nothing else is meaningful) and the sum of e, which holds exp(x / T - max) on return.
-// e: the row's length rounded up to kDrawLanes floats; block: one float per kDrawLanes tokens.
+// A row's softmax(x / temperature), unnormalised (sample.cpp): e = exp(x / T - max) and each block of kDrawLanes
+// tokens' sum in block (e: the row's length rounded up to kDrawLanes floats; block: one float per kDrawLanes
+// tokens); -> the max, the total of e, and whether every logit is finite (if not, nothing else is meaningful).
 constexpr int64_t kDrawLanes = 16;
+struct Softmax {
+  float max;
+  float total;
+  bool finite;
+};
+Softmax softmax_row(const float* x, int64_t V, float temperature, float* e, float* block);
+// The first token whose cumulative mass of e (block sums in block) reaches target, never one of mass 0.
+int64_t search_row(const float* e, const float* block, int64_t V, float target);
+// One row's draw from softmax(x / temperature) at u in (0, 1]: the token, its logprob, the finite flag and the total
+// of e, which holds exp(x / T - max) on return.
 struct Draw {
   int64_t token;
   float logprob;

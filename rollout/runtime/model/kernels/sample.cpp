@@ -31,7 +31,7 @@ using namespace rlspec_simd;
 
 constexpr int64_t W = kDrawLanes;  // lanes: the exponentials' partial sums are kept per block of 16 tokens
 
-Draw draw_row(const float* x, int64_t V, float u, float temperature, float* e, float* block) {
+Softmax softmax_row(const float* x, int64_t V, float temperature, float* e, float* block) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const __m512 vt = _mm512_set1_ps(temperature);
   // pass 1: the scaled maximum; any NaN or inf among the raw logits
@@ -43,7 +43,7 @@ Draw draw_row(const float* x, int64_t V, float u, float temperature, float* e, f
     bad |= _mm512_mask_cmp_ps_mask(live, _mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // NaN or inf
     vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_div_ps(v, vt));
   }
-  if (bad) return {0, std::numeric_limits<float>::quiet_NaN(), false, 0.f};
+  if (bad) return {0.f, 0.f, false};
   const float m = _mm512_reduce_max_ps(vmax);
   // pass 2: exp(x / T - max), kept, with each block's sum and the total
   const __m512 vm = _mm512_set1_ps(m);
@@ -56,11 +56,13 @@ Draw draw_row(const float* x, int64_t V, float u, float temperature, float* e, f
     block[k] = _mm512_reduce_add_ps(p);
     total += block[k];
   }
-  // pass 3: the first token whose cumulative mass reaches u * total, found block by block
-  const float target = u * total;
+  return {m, total, true};
+}
+
+int64_t search_row(const float* e, const float* block, int64_t V, float target) {
   float c = 0.f;
-  int64_t token = -1, last = 0;
-  for (int64_t i = 0, k = 0; i < V && token < 0; i += W, k++) {
+  int64_t last = 0;
+  for (int64_t i = 0, k = 0; i < V; i += W, k++) {
     if (block[k] > 0.f) last = i;
     if (c + block[k] < target) {
       c += block[k];
@@ -68,18 +70,21 @@ Draw draw_row(const float* x, int64_t V, float u, float temperature, float* e, f
     }
     for (int64_t j = i; j < std::min(i + W, V); j++) {
       c += e[j];
-      if (e[j] > 0.f && c >= target) {
-        token = j;
-        break;
-      }
+      if (e[j] > 0.f && c >= target) return j;
     }
   }
-  if (token < 0) {  // rounding left the running sum just short of the total: the last token of nonzero mass
-    token = last;
-    for (int64_t j = last; j < std::min(last + W, V); j++)
-      if (e[j] > 0.f) token = j;
-  }
-  return {token, x[token] / temperature - m - std::log(total), true, total};
+  // rounding left the running sum just short of the total: the last token of nonzero mass
+  int64_t token = last;
+  for (int64_t j = last; j < std::min(last + W, V); j++)
+    if (e[j] > 0.f) token = j;
+  return token;
+}
+
+Draw draw_row(const float* x, int64_t V, float u, float temperature, float* e, float* block) {
+  const Softmax s = softmax_row(x, V, temperature, e, block);
+  if (!s.finite) return {0, std::numeric_limits<float>::quiet_NaN(), false, 0.f};
+  const int64_t token = search_row(e, block, V, u * s.total);
+  return {token, x[token] / temperature - s.max - std::log(s.total), true, s.total};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_, const at::Tensor& u_,
