@@ -170,6 +170,15 @@ class PagedKVCache:
         blk = self.table[rows[:, None], col.clamp(0, width - 1)]
         return torch.where(ok, blk * bs + positions.remainder(bs), TRASH * bs)
 
+    def host_slots(self, owner: Hashable, positions: list[int]) -> list[int]:
+        """slots() of one sequence's positions, on the host, from the blocks its allocator list holds (which its
+        table row mirrors): for a drafter's few new positions a step, built into one tensor with its other indices
+        instead of slots()' nine small ops. Negative positions and positions past the table go to the trash block,
+        positions past its blocks to the trash block's slot at the same offset, as in slots()."""
+        bs, width, held = self.block_size, self.table.shape[1], self.alloc.held(owner)
+        return [TRASH * bs if p < 0 or p // bs >= width else (held[p // bs] if p // bs < len(held) else TRASH) * bs
+                + p % bs for p in positions]
+
     def owner_slots(self, owner: Hashable, positions: int) -> torch.Tensor:
         """Flat slots [positions] of positions 0..positions-1 of the sequence `owner`, from the blocks it
         holds (not from a table row: a retiring sequence has left its row before its blocks are freed)."""

@@ -35,16 +35,14 @@ class DraftBatch:
 
 def build_draft_batch(pending: list[int], drafts: list[Draft]) -> DraftBatch:
     B, N = len(drafts), max((len(d) for d in drafts), default=0)
-    tokens = torch.zeros(B, N + 1, dtype=torch.long)
-    tokens[:, 0] = torch.tensor(pending, dtype=torch.long)
-    for i, d in enumerate(drafts):
-        if len(d):
-            tokens[i, 1:1 + len(d)] = torch.tensor(d.tokens, dtype=torch.long)
+    tokens = torch.tensor([[p, *d.tokens] + [0] * (N - len(d)) for p, d in zip(pending, drafts)], dtype=torch.long)
     num = torch.tensor([len(d) for d in drafts], dtype=torch.long)
     sampled = _check_q(drafts)
     chain = all(d.is_chain for d in drafts)
     q = None
-    if sampled is not None:  # rows without a draft keep zeros: they are out of range in verify
+    if sampled is not None and chain and all(len(d) == N for d in drafts):  # no padding: stacked (one row: as is)
+        q = drafts[0].q[None] if B == 1 else torch.stack([d.q for d in drafts])
+    elif sampled is not None:  # rows without a draft keep zeros: they are out of range in verify
         q = sampled.new_zeros(B, N + (0 if chain else 1), sampled.shape[-1])
         busy = [i for i, d in enumerate(drafts) if len(d)]
         lens = num[busy]

@@ -182,19 +182,20 @@ class Eagle3Drafter:
         dev, cache = feats.device, self.target_cache
         for s, a in zip(seqs, accepted):
             self.committed[id(s)] = a + 1
-        start = torch.tensor([s.cache_len for s in seqs], device=dev)[:, None]
-        if feats.shape[1] == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
-            nodes, kept, pos = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), feats, start
+        n = feats.shape[1]
+        # positions cache_len .. cache_len + accepted (unkept nodes: the trash block), as slots from the host lists
+        slots = torch.tensor([cache.host_slots(id(s), [s.cache_len + j if j <= a else -1 for j in range(n)])
+                              for s, a in zip(seqs, accepted)], device=dev)
+        if n == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
+            nodes, kept = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), feats
         else:
             nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long, device=path.device), path.clamp(min=0)],
                               1).to(dev)
             kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
-            j = torch.arange(nodes.shape[1], device=dev)[None, :]
-            pos = torch.where(j <= torch.tensor(accepted, device=dev)[:, None], start + j, -1)  # unkept -> trash
-        slots = cache.slots(torch.arange(len(seqs), device=dev), pos)
         cache.write_side("eagle3/features", slots, kept)
         if self.stages_dist and self.bank_samples and logits is not None:
-            self._stage_dist(slots, nodes, pos >= 0, logits)
+            on = torch.arange(n, device=dev)[None, :] <= torch.tensor(accepted, device=dev)[:, None]
+            self._stage_dist(slots, nodes, on, logits)
 
     def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, kept: torch.Tensor, logits: torch.Tensor) -> None:
         """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
@@ -262,19 +263,19 @@ class Eagle3Drafter:
         backlog = sum(max(0, c - self.committed.get(id(s), 1)) for s, c in zip(seqs, counts)) / max(sum(counts), 1)
         C = max(max(counts), 1)
         top = self.target.rope_cos.shape[0] - 1
-        # per row and query j: its token (the embedding of t + 1), where its key goes (-1 for padding: the trash
+        # per row and query j: its token (the embedding of t + 1), the slot its key goes to (padding: the trash
         # block), its RoPE position and the last position it sees (its cached context and own prefix); made as
         # lists, one tensor: a catch-up is a few positions a row, and each small op costs more than its work
-        grid = torch.tensor([[s.ids(st + 1, st + 1 + c) + [0] * (C - c), [st + j if j < c else -1 for j in range(C)],
+        grid = torch.tensor([[s.ids(st + 1, st + 1 + c) + [0] * (C - c),
+                              cache.host_slots(id(s), [st + j if j < c else -1 for j in range(C)]),
                               [min(st + j, top) if j < c else 0 for j in range(C)], list(range(st, st + C))]
                              for s, st, c in zip(seqs, starts, counts)])
         dev = cache.table.device
-        toks, write, pos, sees = grid.to(dev).unbind(1)
+        toks, slots, pos, sees = grid.to(dev).unbind(1)
         # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
         # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
         S = min(-(-(max(starts) + C) // cache.block_size) * cache.block_size, cache.length)
         rows = torch.arange(B, device=dev)
-        slots = cache.slots(rows, write)
         feats = cache.read_side("eagle3/features", slots)  # [B, C, 3H]; padding reads the trash block, masked
 
         visible = (torch.arange(S, device=dev) <= sees[..., None])[:, None]  # [B, 1, C, S]
@@ -349,7 +350,7 @@ class Eagle3Drafter:
             lens = [s.cache_len for s in seqs for _ in range(width)]
             # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
             if self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS:
-                inputs = self._chain_inputs(rows, lens, depth)
+                inputs = self._chain_inputs([id(s) for s in seqs], rows, lens, depth)
                 if self._chain_op_serves(seen, len(vocab)):
                     ids, q, kept = self._chain_op(h, depth, vocab, inputs)
                 else:
@@ -436,7 +437,7 @@ class Eagle3Drafter:
         cos, sin = self._step_rope(lens, depth)
         return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
 
-    def _chain_inputs(self, rows: torch.Tensor, lens: list[int], depth: int) -> tuple:
+    def _chain_inputs(self, owners: list[int], rows: torch.Tensor, lens: list[int], depth: int) -> tuple:
         """What the fused draft steps of chains differ in, made for all of them at once (not ~15 small ops a step
         again: with the changes beside it, a 4-token proposal 2.55 -> 2.31 ms, session 18). Draft step j + 1 writes
         its key and value to the drafter's KV layer at position write = lens + j (past the row's table: the trash
@@ -445,9 +446,14 @@ class Eagle3Drafter:
         FusedDraftLayer.chain's inputs after h."""
         cache, L = self.target_cache, self.target.cfg.num_layers
         dev, bs = cache.table.device, cache.block_size
+        S, R = depth - 1, len(lens)
+        if S == 0:  # a chain of one draw: no draft step, the head alone (nothing to address)
+            none = torch.empty(0, R, dtype=torch.long, device=dev)
+            return (*self._step_rope(lens, depth), cache.k[L], cache.v[L], none, none, none.bool())
         n = min(-(-(max(lens) + depth - 1) // bs), cache.table.shape[1])
-        write = torch.tensor([[m + j for m in lens] for j in range(depth - 1)], dtype=torch.long).to(dev)
-        slots = cache.slots(rows, write.t()).t().contiguous()  # [depth-1, R]
+        held = [cache.host_slots(o, [m + j for j in range(S)]) for o, m in zip(owners, lens)]  # [R][S]
+        grid = [[m + j for m in lens] for j in range(S)] + [[h[j] for h in held] for j in range(S)]
+        write, slots = torch.tensor(grid, dtype=torch.long).view(2, S, R).to(dev)  # each [S, R]
         masks = (torch.arange(n * bs, device=dev) <= write[..., None])[:, :, None, None]  # [depth-1, R, 1, 1, n*bs]
         return (*self._step_rope(lens, depth), cache.k[L], cache.v[L], slots, cache.table[rows, :n], masks)
 
