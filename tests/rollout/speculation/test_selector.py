@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket
-from rollout.speculation.selectors.bandit import AdaptiveSelector, arm_name, default_arms, path_evidence
+from rollout.speculation.selectors.arms import arm_name, default_arms, path_evidence
+from rollout.speculation.selectors.bandit import AdaptiveSelector
 from rollout.speculation.selectors.forced import ForcedSelector
 from rollout.speculation.selectors.longtail import OFF, Arm, LongTailSelector
 
