@@ -107,7 +107,7 @@ def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, gene
     B, K = draft_tokens.shape
     u = torch.rand(B, K, generator=generator)
     r = torch.rand(B, generator=generator)
-    q = target_logits.new_empty(0) if draft_probs is None else draft_probs
+    q = target_logits.new_empty(0) if draft_probs is None else draft_probs.float()  # a no-op for float32 q
     accepted, token, logprob, finite = torch.ops.rlspec_kernels.verify_chain_rows(
         target_logits, draft_tokens, num_drafts, q, u, r, float(params.temperature))
     return Verdict(accepted, token, None, logprob, finite)

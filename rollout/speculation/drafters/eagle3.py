@@ -385,8 +385,8 @@ class Eagle3Drafter:
     def _chain_op(self, h: torch.Tensor, depth: int, vocab: torch.Tensor, inputs: tuple):
         """Chains (one per row of h [R, H]) drawn in one op (FusedDraftLayer.chain, kernels/draft_chain.cpp): the
         processed distribution is softmax(logits / T) there (no penalty, no truncation; greedy: the top token).
-        -> (target ids [R, depth], q [R, depth, Vd] or None when greedy, nodes to keep [R]: the leading draws
-        that were finite and, with a stop rule, drawn from a sure distribution)."""
+        -> (target ids [R, depth], q [R, depth, V] over the target's vocabulary or None when greedy, nodes to
+        keep [R]: the leading draws that were finite and, with a stop rule, drawn from a sure distribution)."""
         greedy = self.params is None or self.params.greedy
         # the uniforms of every draw at once, from the call's generator, as sample() takes them
         r = torch.zeros(depth, len(h)) if greedy else torch.rand(depth, len(h), generator=self.generator)

@@ -30,6 +30,20 @@ def test_slots_follow_the_table_and_send_the_rest_to_trash():
     assert got[3:] == [0, 0, 0], "unassigned block, negative and past-the-table positions: the trash block"
 
 
+def test_host_slots_are_the_tables_slots():
+    """host_slots (a drafter's slots from the allocator's lists, on the host) gives what slots() reads from the table,
+    for held, shared, unassigned, negative and past-the-table positions, after sharing and moving rows."""
+    cache = _cache()
+    cache.grow([(0, "head", 11)])
+    cache.share_prompt(0, "head", [(1, "s1"), (2, "s2")], prompt_len=10)
+    cache.grow([(1, "s1", 14)])  # s1 grows past the shared prompt
+    cache.move_rows([2], [3])  # s2 now sits in row 3
+    pos = [0, 3, 7, 9, 10, 13, 15, -1, 16, 17]
+    for row, owner in ((0, "head"), (1, "s1"), (3, "s2")):
+        want = cache.slots(torch.tensor([row]), torch.tensor([pos]))[0].tolist()
+        assert cache.host_slots(owner, pos) == want, owner
+
+
 def test_write_then_gather_round_trips_positions():
     cache = _cache()
     cache.grow([(0, "a", 10), (2, "b", 3)])

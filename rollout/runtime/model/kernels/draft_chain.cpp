@@ -10,8 +10,8 @@
 // then empty); tokens hold target ids (ids[draft id]), and q is spread over the target's vocabulary (V, the
 // embedding's rows; zero outside the draft vocabulary), as verification takes it. Before draw j + 1, draft step
 // j + 1 runs decoder_layer on [embedding of token j | h] with cos[j], sin[j], slots[j] (where its key goes) and
-// masks[j] (what it attends), as drafters/eagle3.py's eager and fused steps do. finite[r, j] is false where a logit of that draw was NaN or
-// inf: its token is meaningless, and so is what follows it in the row.
+// masks[j] (what it attends), as drafters/eagle3.py's eager and fused steps do. finite[r, j] is false where a
+// logit of that draw was NaN or inf: its token is meaningless, and so is what follows it in the row.
 //
 // Why (docs/drafters.md#the-chain-as-one-op): with the layer and head fused, a 4-token proposal still spent about
 // half its ~2.1 ms in ~25 small torch ops a draw (the head's softmax, the CDF search, the id map, the embedding)
