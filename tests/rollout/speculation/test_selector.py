@@ -330,3 +330,20 @@ def test_a_steps_cost_is_filed_under_the_width_it_verified(make):
     sel.observe(Arm("suffix", 4), 2, 0.03, 0.0, [2, 1], [1, 0])
     sel.observe(Arm("suffix", 4), 2, 0.02, 0.0, [0, 0], [0, 0])
     assert sel.costs.table == {(2, 3): 0.03, (2, 1): 0.02}
+
+
+def test_tokens_by_depth_is_expected_tokens_bit_for_bit():
+    """The per-step estimates take expected tokens for all depths of a (drafter, width) at once: the same floats as
+    expected_tokens arm by arm, so the batching changes no choice."""
+    import random
+
+    from rollout.speculation.cost_model import AcceptanceTracker
+    from rollout.speculation.selectors.arms import expected_tokens, tokens_by_depth
+
+    rng = random.Random(0)
+    for _ in range(200):
+        tr = AcceptanceTracker()
+        tr.accepts, tr.rejects, tr.drafted_share = rng.uniform(0, 50), rng.uniform(0, 50), rng.uniform(0.1, 1.0)
+        rate, width = rng.uniform(0.0, 1.0), rng.choice([1, 2, 3])
+        by_depth = tokens_by_depth(width, tr, rate, 8)
+        assert by_depth == [1.0] + [expected_tokens(Arm("x", d, width), tr, rate) for d in range(1, 9)]
