@@ -224,7 +224,8 @@ class AdaptiveSelector:
         """estimate(a, b) of each arm, each verify size's relative cost, each drafter's acceptance and drafting
         cost, and each (drafter, width)'s expected tokens by depth and bias computed once: arm by arm they were
         computed again for each of ~25 arms, and this is most of `choose`, which every step pays (0.11 -> 0.06 ms
-        on a synthetic world in session 18; 0.10-0.11 -> 0.06-0.08 ms on `auto`'s 24 arms after a rollout, session 19)."""
+        on a synthetic world in session 18; 0.10-0.11 -> 0.06-0.08 ms on `auto`'s 24 arms after a rollout in
+        session 19)."""
         st = self._bucket(b)
         relative, drafters, shapes, out = {}, {}, {}, {}
         for arm in arms:
