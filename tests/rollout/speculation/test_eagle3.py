@@ -181,7 +181,7 @@ def test_draft_attention_equals_attention_over_context_and_drafts():
     """The draft steps' attention (context scored apart, in float32) equals one attention over the context
     and the draft keys concatenated, positions at or past each row's length hidden (they hold garbage)."""
     from rollout.runtime.model.attention import attend_dense
-    from rollout.speculation.drafters.eagle3 import _DraftAttention
+    from rollout.speculation.drafters.eagle3_draws import _DraftAttention
 
     g = torch.Generator().manual_seed(0)
     R, H, KV, D, S = 3, 6, 2, 16, 20

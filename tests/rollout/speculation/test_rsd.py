@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-import rollout.speculation.drafters.eagle3 as eagle3
+import rollout.speculation.drafters.eagle3_draws as eagle3_draws
 from rollout.runtime.sampling import sample_without_replacement
 from rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rollout.speculation.verify import verify_tree
@@ -132,13 +132,13 @@ def run_t1(hf, monkeypatch):
     """N engine completions with eagle3 trees of 3 root children at T = 1 -> (p-value, sibling counts,
     rows drawn by sample_without_replacement)."""
     seen, calls = spy_siblings(monkeypatch), []
-    real = eagle3.sample_without_replacement
+    real = eagle3_draws.sample_without_replacement
 
     def counting(q, k, g):
         calls.append(len(q))
         return real(q, k, g)
 
-    monkeypatch.setattr(eagle3, "sample_without_replacement", counting)
+    monkeypatch.setattr(eagle3_draws, "sample_without_replacement", counting)
     params = SamplingParams(temperature=1.0)
     samples, _ = engine_samples(hf, PROMPT, params, N, LENGTH, sharp_eagle3, width=3, k=1)
     seqs, probs, _ = exact(hf, params)
@@ -161,7 +161,7 @@ def test_iid_rule_on_eagle3_without_replacement_children_is_caught(hf, monkeypat
         tokens, _ = real(q, k, g)
         return tokens, q[:, None].expand(-1, k, -1)
 
-    monkeypatch.setattr(eagle3, "sample_without_replacement", shared_q)
+    monkeypatch.setattr(eagle3_draws, "sample_without_replacement", shared_q)
     p, seen, drawn = run_t1(hf, monkeypatch)
     assert drawn >= N
     assert p <= ALPHA, p
