@@ -162,5 +162,14 @@ class AcceptanceTracker:
     def expected_tokens(self, k: int, rate: float | None = None) -> float:
         """Expected tokens emitted per sequence per verify with k drafted levels: 1 + f (a + ... + a^k),
         a = the tracked rate unless a per-level rate is given."""
+        return self.tokens_by_depth(k, rate)[k]
+
+    def tokens_by_depth(self, k: int, rate: float | None = None) -> list[float]:
+        """expected_tokens(d, rate) for d = 0..k at once (the adaptive selector's estimates need every depth of a
+        drafter and width each step): one running sum over the levels."""
         a = self.rate if rate is None else rate
-        return 1.0 + self.drafted_share * sum(a ** i for i in range(1, k + 1))
+        out, total = [1.0], 0.0
+        for i in range(1, k + 1):
+            total += a ** i
+            out.append(1.0 + self.drafted_share * total)
+        return out

@@ -48,11 +48,11 @@ class FusedDraftLayer:
             with torch.no_grad():
                 w = {name: kernels.pack(torch.cat([lin.weight for lin in group]))
                      for name, group in self._sources.items()}
-            self.shape_args = (c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5)
+            shape = (c.num_heads, c.num_kv_heads, c.intermediate_size, c.rms_norm_eps, c.head_dim ** -0.5)
             self.chain_args = (m.hidden_norm.weight, w["qkv"], w["o"], m.post_attention_layernorm.weight, w["gate_up"],
-                               w["down"], m.input_layernorm.weight, *self.shape_args)
+                               w["down"], m.input_layernorm.weight, *shape)
             self.layer_args = (m.hidden_norm.weight, w["qkv"], None, w["o"], None, m.post_attention_layernorm.weight,
-                               w["gate_up"], None, w["down"], None, *self.shape_args)
+                               w["gate_up"], None, w["down"], None, *shape)
             self.head_args = (model.norm.weight, w["lm_head"], c.draft_vocab_size, c.rms_norm_eps)
             self._key = key
         self.embed_norm = m.input_layernorm.weight

@@ -51,15 +51,9 @@ def expected_tokens(arm: Arm, tracker: AcceptanceTracker, rate: float | None = N
 
 
 def tokens_by_depth(width: int, tracker: AcceptanceTracker, rate: float, depth: int) -> list[float]:
-    """expected_tokens of the arms (drafter, d, width) for d = 0..depth at once, in the same floating-point operations
-    (sum() adds from 0 left to right, as the running sum here does), for the selector's per-step estimates: one
-    call per drafter and width instead of one per arm."""
-    p = 1 - (1 - rate) ** width
-    out, total = [1.0], 0
-    for i in range(1, depth + 1):
-        total = total + p ** i
-        out.append(1.0 + tracker.drafted_share * total)
-    return out
+    """expected_tokens of the arms (drafter, d, width) for d = 0..depth at once: one call per drafter and width in
+    the selector's per-step estimates instead of one per arm."""
+    return tracker.tokens_by_depth(depth, 1 - (1 - rate) ** width)
 
 
 def path_evidence(arm: Arm, drafted: list[int], accepted: list[int]) -> tuple[float, float]:

@@ -334,7 +334,8 @@ def test_a_steps_cost_is_filed_under_the_width_it_verified(make):
 
 def test_tokens_by_depth_is_expected_tokens_bit_for_bit():
     """The per-step estimates take expected tokens for all depths of a (drafter, width) at once: the same floats as
-    expected_tokens arm by arm, so the batching changes no choice."""
+    expected_tokens arm by arm and as the geometric sum 1 + f (p + ... + p^d), p = 1 - (1 - a)^w, written out here,
+    so the batching changes no choice."""
     import random
 
     from rollout.speculation.cost_model import AcceptanceTracker
@@ -347,3 +348,5 @@ def test_tokens_by_depth_is_expected_tokens_bit_for_bit():
         rate, width = rng.uniform(0.0, 1.0), rng.choice([1, 2, 3])
         by_depth = tokens_by_depth(width, tr, rate, 8)
         assert by_depth == [1.0] + [expected_tokens(Arm("x", d, width), tr, rate) for d in range(1, 9)]
+        p = 1 - (1 - rate) ** width
+        assert by_depth == [1.0 + tr.drafted_share * sum(p ** i for i in range(1, d + 1)) for d in range(9)]
