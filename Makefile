@@ -34,13 +34,15 @@ VLLM_PACKAGE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vll
 VLLM_PIP_ARGS ?= $(TORCH_PIP_ARGS)
 VLLM_STAMP := $(VLLM_VENV)/.rlspec-vllm-installed
 
-.PHONY: help venv model train test bench gpu-check vllm-venv test-vllm clean distclean
+.PHONY: help venv model train test bench gpu-check gpu-rehearsal vllm-venv test-vllm clean distclean
 
 help:
 	@echo "make train      venv + embedded model + python -m rlspec.train config=$(CONFIG) [ARGS='key=value ...']"
 	@echo "make test       venv + embedded model + pytest tests [PYTEST_ARGS='-k fetch']"
-	@echo "make bench      rollout benchmark: HF generate vs RolloutEngine [BENCH_ARGS='--batch-sizes 1 8']"
-	@echo "make gpu-check  on an NVIDIA GPU box, no venv/pip/hub: CUDA tests + scripts/bench_gpu.py -> bench_out/gpu_check.json"
+	@echo "make bench      python -m rlspec.bench rollout: HF generate vs RolloutEngine [BENCH_ARGS='--batch-sizes 1 8']"
+	@echo "               (every benchmark: python -m rlspec.bench --help; docs/benchmarks.md)"
+	@echo "make gpu-check  on an NVIDIA GPU box, no venv/pip/hub: python -m rlspec.bench.gpu -> bench_out/gpu/report.json"
+	@echo "make gpu-rehearsal  the same check at tiny shapes on the CPU (~2 min) -> bench_out/gpu_rehearsal/"
 	@echo "make vllm-venv  create $(VLLM_VENV): $(VLLM_PACKAGE) + rlspec (editable) for rollout.backend=vllm"
 	@echo "make test-vllm  vllm-venv + embedded model + the vLLM backend's tests (tests/vllm, the EAGLE-3 export check)"
 	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[dev,ray,deepspeed])"
@@ -73,25 +75,29 @@ test: venv model
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: venv model
-	$(PY) scripts/bench_rollout.py --model $(MODEL) $(BENCH_ARGS)
+	$(PY) -m rlspec.bench rollout --model $(MODEL) $(BENCH_ARGS)
 
 # A GPU machine has a preinstalled CUDA torch, transformers, scipy and pytest but no package registry and
-# no hub: this target installs nothing, uses no venv, and is budgeted for 10 minutes on an H100 (the benchmark
-# stops starting new measurements after --budget-s). The benchmark runs even when a test fails; the target then
-# fails with the tests' status. Where vLLM's CUDA build is importable, the vLLM backend's tests run on the GPU too.
+# no hub: this target installs nothing and uses no venv. rlspec/bench/gpu.py runs the CUDA tests (each with its own
+# timeout), then plain decode (the core, under 5 minutes on an H100), then speculation's costs, the oracle rollouts
+# and GRPO steps, each section in a child with a time limit, writing bench_out/gpu/report.json and a log per
+# section as each completes; it fails when a test fails or a section does not complete. Carried files (a tokenizer,
+# trl/datasets): .cache/gpu_carry/ (docs/gpu.md). Where vLLM's CUDA build is importable, its tests run too.
 gpu-check:
 	@$(PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else \
 	  'make gpu-check needs an NVIDIA GPU and a CUDA build of torch for $(PYTHON)')"
 	@status=0; \
-	HF_HUB_OFFLINE=1 PYTHONPATH=. $(PYTHON) -m pytest tests/gpu tests/rollout/runtime/test_graphs.py -m gpu \
-	  -p no:cacheprovider -q -rs || status=$$?; \
-	HF_HUB_OFFLINE=1 PYTHONPATH=. $(PYTHON) scripts/bench_gpu.py --out bench_out/gpu_check.json $(GPU_BENCH_ARGS) \
-	  || status=$$?; \
+	HF_HUB_OFFLINE=1 PYTHONPATH=. $(PYTHON) -m rlspec.bench.gpu $(GPU_BENCH_ARGS) || status=$$?; \
 	if $(PYTHON) -c "import vllm" 2>/dev/null; then \
 	  HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=. $(PYTHON) -m pytest tests/rollout/test_vllm_spec_map.py \
 	    tests/rlspec/test_vllm_export.py tests/vllm -p no:cacheprovider -q -rs || status=$$?; \
 	else echo "gpu-check: no vLLM in $(PYTHON): the vLLM backend's CUDA tests were not run"; fi; \
 	exit $$status
+
+# The device check's rehearsal: the same script and report at tiny shapes on the CPU (tests/test_bench_gpu.py runs
+# it in `make test`, so the check cannot rot between GPU loans).
+gpu-rehearsal: venv model
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m rlspec.bench.gpu --smoke $(GPU_BENCH_ARGS)
 
 vllm-venv: $(VLLM_STAMP)
 

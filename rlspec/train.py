@@ -29,7 +29,7 @@ DEFAULT_CONFIG = "grpo_math.yaml"
 
 USAGE = f"""usage: python -m rlspec.train [config=NAME_OR_PATH] [key=value ...]
 
-config defaults to {DEFAULT_CONFIG} (looked up in ./, ./configs/ and the repo's configs/).
+config defaults to {DEFAULT_CONFIG} (looked up in ./, ./configs/ and the recipes installed with rlspec).
 Overrides use dotted keys and YAML values: grpo.max_steps=3 drafter.drafter=suffix rewards=[accuracy,format]
 Keys:"""
 
@@ -57,16 +57,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _planned_exit_code(exc: Exception) -> int | None:
     """The exit code of a stop the run planned for, printed as a message rather than a traceback: 2 for input
-    refused before step 1 (a prompt too long for the context, a model feature the runtime does not compute),
-    128 + signal for a signal stop (TrainingInterrupted), 1 for on_nonfinite=stop and a lost rollout backend
-    (both wrote a checkpoint first); None otherwise."""
+    refused before step 1 (a prompt too long for the context, a model feature the runtime does not compute,
+    an output_dir another process holds: OutputDirLocked), 128 + signal for a signal stop (TrainingInterrupted),
+    1 for on_nonfinite=stop and a lost rollout backend (both wrote a checkpoint first); None otherwise."""
     from rollout.errors import NonFiniteLogitsError, PromptTooLongError, RolloutBackendLost, UnsupportedModelError
 
     if isinstance(exc, (PromptTooLongError, UnsupportedModelError)):
         return 2
     if isinstance(exc, (NonFiniteLogitsError, RolloutBackendLost)):
         return 1
-    return getattr(exc, "exit_code", None) if type(exc).__name__ == "TrainingInterrupted" else None
+    planned = ("TrainingInterrupted", "OutputDirLocked")
+    return getattr(exc, "exit_code", None) if type(exc).__name__ in planned else None
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -81,8 +82,17 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    """Train as configured; returns the summary (also written to <output_dir>/summary.json)."""
-    out = Path(cfg.output_dir).expanduser().resolve()
+    """Train as configured; returns the summary (also written to <output_dir>/summary.json). output_dir must be
+    a directory of the run's own, and one process at a time writes it: the run holds <output_dir>/rlspec.lock
+    from before it touches the directory until it returns (rlspec/resume.py, trainers/run_lock.py)."""
+    from rlspec.resume import output_dir_lock, resolve_output_dir
+
+    out = resolve_output_dir(cfg.output_dir)
+    with output_dir_lock(out, main_process=_launch_rank() == 0):
+        return _run(cfg, out)
+
+
+def _run(cfg: Config, out: Path) -> dict[str, Any]:
     from rlspec.resume import prepare_output_dir, set_wandb_run_id
 
     # before the model fetch: a used output_dir is refused in a second, not after minutes of loading
@@ -103,7 +113,7 @@ def run(cfg: Config) -> dict[str, Any]:
             with main_process_first(trainer.args, "drafter warm start"):
                 warm = warm_start_drafter(cfg, trainer)
         trainer.train(resume_from_checkpoint=resume_from)
-        trainer.save_model(str(out / "final"))  # a collective under ZeRO-3: every rank calls it, rank 0 writes
+        trainer.save_final_model(out / "final")  # through a temporary directory; a collective under ZeRO-3
     except (TrainingInterrupted, NonFiniteLogitsError, RolloutBackendLost) as exc:  # planned: the checkpoint is the state
         status = {TrainingInterrupted: "interrupted", NonFiniteLogitsError: "nonfinite"}.get(type(exc), "backend_lost")
         error = f"{type(exc).__name__}: {exc}"

@@ -95,10 +95,12 @@ class RolloutEngine:
     @classmethod
     def from_hf_model(cls, hf_model, tokenizer, spec: SpecConfig | None = None, dtype=None, device=None,
                       max_model_len: int = 2048, max_num_seqs: int = 64, graph_mode: str = "auto",
-                      **kv) -> "RolloutEngine":
+                      head_dtype=None, **kv) -> "RolloutEngine":
         """Build from an in-memory transformers model (the trainer's policy); weights are copied.
+        dtype None: the decoder layers' dtype (trainers pass their compute dtype, trainers/sampling_dtype.py);
+        head_dtype: the LM head's, when it differs (float32 for TRL's cast_lm_head_to_fp32).
         graph_mode, kv: as in from_pretrained."""
-        runtime = loader.from_hf_model(hf_model, loader.resolve_dtype(dtype) if dtype else None, device)
+        runtime = loader.from_hf_model(hf_model, loader.resolve_dtype(dtype) if dtype else None, device, head_dtype)
         return cls(runtime, tokenizer, spec, max_model_len, max_num_seqs, resolve_eos(hf_model, tokenizer),
                    graph_mode=graph_mode, **kv)
 
@@ -190,8 +192,8 @@ class RolloutEngine:
         self._metrics.record_call(seqs, time.perf_counter() - ctx.t0, pool.alloc.stats, sched.preemptions)
         self.verifier.record(seqs)
         self._signal_idle(True)  # between rollouts the drafter may train
-        if self.free_kv_between_rollouts:
-            self.release_kv()
+        if self.free_kv_between_rollouts:  # a small pool stays with its CUDA graphs (docs/runtime.md)
+            self.runner.release(keep=True)
         return [s.result(self.policy_version) for s in seqs]
 
     def release_kv(self) -> None:

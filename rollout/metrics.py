@@ -27,6 +27,8 @@ WALL_S = "rollout/wall_s"  # a trainer's rollout, weight sync included
 PLAIN_STEP_MS = "rollout/plain_step_ms"  # mean time of a decode step that carried no drafts (forward to commit)
 DRAFT_MS_PER_TOKEN = "rollout/draft_ms_per_token"  # /<drafter>: proposing time per drafted token
 DRAFT_COST = "rollout/draft_cost"  # /<drafter>: DRAFT_MS_PER_TOKEN / PLAIN_STEP_MS (issue 27's aim: <= 0.05)
+# decode seconds speculation saved (< 0: lost) against plain steps at the same live batch (spec_saved_s below)
+SPEC_SAVED_S = "rollout/spec_saved_s"
 
 
 @dataclass
@@ -49,6 +51,8 @@ class RolloutMetrics:
     preemptions: int = 0  # sequences that gave their blocks back to make room (scheduler.py)
     # per decode step: (seconds into the call, live batch, tokens emitted, speculated)
     batch_trace: list[tuple[float, int, int, bool]] = field(default_factory=list)
+    plain_by_bucket: dict = field(default_factory=dict)  # live-batch bucket -> [plain steps, their seconds]
+    spec_by_bucket: dict = field(default_factory=dict)  # bucket -> [rows advanced (emitted / live), seconds]
 
     def record_call(self, seqs, seconds: float, blocks, preemptions: int) -> None:
         """A finished generate call: its sequences, wall time, the block allocator's stats, preemptions."""
@@ -67,12 +71,16 @@ class RolloutMetrics:
         in the rest of the step (step_s: forward, verify, transfer, commit; None when the step compiled its
         shape first, which is no step's cost)."""
         self.steps += 1
+        bucket = _bucket(len(drafted))
         if sum(drafted) == 0:
             if step_s is not None:
                 self.plain_steps += 1
                 self.plain_seconds += step_s
+                _add(self.plain_by_bucket, bucket, 1, step_s)
             return
         self.spec_steps += 1
+        if step_s is not None:  # positions the batch advanced: a plain step advances each row by one
+            _add(self.spec_by_bucket, bucket, (sum(accepted) + len(drafted)) / len(drafted), step_s + draft_s)
         d = self.per_drafter.setdefault(drafter, [0, 0, 0, 0.0])
         d[3] += draft_s
         for n, a in zip(drafted, accepted):
@@ -109,6 +117,9 @@ class RolloutMetrics:
         plain_ms = self.plain_seconds / self.plain_steps * 1e3 if self.plain_steps else None
         if plain_ms is not None:
             out[PLAIN_STEP_MS] = plain_ms
+        saved = self.spec_saved_s()
+        if saved is not None:
+            out[SPEC_SAVED_S] = saved
         for name, (n, a, v, secs) in self.per_drafter.items():
             out[f"rollout/accept_rate/{name}"] = a / max(n, 1)
             out[f"rollout/accept_len/{name}"] = 1.0 + a / max(v, 1)
@@ -117,3 +128,29 @@ class RolloutMetrics:
                 if plain_ms:
                     out[f"{DRAFT_COST}/{name}"] = secs / n * 1e3 / plain_ms
         return out
+
+    def spec_saved_s(self) -> float | None:
+        """Decode seconds speculation saved (negative: lost): for each live-batch bucket, the plain steps its
+        speculative steps replaced (rows advanced, each row's accepted drafts plus its own token) at the bucket's
+        measured plain step time, minus what those steps took with drafting. A bucket without plain steps borrows
+        the nearest bucket's time. An estimate (a plain step's cost moves with the context length too); None
+        without speculative steps or without any plain step to compare with."""
+        if not self.spec_by_bucket or not self.plain_by_bucket:
+            return None
+        saved = 0.0
+        for bucket, (advanced, seconds) in self.spec_by_bucket.items():
+            near = min(self.plain_by_bucket, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+            steps, plain_s = self.plain_by_bucket[near]
+            saved += advanced * plain_s / steps - seconds
+        return saved
+
+
+def _bucket(rows: int) -> int:
+    """The power of two at or above `rows` (a plain step's cost grows slowly with rows within one)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def _add(table: dict, key: int, count: float, seconds: float) -> None:
+    entry = table.setdefault(key, [0.0, 0.0])
+    entry[0] += count
+    entry[1] += seconds

@@ -1,33 +1,121 @@
-"""scripts/bench_gpu.py (the benchmark half of `make gpu-check`) keeps working without a GPU: --help,
-and --smoke, which runs the whole pipeline on a tiny model (on CPU here) and writes its JSON."""
+"""The device check (rlspec/bench/gpu.py, `make gpu-check`) never rots on a machine without a GPU: its CPU
+rehearsal writes every section of the report; the test runner times out a hung test and records a crashed one
+without losing the tests after them; the oracle drafter's acceptance is what it says; the tree it verifies is a
+tree."""
+from __future__ import annotations
+
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from rlspec.bench import gpu
+from rlspec.bench.gpucheck import cuda_tests
+from rlspec.bench.gpucheck.oracle import OracleDrafter, expected_tokens
+from rlspec.bench.gpucheck.predict import annotate, from_plain
+from rlspec.bench.gpucheck.spec_costs import tree
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts/bench_gpu.py"
 
 
-def test_help_lists_the_options():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "--budget-s" in out.stdout and "--smoke" in out.stdout
+def test_rehearsal_writes_every_section(tmp_path):
+    """`make gpu-rehearsal`: the whole check at tiny shapes on the CPU, each section complete, in minutes."""
+    proc = subprocess.run([sys.executable, "-m", "rlspec.bench.gpu", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=290)
+    report = json.loads((tmp_path / "report.json").read_text())
+    logs = {s: (tmp_path / f"{s}.log").read_text()[-2000:] for s in gpu.SECTIONS[1:]
+            if (tmp_path / f"{s}.log").exists()}
+    assert proc.returncode == 0, (proc.stdout[-3000:], logs)
+    assert all(report[s]["status"] in ("ok", "skipped") for s in gpu.SECTIONS), logs
+    # the CUDA tests ran (and skipped themselves on a CPU): one row per test, each with its outcome and time
+    rows = report["tests"]["tests"]
+    assert rows and all({"test", "outcome", "seconds"} <= r.keys() for r in rows)
+    assert {(r["model"], r["batch"]) for r in report["plain"]["rows"]} == {("tiny", 1), ("tiny", 2)}
+    assert all(r["engine_tok_s"] > 0 and r["step_graph_ms"] > 0 for r in report["plain"]["rows"])
+    verify = report["spec_costs"]["verify"]
+    assert {(r["kind"], r["tokens"]) for r in verify} == {("chain", 1), ("chain", 2), ("chain", 5), ("tree", 4)}
+    assert report["spec_costs"]["eagle3_draft"][0]["draft_ms_per_token"] > 0
+    assert {(r["batch"], r["accept"]) for r in report["oracle"]["rows"]} == \
+        {(b, a) for b in (1, 2) for a in (0.5, 0.7, 0.9)}
+    # greedy speculation is exact: the oracle's rollouts are the plain ones, token for token (float32 on CPU)
+    assert all(r["same_as_reference"] == 1.0 for r in report["oracle"]["rows"])
+    assert all(r["predicted_speedup"] > 0 for r in report["oracle"]["rows"])  # from this run's 5-token verifies
+    assert report["grpo"]["status"] == "skipped" or len(report["grpo"]["per_step"]) == 3
 
 
-def test_smoke_run_measures_every_column(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    payload = json.loads(out.read_text())
-    # the eager-layer graphs at both batches, then the compiled-layer arm at the smoke's one compile batch
-    assert [(r["compile"], r["batch"]) for r in payload["results"]] == [("off", 1), ("off", 2), ("on", 1)]
-    assert not payload["skipped"]
-    keys = {"hf_tok_s", "engine_tok_s", "step_eager_ms", "step_graph_ms", "achieved_gbs", "bw_fraction"}
-    assert all(keys <= r.keys() and all(r[k] > 0 for k in keys) for r in payload["results"])
-    assert payload["peak_gbs"] > 0 and payload["models"]["tiny"]["kv_cache_mib"] > 0
-    # the pool sweep: two passes over two lengths, each call's pool sized for it
-    sweep = payload["pool_sweep"]
-    assert [(c["rep"], c["new_tokens"]) for c in sweep] == [(0, 4), (0, 8), (1, 4), (1, 8)]
-    assert all(c["seconds"] > 0 and c["pool_blocks"] > 0 for c in sweep)
-    assert "x graph" in proc.stdout  # the summary table
+def test_hung_and_crashed_tests_are_recorded_and_the_rest_still_run(tmp_path):
+    """A test past its own timeout is killed and recorded as "timeout", one that kills its process as "crashed";
+    pytest starts again after each and the tests after them run."""
+    (tmp_path / "test_faults.py").write_text(
+        "import os, time\n"
+        "def test_a_passes():\n    pass\n"
+        "def test_b_hangs():\n    time.sleep(600)\n"
+        "def test_c_crashes():\n    os._exit(3)\n"
+        "def test_d_fails():\n    assert False\n"
+        "def test_e_passes():\n    pass\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    section = cuda_tests.run([str(tmp_path / "test_faults.py")], None, per_test_s=3.0, total_s=120, out=out,
+                             root=tmp_path)
+    outcome = {r["test"].split("::")[1]: r["outcome"] for r in section["tests"]}
+    assert outcome == {"test_a_passes": "passed", "test_b_hangs": "timeout", "test_c_crashes": "crashed",
+                       "test_d_fails": "failed", "test_e_passes": "passed"}
+    assert section["passes"] == 3 and not section["ok"]
+    assert next(r for r in section["tests"] if "hangs" in r["test"])["seconds"] < 30
+
+
+class _Seq:
+    def __init__(self, prompt, completion):
+        self.prompt_ids, self.completion_ids = prompt, completion
+
+
+@pytest.mark.parametrize("a", [0.5, 0.9])
+def test_oracle_drafter_keeps_each_token_with_probability_a(a):
+    """Each drafted token is the reference's with probability a, and otherwise never is."""
+    ref = list(range(10, 10 + 4000))
+    d = OracleDrafter({(1, 2): ref}, vocab=5000, accept=a, seed=0)
+    kept = total = 0
+    for n in range(1, 3990, 4):  # completion_ids[-1] is the pending token: drafts start at ref[n]
+        draft = d.propose([_Seq([1, 2], ref[:n])], [4], 1)[0]
+        assert draft.is_chain and len(draft) == 4
+        kept += sum(t == r for t, r in zip(draft.tokens, ref[n:n + 4]))
+        total += 4
+    assert abs(kept / total - a) < 0.03
+    assert expected_tokens(a, 4) == pytest.approx(sum(a ** i for i in range(5)))
+    assert d.propose([_Seq([7], [3])], [4], 1)[0].tokens == []  # an unknown prompt: no draft
+
+
+def test_tree_mask_sees_ancestors_only():
+    depths, mask = tree(7)  # heap order: 0 -> (1, 2), 1 -> (3, 4), 2 -> (5, 6)
+    assert depths.tolist() == [0, 1, 1, 2, 2, 2, 2]
+    assert mask[6].nonzero().flatten().tolist() == [0, 2, 6]
+    assert mask[3].nonzero().flatten().tolist() == [0, 1, 3]
+    assert mask.sum().item() == 7 + 6 + 4  # self, parent, grandparent
+
+
+def test_help_and_contract():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    gpu.add_arguments(p)
+    args = p.parse_args(["--smoke", "--out", "x"])
+    assert gpu.NAME == "gpu" and gpu.HELP and args.smoke and args.out == "x" and callable(gpu.run)
+    out = subprocess.run([sys.executable, "-m", "rlspec.bench.gpu", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and "--smoke" in out.stdout and "--sections" in out.stdout
+
+
+def test_the_formula_reads_verify_costs_off_plain_steps_and_annotates_oracle_rows():
+    steps = {1: 8.0, 8: 8.5, 32: 10.0, 128: 16.0}  # ms by batch, the shape of the 7B graph steps
+    assert from_plain(steps, 1, 8) == pytest.approx(8.5 / 8.0)  # 8 rows of one token: batch 8's step
+    assert from_plain(steps, 8, 4) == pytest.approx(10.0 / 8.5)
+    assert from_plain(steps, 32, 8) == pytest.approx((16.0 + 6.0 / 96 * 128) / 10.0)  # past the largest: linear
+    report = {"spec_costs": {"verify": [{"batch": 8, "kind": "chain", "tokens": 5, "vs_plain": 1.25},
+                                        {"batch": 8, "kind": "tree", "tokens": 5, "vs_plain": 9.0}]},
+              "oracle": {"num_draft_tokens": 4, "rows": [{"batch": 8, "accept": 0.5}, {"batch": 32, "accept": 0.5}]}}
+    annotate(report)
+    rows = report["oracle"]["rows"]
+    assert rows[0]["predicted_speedup"] == pytest.approx(1.9375 / 1.25) and "predicted_speedup" not in rows[1]

@@ -82,6 +82,29 @@ def test_rollout_layers_point_down(where):
     assert not bad, f"{where} must not import {FORBIDDEN_INSIDE[where]}:\n" + "\n".join(bad)
 
 
+# rlspec/bench/ (the benchmarks) is the top layer: it may import everything below, nothing imports it
+# (rlspec.bench -> rlspec -> trainers -> rollout), so a benchmark can never become a dependency of training.
+def bench_importers(paths: list[Path]) -> list[str]:
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports {mod}"
+            for path in paths for line, mod in imported_modules(path)
+            if mod == "rlspec.bench" or mod.startswith("rlspec.bench.")]
+
+
+def test_benchmarks_sit_above_the_trainers():
+    below = [p for pkg in ("rollout", "trainers", "rlspec") for p in sorted((ROOT / pkg).rglob("*.py"))
+             if not p.is_relative_to(ROOT / "rlspec" / "bench")]
+    bad = bench_importers(below)
+    assert not bad, "nothing outside rlspec/bench may import it:\n" + "\n".join(bad)
+    assert any(mod.startswith(("trainers", "rlspec.train")) for p in (ROOT / "rlspec" / "bench").rglob("*.py")
+               for _, mod in imported_modules(p)), "rlspec/bench drives the trainers (it sits above them)"
+
+
+def test_bench_checker_sees_a_lazy_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from rlspec.bench.harness import table\n    import rlspec.benchmarks\n")
+    assert bench_importers([src]) == [f"{src}:2 imports rlspec.bench.harness"]
+
+
 def module_graph() -> dict[str, set[str]]:
     """module -> the repo modules it imports (at the top or inside functions), over rollout, trainers, rlspec.
     `from a.b import c` counts as importing a.b.c when that is a module, else a.b."""

@@ -1,15 +1,10 @@
-"""scripts/trl_suite.py's pure logic (JUnit parsing, engine log, summary, regressions) on synthetic input:
-no TRL tests, no network, no models."""
+"""`python -m rlspec.bench trl-suite`'s pure logic (JUnit parsing, engine log, summary, regressions: trl_results;
+the test file's repo ids: trl_fixtures) on synthetic input: no TRL tests, no network, no models."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("trl_suite", ROOT / "scripts" / "trl_suite.py")
-trl_suite = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trl_suite)
+from rlspec.bench import trl_fixtures, trl_results
 
 
 def _junit(cases: str) -> str:
@@ -45,51 +40,51 @@ ENGINE = "\n".join(json.dumps(r) for r in [
 
 
 def test_parse_junit_outcomes_keys_and_messages():
-    plain = trl_suite.parse_junit(PLAIN)
+    plain = trl_results.parse_junit(PLAIN)
     assert set(plain) == {"TestGRPOTrainer::test_a[x]", "TestGRPOTrainer::test_b", "TestGRPOTrainer::test_c",
                           "TestGRPOTrainer::test_d", "test_module_level"}
     assert plain["TestGRPOTrainer::test_a[x]"] == {"outcome": "passed", "message": "", "time_s": 1.5}
     assert plain["TestGRPOTrainer::test_d"]["outcome"] == "skipped"
     assert plain["test_module_level"] == {"outcome": "failed", "message": "AssertionError: boom", "time_s": 0.1}
-    spec = trl_suite.parse_junit(SPEC)
+    spec = trl_results.parse_junit(SPEC)
     # a failure plus a teardown error is a failure; the first line comes from the text when the message is empty
     assert spec["TestGRPOTrainer::test_c"]["outcome"] == "failed"
     assert spec["TestGRPOTrainer::test_c"]["message"] == "E   NotImplementedError: text only 12"
 
 
 def test_engine_log_keys_match_junit_keys():
-    engine = trl_suite.parse_engine_log(ENGINE)
+    engine = trl_results.parse_engine_log(ENGINE)
     assert engine["TestGRPOTrainer::test_a[x]"]["engine_calls"] == 3
     assert engine["test_module_level"]["engine_calls"] == 0
-    assert set(engine) <= set(trl_suite.parse_junit(SPEC))
+    assert set(engine) <= set(trl_results.parse_junit(SPEC))
 
 
 def test_summary_and_regressions():
-    plain, spec = trl_suite.parse_junit(PLAIN), trl_suite.parse_junit(SPEC)
-    engine = trl_suite.parse_engine_log(ENGINE)
-    s = trl_suite.summarize(plain, spec, engine)
+    plain, spec = trl_results.parse_junit(PLAIN), trl_results.parse_junit(SPEC)
+    engine = trl_results.parse_engine_log(ENGINE)
+    s = trl_results.summarize(plain, spec, engine)
     assert s["plain"] == {"total": 5, "passed": 3, "failed": 1, "error": 0, "skipped": 1}
     assert s["spec"] == {"total": 5, "passed": 2, "failed": 2, "error": 0, "skipped": 1}
     assert s["spec_passing_sampled_through_engine"] == 1  # test_a sampled; test_module_level passed without
     assert s["pass_on_plain_fail_on_spec"] == 2
     assert s["fixed_on_spec"] == 1
     assert s["issue28_met"] is False
-    regs = trl_suite.regressions(plain, spec)
+    regs = trl_results.regressions(plain, spec)
     assert [r["test"] for r in regs] == ["TestGRPOTrainer::test_b", "TestGRPOTrainer::test_c"]
     assert regs[0]["error"].startswith("ValueError: SpecGRPOTrainer's engine does not support")
-    groups = trl_suite.group_by_cause(regs)
+    groups = trl_results.group_by_cause(regs)
     assert sum(len(v) for v in groups.values()) == 2
     assert "E   NotImplementedError: text only N" in groups  # numbers blurred so parameters group together
 
 
 def test_missing_spec_result_is_a_regression_and_table_renders():
-    plain = trl_suite.parse_junit(PLAIN)
-    spec = {k: v for k, v in trl_suite.parse_junit(PLAIN).items() if k != "TestGRPOTrainer::test_b"}
-    regs = trl_suite.regressions(plain, spec)
+    plain = trl_results.parse_junit(PLAIN)
+    spec = {k: v for k, v in trl_results.parse_junit(PLAIN).items() if k != "TestGRPOTrainer::test_b"}
+    regs = trl_results.regressions(plain, spec)
     assert regs == [{"test": "TestGRPOTrainer::test_b", "spec_outcome": "missing", "error": "not run on spec"}]
-    doc = {"summary": trl_suite.summarize(plain, spec, {}), "wall_s": {"plain": 1, "spec": 2},
-           "regressions_by_cause": trl_suite.group_by_cause(regs), "unbuilt": {"a/b": "why"}}
-    text = trl_suite.format_summary(doc)
+    doc = {"summary": trl_results.summarize(plain, spec, {}), "wall_s": {"plain": 1, "spec": 2},
+           "regressions_by_cause": trl_results.group_by_cause(regs), "unbuilt": {"a/b": "why"}}
+    text = trl_results.format_summary(doc)
     assert "plain" in text and "spec" in text and "a/b: why" in text
 
 
@@ -98,7 +93,7 @@ def test_referenced_repo_ids_splits_models_and_datasets(tmp_path):
     f.write_text('m = "trl-internal-testing/tiny-Qwen2ForCausalLM-2.5"\n'
                  'd = load_dataset("trl-internal-testing/zen", "standard_prompt_only")\n'
                  'i = "trl-internal-testing/zen-image"\n')
-    models, datasets = trl_suite.referenced_repo_ids(f)
+    models, datasets = trl_fixtures.referenced_repo_ids(f)
     assert models == ["trl-internal-testing/tiny-Qwen2ForCausalLM-2.5"]
     assert datasets == ["trl-internal-testing/zen", "trl-internal-testing/zen-image"]
 
@@ -111,7 +106,7 @@ def test_unbuilt_failures_become_skips_in_both_arms(tmp_path):
                  '    @pytest.mark.parametrize("model_id", ["trl-internal-testing/tiny-Qwen2ForCausalLM-2.5"])\n'
                  '    def test_param(self, model_id):\n'
                  '        pass\n')
-    sources = trl_suite.test_sources(f)
+    sources = trl_results.test_sources(f)
     assert set(sources) == {"TestGRPOTrainer::test_remote", "TestGRPOTrainer::test_param"}
     unbuilt = {"trl-internal-testing/tiny-RemoteForCausalLM": "remote code",
                "trl-internal-testing/tiny-Qwen2VLForConditionalGeneration": "vlm"}
@@ -124,7 +119,7 @@ def test_unbuilt_failures_become_skips_in_both_arms(tmp_path):
             {"outcome": "failed", "message": offline, "time_s": 1},  # built: a real failure, kept
         "TestGRPOTrainer::test_other": {"outcome": "failed", "message": "AssertionError", "time_s": 1},
     }
-    assert trl_suite.reclassify_unbuilt(results, sources, unbuilt) == 2
+    assert trl_results.reclassify_unbuilt(results, sources, unbuilt) == 2
     assert results["TestGRPOTrainer::test_remote"]["outcome"] == "skipped"
     assert "tiny-RemoteForCausalLM" in results["TestGRPOTrainer::test_remote"]["message"]
     assert results["TestGRPOTrainer::test_param[trl-internal-testing/tiny-Qwen2VLForConditionalGeneration]"][

@@ -18,13 +18,15 @@ ROW_KEYS = {
     "tokens_per_s": M.TOKENS_PER_S,
     "mean_len": M.MEAN_LEN,
     "accept_len": M.ACCEPT_LEN,
+    "spec_saved_s": M.SPEC_SAVED_S,
     "drafter_version": "drafter/version",
 }
 
 
 class RolloutSummaryCallback(TrainerCallback):
     """Keeps one row per training log record: step, reward, rollout_s, step_s, rollout_share, tokens_per_s,
-    accept_len (tokens per verify, 1.0 without speculation) and drafter_version (learned drafter).
+    accept_len (tokens per verify, 1.0 without speculation), spec_saved_s (decode seconds speculation saved
+    against plain steps, negative when it lost; rollout/metrics.py) and drafter_version (learned drafter).
 
     With logging_steps=1 a row is one optimizer step; with logging_steps=N it is the mean over the N
     steps ending at `step` (TRL averages its metric store per log call).
@@ -57,6 +59,11 @@ def _mean(values: list) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def _sum(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
 def _total_row(rows: list[dict]) -> dict:
     """Means for reward and tok/s, sums for times, and the run's overall rollout share of step time."""
     timed = [r for r in rows if r["rollout_s"] is not None and r["step_s"]]
@@ -70,6 +77,7 @@ def _total_row(rows: list[dict]) -> dict:
         "rollout_share": rollout / step if timed else None,
         "tokens_per_s": _mean([r["tokens_per_s"] for r in rows]),
         "accept_len": _mean([r.get("accept_len") for r in rows]),
+        "spec_saved_s": _sum([r.get("spec_saved_s") for r in rows]),
         "drafter_version": rows[-1].get("drafter_version"),
     }
 
@@ -77,7 +85,7 @@ def _total_row(rows: list[dict]) -> dict:
 def format_summary_table(rows: list[dict]) -> str:
     """A plain-text table of the rows plus an "all" line (rollout share = total rollout s / total step s)."""
     header = (f"{'step':>5} {'reward':>7} {'rollout s':>10} {'step s':>8} {'rollout %':>10} {'tok/s':>8} "
-              f"{'accepted':>9} {'drafter v':>9}")
+              f"{'accepted':>9} {'spec saved s':>12} {'drafter v':>9}")
     rule = "-" * len(header)
     if not rows:
         return "\n".join([header, rule, "(no training steps logged)"])
@@ -90,7 +98,8 @@ def _format_row(row: dict) -> str:
     return (
         f"{row['step']!s:>5} {_cell(row.get('reward'), '.3f'):>7} {_cell(row.get('rollout_s'), '.2f'):>10} "
         f"{_cell(row.get('step_s'), '.2f'):>8} {_cell(share, '.1f'):>10} {_cell(row.get('tokens_per_s'), '.1f'):>8} "
-        f"{_cell(row.get('accept_len'), '.2f'):>9} {_cell(row.get('drafter_version'), '.0f'):>9}"
+        f"{_cell(row.get('accept_len'), '.2f'):>9} {_cell(row.get('spec_saved_s'), '+.2f'):>12} "
+        f"{_cell(row.get('drafter_version'), '.0f'):>9}"
     )
 
 

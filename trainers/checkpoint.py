@@ -18,10 +18,14 @@ Atomic: the Trainer writes into tmp-checkpoint-N/checkpoint-N (its output-dir lo
 saving), callbacks with a `write_checkpoint(checkpoint_dir, trainer)` method add their files there, the
 completion marker goes in last, then one rename makes it checkpoint-N. Rotation (trainers/checkpoint_dirs.py)
 never deletes the newest complete checkpoint. `train(resume_from_checkpoint=True)` resumes from the newest
-complete checkpoint, reporting half-written ones it passes over.
+complete checkpoint, reporting half-written ones it passes over; a named older checkpoint is a rollback
+(trainers/resume_point.py). Every name written in output_dir is recorded first (trainers/run_files.py), TRL's
+model card goes into the checkpoint rather than output_dir/README.md, train() holds output_dir's lock
+(trainers/run_lock.py), and save_final_model writes the final model through a temporary directory.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -32,8 +36,10 @@ from transformers import TrainerCallback
 
 from rollout.errors import NonFiniteLogitsError, RolloutBackendLost
 from trainers import checkpoint_dirs as dirs
+from trainers import run_files, run_lock
 from trainers.interrupts import (StopOnSignal, TrainingInterrupted, check_on_nonfinite, first_nonfinite_parameter,
                                  nonfinite_message, stop_on_signals)
+from trainers.resume_point import explicit_checkpoint, roll_back
 
 STATE_FORMAT = 1
 
@@ -47,6 +53,7 @@ class CheckpointMixin:
     `load_rlspec_trainer_state(state)` for its own counters."""
 
     _staging_run_dir: str | None = None
+    _resumed_from: tuple[int, Path] | None = None  # (step, path): rotation keeps it until a newer one is complete
     on_nonfinite: str = "stop"
     nonfinite_skipped: int = 0
 
@@ -63,7 +70,12 @@ class CheckpointMixin:
         """transformers' train(), plus: True resumes from the newest *complete* checkpoint (half-written ones
         are reported and skipped); SIGTERM/SIGINT stop at the step's end with a checkpoint, then raise
         TrainingInterrupted; non-finite logits follow on_nonfinite; a lost rollout backend (RolloutBackendLost)
-        stops with a checkpoint of the last finished step."""
+        stops with a checkpoint of the last finished step. One process per output_dir (run_lock)."""
+        lock = run_lock.hold(self.args.output_dir) if self.is_world_process_zero() else contextlib.nullcontext()
+        with lock:
+            return self._train_locked(resume_from_checkpoint, *args, **kwargs)
+
+    def _train_locked(self, resume_from_checkpoint, *args, **kwargs):
         resume = self._resolve_resume(resume_from_checkpoint)
         stopper, sampler_cb = StopOnSignal(), _SamplerStateCallback(self)
         for cb in (stopper, sampler_cb):
@@ -85,7 +97,10 @@ class CheckpointMixin:
         return output
 
     def _resolve_resume(self, resume) -> str | None:
-        """True -> the newest complete checkpoint of output_dir; a path must be a complete checkpoint."""
+        """True -> the newest complete checkpoint of output_dir; a path must be a complete checkpoint, or one
+        without rlspec's marker whose files verify. A path older than output_dir's newest checkpoint is a
+        rollback: the newer ones are set aside (trainers/resume_point.py)."""
+        self._resumed_from = None
         if resume is None or resume is False:
             return None
         if resume is True:
@@ -94,13 +109,14 @@ class CheckpointMixin:
                 print(f"rlspec: resume skips the half-written {s}", file=sys.stderr, flush=True)
             if path is None:
                 raise ValueError(f"no complete checkpoint in {self.args.output_dir} to resume from")
-            return str(path)
-        if not dirs.is_complete(resume):
-            newest, _ = dirs.find_resumable_checkpoint(Path(resume).parent)
-            hint = f"resume from {newest}" if newest else "start over without resume"
-            raise ValueError(f"{resume} is not a complete checkpoint (no {dirs.MARKER}: it was being written when "
-                             f"its run stopped, or it is not a checkpoint directory); {hint}")
-        return str(resume)
+        else:
+            path = explicit_checkpoint(resume)
+            if self.args.should_save:
+                roll_back(self.args.output_dir, path)
+            self.accelerator.wait_for_everyone()
+        step = dirs.checkpoint_step(path)
+        self._resumed_from = (step, Path(path)) if step is not None else None
+        return str(path)
 
     def _stop_on_nonfinite(self, exc: NonFiniteLogitsError) -> NonFiniteLogitsError:
         """on_nonfinite=stop: keep the state before the failing step as a checkpoint, and return the error to
@@ -170,6 +186,7 @@ class CheckpointMixin:
         run_dir, step = Path(self._run_dir(trial)), self.state.global_step
         staging, name = run_dir / f"{dirs.TMP_PREFIX}{step}", dirs.checkpoint_name(step)
         if self.args.should_save:
+            run_files.record(run_dir, staging.name, name)  # before they exist: overwrite and rotation may delete them
             shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while writing this step
         self.accelerator.wait_for_everyone()
         self._staging_run_dir = str(staging)
@@ -193,7 +210,39 @@ class CheckpointMixin:
         best = self.state.best_model_checkpoint
         if best and str(staging) in best:  # the Trainer named the staging path
             self.state.best_model_checkpoint = best = best.replace(str(staging / name), str(run_dir / name))
-        dirs.rotate(run_dir, self.args.save_total_limit, protect=[run_dir / name] + ([Path(best)] if best else []))
+        protect = [run_dir / name] + ([Path(best)] if best else [])
+        if self._resumed_from is not None and self.state.global_step <= self._resumed_from[0]:
+            protect.append(self._resumed_from[1])  # no newer checkpoint of this branch is complete yet
+        dirs.rotate(run_dir, self.args.save_total_limit, protect=protect)
+
+    def create_model_card(self, *args, **kwargs):
+        """TRL writes its model card to <output_dir>/README.md at every checkpoint save, where it would overwrite
+        a README of the user's: while a checkpoint is written, the card goes into that checkpoint instead."""
+        if self._staging_run_dir is None:
+            return super().create_model_card(*args, **kwargs)
+        target = Path(self._staging_run_dir) / dirs.checkpoint_name(self.state.global_step)
+        target.mkdir(parents=True, exist_ok=True)
+        saved, self.args.output_dir = self.args.output_dir, str(target)
+        try:
+            return super().create_model_card(*args, **kwargs)
+        finally:
+            self.args.output_dir = saved
+
+    def save_final_model(self, path: str | os.PathLike) -> None:
+        """save_model into a temporary sibling directory, then one rename (a same-named directory is replaced
+        whole, dirs.publish): a crash while saving never leaves a half-written final model. A collective under
+        ZeRO-3: every process calls it."""
+        final = Path(path)
+        tmp = final.with_name(f"tmp-{final.name}")
+        if self.args.should_save:
+            run_files.record(final.parent, tmp.name, final.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self.save_model(str(tmp))
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            dirs.publish(tmp, final)
+        self.accelerator.wait_for_everyone()
 
     def _write_rlspec_state(self, checkpoint_dir: Path) -> None:
         rollouts = self.rollouts

@@ -151,12 +151,18 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's; its first no-grad pass of the policy over the rollouts (the old logprobs) also feeds the
-        learned drafter (trainers/drafter_feed.py)."""
+        learned drafter (trainers/drafter_feed.py). Logs what TRL's importance-sampling correction zeroed
+        (trl_compat.masked_fractions)."""
         self._feed_drafter = getattr(self, "rollouts", None) is not None
         try:
-            return super()._generate_and_score_completions(inputs)
+            output = super()._generate_and_score_completions(inputs)
         finally:
             self._feed_drafter = False
+        if "importance_sampling_ratio" in output:
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            for key, value in trl_compat.masked_fractions(output, self.vllm_importance_sampling_mode).items():
+                metrics[key].append(value)
+        return output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's, with the drafter's tap around the old-logprob pass: the first no-grad pass of the policy in

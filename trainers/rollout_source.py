@@ -47,7 +47,8 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
     built_here = engine is None
     context = None  # the engine's own max_model_len unless we build it (a Ray pool does not expose one)
     if built_here:
-        defaults = dict(max_model_len=max_model_len or default_max_model_len(policy), max_num_seqs=max_num_seqs)
+        defaults = dict(max_model_len=max_model_len or default_max_model_len(policy), max_num_seqs=max_num_seqs,
+                        **sampling_dtypes(trainer.args, policy, engine_kwargs))
         context = {**defaults, **engine_kwargs}["max_model_len"]
         engine = build_engine(policy, tokenizer, spec_config, defaults, engine_kwargs)
     # An engine built from the policy right now already holds its weights: no first push needed, except for a
@@ -63,6 +64,19 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
 
     source.drafter_feed = DrafterFeed.for_backend(engine, policy)  # the learned drafter learns from our own pass
     return source
+
+
+def sampling_dtypes(args, policy, engine_kwargs: dict) -> dict:
+    """The engine's dtype and head_dtype for a trainer with TrainingArguments `args` (trainers/sampling_dtype.py:
+    its compute dtype, not the master weights'; the user's engine_kwargs dtype wins)."""
+    from rollout.runtime.model.loader import body_tensor
+    from trainers.sampling_dtype import head_dtype, sampling_dtype
+
+    body = body_tensor(policy.named_parameters())
+    dtype = sampling_dtype(args, policy, engine_kwargs.get("dtype"), engine_kwargs.get("device", body.device),
+                           body.dtype)
+    head = head_dtype(args)
+    return dict(dtype=dtype, **({"head_dtype": head} if head is not None and head != dtype else {}))
 
 
 def preflight(trainer, drop_long_prompts: bool) -> int:

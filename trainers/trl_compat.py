@@ -124,6 +124,23 @@ def turn_on_importance_sampling(trainer) -> None:
     trainer.vllm_mode = "rlspec_engine"
 
 
+def masked_fractions(output: dict, mode: str) -> dict[str, float]:
+    """What TRL's importance-sampling correction zeroed in one generation batch (`output`: what
+    _generate_and_score_completions returns): the fraction of sequences that lost every token, and of completion
+    tokens, under a *_mask mode (a *_truncate mode zeroes nothing). Logged as sampling/is_masked_*_frac: with the
+    sampler in bf16 and the trainer in float32, a sequence-level mask drops whole samples (docs/sampling_dtype.md)."""
+    ratio, mask = output["importance_sampling_ratio"], output["completion_mask"].bool()
+    if "tool_mask" in output:
+        mask = mask & output["tool_mask"].bool()
+    if not mode.endswith("_mask"):
+        return {"sampling/is_masked_sequence_frac": 0.0, "sampling/is_masked_token_frac": 0.0}
+    zero = (ratio == 0).expand_as(mask) & mask  # a sequence ratio [B, 1] zeroes its whole row
+    rows = mask.any(dim=1)
+    dropped = ((zero.sum(dim=1) == mask.sum(dim=1)) & rows).sum()
+    return {"sampling/is_masked_sequence_frac": float(dropped) / max(int(rows.sum()), 1),
+            "sampling/is_masked_token_frac": float(zero.sum()) / max(int(mask.sum()), 1)}
+
+
 def with_sampling_logprobs(rollout_func):
     """rollout_func, with `logprobs: None` in its output replaced by NaN per token (None, which TRL turns into
     NaN): TRL's correction gives NaN tokens a ratio of exactly 1, so a custom rollout that cannot score its

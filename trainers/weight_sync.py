@@ -22,12 +22,12 @@ call it repeatedly with the same weights).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from rollout.runtime.device import DeviceTimer, synchronize
 from trainers.peft_sync import check_mergeable, is_peft_model, merged_named_tensors
 
 DEFAULT_BUCKET_MB = 512
@@ -179,15 +179,27 @@ def sync_weights(model: torch.nn.Module, engine, accelerator=None,
     rollout.errors.WeightSyncError and the engine keeps its policy_version (a sync split over several calls
     passes complete=False to all but the last).
     """
-    start = time.perf_counter()
     weights = iter_named_weights(model, accelerator, bucket_bytes)
     stream = iter(weights)
-    try:
-        with torch.no_grad():
-            engine.load_weights(stream)
-    finally:
-        stream.close()  # a push that failed half way still releases its ZeRO-3 gather
-    return time.perf_counter() - start, weights.gathers
+    # the copies are queued on the device: the seconds are the push's only once they have run
+    with DeviceTimer(sync=lambda: _sync_devices(model, engine)) as clock:
+        try:
+            with torch.no_grad():
+                engine.load_weights(stream)
+        finally:
+            stream.close()  # a push that failed half way still releases its ZeRO-3 gather
+    return clock.seconds, weights.gathers
+
+
+def _sync_devices(model: torch.nn.Module, engine) -> None:
+    """Wait for the policy's device and the in-process engine's (its runner's synchronize, rollout/runtime/
+    device.py); a backend with no runner here (a Ray pool, vLLM) returns from load_weights when it is done."""
+    runner = getattr(engine, "runner", None)
+    if callable(getattr(runner, "synchronize", None)):
+        runner.synchronize()
+    param = next(model.parameters(), None)
+    if param is not None:
+        synchronize(param.device)
 
 
 @dataclass

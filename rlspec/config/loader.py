@@ -15,6 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from rlspec.config.ranges import field_rule
 from rlspec.config.schema import Config, ConfigError
 
 
@@ -46,9 +47,10 @@ def config_search_dirs() -> list[Path]:
     dirs = [Path.cwd(), Path.cwd() / "configs"]
     if os.environ.get(CONFIG_DIRS_ENV):
         dirs.insert(0, Path(os.environ[CONFIG_DIRS_ENV]))
-    # this file is rlspec/config/loader.py: parents[2] is the repo root, parents[1] the rlspec package
-    dirs.append(Path(__file__).resolve().parents[2] / "configs")  # the repo's configs/ (source checkout)
-    dirs.append(Path(__file__).resolve().parents[1] / "configs")  # packaged recipes, if installed as data
+    # the recipes that ship with the package: rlspec/configs links to the checkout's configs/ and is copied
+    # into a wheel, so a name resolves from any directory, in a checkout or installed (this file is
+    # rlspec/config/loader.py; parents[1] is the rlspec package)
+    dirs.append(Path(__file__).resolve().parents[1] / "configs")
     return list(dict.fromkeys(dirs))
 
 
@@ -94,6 +96,7 @@ def _apply_override(raw: dict[str, Any], text: str) -> None:
     value = _parse_override_value(value_text, tp)
     if tp is not Any:
         value = _coerce(value, tp, key, where)  # type errors name the override, not the file
+        _check_override_range(parts, value, where)  # and so do range errors
     node = raw
     for p in parts[:-1]:
         nxt = node.get(p)
@@ -101,6 +104,19 @@ def _apply_override(raw: dict[str, Any], text: str) -> None:
             nxt = node[p] = {}
         node = nxt
     node[parts[-1]] = value
+
+
+def _check_override_range(parts: list[str], value: Any, where: str) -> None:
+    """The overridden field's rule (rlspec/config/ranges.py), so the error names the override."""
+    cls: Any = Config
+    for p in parts[:-1]:
+        cls = _hints(cls)[p]
+        if not _is_dataclass_type(cls):
+            return  # a key below a free-form dict field: checked with its section
+    rule = field_rule(cls, parts[-1])
+    problem = rule.problem(value) if rule is not None else None
+    if problem:
+        raise ConfigError(f"{where}: {'.'.join(parts)} {problem}")
 
 
 def _schema_type(parts: list[str], where: str) -> Any:
@@ -280,5 +296,7 @@ def format_help(cls: Any = Config, prefix: str = "") -> str:
             lines.append(format_help(tp, name + "."))
             continue
         default = getattr(defaults, f.name)
-        lines.append(f"  {name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
+        rule = field_rule(cls, f.name)
+        allowed = f"; must be {rule.text()}" if rule is not None else ""
+        lines.append(f"  {name} ({_type_name(tp)}, default {default!r}{allowed}): {f.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ gets. `room` (free blocks plus what the pool may still grow by) is what the sche
 a growth that fails (out of memory) sets `max_blocks` to the pool as it is, and the engine preempts
 from then on.
 
-Everything here is counting: the KV memory benchmark (scripts/bench_kv_memory.py) drives this same
+Everything here is counting: the KV memory benchmark (`python -m rlspec.bench kv`) drives this same
 class with no model at all, so its figures are the engine's own accounting.
 """
 from __future__ import annotations

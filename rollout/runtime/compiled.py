@@ -14,7 +14,8 @@ What changes a graph:
   * T, the tokens per row (1 = decode, k+1 = chain verify, nodes+1 = tree), padded to a power of two
     (`graphs.pow2_buckets`); padding nodes extend the row as a chain and their keys land past the
     row's length, where no mask looks (the CUDA graph pool pads the same way, graphs.py).
-  * the batch: dynamic (one graph for every B > 1; B = 1 gets its own, as torch specialises size 1).
+  * the batch: dynamic (one graph for every B > 1; B = 1 gets its own, as torch specialises size 1). Under
+    CUDA graphs the captured call is compiled with every activation dim dynamic (`captured_layer_call`).
   * S, the cache positions read: dynamic (marked before the first call), so a rollout's growing
     context never recompiles.
 The paged KV write is an index_put on the layer's pool, a graph input, which inductor performs in place.
@@ -42,10 +43,15 @@ RECOMPILE_LIMIT = 64
 
 
 def inductor_cache_dir(root: str | None = None) -> str:
-    """Point inductor's on-disk caches at $RLSPEC_CACHE/inductor unless the user chose a directory."""
-    from rollout.runtime.model.fetch import cache_root
+    """Point inductor's on-disk caches at $RLSPEC_CACHE/inductor unless the user chose a directory; one that
+    other users can write is swapped for a private one (it holds compiled code that this process loads)."""
+    from pathlib import Path
 
-    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root(root) / "inductor")
+    from rollout.runtime.model.fetch import cache_root
+    from rollout.runtime.model.kernels.trust import private_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root(root) / "inductor")
+    path = str(private_dir(Path(chosen), "inductor's compiled graphs"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return path
 
@@ -63,11 +69,12 @@ def resolve_compile(mode: str, device, dtype: torch.dtype = torch.bfloat16) -> b
     return mode == "on"
 
 
-def compiled_layer_call():
+def compiled_layer_call(dynamic: bool = False):
     """A function (layer, *args) -> layer(*args) compiled once per process; dynamo treats the layer's
-    parameters as inputs, so every layer (and every model of the same class) shares its graphs."""
-    global _LAYER_CALL
-    if _LAYER_CALL is None:
+    parameters as inputs, so every layer (and every model of the same class) shares its graphs.
+    dynamic: every activation dimension symbolic from the first compile (captured_layer_call's, see there);
+    False: static shapes but the dims `_marking` marks (the CPU steps, whose layers have no graph break)."""
+    if dynamic not in _LAYER_CALLS:
         import torch._dynamo
 
         inductor_cache_dir()
@@ -78,11 +85,11 @@ def compiled_layer_call():
         def call(fn, *args):  # a layer, or the model's head function (llama._head)
             return fn(*args)
 
-        _LAYER_CALL = torch.compile(call, dynamic=False)
-    return _LAYER_CALL
+        _LAYER_CALLS[dynamic] = torch.compile(call, dynamic=dynamic)
+    return _LAYER_CALLS[dynamic]
 
 
-_LAYER_CALL = None
+_LAYER_CALLS: dict = {}  # dynamic -> the compiled call
 
 
 class CompiledRunner(EagerRunner):
@@ -162,11 +169,15 @@ class CompiledRunner(EagerRunner):
 
 
 def captured_layer_call():
-    """The compiled layer call for CUDA graph captures (graphs.GraphPool): each call first marks its inputs'
-    batch, block-table width and the pool's block count dynamic, so one graph per token bucket serves every
-    batch bucket and every pool size (the pool is re-sized between rollouts). Only captures call it: a replay
-    runs no Python. FlexAttention stays outside these graphs (attention._flex_outside_graph)."""
-    return _marking(compiled_layer_call(), batched=True)
+    """The compiled layer call for CUDA graph captures (graphs.GraphPool), compiled with every activation dim
+    symbolic, so one compile serves every batch bucket (B > 1; B = 1 specialises), token bucket and pool size
+    (the pool is re-sized between rollouts). Only captures call it: a replay runs no Python.
+
+    Why not static shapes with marks: FlexAttention stays outside these graphs (attention._flex_outside_graph),
+    behind a graph break, and dynamo compiles the frames below a break on tensors the frame above made, which
+    carry no marks: each batch bucket compiled them again (2 frames a bucket in the stand-in probe of
+    tests/rollout/runtime/test_compiled_buckets.py), up to the recompile limit, and then ran eagerly."""
+    return _marking(compiled_layer_call(dynamic=True), batched=True)
 
 
 def _marking(call, batched: bool):

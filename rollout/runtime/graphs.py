@@ -272,7 +272,7 @@ class GraphPool:
 
     def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
         """EagerRunner.run's contract: tokens [B, T], start [B] on CPU -> (logits [B, T, V], {layer: [B, T, H]})."""
-        if self.model.rope_cos is not self._rope:
+        if self.stale():
             raise RuntimeError("the KV cache and RoPE tables were reallocated after these graphs were captured; "
                                "build a new GraphPool over the new cache (ModelRunner.ensure_cache should)")
         if self.cache.generation != self._generation:
@@ -292,6 +292,10 @@ class GraphPool:
         # clones: the next replay overwrites the static outputs
         logits = self.static.logits_view(b, t)[:B, :T].clone()
         return logits, {i: self.static.hidden_view(i, b, t)[:B, :T].clone() for i in hidden_layers}
+
+    def stale(self) -> bool:
+        """The RoPE tables were reallocated after these graphs were captured (they hold the old addresses)."""
+        return self.model.rope_cos is not self._rope
 
     def _drop_graphs(self) -> None:
         """The pool grew (new K/V addresses and a longer paged-attention sequence): forget every graph and

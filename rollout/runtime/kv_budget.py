@@ -12,6 +12,11 @@ Order of precedence (`KVBudget.pool_size`):
      DEFAULT_FRACTION of what the process may still use (`memory_limits`: RLIMIT_AS headroom, the
      memory cgroup's headroom and MemAvailable on a CPU; free device memory on CUDA). Past the
      ceiling the youngest sequences are preempted, as under a fixed budget.
+On CUDA a growing pool keeps a reserve back from that share (`step_reserve_bytes`, passed as reserve_bytes): the
+CUDA graphs captured after it (static buffers and their private pool), the verify's [B, K+1, V] float32 logits
+and the copies verification makes of them, and what the online drafter trainer will allocate (its optimizer
+state and activations, DrafterTrainer.memory_bytes); without it the pool could take 90% of free memory and
+leave the captures, the verify and the drafter trainer to run out of memory later (docs/runtime.md#memory-plan).
 The pool is never larger than rows x length worth of blocks, and it must be able to hold one sequence
 of the call's longest need; a budget (or ceiling) below that is an error that names the size required.
 The pool is zero-filled (torch.zeros touches every page, also on a CPU): garbage in never-written
@@ -29,6 +34,7 @@ from rollout.runtime.blocks import pow2_at_least
 
 DEFAULT_BLOCK_SIZE = 16  # positions per block: vLLM's default; waste is < 16 positions per sequence
 DEFAULT_FRACTION = 0.9  # of what the process may still use, when no budget is given
+VERIFY_COPIES = 3  # [B, K+1, V] float32 tensors a verify holds at once: the logits, the processed law, its softmax
 NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as 2**63 rounded down to a page: anything above is none
 
 
@@ -62,17 +68,18 @@ class KVBudget:
         return self.pool_size(block_bytes, rows, length, min_positions, device).max_blocks
 
     def pool_size(self, block_bytes: int, rows: int, length: int, min_positions: int, device,
-                  start_blocks: int = 0, held_bytes: int = 0) -> PoolSize:
+                  start_blocks: int = 0, held_bytes: int = 0, reserve_bytes: int = 0) -> PoolSize:
         """The pool for `rows` table rows of `length` positions. min_positions: the longest single sequence
         the call needs (prompt + completion); start_blocks: a hint for a growing pool's start (the previous
-        call's peak); held_bytes: memory of a pool this one replaces or keeps, usable again."""
+        call's peak); held_bytes: memory of a pool this one replaces or keeps, usable again; reserve_bytes: what a
+        growing pool leaves for others (step_reserve_bytes)."""
         cap = rows * -(-length // self.block_size)
         if self.memory_gb is not None:
             blocks = int(self.memory_gb * 2**30 // block_bytes)
         elif self.memory_fraction is not None:
             blocks = int(self.memory_fraction * free_memory_bytes(device) // block_bytes)
         else:
-            blocks = int((self.headroom(device) + held_bytes) // block_bytes)
+            blocks = int((max(0, self.headroom(device) - reserve_bytes) + held_bytes) // block_bytes)
         need = -(-min_positions // self.block_size)
         if blocks < need:
             raise ValueError(self._too_small(blocks, need, block_bytes, min_positions, device))
@@ -82,8 +89,13 @@ class KVBudget:
         return PoolSize(min(ceiling, pow2_at_least(max(need, rows, start_blocks) + 1)), ceiling)
 
     def headroom(self, device) -> int:
-        """Bytes a growing pool may still take: DEFAULT_FRACTION of the tightest memory limit."""
+        """Bytes a growing pool may still take: DEFAULT_FRACTION of the tightest memory limit (the ceiling
+        callbacks take a reserve off it: `ceiling_headroom`)."""
         return int(DEFAULT_FRACTION * min(memory_limits(device).values()))
+
+    def ceiling_headroom(self, device, reserve_bytes: int = 0):
+        """headroom() less the reserve, as the callback a growing pool asks before each growth (kv_cache.set_ceiling)."""
+        return lambda: max(0, self.headroom(device) - reserve_bytes)
 
     def _too_small(self, blocks: int, need: int, block_bytes: int, min_positions: int, device) -> str:
         gib = 2**30
@@ -94,6 +106,18 @@ class KVBudget:
                 f"but one sequence of {min_positions} positions needs {need} blocks = {need * block_bytes / gib:.3f} "
                 "GiB; raise rollout.kv_memory_gb / kv_memory_fraction (engine: kv_memory_gb=, kv_memory_fraction=) "
                 "or the process's memory limits, or lower max_new_tokens")
+
+
+def step_reserve_bytes(cfg, rows: int, max_t: int, dtype: torch.dtype, hidden_layers: int = 3) -> int:
+    """Bytes a step needs beside the KV pool at `rows` rows of `max_t` tokens (the largest verify, K+1): the
+    graphs' static buffers (logits [rows, t, V] float32, the EAGLE-3 feature outputs [rows, t, H] per hidden
+    layer), their private pool (a capture's activations: the logits again, the MLP's [rows, t, 2I] and the
+    attention's [rows, t, 4H]) and the verify's VERIFY_COPIES float32 [rows, t, V] tensors."""
+    n, elt = rows * max_t, torch.empty(0, dtype=dtype).element_size()
+    logits = n * cfg.vocab_size * 4
+    static = logits + n * cfg.hidden_size * elt * hidden_layers
+    activations = logits + n * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * elt
+    return static + activations + VERIFY_COPIES * logits
 
 
 # ---- what the process may use -------------------------------------------------------------------------
@@ -108,6 +132,15 @@ def memory_limits(device) -> dict[str, int]:
         if value is not None:
             out[name] = value
     return out
+
+
+def total_memory_bytes(device) -> int:
+    """The device's whole memory: the CUDA device's, or the host's RAM (MemTotal)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    got = _field_kb("/proc/meminfo", "MemTotal")
+    return got if got is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def free_memory_bytes(device) -> int:

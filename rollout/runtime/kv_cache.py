@@ -302,18 +302,20 @@ class PagedKVCache:
         use without an engine: tests, benchmarks of a bare forward)."""
         self.grow([(r, ("row", r), positions) for r in range(rows)])
 
-    def refit(self, budget, min_positions: int, device) -> bool:
+    def refit(self, budget, min_positions: int, device, reserve_bytes: int = 0) -> bool:
         """Reuse this pool for a new call whose rows and length it fits (kv_budget.KVBudget): a fixed pool
         serves when it holds one sequence of min_positions; a growing one takes the call's ceiling (its own
-        memory counts as usable). False: allocate a new pool (its error then says what is missing)."""
+        memory counts as usable; reserve_bytes stay back). False: allocate a new pool (its error then says what
+        is missing)."""
         bb = self.block_nbytes()
         if not budget.grows:
             return self.alloc.capacity * self.block_size >= min_positions
         try:
-            size = budget.pool_size(bb, self.rows, self.length, min_positions, device, held_bytes=self.nbytes())
+            size = budget.pool_size(bb, self.rows, self.length, min_positions, device, held_bytes=self.nbytes(),
+                                    reserve_bytes=reserve_bytes)
         except ValueError:
             return False
-        self.set_ceiling(size.max_blocks, lambda: budget.headroom(device))
+        self.set_ceiling(size.max_blocks, budget.ceiling_headroom(device, reserve_bytes))
         return True
 
     def _set(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:

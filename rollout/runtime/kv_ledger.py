@@ -1,6 +1,6 @@
 """KVLedger: which blocks a generate call's sequences hold, step by step (no forwards, no drafters).
 
-The engine's loop and scripts/bench_kv_memory.py (which replays a rollout's scheduling with no model
+The engine's loop and `python -m rlspec.bench kv` (which replays a rollout's scheduling with no model
 to measure memory) both keep their books through this class, so the benchmark's figures are the
 engine's own accounting rather than a copy of it. Plain Python over the Scheduler and the cache's
 allocator and block table; the forwards and the drafters' hooks stay in the engine (`on_evict`,

@@ -9,10 +9,11 @@ accepted counts and the number of verifies that stopped on a rejection.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+
+from rollout.runtime.device import DeviceTimer
 
 EMA = 0.2  # weight of a new observation
 ACCEPT_DECAY = 0.98  # old acceptance evidence fades by this per observed verify
@@ -103,7 +104,9 @@ class CostModel:
         Only anchors: the smallest and largest T and one in between; `cost` interpolates the
         rest along T, and real steps replace the guesses (EMA) as soon as an arm runs. Timing
         every size of a bandit's arm set at every bucket took ~17 s per engine on 2 CPU cores. Returns the
-        entries it timed."""
+        entries it timed. Each anchor is timed between two device synchronisations (runner.synchronize;
+        runtime/device.py): a CUDA step returns when its replay is queued, so an unsynchronised timer measured
+        the launch and charged each anchor with the previous shape's kernels."""
         sizes = sorted(set(Ts))
         anchors = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
         timed = {}
@@ -116,10 +119,10 @@ class CostModel:
                 runner.step(torch.zeros(n, T, dtype=torch.long), start)  # seconds that are no step's cost)
             for T in anchors:
                 tokens = torch.zeros(n, T, dtype=torch.long)
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    runner.step(tokens, start)
-                self.table[(b, T)] = timed[(b, T)] = (time.perf_counter() - t0) / repeats
+                with DeviceTimer(sync=runner.synchronize) as clock:
+                    for _ in range(repeats):
+                        runner.step(tokens, start)
+                self.table[(b, T)] = timed[(b, T)] = clock.seconds / repeats
         return timed
 
 

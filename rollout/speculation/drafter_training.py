@@ -14,13 +14,17 @@ feature prediction, which EAGLE-3 dropped.
 
 Scheduling: `train_steps` runs synchronously (scripts, tests); `start` runs a daemon thread that
 trains only while the engine reports idle compute (live batch in the tail, or between rollouts)
-and publishes versioned weights that the engine swaps in between decode iterations. An exception
-in the thread is logged and stops training; the engine keeps the last good drafter. The same class
+and publishes versioned weights that the engine swaps in between decode iterations. An out-of-memory
+step (the GPU is shared with the rollout, its graphs and the policy update) backs off: the batch halves,
+the thread waits and retries, and the batch doubles back after OOM_RECOVER_STEPS good steps
+(docs/drafter_training.md#memory). Any other exception in the thread is logged and stops training; the
+engine keeps the last good drafter. The same class
 also runs in a process of its own behind rollout/speculation/trainer_process.py (SpecConfig.trainer).
 
 On CUDA the trainer works on a stream of its own, so its kernels overlap the engine's instead of
 queueing behind them; events order the shared buffer (the engine writes samples on its stream, the
-trainer reads windows on its own) and the published weights (read on the engine's stream). The loss
+trainer reads windows on its own: feature_buffer.py's fence, each read after the last write, each write after
+the reads queued before it) and the published weights (read on the engine's stream). The loss
 stays a device tensor: reading it per step would sync the trainer with the GPU every step.
 """
 from __future__ import annotations
@@ -51,6 +55,9 @@ def _record(device: torch.device) -> torch.cuda.Event | None:
     return ev
 
 
+OOM_WAIT_S = 1.0  # the first wait after an out-of-memory step; doubles per OOM in a row, at most OOM_MAX_WAIT_S
+OOM_MAX_WAIT_S = 30.0
+OOM_RECOVER_STEPS = 50  # good steps at a backed-off batch before it doubles again
 DEFAULT_TOPK = 32  # entries of the target's distribution kept per position (feature_buffer.py: 5% of its bytes)
 ACCEPT_WINDOWS = 8  # buffered windows the acceptance estimate of a published version is taken on
 DEFAULT_LOSS = "kl"  # forward KL to the top-k target won the comparison (bench_out/distill.json: 1.61 accepted
@@ -131,6 +138,7 @@ class TrainerStats:
     train_time_s: float = 0.0
     data_policy_version: float = 0.0
     error: str | None = None
+    ooms: int = 0  # out-of-memory steps backed off from (drafter/ooms)
 
 
 class DrafterTrainer:
@@ -157,6 +165,8 @@ class DrafterTrainer:
         self.buffer = FeatureBuffer(buffer_tokens, 3 * target.cfg.hidden_size, torch.bfloat16, dev,
                                     topk=self.topk, half_life=half_life)
         self.batch, self.window, self.ttt_steps = batch, window, ttt_steps
+        self.max_batch, self.oom_wait_s = batch, OOM_WAIT_S  # the batch an OOM backs off from (_back_off)
+        self._ooms_in_row, self._good_steps = 0, 0
         self.loss_name, self.prompt_loss = loss, prompt_loss
         self.min_tokens, self.publish_every = min_tokens, publish_every
         self.gen = torch.Generator().manual_seed(seed)  # CPU generator: window picks are host-side ints
@@ -267,14 +277,21 @@ class DrafterTrainer:
         return self._loss_value()
 
     def _train(self, n: int) -> None:
+        """Up to n steps; an out-of-memory step backs off (_back_off) and ends this call: the caller (the thread,
+        the trainer process's loop, a script) comes back later, at the smaller batch."""
         with self._on_stream():
             for _ in range(n):
                 if not self.ready():
                     break
-                with self.lock:
-                    self._step()
-                    if self.stats.steps % self.publish_every == 0:
-                        self.publish()
+                try:
+                    with self.lock:
+                        self._step()
+                        if self.stats.steps % self.publish_every == 0:
+                            self.publish()
+                except torch.OutOfMemoryError:
+                    self._back_off()
+                    return
+                self._recover()
 
     def _loss_value(self) -> float:
         with self._on_stream():  # .item() on the trainer's stream: ordered after the step that made it
@@ -362,12 +379,44 @@ class DrafterTrainer:
             log.exception("drafter training stopped; the engine keeps the last published drafter")
             self.stats.error = repr(exc)
 
+    def memory_bytes(self) -> int:
+        """Device bytes training allocates beyond what exists when it is built (the buffer, the master weights):
+        gradients and AdamW's two moments of the float32 network (12 bytes a parameter) and one step's
+        activations, ~ batch x window x ttt_steps positions of draft-vocabulary float32 logits (twice: softmax,
+        gradient) and 16 float32 hidden-width tensors. An estimate the KV pool keeps free on CUDA (ModelRunner
+        .reserves["drafter"]; docs/runtime.md#memory-plan); an OOM beyond it backs off (_back_off)."""
+        c = self.model.cfg
+        params = sum(p.numel() for p in self.model.parameters())
+        positions = self.max_batch * self.window * self.ttt_steps
+        return 12 * params + positions * 4 * (2 * c.draft_vocab_size + 16 * c.hidden_size)
+
+    def _back_off(self) -> None:
+        """After an out-of-memory step: free what it held, halve the batch, wait (longer each OOM in a row; stop()
+        ends the wait)."""
+        self.stats.ooms += 1
+        self._ooms_in_row, self._good_steps = self._ooms_in_row + 1, 0
+        self.batch = max(1, self.batch // 2)
+        self.opt.zero_grad(set_to_none=True)  # gradients of the failed step
+        if self.stream is not None:
+            torch.cuda.empty_cache()
+        wait = min(OOM_MAX_WAIT_S, self.oom_wait_s * 2 ** (self._ooms_in_row - 1))
+        log.warning("drafter training ran out of device memory (%d so far); retrying in %.1f s at batch %d",
+                    self.stats.ooms, wait, self.batch)
+        self._stop.wait(wait)
+
+    def _recover(self) -> None:
+        """A good step: after OOM_RECOVER_STEPS of them at a backed-off batch, double it (up to the configured)."""
+        self._ooms_in_row, self._good_steps = 0, self._good_steps + 1
+        if self.batch < self.max_batch and self._good_steps >= OOM_RECOVER_STEPS:
+            self.batch, self._good_steps = min(self.max_batch, 2 * self.batch), 0
+
     def metrics(self, policy_version: int) -> dict[str, float]:
         s = self.stats
         return {"drafter/loss": self._loss_value(), "drafter/version": float(self.version), "drafter/train_steps": float(s.steps),
                 "drafter/train_time_s": s.train_time_s, "drafter/buffer_tokens": float(self.buffer.tokens),
                 "drafter/policy_lag": float(policy_version - s.data_policy_version),
-                "drafter/failed": float(s.error is not None)} | self._estimate_metrics()
+                "drafter/failed": float(s.error is not None), "drafter/ooms": float(s.ooms),
+                "drafter/batch": float(self.batch)} | self._estimate_metrics()
 
     def _estimate_metrics(self) -> dict[str, float]:
         """drafter/est_accept (nan: none yet, or nothing to judge by) and the version it is of."""

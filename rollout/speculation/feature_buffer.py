@@ -18,6 +18,11 @@ on (uniform over segments oversampled short ones); the decay so the drafter foll
 policy (data one half-life old counts half). A window's offset is drawn so that every position,
 the last ones included, is covered at least half as often as any other (an offset drawn in
 [0, n - window] covered the final positions of a sample 1/window as often as the middle ones).
+
+Streams (CUDA): the engine writes samples on its stream, the online trainer reads windows on its own. The
+lock orders the calls on the host, not their kernels: a StreamFence (runtime/device.py) makes each read wait
+for the last write's event, and each write wait for the reads queued before it (a wrapped ring would
+otherwise overwrite rows a queued read had not copied yet). On a CPU its events do nothing.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from rollout.runtime.device import StreamFence
 
 
 @dataclass
@@ -63,7 +70,9 @@ class Batch:
 
 
 class FeatureBuffer:
-    def __init__(self, capacity: int, width: int, dtype, device, topk: int = 32, half_life: float = 2.0):
+    def __init__(self, capacity: int, width: int, dtype, device, topk: int = 32, half_life: float = 2.0,
+                 event=None):
+        """event: makes the fence's events (tests pass a stand-in that logs record and wait; see StreamFence)."""
         self.feats = torch.zeros(capacity, width, dtype=dtype, device=device)
         self.next_tokens = torch.zeros(capacity, dtype=torch.long, device=device)
         self.topk = topk
@@ -75,6 +84,7 @@ class FeatureBuffer:
         self.segments: deque[tuple[int, int, int, float]] = deque()  # (start, length, policy version, T)
         self.head = 0
         self.lock = threading.Lock()
+        self.fence = StreamFence(device, event)
 
     @property
     def tokens(self) -> int:
@@ -98,26 +108,32 @@ class FeatureBuffer:
                 self.head = 0
             lo, hi = self.head, self.head + n
             self.segments = deque(s for s in self.segments if not (s[0] < hi and lo < s[0] + s[1]))
-            self.feats[lo:hi] = feats[:n].to(self.feats.dtype)
-            self.next_tokens[lo:hi] = torch.tensor(token_ids[1:n + 1], device=self.next_tokens.device)
-            if self.dist is not None:
-                k = self.topk
-                if dist is None:
-                    self.dist.has[lo:hi] = False
-                else:
-                    d = self.dist
-                    d.ids[lo:hi] = dist.ids[:n, :k].to(d.ids.device, d.ids.dtype)
-                    d.probs[lo:hi] = dist.probs[:n, :k].to(d.probs.device, d.probs.dtype)
-                    # a caller that kept more than k entries: the extra mass is leftover here
-                    d.rest[lo:hi] = (dist.rest[:n].float() + dist.probs[:n, k:].float().sum(-1)).to(
-                        d.rest.device, d.rest.dtype)
-                    d.has[lo:hi] = dist.has[:n].to(d.has.device)
-                    # a position without a distribution carries whatever its KV block held before (never
-                    # read): zeros instead, so that what is buffered depends only on the samples
-                    none = ~d.has[lo:hi]
-                    d.ids[lo:hi][none], d.probs[lo:hi][none], d.rest[lo:hi][none] = 0, 0.0, 0.0
+            self.fence.before_write()
+            self._write(lo, hi, n, feats, token_ids, dist)
+            self.fence.after_write()
             self.segments.append((lo, n, policy_version, float(temperature)))
             self.head = hi
+
+    def _write(self, lo: int, hi: int, n: int, feats: torch.Tensor, token_ids: list[int], dist: Dist | None) -> None:
+        """Rows lo..hi-1 <- the sample's first n positions (add, under the lock and the fence)."""
+        self.feats[lo:hi] = feats[:n].to(self.feats.dtype)
+        self.next_tokens[lo:hi] = torch.tensor(token_ids[1:n + 1], device=self.next_tokens.device)
+        if self.dist is not None:
+            k = self.topk
+            if dist is None:
+                self.dist.has[lo:hi] = False
+            else:
+                d = self.dist
+                d.ids[lo:hi] = dist.ids[:n, :k].to(d.ids.device, d.ids.dtype)
+                d.probs[lo:hi] = dist.probs[:n, :k].to(d.probs.device, d.probs.dtype)
+                # a caller that kept more than k entries: the extra mass is leftover here
+                d.rest[lo:hi] = (dist.rest[:n].float() + dist.probs[:n, k:].float().sum(-1)).to(
+                    d.rest.device, d.rest.dtype)
+                d.has[lo:hi] = dist.has[:n].to(d.has.device)
+                # a position without a distribution carries whatever its KV block held before (never
+                # read): zeros instead, so that what is buffered depends only on the samples
+                none = ~d.has[lo:hi]
+                d.ids[lo:hi][none], d.probs[lo:hi][none], d.rest[lo:hi][none] = 0, 0.0, 0.0
 
     def weights(self, segs) -> torch.Tensor:
         """Sampling weight per segment: length x 0.5^(age / half_life)."""
@@ -134,6 +150,7 @@ class FeatureBuffer:
             if not segs:
                 return None
             pick = torch.multinomial(self.weights(segs), batch, replacement=True, generator=gen).tolist()
+            self.fence.before_read()
             dev = self.feats.device
             feats = self.feats.new_zeros(batch, window, self.feats.shape[1])
             nxt = torch.zeros(batch, window, dtype=torch.long, device=dev)
@@ -159,6 +176,7 @@ class FeatureBuffer:
                     out.rest[b, :w], out.has[b, :w] = d.rest[src], d.has[src]
                 temps.append(temp)
                 versions.append(ver)
+            self.fence.after_read()
         return Batch(feats, nxt, valid, out, torch.tensor(temps, device=dev), sum(versions) / len(versions))
 
     def token_mass(self, vocab: int) -> torch.Tensor:
@@ -168,12 +186,14 @@ class FeatureBuffer:
             rows = torch.cat([torch.arange(s, s + n) for s, n, *_ in self.segments]) if self.segments \
                 else torch.zeros(0, dtype=torch.long)
             rows = rows.to(self.feats.device)
+            self.fence.before_read()
             mass = torch.zeros(vocab, dtype=torch.float32, device=self.feats.device)
             has = self.dist.has[rows] if self.dist is not None else torch.zeros_like(rows, dtype=torch.bool)
             mass.index_add_(0, self.next_tokens[rows][~has], torch.ones(int((~has).sum()), device=mass.device))
             if self.dist is not None and has.any():
                 d = rows[has]
                 mass.index_add_(0, self.dist.ids[d].long().flatten(), self.dist.probs[d].float().flatten())
+            self.fence.after_read()
             return mass.cpu()
 
     def state(self) -> dict:
@@ -183,23 +203,32 @@ class FeatureBuffer:
                   "head": self.head}
             if self.dist is not None:
                 st["dist"] = vars(self.dist)
-            return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            self.fence.before_read()
+            out = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+            self.fence.after_read()
+            return out
 
     def load_state(self, st: dict) -> None:
         with self.lock:
-            self.feats.copy_(st["feats"].to(self.feats.device))
-            self.next_tokens.copy_(st["next_tokens"].to(self.next_tokens.device))
-            self.segments, self.head = deque(tuple(s) for s in st["segments"]), st["head"]
-            if self.dist is not None:
-                if "dist" in st:
-                    d, k, dev = st["dist"], self.topk, self.feats.device
-                    self.dist.ids.copy_(d["ids"][:, :k].to(dev))
-                    self.dist.probs.copy_(d["probs"][:, :k].to(dev))
-                    # entries beyond this buffer's k become leftover mass
-                    self.dist.rest.copy_((d["rest"].float() + d["probs"][:, k:].float().sum(-1)).to(dev))
-                    self.dist.has.copy_(d["has"].to(dev))
-                else:
-                    self.dist.has.zero_()
+            self.fence.before_write()
+            self._load(st)
+            self.fence.after_write()
+
+    def _load(self, st: dict) -> None:
+        """load_state's copies, under the lock and the fence."""
+        self.feats.copy_(st["feats"].to(self.feats.device))
+        self.next_tokens.copy_(st["next_tokens"].to(self.next_tokens.device))
+        self.segments, self.head = deque(tuple(s) for s in st["segments"]), st["head"]
+        if self.dist is not None:
+            if "dist" in st:
+                d, k, dev = st["dist"], self.topk, self.feats.device
+                self.dist.ids.copy_(d["ids"][:, :k].to(dev))
+                self.dist.probs.copy_(d["probs"][:, :k].to(dev))
+                # entries beyond this buffer's k become leftover mass
+                self.dist.rest.copy_((d["rest"].float() + d["probs"][:, k:].float().sum(-1)).to(dev))
+                self.dist.has.copy_(d["has"].to(dev))
+            else:
+                self.dist.has.zero_()
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -207,12 +236,14 @@ class FeatureBuffer:
         past it hold nothing a read can reach) and the ring's bookkeeping (segments, head)."""
         with self.lock:
             end = max((s[0] + s[1] for s in self.segments), default=0)
+            self.fence.before_read()
             st = {"shape": [self.feats.shape[0], self.feats.shape[1], self.topk],
                   "feats": self.feats[:end].to("cpu", copy=True),
                   "next_tokens": self.next_tokens[:end].to("cpu", copy=True),
                   "segments": [list(s) for s in self.segments], "head": self.head}
             if self.dist is not None:
                 st["dist"] = {k: v[:end].to("cpu", copy=True) for k, v in vars(self.dist).items()}
+            self.fence.after_read()
             return st
 
     def load_state_dict(self, st: dict) -> None:
@@ -223,11 +254,13 @@ class FeatureBuffer:
                              f"{list(st['shape'])}, this engine's has {here}; build the trainer with the same "
                              "buffer_tokens, target model and loss / topk as the run that saved it")
         with self.lock:
+            self.fence.before_write()
             end = len(st["next_tokens"])
             self.feats[:end] = st["feats"].to(self.feats.device)
             self.next_tokens[:end] = st["next_tokens"].to(self.next_tokens.device)
             if self.dist is not None:
                 for k, v in st["dist"].items():
                     getattr(self.dist, k)[:end] = v.to(self.feats.device)
+            self.fence.after_write()
             self.segments = deque((int(a), int(n), int(v), float(t)) for a, n, v, t in st["segments"])
             self.head = int(st["head"])

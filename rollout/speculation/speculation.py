@@ -177,7 +177,7 @@ class Speculation:
         """Feed the selector; new drafter weights make the acceptance it measured partly stale. A learned
         drafter's catch-up over steps it sat out (its backlog) is kept out of the drafting seconds: drafting on
         every step never pays it, and counted in, a probe after a long gap made the drafter's levels look several
-        times dearer than they are, so the selector dropped it again at once (bench_out/RESULTS.md, session 18)."""
+        times dearer than they are, so the selector dropped it again at once (docs/selectors.md)."""
         if self.version() != self._seen_version:
             self._seen_version = self.version()
             self.selector.reset_acceptance(self.learned.name, keep=UPDATE_KEEP)

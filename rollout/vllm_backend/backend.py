@@ -14,6 +14,7 @@ tensors go straight into vLLM's model through `collective_rpc` (weights.py), no 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -25,7 +26,9 @@ from typing import TYPE_CHECKING
 import rollout.metrics as M
 from rollout.eos import resolve_eos
 from rollout.metrics import RolloutMetrics
+from rollout.runtime.model.loader import body_tensor
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
+from rollout.speculation.drafter_health import DrafterHealth, HealthConfig, fingerprint
 from rollout.vllm_backend import cpu_fixes, step_costs, weights
 from rollout.vllm_backend.depth import depths
 from rollout.vllm_backend.host import DrafterHost
@@ -41,13 +44,18 @@ log = logging.getLogger(__name__)
 MIN_TABLE_DRAFTS = 32
 # On a GPU vLLM takes this share of the device's memory (the trainer's policy and optimizer share it).
 GPU_MEMORY_SHARE = 0.3
+# What vLLM holds on a GPU beyond the weights and a stated KV cache: a step's activations and logits, CUDA graphs,
+# the EAGLE-3 drafter (one layer and a head); counted into gpu_memory_utilization when kv_memory_gb is set.
+RUNTIME_HEADROOM_GB = 4.0
 
 
 class VLLMBackend:
     """A colocated vLLM holding a copy of `policy`. Build with build_backend("vllm", ...) (rollout.backend).
 
     dtype / max_model_len / max_num_seqs: as the engine's. kv_memory_gb: vLLM's KV cache size
-    (kv_cache_memory_bytes). Without it: on CPU what max_num_seqs full-length sequences need (vLLM's own
+    (kv_cache_memory_bytes); on a GPU gpu_memory_utilization then follows it (budget_share: weights + KV +
+    RUNTIME_HEADROOM_GB over the device's memory; vLLM's 0.9 would refuse to start beside a trainer).
+    Without it: on CPU what max_num_seqs full-length sequences need (vLLM's own
     CPU sizing subtracts this process's whole footprint, the trainer's included, from its share of RAM
     and fails when colocated); on GPU memory_share of the device (gpu_memory_utilization).
     graph_mode "off" forces eager mode (enforce_eager); CPU always runs eagerly here.
@@ -56,14 +64,22 @@ class VLLMBackend:
     Other engine settings (kv_block_size, free_kv_between_rollouts, ...) have no vLLM meaning and are ignored.
     """
 
+    health: DrafterHealth | None = None  # drafter health, with speculation on (set at start)
+    _readback = None  # reads vLLM's draft model back after a push (with a learned drafter)
+
     def __init__(self, policy, tokenizer, spec: SpecConfig | None = None, *, dtype=None, max_model_len: int = 2048,
                  max_num_seqs: int = 64, kv_memory_gb: float | None = None, memory_share: float | None = None,
-                 graph_mode: str = "auto", seed: int = 0, drafter_push_every: int = 1, **_engine_only):
+                 graph_mode: str = "auto", seed: int = 0, drafter_push_every: int = 1, head_dtype=None,
+                 **_engine_only):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: weights move by reference
         from vllm import LLM
 
         self.spec = spec or SpecConfig()
         check_supported(self.spec)  # fail before any model is copied
+        if head_dtype is not None:  # as TRL's own vLLM path: vLLM computes the head in the model's dtype
+            log.warning("rollout.backend=vllm: vLLM computes the LM head in %s, not %s (cast_lm_head_to_fp32 "
+                           "applies to the trainer's forward only); TRL's importance-sampling correction covers it",
+                           dtype, head_dtype)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.policy_version = 0
         self.host = None
@@ -85,7 +101,8 @@ class VLLMBackend:
     def _start(self, LLM, policy, tokenizer, dtype, max_model_len, max_num_seqs, kv_memory_gb, memory_share,  # noqa: N803
                graph_mode, seed) -> None:
         on_cpu = next(policy.parameters()).device.type == "cpu"
-        dtype = str(dtype or next(policy.parameters()).dtype).removeprefix("torch.")
+        # the decoder layers' dtype, as the engine's default (a float32 cast_lm_head_to_fp32 head comes first)
+        dtype = str(dtype or body_tensor(policy.named_parameters()).dtype).removeprefix("torch.")
         policy.save_pretrained(self._dir / "policy", safe_serialization=True)  # vLLM loads from a directory
         if tokenizer is not None:
             tokenizer.save_pretrained(self._dir / "policy")
@@ -103,7 +120,8 @@ class VLLMBackend:
         self.speculative_config = speculative_config(self.spec, drafter_dir, self.depth_table)
         # processed_logprobs = log softmax(logits / T), ours at top_p = 1 and top_k = 0 (exact under speculation
         # too once cpu_fixes is in: the wrong and NaN ones measured before were its temperatures)
-        memory = _memory_args(policy.config, dtype, on_cpu, kv_memory_gb, memory_share, max_num_seqs, max_model_len)
+        memory = _memory_args(policy.config, dtype, on_cpu, kv_memory_gb, memory_share, max_num_seqs, max_model_len,
+                              _weight_bytes(policy, dtype), None if on_cpu else _device_memory(policy))
         self.llm = LLM(model=str(self._dir / "policy"), dtype=dtype, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, enforce_eager=on_cpu or graph_mode == "off", seed=seed,
                        speculative_config=self.speculative_config, disable_log_stats=False,
@@ -117,6 +135,16 @@ class VLLMBackend:
             self._retable(weights.spec_counters(self.llm), force=True)
         self._metrics = RolloutMetrics()
         self._spec_counters = weights.spec_counters(self.llm)
+        # drafter health (rollout/speculation/drafter_health.py, docs/gpu.md#what-the-metrics-should-look-like): each
+        # push read back; speculation off while acceptance is below the floor, probes to turn it back on; a forced
+        # arm ("always") only warns
+        self.health = DrafterHealth(HealthConfig(enforce=self.spec.selector != "always"), "vllm") \
+            if self.spec.enabled else None
+        self._readback = None
+        if self.host is not None:
+            from rollout.vllm_backend.drafter_readback import DraftReadback
+
+            self._readback = DraftReadback(self.llm, self.host.drafter_tensors())
 
     # ---- RolloutBackend -----------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None) -> list[RolloutResult]:
@@ -131,11 +159,17 @@ class VLLMBackend:
         sampling = [self._vllm_params(p, i, j, params) for i, p in enumerate(prompt_token_ids) for j in range(params.n)]
         if self.host is not None:
             self.host.set_idle(False)  # vLLM decodes: the drafter's trainer waits, as it does for the engine
+        before = weights.spec_counters(self.llm) if self.health is not None else None
+        speculate = self.health is None or self.health.speculate()
         try:
-            outs = self.llm.generate(requests, sampling, use_tqdm=False)
+            with contextlib.nullcontext() if speculate else step_costs.forced_depth(self.llm, 0):
+                outs = self.llm.generate(requests, sampling, use_tqdm=False)
         finally:
             if self.host is not None:
                 self.host.set_idle(True)
+        if before is not None:
+            now = weights.spec_counters(self.llm)
+            self.health.observe(*(int(now[k] - before[k]) for k in ("drafts", "draft_tokens", "accepted")))
         results = [_result(r["prompt_token_ids"], k // params.n, k % params.n, o.outputs[0], self.policy_version)
                    for k, (r, o) in enumerate(zip(requests, outs))]
         self._record(results, time.perf_counter() - t0)
@@ -148,6 +182,8 @@ class VLLMBackend:
         holds KV of the old weights: dropped."""
         weights.load_policy(self.llm, [(n, t.detach()) for n, t in named_tensors])
         self.policy_version += 1
+        if self.health is not None:
+            self.health.synced(self.policy_version)
 
     def push_drafter(self, force: bool = False) -> bool:
         """Push the host's learned drafter into vLLM's draft model when its version moved by drafter_push_every
@@ -158,7 +194,10 @@ class VLLMBackend:
         moved = version - self._pushed_drafter
         if moved <= 0 or (moved < self.drafter_push_every and not force):
             return False
-        weights.load_drafter(self.llm, self.host.drafter_tensors())
+        tensors = self.host.drafter_tensors()
+        weights.load_drafter(self.llm, tensors)
+        if self.health is not None and self._readback is not None:  # what vLLM drafts with now, read back
+            self.health.pushed(version, fingerprint(tensors), {"vllm": self._readback.held(self.llm)}, by_name=False)
         self._pushed_drafter = version
         self._drafter_pushes += 1
         if self.depth_table is not None:
@@ -206,6 +245,8 @@ class VLLMBackend:
         out["vllm/drafter_pushes"] = float(self._drafter_pushes)
         if self.acceptance is not None:
             out["vllm/table_acceptance"] = self.acceptance
+        if self.health is not None:
+            out.update(self.health.metrics())
         if self.host is not None:
             out.update(self.host.metrics(self.policy_version))  # the trainer's loss, buffer, lag
             out["drafter/version"] = float(self._pushed_drafter)  # the version vLLM drafts with
@@ -312,13 +353,35 @@ def _check_layer_ids(drafter_dir: str) -> None:
 
 
 def _memory_args(config, dtype: str, on_cpu: bool, kv_memory_gb, memory_share, max_num_seqs: int,
-                 max_model_len: int) -> dict:
-    """vLLM's memory settings (see VLLMBackend's docstring)."""
+                 max_model_len: int, weight_bytes: int = 0, device_memory: tuple[int, int] | None = None) -> dict:
+    """vLLM's memory settings (see VLLMBackend's docstring). weight_bytes: the policy copy vLLM loads;
+    device_memory: the GPU's (free, total) bytes now, with the trainer's tensors already on it."""
     if kv_memory_gb:
-        return dict(kv_cache_memory_bytes=int(kv_memory_gb * 2**30))
+        kv = int(kv_memory_gb * 2**30)
+        if on_cpu:
+            return dict(kv_cache_memory_bytes=kv)
+        # vLLM sizes the KV cache from kv_cache_memory_bytes, but still refuses to start unless the free memory
+        # covers gpu_memory_utilization x total (default 0.9): colocated with a trainer it never does. The share
+        # follows the stated budget instead.
+        return dict(kv_cache_memory_bytes=kv, gpu_memory_utilization=budget_share(kv, weight_bytes, *device_memory))
     if on_cpu:
         return dict(kv_cache_memory_bytes=kv_bytes_needed(config, dtype, max_num_seqs, max_model_len))
     return dict(gpu_memory_utilization=memory_share or GPU_MEMORY_SHARE)
+
+
+def budget_share(kv_bytes: int, weight_bytes: int, free: int, total: int) -> float:
+    """gpu_memory_utilization for a stated KV budget: (weights + KV + RUNTIME_HEADROOM) / total, rounded up to a
+    percent but never past what is free; an error when the budget does not fit in the free memory."""
+    need = weight_bytes + kv_bytes + int(RUNTIME_HEADROOM_GB * 2**30)
+    if need > free:
+        gib = 2**30
+        raise ValueError(
+            f"rollout.kv_memory_gb={kv_bytes / gib:.1f} does not fit on this GPU: vLLM needs ~{need / gib:.1f} GiB "
+            f"(policy weights {weight_bytes / gib:.1f} + KV cache {kv_bytes / gib:.1f} + {RUNTIME_HEADROOM_GB:.0f} "
+            f"for activations, CUDA graphs and the drafter) and {free / gib:.1f} of {total / gib:.1f} GiB are free. "
+            f"Lower rollout.kv_memory_gb, or free memory for it (a smaller policy/optimizer footprint: ZeRO, "
+            f"offload, LoRA).")
+    return min(math.ceil(need / total * 100) / 100, math.floor(free / total * 1000) / 1000)
 
 
 def kv_bytes_needed(config, dtype: str, max_num_seqs: int, max_model_len: int) -> int:
@@ -329,3 +392,14 @@ def kv_bytes_needed(config, dtype: str, max_num_seqs: int, max_model_len: int) -
         (4 if dtype == "float32" else 2)
     return max(per_token * max_num_seqs * max_model_len, 2**26)
 
+
+def _weight_bytes(policy, dtype: str) -> int:
+    """Bytes of the policy copy vLLM loads, in its dtype (parameters() counts a tied embedding once)."""
+    return sum(p.numel() for p in policy.parameters()) * (4 if dtype == "float32" else 2)
+
+
+def _device_memory(policy) -> tuple[int, int]:
+    """(free, total) bytes of the policy's GPU now."""
+    import torch
+
+    return torch.cuda.mem_get_info(next(policy.parameters()).device)

@@ -11,6 +11,10 @@ and is removed by
   - the next ScratchDir.create() in any process of this user, for processes no longer alive (a
     SIGKILL or an OOM kill runs no Python at all: nothing else can clean up after it). The start
     time in the name tells a dead process from a new one that got its pid (containers reuse pids).
+The per-user directory has a predictable name in a shared /tmp, so another user could create it first and
+plant the policy copy vLLM loads: it is used only as a real directory owned by this user with mode 0700
+(`private_root`: one of ours is tightened, anyone else's or a symlink is refused for a fresh mkdtemp, with a
+warning), and so is each per-process directory below it.
 Nothing here depends on vLLM.
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import weakref
 from pathlib import Path
@@ -29,6 +34,26 @@ def scratch_root() -> Path:
     """<tempdir>/rlspec-<uid>: one per user, so users never trip over each other's permissions."""
     uid = os.getuid() if hasattr(os, "getuid") else "user"
     return Path(tempfile.gettempdir()) / f"rlspec-{uid}"
+
+
+def private_root(path: Path) -> Path:
+    """`path` as a directory only this user can enter (created 0700, or tightened to 0700 if it is ours), or,
+    where it is a symlink or someone else's, a fresh private directory instead (with a warning)."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)  # lstat: a planted symlink to someone else's directory is not a directory of ours
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(path, 0o700)  # ours but open to others (an older run, a umask): nobody else gets in now
+        return path
+    fallback = Path(tempfile.mkdtemp(prefix=f"{path.name}-"))
+    log.warning("%s is %s, not a directory of this user (uid %s): another user could plant the model vLLM loads "
+                "there, so this run uses %s instead. Remove %s to get the usual place back.", path,
+                "a symlink" if stat.S_ISLNK(st.st_mode) else f"owned by uid {st.st_uid}", os.getuid(), fallback,
+                path)
+    return fallback
 
 
 def process_tag(pid: int | None = None) -> str | None:
@@ -70,10 +95,9 @@ class ScratchDir:
     @classmethod
     def create(cls, prefix: str = "scratch-", root: Path | None = None) -> "ScratchDir":
         """Sweep the dead processes' leftovers, then make a fresh directory under this process's own."""
-        root = root or scratch_root()
+        root = private_root(root or scratch_root())
         sweep_stale(root)
-        mine = root / process_tag()
-        mine.mkdir(parents=True, exist_ok=True)
+        mine = private_root(root / process_tag())
         return cls(Path(tempfile.mkdtemp(prefix=prefix, dir=mine)))
 
     @property

@@ -27,6 +27,8 @@ from rollout.runtime.model.families import family_of_model
 from rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rollout.workers import cluster
 from rollout.workers.dispatch import DispatchStats, drop_worker, kill_and_wait, run_tasks
+from rollout.speculation.drafter_health import HealthConfig
+from rollout.workers.health import PoolHealth
 from rollout.errors import RolloutBackendLost, RolloutWorkerError
 from rollout.workers.spot import DrafterHub
 from rollout.workers.stats import merge_stats
@@ -65,6 +67,10 @@ class RayPool:
         self._final_drafter = None  # what export_drafter writes once close() has let the workers go
         self._close_error: BaseException | None = None  # why close() could not read the drafter
         self.watch = cluster.ClusterWatch(lost_after_s=cluster_lost_after_s)
+        # drafter health (docs/gpu.md#what-the-metrics-should-look-like): pushes read back, speculation off while
+        # the drafter does not pay
+        enabled = (spec or SpecConfig()).enabled
+        self.health = PoolHealth(HealthConfig(enforce=spec.selector != "always")) if enabled else None
         try:
             self._start(policy, tokenizer, spec, n, gpus, worker_threads, engine_kwargs, drafter_trainer,
                         drafter_trainer_gpus, drafter_trainer_kwargs or {})
@@ -101,7 +107,11 @@ class RayPool:
         tasks = split(prompt_token_ids, params, self.groups_per_task)
         t0 = time.perf_counter()
         idle = (lambda i: self.hub.set_idle.remote(i)) if self.hub is not None else (lambda i: None)
+        if self.health is not None:
+            self.health.before_rollout(self._call_all)
         done = self._run(tasks, idle)
+        if self.health is not None:
+            self.health.after_rollout(self._call_all)
         self._broadcast_drafter()  # between steps every worker holds the newest drafter
         self._wall_s += time.perf_counter() - t0
         results = merge(tasks, done)
@@ -118,6 +128,8 @@ class RayPool:
         held = self._call_all("load_weights", ref, self.policy_version)
         if any(v != self.policy_version for v in held.values()):
             raise RolloutWorkerError(f"workers hold policy versions {held}, expected {self.policy_version}")
+        if self.health is not None:
+            self.health.synced(self.policy_version)
 
     def stats(self) -> dict[str, float]:
         per_worker = self._call_all("stats")
@@ -133,6 +145,8 @@ class RayPool:
             out["drafter/worker_version_min"] = min(v.get("drafter/version", 0.0) for v in per_worker.values())
         if self.hub is not None:
             out.update(self._hub_call("metrics", self.policy_version))
+        if self.health is not None:
+            out.update(self.health.metrics())
         self._dispatch, self._wall_s = DispatchStats(lost_workers=d.lost_workers), 0.0
         return out
 
@@ -152,7 +166,7 @@ class RayPool:
         result, state = self._get(first.warm_start.remote(prompts, budget_s=budget_s, group=group,
                                                           max_new_tokens=max_new_tokens, temperature=temperature))
         version = self._hub_call("load_weights", state) if self.hub is not None else 1 + max(self._held.values())
-        self._drafter = (version, ray.put(state))
+        self._publish(version, state)
         self._broadcast_drafter()
         return WarmStartResult(**result)
 
@@ -241,12 +255,20 @@ class RayPool:
             return
         got = self._hub_call("latest", self._drafter[0] if self._drafter else 0)
         if got is not None:
-            self._drafter = (got[0], ray.put(got[1]))
+            self._publish(*got)
+
+    def _publish(self, version: int, state: dict) -> None:
+        """The drafter version every worker takes next (fingerprinted first: drafter health reads it back)."""
+        self._drafter = (version, ray.put(state))
+        if self.health is not None:
+            self.health.published(version, state)
 
     def _broadcast_drafter(self) -> None:
         self._poll_drafter()
         if self._drafter is not None:
             self._held.update(self._call_all("set_drafter", *self._drafter))
+            if self.health is not None:
+                self.health.broadcast(self._call_all)
 
     def _call_all(self, method: str, *args) -> dict[int, object]:
         """method(*args) on every worker; a dead worker is dropped (killed, logged with its error), the rest answer."""

@@ -33,6 +33,7 @@ class RolloutWorker:
         self.rank = rank
         self.engine = _build_engine(policy, tokenizer, spec, dict(engine_kwargs))
         self.link = None
+        self.spec_totals = [0, 0, 0]  # verifies, drafted, accepted over every task (drafter health)
 
     def attach_hub(self, hub, topk: int) -> None:
         """Ship this engine's training samples to the DrafterHub (which stages `topk` target probabilities
@@ -56,7 +57,9 @@ class RolloutWorker:
                                     f"pool asked for {policy_version}: a weight push did not reach it")
         if drafter_state is not None:
             self.set_drafter(drafter_version, drafter_state)
+        before = _spec_counts(self.engine)
         results = self.engine.generate(task.prompts, task.params)
+        self.spec_totals = [t + a - b for t, a, b in zip(self.spec_totals, _spec_counts(self.engine), before)]
         if self.link is not None:
             self.link.flush()  # this task's finished samples to the hub, without waiting for it
         return results
@@ -73,10 +76,30 @@ class RolloutWorker:
         """Take learned-drafter weights of `version` if it is newer than the drafter's; returns the version held."""
         learned = self.engine.speculation.learned
         if learned is not None and version > learned.version:
-            learned.model.load_state_dict(state)
+            # not strict: a push missing a tensor must not end the run; the pool reads every worker's drafter back
+            # after a push and turns speculation off when what is held is not what was sent (drafter health)
+            learned.model.load_state_dict(state, strict=False)
             learned.version = version
             learned.valid = {k: 0 for k in learned.valid}  # its KV came from the old weights
         return self.drafter_version()
+
+    def drafter_fingerprint(self) -> tuple[int, dict]:
+        """(version, fingerprint of the draft weights in use): what the pool compares with what it sent."""
+        from rollout.speculation.drafter_health import fingerprint
+
+        learned = self.engine.speculation.learned
+        return (learned.version, fingerprint(learned.model.state_dict())) if learned is not None else (0, {})
+
+    def set_speculation(self, on: bool) -> bool:
+        """Speculate (the selector chooses) or decode plainly (drafter health turned speculation off)."""
+        from rollout.speculation.selectors.base import OFF
+
+        self.engine.speculation.force(None if on else OFF)
+        return on
+
+    def spec_counts(self) -> list[int]:
+        """Verifies, drafted and accepted tokens over every task so far."""
+        return list(self.spec_totals)
 
     def drafter_version(self) -> int:
         learned = self.engine.speculation.learned
@@ -130,15 +153,23 @@ class RolloutWorker:
         self.engine.close()
 
 
+def _spec_counts(engine) -> tuple[int, int, int]:
+    """The engine's verifies, drafted and accepted tokens since its last stats() (read, not reset: stats() is
+    what the trainer logs)."""
+    m = engine._metrics
+    return sum(m.accept_hist.values()), m.drafted, m.accepted
+
+
 def _build_engine(policy: dict, tokenizer, spec: SpecConfig | None, kwargs: dict):
     """The engine from_hf_model would build, straight from the config and weights (no HF model needed)."""
     from rollout.engine import RolloutEngine
     from rollout.runtime.model import loader
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray gives a GPU worker exactly one device
-    dtype = kwargs.pop("dtype", None)
+    dtype, head_dtype = kwargs.pop("dtype", None), kwargs.pop("head_dtype", None)
     body = loader.body_tensor(policy["state"].items())
     model = loader.build_model(policy["config"], loader.resolve_dtype(dtype) if dtype else body.dtype, device,
                                policy.get("family"))
+    loader.cast_head(model, head_dtype)
     loader.load_named_tensors(model, policy["state"].items())  # checks every runtime tensor is written once
     return RolloutEngine(model, tokenizer, spec, eos_token_ids=policy["eos"], **kwargs)

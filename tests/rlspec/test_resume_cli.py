@@ -50,6 +50,15 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def _assert_identical(a: dict, b: dict, what: str) -> None:
+    """Bit-identical tensors (the README's claim for a continued run: largest weight difference 0)."""
+    import torch
+
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{what}: {len(differ)} tensor(s) differ, e.g. {differ[0]} (max abs diff {_max_diff(a, b):.3e})"
+
+
 def _kill_when_hanging(proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while not (out / "hanging").exists():
@@ -91,7 +100,7 @@ def test_kill9_then_resume_auto_matches_the_uninterrupted_run(tiny, tmp_path, ca
     a, b = _history(straight), _history(resumed)
     assert sorted(b) == [1, 2, 3, 4] and {s: a[s] for s in (3, 4)} == {s: b[s] for s in (3, 4)}
     assert len(set(a.values())) > 1, "the rewards must vary for the comparison to mean anything"
-    assert _max_diff(_weights(straight / "final"), _weights(resumed / "final")) <= 1e-5
+    _assert_identical(_weights(straight / "final"), _weights(resumed / "final"), "final weights")
     # the policy moved: a resume that restored nothing would not match
     assert _max_diff(_weights(straight / "checkpoint-4"), _weights(straight / "checkpoint-3")) > 1e-4
     # rotation (save_total_limit 2) kept the two newest complete checkpoints; nothing half-written is left
@@ -165,6 +174,9 @@ def test_a_used_output_dir_is_refused_before_torch_then_overwritten_on_request(t
     (out / "checkpoint-3").mkdir(parents=True)
     (out / "summary.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
+    from trainers import run_files
+
+    run_files.record(out, "checkpoint-3", "summary.json")  # a previous run's (overwrite deletes only those)
     code = (f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom rlspec.train import main\n"
             f"rc = main({args + [f'output_dir={out}']!r})\n"
             "assert 'torch' not in sys.modules, 'the refusal must come before heavy imports'\nsys.exit(rc)\n")
@@ -209,11 +221,11 @@ def test_ppo_resume_matches_the_uninterrupted_run(tmp_path, monkeypatch):
     assert main(args + [f"output_dir={resumed}", "resume=auto"]) == 0
     a, b = _history(straight), _history(resumed)
     assert a[2] == b[2] and a[3] == b[3]
-    assert _max_diff(_weights(straight / "final"), _weights(resumed / "final")) <= 1e-5
+    _assert_identical(_weights(straight / "final"), _weights(resumed / "final"), "final policy")
     from safetensors.torch import load_file
 
     va, vb = (load_file(str(d / "final" / "value_model.safetensors")) for d in (straight, resumed))
-    assert _max_diff(va, vb) <= 1e-5
+    _assert_identical(va, vb, "final value model")
     assert _max_diff(_weights(straight / "checkpoint-3"), _weights(straight / "checkpoint-1")) > 1e-4
 
 
@@ -231,7 +243,9 @@ def test_resume_across_epochs_draws_the_same_data_order(tiny, tmp_path, resume_s
     assert main(args + [f"output_dir={resumed}", "resume=auto"]) == 0
     a, b = _history(straight), _history(resumed)
     assert all(a[s] == b[s] for s in range(resume_step + 1, 6))
-    assert _max_diff(_weights(straight / "final"), _weights(resumed / "final")) <= 1e-5
+    _assert_identical(_weights(straight / "final"), _weights(resumed / "final"), "final weights")
+    # the policy moved after the resume point: a resume that restored nothing would not match
+    assert _max_diff(_weights(straight / "final"), _weights(straight / f"checkpoint-{resume_step}")) > 1e-4
 
 
 def test_an_over_long_prompt_is_refused_before_step_1_or_dropped_on_request(tiny, tmp_path, capsys):

@@ -5,13 +5,14 @@ prefix of positive probability, its own warpers (TemperatureLogitsWarper, TopKLo
 TopPLogitsWarper, in the order `generate` applies them) and a softmax. Nothing of rollout.* is used,
 so a bug in our logit processing, sampling or verification cannot hide in the reference.
 
-Significance: every law test passes at p > ALPHA = 1e-3. The Pearson statistic is chi-square under
-the null once every cell expects >= 5 samples (smaller cells are pooled), so a correct implementation
-fails a given law test for about 1 seed in 1000. Seeds are fixed, so each test is deterministic: a
-failure after a change means the samples changed, and rerunning with a few other seeds tells a
-1-in-1000 fluke from a bias. With the suite's ~35 law tests, a fresh choice of all seeds would show
-a spurious failure somewhere with probability about 3.5%. Each known-wrong variant must give
-p <= ALPHA in the same test (the ones here do by many orders of magnitude).
+Significance: every law test passes at p > ALPHA = 1e-4. The Pearson statistic is chi-square under
+the null once every cell expects >= 5 samples (smaller cells are pooled into one, never dropped; a
+sample outside the law's support gives p = 0), so a correct implementation fails a given law test for
+about 1 seed in 10,000. Seeds are fixed, so each test is deterministic: a failure after a change means
+the samples changed, and rerunning with a few other seeds tells a fluke from a bias. With the suite's
+~40 law tests, a fresh choice of all seeds would show a spurious failure somewhere with probability
+about 0.4%. Each known-wrong variant in a flaw table must give p <= ALPHA in the same test (the ones
+here do by many orders of magnitude).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-ALPHA = 1e-3
+ALPHA = 1e-4
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:

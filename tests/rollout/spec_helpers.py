@@ -10,7 +10,8 @@ class ScriptedDrafter:
     """Proposes chains (or trees) mixing the target's own greedy continuation with random tokens.
 
     `oracle(seq)` gives tokens the target would likely emit; a share of proposals is corrupted so
-    that verification sees accepts, rejections and partial acceptances in one batch.
+    that verification sees accepts, rejections and partial acceptances in one batch. It counts the
+    shapes it proposed so that tests can prove they were exercised.
     """
 
     name = "scripted"
@@ -19,6 +20,9 @@ class ScriptedDrafter:
         self.vocab, self.oracle, self.corrupt, self.tree = vocab, oracle, corrupt, tree
         self.rng = random.Random(seed)
         self.finished = 0
+        self.multi = 0  # drafts of >= 2 tokens
+        self.branched = 0  # trees: drafts whose root has two children
+        self.deep = 0  # trees of two children below the root and a grandchild
 
     def begin(self, groups) -> None:
         pass
@@ -35,6 +39,7 @@ class ScriptedDrafter:
         out = []
         for s, cap in zip(seqs, max_tokens):
             n = self.rng.randint(0, cap) if cap else 0
+            self.multi += n >= 2
             if not self.tree or width == 1 or n < 2:
                 out.append(Draft.chain(self._chain(s, n)))
                 continue
@@ -44,6 +49,8 @@ class ScriptedDrafter:
             toks = b[:1] + a + b[1:]
             parents = [-1] + [-1] + list(range(1, len(a))) + ([0] + list(range(len(a) + 1, n - 1)) if len(b) > 1 else [])
             parents = parents[:n]
+            self.branched += 1
+            self.deep += n >= 3
             out.append(Draft(toks, parents))
         return out
 

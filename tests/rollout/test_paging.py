@@ -197,21 +197,3 @@ def test_pool_released_between_rollouts_when_asked():
     assert kept.runner.cache is not None
     eng.release_kv()
     assert eng.runner.cache is None
-
-
-def test_kv_memory_bench_smoke_run_writes_its_accounting(tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = tmp_path / "kv.json"
-    script = Path(__file__).resolve().parents[2] / "scripts/bench_kv_memory.py"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    runs = json.loads(out.read_text())["runs"]
-    paged, contiguous = runs["paged@0.001GiB"], runs["contiguous@0.001GiB"]
-    assert paged["max_in_flight"] > contiguous["max_in_flight"] and paged["shared_block_refs"] > 0
-    assert paged["decode_steps"] < contiguous["decode_steps"]
-    assert runs["paged@0.0004GiB"]["preemptions"] > 0

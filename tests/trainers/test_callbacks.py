@@ -33,3 +33,12 @@ def test_summary_table_has_rows_and_an_overall_share():
     total = lines[-1].split()
     assert total[0] == "all" and total[1] == "0.375" and total[4] == "50.0"  # (3 + 1) / (4 + 4)
     assert "no training steps" in format_summary_table([])
+
+
+def test_the_summary_says_whether_speculation_paid():
+    callback = RolloutSummaryCallback()
+    _log(callback, 1, {"reward": 0.0, "rollout/wall_s": 3.0, "step_time": 4.0, "rollout/spec_saved_s": -0.5})
+    _log(callback, 2, {"reward": 0.0, "rollout/wall_s": 2.0, "step_time": 3.0, "rollout/spec_saved_s": 1.25})
+    lines = format_summary_table(callback.rows).splitlines()
+    assert "spec saved s" in lines[0]
+    assert "-0.50" in lines[2] and "+1.25" in lines[3] and "+0.75" in lines[-1]  # the run's total

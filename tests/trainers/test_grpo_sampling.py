@@ -85,23 +85,33 @@ def test_engine_sampling_maps_trl_values_and_validates():
         engine_sampling(1.0, 1.0, 0, None, None, {"repetition_penalty": 0.0})
 
 
-def test_a_model_with_its_own_generate_is_sampled_by_it(tiny_llama):
+def test_a_model_with_its_own_generate_is_sampled_by_it(tiny_llama, char_tokenizer, tmp_path):
     """A class that overrides generate (custom decoding), or a patched GenerationMixin.generate, is what TRL's
-    generation would run: the engine cannot reproduce it, so TRL's generation samples."""
+    generation would run: the engine cannot reproduce it, so the trainer builds no engine and every rollout of a
+    training step comes from that generate; once the patch is gone the model is the engine's again."""
     from unittest import mock
-
-    import transformers
 
     from trainers.trl_compat import why_not_the_engine
 
     assert why_not_the_engine(tiny_llama, None) is None
+    calls = []
 
     class CustomDecoding(type(tiny_llama)):
         def generate(self, *args, **kwargs):
+            calls.append(kwargs.get("input_ids", args[0] if args else None))
             return super().generate(*args, **kwargs)
 
     custom = CustomDecoding(tiny_llama.config)
+    custom.load_state_dict(tiny_llama.state_dict())
     assert "generate is not transformers' own" in why_not_the_engine(custom, None)
     with mock.patch("transformers.GenerationMixin.generate"):
         assert "generate is not transformers' own" in why_not_the_engine(tiny_llama, None)
-    assert transformers.GenerationMixin.generate is not None
+    assert why_not_the_engine(tiny_llama, None) is None  # read at each call, not cached from the patched one
+
+    trainer = SpecGRPOTrainer(model=custom, reward_funcs=[distinct_chars_reward], args=_args(tmp_path),
+                              train_dataset=make_math_dataset(8, seed=0), processing_class=char_tokenizer,
+                              engine_kwargs=dict(max_model_len=256, max_num_seqs=8))
+    assert trainer.engine is None
+    trainer.train()
+    assert calls, "the model's own generate never ran"
+    assert next(log for log in trainer.state.log_history if "reward" in log)["rollout/engine"] == 0.0

@@ -225,7 +225,7 @@ def _flex_outside_graph(q, k, v, mask: AttnMask, scale: float | None) -> torch.T
     """attend_flex from inside a compiled layer (runtime/compiled.py), behind a graph break. Traced into the
     layer, FlexAttention's block mask carries the paged pool's length as Python ints, which the layer graph
     (compiled with static shapes) specialised on: every new pool size compiled each captured shape again (3-8
-    s each on an H100; bench_out/RESULTS.md, session 16). Out here flex compiles on its own, once per query
+    s each on an H100; docs/gpu.md). Out here flex compiles on its own, once per query
     bucket and dtype, its KV length dynamic from the second size on, and the layer's graphs take any pool size."""
     return attend_flex(q, k, v, mask, scale)
 

@@ -85,9 +85,10 @@ def pack_linears(model: nn.Module, blocked: bool = False) -> int:
     if not packable(model):
         return 0
     blocked = blocked and kernels.available()
+    dtype = next(model.parameters()).dtype
     total = 0
     for m in model.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, Linear) and m.weight.dtype == dtype:  # a float32 head (loader.cast_head) stays plain
             m.pack(blocked)
             copies = [c for c in (m._packed, m._blocked) if c is not None]
             total += sum(c.numel() * c.element_size() for c in copies)

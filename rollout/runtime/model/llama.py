@@ -242,8 +242,10 @@ def _call(layer, *args):
 
 def _head(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """Final norm, LM head, soft-cap (in the model dtype, as transformers) -> float32 logits; a function so
-    that the compiled step compiles it too (its single-row product is the step's largest, compiled.py)."""
-    logits = lm_head(norm(x))
+    that the compiled step compiles it too (its single-row product is the step's largest, compiled.py).
+    A float32 head over a 16-bit body (TRL's cast_lm_head_to_fp32, loader.cast_head) takes the normed hidden
+    state in float32, as TRL's patched head does."""
+    logits = lm_head(norm(x).to(lm_head.weight.dtype))
     if cap is not None:
         logits = softcap(logits, cap)
     return logits.float()

@@ -205,15 +205,31 @@ def load_model(path: str, dtype: str | torch.dtype = "bfloat16", device="cpu") -
     return model
 
 
-def from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None) -> LlamaForCausalLM:
+def from_hf_model(hf_model, dtype: torch.dtype | None = None, device=None,
+                  head_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
     """Build our runtime from an in-memory transformers model (weights copied, not shared), recognised by its
     classes (families.family_of_model). dtype None: the decoder layers' dtype, not the first parameter's: TRL's
     cast_lm_head_to_fp32 turns a tied embedding (the first parameter) into float32 over a bfloat16 body."""
     family = family_of_model(hf_model)
     body = body_tensor(hf_model.named_parameters())
     model = build_model(hf_model.config, dtype or body.dtype, device or body.device, family)
+    cast_head(model, head_dtype)
     load_named_tensors(model, hf_model.state_dict().items())  # checks every tensor came, once
     return model
+
+
+def cast_head(model: LlamaForCausalLM, dtype: torch.dtype | str | None) -> None:
+    """Keep the LM head in `dtype` (float32 for TRL's cast_lm_head_to_fp32) over the body's dtype; None: as is.
+    TRL allows it only for an untied head, and so do we: a tied head is the embedding table."""
+    if dtype is None:
+        return
+    dtype = resolve_dtype(dtype)
+    if dtype == model.lm_head.weight.dtype:
+        return
+    if model.cfg.tie_word_embeddings:
+        raise ValueError("a float32 LM head (cast_lm_head_to_fp32) needs untied embeddings "
+                         "(config.tie_word_embeddings=False), as in TRL")
+    model.lm_head.to(dtype)
 
 
 def body_tensor(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor:

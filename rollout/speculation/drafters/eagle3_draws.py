@@ -163,7 +163,7 @@ class ChainDraws:
 
     def _chain_inputs(self, owners: list[int], rows: torch.Tensor, lens: list[int], depth: int) -> tuple:
         """What the fused draft steps of chains differ in, made for all of them at once (not ~15 small ops a step
-        again: with the changes beside it, a 4-token proposal 2.55 -> 2.31 ms, session 18). Draft step j + 1 writes
+        again: with the changes beside it, a 4-token proposal 2.55 -> 2.31 ms). Draft step j + 1 writes
         its key and value to the drafter's KV layer at position write = lens + j (past the row's table: the trash
         block, for drafts no cap keeps) and attends positions 0..write of its row. -> (cos, sin [depth - 1, R, 1,
         1, D], the drafter's K and V pools, slots [depth - 1, R], blocks [R, n], masks [depth - 1, R, 1, 1, n * bs]):

@@ -51,6 +51,7 @@ from rollout.speculation.selectors.bandit_state import AcceptanceBook, ArmStat, 
     load_bandit_state
 from rollout.speculation.selectors.base import OFF, SELECTORS, Arm
 from rollout.speculation.selectors.gate import acceptance_tracker, make_gates
+from rollout.speculation.selectors.loss_guard import LossGuard
 from rollout.speculation.selectors.regret import RegretLedger
 
 FRESH_DECAY = 0.5  # the change detector looks at the last ~2 uses of a drafter
@@ -61,7 +62,7 @@ PROBE_RECHECK = 8  # steps before a due drafter that no arm could make win is ch
 # Most plain steps a probe may cost beyond its own step: the arm's verify and drafting in plain steps, less one.
 # Acceptance is one figure per drafter whatever the batch, so the cheapest bucket's probe tells as much as a dear
 # one's; on 2 CPU cores a 32-row probe cost 1.6-8 plain steps (a 4-deep chain, a learned drafter's catch-up)
-# where its 1-4 row probes cost 0.1-0.5 (bench_out/RESULTS.md, session 18). On a GPU, where verifying a few more
+# where its 1-4 row probes cost 0.1-0.5 (docs/selectors.md). On a GPU, where verifying a few more
 # tokens is nearly free at every batch, every bucket stays probe-able.
 PROBE_MAX_LOSS = 0.6
 
@@ -82,6 +83,7 @@ class AdaptiveSelector:
     costs: CostModel = field(default_factory=CostModel)
     gates: dict = field(default_factory=dict)  # learned drafter -> LearnedGate (absent: always an arm)
     ledger: RegretLedger = field(default_factory=RegretLedger)  # this call's steps, for strategy/regret
+    guard: LossGuard = field(default_factory=LossGuard)  # speculation loses at most alpha of plain time (loss_guard.py)
     buckets: dict = field(default_factory=dict)  # bucket -> BucketState
     draft_level: dict = field(default_factory=dict)  # (drafter, bucket) -> EMA seconds per draft level
     last_seen: dict = field(default_factory=dict)  # drafter -> step it was last observed
@@ -161,13 +163,36 @@ class AdaptiveSelector:
         if self._may_explore(st):
             self._update_bench(st, est, est[greedy])
             pick = self._stale_probe(est, greedy, b) or self._ucb_pick(st, est, greedy)
-            if pick != greedy:
+            if pick != greedy and self._guarded(pick, b) is pick:
                 arm = pick
                 st.explores += 1
                 st.recent_explores += 1.0
                 self.explores += 1
+        arm = self._guarded(arm, b)
         self.last = (arm, b, batch, est)
         return arm
+
+    def _guarded(self, arm: Arm, b: int) -> Arm:
+        """`arm`, or plain decoding when playing it could take the run's savings below the guard's floor."""
+        if not arm.speculative:
+            return arm
+        if self.guard.allows(self._loss_bound(arm, b)):
+            return arm
+        self.guard.held += 1
+        return OFF
+
+    def _loss_bound(self, arm: Arm, b: int) -> float:
+        """Seconds a step of `arm` in bucket b loses against plain decoding if its drafter's acceptance is at the
+        low end of what its evidence allows (mean - 2 standard deviations of the per-token rate); negative when
+        even that gains. A drafter known only by its prior (a = 0.5 from two pseudo-trials) is bounded at 0."""
+        plain = self.guard.plain_seconds(b, self.costs.cost(b, 1))
+        if plain is None:
+            return float("inf")
+        tr = self._trackers[arm.drafter]
+        rate = tr.rate
+        trials = tr.accepts + tr.rejects + tr.prior_accepts + tr.prior_rejects
+        low = max(0.0, rate - 2.0 * math.sqrt(rate * (1.0 - rate) / trials))
+        return (self._steps_per_verify(arm, b) - expected_tokens(arm, tr, low)) * plain
 
     def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                 drafted: list[int], accepted: list[int]) -> None:
@@ -181,8 +206,9 @@ class AdaptiveSelector:
         # plain decoding's speedup over itself is 1 by definition. Measured, it read cost(b, 1), a lagging EMA,
         # over this step: ~0.6-0.9 for a while after the batch entered a bucket whose figure came from
         # calibration (the forward alone, a shorter context), and arms whose priors were below 1 won on that
-        # (bench_out/RESULTS.md, session 18)
         self._record(st, arm, reward if arm.speculative else 1.0, self._prior(arm, b))
+        advanced = sum(a + 1 for a in accepted) / max(len(accepted), 1)
+        self.guard.observe(b, arm.speculative, seconds + draft_seconds, advanced, self.costs.cost(b, 1))
         self.costs.observe(batch, step_width(drafted), seconds)
 
     def metrics(self) -> dict[str, float]:
@@ -193,7 +219,8 @@ class AdaptiveSelector:
         arm, b, batch, est = self.last
         out = {"strategy/arm": float(self.arms.index(arm)) if arm in self.arms else -1.0,
                "strategy/explore_share": self.explores / max(self.steps, 1),
-               "strategy/bucket": float(b)}
+               "strategy/bucket": float(b), "strategy/guard_held": float(self.guard.held),
+               "strategy/guard_saved_s": self.guard.saved}
         plain = self.costs.cost(b, 1)
         if est and plain:
             out["strategy/expected_speedup"] = est.get(arm, 0.0)
@@ -224,8 +251,7 @@ class AdaptiveSelector:
         """estimate(a, b) of each arm, each verify size's relative cost, each drafter's acceptance and drafting
         cost, and each (drafter, width)'s expected tokens by depth and bias computed once: arm by arm they were
         computed again for each of ~25 arms, and this is most of `choose`, which every step pays (0.11 -> 0.06 ms
-        on a synthetic world in session 18; 0.10-0.11 -> 0.06-0.08 ms on `auto`'s 24 arms after a rollout in
-        session 19)."""
+        on a synthetic world; 0.10-0.11 -> 0.06-0.08 ms on `auto`'s 24 arms after a rollout)."""
         st = self._bucket(b)
         relative, drafters, shapes, out = {}, {}, {}, {}
         for arm in arms:
@@ -273,15 +299,14 @@ class AdaptiveSelector:
         return max((self._prior(a, bb) for bb in known for a in arms), default=0.0)
 
     def _relative(self, b: int, T: int) -> float:
-        """cost(b, T) / cost(b, 1); an uncalibrated bucket borrows the nearest calibrated one's,
-        and with no measurements at all verification is taken as free (so that arms get tried)."""
-        rel = self.costs.relative(b, T)
-        if rel is not None:
-            return rel
-        known = self.costs.measured_buckets()
-        if not known:
+        """cost(b, T) / cost(b, 1); a bucket without a verify measured borrows the nearest one that has one, and
+        with none at all (no calibration, plain steps only) verification is taken as free (so arms get tried)."""
+        verified = {bb for bb, t in self.costs.table if t > 1}  # buckets with a verify measured or calibrated
+        if b in verified:
+            return self.costs.relative(b, T)
+        if not verified:  # plain steps alone: the table would grow T linearly, a guess no arm could beat
             return 1.0
-        return self.costs.relative(nearest_bucket(known, b), T) or 1.0
+        return self.costs.relative(nearest_bucket(sorted(verified), b), T) or 1.0
 
     def _draft_relative(self, arm: Arm, b: int) -> float:
         """Drafting time in plain decode steps."""

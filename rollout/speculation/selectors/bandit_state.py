@@ -56,7 +56,7 @@ def bandit_state(sel) -> dict:
             "last_seen": [[d, step] for d, step in sel.last_seen.items()],
             "fresh": [[d, acc, rej] for d, (acc, rej) in sel.fresh.items()],
             "gates": [[d, gate.state_dict()] for d, gate in sel.gates.items()],
-            "steps": sel.steps, "explores": sel.explores, "last": last}
+            "steps": sel.steps, "explores": sel.explores, "last": last, "guard": sel.guard.state_dict()}
 
 
 def load_bandit_state(sel, state: dict) -> None:
@@ -77,6 +77,8 @@ def load_bandit_state(sel, state: dict) -> None:
             sel.gates[d].load_state_dict(gate)
     sel._playable = [a for a in sel.arms if a.drafter not in sel.gates or sel.gates[a.drafter].open]
     sel.steps, sel.explores = int(state["steps"]), int(state["explores"])
+    if "guard" in state:  # absent in states saved before the loss guard existed: it starts afresh
+        sel.guard.load_state_dict(state["guard"])
     sel.probe_checked = {}  # steps of this run's count: not carried over
     last = state["last"]
     sel.last = None if last is None else \

@@ -9,8 +9,9 @@ per position, and checks them three ways:
   - the same test rejects the old record, the target's own p(y) (p < 0.01), wherever the pipeline's
     law differs from it: the test can tell the subtle wrong variant from the right one.
 Position 1 is read on the rows whose position 0 was an accepted draft (its law given that prefix).
-Lossy modes go through LossyControl.verify and .behaviour, what the engine calls; the lossless chain
-and tree through verify_chain / verify_tree and the engine's record, logprobs_of at the node.
+Lossy modes go through LossyControl.verify and .behaviour, what the engine calls. The lossless chain and
+tree run the engine itself on a small model and read the logprobs it returns: each is the target's own,
+computed here by running the model, and the samples' frequencies fit the law those records define.
 """
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ from scipy.stats import chisquare
 from rollout.engine import _to_host
 from rollout.lossy.control import LossyControl
 from rollout.lossy.judge import JUDGE, ROUTED
-from rollout.runtime.sampling import logprobs_of, sample_without_replacement
+from rollout.runtime.sampling import logprobs_of
 from rollout.speculation.draft_batch import DraftBatch
-from rollout.speculation.verify import verify_chain, verify_tree
 from rollout.types import SamplingParams, SpecConfig
 from tests.rollout.lossy.helpers import TinyTokenizer
 
@@ -239,45 +239,77 @@ def test_routed_steps_record_the_exact_law():
         check_law(_cells(context, tokens), rec, law, wrong)
 
 
-# ---- lossless: the target's logprob is the law -------------------------------------------------------
-def test_lossless_chain_records_the_targets_law():
-    q = np.broadcast_to(Q, (ROWS, 2, V))
-    x = _drafts(q, seed=5)
-    logits = torch.from_numpy(np.log(P)).float().expand(ROWS, 3, V).contiguous()
-    v = verify_chain(logits, x, torch.full((ROWS,), 2), PARAMS, torch.from_numpy(q.copy()).float(),
-                     torch.Generator().manual_seed(6))
-    emitted = torch.cat([x, torch.zeros(ROWS, 1, dtype=torch.long)], 1)
-    emitted.scatter_(1, v.accepted[:, None], v.next_token[:, None])
-    lps = logprobs_of(logits, emitted, PARAMS).numpy()  # what the engine records (rollout/engine.py: _fetch)
-    accepted, emitted = v.accepted.numpy(), emitted.numpy()
-    assert (accepted == 2).sum() > ROWS // 10 and (accepted == 0).sum() > ROWS // 10
-    for j in range(2):
-        rows = np.arange(ROWS)[accepted >= j]
-        check_law(_cells([0] * len(rows), emitted[rows, j]), lps[rows, j], _table(0, P[j]))
+# ---- lossless: the engine records the target's logprob, which is the law --------------------------------
+LL_PROMPT, LL_LENGTH, LL_N, LL_PARAMS = [3, 4, 5, 1], 5, 1000, SamplingParams(temperature=0.8)
 
 
-def test_lossless_tree_records_the_targets_law():
-    """Two root children drawn without replacement from q, each with one child of its own; the law of
-    position 1 is p at the node the walk went through (contexts: node 1 or 2)."""
-    PT = np.stack([P[0], P[1], P[2], P[2], P[2]])  # node 0 (root), nodes 1-2 (children), 3-4 (grandchildren)
-    PT[2] = [.15, .15, .30, .10, .10, .20]
-    logits = torch.from_numpy(np.log(PT)).float().expand(ROWS, 5, V).contiguous()
-    g = torch.Generator().manual_seed(7)
-    roots, root_q = sample_without_replacement(torch.from_numpy(Q[0]).float().expand(ROWS, V), 2, g)
-    q2 = torch.from_numpy(Q[1]).float().expand(ROWS, V)
-    grand = torch.stack([q2.multinomial(1, generator=g)[:, 0] for _ in range(2)], 1)
-    tokens = torch.cat([torch.zeros(ROWS, 1, dtype=torch.long), roots, grand], 1)
-    children = torch.tensor([[1, 2], [3, -1], [4, -1], [-1, -1], [-1, -1]]).expand(ROWS, 5, 2)
-    q = torch.cat([torch.zeros(ROWS, 1, V), root_q, q2[:, None].expand(ROWS, 2, V)], 1)
-    v = verify_tree(logits, tokens, children, PARAMS, q, torch.Generator().manual_seed(8))
-    path, accepted = v.path.numpy(), v.accepted.numpy()
-    emitted = np.concatenate([np.take_along_axis(tokens.numpy(), path.clip(min=0), 1), np.zeros((ROWS, 1), int)], 1)
-    emitted[np.arange(ROWS), accepted] = v.next_token.numpy()
-    at = np.concatenate([np.zeros((ROWS, 1), int), path.clip(min=0)], 1)  # the node predicting each position
-    lps = logprobs_of(logits.gather(1, torch.from_numpy(at)[..., None].expand(-1, -1, V)),
-                      torch.from_numpy(emitted), PARAMS).numpy()
-    assert (path[:, 0] == 2).sum() > ROWS // 20 and (accepted == 2).sum() > ROWS // 20  # 2nd child, depth 2
-    check_law(_cells([0] * ROWS, emitted[:, 0]), lps[:, 0], _table(0, PT[0]))
-    rows = np.arange(ROWS)[accepted >= 1]
-    law = {**_table(1, PT[1]), **_table(2, PT[2])}
-    check_law(_cells(path[rows, 0], emitted[rows, 1]), lps[rows, 1], law)
+def _lossless_rollouts(width: int, monkeypatch):
+    """LL_N rollouts of LL_LENGTH tokens of a 6-token law model through the engine, speculation forced on every
+    step (OracleDrafter: drafts of 1-3 nodes along the target's likeliest path, some tokens random; width 2: the
+    root's top-1 and top-2 children) -> (law model, results, exact law (sequences, probabilities), engine stats,
+    sibling outcomes of verified nodes with two children)."""
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+    from tests.rollout.law_helpers import hf_exact_law, make_law_model, spy_siblings
+    from tests.rollout.spec_helpers import OracleDrafter
+
+    hf = make_law_model(V, seed=2)
+    params = SamplingParams(temperature=LL_PARAMS.temperature, max_new_tokens=LL_LENGTH, n=LL_N, seed=0,
+                            ignore_eos=True)
+    seqs, probs, ranked = hf_exact_law(hf, LL_PROMPT, LL_LENGTH, params)
+    seen = spy_siblings(monkeypatch)
+    spec = SpecConfig(drafter="ngram", num_draft_tokens=3, tree_width=width, selector="always", online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[], max_num_seqs=LL_N,
+                        drafter=OracleDrafter(ranked, V, corrupt=0.3, seed=width))
+    results = eng.generate([LL_PROMPT], params)
+    return hf, results, (seqs, probs), eng.stats(), seen
+
+
+def _target_logprobs(hf, completions: list[list[int]]) -> dict:
+    """prefix (tuple) -> float64 log softmax(logits / T) of the model run here on prompt + prefix, for every prefix
+    of the completions: the target's own logprobs, computed apart from the engine."""
+    prefixes = sorted({tuple(c[:j]) for c in completions for j in range(len(c))}, key=len)
+    out = {}
+    for n in sorted({len(p) for p in prefixes}):
+        batch = [p for p in prefixes if len(p) == n]
+        with torch.no_grad():
+            logits = hf(torch.tensor([LL_PROMPT + list(p) for p in batch])).logits[:, -1].double()
+        out.update(zip(batch, torch.log_softmax(logits / LL_PARAMS.temperature, -1)))
+    return out
+
+
+def _check_lossless_record(hf, results, law) -> None:
+    """Every token's recorded logprob (and behaviour logprob: lossless, the same) is the target's own, as the test
+    computes it; the records define the law the samples are drawn from: the joint record of each sample is its
+    sequence's exact probability, and the samples' frequencies fit that law (chi-square, every sequence kept)."""
+    from tests.rollout.law_helpers import ALPHA, sequence_pvalue
+
+    completions = [r.completion_ids for r in results]
+    target = _target_logprobs(hf, completions)
+    want = torch.tensor([[float(target[tuple(c[:j])][t]) for j, t in enumerate(c)] for c in completions],
+                        dtype=torch.float64)
+    got = torch.tensor([r.logprobs for r in results], dtype=torch.float64)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert all(r.behaviour_logprobs == r.logprobs for r in results)
+    seqs, probs = law
+    index = {tuple(q): i for i, q in enumerate(seqs.tolist())}
+    exact = probs[[index[tuple(c)] for c in completions]]
+    torch.testing.assert_close(got.sum(1).exp(), exact, rtol=1e-3, atol=0)
+    assert sequence_pvalue(torch.tensor(completions), seqs, probs) > ALPHA
+
+
+def test_lossless_chain_records_the_targets_law(monkeypatch):
+    """Chains verified by the CPU kernel where it is built (it returns the logprobs it drew with), else by the
+    torch rule and logprobs_of: drafts accepted in full (the bonus after them) and cut short."""
+    hf, results, law, stats, _ = _lossless_rollouts(1, monkeypatch)
+    assert stats["rollout/accept_hist/3"] >= 0.02 and stats["rollout/accept_hist/0"] >= 0.1, stats
+    _check_lossless_record(hf, results, law)
+
+
+def test_lossless_tree_records_the_targets_law(monkeypatch):
+    """Trees: the logprob of each token is read at the node that predicted it on the accepted path, a later
+    sibling's when the first child was rejected; paths two deep accepted."""
+    hf, results, law, stats, seen = _lossless_rollouts(2, monkeypatch)
+    assert min(seen["first"], seen["later"], seen["none"]) >= 50, seen
+    assert stats["rollout/accept_hist/2"] >= 0.02, stats
+    _check_lossless_record(hf, results, law)

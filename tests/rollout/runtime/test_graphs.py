@@ -1,10 +1,6 @@
 """rollout/graphs.py: bucket and padding logic, the eager fallback against ModelRunner.step, the pool's
 padding/static-buffer path on CPU (emulated replay), and real CUDA graph replay where a GPU exists."""
-import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +13,6 @@ from rollout.runtime.runner import ModelRunner
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
 
 CUDA = torch.cuda.is_available()
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def _runner(rows=8, length=64, n_prompts=5, device="cpu", dtype=torch.float32, compile_mode="auto", **config):
@@ -234,26 +229,6 @@ def test_make_step_runner_is_eager_on_cpu_and_checks_mode():
         make_step_runner(runner.model, runner.cache, "cpu", "always")
     with pytest.raises(ValueError, match="CUDA graphs need"):
         GraphPool(runner.model, runner.cache, "cpu")
-
-
-def _bench(tmp_path, *flags):
-    out = tmp_path / "graphs.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_graphs.py"), "--out", str(out), *flags],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout, json.loads(out.read_text())
-
-
-@pytest.mark.skipif(CUDA, reason="with a GPU the script runs the full benchmark")
-def test_bench_script_without_cuda_writes_json_saying_so(tmp_path):
-    stdout, payload = _bench(tmp_path)
-    assert payload["cuda"] is False and "unavailable" in stdout
-
-
-def test_bench_script_smoke_run_writes_results(tmp_path):
-    stdout, payload = _bench(tmp_path, "--smoke")
-    assert [r["batch"] for r in payload["results"]] == [1, 3] and not payload["skipped"]
-    assert payload["pools"]["tiny-random"]["graphs"] == 2 and "speedup" in stdout
 
 
 # ---- real CUDA graphs ---------------------------------------------------------------------------

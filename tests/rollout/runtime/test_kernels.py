@@ -2,7 +2,8 @@
 
 The kernel's answer is the exact product rounded once to bf16 (float32 accumulation can move a value that sits
 on a rounding boundary by one bf16 step, nothing more); compiled bf16 steps of 2-16 tokens go through it and
-agree with the eager step; where it is switched off, such steps run eagerly as before."""
+agree with the eager step; where it is switched off, such steps run eagerly as before. The sampling kernels' laws:
+test_kernel_laws.py."""
 import pytest
 import torch
 
@@ -279,81 +280,3 @@ def test_bf16_steps_attend_through_the_kernel(compile_mode, heads, monkeypatch):
         assert any(e.key == "rlspec_kernels::paged_attention" for e in prof.key_averages()), (B, T, tree)
         torch.testing.assert_close(got, ref, atol=0.1, rtol=0.05)
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
-
-
-@needs_kernel
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sample_rows_draws_the_softmax_with_its_logprob(temperature):
-    """sample_rows against the law computed in float64 apart from it: 40000 draws of one row of logits spread over
-    ~6 nats (an off-by-one token, a wrong temperature or a missed block fails the chi-square test by far), tokens
-    whose probability is 0 in float32 never drawn, the logprob of each drawn token, and rows with a NaN or an inf
-    flagged."""
-    from scipy.stats import chisquare
-
-    from rollout.runtime.model import kernels
-
-    g = torch.Generator().manual_seed(11)
-    V, N = 1000, 40000
-    x = torch.randn(V, generator=g) * 1.5
-    x[::7] = -300.0  # exp((x - max) / T) underflows to exactly 0: never drawn
-    r = torch.rand(N, generator=g)
-    tok, lp, fin = torch.ops.rlspec_kernels.sample_rows(x.expand(N, V).contiguous(), r, temperature)
-    assert tok.dtype == torch.long and fin.all() and kernels.ready
-    law = torch.softmax(x.double() / temperature, -1)
-    assert (law[tok] > 0).all() and not (tok % 7 == 0).any()
-    torch.testing.assert_close(lp.double(), torch.log_softmax(x.double() / temperature, -1)[tok], atol=2e-5, rtol=0)
-    counts = torch.bincount(tok, minlength=V).double()
-    big = law * N >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([law[big], law[~big].sum()[None]]) * N
-    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
-    bad = torch.stack([x, x, x])
-    bad[0, 5], bad[2, 900] = float("nan"), float("inf")
-    assert torch.ops.rlspec_kernels.sample_rows(bad, r[:3], temperature)[2].tolist() == [False, True, False]
-
-
-@needs_kernel
-@pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "one-hot-q"])
-def test_verify_chain_rows_has_the_chain_rules_law(sampled):
-    """verify_chain_rows against the chain rule's law computed in float64 apart from it: 40000 rows verifying the
-    same two drafts, their (drafts accepted, next token) against P(0, t) = (1 - a0) res0(t), P(1, t) = a0 (1 - a1)
-    res1(t), P(2, t) = a0 a1 p2(t), with a_i = min(1, p_i(x_i) / q_i(x_i)) and res_i = norm(max(0, p_i - q_i)), q
-    sampled or one-hot at the draft. Residuals from p, one uniform for both tests or the bonus from p1 fail it by
-    far. Also the emitted tokens' logprobs, and the finite flag over the positions used only."""
-    from tests.rollout.law_helpers import ALPHA, chi2_pvalue
-
-    g = torch.Generator().manual_seed(5)
-    N, V, K, T = 40000, 12, 2, 0.8
-    logits = torch.randn(1, K + 1, V, generator=g) * 1.5
-    p = torch.softmax(logits.double() / T, -1)[0]
-    x = p[:K].argsort(-1, descending=True)[None, :, 1]  # each draft the second likeliest token
-    if sampled:  # q puts more mass than p on each draft, and spreads the rest elsewhere
-        q = torch.softmax(torch.randn(1, K, V, generator=g) * 1.5, -1)
-        q = q.scatter_add(-1, x[..., None], 2 * p[:K].gather(-1, x[0][:, None]).float()[None])
-        q = q / q.sum(-1, keepdim=True)
-    else:
-        q = torch.zeros(1, K, V).scatter_(-1, x[..., None], 1.0)
-    q64 = q[0].double()
-    a = [min(1.0, float(p[i, x[0, i]] / q64[i, x[0, i]])) for i in range(K)]
-    res = [(p[i] - q64[i]).clamp(min=0) / (p[i] - q64[i]).clamp(min=0).sum() for i in range(K)]
-    law = torch.stack([(1 - a[0]) * res[0], a[0] * (1 - a[1]) * res[1], a[0] * a[1] * p[2]]).reshape(-1)
-    assert 0.1 < a[0] < 0.9 and 0.1 < a[1] < 0.9  # every outcome is frequent
-
-    u, r = torch.rand(N, K, generator=g), torch.rand(N, generator=g)
-    acc, tok, lp, fin = torch.ops.rlspec_kernels.verify_chain_rows(
-        logits.expand(N, -1, -1).contiguous(), x.expand(N, -1), torch.full((N,), K),
-        q.expand(N, -1, -1).contiguous() if sampled else torch.empty(0), u, r, T)
-    assert fin.all() and chi2_pvalue(torch.bincount(acc * V + tok, minlength=(K + 1) * V), law) > ALPHA
-    emitted = torch.cat([x.expand(N, -1), torch.zeros(N, 1, dtype=torch.long)], 1)
-    emitted = emitted.scatter(1, acc[:, None], tok[:, None])
-    want = torch.log_softmax(logits.double() / T, -1)[0].gather(1, emitted.t()).t()  # [N, K + 1]
-    used = torch.arange(K + 1)[None, :] <= acc[:, None]
-    torch.testing.assert_close(lp.double()[used], want[used], atol=2e-5, rtol=0)
-
-    bad = logits.expand(3, -1, -1).clone()
-    bad[0, 0, 5], bad[1, 2, 1], bad[2, 1, 0] = float("nan"), float("inf"), float("nan")
-    u3 = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1 - 1e-7, 0.0]])  # rows 0 and 1 accept all, row 2 rejects at 0
-    out = torch.ops.rlspec_kernels.verify_chain_rows(bad, x.expand(3, -1), torch.full((3,), K),
-                                                     q.expand(3, -1, -1).contiguous() if sampled else torch.empty(0),
-                                                     u3, r[:3], T)
-    assert out[3].tolist() == [False, False, True]  # row 2 never reads position 1

@@ -259,13 +259,14 @@ def test_under_an_address_space_limit_the_default_call_runs_where_rows_x_cap_can
 
 
 def test_kv_growth_bench_smoke_run_on_the_embedded_model(smollm2_dir, tmp_path):
-    """scripts/bench_kv_growth.py (the issue's 256-sequence, cap-4096 check) at a smoke size."""
+    """`python -m rlspec.bench kv --part growth` (the 256-sequence, cap-4096 check under RLIMIT_AS) at a smoke
+    size, in a process of its own: the limit covers the whole process."""
     out = tmp_path / "kv_growth.json"
-    proc = subprocess.run([sys.executable, str(HERE.parents[2] / "scripts/bench_kv_growth.py"), "--prompts", "1", "--n",
-                           "2", "--max-new-tokens", "4", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "rlspec.bench", "kv", "--part", "growth", "--smoke", "--out", str(out)],
+                          cwd=HERE.parents[2], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["ok"] and report["tokens"] > 0 and 0 < report["vm_after_model_gib"] < report["config"]["limit_gb"]
+    assert report["ok"] and report["tokens"] > 0 and 0 < report["vm_after_model_gib"] < report["args"]["limit_gb"]
     assert "RLIMIT_AS headroom" in report["limits_gib"] and report["pool_blocks"] <= report["ceiling_blocks"]
 
 

@@ -114,10 +114,13 @@ def test_eagle3_sampled_chains_keep_the_law(hf):
 
 
 @pytest.mark.parametrize("width,k", [(1, 3), (3, 1)], ids=["chain", "tree"])
-def test_eagle3_with_a_draft_vocabulary_keeps_the_law(hf, width, k):
+def test_eagle3_with_a_draft_vocabulary_keeps_the_law(hf, width, k, monkeypatch):
     """A draft vocabulary of 5 of the 8 tokens: q is sampled over those 5 and spread over the 8 for
     verification; tokens outside it come only from residuals and bonuses. Chains, and trees whose three
-    root children are drawn without replacement."""
+    root children are drawn without replacement: a later child was accepted after the first was rejected
+    (its q has the earlier draws removed), and every child rejected (the residual after all three)."""
+    seen = spy_siblings(monkeypatch)
+
     def drafter(runtime):
         d = Eagle3Drafter(runtime, draft_vocab_size=5)
         d.model.set_draft_vocab(torch.tensor(DRAFT_VOCAB))
@@ -128,6 +131,7 @@ def test_eagle3_with_a_draft_vocabulary_keeps_the_law(hf, width, k):
         assert full_share(stats, 3) >= 0.005 and full_share(stats, 2) >= 0.03, stats
     else:
         assert full_share(stats, 1) >= 0.2, stats
+        assert min(seen["first"], seen["later"], seen["none"]) >= 500, seen
 
 
 @pytest.mark.parametrize("params,draws", [(TOP_K, "without_replacement"), (TOP_P, "iid")],

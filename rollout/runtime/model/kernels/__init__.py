@@ -18,7 +18,8 @@ each weight once for all rows (docs/runtime.md#verify-steps-on-the-cpu). Attenti
 kernel read the cache at ~5 GB/s and once per query: half of a long rollout's step.
 
 Built once per machine with torch's extension builder (about 30 s; ninja and a C++ compiler) under
-$RLSPEC_CACHE/kernels/<source hash>, and loaded from there afterwards. Only where the CPU has AVX-512 BF16
+$RLSPEC_CACHE/kernels/<source hash>, and loaded from there afterwards (build.py: a killed build never blocks a
+later one; a cache directory that other users can write is not loaded from). Only where the CPU has AVX-512 BF16
 (`available`); anywhere else, when the build fails (one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes:
 steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them from a
 compiled step like any extern kernel and fuses everything around them.
@@ -84,15 +85,11 @@ def _build() -> None:
     global _loaded
     if _loaded:
         return
-    from torch.utils.cpp_extension import load
-
     from rollout.runtime.model.fetch import cache_root
+    from rollout.runtime.model.kernels.build import load_library
 
     digest = source_digest()
-    build_dir = cache_root() / "kernels" / digest
-    build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=f"rlspec_kernels_{digest}", sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-         extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    load_library(f"rlspec_kernels_{digest}", SOURCES, FLAGS, ["-fopenmp"], cache_root() / "kernels" / digest)
 
     @torch.library.register_fake("rlspec_kernels::small_linear")
     def _(x, w, bias=None):

@@ -93,6 +93,51 @@ at::Tensor rows(const at::Tensor& like, int64_t M, int64_t N) { return at::empty
 
 namespace rlspec_kernels {
 
+void check_layer(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& slots,
+                 const at::Tensor& blocks, const at::Tensor& mask, const at::Tensor& norm1, const at::Tensor& qkv,
+                 const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o,
+                 const c10::optional<at::Tensor>& o_bias, const at::Tensor& norm2, const at::Tensor& gate_up,
+                 const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                 const c10::optional<at::Tensor>& down_bias, int64_t heads, int64_t kv_heads, int64_t inter,
+                 const c10::optional<at::Tensor>& embeds, const c10::optional<at::Tensor>& embed_norm) {
+  check_tensor(op, "x", x, at::kBFloat16);
+  TORCH_CHECK(x.dim() == 3 && x.size(2) > 0, op, ": x must be [B, T, H] with H > 0, got ", x.sizes());
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
+  TORCH_CHECK(k_pool.dim() == 4, op, ": k_pool must be [NB, bs, KV, D], got ", k_pool.sizes());
+  const int64_t D = k_pool.size(3);
+  TORCH_CHECK(heads > 0 && kv_heads == k_pool.size(2) && inter > 0, op, ": heads > 0, kv_heads = the pool's KV (",
+              k_pool.size(2), ") and inter > 0; got heads = ", heads, ", kv_heads = ", kv_heads, ", inter = ", inter);
+  // the pools, blocks and mask before anything is written to the pools
+  check_paged(op, B, heads, T, D, k_pool, v_pool, blocks, mask);
+  check_tensor(op, "cos", cos, at::kBFloat16);
+  check_tensor(op, "sin", sin, at::kBFloat16);
+  TORCH_CHECK(cos.numel() == M * D && sin.numel() == M * D, op, ": cos and sin must be [B, T, 1, D] = ", M * D,
+              " elements each, got ", cos.sizes(), " and ", sin.sizes());
+  check_index_dtype(op, "slots", slots);
+  TORCH_CHECK(slots.numel() == M, op, ": slots must be [B, T] = ", M, " elements, got ", slots.sizes());
+  check_range(op, "slots", slots.to(at::kLong).contiguous(), k_pool.size(0) * k_pool.size(1),
+              "the KV pool's NB * bs slots");
+  check_vector(op, "norm1", norm1, H);
+  check_vector(op, "norm2", norm2, H);
+  const bool eagle = embeds.has_value() && embeds->defined();
+  if (eagle) {
+    check_tensor(op, "embeds", *embeds, at::kBFloat16);
+    TORCH_CHECK(embeds->numel() == M * H, op, ": embeds must be [B, T, H] like x, got ", embeds->sizes());
+    TORCH_CHECK(embed_norm.has_value() && embed_norm->defined(), op, ": embeds need embed_norm [H]");
+    check_vector(op, "embed_norm", *embed_norm, H);
+  }
+  const int64_t QKV = (heads + 2 * kv_heads) * D;
+  check_packed(op, "qkv", qkv, QKV, eagle ? 2 * H : H);
+  check_bias(op, "qkv_bias", qkv_bias, QKV);
+  check_packed(op, "o", o, H, heads * D);
+  check_bias(op, "o_bias", o_bias, H);
+  check_packed(op, "gate_up", gate_up, 2 * inter, H);
+  check_bias(op, "gate_up_bias", gate_up_bias, 2 * inter);
+  check_packed(op, "down", down, H, inter);
+  check_bias(op, "down_bias", down_bias, H);
+}
+
 at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at::Tensor& sin_, at::Tensor& k_pool,
                          at::Tensor& v_pool, const at::Tensor& slots_, const at::Tensor& blocks,
                          const at::Tensor& mask, const at::Tensor& norm1, const at::Tensor& qkv,
@@ -102,17 +147,10 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
                          const c10::optional<at::Tensor>& down_bias, int64_t heads, int64_t kv_heads, int64_t inter,
                          double eps_, double scale, const c10::optional<at::Tensor>& embeds_,
                          const c10::optional<at::Tensor>& embed_norm) {
-  TORCH_CHECK(x_.scalar_type() == at::kBFloat16 && x_.dim() == 3, "decoder_layer: x [B, T, H] bf16");
+  check_layer("decoder_layer", x_, cos_, sin_, k_pool, v_pool, slots_, blocks, mask, norm1, qkv, qkv_bias, o, o_bias,
+              norm2, gate_up, gate_up_bias, down, down_bias, heads, kv_heads, inter, embeds_, embed_norm);
   const int64_t B = x_.size(0), T = x_.size(1), H = x_.size(2), M = B * T, D = k_pool.size(3);
   const int64_t KV = k_pool.size(2), QKV = (heads + 2 * kv_heads) * D;
-  TORCH_CHECK(kv_heads == KV && k_pool.is_contiguous() && v_pool.is_contiguous() && D % 2 == 0,
-              "decoder_layer: contiguous pools [NB, bs, kv_heads, D]");
-  TORCH_CHECK(cos_.numel() == M * D && sin_.numel() == M * D && slots_.numel() == M &&
-                  cos_.scalar_type() == at::kBFloat16 && sin_.scalar_type() == at::kBFloat16,
-              "decoder_layer: cos, sin [B, T, 1, D] bf16, slots [B, T]");
-  TORCH_CHECK(norm1.numel() == H && norm2.numel() == H && norm1.scalar_type() == at::kBFloat16 &&
-                  norm2.scalar_type() == at::kBFloat16 && norm1.is_contiguous() && norm2.is_contiguous(),
-              "decoder_layer: norm weights [H] bf16");
   const at::Tensor x = x_.contiguous(), cos = cos_.contiguous(), sin = sin_.contiguous();
   const at::Tensor slots = slots_.to(at::kLong).contiguous();
   const float eps = static_cast<float>(eps_);
@@ -121,8 +159,6 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
   at::Tensor proj;  // [M, q | k | v]
   if (embeds_.has_value() && embeds_->defined()) {  // EAGLE-3: [norm(embedding) | norm(hidden)] -> q, k, v
     const at::Tensor embeds = embeds_->contiguous();
-    TORCH_CHECK(embed_norm.has_value() && embed_norm->numel() == H && embeds.numel() == M * H &&
-                    embeds.scalar_type() == at::kBFloat16, "decoder_layer: embeds [B, T, H] bf16 with embed_norm [H]");
     at::Tensor both = rows(x, M, 2 * H);
     for (int64_t m = 0; m < M; m++) {
       rms_norm(ptr(embeds) + m * H, ptr(*embed_norm), mut(both) + m * 2 * H, 1, H, eps);
@@ -149,7 +185,7 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
       std::copy(row + (heads + KV + kh) * D, row + (heads + KV + kh + 1) * D, vp + dst);
     }
   }
-  const at::Tensor att = paged_attention(q, k_pool, v_pool, blocks, mask, scale);  // [B, heads, T, D]
+  const at::Tensor att = attend(q, k_pool, v_pool, blocks, mask, scale);  // [B, heads, T, D], checked above
   at::Tensor flat = rows(x, M, heads * D);  // [B, T, heads * D], o_proj's input
   const bf16* ap = ptr(att);
   bf16* fp = mut(flat);
@@ -168,13 +204,21 @@ at::Tensor decoder_layer(const at::Tensor& x_, const at::Tensor& cos_, const at:
   return y;
 }
 
+void check_head(const char* op, const at::Tensor& x, const at::Tensor& norm, const at::Tensor& lm_head,
+                int64_t vocab) {
+  check_tensor(op, "x", x, at::kBFloat16);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, op, ": x must be [..., H] with H > 0, got ", x.sizes());
+  const int64_t H = x.size(-1);
+  check_vector(op, "norm", norm, H);
+  TORCH_CHECK(vocab > 0, op, ": vocab must be positive, got ", vocab);
+  check_packed(op, "lm_head", lm_head, vocab, H);
+}
+
 at::Tensor final_head(const at::Tensor& x_, const at::Tensor& norm, const at::Tensor& lm_head, int64_t vocab,
                       double eps) {
-  TORCH_CHECK(x_.scalar_type() == at::kBFloat16, "final_head: bf16 x");
+  check_head("final_head", x_, norm, lm_head, vocab);
   const at::Tensor x = x_.contiguous();
   const int64_t H = x.size(-1), M = x.numel() / H;
-  TORCH_CHECK(norm.numel() == H && norm.scalar_type() == at::kBFloat16 && norm.is_contiguous(),
-              "final_head: norm weight [H] bf16");
   at::Tensor h = rows(x, M, H);
   rms_norm(ptr(x), ptr(norm), mut(h), M, H, static_cast<float>(eps));
   auto shape = x.sizes().vec();

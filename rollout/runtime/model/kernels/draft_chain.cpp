@@ -22,10 +22,49 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 namespace rlspec_kernels {
+
+void check_chain(const at::Tensor& h0, const at::Tensor& embed, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& slots,
+                 const at::Tensor& blocks, const at::Tensor& masks, const at::Tensor& hidden_norm,
+                 const at::Tensor& qkv, const at::Tensor& o, const at::Tensor& norm2, const at::Tensor& gate_up,
+                 const at::Tensor& down, const at::Tensor& embed_norm, int64_t heads, int64_t kv_heads, int64_t inter,
+                 const at::Tensor& head_norm, const at::Tensor& lm_head, int64_t vocab, const at::Tensor& ids,
+                 const at::Tensor& r, double temperature) {
+  constexpr const char* op = "draft_chain";
+  check_tensor(op, "h", h0, at::kBFloat16);
+  check_tensor(op, "embed", embed, at::kBFloat16, true);
+  TORCH_CHECK(h0.dim() == 2 && embed.dim() == 2 && embed.size(1) == h0.size(1), op,
+              ": h [R, H] and an embedding table [V, H]; got ", h0.sizes(), " and ", embed.sizes());
+  const int64_t R = h0.size(0), H = h0.size(1);
+  check_head(op, h0, head_norm, lm_head, vocab);
+  check_index_dtype(op, "slots", slots);
+  TORCH_CHECK(slots.dim() == 2 && slots.size(1) == R, op, ": slots must be [S, R] with R = ", R, ", got ",
+              slots.sizes());
+  const int64_t S = slots.size(0);
+  TORCH_CHECK(cos.dim() >= 1 && sin.dim() >= 1 && masks.dim() == 5 && cos.size(0) == S && sin.size(0) == S &&
+                  masks.size(0) == S, op, ": cos, sin [S, R, 1, 1, D] and masks [S, R, 1, 1, n * bs] with S = ", S,
+              " (one per draft step); got ", cos.sizes(), ", ", sin.sizes(), ", ", masks.sizes());
+  if (S > 0) {  // step 0's arguments as decoder_layer takes them stand for every step's (same shapes)
+    check_layer(op, h0.reshape({R, 1, H}), cos[0], sin[0], k_pool, v_pool, slots[0].view({R, 1}), blocks, masks[0],
+                hidden_norm, qkv, c10::nullopt, o, c10::nullopt, norm2, gate_up, c10::nullopt, down, c10::nullopt,
+                heads, kv_heads, inter, h0, embed_norm);
+    check_range(op, "slots", slots.to(at::kLong).contiguous(), k_pool.size(0) * k_pool.size(1),
+                "the KV pool's NB * bs slots");
+  }
+  check_index_dtype(op, "ids", ids);
+  TORCH_CHECK(ids.numel() == vocab, op, ": ids must be [vocab] = ", vocab, " target ids, got ", ids.sizes());
+  check_range(op, "ids", ids.to(at::kLong).contiguous(), embed.size(0), "the embedding table's rows");
+  check_tensor(op, "r", r, at::kFloat);
+  TORCH_CHECK(r.numel() == (S + 1) * R, op, ": r must be [S + 1, R] = [", S + 1, ", ", R, "] uniforms, got ",
+              r.sizes());
+  check_unit(op, "r", r.contiguous());
+  TORCH_CHECK(!std::isnan(temperature), op, ": temperature is NaN");
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_chain(
     const at::Tensor& h0, const at::Tensor& embed, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool,
@@ -34,20 +73,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_chain(
     const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& embed_norm, int64_t heads, int64_t kv_heads,
     int64_t inter, double eps, double scale, const at::Tensor& head_norm, const at::Tensor& lm_head, int64_t vocab,
     const at::Tensor& ids_, const at::Tensor& r_, double temperature) {
-  TORCH_CHECK(h0.scalar_type() == at::kBFloat16 && h0.dim() == 2 && embed.scalar_type() == at::kBFloat16 &&
-                  embed.dim() == 2 && embed.size(1) == h0.size(1) && embed.is_contiguous(),
-              "draft_chain: h [R, H] and a contiguous embedding table [V, H], bf16");
+  check_chain(h0, embed, cos, sin, k_pool, v_pool, slots, blocks, masks, hidden_norm, qkv, o, norm2, gate_up, down,
+              embed_norm, heads, kv_heads, inter, head_norm, lm_head, vocab, ids_, r_, temperature);
   const int64_t R = h0.size(0), H = h0.size(1), S = slots.size(0), depth = S + 1;
-  TORCH_CHECK(slots.dim() == 2 && slots.size(1) == R && cos.size(0) == S && sin.size(0) == S && masks.size(0) == S,
-              "draft_chain: cos, sin, slots and masks with one entry per draft step");
-  TORCH_CHECK(ids_.numel() == vocab && r_.scalar_type() == at::kFloat && r_.numel() == depth * R,
-              "draft_chain: ids [vocab], r [draws, R] float32");
   const bool greedy = temperature <= 0;
   const at::Tensor ids = ids_.to(at::kLong).contiguous(), r = r_.contiguous();
   const int64_t* idp = ids.data_ptr<int64_t>();
   const float* rp = r.data_ptr<float>();
   const int64_t V = embed.size(0);
-  TORCH_CHECK(ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < V, "draft_chain: ids outside [0, V)");
 
   at::Tensor tokens = at::empty({R, depth}, ids.options());
   at::Tensor logits = at::empty({R, depth, vocab}, h0.options().dtype(at::kFloat));

@@ -157,19 +157,40 @@ void chunk_task(const Shapes& z, const uint16_t* q, const uint16_t* kp, const ui
 
 namespace rlspec_kernels {
 
-at::Tensor paged_attention(const at::Tensor& q_, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                           const at::Tensor& blocks_, const at::Tensor& mask_, double scale) {
-  TORCH_CHECK(q_.scalar_type() == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16 &&
-                  v_pool.scalar_type() == at::kBFloat16, "paged_attention: bf16 q and pools");
-  TORCH_CHECK(q_.dim() == 4 && k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                  v_pool.is_contiguous(), "paged_attention: q [B, H, T, D], contiguous pools [NB, bs, KV, D]");
+void check_paged(const char* op, int64_t B, int64_t H, int64_t T, int64_t D, const at::Tensor& k_pool,
+                 const at::Tensor& v_pool, const at::Tensor& blocks, const at::Tensor& mask) {
+  check_tensor(op, "k_pool", k_pool, at::kBFloat16, true);
+  check_tensor(op, "v_pool", v_pool, at::kBFloat16, true);
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(), op,
+              ": k_pool and v_pool must be [NB, bs, KV, D] of one shape; got ", k_pool.sizes(), " and ",
+              v_pool.sizes());
+  const int64_t NB = k_pool.size(0), bs = k_pool.size(1), KV = k_pool.size(2);
+  TORCH_CHECK(bs > 0 && KV > 0 && D > 0 && D % 32 == 0 && k_pool.size(3) == D && H % KV == 0, op,
+              ": pools [NB, bs, KV, D] with bs, KV > 0, the queries' head size D (a multiple of 32) and H = ", H,
+              " query heads a multiple of KV; got pools ", k_pool.sizes(), " for D = ", D);
+  check_tensor(op, "blocks", blocks, at::kLong);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == B, op, ": blocks must be [B, n] with B = ", B, ", got ",
+              blocks.sizes());
+  check_tensor(op, "mask", mask, at::kBool);
+  const int64_t S = blocks.size(1) * bs;
+  TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == 1 && mask.size(2) == T && mask.size(3) == S,
+              op, ": mask must be [B, 1, T, n * bs] = [", B, ", 1, ", T, ", ", S, "], got ", mask.sizes());
+  check_range(op, "blocks", blocks.contiguous(), NB, "the KV pool's blocks");
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& blocks, const at::Tensor& mask, double scale) {
+  check_tensor("paged_attention", "q", q, at::kBFloat16);
+  TORCH_CHECK(q.dim() == 4, "paged_attention: q must be [B, H, T, D], got ", q.sizes());
+  check_paged("paged_attention", q.size(0), q.size(1), q.size(2), q.size(3), k_pool, v_pool, blocks, mask);
+  return attend(q, k_pool, v_pool, blocks, mask, scale);
+}
+
+at::Tensor attend(const at::Tensor& q_, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& blocks_,
+                  const at::Tensor& mask_, double scale) {
   Shapes z{};
   z.B = q_.size(0), z.H = q_.size(1), z.T = q_.size(2), z.D = q_.size(3);
   z.bs = k_pool.size(1), z.KV = k_pool.size(2), z.n = blocks_.size(1), z.S = z.n * z.bs;
-  TORCH_CHECK(k_pool.size(3) == z.D && z.D % 32 == 0 && z.H % z.KV == 0, "paged_attention: head dims");
-  TORCH_CHECK(blocks_.scalar_type() == at::kLong && blocks_.size(0) == z.B, "paged_attention: blocks [B, n] long");
-  TORCH_CHECK(mask_.scalar_type() == at::kBool && mask_.dim() == 4 && mask_.size(0) == z.B && mask_.size(2) == z.T &&
-                  mask_.size(3) == z.S, "paged_attention: mask [B, 1, T, n * bs] bool");
   z.G = z.H / z.KV;
   z.chunks = (z.S + CHUNK - 1) / CHUNK;
   const at::Tensor q = q_.contiguous(), blocks = blocks_.contiguous(), mask = mask_.contiguous();

@@ -87,12 +87,20 @@ Draw draw_row(const float* x, int64_t V, float u, float temperature, float* e, f
   return {token, x[token] / temperature - s.max - std::log(s.total), true, s.total};
 }
 
+void check_sample(const at::Tensor& logits, const at::Tensor& r, double temperature) {
+  check_tensor("sample_rows", "logits", logits, at::kFloat);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "sample_rows: logits must be [B, V] with V > 0, got ",
+              logits.sizes());
+  check_tensor("sample_rows", "r", r, at::kFloat);
+  TORCH_CHECK(r.numel() == logits.size(0), "sample_rows: r must be [B] = ", logits.size(0), " uniforms, got ",
+              r.sizes());
+  TORCH_CHECK(temperature > 0, "sample_rows: temperature must be > 0 (greedy rows take argmax), got ", temperature);
+  check_unit("sample_rows", "r", r.contiguous());
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_, const at::Tensor& u_,
                                                            double temperature) {
-  TORCH_CHECK(logits_.scalar_type() == at::kFloat && logits_.dim() == 2 && logits_.device().is_cpu(),
-              "sample_rows: logits [B, V] float32 on the CPU");
-  TORCH_CHECK(u_.scalar_type() == at::kFloat && u_.numel() == logits_.size(0), "sample_rows: r [B] float32");
-  TORCH_CHECK(temperature > 0, "sample_rows: temperature > 0");
+  check_sample(logits_, u_, temperature);
   const at::Tensor logits = logits_.contiguous(), u = u_.contiguous();
   const int64_t B = logits.size(0), V = logits.size(1);
   at::Tensor token = at::empty({B}, logits.options().dtype(at::kLong));

@@ -111,10 +111,9 @@ void block(const uint16_t* x, W w, const uint16_t* bias, uint16_t* y, int64_t M,
   }
 }
 
-// The bias as a raw pointer (nullptr: none), checked against N.
-const uint16_t* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
+// The bias as a raw pointer (nullptr: none; checked against N by the caller).
+const uint16_t* bias_ptr(const c10::optional<at::Tensor>& bias, at::Tensor& keep) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N, "rlspec_kernels: bias bf16 [N]");
   keep = bias->contiguous();
   return reinterpret_cast<const uint16_t*>(keep.data_ptr());
 }
@@ -138,7 +137,7 @@ struct Call {
   int64_t M, N;
   Call(const at::Tensor& x_, const c10::optional<at::Tensor>& bias_, int64_t K, int64_t N_)
       : xc(x_.reshape({-1, K}).contiguous()), y(at::empty({xc.size(0), N_}, x_.options())),
-        x(reinterpret_cast<const uint16_t*>(xc.data_ptr())), bias(bias_ptr(bias_, N_, bc)),
+        x(reinterpret_cast<const uint16_t*>(xc.data_ptr())), bias(bias_ptr(bias_, bc)),
         out(reinterpret_cast<uint16_t*>(y.data_ptr())), M(xc.size(0)), N(N_) {}
   at::Tensor result(const at::Tensor& x_) const {
     auto shape = x_.sizes().vec();
@@ -152,9 +151,12 @@ struct Call {
 namespace rlspec_kernels {
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "small_linear: bf16 only");
-  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "small_linear: x [..., K], w [N, K]");
+  check_tensor("small_linear", "x", x, at::kBFloat16);
+  check_tensor("small_linear", "w", w, at::kBFloat16);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) > 0 && x.dim() >= 1 && x.size(-1) == w.size(1),
+              "small_linear: x [..., K] and w [N, K] with K > 0; got x ", x.sizes(), ", w ", w.sizes());
   const int64_t K = w.size(1), N = w.size(0), blocks = N / NB;
+  check_bias("small_linear", "bias", bias, N);
   const at::Tensor wc = w.contiguous();
   const RowMajor wl{reinterpret_cast<const uint16_t*>(wc.data_ptr()), K};
   const Call c(x, bias, K, N);
@@ -165,11 +167,11 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
                          int64_t N) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16, "packed_linear: bf16 only");
+  check_tensor("packed_linear", "x", x, at::kBFloat16);
+  TORCH_CHECK(x.dim() >= 1, "packed_linear: x [..., K], got a 0-dim tensor");
   const int64_t K = x.size(-1), KC = (K + 31) / 32, blocks = (N + NB - 1) / NB;
-  TORCH_CHECK(wp.dim() == 4 && wp.size(0) == blocks && wp.size(1) == KC && wp.size(2) == NB && wp.size(3) == 32 &&
-                  wp.is_contiguous(),
-              "packed_linear: wp must be pack(w) of a [N, K] weight: [ceil(N/8), ceil(K/32), 8, 32], contiguous");
+  check_packed("packed_linear", "wp", wp, N, K);
+  check_bias("packed_linear", "bias", bias, N);
   const Blocked wl{reinterpret_cast<const uint16_t*>(wp.data_ptr()), KC};
   const Call c(x, bias, K, N);
   over_blocks(blocks, K, [&](int64_t b) {  // the last block zero-padded: only its first N - b * NB rows are stored

@@ -27,19 +27,41 @@
 
 namespace rlspec_kernels {
 
+void check_verify(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& num, const at::Tensor& q,
+                  const at::Tensor& u, const at::Tensor& r, double temperature) {
+  constexpr const char* op = "verify_chain_rows";
+  check_tensor(op, "logits", logits, at::kFloat);
+  TORCH_CHECK(logits.dim() == 3 && logits.size(1) >= 2 && logits.size(2) > 0, op,
+              ": logits must be [B, K+1, V] with K >= 1 and V > 0, got ", logits.sizes());
+  const int64_t B = logits.size(0), K = logits.size(1) - 1, V = logits.size(2);
+  check_index_dtype(op, "tokens", tokens);
+  check_index_dtype(op, "num", num);
+  check_tensor(op, "u", u, at::kFloat);
+  check_tensor(op, "r", r, at::kFloat);
+  TORCH_CHECK(tokens.numel() == B * K && num.numel() == B && u.numel() == B * K && r.numel() == B, op,
+              ": tokens [B, K], num [B], u [B, K] and r [B] with B = ", B, ", K = ", K, "; got ", tokens.sizes(),
+              ", ", num.sizes(), ", ", u.sizes(), ", ", r.sizes());
+  if (q.numel() > 0) {
+    check_tensor(op, "q", q, at::kFloat);
+    TORCH_CHECK(q.numel() == B * K * V, op, ": q must be [B, K, V] = [", B, ", ", K, ", ", V, "] or empty, got ",
+                q.sizes());
+  }
+  TORCH_CHECK(temperature > 0, op, ": temperature must be > 0 (greedy chains take argmax), got ", temperature);
+  check_unit(op, "u", u.contiguous());
+  check_unit(op, "r", r.contiguous());
+  check_range(op, "tokens", tokens.to(at::kLong).contiguous(), V, "the vocabulary");
+  const at::Tensor counts = num.to(at::kLong).contiguous();
+  const int64_t* np = counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++)  // a count past K means all K (verify_chain's rule); a negative one is a bug
+    TORCH_CHECK(np[b] >= 0, op, ": num[", b, "] = ", np[b], " is a negative draft count");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
     const at::Tensor& logits_, const at::Tensor& tokens_, const at::Tensor& num_, const at::Tensor& q_,
     const at::Tensor& u_, const at::Tensor& r_, double temperature) {
-  TORCH_CHECK(logits_.scalar_type() == at::kFloat && logits_.dim() == 3 && logits_.device().is_cpu(),
-              "verify_chain_rows: logits [B, K+1, V] float32 on the CPU");
+  check_verify(logits_, tokens_, num_, q_, u_, r_, temperature);
   const int64_t B = logits_.size(0), K = logits_.size(1) - 1, V = logits_.size(2);
   const bool sampled = q_.numel() > 0;
-  TORCH_CHECK(K >= 1 && tokens_.numel() == B * K && num_.numel() == B && u_.numel() == B * K && r_.numel() == B &&
-                  u_.scalar_type() == at::kFloat && r_.scalar_type() == at::kFloat,
-              "verify_chain_rows: tokens [B, K], num [B], u [B, K], r [B] float32, K >= 1");
-  TORCH_CHECK(!sampled || (q_.numel() == B * K * V && q_.scalar_type() == at::kFloat),
-              "verify_chain_rows: q [B, K, V] float32 or empty");
-  TORCH_CHECK(temperature > 0, "verify_chain_rows: temperature > 0");
   const at::Tensor logits = logits_.contiguous(), tokens = tokens_.to(at::kLong).contiguous();
   const at::Tensor num = num_.to(at::kLong).contiguous(), q = q_.contiguous(), u = u_.contiguous(),
                    r = r_.contiguous();

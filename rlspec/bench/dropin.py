@@ -1,0 +1,264 @@
+"""The drop-in, as a TRL user meets it: trl.GRPOTrainer against SpecGRPOTrainer with only the class changed.
+
+Each run is a fresh process (`--child`): the user's own code, `AutoModelForCausalLM.from_pretrained(path, dtype=...)`,
+`GRPOConfig(bf16=True, per_device_train_batch_size=8, num_generations=4, max_completion_length=128, use_cpu=True)`,
+the embedded math task and its accuracy reward, N optimizer steps. Arms:
+
+  trl         trl.GRPOTrainer (its own transformers generation)
+  spec        SpecGRPOTrainer, no spec_config (plain decoding in the engine)
+  spec-auto   SpecGRPOTrainer(spec_config=SpecConfig(drafter="auto"))
+
+for two models: `fp32` (float32 master weights under bf16 mixed precision, the common case) and `bf16` (loaded in
+bf16). Arms alternate in rotating order, same seeds; the figures are medians over repetitions and per-repetition
+ratios against trl. Per step, the phases: rollout (generation, weight sync apart), sync, the old-logprob pass,
+rewards, the loss's forward, backward, optimizer; and, for SpecGRPOTrainer, what TRL's importance-sampling
+correction masked (sequences and tokens) and what speculation saved or cost.
+
+    python -m rlspec.bench dropin --reps 3 --steps 6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+from rlspec.bench import harness
+
+NAME = "dropin"
+HELP = "trl.GRPOTrainer vs SpecGRPOTrainer (plain, auto) as a TRL user swaps the class: end to end, per phase"
+ARMS = ("trl", "spec", "spec-auto")
+MODELS = ("fp32", "bf16")
+PHASES = ("rollout", "sync", "old_logprobs", "rewards", "loss_forward", "backward", "optimizer")
+MARK = "DROPIN_RESULT "
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size")
+    p.add_argument("--generations", type=int, default=4, help="num_generations")
+    p.add_argument("--max-completion", type=int, default=128, help="max_completion_length")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model alias or local HF directory")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run's settings, in its own process
+
+
+def run(args) -> dict:
+    if args.child:
+        return {**child(json.loads(args.child)), "no_plot": True}
+    if args.smoke:
+        args.steps, args.reps, args.batch, args.generations, args.max_completion = 1, 1, 2, 2, 4
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for model in args.models:
+        arms = {arm: (lambda rep, arm=arm, model=model: spawn(args, arm, model, rep)) for arm in args.arms}
+        for arm, results in harness.alternate(arms, args.reps, say=_say(model)).items():
+            runs[f"{model}/{arm}"] = results
+    return summarize(runs, args)
+
+
+def _say(model):
+    def say(arm, rep, result):
+        print(f"[bench dropin] {model}/{arm} rep {rep}: {result['total_s']:.1f} s "
+              f"(rollout {sum(result['phases']['rollout']):.1f} s)", flush=True)
+    return say
+
+
+def spawn(args, arm: str, model: str, rep: int) -> dict:
+    """One training run in a fresh process; its result dict."""
+    spec = dict(arm=arm, model=model, rep=rep, steps=args.steps, batch=args.batch, generations=args.generations,
+                max_completion=args.max_completion, model_path=args.model, seed=args.seed, smoke=args.smoke)
+    cmd = [sys.executable, "-m", "rlspec.bench", NAME, "--child", json.dumps(spec), "--out", os.devnull]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=harness.ROOT)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"dropin run {arm}/{model} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(line[len(MARK):])
+
+
+def summarize(runs: dict[str, list[dict]], args) -> dict:
+    totals = {name: [r["total_s"] for r in rs] for name, rs in runs.items()}
+    rows = []
+    for name, rs in runs.items():
+        model, arm = name.split("/")
+        base = totals.get(f"{model}/trl")
+        speed = statistics.median(b / t for b, t in zip(base, totals[name])) if base else None
+        phases = {p: statistics.median(sum(r["phases"][p]) / max(len(r["phases"][p]), 1) for r in rs)
+                  for p in PHASES}
+        rows.append({"model": model, "arm": arm, "total_s": statistics.median(totals[name]),
+                     "speedup_vs_trl": speed,
+                     **{f"{p}_s_per_step": v for p, v in phases.items()},
+                     "is_masked_seq_frac": _median(rs, "is_masked_seq_frac"),
+                     "is_masked_token_frac": _median(rs, "is_masked_token_frac"),
+                     "spec_saved_s": _median(rs, "spec_saved_s"),
+                     "reward": _median(rs, "reward")})
+    cols = ["model", "arm", "total_s", "speedup_vs_trl", "rollout_s_per_step", "old_logprobs_s_per_step",
+            "backward_s_per_step", "is_masked_seq_frac", "spec_saved_s"]
+    return {"rows": rows, "columns": cols, "runs": runs, "smoke": args.smoke}
+
+
+def _median(results: list[dict], key: str):
+    values = [r[key] for r in results if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def plot(report: dict, path: str) -> None:
+    rows = report["rows"]
+    with harness.png(path, 1, 2, figsize=(11, 3.8)) as (fig, (ax, bx)):
+        labels = [f"{r['model']}\n{r['arm']}" for r in rows]
+        bottom = [0.0] * len(rows)
+        for phase in PHASES:
+            values = [r[f"{phase}_s_per_step"] for r in rows]
+            ax.bar(labels, values, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_ylabel("seconds per step")
+        ax.set_title("a GRPO step, phase by phase (medians)")
+        ax.legend(fontsize=7)
+        bx.bar(labels, [r["speedup_vs_trl"] or 0 for r in rows])
+        bx.axhline(1.0, color="k", lw=0.8)
+        bx.set_ylabel("x trl.GRPOTrainer (end to end)")
+        bx.set_title(f"{report.get('date')} {report.get('commit')}")
+
+
+# ---- one run (the child process) ------------------------------------------------------------------------------
+def child(spec: dict) -> dict:
+    import torch
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout.runtime.model.fetch import fetch_model
+    from trainers.data import make_math_dataset
+    from trainers.grpo import SpecGRPOTrainer
+    from trainers.rewards import get_reward_funcs
+    from rollout.types import SpecConfig
+
+    path = fetch_model(spec["model_path"])
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    dtype = torch.float32 if spec["model"] == "fp32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if spec["smoke"]:
+        model = _shrunk(model)
+    with tempfile.TemporaryDirectory() as out:
+        args = trl.GRPOConfig(output_dir=out, bf16=True, use_cpu=True, per_device_train_batch_size=spec["batch"],
+                              num_generations=spec["generations"], max_completion_length=spec["max_completion"],
+                              max_steps=spec["steps"], seed=spec["seed"], logging_steps=1, report_to="none",
+                              save_strategy="no", disable_tqdm=True)
+        kwargs = dict(model=model, reward_funcs=get_reward_funcs(["accuracy"]), args=args,
+                      train_dataset=make_math_dataset(max(64, spec["batch"] * spec["steps"]), seed=spec["seed"]),
+                      processing_class=tokenizer)
+        if spec["arm"] == "trl":
+            trainer = trl.GRPOTrainer(**kwargs)
+        else:
+            config = SpecConfig(drafter="auto") if spec["arm"] == "spec-auto" else None
+            trainer = SpecGRPOTrainer(**kwargs, spec_config=config)
+        phases = PhaseClock(trainer)
+        start = time.perf_counter()
+        trainer.train()
+        total = time.perf_counter() - start
+    result = dict(arm=spec["arm"], model=spec["model"], total_s=total, phases=phases.per_step(spec["steps"]),
+                  **_run_metrics(trainer.state.log_history))
+    print(MARK + json.dumps(result), flush=True)
+    return result
+
+
+def _shrunk(model):
+    """--smoke: the model's architecture cut to 2 layers (random-free: the first layers' own weights)."""
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:2]
+    return model
+
+
+def _run_metrics(history: list[dict]) -> dict:
+    steps = [h for h in history if "reward" in h]
+
+    def mean(key):
+        values = [h[key] for h in steps if key in h]
+        return sum(values) / len(values) if values else None
+
+    return dict(reward=mean("reward"), is_masked_seq_frac=mean("sampling/is_masked_sequence_frac"),
+                is_masked_token_frac=mean("sampling/is_masked_token_frac"),
+                spec_saved_s=_sum(steps, "rollout/spec_saved_s"),
+                plain_step_ms=mean("rollout/plain_step_ms"), spec_step_share=mean("rollout/spec_step_share"))
+
+
+def _sum(steps, key):
+    values = [h[key] for h in steps if key in h]
+    return sum(values) if values else None
+
+
+class PhaseClock:
+    """Seconds per phase of each step, by timing the trainer's own methods on this instance (both trainers run
+    the same TRL code around generation, so the same wrappers time both)."""
+
+    def __init__(self, trainer):
+        import torch
+
+        self.seconds: dict[str, list[float]] = defaultdict(list)
+        self._torch = torch
+        self._wrap(trainer, "_generate", "rollout")
+        self._wrap(trainer, "_calculate_rewards", "rewards")
+        self._wrap(trainer, "compute_loss", "loss_forward")
+        self._wrap(trainer.accelerator, "backward", "backward")
+        self._wrap_logps(trainer)
+        syncer = getattr(trainer, "weight_syncer", None)
+        if syncer is not None:
+            self._wrap(syncer, "maybe_sync", "sync")
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class OptimizerClock(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                clock._opt = time.perf_counter()
+
+            def on_optimizer_step(self, args, state, control, **kw):
+                clock.seconds["optimizer"].append(time.perf_counter() - clock._opt)
+
+        trainer.add_callback(OptimizerClock())
+
+    @contextmanager
+    def _timed(self, phase):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase].append(time.perf_counter() - start)
+
+    def _wrap(self, obj, method: str, phase: str):
+        inner = getattr(obj, method)
+
+        def timed(*a, **kw):
+            with self._timed(phase):
+                return inner(*a, **kw)
+        setattr(obj, method, timed)
+
+    def _wrap_logps(self, trainer):
+        inner = trainer._get_per_token_logps_and_entropies
+
+        def timed(*a, **kw):
+            if self._torch.is_grad_enabled():  # the loss's own forward: inside loss_forward
+                return inner(*a, **kw)
+            with self._timed("old_logprobs"):
+                return inner(*a, **kw)
+        trainer._get_per_token_logps_and_entropies = timed
+
+    def per_step(self, steps: int) -> dict[str, list[float]]:
+        """{phase: seconds per step}; rollout excludes the weight sync inside it."""
+        out = {p: list(self.seconds.get(p, [])) for p in PHASES}
+        if out["sync"] and len(out["sync"]) == len(out["rollout"]):
+            out["rollout"] = [r - s for r, s in zip(out["rollout"], out["sync"])]
+        return out
+
+
+if __name__ == "__main__":
+    from rlspec.bench.__main__ import main
+
+    main([NAME, *sys.argv[1:]])

@@ -1,0 +1,132 @@
+"""What the device check's sections share: the random-weight model shapes, building a transformers model of a
+shape straight on the device (no hub, no download: a step's time does not depend on the weights' values), the
+engine over it, random prompts, and wall-clock timing that waits for the device.
+
+torch and transformers are imported inside the helpers: the check's parent process only starts children."""
+from __future__ import annotations
+
+import time
+
+# transformers config fields of each shape; `tiny` is the CPU rehearsal's
+SHAPES = {
+    "smollm2-135m": ("LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                         tie_word_embeddings=True, rope_theta=100000.0)),
+    "qwen2.5-7b": ("Qwen2Config", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                       tie_word_embeddings=False, rope_theta=1000000.0)),
+    "tiny": ("LlamaConfig", dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)),
+}
+
+
+def device_and_dtype(smoke: bool):
+    """(device, dtype): CUDA in bf16 where there is one; the rehearsal on a CPU runs float32 (bf16 CPU kernels
+    would time another code path than the one a GPU takes, and float32 compiles nothing)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    if not smoke:
+        raise SystemExit("CUDA is unavailable: run the device check on an NVIDIA GPU, or its CPU rehearsal "
+                         "with --smoke (make gpu-rehearsal)")
+    return torch.device("cpu"), torch.float32
+
+
+def build_hf(shape: str, dtype, device, vocab: int | None = None, seed: int = 0):
+    """A transformers model of `shape` with random weights, built in `dtype` on `device` (no float32 copy of a
+    7B model on the way); vocab overrides the shape's (a carried tokenizer's size). EOS off: every sequence
+    runs its full length, as the engine's rows do with ignore_eos."""
+    import torch
+    import transformers
+
+    cls_name, fields = SHAPES[shape]
+    fields = {**fields, **({"vocab_size": vocab} if vocab else {})}
+    cfg = getattr(transformers, cls_name)(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    old = torch.get_default_dtype()
+    torch.manual_seed(seed)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    hf.generation_config.eos_token_id = None
+    return hf.eval()
+
+
+def engine_over(hf, device, dtype, max_seqs: int, max_len: int, spec=None, drafter=None):
+    """A RolloutEngine over a copy of `hf`'s weights: graphs captured lazily, the KV pool kept between calls (the
+    timed calls must not meet a new pool), eager layers (compiled ones recompile per pool size on CUDA)."""
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+
+    model = loader.from_hf_model(hf, dtype, device)
+    return RolloutEngine(model, None, spec, max_len, max_seqs, eos_token_ids=[-1], drafter=drafter,
+                         graph_mode="lazy", free_kv_between_rollouts=False, compile_mode="off")
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n distinct random prompts of `length` tokens (ids from 3: clear of the specials)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def sync(device) -> None:
+    """Wait for queued device work, so wall-clock time covers it (a no-op on CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    """(fn(), seconds) of one call, the device's queued work waited for before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    value = fn()
+    sync(device)
+    return value, time.perf_counter() - t0
+
+
+def time_steps(run, iters: int, device, warmup: int = 2) -> float:
+    """Seconds per `run()` after `warmup` untimed calls (they capture the step's graph on CUDA)."""
+    for _ in range(warmup):
+        run()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def release(device) -> None:
+    """Hand the caching allocator's free blocks back between models (a no-op on CPU)."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def fits(shape: str, batch: int, length: int, copies: int, device, dtype) -> str | None:
+    """Why `copies` weight copies of `shape` plus the KV of `batch` rows of `length` do not fit in free device
+    memory (None: they fit, or this is a CPU)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    _, c = SHAPES[shape]
+    h, layers = c["hidden_size"], c["num_hidden_layers"]
+    kv_dim = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    params = c["vocab_size"] * h * (1 if c["tie_word_embeddings"] else 2) + \
+        layers * (2 * h * h + 2 * h * kv_dim + 3 * h * c["intermediate_size"])
+    size = torch.finfo(dtype).bits // 8
+    need = copies * params * size + 2 * 2 * batch * length * layers * kv_dim * size + 4 * 2**30
+    free, _ = torch.cuda.mem_get_info(device)
+    return None if need < free else f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"

@@ -1,0 +1,92 @@
+"""The `oracle` section: rollouts with a drafter of known acceptance, against plain decoding (greedy, T = 0).
+
+`OracleDrafter` (benchmark-only, never registered) proposes the target's own greedy continuation, recorded by a
+plain rollout of the same prompts first, with each drafted token replaced by a random one with probability
+1 - a. At T = 0 a chain's i-th draft is then accepted with probability a^i (each earlier one survived), so the
+rollout's expected tokens per verify are sum_{i=0..k} a^i, and its speedup checks the formula docs/gpu.md
+predicts from the `spec_costs` section. Measured acceptance is reported beside a: a row whose output drifts
+from the recorded continuation (bf16 results may depend on the batch's shape) accepts less."""
+from __future__ import annotations
+
+import random
+
+from rlspec.bench.gpucheck.common import build_hf, engine_over, fits, random_prompts, release, timed
+from rlspec.bench.gpucheck.predict import expected_tokens
+
+
+class OracleDrafter:
+    """Chains from `reference` (prompt tuple -> greedy completion), each token kept with probability `accept`."""
+
+    name = "oracle"
+
+    def __init__(self, reference: dict[tuple, list[int]], vocab: int, accept: float, seed: int = 0):
+        self.reference, self.vocab, self.accept = reference, vocab, accept
+        self.rng = random.Random(seed)
+
+    def begin(self, groups) -> None:
+        pass
+
+    def finish(self, seq) -> None:
+        pass
+
+    def propose(self, seqs, max_tokens: list[int], width: int):
+        from rollout.speculation.drafters.base import Draft
+
+        out = []
+        for seq, cap in zip(seqs, max_tokens):
+            ref = self.reference.get(tuple(seq.prompt_ids), [])
+            n = len(seq.completion_ids)  # the pending token is completion_ids[-1]: drafts start after it
+            chain = ref[n:n + cap]
+            out.append(Draft.chain([t if self.rng.random() < self.accept else self._other(t) for t in chain]))
+        return out
+
+    def _other(self, token: int) -> int:
+        """A random token other than `token` (a replacement that happened to match would be accepted)."""
+        t = self.rng.randrange(self.vocab - 1)
+        return t + (t >= token)
+
+
+def run(cfg: dict, device, dtype, left, save) -> dict:
+    """cfg: shape, batches, accepts, num_draft_tokens, prompt_len, new_tokens."""
+    from rollout.metrics import ACCEPT_LEN
+    from rollout.types import SamplingParams, SpecConfig
+
+    k, new, B = cfg["num_draft_tokens"], cfg["new_tokens"], max(cfg["batches"])
+    out = {"shape": cfg["shape"], "num_draft_tokens": k, "temperature": 0.0, "rows": []}
+    why = fits(cfg["shape"], B, cfg["prompt_len"] + new + k + 8, 3, device, dtype)
+    if why:
+        return {**out, "skipped": why}
+    hf = build_hf(cfg["shape"], dtype, device)
+    length = cfg["prompt_len"] + new + k + 8
+    prompts = random_prompts(B, cfg["prompt_len"], hf.config.vocab_size, seed=4)
+    greedy = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    plain = engine_over(hf, device, dtype, B, length)
+    ref = plain.generate(prompts, greedy)  # the reference continuations; also sizes the pool for the timed calls
+    reference = {tuple(r.prompt_ids): list(r.completion_ids) for r in ref}
+    drafter = OracleDrafter(reference, hf.config.vocab_size, 1.0)
+    spec = SpecConfig(drafter="ngram", selector="always", num_draft_tokens=k, online_training=False)
+    oracle = engine_over(hf, device, dtype, B, length, spec=spec, drafter=drafter)
+    del hf
+    release(device)
+    for b in cfg["batches"]:
+        ids = prompts[:b]
+        plain.generate(ids, greedy)  # captures b's graphs
+        plain_tok_s = b * new / timed(lambda: plain.generate(ids, greedy), device)[1]
+        for a in cfg["accepts"]:
+            if left() <= 0:
+                save(out)
+                return out
+            drafter.accept = a
+            oracle.generate(ids, greedy)  # captures b's verify graphs
+            oracle.stats()
+            res, secs = timed(lambda: oracle.generate(ids, greedy), device)
+            stats = oracle.stats()
+            same = sum(r.completion_ids == reference[tuple(r.prompt_ids)] for r in res) / len(res)
+            out["rows"].append(dict(batch=b, accept=a, tok_s=b * new / secs, plain_tok_s=plain_tok_s,
+                                    speedup=b * new / secs / plain_tok_s, accept_len=stats.get(ACCEPT_LEN),
+                                    expected_accept_len=expected_tokens(a, k), same_as_reference=same))
+            r = out["rows"][-1]
+            print(f"  batch {b} a={a}: {r['tok_s']:.0f} tok/s, x{r['speedup']:.2f} plain, accept_len "
+                  f"{r['accept_len']} (expected {r['expected_accept_len']:.2f})", flush=True)
+        save(out)
+    return out

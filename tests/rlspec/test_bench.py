@@ -1,0 +1,106 @@
+"""`python -m rlspec.bench`: the listing is fast and complete, every benchmark has a working --help, the harness
+alternates, takes medians and one-run ratios and dates its reports, and each benchmark's --smoke run writes its
+JSON (in-process, so torch and TRL are imported once)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlspec.bench import harness
+from rlspec.bench.__main__ import REGISTRY, MissingBenchmark, bench_parser, load, main
+
+ROOT = Path(__file__).resolve().parents[2]
+OWN = [name for name, mod in REGISTRY.items() if (ROOT / (mod.replace(".", "/") + ".py")).is_file()]
+
+
+def test_listing_names_every_benchmark_without_importing_torch():
+    code = ("import sys\nfrom rlspec.bench.__main__ import main\nmain(['--help'])\n"
+            "assert 'torch' not in sys.modules, 'the listing must not import torch'\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listed = [line.split()[0] for line in proc.stdout.split("benchmarks:\n")[1].splitlines() if line.strip()]
+    assert listed == list(REGISTRY) and len(listed) >= 8
+    assert "(no HELP line)" not in proc.stdout
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_every_benchmark_has_help_and_the_common_flags(name):
+    text = bench_parser(load(name)).format_help()
+    assert all(flag in text for flag in harness.COMMON_FLAGS), text
+
+
+def test_unknown_or_missing_benchmark_says_what_to_do(monkeypatch):
+    with pytest.raises(MissingBenchmark, match="unknown benchmark 'nope'; choose one of: rollout"):
+        load("nope")
+    monkeypatch.setitem(REGISTRY, "ghost", "rlspec.bench.ghost")
+    with pytest.raises(MissingBenchmark, match=r"module rlspec.bench.ghost is missing \(rlspec/bench/ghost.py\)"):
+        load("ghost")
+
+
+def test_alternate_rotates_arms_and_ratios_pair_each_repetition():
+    order = []
+    runs = harness.alternate({"a": lambda rep: order.append("a") or 2.0 * (rep + 1),
+                              "b": lambda rep: order.append("b") or 1.0 * (rep + 1)}, 3)
+    assert order == ["a", "b", "b", "a", "a", "b"]  # who goes first alternates with the repetition
+    assert runs == {"a": [2.0, 4.0, 6.0], "b": [1.0, 2.0, 3.0]}
+    assert harness.medians(runs) == {"a": 4.0, "b": 2.0}
+    # each repetition's ratio uses that repetition's base: drift between repetitions cancels
+    assert harness.ratios(runs, "b") == {"a": [2.0, 2.0, 2.0]}
+
+
+def test_reports_are_dated_and_smoke_runs_never_replace_a_figure(tmp_path):
+    import argparse
+
+    meta = harness.provenance("rollout", ["--smoke"])
+    assert len(meta["date"]) == 10 and meta["command"] == "python -m rlspec.bench rollout --smoke"
+    assert meta["commit"] and "loadavg_1m" in meta["machine"]
+    figure = harness.default_out(argparse.Namespace(out=None, smoke=False), "trl-suite")
+    assert figure.endswith("bench_out/trl_suite.json")
+    assert "outputs/bench_smoke/" in harness.default_out(argparse.Namespace(out=None, smoke=True), "rollout")
+
+
+def _paged_beats_contiguous(runs: dict) -> bool:
+    paged, contiguous = runs["paged@0.001GiB"], runs["contiguous@0.001GiB"]
+    return (paged["max_in_flight"] > contiguous["max_in_flight"] and paged["shared_block_refs"] > 0
+            and paged["decode_steps"] < contiguous["decode_steps"] and runs["paged@0.0004GiB"]["preemptions"] > 0)
+
+
+# name -> (extra flags, a check of the report): each smoke run must exercise its benchmark's real pipeline
+SMOKE = {
+    "rollout": ([], lambda r: {x["backend"] for x in r["rows"]} == {"hf", "engine"} and r["ratio"]["2"] > 0),
+    "rollout-longtail": (["--workload", "longtail"], lambda r: [x["config"] for x in r["rows"]]
+                         == ["hf", "engine", "suffix"] and r["rows"][2]["speedup_vs_engine"] > 0),
+    "step": ([], lambda r: r["rows"][0]["fused_ms"] > 0 and r["verify_steps"][1]["tokens"] == 2
+             and r["draft_costs"][0]["drafter"] == "ngram" and r["roofline_ms"] > 0),
+    "drafter": ([], lambda r: [c["round"] for c in r["curve"]] == [0, 1] and r["curve"][1]["train_steps"] == 2
+                and len(r["rows"]) == 3),
+    "drafter-speed": (["--part", "speed"],
+                      lambda r: len(r["rows"]) == 6 and r["memory"]["indexed_bytes_per_token"] > 0),
+    "grpo": ([], lambda r: [x["drafter"] for x in r["rows"]] == ["none", "suffix"] and r["rows"][1]["wall_s"] > 0),
+    "ppo": ([], lambda r: [x["run"] for x in r["rows"]] == ["spec_on", "spec_off"]
+            and "rollout_speedup" in r["rows"][0]),
+    "kv": ([], lambda r: _paged_beats_contiguous(r["runs"])),
+    "lossy": ([], lambda r: [x["setting"] for x in r["rows"]] == ["target", "lossless", "prob@0.1", "route@-1"]),
+    "vllm": ([], lambda r: [x["config"] for x in r["rows"]][:2] == ["engine", "engine-ngram"]
+             and r["rows"][0]["tokens_per_s"] > 0),
+    "workers": ([], lambda r: [x["config"] for x in r["rows"]] == ["pool 2x1", "engine 1x2"]
+                and "N=64" in r["projection"]),
+    "chaos": ([], lambda r: r["ok"] and r["faults"][0]["name"] == "long_prompt" and r["faults"][0]["exit_code"] == 2
+              and not r["faults"][0]["reached_step_1"] and r["faults"][0]["with_drop_long_prompts"]["exit_code"] == 0),
+    "trl-suite": ([], lambda r: r["summary"]["plain"]["passed"] == r["summary"]["spec"]["passed"] == 1
+                  and r["summary"]["spec"]["skipped"] == 1 and "tiny-VisionOnly" in str(r["unbuilt"])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SMOKE))
+def test_smoke_run_writes_its_report(case, tmp_path, smollm2_dir):
+    flags, check = SMOKE[case]
+    out = tmp_path / "report.json"
+    main([case.split("-")[0] if case not in REGISTRY else case, "--smoke", "--out", str(out), *flags])
+    report = json.loads(out.read_text())
+    assert report["benchmark"] in REGISTRY and report["date"] and report["commit"]
+    assert check(report), json.dumps({k: v for k, v in report.items() if k in ("rows", "runs", "faults")})[:3000]
