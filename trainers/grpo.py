@@ -32,6 +32,7 @@ from trl import GRPOTrainer
 
 import rollout.metrics as M
 from rollout.limits import fits
+from rollout.runtime.model.loader import body_tensor
 from rollout.types import SpecConfig
 from trainers import rollout_source, trl_compat
 from trainers.callbacks import attach_summary_callback
@@ -86,6 +87,7 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
             self.engine_sampling = grpo_sampling(self)
             self.dropped_long_prompts = rollout_source.preflight(self, drop_long_prompts)
             # TRL's importance-sampling correction and its sampling/* metrics, against the engine's logprobs
+            self.rlspec_sampling_dtypes = (self.rollouts.sampling_dtype, body_tensor(policy.named_parameters()).dtype)
             trl_compat.turn_on_importance_sampling(self)
             self.rollout_func = trl_compat.with_sampling_logprobs(self.rollout_func)
         self.summary_callback = attach_summary_callback(self)

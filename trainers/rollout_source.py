@@ -46,9 +46,11 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
     bucket_mb = engine_kwargs.pop("sync_bucket_mb", None) or DEFAULT_BUCKET_MB
     built_here = engine is None
     context = None  # the engine's own max_model_len unless we build it (a Ray pool does not expose one)
+    dtypes = {}
     if built_here:
+        dtypes = sampling_dtypes(trainer.args, policy, engine_kwargs)
         defaults = dict(max_model_len=max_model_len or default_max_model_len(policy), max_num_seqs=max_num_seqs,
-                        **sampling_dtypes(trainer.args, policy, engine_kwargs))
+                        **dtypes)
         context = {**defaults, **engine_kwargs}["max_model_len"]
         engine = build_engine(policy, tokenizer, spec_config, defaults, engine_kwargs)
     # An engine built from the policy right now already holds its weights: no first push needed, except for a
@@ -58,6 +60,7 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
                            seed=trainer.args.seed, process_index=trainer.accelerator.process_index,
                            profile=lambda name: profiling_context(trainer, name), bucket_bytes=int(bucket_mb * 2**20),
                            max_model_len=context)
+    source.sampling_dtype = dtypes.get("dtype")  # None: an engine the caller built, in its own dtype
     if peft:
         source.weight_syncer.maybe_sync(policy, trainer.state.global_step)
     from trainers.drafter_feed import DrafterFeed
@@ -121,6 +124,7 @@ class RolloutSource:
         # backend banks its own samples, or trains no drafter); it needs the last call's law and policy version
         self.drafter_feed = None
         self.last_params: SamplingParams | None = None
+        self.sampling_dtype = None  # the dtype the backend samples in, when this source chose it (for_trainer)
         self.last_policy_version = 0
 
     def generate(self, policy, step: int, prompt_ids: list[list[int]], n: int, *, temperature: float,

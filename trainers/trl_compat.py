@@ -104,6 +104,11 @@ def importance_sampling_mode(trainer) -> str:
     correction is what accounts for it. So we keep it on and use the token-level mode of the same kind
     (mask -> token_mask, truncate -> token_truncate, with the user's clip bounds), which is what TRL's
     vespo accepts, and say so in the log.
+
+    Likewise, when the engine samples in another dtype than the master weights' (bf16 from float32 under
+    mixed precision, trainers/sampling_dtype.py) and the mode is TRL's default, token_truncate replaces
+    sequence_mask: the default would drop whole samples over rounding (docs/sampling_dtype.md gives the
+    measured share). TRL's default value counts as unset; a user who wants sequence_mask samples in float32.
     """
     mode = trainer.vllm_importance_sampling_mode
     if trainer.loss_type == "vespo" and mode in TOKEN_LEVEL_FOR_VESPO:
@@ -111,7 +116,25 @@ def importance_sampling_mode(trainer) -> str:
         logger.info("SpecGRPOTrainer: loss_type='vespo' takes a token-level importance-sampling correction; "
                     "using vllm_importance_sampling_mode=%r instead of %r", new, mode)
         return new
+    sampled, stored = getattr(trainer, "rlspec_sampling_dtypes", (None, None))
+    if mode == TRL_DEFAULT_IS_MODE and sampled is not None and sampled != stored:
+        # bf16 sampling against float32 master weights: per-token log-ratios are small but sum over a sequence,
+        # and TRL's default zeroes a whole sample whose summed ratio passes the cap (docs/sampling_dtype.md)
+        logger.warning("SpecGRPOTrainer: rollouts are sampled in %s from %s master weights; TRL's default "
+                       "vllm_importance_sampling_mode='sequence_mask' would drop whole samples over a summed "
+                       "rounding difference, so 'token_truncate' (each token's ratio clipped at %s) is used instead. "
+                       "Sample in %s (engine_kwargs={'dtype': '%s'}) to keep TRL's default",
+                       _name(sampled), _name(stored), trainer.vllm_importance_sampling_clip_max, _name(stored),
+                       _name(stored))
+        return "token_truncate"
     return mode
+
+
+TRL_DEFAULT_IS_MODE = "sequence_mask"  # GRPOConfig.vllm_importance_sampling_mode's default
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def turn_on_importance_sampling(trainer) -> None:

@@ -8,6 +8,9 @@ import re
 import shutil
 from pathlib import Path
 
+from rlspec.bench.trl_results import first_line
+
+SMOLLM2 = "smollm2-135m-instruct"
 QWEN_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 # family: chat template (trl/chat_templates/<name>.jinja; None = keep SmolLM2's), bos/eos/pad, extra special
 # tokens, the generation_config eos list

@@ -32,7 +32,7 @@ from pathlib import Path
 from rlspec.bench.harness import ROOT as REPO
 from rlspec.bench.trl_fixtures import build_fixtures
 from rlspec.bench.trl_results import (
-    TEST_FILE, counts, format_summary, group_by_cause, parse_engine_log, parse_junit, per_test_table,
+    TEST_FILE, counts, format_summary, group_by_cause, nodeid_key, parse_engine_log, parse_junit, per_test_table,
     reclassify_unbuilt, regressions, summarize, test_sources)
 
 NAME = "trl-suite"
@@ -82,6 +82,7 @@ def run(args) -> dict:
         raise SystemExit(0)
     if args.smoke:
         _smoke_tests(args)
+        args.jobs = 1  # one pytest process per arm
     if args.trl_tests is None or not (args.trl_tests / TEST_FILE).is_file():
         raise SystemExit(f"--trl-tests must be a TRL tests/ checkout containing {TEST_FILE} (see --help)")
     import trl

@@ -104,3 +104,34 @@ def test_smoke_run_writes_its_report(case, tmp_path, smollm2_dir):
     report = json.loads(out.read_text())
     assert report["benchmark"] in REGISTRY and report["date"] and report["commit"]
     assert check(report), json.dumps({k: v for k, v in report.items() if k in ("rows", "runs", "faults")})[:3000]
+
+
+def undefined_names(source: str) -> list[str]:
+    """Names a module loads that nothing in it binds (import, def, class, assignment, argument) and that are not
+    builtins: a file split into modules that lost an import or a constant fails here, not at the end of a run."""
+    import ast
+    import builtins
+
+    tree = ast.parse(source)
+    bound = set(dir(builtins)) | {"__file__", "__name__", "__doc__"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "rlspec" / "bench").rglob("*.py")), ids=lambda p: p.name)
+def test_bench_modules_use_no_unbound_name(path):
+    assert undefined_names(path.read_text()) == []
+
+
+def test_unbound_name_check_sees_a_lost_import():
+    assert undefined_names("import json\n\ndef f(x):\n    return json.dumps(x) + first_line(x)\n") == ["first_line"]

@@ -178,6 +178,7 @@ def test_a_used_output_dir_is_refused_before_torch_then_overwritten_on_request(t
 
     run_files.record(out, "checkpoint-3", "summary.json")  # a previous run's (overwrite deletes only those)
     code = (f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom rlspec.train import main\n"
+            "from tests.rlspec.resume_driver import register_reward\nregister_reward()\n"
             f"rc = main({args + [f'output_dir={out}']!r})\n"
             "assert 'torch' not in sys.modules, 'the refusal must come before heavy imports'\nsys.exit(rc)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

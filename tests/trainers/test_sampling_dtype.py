@@ -66,11 +66,40 @@ def test_the_drop_in_samples_a_float32_model_in_bf16_under_bf16_mixed_precision(
     trainer = _trainer(tiny_llama, char_tokenizer, tmp_path, bf16=True)
     engine_dtype = next(trainer.engine.runner.model.parameters()).dtype
     assert tiny_llama.dtype == torch.float32 and engine_dtype == torch.bfloat16
+    # TRL's default would drop whole samples over summed rounding: token-level truncation instead
+    assert trainer.vllm_importance_sampling_mode == "token_truncate"
     trainer.train()  # the weight sync casts float32 master weights into the bf16 engine
     log = next(entry for entry in trainer.state.log_history if "reward" in entry)
     # TRL's importance-sampling correction sees bf16 sampling logprobs against float32 recomputed ones: close,
     # not equal (0 would mean the engine still sampled in float32)
     assert 0 < log["sampling/sampling_logp_difference/mean"] < 0.1
+
+
+def test_sampling_in_the_storage_dtype_keeps_trls_importance_sampling_default(tiny_llama, char_tokenizer,
+                                                                             tmp_path):
+    config = trl.GRPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=True, per_device_train_batch_size=4,
+                            num_generations=4, max_completion_length=8, report_to="none")
+    trainer = SpecGRPOTrainer(model=tiny_llama, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                              args=config, train_dataset=make_math_dataset(8, seed=0), processing_class=char_tokenizer,
+                              engine_kwargs=dict(max_model_len=128, max_num_seqs=4, dtype="float32"))
+    assert next(trainer.engine.runner.model.parameters()).dtype == torch.float32
+    assert trainer.vllm_importance_sampling_mode == "sequence_mask"
+
+
+def test_masked_fractions_count_what_trls_correction_zeroed():
+    from trainers.trl_compat import masked_fractions
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    seq = {"importance_sampling_ratio": torch.tensor([[0.0], [1.2], [0.0]]), "completion_mask": mask}
+    out = masked_fractions(seq, "sequence_mask")
+    assert out["sampling/is_masked_sequence_frac"] == pytest.approx(2 / 3)
+    assert out["sampling/is_masked_token_frac"] == pytest.approx(7 / 9)
+    tok = {"importance_sampling_ratio": torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 5.0, 0.0], [1.0] * 4]),
+           "completion_mask": mask}
+    out = masked_fractions(tok, "token_mask")  # padding's zeros are not masked tokens; row 1 lost all it had
+    assert out["sampling/is_masked_token_frac"] == pytest.approx(3 / 9)
+    assert out["sampling/is_masked_sequence_frac"] == pytest.approx(1 / 3)
+    assert masked_fractions(tok, "token_truncate")["sampling/is_masked_token_frac"] == 0.0
 
 
 def test_cast_lm_head_to_fp32_keeps_a_float32_head_over_the_bf16_body(char_tokenizer, tmp_path):
