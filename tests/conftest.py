@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Under pytest-xdist (`make test` runs two workers on two cores) each worker computes on one thread: two workers
+# of two OpenMP threads each oversubscribe the cores, and OpenMP's spinning then slows every step many times over.
+# Set before torch loads; subprocesses a test starts inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -47,6 +47,8 @@ def add_arguments(p) -> None:
     p.add_argument("--generations", type=int, default=4, help="num_generations")
     p.add_argument("--max-completion", type=int, default=128, help="max_completion_length")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model alias or local HF directory")
+    p.add_argument("--is-prompts", type=int, default=16, help="prompts (x --generations samples) of the "
+                   "importance-sampling probe: what TRL's default sequence_mask would drop under bf16 sampling; 0 skips")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run's settings, in its own process
 
 
@@ -55,12 +57,13 @@ def run(args) -> dict:
         return {**child(json.loads(args.child)), "no_plot": True}
     if args.smoke:
         args.steps, args.reps, args.batch, args.generations, args.max_completion = 1, 1, 2, 2, 4
+    probe = is_probe(args) if args.is_prompts > 0 else None
     runs: dict[str, list[dict]] = defaultdict(list)
     for model in args.models:
         arms = {arm: (lambda rep, arm=arm, model=model: spawn(args, arm, model, rep)) for arm in args.arms}
         for arm, results in harness.alternate(arms, args.reps, say=_say(model)).items():
             runs[f"{model}/{arm}"] = results
-    return summarize(runs, args)
+    return {**summarize(runs, args), "is_probe": probe}
 
 
 def _say(model):
@@ -124,6 +127,53 @@ def plot(report: dict, path: str) -> None:
         bx.axhline(1.0, color="k", lw=0.8)
         bx.set_ylabel("x trl.GRPOTrainer (end to end)")
         bx.set_title(f"{report.get('date')} {report.get('commit')}")
+
+
+# ---- the importance-sampling probe -----------------------------------------------------------------------------
+def is_probe(args) -> dict:
+    """What TRL's importance-sampling modes would zero under bf16 sampling against float32 master weights: the
+    engine samples in bf16 (its per-token logprobs), the float32 model recomputes them under bf16 autocast (TRL's
+    old-logprob pass under bf16=True); sequence_mask drops a sample whose summed log-ratio passes log(cap)."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model.fetch import fetch_model
+    from rollout.types import SamplingParams
+    from trainers.data import make_math_dataset
+
+    path = fetch_model(args.model)
+    engine = RolloutEngine.from_pretrained(path, dtype="bfloat16", max_model_len=512, max_num_seqs=16)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if args.smoke:
+        args.is_prompts = 2
+    tok, data = engine.tokenizer, make_math_dataset(max(args.is_prompts, 1), seed=args.seed)
+    prompts = [tok.apply_chat_template(data[i]["prompt"], add_generation_prompt=True, return_dict=False)
+               for i in range(args.is_prompts)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_completion, n=args.generations, seed=args.seed,
+                            stop_token_ids=[tok.eos_token_id])
+    sums, diffs = [], []
+    for r in engine.generate(prompts, params):
+        ids = torch.tensor([list(r.prompt_ids) + list(r.completion_ids)])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = policy(ids).logits.float()[0, len(r.prompt_ids) - 1:-1]
+        old = torch.log_softmax(logits, -1).gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+        d = old - torch.tensor(r.logprobs)  # log pi - log mu per token
+        diffs.append(d)
+        sums.append(float(d.sum()))
+    d, cap = torch.cat(diffs), math.log(3.0)
+    out = {"samples": len(sums), "tokens": int(d.numel()), "cap": 3.0,
+           "sequence_mask_dropped_frac": sum(x > cap for x in sums) / len(sums),
+           "token_mask_dropped_token_frac": float((d > cap).float().mean()),
+           "token_truncate_clipped_token_frac": float((d > cap).float().mean()),
+           "token_abs_log_ratio_mean": float(d.abs().mean()), "token_abs_log_ratio_max": float(d.abs().max()),
+           "sequence_log_ratio_sd": float(torch.tensor(sums).std()) if len(sums) > 1 else 0.0}
+    print(f"[bench dropin] IS probe, {out['samples']} samples: TRL's default sequence_mask drops "
+          f"{100 * out['sequence_mask_dropped_frac']:.1f}% of them; token_truncate clips "
+          f"{100 * out['token_truncate_clipped_token_frac']:.2f}% of tokens", flush=True)
+    return out
 
 
 # ---- one run (the child process) ------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class KVBudget:
         return int(DEFAULT_FRACTION * min(memory_limits(device).values()))
 
     def ceiling_headroom(self, device, reserve_bytes: int = 0):
-        """headroom() less the reserve, as the callback a growing pool asks before each growth (kv_cache.set_ceiling)."""
+        """headroom() less the reserve: the callback a growing pool asks before each growth (kv_cache.set_ceiling)."""
         return lambda: max(0, self.headroom(device) - reserve_bytes)
 
     def _too_small(self, blocks: int, need: int, block_bytes: int, min_positions: int, device) -> str:

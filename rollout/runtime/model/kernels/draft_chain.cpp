@@ -46,7 +46,9 @@ void check_chain(const at::Tensor& h0, const at::Tensor& embed, const at::Tensor
   TORCH_CHECK(slots.dim() == 2 && slots.size(1) == R, op, ": slots must be [S, R] with R = ", R, ", got ",
               slots.sizes());
   const int64_t S = slots.size(0);
-  TORCH_CHECK(cos.dim() >= 1 && sin.dim() >= 1 && masks.dim() == 5 && cos.size(0) == S && sin.size(0) == S &&
+  // a chain of one draw (S = 0) takes no step inputs: the caller passes empty tensors of any shape
+  TORCH_CHECK(S == 0 ? cos.numel() == 0 && sin.numel() == 0 && masks.numel() == 0 :
+                  cos.dim() >= 1 && sin.dim() >= 1 && masks.dim() == 5 && cos.size(0) == S && sin.size(0) == S &&
                   masks.size(0) == S, op, ": cos, sin [S, R, 1, 1, D] and masks [S, R, 1, 1, n * bs] with S = ", S,
               " (one per draft step); got ", cos.sizes(), ", ", sin.sizes(), ", ", masks.sizes());
   if (S > 0) {  // step 0's arguments as decoder_layer takes them stand for every step's (same shapes)
