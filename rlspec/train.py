@@ -277,7 +277,7 @@ def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict]
     return summary
 
 
-# (loss/, val/, objective/, policy/: PPO's curves, for scripts/bench_ppo.py)
+# (loss/, val/, objective/, policy/: PPO's curves, for `python -m rlspec.bench ppo`)
 _HISTORY_PREFIXES = ("rollout/", "drafter/", "strategy/", "sampling/", "vllm/", "reward", "loss/", "val/", "objective/",
                      "policy/")
 

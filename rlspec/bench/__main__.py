@@ -31,6 +31,7 @@ REGISTRY = {
     "chaos": "rlspec.bench.chaos",
     "trl-suite": "rlspec.bench.trl_suite",
     "gpu": "rlspec.bench.gpu",
+    "kernel-checks": "rlspec.bench.kernel_checks",
 }
 
 

@@ -58,7 +58,7 @@ def inductor_cache_dir(root: str | None = None) -> str:
 
 def resolve_compile(mode: str, device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether steps are compiled. auto: on a CPU in bf16, where it was measured to pay (bench_out/step.json);
-    off in float32, and off on CUDA: measured there (bench_out/RESULTS.md, session 16), compiled graphs ran 1.2-1.4x
+    off in float32, and off on CUDA: measured there (docs/gpu.md), compiled graphs ran 1.2-1.4x
     faster but recompiled every shape for each new KV pool size (3-8 s a shape), and training re-sizes the pool per
     rollout. FlexAttention now stays outside the layer's graphs, which take any pool size (captured_layer_call); the
     graphs' speed with that graph break is unmeasured on a GPU, so CUDA stays off until `make gpu-check` has run it."""

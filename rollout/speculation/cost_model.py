@@ -47,7 +47,7 @@ def step_width(drafted: list[int]) -> int:
     """Tokens per row of the verify forward that carried these drafts (draft tokens or tree nodes per row):
     what its seconds are the cost of. An arm's nominal 1 + nodes overstated it when drafts came short (a
     model-free drafter finding fewer matches, none at all), making verifies look cheap and, with no drafts,
-    leaving the plain-step cost the rewards divide by unrefreshed (bench_out/RESULTS.md, session 14)."""
+    leaving the plain-step cost the rewards divide by unrefreshed (docs/selectors.md)."""
     return 1 + max(drafted, default=0)
 
 

@@ -2,7 +2,7 @@
 
 A decode step at small batch streams every weight once (bandwidth-bound). On this CPU torch's bf16
 matmul streams them at only ~8 GB/s on one core, because oneDNN reorders the weight into its blocked
-layout on every call; two ways around it (scripts/bench_step.py measures them in place):
+layout on every call; two ways around it (`python -m rlspec.bench step` measures them in place):
   * packed weights (eager steps, CPU, bf16): the weight reordered once into oneDNN's layout
     (`pack_linears`), and every call runs oneDNN on it: 1.8-2x faster at 1 to 16 rows, with the same
     kernel and so bit for bit the same output as F.linear. A packed copy is refreshed when the weight

@@ -9,7 +9,7 @@
 // cannot use pre-packed weights, so a compiled verify step ran at a third of the memory bandwidth. This kernel
 // reads each weight once per call and multiplies it by every row while it sits in L1. Row-major, a block of 8
 // weight rows is 8 strided streams; blocked, each thread reads one contiguous stream, which the hardware
-// prefetcher follows better: 1.15-1.35x the bandwidth at 1-4 rows (scripts/bench_kernel.py). AVX-512 BF16
+// prefetcher follows better: 1.15-1.35x the bandwidth at 1-4 rows (docs/runtime.md). AVX-512 BF16
 // (vdpbf16ps: 32 bf16 products into 16 float32 lanes per instruction); built on first use only where the CPU
 // has it (kernels/__init__.py).
 #include <ATen/ATen.h>
