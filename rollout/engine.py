@@ -26,7 +26,7 @@ from rollout.runtime.history import TokenHistory
 from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 from rollout.runtime.kv_ledger import KVLedger
 from rollout.runtime.model import loader
-from rollout.runtime.runner import ModelRunner
+from rollout.runtime.runner import KEEP_KV_FRACTION, ModelRunner
 from rollout.runtime.sampling import greedy_tokens, logprobs_of, penalise, probs_from_logits, sample
 from rollout.runtime.scheduler import Scheduler
 from rollout.runtime.sequence import Sequence
@@ -42,14 +42,15 @@ class RolloutEngine:
                  max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None,
                  graph_mode: str = "auto", kv_memory_gb: float | None = None, kv_memory_fraction: float | None = None,
                  kv_block_size: int = DEFAULT_BLOCK_SIZE, free_kv_between_rollouts: bool | None = None,
-                 compile_mode: str = "auto"):
+                 compile_mode: str = "auto", keep_kv_fraction: float = KEEP_KV_FRACTION):
         """Prefer from_pretrained / from_hf_model. `drafter` plugs in a custom Drafter instance.
 
         KV memory (docs/runtime.md#paged-kv-cache): the pool holds kv_memory_gb GiB, or kv_memory_fraction
         of the free device memory, or by default what max_num_seqs sequences of the call's longest length
         could use (capped at 90% of free memory); sequences are admitted while blocks last and the
         youngest are preempted when they run out. free_kv_between_rollouts: hand the pool back at the
-        end of every generate() so a policy update has the memory (None: on for CUDA, off on CPU).
+        end of every generate() so a policy update has the memory (None: on for CUDA, off on CPU), except a
+        pool with CUDA graphs over it that takes at most keep_kv_fraction of the device (runtime/runner.py).
         compile_mode: "on" runs steps through the compiled decoder layer (runtime/compiled.py; inside the CUDA
         graphs on a GPU), "off" eagerly, "auto" (default) compiles where it was measured to pay: a CPU in bf16."""
         self.model = model
@@ -68,7 +69,10 @@ class RolloutEngine:
             graph_mode = "off"
         self.runner = ModelRunner(model, p.device, p.dtype, graph_mode, max_graph_t=self._draft_slack(),
                                   budget=KVBudget(kv_memory_gb, kv_memory_fraction, kv_block_size),
-                                  compile_mode=compile_mode)
+                                  compile_mode=compile_mode, keep_kv_fraction=keep_kv_fraction)
+        trainer_bytes = getattr(self.speculation.trainer, "memory_bytes", None)
+        if trainer_bytes is not None:  # an online drafter trainer on this device: the KV pool leaves it room
+            self.runner.reserves["drafter"] = trainer_bytes()
         self.free_kv_between_rollouts = p.device.type == "cuda" if free_kv_between_rollouts is None \
             else free_kv_between_rollouts
         self._pool: tuple[float, float] | None = None  # (MiB, blocks) of the last call's KV pool

@@ -204,6 +204,10 @@ class RolloutSection(_Checked):
                             rule=AT_LEAST_1)
     free_kv_between_rollouts: bool | None = _f(None, "hand the KV cache back after every rollout so the policy "
                                                      "update has the memory (None: on for CUDA, off on CPU)")
+    keep_kv_fraction: float = _f(0.25, "CUDA: a KV pool with CUDA graphs over it stays across rollouts while pool "
+                                       "and graphs take at most this share [0, 1] of the device's memory, so the "
+                                       "graphs are not captured again every rollout; 0 gives every pool back "
+                                       "(docs/runtime.md#graphs-across-rollouts)", rule=UNIT)
     sync_bucket_mb: float = _f(512.0, "weight sync under DeepSpeed ZeRO-3: the most megabytes (full size) of "
                                       "parameters one collective gather brings in; larger = fewer, bigger gathers "
                                       "(transient memory per process grows with it)", rule=POSITIVE)
@@ -214,7 +218,8 @@ class RolloutSection(_Checked):
         return dict(backend=self.backend, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                     graph_mode=self.graph_mode, compile_mode=self.compile, kv_memory_gb=self.kv_memory_gb,
                     kv_memory_fraction=self.kv_memory_fraction, kv_block_size=self.kv_block_size,
-                    free_kv_between_rollouts=self.free_kv_between_rollouts, sync_bucket_mb=self.sync_bucket_mb,
+                    free_kv_between_rollouts=self.free_kv_between_rollouts, keep_kv_fraction=self.keep_kv_fraction,
+                    sync_bucket_mb=self.sync_bucket_mb,
                     **self.pool_kwargs())
 
     def pool_kwargs(self) -> dict[str, Any]:

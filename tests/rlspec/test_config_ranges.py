@@ -104,6 +104,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     "rollout.kv_memory_fraction": (0.5, 5.0),
     "rollout.kv_block_size": (32, 0),
     "rollout.free_kv_between_rollouts": (True, "maybe"),
+    "rollout.keep_kv_fraction": (0.0, 1.5),
     "rollout.sync_bucket_mb": (64.0, 0.0),
     "drafter.drafter": ("suffix", "medusa"),
     "drafter.num_draft_tokens": (3, 0),

@@ -78,3 +78,22 @@ def test_a_synchronous_caller_sees_the_back_off_not_the_error():
     assert trainer.stats.ooms == 1 and trainer.stats.steps == 0 and trainer.batch == 4
     trainer.train_steps(3)
     assert trainer.stats.steps == 3 and trainer.stats.ooms == 1
+
+
+def test_the_kv_pool_leaves_room_for_an_online_drafter_trainer_on_its_device():
+    """The engine registers its thread trainer's estimate among the runner's reserves (the KV pool's growth keeps
+    them free on CUDA: docs/runtime.md#memory-plan); without a trainer there is nothing to reserve."""
+    from rollout.engine import RolloutEngine
+    from rollout.runtime.model import loader
+    from rollout.types import SpecConfig
+
+    hf = make_tiny_hf("llama", seed=10)
+    spec = SpecConfig(drafter="eagle3", online_training=True, online_trainer="thread")
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], max_num_seqs=4)
+    try:
+        assert eng.runner.reserves["drafter"] == eng.speculation.trainer.memory_bytes() > 0
+    finally:
+        eng.close()
+    off = RolloutEngine(loader.from_hf_model(hf), None, spec=SpecConfig(drafter="eagle3", online_training=False),
+                        eos_token_ids=[2], max_num_seqs=4)
+    assert "drafter" not in off.runner.reserves
