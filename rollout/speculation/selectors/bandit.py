@@ -302,11 +302,12 @@ class AdaptiveSelector:
         """cost(b, T) / cost(b, 1); a bucket without a verify measured borrows the nearest one that has one, and
         with none at all (no calibration, plain steps only) verification is taken as free (so arms get tried)."""
         verified = {bb for bb, t in self.costs.table if t > 1}  # buckets with a verify measured or calibrated
-        if b in verified:
-            return self.costs.relative(b, T)
         if not verified:  # plain steps alone: the table would grow T linearly, a guess no arm could beat
             return 1.0
-        return self.costs.relative(nearest_bucket(sorted(verified), b), T) or 1.0
+        rel = self.costs.relative(b if b in verified else nearest_bucket(sorted(verified), b), T) or 1.0
+        # never below one plain step: a verify is that forward and more. It reads lower when plain steps were
+        # measured (with the step's overheads) and the verify sizes only calibrated (the bare forward)
+        return max(rel, 1.0)
 
     def _draft_relative(self, arm: Arm, b: int) -> float:
         """Drafting time in plain decode steps."""
