@@ -136,18 +136,21 @@ def run_longtail(args) -> dict:
     torch.manual_seed(0)
     path = fetch_model(args.model)
     tokenizer, eos = tokenizer_and_eos(path, args.dtype)
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group, seed=args.seed)
+    repeat = args.workload == "repeat"  # greedy continuations that repeat the prompt: where a drafter clearly pays
+    make_prompts = repeat_prompts if repeat else math_prompts
+    params = SamplingParams(temperature=0.0 if repeat else 1.0, max_new_tokens=args.max_new_tokens,
+                            n=1 if repeat else args.group, seed=args.seed)
     rows = args.prompts * args.group
     runners = {name: (hf_generator(path, args.dtype, params, args.seed) if name == "hf"
                       else make_engine(name, path, args.dtype, tokenizer, eos, rows, args.drafter_path))
                for name in args.configs}  # build everything first, then warm each up on the same prompts
-    warm = math_prompts(tokenizer, 2, seed=8)
+    warm = make_prompts(tokenizer, 2, seed=8)
     for name, r in runners.items():
         r(warm) if name == "hf" else r.generate(warm, params)
 
     def arm(name):
         def once(rep):  # fresh prompts each repetition: no config sees a prompt twice
-            prompts = math_prompts(tokenizer, args.prompts, seed=100 + rep)
+            prompts = make_prompts(tokenizer, args.prompts * (args.group if repeat else 1), seed=100 + rep)
             return runners[name](prompts) if name == "hf" else run_engine(runners[name], prompts, params,
                                                                           args.tail_live)
         return once
@@ -158,9 +161,28 @@ def run_longtail(args) -> dict:
     table_rows = [aggregate(name, reps) for name, reps in results.items()]
     _speedups(table_rows)
     traces = {name: [list(x) for x in reps[0]["trace"]] for name, reps in results.items() if "trace" in reps[0]}
-    return {"workload": "longtail", "rows": table_rows, "traces": traces,
+    return {"workload": args.workload, "rows": table_rows, "traces": traces,
             "columns": ["config", "tokens", "wall_s", "tokens_per_s", "speedup_vs_engine", "full_speedup",
                         "tail_speedup", "accept_len", "spec_share"]}
+
+
+_PASSAGES = [
+    "The quick brown fox jumps over the lazy dog near the river bank, then runs back home to sleep under the old oak "
+    "tree while the sun sets behind the hills.",
+    "Water boils at one hundred degrees Celsius at sea level, and at lower temperatures on high mountains, because the "
+    "air pressure there is lower.",
+    "A train leaves the station at nine in the morning and travels at sixty miles per hour until it reaches the city "
+    "by noon.",
+    "The library opens at eight, closes at six, and lends each reader up to five books for three weeks at a time.",
+]
+
+
+def repeat_prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """n chat prompts asking to repeat a passage verbatim (rotating passages from `seed`)."""
+    return [tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Repeat this text exactly, twice, and nothing else:\n"
+                                     + _PASSAGES[(seed + i) % len(_PASSAGES)]}],
+        add_generation_prompt=True, return_dict=False) for i in range(n)]
 
 
 def plot(report: dict, path: str) -> None:

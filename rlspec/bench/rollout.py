@@ -7,6 +7,8 @@
             long tail as in RL; every --configs entry (hf, plain engine, each speculative configuration) runs on
             the same fresh prompts per repetition in rotating order; tokens/s overall, in the full batch and in
             the tail (rlspec/bench/longtail.py).
+  repeat    greedy (T=0) continuations of prompts that ask to repeat a passage: a workload where a drafter clearly
+            pays, --prompts x --group rows, the long tail's configurations and figures.
   --old DIR the engine of another checkout (e.g. `git worktree add /tmp/old <commit>`) against this one on the
             chosen workload, alternated in fresh processes: the before/after of a change in one sitting, as a
             ratio of medians (absolute speed on a shared machine drifts 20-30% between sittings).
@@ -34,7 +36,7 @@ HELP = "engine vs transformers generate: fixed-length batches and the GRPO-shape
 def add_arguments(p) -> None:
     from rlspec.bench.longtail import CONFIGS
 
-    p.add_argument("--workload", default="fixed", choices=["fixed", "longtail"])
+    p.add_argument("--workload", default="fixed", choices=["fixed", "longtail", "repeat"])
     p.add_argument("--model", default=EMBEDDED, help="local HF dir, hub id or embedded alias")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and compute")
     p.add_argument("--device", default="cpu", help="cpu or cuda (both backends)")
@@ -56,11 +58,11 @@ def run(args) -> dict:
     if args.smoke:
         args.dtype, args.batch_sizes, args.max_new_tokens, args.warmup_tokens = SMOKE_DTYPE, [1, 2], 4, 2
         args.prompts, args.group, args.reps = 2, 2, 1
-        if args.workload == "longtail":
+        if args.workload in ("longtail", "repeat"):
             args.configs = ["hf", "engine", "suffix"]
     if args.old is not None:
         return ab(args)
-    if args.workload == "longtail":
+    if args.workload in ("longtail", "repeat"):
         from rlspec.bench.longtail import run_longtail
 
         return run_longtail(args)
@@ -172,7 +174,7 @@ def ab(args) -> dict:
 
 def plot(report: dict, path: str) -> None:
     """longtail: rlspec/bench/longtail.py's picture; fixed: tokens/s per batch size and backend."""
-    if report["workload"] == "longtail" and "traces" in report:
+    if report["workload"] in ("longtail", "repeat") and "traces" in report:
         from rlspec.bench.longtail import plot as longtail_plot
 
         return longtail_plot(report, path)
