@@ -183,9 +183,18 @@ def build_trainer(cfg: Config, out: Path):
         callbacks=[summary_cb, drafter_cb, _wandb_config_callback(cfg)],
         on_nonfinite=cfg.on_nonfinite,
         drop_long_prompts=cfg.data.drop_long_prompts,
+        **_partial_rollouts(cfg),
     )
     drafter_cb.engine = trainer.engine
     return trainer, summary_cb
+
+
+def _partial_rollouts(cfg: Config) -> dict:
+    """SpecGRPOTrainer's partial_rollouts argument from the config's section (absent when off)."""
+    p = cfg.partial_rollouts
+    if not p.enabled:
+        return {}
+    return {"partial_rollouts": dict(oversample=p.oversample, max_staleness=p.max_staleness)}
 
 
 def _trainer_class(name: str):

@@ -21,6 +21,7 @@ from rollout.eos import resolve_eos
 from rollout.limits import check_request
 from rollout.metrics import RolloutMetrics
 from rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
+from rollout.partial import round_over, round_sequences
 from rollout.registry import STRATEGIES
 from rollout.runtime.history import TokenHistory
 from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
@@ -34,10 +35,12 @@ from rollout.speculation.draft_batch import DraftBatch, build_draft_batch
 from rollout.speculation.drafters.base import Drafter
 from rollout.speculation.speculation import Speculation, build_speculation
 from rollout.speculation.strategies import Proposer, Provenance, StepVerdict, Verifier
-from rollout.types import RolloutResult, SamplingParams, SpecConfig
+from rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfig
 
 
 class RolloutEngine:
+    supports_partial_rollouts = True  # generate(..., partial=PartialRound): stop a round and carry samples on
+
     def __init__(self, model, tokenizer, spec: SpecConfig | None = None, max_model_len: int = 2048,
                  max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None,
                  graph_mode: str = "auto", kv_memory_gb: float | None = None, kv_memory_fraction: float | None = None,
@@ -147,8 +150,12 @@ class RolloutEngine:
         return self._metrics.batch_trace
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None,
-                 use_tqdm: bool = False) -> list[RolloutResult]:
-        """Sample params.n completions per prompt; one flat list, prompt-major, in order."""
+                 use_tqdm: bool = False, partial: PartialRound | None = None) -> list[RolloutResult]:
+        """Sample params.n completions per prompt; one flat list, prompt-major, in order.
+
+        partial: the call is one round of partial rollouts (rollout/types.py PartialRound): per prompt the samples
+        it lists (carried ones continue), stopping when the round has what it needs; the unfinished samples come
+        back with finish_reason "partial"."""
         params = params or SamplingParams()
         check_request(prompt_token_ids, params, self.max_model_len, self.max_num_seqs, self.model.cfg.vocab_size)
         if params.penalised and self.spec.lossy:
@@ -158,10 +165,12 @@ class RolloutEngine:
         # the generator lives where sampling happens: on the engine's device
         gen = torch.Generator(device=self.runner.device).manual_seed(params.seed) if params.seed is not None else None
         stop_ids = set(params.stop_token_ids or []) | (set() if params.ignore_eos else self.eos_token_ids)
-        seqs = [
-            Sequence(i, j, list(p), min(params.max_new_tokens, self.max_model_len - len(p)))
-            for i, p in enumerate(prompt_token_ids) for j in range(params.n)
-        ]
+        if partial is None:
+            seqs = [Sequence(i, j, list(p), min(params.max_new_tokens, self.max_model_len - len(p)))
+                    for i, p in enumerate(prompt_token_ids) for j in range(params.n)]
+            groups, by_prompt = [seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], None
+        else:
+            seqs, groups, by_prompt = round_sequences(prompt_token_ids, partial, params, self.max_model_len, stop_ids)
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
         self.runner.refresh_weights()
         cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(),
@@ -174,8 +183,7 @@ class RolloutEngine:
             else None
         self.speculation.start(seqs, cache, params, gen, history)  # a learned drafter keeps per-call state
         self.proposer.start(seqs, params, gen)
-        sched = Scheduler([seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], cache.rows,
-                          cache.alloc)
+        sched = Scheduler(groups, cache.rows, cache.alloc)
         ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table
         ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history)
         while sched.has_work:
@@ -189,6 +197,9 @@ class RolloutEngine:
                 ctx.kv.make_room(on_evict=self.speculation.evict)
                 self._decode_step(sched.live, ctx)
                 self._retire(ctx)
+            if by_prompt is not None and round_over(partial, by_prompt, ctx.steps):
+                self._stop_round(seqs)
+                break
         if ctx.bar is not None:
             ctx.bar.close()
         pool = self.runner.cache  # after any growth during the call
@@ -371,6 +382,14 @@ class RolloutEngine:
         finished = ctx.kv.retire(on_finish=self._finish)
         if ctx.bar is not None and finished:
             ctx.bar.update(len(finished))
+
+    def _stop_round(self, seqs: list[Sequence]) -> None:
+        """A partial round is over: the samples still going stop where they are, unindexed by the drafters (they
+        are not finished; the round that finishes them does that)."""
+        going = [s for s in seqs if not s.finished]
+        self.speculation.abandon(going)
+        for s in going:
+            s.finish_reason = "partial"
 
     def _finish(self, seq: Sequence) -> None:
         self.speculation.finish(seq)

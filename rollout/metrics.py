@@ -62,7 +62,7 @@ class RolloutMetrics:
         self.time_s += seconds
         self.generate_calls += 1
         self.sequences += len(seqs)
-        self.generated_tokens += sum(len(s.completion_ids) for s in seqs)
+        self.generated_tokens += sum(len(s.completion_ids) - s.carried for s in seqs)
         self.completion_lens.extend(len(s.completion_ids) for s in seqs)
 
     def record_verify(self, drafter: str, drafted: list[int], accepted: list[int], draft_s: float = 0.0,

@@ -165,6 +165,48 @@ class SpecConfig:
         return self.verification != "exact" or self.step_routing != "off"
 
 
+@dataclass
+class Carried:
+    """A sample carried into a generate() call from an earlier one (partial rollouts, docs/partial_rollouts.md):
+    the completion tokens it holds, with what was recorded for them when they were sampled. It continues under
+    the engine's current weights: its prefix is prefilled again and the next token is drawn from there."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    behaviour_logprobs: list[float] | None = None  # None: equal to logprobs
+    token_source: list[int] | None = None  # None: all the target's
+
+    def __post_init__(self) -> None:
+        if not self.completion_ids:
+            raise ValueError("a carried sample holds at least one token (a sample with none is a fresh one: None)")
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(f"a carried sample has {len(self.completion_ids)} tokens but {len(self.logprobs)} "
+                             "logprobs")
+
+
+@dataclass
+class PartialRound:
+    """What makes a generate() call one round of partial rollouts (docs/partial_rollouts.md).
+
+    samples: per prompt, its samples in this call: a Carried one continues, None starts afresh (the fresh
+        samples of a prompt share its prefill). Replaces SamplingParams.n; every prompt has at least one.
+    stop_after_groups / min_decode_steps: the call stops after the first step at which at least
+        stop_after_groups prompts have every sample finished and at least min_decode_steps decode steps ran;
+        the samples still going come back with finish_reason "partial". Both count tokens and steps, never
+        seconds, so a seeded round is reproducible.
+    """
+
+    samples: list[list[Carried | None]]
+    stop_after_groups: int
+    min_decode_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if any(not group for group in self.samples):
+            raise ValueError("every prompt of a partial round needs at least one sample (None = a fresh one)")
+        if self.stop_after_groups < 0 or self.min_decode_steps < 0:
+            raise ValueError("stop_after_groups and min_decode_steps must be >= 0")
+
+
 # token_source codes of RolloutResult: who produced each completion token (docs/lossy.md#honest-results)
 TOKEN_SOURCES = ("target", "draft-exact", "judge", "routed-step")
 LOSSY_SOURCES = (2, 3)  # judge, routed-step: tokens the exact test did not accept
@@ -186,7 +228,8 @@ class RolloutResult:
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+    # partial: a partial round (PartialRound) stopped before the sample ended; it may be carried into the next
+    finish_reason: Literal["stop", "length", "partial"]
     policy_version: int
     prompt_index: int = 0  # which prompt of the call this sample belongs to
     sample_index: int = 0  # which of that prompt's n samples

@@ -34,9 +34,10 @@ import rollout.metrics as M
 from rollout.limits import fits
 from rollout.runtime.model.loader import body_tensor
 from rollout.types import SpecConfig
-from trainers import rollout_source, trl_compat
+from trainers import partial_trl, rollout_source, trl_compat
 from trainers.callbacks import attach_summary_callback
 from trainers.checkpoint import CheckpointMixin
+from trainers.partial_rollouts import PartialRolloutConfig
 from trainers.sampling_args import grpo_sampling
 from trainers.weight_sync import unwrap_model
 
@@ -63,24 +64,33 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, spec_config: SpecConfig | None = None,
                  engine=None, engine_kwargs: dict | None = None, on_nonfinite: str = "stop", drop_long_prompts: bool = False,
-                 **trainer_kwargs):
+                 partial_rollouts: PartialRolloutConfig | dict | None = None, **trainer_kwargs):
         _check_supported(args)
         # a processor passed in is refused before TRL loads anything; one TRL loads itself (AutoProcessor) after
         positional = trainer_args[2] if len(trainer_args) > 2 else None  # after train_dataset, eval_dataset
         trl_compat.refuse_vlm(trainer_kwargs.get("processing_class", positional))
         self.init_resilience(on_nonfinite)
+        if isinstance(partial_rollouts, dict):
+            partial_rollouts = PartialRolloutConfig(**partial_rollouts)
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         trl_compat.refuse_vlm(self.processing_class)
         # None when the engine cannot run the policy: TRL's own generation then samples (trl_compat.py)
         policy = unwrap_model(self.model, self.accelerator)
         self.rollouts = trl_compat.engine_or_trl_generation(lambda: rollout_source.for_trainer(
             self, policy, self._tokenizer, spec_config, engine, engine_kwargs or {},
-            max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation,
+            max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation if partial_rollouts is None
+            else partial_trl.engine_rows(self.args, self.num_generations, partial_rollouts),
             max_model_len=self.args.vllm_max_model_length), engine_given=engine is not None, fsdp=self.is_fsdp_enabled,
             why_not=trl_compat.why_not_the_engine(policy, self.args.generation_kwargs))
         self.engine = self.rollouts.engine if self.rollouts is not None else None
         self.weight_syncer = self.rollouts.weight_syncer if self.rollouts is not None else None
         self.dropped_long_prompts = 0
+        # partial rollouts (trainers/partial_trl.py): None when off
+        self.partial, self._partial_groups = None, None
+        if partial_rollouts is not None:
+            partial_trl.refuse_unsupported(self)
+            self.partial = partial_trl.make_pool(self, partial_rollouts)
+            self.partial_extras = partial_trl.ExtraPrompts(self.train_dataset, self.args.seed)
         if self.rollouts is not None:  # on TRL's generation, sampling and IS settings stay as plain TRL has them
             # TRL's sampling options as the engine's, what every rollout asks for (why_not_the_engine has sent
             # generation_kwargs the engine cannot honour to TRL's generation)
@@ -100,11 +110,21 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         """TRL's micro-step counter and, when a checkpoint falls inside a generation batch that later
         steps still consume (steps_per_generation or num_iterations > 1), that buffered batch."""
         mid_buffer = self._step % (self.args.steps_per_generation * self.num_iterations) != 0
-        return {"trl_step": self._step, "buffered_inputs": self._buffered_inputs if mid_buffer else None}
+        partial = None if self.partial is None else {"pool": self.partial.state_dict(),
+                                                     "extras_drawn": self.partial_extras.drawn}
+        return {"trl_step": self._step, "buffered_inputs": self._buffered_inputs if mid_buffer else None,
+                "partial": partial}
 
     def load_rlspec_trainer_state(self, state: dict) -> None:
         self._step = int(state["trl_step"])
         self._buffered_inputs = state["buffered_inputs"]
+        if (state.get("partial") is None) != (self.partial is None):
+            raise ValueError("this checkpoint was written with partial rollouts "
+                             f"{'off' if self.partial is not None else 'on'}: resume it with the same setting")
+        if self.partial is not None:
+            self.partial.load_state_dict(state["partial"]["pool"])
+            self.partial_extras = partial_trl.ExtraPrompts(self.train_dataset, self.args.seed,
+                                                           drawn=state["partial"]["extras_drawn"])
 
     def _generate(self, prompts: list):
         """TRL's, plus for a rollout_func: the engine synced to the policy first (TRL syncs vLLM there), so a
@@ -128,6 +148,9 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         TRL calls it once for the first turn and, with tools or an environment_factory, once per tool turn
         (num_generations=1, each prompt being prompt + completion + tool output)."""
         metrics = self._metrics["train" if self.model.training else "eval"]
+        if getattr(self, "_partial_groups", None) is not None:  # a partial round's finished samples (partial_trl.py)
+            metrics[trl_compat.ENGINE_METRIC].append(1.0)
+            return partial_trl.staged_completions(self, prompt_ids)
         if getattr(self, "rollouts", None) is None:
             metrics[trl_compat.ENGINE_METRIC].append(0.0)
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
@@ -155,15 +178,20 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         """TRL's; its first no-grad pass of the policy over the rollouts (the old logprobs) also feeds the
         learned drafter (trainers/drafter_feed.py). Logs what TRL's importance-sampling correction zeroed
         (trl_compat.masked_fractions)."""
+        if getattr(self, "partial", None) is not None and self.model.training:
+            inputs = partial_trl.run_round(self, inputs)  # the rows of the round's complete groups
         self._feed_drafter = getattr(self, "rollouts", None) is not None
         try:
             output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._feed_drafter = False
-        if "importance_sampling_ratio" in output:
             metrics = self._metrics["train" if self.model.training else "eval"]
-            for key, value in trl_compat.masked_fractions(output, self.vllm_importance_sampling_mode).items():
-                metrics[key].append(value)
+            if "importance_sampling_ratio" in output:
+                for key, value in trl_compat.masked_fractions(output, self.vllm_importance_sampling_mode).items():
+                    metrics[key].append(value)
+            if getattr(self, "_partial_groups", None) is not None:
+                for key, value in partial_trl.carried_is_metrics(self, output).items():
+                    metrics[key].append(value)
+        finally:
+            self._feed_drafter, self._partial_groups = False, None
         return output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 import rollout.metrics as M
-from rollout.types import RolloutResult, SamplingParams, SpecConfig
+from rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfig
 from trainers.peft_sync import engine_source, is_peft_model
 from trainers.weight_sync import DEFAULT_BUCKET_MB, WeightSyncer, gathered_model
 
@@ -129,13 +129,16 @@ class RolloutSource:
 
     def generate(self, policy, step: int, prompt_ids: list[list[int]], n: int, *, temperature: float,
                  max_new_tokens: int, stop_token_ids: list[int], top_p: float = 1.0, top_k: int = 0,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0) -> list[RolloutResult]:
+                 min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 partial: PartialRound | None = None) -> list[RolloutResult]:
         """n samples of each prompt from the policy as of optimizer step `step`, prompt 0's n first.
         The sampling options are SamplingParams' (trainers/sampling_args.py maps TRL's onto them).
 
         policy: the module whose parameters go to the engine when `step` differs from the synced step.
         Raises rollout.errors.NonFiniteLogitsError when the policy's logits are NaN/inf; the trainer's
         on_nonfinite policy handles it (trainers/checkpoint.py).
+        partial: a round of partial rollouts (rollout/types.py PartialRound; n is then ignored): the results are
+        its samples, prompt by prompt, the unfinished ones with finish_reason "partial".
         """
         start = time.perf_counter()
         with self._profile("sync_weights"):
@@ -147,14 +150,16 @@ class RolloutSource:
             self.drafter_feed.claim()  # from the first rollout on, our pass feeds the drafter, not the backend
         with self._profile("RolloutEngine.generate"):
             try:
-                results = self.engine.generate(prompt_ids, params)
+                results = self.engine.generate(prompt_ids, params) if partial is None else \
+                    self.engine.generate(prompt_ids, params, partial=partial)
             except BaseException:
                 # a failed call consumes no seed: a checkpoint taken now (on_nonfinite=stop, a lost backend) is
                 # the state before this step, and the resumed run draws this step's samples with its seed
                 self.calls -= 1
                 raise
-        if len(results) != len(prompt_ids) * n:
-            raise RuntimeError(f"engine returned {len(results)} results for {len(prompt_ids) * n} requested samples")
+        wanted = len(prompt_ids) * n if partial is None else sum(len(s) for s in partial.samples)
+        if len(results) != wanted:
+            raise RuntimeError(f"engine returned {len(results)} results for {wanted} requested samples")
         self.last_wall_s = time.perf_counter() - start
         self.last_params, self.last_policy_version = params, results[0].policy_version if results else 0
         return results

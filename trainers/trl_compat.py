@@ -116,6 +116,14 @@ def importance_sampling_mode(trainer) -> str:
         logger.info("SpecGRPOTrainer: loss_type='vespo' takes a token-level importance-sampling correction; "
                     "using vllm_importance_sampling_mode=%r instead of %r", new, mode)
         return new
+    if getattr(trainer, "partial", None) is not None and mode.startswith("sequence_"):
+        # a carried sample's ratio multiplies over every older token: a sequence-level mode would zero or cap
+        # whole long samples, the very ones partial rollouts carry (docs/partial_rollouts.md#importance-sampling)
+        logger.warning("SpecGRPOTrainer: partial rollouts carry samples across policy updates; "
+                       "vllm_importance_sampling_mode=%r would mask or cap whole carried sequences, so "
+                       "'token_truncate' (each token's ratio clipped at %s) is used instead", mode,
+                       trainer.vllm_importance_sampling_clip_max)
+        return "token_truncate"
     sampled, stored = getattr(trainer, "rlspec_sampling_dtypes", (None, None))
     if mode == TRL_DEFAULT_IS_MODE and sampled is not None and sampled != stored:
         # bf16 sampling against float32 master weights: per-token log-ratios are small but sum over a sequence,

@@ -18,6 +18,7 @@ from rlspec.config.sections import (
     DataConfig,
     DrafterSection,
     GRPOSection,
+    PartialRolloutsSection,
     PPOSection,
     RolloutSection,
     WandbSection,
@@ -68,6 +69,8 @@ class Config:
                          factory=PPOSection)
     rollout: RolloutSection = _f(help="rollout engine capacity", factory=RolloutSection)
     drafter: DrafterSection = _f(help="speculative decoding", factory=DrafterSection)
+    partial_rollouts: PartialRolloutsSection = _f(help="partial rollouts (grpo): carry unfinished samples into the "
+                                                       "next generation round", factory=PartialRolloutsSection)
     wandb: WandbSection = _f(help="Weights & Biases logging", factory=WandbSection)
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,6 +118,10 @@ def _check_cross_fields(cfg: Config) -> None:
                           f"{cfg.trainer}.extra.{key} is false: the loss would treat them as on-policy. Turn the "
                           "importance-sampling correction back on, or the lossy mode off")
     _check_rollout(cfg.rollout)
+    if cfg.partial_rollouts.enabled and (cfg.trainer != "grpo" or cfg.rollout.backend != "engine"):
+        raise ConfigError(f"partial_rollouts.enabled needs trainer=grpo and rollout.backend=engine (got trainer="
+                          f"{cfg.trainer}, rollout.backend={cfg.rollout.backend}): only the in-process engine stops a "
+                          "round and carries samples on; turn partial_rollouts.enabled off or switch")
 
 
 # TrainingArguments fields rlspec/trainer_args.py fills from a first-class key. In <grpo|ppo>.extra they would

@@ -260,6 +260,20 @@ class DrafterSection(SpecConfig):
 
 
 @dataclass
+class PartialRolloutsSection(_Checked):
+    """Partial rollouts for GRPO (docs/partial_rollouts.md): a step trains on the groups that finish first and
+    carries unfinished samples into the next generation round. Off by default."""
+
+    enabled: bool = _f(False, "over-provision each generation round and carry unfinished samples on (grpo only, "
+                              "rollout.backend=engine, one process)")
+    oversample: float = _f(1.0, "groups in flight beyond those a round trains on, as a fraction of them",
+                           rule=Rule("a number in (0, 8]", lambda v: isinstance(v, (int, float)) and 0 < v <= 8))
+    max_staleness: int = _f(4, "most optimizer steps between the policy that sampled a token and the step that "
+                               "trains on it; a round runs at least max_completion_length / (max_staleness + 1) "
+                               "decode steps so samples finish in time", rule=AT_LEAST_1)
+
+
+@dataclass
 class WandbSection(_Checked):
     """Weights & Biases logging."""
 

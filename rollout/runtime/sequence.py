@@ -21,6 +21,7 @@ class Sequence:
     behaviour_logprobs: list[float] = field(default_factory=list)
     token_source: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    carried: int = 0  # completion tokens it came in with from an earlier call (partial rollouts, rollout/partial.py)
 
     @property
     def cache_len(self) -> int:

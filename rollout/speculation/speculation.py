@@ -196,6 +196,14 @@ class Speculation:
         for d in self.by_name.values():
             d.finish(seq)
 
+    def abandon(self, seqs) -> None:
+        """A partial round stopped these unfinished samples (rollout/partial.py): drafters drop what they hold
+        for them without indexing or banking them; a later call brings them back as new sequences."""
+        for d in self.by_name.values():
+            drop = getattr(d, "abandon", None)  # optional: a drafter keeping nothing per sample needs none
+            for seq in seqs if drop is not None else ():
+                drop(seq)
+
     def set_policy_version(self, version: int) -> None:
         if self.learned is not None:
             self.learned.set_policy_version(version)

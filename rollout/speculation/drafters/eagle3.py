@@ -213,6 +213,11 @@ class Eagle3Drafter(ChainDraws):
         if id(seq) in self.valid:
             self.valid[id(seq)] = 0
 
+    def abandon(self, seq: Sequence) -> None:
+        """A partial round stopped seq unfinished: nothing is banked (its features are of an unfinished text)."""
+        self.valid.pop(id(seq), None)
+        self.committed.pop(id(seq), None)
+
     def finish(self, seq: Sequence) -> None:
         """Bank a finished sample's staged features (read now: the engine frees its blocks next), unless a
         trainer's own pass feeds the trainer (bank_samples False, rollout/speculation/intake.py)."""

@@ -198,6 +198,8 @@ class NgramDrafter:
     def finish(self, seq: Sequence) -> None:
         self._seqs.pop(id(seq), None)
 
+    abandon = finish  # a partial round's unfinished sample: its index goes, as at the end
+
     def state_dict(self) -> dict:
         """Nothing outlives a generate() call: each sequence looks up only its own text, and its
         index is dropped when it finishes. (Kept so that checkpoints say so explicitly.)"""

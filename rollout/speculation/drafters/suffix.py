@@ -94,6 +94,12 @@ class SuffixDrafter:
             self._sync(st)
         return [self._draft(st, m, width) if m > 0 else Draft() for st, m in zip(states, max_tokens)]
 
+    def abandon(self, seq: Sequence) -> None:
+        """A partial round stopped seq unfinished: its text is no history (a later round finishes it)."""
+        st = self._seqs.pop(id(seq), None)
+        if st is not None:
+            self._unpin(st.store, st.doc)
+
     def finish(self, seq: Sequence) -> None:
         st = self._state(seq)
         self._sync(st)
