@@ -24,6 +24,7 @@ REGISTRY = {
     "grpo": "rlspec.bench.grpo",
     "ppo": "rlspec.bench.ppo",
     "dropin": "rlspec.bench.dropin",
+    "partial": "rlspec.bench.partial",
     "kv": "rlspec.bench.kv",
     "lossy": "rlspec.bench.lossy",
     "vllm": "rlspec.bench.vllm",

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,12 +75,7 @@ def spawn(args, arm: str, model: str, rep: int) -> dict:
     """One training run in a fresh process; its result dict."""
     spec = dict(arm=arm, model=model, rep=rep, steps=args.steps, batch=args.batch, generations=args.generations,
                 max_completion=args.max_completion, model_path=args.model, seed=args.seed, smoke=args.smoke)
-    cmd = [sys.executable, "-m", "rlspec.bench", NAME, "--child", json.dumps(spec), "--out", os.devnull]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=harness.ROOT)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"dropin run {arm}/{model} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(line[len(MARK):])
+    return harness.run_child(NAME, spec, MARK, f"dropin run {arm}/{model}")
 
 
 def summarize(runs: dict[str, list[dict]], args) -> dict:

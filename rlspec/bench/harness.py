@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,6 +74,17 @@ def ratios(runs: dict[str, list[float]], base: str) -> dict[str, list[float]]:
     """Per repetition, each arm over `base` measured in the same repetition (a one-run ratio: the two halves are
     seconds apart, so machine drift between repetitions cancels); the median of these is the figure to quote."""
     return {name: [v / b for v, b in zip(values, runs[base])] for name, values in runs.items() if name != base}
+
+
+def run_child(name: str, spec: dict, mark: str, what: str) -> dict:
+    """One run of benchmark `name` in a fresh process (`--child <spec as JSON>`: imports, threads and allocator
+    start clean for every arm): the JSON the child printed after `mark`; `what` names the run in the error."""
+    cmd = [sys.executable, "-m", "rlspec.bench", name, "--child", json.dumps(spec), "--out", os.devnull]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(mark)), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(line[len(mark):])
 
 
 def timed(fn) -> tuple[object, float]:
