@@ -20,6 +20,9 @@ ROW_KEYS = {
     "accept_len": M.ACCEPT_LEN,
     "spec_saved_s": M.SPEC_SAVED_S,
     "drafter_version": "drafter/version",
+    # partial rollouts only (trainers/partial_rollouts.py): the table shows them when a run logged them
+    "carried": "partial/carried_samples",
+    "on_policy": "partial/on_policy_token_frac",
 }
 
 
@@ -79,28 +82,37 @@ def _total_row(rows: list[dict]) -> dict:
         "accept_len": _mean([r.get("accept_len") for r in rows]),
         "spec_saved_s": _sum([r.get("spec_saved_s") for r in rows]),
         "drafter_version": rows[-1].get("drafter_version"),
+        "carried": _sum([r.get("carried") for r in rows]),
+        "on_policy": _mean([r.get("on_policy") for r in rows]),
     }
 
 
 def format_summary_table(rows: list[dict]) -> str:
     """A plain-text table of the rows plus an "all" line (rollout share = total rollout s / total step s)."""
+    partial = any(r.get("carried") is not None for r in rows)
     header = (f"{'step':>5} {'reward':>7} {'rollout s':>10} {'step s':>8} {'rollout %':>10} {'tok/s':>8} "
               f"{'accepted':>9} {'spec saved s':>12} {'drafter v':>9}")
+    header += f" {'carried':>8} {'on-policy %':>11}" if partial else ""
     rule = "-" * len(header)
     if not rows:
         return "\n".join([header, rule, "(no training steps logged)"])
-    lines = [header, rule, *(_format_row(row) for row in rows), rule, _format_row(_total_row(rows))]
+    lines = [header, rule, *(_format_row(row, partial) for row in rows), rule,
+             _format_row(_total_row(rows), partial)]
     return "\n".join(lines)
 
 
-def _format_row(row: dict) -> str:
+def _format_row(row: dict, partial: bool = False) -> str:
     share = None if row.get("rollout_share") is None else 100 * row["rollout_share"]
-    return (
+    line = (
         f"{row['step']!s:>5} {_cell(row.get('reward'), '.3f'):>7} {_cell(row.get('rollout_s'), '.2f'):>10} "
         f"{_cell(row.get('step_s'), '.2f'):>8} {_cell(share, '.1f'):>10} {_cell(row.get('tokens_per_s'), '.1f'):>8} "
         f"{_cell(row.get('accept_len'), '.2f'):>9} {_cell(row.get('spec_saved_s'), '+.2f'):>12} "
         f"{_cell(row.get('drafter_version'), '.0f'):>9}"
     )
+    if partial:  # carried samples trained at the step, and the share of its tokens the current policy drew
+        on_policy = None if row.get("on_policy") is None else 100 * row["on_policy"]
+        line += f" {_cell(row.get('carried'), '.0f'):>8} {_cell(on_policy, '.1f'):>11}"
+    return line
 
 
 def attach_summary_callback(trainer) -> RolloutSummaryCallback:

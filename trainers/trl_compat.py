@@ -118,7 +118,7 @@ def importance_sampling_mode(trainer) -> str:
         return new
     if getattr(trainer, "partial", None) is not None and mode.startswith("sequence_"):
         # a carried sample's ratio multiplies over every older token: a sequence-level mode would zero or cap
-        # whole long samples, the very ones partial rollouts carry (docs/partial_rollouts.md#importance-sampling)
+        # whole long samples, the very ones partial rollouts carry (docs/partial_rollouts.md#accounting-every-token-keeps-the-law-it-was-drawn-from)
         logger.warning("SpecGRPOTrainer: partial rollouts carry samples across policy updates; "
                        "vllm_importance_sampling_mode=%r would mask or cap whole carried sequences, so "
                        "'token_truncate' (each token's ratio clipped at %s) is used instead", mode,

@@ -42,3 +42,17 @@ def test_the_summary_says_whether_speculation_paid():
     lines = format_summary_table(callback.rows).splitlines()
     assert "spec saved s" in lines[0]
     assert "-0.50" in lines[2] and "+1.25" in lines[3] and "+0.75" in lines[-1]  # the run's total
+
+
+def test_a_partial_rollouts_run_shows_carried_samples_and_the_on_policy_share():
+    cb = RolloutSummaryCallback()
+    args, state = SimpleNamespace(), SimpleNamespace(global_step=1)
+    cb.on_log(args, state, None, logs={"reward": 0.5, "rollout/wall_s": 2.0, "step_time": 4.0,
+                                       "partial/carried_samples": 3.0, "partial/on_policy_token_frac": 0.75})
+    state.global_step = 2
+    cb.on_log(args, state, None, logs={"reward": 0.5, "step_time": 1.0, "partial/carried_samples": 5.0,
+                                       "partial/on_policy_token_frac": 0.25})
+    table = format_summary_table(cb.rows).splitlines()
+    assert "carried" in table[0] and "on-policy %" in table[0]
+    assert table[-1].split()[-2:] == ["8", "50.0"]  # carried summed over the run, the on-policy share averaged
+    assert "carried" not in format_summary_table([{**r, "carried": None, "on_policy": None} for r in cb.rows])
