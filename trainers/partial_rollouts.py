@@ -110,13 +110,17 @@ class GroupPool:
         self.capacity = train_groups + math.ceil(config.oversample * train_groups)  # groups in flight at a round
         self.groups: list[Group] = []
         self.rounds = self.entered = 0
-        self.dropped = self.trained_samples = 0
+        self.dropped = self.trained_samples = self.skipped = 0  # skipped: TRL's groups a draining pool left out
         self.tail_steps: dict[int, int] = {}  # round -> most tokens a sample it stopped still needed (so far)
 
     # ---- the round ---------------------------------------------------------------------------------------------
-    def wants(self) -> int:
-        """Groups to add (TRL's new rows and, past those, extra prompts) before the next round."""
-        return max(0, self.capacity - len(self.groups))
+    def wants(self, rounds_left: float = math.inf) -> int:
+        """Groups to add (TRL's new rows and, past those, extra prompts) before the next round, when `rounds_left`
+        rounds remain in the run (the current one included). Near the end the pool drains: it never holds more
+        groups than the remaining rounds will train, so every group that enters is trained. Which prompts are
+        left out is then decided before any is sampled: the run trains the groups it started, long ones included,
+        instead of the ones that happened to finish first (docs/partial_rollouts.md#bias-and-when-not-to-use-it)."""
+        return max(0, min(self.capacity, self.train_groups * rounds_left) - len(self.groups))
 
     def add(self, rows: list[dict], prompt_ids: list[int]) -> None:
         self.groups.append(Group(rows, list(prompt_ids), [Sample() for _ in rows], self.entered))
@@ -174,6 +178,7 @@ class GroupPool:
                "partial/in_flight_samples": float(sum(not s.done for g in self.groups for s in g.samples)),
                "partial/waiting_groups": float(sum(g.done for g in self.groups)),
                "partial/dropped_stale_frac": self.dropped / max(self.trained_samples, 1),
+               "partial/skipped_groups": float(self.skipped),
                "partial/on_policy_token_frac": sum(a == 0 for a in ages) / max(len(ages), 1),
                "partial/staleness_mean": sum(ages) / max(len(ages), 1),
                "partial/staleness_max": float(max(ages, default=0)),
@@ -190,7 +195,7 @@ class GroupPool:
         return {"groups": [{"rows": g.rows, "prompt_ids": g.prompt_ids, "order": g.order,
                             "samples": [asdict(s) for s in g.samples]}
                            for g in self.groups],
-                "counters": [self.rounds, self.entered, self.dropped, self.trained_samples],
+                "counters": [self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped],
                 "tail_steps": [[k, v] for k, v in self.tail_steps.items()]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -198,5 +203,5 @@ class GroupPool:
         for g in state["groups"]:
             samples = [Sample(**dict(raw)) for raw in g["samples"]]
             self.groups.append(Group(list(g["rows"]), list(g["prompt_ids"]), samples, int(g["order"])))
-        self.rounds, self.entered, self.dropped, self.trained_samples = (int(x) for x in state["counters"])
+        self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped = (int(x) for x in state["counters"])
         self.tail_steps = {int(k): int(v) for k, v in state["tail_steps"]}

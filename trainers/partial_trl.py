@@ -80,13 +80,17 @@ def engine_rows(args, num_generations: int, config: PartialRolloutConfig) -> int
 def run_round(trainer, rows: list[dict]) -> list[dict]:
     """One round for TRL's generation batch `rows`: returns the rows to score (whole groups, group after group)
     and stages their samples for `_generate_single_turn`."""
-    pool, n = trainer.partial, trainer.num_generations
+    pool, n, step = trainer.partial, trainer.num_generations, trainer.state.global_step
+    left = math.ceil((trainer.state.max_steps - step) / pool.steps_per_round) if trainer.state.max_steps > 0 \
+        else math.inf
     for k in range(0, len(rows), n):
-        pool.add(rows[k:k + n], prompt_ids(trainer, rows[k]))
-    while pool.wants():
+        if pool.wants(left):
+            pool.add(rows[k:k + n], prompt_ids(trainer, rows[k]))
+        else:  # a draining pool: the rounds left will train what it holds
+            pool.skipped += 1
+    while pool.wants(left):
         row = trainer.partial_extras.next()
         pool.add([copy.deepcopy(row) for _ in range(n)], prompt_ids(trainer, row))
-    step = trainer.state.global_step
     metrics = trainer._metrics["train"]
 
     def generate(prompts, plan):
