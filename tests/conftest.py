@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Under pytest-xdist (`make test` runs two workers on two cores) each worker computes on one thread: two workers
 # of two OpenMP threads each oversubscribe the cores, and OpenMP's spinning then slows every step many times over.
@@ -43,6 +44,14 @@ def make_tiny_hf(kind: str = "llama", seed: int = 0, tie: bool = False, vocab: i
     return model
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """The slowest tests first, dealt to the xdist workers so that both end together (tests/schedule.py)."""
+    from tests.schedule import order
+
+    items[:] = order(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])
 def tiny_hf(request):
     return make_tiny_hf(request.param)
@@ -52,6 +61,21 @@ def random_prompts(n: int, lo: int = 3, hi: int = 20, seed: int = 0, vocab: int 
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
+
+
+def cache_with_the_machines_kernels(cache: Path) -> Path:
+    """A fresh RLSPEC_CACHE at `cache` (for a test whose drafter warm start or calibration must start cold) whose
+    kernels/ is the machine's: the fused CPU kernels are built once per machine (~100 s of C++ on 2 cores), and a
+    bf16 engine in a process that has not loaded them yet would otherwise build them again into `cache`. The build's
+    own lock and trust checks apply as ever (the link resolves to the machine's private directory)."""
+    from rollout.runtime.model.fetch import cache_root
+    from rollout.runtime.model.kernels.trust import make_private_dirs
+
+    shared = cache_root() / "kernels"
+    make_private_dirs(shared)
+    cache.mkdir(parents=True)
+    (cache / "kernels").symlink_to(shared, target_is_directory=True)
+    return cache
 
 
 @pytest.fixture(scope="session")

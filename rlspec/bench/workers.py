@@ -133,7 +133,9 @@ def spot(args, hf, tok, params) -> dict:
     from rollout.workers.pool import RayPool
 
     out = {}
-    for on in (False, True):
+    # a smoke run starts the one pool with the hub (the costlier path: training, publishing); each pool is seconds of
+    # worker start-up, and the off arm differs from it only in online_training
+    for on in (True,) if args.smoke else (False, True):
         spec = SpecConfig(drafter="eagle3", drafter_path=args.drafter_path, online_training=on,
                           selector=args.spot_selector)
         pool = RayPool(hf, tok, spec, workers=2, groups_per_task=args.groups_per_task, drafter_trainer="spot",

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import cache_with_the_machines_kernels
+
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +46,7 @@ def _launch(accelerate_config: str, zero_stage: str, model_dir: Path, tmp_path: 
     out, reports = tmp_path / "out", tmp_path / "reports"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "RLSPEC_CACHE": str(tmp_path / "cache")}
+           "RLSPEC_CACHE": str(cache_with_the_machines_kernels(tmp_path / "cache"))}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "configs" / "accelerate" / f"{accelerate_config}.yaml"), "--num_processes", "2",
            "--main_process_port", str(_free_port()), str(REPO / "tests" / "distributed" / "run_checked.py"),

@@ -88,11 +88,15 @@ SMOKE = {
     "vllm": ([], lambda r: [x["config"] for x in r["rows"]][:2] == ["engine", "engine-ngram"]
              and r["rows"][0]["tokens_per_s"] > 0),
     "workers": ([], lambda r: [x["config"] for x in r["rows"]] == ["pool 2x1", "engine 1x2"]
-                and "N=64" in r["projection"]),
+                and "N=64" in r["projection"] and [s["step"] for s in r["spot"]["on"]] == [0]),
     "chaos": ([], lambda r: r["ok"] and r["faults"][0]["name"] == "long_prompt" and r["faults"][0]["exit_code"] == 2
               and not r["faults"][0]["reached_step_1"] and r["faults"][0]["with_drop_long_prompts"]["exit_code"] == 0),
     "trl-suite": ([], lambda r: r["summary"]["plain"]["passed"] == r["summary"]["spec"]["passed"] == 1
                   and r["summary"]["spec"]["skipped"] == 1 and "tiny-VisionOnly" in str(r["unbuilt"])),
+    # one arm of four (the ratios: tests/rlspec/test_bench_partial.py): it trains samples carried from the step before
+    "partial": (["--arms", "on/spec"], lambda r: [x["arm"] for x in r["rows"]] == ["on/spec"]
+                and r["rows"][0]["carried_samples"] > 0 and r["rows"][0]["staleness_mean"] > 0
+                and r["rows"][0]["rollout_s_per_step"] > 0),
 }
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlspec.config import ConfigError, load_config
+from tests.conftest import cache_with_the_machines_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -180,7 +181,7 @@ def test_learned_drafter_is_warm_started_then_loaded_from_the_cache(tiny_run, tm
     the same model loads it instead of training; the summary table shows accepted length and version."""
     from rlspec.train import main
 
-    monkeypatch.setenv("RLSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RLSPEC_CACHE", str(cache_with_the_machines_kernels(tmp_path / "cache")))
     run = tiny_run + ["grpo.max_steps=1", "drafter.drafter=eagle3", "drafter.warm_start_s=4",
                       "drafter.warm_start_prompts=8", "drafter.online_trainer=thread", "drafter.draft_vocab_size=32",
                       "rollout.compile=off"]  # compiling the batch-1 step (seconds) would eat the 4 s warm-up budget
