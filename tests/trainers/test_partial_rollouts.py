@@ -65,7 +65,7 @@ def recording_run(tok, out, monkeypatch):
 
     monkeypatch.setattr(partial_trl, "run_round", snapshot_then_run)
     monkeypatch.setattr(partial_trl, "staged_completions", capture)
-    trainer = make_trainer(tok, out, steps=4)
+    trainer = make_trainer(tok, out, steps=3)
     policies = {}
     trainer.train()
     for r in rounds:
@@ -123,16 +123,14 @@ def test_tagging_tokens_with_the_newest_policy_fails_the_record_check(char_token
 
 
 def test_resume_with_carried_samples_equals_a_straight_run(char_tokenizer, tmp_path):
-    straight = make_trainer(char_tokenizer, tmp_path / "straight", steps=4)
+    straight = make_trainer(char_tokenizer, tmp_path / "straight", steps=4, save_steps=2)
     straight.train()
-    first = make_trainer(char_tokenizer, tmp_path / "resumed", steps=4, save_steps=2)
-    first.train()
-    state = torch.load(tmp_path / "resumed" / "checkpoint-2" / "rlspec_state.pt", weights_only=True)
-    pool = state["trainer"]["partial"]["pool"]
+    checkpoint = tmp_path / "straight" / "checkpoint-2"
+    pool = torch.load(checkpoint / "rlspec_state.pt", weights_only=True)["trainer"]["partial"]["pool"]
     assert any(s["completion_ids"] and s["finish_reason"] is None for g in pool["groups"] for s in g["samples"]), \
         "checkpoint-2 holds no carried sample: the test would not exercise their resume"
     resumed = make_trainer(char_tokenizer, tmp_path / "resumed", steps=4)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
     assert not all(torch.equal(a, b) for a, b in zip(straight.model.parameters(),
