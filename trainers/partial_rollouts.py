@@ -112,6 +112,7 @@ class GroupPool:
         self.rounds = self.entered = 0
         self.dropped = self.trained_samples = self.skipped = 0  # skipped: TRL's groups a draining pool left out
         self.tail_steps: dict[int, int] = {}  # round -> most tokens a sample it stopped still needed (so far)
+        self.step_s: dict[int, float] = {}  # round -> its mean decode step seconds (note_step_time)
 
     # ---- the round ---------------------------------------------------------------------------------------------
     def wants(self, rounds_left: float = math.inf) -> int:
@@ -168,6 +169,10 @@ class GroupPool:
             more = len(s.completion_ids) - s.stop_len
             self.tail_steps[s.stopped_at] = max(self.tail_steps.get(s.stopped_at, 0), more)
 
+    def note_step_time(self, seconds: float) -> None:
+        """The current round's mean decode step, to price its tail steps saved in seconds."""
+        self.step_s[self.rounds] = seconds
+
     # ---- what the trainer logs -----------------------------------------------------------------------------
     def metrics(self, groups: list[Group], step: int) -> dict[str, float]:
         """partial/*: the trained samples' staleness (token-weighted histogram, mean, max; the on-policy share),
@@ -186,7 +191,8 @@ class GroupPool:
         for age in range(self.config.max_staleness + 1):
             out[f"partial/staleness_{age}_frac"] = sum(a == age for a in ages) / max(len(ages), 1)
         known = [r for r in self.tail_steps if all(s.stopped_at != r for g in self.groups for s in g.samples)]
-        if known:
+        if known:  # seconds at the round's own mean step time: an upper estimate (a waiting round's tail is thinner)
+            out["partial/tail_s_saved"] = sum(self.tail_steps[r] * self.step_s.pop(r, 0.0) for r in known)
             out["partial/tail_steps_saved"] = sum(self.tail_steps.pop(r) for r in known) / len(known)
         return out
 
@@ -196,7 +202,8 @@ class GroupPool:
                             "samples": [asdict(s) for s in g.samples]}
                            for g in self.groups],
                 "counters": [self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped],
-                "tail_steps": [[k, v] for k, v in self.tail_steps.items()]}
+                "tail_steps": [[k, v] for k, v in self.tail_steps.items()],
+                "step_s": [[k, v] for k, v in self.step_s.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.groups = []
@@ -205,3 +212,4 @@ class GroupPool:
             self.groups.append(Group(list(g["rows"]), list(g["prompt_ids"]), samples, int(g["order"])))
         self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped = (int(x) for x in state["counters"])
         self.tail_steps = {int(k): int(v) for k, v in state["tail_steps"]}
+        self.step_s = {int(k): float(v) for k, v in state["step_s"]}

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+import rollout.metrics as M
 from trainers.partial_rollouts import GroupPool, PartialRolloutConfig
 
 
@@ -98,6 +99,8 @@ def run_round(trainer, rows: list[dict]) -> list[dict]:
                                             max_new_tokens=trainer.max_completion_length,
                                             stop_token_ids=list(trainer.eos_token_ids), partial=plan)
         trainer.rollouts.log_metrics(metrics)
+        steps, seconds = (metrics.get(k, [0.0])[-1] for k in (M.DECODE_STEPS, M.TIME_S))  # get: adds no empty key
+        pool.note_step_time(seconds / steps if steps else 0.0)
         return results
 
     groups = pool.round(generate, step)

@@ -54,9 +54,10 @@ def add_arguments(p) -> None:
     p.add_argument("--examples", type=int, default=256, help="training prompts (partial rounds draw extras here)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-completion", type=int, default=1024, help="max_completion_length")
-    p.add_argument("--generations", type=int, default=8, help="num_generations")
-    p.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (prompts per step x generations)")
-    p.add_argument("--steps", type=int, default=6, help="max_steps")
+    # the shape of configs/grpo_math.yaml, the default run: 2 prompts x 4 samples a step
+    p.add_argument("--generations", type=int, default=4, help="num_generations")
+    p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (prompts per step x generations)")
+    p.add_argument("--steps", type=int, default=5, help="max_steps")
     p.add_argument("--lr", type=float, default=1e-6, help="learning_rate")
     p.add_argument("--oversample", type=float, default=1.0, help="partial rollouts: extra groups in flight")
     p.add_argument("--max-staleness", type=int, default=4, help="partial rollouts: most optimizer steps a token ages")
