@@ -145,7 +145,8 @@ class GroupPool:
         ready = sorted((g for g in self.groups if g.done), key=lambda g: g.order)[:self.train_groups]
         if len(ready) < self.train_groups:
             raise RuntimeError(f"partial round {self.rounds}: {len(ready)} complete groups for {self.train_groups}")
-        self.groups = [g for g in self.groups if g not in ready]
+        taken = {id(g) for g in ready}
+        self.groups = [g for g in self.groups if id(g) not in taken]
         self.trained_samples += sum(len(g.samples) for g in ready)
         return ready
 

@@ -216,3 +216,11 @@ def test_workers_imply_the_ray_backend_and_bad_ray_settings_say_what_to_fix():
         load_config(None, ["rollout.workers=0"])
     with pytest.raises(ConfigError, match="groups_per_task must be >= 1"):
         load_config(None, ["rollout.groups_per_task=0"])
+
+
+@pytest.mark.parametrize("other", [["trainer=ppo"], ["rollout.backend=ray"], ["rollout.backend=vllm"]])
+def test_partial_rollouts_need_grpo_on_the_in_process_engine(other):
+    """Only the engine stops a round and carries samples (docs/partial_rollouts.md#limits): refused before step 1."""
+    with pytest.raises(ConfigError, match="partial_rollouts.enabled needs trainer=grpo and rollout.backend=engine"):
+        load_config(None, ["partial_rollouts.enabled=true", *other])
+    assert load_config(None, ["partial_rollouts.enabled=true"]).partial_rollouts.enabled
