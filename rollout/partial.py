@@ -22,12 +22,13 @@ def round_sequences(prompts: list[list[int]], partial: PartialRound, params: Sam
     seqs, carried, fresh, by_prompt = [], [], [], []
     for i, (prompt, samples) in enumerate(zip(prompts, partial.samples)):
         cap = min(params.max_new_tokens, max_model_len - len(prompt))
-        mine = [Sequence(i, j, list(prompt), cap) for j in range(len(samples))]
+        mine, new = [Sequence(i, j, list(prompt), cap) for j in range(len(samples))], []
         for s, c in zip(mine, samples):
-            if c is not None:
+            if c is None:
+                new.append(s)
+            else:  # a carried sample is a group of its own, prefilled alone
                 _carry_in(s, c, stop_ids, i)
-        carried.extend([s] for s, c in zip(mine, samples) if c is not None)
-        new = [s for s, c in zip(mine, samples) if c is None]
+                carried.append([s])
         if new:
             fresh.append(new)
         by_prompt.append(mine)

@@ -76,20 +76,21 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         trl_compat.refuse_vlm(self.processing_class)
         # None when the engine cannot run the policy: TRL's own generation then samples (trl_compat.py)
         policy = unwrap_model(self.model, self.accelerator)
+        # partial rollouts (trainers/partial_trl.py): None when off
+        self.partial, self._partial_groups = None, None
+        if partial_rollouts is not None:
+            self.partial = partial_trl.make_pool(self, partial_rollouts)
+        rows = self.args.per_device_train_batch_size * self.args.steps_per_generation if self.partial is None \
+            else self.partial.capacity * self.num_generations
         self.rollouts = trl_compat.engine_or_trl_generation(lambda: rollout_source.for_trainer(
-            self, policy, self._tokenizer, spec_config, engine, engine_kwargs or {},
-            max_num_seqs=self.args.per_device_train_batch_size * self.args.steps_per_generation if partial_rollouts is None
-            else partial_trl.engine_rows(self.args, self.num_generations, partial_rollouts),
+            self, policy, self._tokenizer, spec_config, engine, engine_kwargs or {}, max_num_seqs=rows,
             max_model_len=self.args.vllm_max_model_length), engine_given=engine is not None, fsdp=self.is_fsdp_enabled,
             why_not=trl_compat.why_not_the_engine(policy, self.args.generation_kwargs))
         self.engine = self.rollouts.engine if self.rollouts is not None else None
         self.weight_syncer = self.rollouts.weight_syncer if self.rollouts is not None else None
         self.dropped_long_prompts = 0
-        # partial rollouts (trainers/partial_trl.py): None when off
-        self.partial, self._partial_groups = None, None
-        if partial_rollouts is not None:
+        if self.partial is not None:
             partial_trl.refuse_unsupported(self)
-            self.partial = partial_trl.make_pool(self, partial_rollouts)
             self.partial_extras = partial_trl.ExtraPrompts(self.train_dataset, self.args.seed)
         if self.rollouts is not None:  # on TRL's generation, sampling and IS settings stay as plain TRL has them
             # TRL's sampling options as the engine's, what every rollout asks for (why_not_the_engine has sent

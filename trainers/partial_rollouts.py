@@ -127,6 +127,20 @@ class GroupPool:
         self.groups.append(Group(rows, list(prompt_ids), [Sample() for _ in rows], self.entered))
         self.entered += 1
 
+    def fill(self, batch: list[list[dict]], extra: Callable[[], list[dict]], prompt_ids: Callable[[dict], list[int]],
+             rounds_left: float = math.inf) -> None:
+        """Before a round: the new groups of `batch` (TRL's, each a group's rows) while the pool wants them (a
+        draining pool skips the rest), then extra groups from `extra()` up to what it wants. prompt_ids(row): a
+        group's tokenized prompt, asked only for groups that enter."""
+        for rows in batch:
+            if self.wants(rounds_left):
+                self.add(rows, prompt_ids(rows[0]))
+            else:  # the rounds left will train what the pool holds
+                self.skipped += 1
+        while self.wants(rounds_left):
+            rows = extra()
+            self.add(rows, prompt_ids(rows[0]))
+
     def round(self, generate: Generate, step: int) -> list[Group]:
         """One round at optimizer step `step`: generate until enough groups are complete, then hand back the
         train_groups oldest complete ones (removed from the pool)."""

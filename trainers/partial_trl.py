@@ -61,7 +61,8 @@ def refuse_unsupported(trainer) -> None:
 
 
 def make_pool(trainer, config: PartialRolloutConfig) -> GroupPool:
-    """The pool for this trainer's generation batches (one process: refuse_unsupported)."""
+    """The pool for this trainer's generation batches (one process: refuse_unsupported). Its capacity x
+    num_generations is the engine's rows, so every sample of a full pool decodes at once."""
     args = trainer.args
     rows = args.per_device_train_batch_size * args.steps_per_generation
     if rows % trainer.num_generations:
@@ -72,26 +73,17 @@ def make_pool(trainer, config: PartialRolloutConfig) -> GroupPool:
                      trainer.max_completion_length)
 
 
-def engine_rows(args, num_generations: int, config: PartialRolloutConfig) -> int:
-    """Rows the engine needs so every sample of a full pool decodes at once."""
-    groups = args.per_device_train_batch_size * args.steps_per_generation // num_generations
-    return (groups + math.ceil(config.oversample * groups)) * num_generations
-
-
 def run_round(trainer, rows: list[dict]) -> list[dict]:
     """One round for TRL's generation batch `rows`: returns the rows to score (whole groups, group after group)
     and stages their samples for `_generate_single_turn`."""
     pool, n, step = trainer.partial, trainer.num_generations, trainer.state.global_step
     left = math.ceil((trainer.state.max_steps - step) / pool.steps_per_round) if trainer.state.max_steps > 0 \
         else math.inf
-    for k in range(0, len(rows), n):
-        if pool.wants(left):
-            pool.add(rows[k:k + n], prompt_ids(trainer, rows[k]))
-        else:  # a draining pool: the rounds left will train what it holds
-            pool.skipped += 1
-    while pool.wants(left):
+    def extra() -> list[dict]:
         row = trainer.partial_extras.next()
-        pool.add([copy.deepcopy(row) for _ in range(n)], prompt_ids(trainer, row))
+        return [copy.deepcopy(row) for _ in range(n)]
+
+    pool.fill([rows[k:k + n] for k in range(0, len(rows), n)], extra, lambda row: prompt_ids(trainer, row), left)
     metrics = trainer._metrics["train"]
 
     def generate(prompts, plan):

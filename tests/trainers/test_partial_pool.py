@@ -26,19 +26,15 @@ def engine_and_generate(seed: int = 0):
 
 def run(pool: GroupPool, generate, steps: int, fill=lambda i: [1, 3 + i % 5]):
     """`steps` rounds, one optimizer step each, new prompts as TRL would give them; the trained groups' orders."""
-    trained, entered = [], 0
-    for step in range(steps):
-        for _ in range(pool.train_groups):  # TRL's batch of the step
-            if pool.wants(steps - step):
-                pool.add([{"i": entered}] * pool.group_size, fill(entered))
-                entered += 1
-            else:
-                pool.skipped += 1
-        while pool.wants(steps - step):  # extra prompts
-            pool.add([{"i": entered}] * pool.group_size, fill(entered))
-            entered += 1
+    trained, drawn = [], iter(range(10**6))
+
+    def group() -> list[dict]:
+        return [{"i": next(drawn)}] * pool.group_size
+
+    for step in range(steps):  # TRL's batch of the step, then extra prompts
+        pool.fill([group() for _ in range(pool.train_groups)], group, lambda row: fill(row["i"]), steps - step)
         trained += [g.order for g in pool.round(generate, step)]
-    return trained, entered
+    return trained, pool.entered
 
 
 def test_a_draining_run_trains_every_group_it_started_each_whole():
