@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlspec.bench import gpu
-from rlspec.bench.gpucheck import cuda_tests
+from rlspec.bench.gpucheck import cuda_tests, presets
 from rlspec.bench.gpucheck.oracle import OracleDrafter, expected_tokens
 from rlspec.bench.gpucheck.predict import annotate, from_plain
 from rlspec.bench.gpucheck.spec_costs import tree
@@ -101,8 +101,12 @@ def test_help_and_contract():
 
     p = argparse.ArgumentParser()
     gpu.add_arguments(p)
-    args = p.parse_args(["--smoke", "--out", "x"])
+    args = p.parse_args(["--smoke", "--out", "x", "--timeout-s", "tests=150", "oracle=200"])
     assert gpu.NAME == "gpu" and gpu.HELP and args.smoke and args.out == "x" and callable(gpu.run)
+    limits = presets.timeouts(False, args.timeout_s)  # the documented form, SECTION=SECONDS
+    assert limits["tests"] == 150 and limits["oracle"] == 200 and limits["plain"] == presets.GPU_LIMITS["plain"]
+    with pytest.raises(SystemExit, match="SECTION=SECONDS"):
+        presets.timeouts(False, ["150"])
     out = subprocess.run([sys.executable, "-m", "rlspec.bench.gpu", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and "--smoke" in out.stdout and "--sections" in out.stdout
@@ -119,3 +123,30 @@ def test_the_formula_reads_verify_costs_off_plain_steps_and_annotates_oracle_row
     annotate(report)
     rows = report["oracle"]["rows"]
     assert rows[0]["predicted_speedup"] == pytest.approx(1.9375 / 1.25) and "predicted_speedup" not in rows[1]
+
+
+def test_the_oracle_model_picks_its_greedy_token_by_a_margin_rounding_cannot_flip():
+    """bf16 on a GPU: a verify and a decode step round differently, and a plain random model's top two logits lie
+    within that rounding, so the oracle's recorded continuation stopped matching (the first H200 run accepted
+    nothing). make_greedy_stable: the next token is a fixed permutation of the current one by a wide margin."""
+    import torch
+
+    from rlspec.bench.gpucheck.common import build_hf, make_greedy_stable
+
+    hf = build_hf("tiny", torch.bfloat16, torch.device("cpu"))
+    ids = torch.randint(3, hf.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        top2 = hf(ids).logits.float().topk(2, dim=-1).values
+        assert (top2[..., 0] - top2[..., 1]).min() < 0.5  # the plain random model: near ties
+        make_greedy_stable(hf)
+        logits = hf(ids).logits.float()
+    top2 = logits.topk(2, dim=-1).values
+    margin = (top2[..., 0] - top2[..., 1]).min().item()
+    ulp = top2[..., 0].abs().max().item() * 2 ** -7  # bf16's spacing at the top logit
+    assert margin > 20 * ulp, (margin, ulp)
+    # a function of the current token alone: the same token maps to the same successor wherever it stands
+    nxt = logits.argmax(-1)
+    pairs = {}
+    for cur, succ in zip(ids.flatten().tolist(), nxt.flatten().tolist()):
+        assert pairs.setdefault(cur, succ) == succ
+    assert len(set(pairs.values())) == len(pairs)  # a permutation: distinct tokens, distinct successors

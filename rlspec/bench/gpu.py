@@ -3,7 +3,7 @@ for one GPU with the software a GPU machine has (its own python3 with a CUDA tor
 vLLM), writing one JSON report and a log per section to --out as each section completes, so a run cut off still
 returns what it did.
 
-Sections, in order (the core, tests and plain, fits in 5 minutes on an H100; the rest after it):
+Sections, in order (the core, tests and plain, ~6 minutes on an H200; the whole check ~9):
   tests       each CUDA test in a pytest child with a timeout of its own: outcome, seconds (gpucheck/cuda_tests.py)
   plain       engine vs transformers, SmolLM2-135M and Qwen2.5-7B shapes, batch 1/8/32/128: graph step ms, tok/s
   spec_costs  7B shape: verify of T = 2..8 tokens (chains, trees) relative to a plain step per batch bucket;
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"extra import path for the sections (carried trl/datasets; default "
                              f"{CARRY.relative_to(ROOT)}/site where it exists)")
     parser.add_argument("--per-test-timeout-s", type=float, default=None, help="one CUDA test's limit")
-    parser.add_argument("--timeout-s", type=float, nargs="*", default=None, metavar="SECTION=S",
+    parser.add_argument("--timeout-s", nargs="*", default=None, metavar="SECTION=S",
                         help="override section limits, e.g. tests=120 oracle=200 (seconds)")
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: run this section here
 

@@ -55,6 +55,27 @@ def build_hf(shape: str, dtype, device, vocab: int | None = None, seed: int = 0)
     return hf.eval()
 
 
+def make_greedy_stable(hf, seed: int = 0) -> None:
+    """Give a random-weight model a greedy choice that bf16 cannot flip: the next token is a fixed permutation of
+    the current one, by a logit margin of ~sqrt(hidden) against noise of ~1. Random layers have near-flat logits
+    (the top two of 152k tokens within bf16's rounding), so a verify of T rows and a decode step of one, which
+    sum in other orders, pick different tokens and a recorded greedy continuation stops matching after a few
+    steps. Here the embedding dominates the residual stream (the layers add ~2 per element, the embedding ~200),
+    and lm_head row v is the unit embedding of the token that maps to v. Values only: shapes, kernels and step
+    times are those of the random model."""
+    import torch
+
+    emb, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
+    if emb.data_ptr() == head.data_ptr():
+        raise ValueError("make_greedy_stable needs untied input and output embeddings")
+    g = torch.Generator(emb.device).manual_seed(seed)
+    with torch.no_grad():
+        table = torch.randn(emb.shape, generator=g, device=emb.device)
+        perm = torch.randperm(len(table), generator=torch.Generator().manual_seed(seed)).to(emb.device)
+        emb.copy_(200 * table)
+        head.copy_(torch.nn.functional.normalize(table, dim=-1)[perm])
+
+
 def engine_over(hf, device, dtype, max_seqs: int, max_len: int, spec=None, drafter=None):
     """A RolloutEngine over a copy of `hf`'s weights: graphs captured lazily, the KV pool kept between calls (the
     timed calls must not meet a new pool), eager layers (compiled ones recompile per pool size on CUDA)."""

@@ -43,7 +43,9 @@ def from_plain(steps: dict[int, float], batch: int, tokens: int) -> float:
 
 def annotate(report: dict) -> None:
     """Each oracle row gets predicted_speedup: the formula at its a, k and batch, c_B from this run's verify rows
-    (a chain of 1 + k tokens at the row's batch), d = 0 (the oracle drafts from a table)."""
+    (a chain of 1 + k tokens at the row's batch), d = 0 (the oracle drafts from a table); predicted_at_measured: the
+    same at the row's measured tokens per verify, so the gap to the measured speedup is time spent outside the
+    verify (host work, drafting, transfers)."""
     oracle, costs = report.get("oracle") or {}, report.get("spec_costs") or {}
     ratio = {(r["batch"], r["tokens"]): r["vs_plain"] for r in costs.get("verify", []) if r["kind"] == "chain"}
     k = oracle.get("num_draft_tokens")
@@ -51,6 +53,8 @@ def annotate(report: dict) -> None:
         c = ratio.get((row["batch"], 1 + k))
         if c is not None:
             row["predicted_speedup"] = speedup(expected_tokens(row["accept"], k), c, k)
+            if row.get("accept_len"):  # the same at the acceptance the row measured: what is left is overhead
+                row["predicted_at_measured"] = speedup(row["accept_len"], c, k)
 
 
 def main(path: str) -> None:

@@ -26,7 +26,7 @@ SMOKE = {
     "grpo": dict(shape="tiny", steps=3, batch=4, generations=2, max_completion_length=8),
 }
 # seconds per section: the tests' whole pass, then each child's limit
-GPU_LIMITS = dict(tests=170, plain=130, spec_costs=100, oracle=110, grpo=80)
+GPU_LIMITS = dict(tests=270, plain=110, spec_costs=95, oracle=70, grpo=45)  # H200: ~270, 97, 84, 63, 34 s
 SMOKE_LIMITS = dict(tests=120, plain=120, spec_costs=120, oracle=120, grpo=150)  # ~10-30 s each when idle
 
 
