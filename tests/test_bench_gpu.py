@@ -43,6 +43,10 @@ def test_rehearsal_writes_every_section(tmp_path):
     # greedy speculation is exact: the oracle's rollouts are the plain ones, token for token (float32 on CPU)
     assert all(r["same_as_reference"] == 1.0 for r in report["oracle"]["rows"])
     assert all(r["predicted_speedup"] > 0 for r in report["oracle"]["rows"])  # from this run's 5-token verifies
+    # one profiled call per end of the acceptance range: wall time, steps and the ops with the most host time
+    prof = report["oracle"]["profile"]
+    assert [p["accept"] for p in prof] == [0.5, 0.9] and all(p["wall_s"] > 0 and p["decode_steps"] > 0 for p in prof)
+    assert all(p["top_host_ops"] and p["top_host_ops"][0]["self_host_ms"] > 0 for p in prof)
     assert report["grpo"]["status"] == "skipped" or len(report["grpo"]["per_step"]) == 3
 
 

@@ -93,4 +93,17 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
             print(f"  batch {b} a={a}: {r['tok_s']:.0f} tok/s, x{r['speedup']:.2f} plain, accept_len "
                   f"{r['accept_len']} (expected {r['expected_accept_len']:.2f})", flush=True)
         save(out)
+    # one call per acceptance under the profiler at the largest batch: host or device, and which ops
+    from rlspec.bench.gpucheck.profile_step import profile_call
+
+    out["profile"] = []
+    for a in (min(cfg["accepts"]), max(cfg["accepts"])):
+        if left() <= 0:
+            break
+        drafter.accept = a
+        prof = profile_call(lambda: oracle.generate(prompts, greedy), device)
+        out["profile"].append(dict(batch=B, accept=a, decode_steps=oracle.stats().get("rollout/decode_steps"), **prof))
+        print(f"  profile batch {B} a={a}: wall {prof['wall_s']:.3f} s, device busy {prof['device_busy_s']:.3f} s, "
+              f"syncs {prof['syncs']}", flush=True)
+        save(out)
     return out
