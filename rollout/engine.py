@@ -23,6 +23,7 @@ from rollout.metrics import RolloutMetrics
 from rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
 from rollout.partial import round_over, round_sequences
 from rollout.registry import STRATEGIES
+from rollout.runtime.draws import KeyedDraws, bound, call_draws
 from rollout.runtime.history import TokenHistory
 from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 from rollout.runtime.kv_ledger import KVLedger
@@ -40,6 +41,7 @@ from rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfi
 
 class RolloutEngine:
     supports_partial_rollouts = True  # generate(..., partial=PartialRound): stop a round and carry samples on
+    supports_sample_keys = True  # generate(..., sample_keys=[...]): per-sample random keys (runtime/draws.py)
 
     def __init__(self, model, tokenizer, spec: SpecConfig | None = None, max_model_len: int = 2048,
                  max_num_seqs: int = 64, eos_token_ids: Iterable[int] | None = None, drafter: Drafter | None = None,
@@ -150,12 +152,16 @@ class RolloutEngine:
         return self._metrics.batch_trace
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams | None = None,
-                 use_tqdm: bool = False, partial: PartialRound | None = None) -> list[RolloutResult]:
+                 use_tqdm: bool = False, partial: PartialRound | None = None,
+                 sample_keys: list[int] | None = None) -> list[RolloutResult]:
         """Sample params.n completions per prompt; one flat list, prompt-major, in order.
 
         partial: the call is one round of partial rollouts (rollout/types.py PartialRound): per prompt the samples
         it lists (carried ones continue), stopping when the round has what it needs; the unfinished samples come
-        back with finish_reason "partial"."""
+        back with finish_reason "partial".
+        sample_keys: one distinct int in [0, 2**62) per sequence, in result order: the target's draws for a sample
+        are then a hash of its key and position (rollout/runtime/draws.py), whatever it is batched with or however
+        it is stopped and carried on; None: the call's generator, seeded by params.seed."""
         params = params or SamplingParams()
         check_request(prompt_token_ids, params, self.max_model_len, self.max_num_seqs, self.model.cfg.vocab_size)
         if params.penalised and self.spec.lossy:
@@ -171,6 +177,7 @@ class RolloutEngine:
             groups, by_prompt = [seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], None
         else:
             seqs, groups, by_prompt = round_sequences(prompt_token_ids, partial, params, self.max_model_len, stop_ids)
+        draws = call_draws(gen, sample_keys, seqs, params, self.runner.device)  # the target's; drafters keep gen
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
         self.runner.refresh_weights()
         cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(),
@@ -185,7 +192,7 @@ class RolloutEngine:
         self.proposer.start(seqs, params, gen)
         sched = Scheduler(groups, cache.rows, cache.alloc)
         ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table
-        ctx = _Call(params, gen, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history)
+        ctx = _Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history)
         while sched.has_work:
             groups = sched.admit()
             if groups:
@@ -241,7 +248,8 @@ class RolloutEngine:
             ctx.history.reset([s.row for s in seqs], [s.prompt_ids for s in seqs])
             at = torch.tensor([s.row for s in seqs], device=logits.device)
             seen = ctx.history.rows(at)
-        toks = greedy_tokens(rows, seen, p) if p.greedy else sample(probs_from_logits(rows, p, seen), ctx.gen)
+        toks = greedy_tokens(rows, seen, p) if p.greedy \
+            else sample(probs_from_logits(rows, p, seen), bound(ctx.draws, seqs))
         if ctx.history is not None:
             ctx.history.mark(at, toks[:, None])
         host = _to_host(toks, logprobs_of(rows, toks, p), finite_flags(rows))
@@ -277,8 +285,8 @@ class RolloutEngine:
         logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
                                            self.speculation.aux_layers + self.verifier.hidden_layers)
         on_dev = batch.to(logits.device)
-        verdict = self.verifier.verify(self._penalised(logits, on_dev, ctx), hiddens, on_dev, ctx.params, ctx.gen,
-                                       routed)
+        verdict = self.verifier.verify(self._penalised(logits, on_dev, ctx), hiddens, on_dev, ctx.params,
+                                       bound(ctx.draws, live), routed)
         step = self._fetch(logits, verdict, batch, ctx, live)  # logprobs from the raw logits (docs/verification.md)
         # before commit: the learned drafter stages features at the positions the sequences hold now
         self.speculation.observe_verify(live, hiddens, verdict.path, step.accepted, logits)
@@ -478,7 +486,7 @@ class _Call:
     """What one generate call's stages share."""
 
     params: SamplingParams
-    gen: torch.Generator | None
+    draws: torch.Generator | KeyedDraws | None  # where the target's uniforms come from
     stop_ids: set[int]
     bar: object
     t0: float

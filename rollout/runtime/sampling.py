@@ -8,8 +8,26 @@ from __future__ import annotations
 
 import torch
 
+from rollout.runtime.draws import FINAL, KeyedDraws
 from rollout.runtime.model import kernels
 from rollout.types import SamplingParams
+
+# a draw site's source of uniforms: the call's torch.Generator (None: torch's global one), or a call's per-sample
+# keys bound to the rows drawn (rollout/runtime/draws.py)
+Draws = torch.Generator | KeyedDraws | None
+
+
+def uniform(gen: Draws, shape: tuple[int, ...], device, purpose: int) -> torch.Tensor:
+    """float32 uniforms [*shape] in [0, 1) for a draw site: torch.rand from the generator, as every site always
+    drew them (purpose unused), or the keyed hash of each row's (key, position, purpose, index)."""
+    if isinstance(gen, KeyedDraws):
+        return gen.uniform(tuple(shape), purpose)
+    return torch.rand(shape, generator=gen, device=device)
+
+
+def shifted(gen: Draws, by: int) -> Draws:
+    """The same source with a keyed source's indices moved on by `by` (a tree's later depths); a generator as is."""
+    return gen.shifted(by) if isinstance(gen, KeyedDraws) else gen
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -92,7 +110,7 @@ def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: Draws) -> torch.Tensor:
     """One token per row of probs [B, V] -> [B] long, by inverting the CDF at a uniform draw.
 
     Exact like torch.multinomial (a zero-probability token can never be hit: u is drawn in
@@ -100,7 +118,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     cost of a batch-8 decode step (7 ms against 0.3 ms).
     """
     cdf = probs.cumsum(-1)
-    u = (1 - torch.rand(probs.shape[:-1] + (1,), generator=generator, device=probs.device)) * cdf[..., -1:]
+    u = (1 - uniform(generator, probs.shape[:-1] + (1,), probs.device, FINAL)) * cdf[..., -1:]
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
@@ -112,7 +130,7 @@ def kernel_draws(logits: torch.Tensor, params: SamplingParams) -> bool:
                 or logits.dtype != torch.float32) and kernels.available()
 
 
-def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws):
     """A plain step's draw from probs_from_logits(logits, params), with its logprob (logprobs_of) and each row's
     finite flag (nonfinite.finite_flags), as one op (kernels/sample.cpp) -> (tokens [B], logprobs [B], finite [B]);
     None where it does not serve (`kernel_draws`; with a repetition penalty the caller reads the logprob
@@ -122,7 +140,7 @@ def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: torch.
     batch-1 CPU step (docs/verification.md#plain-steps-on-the-cpu)."""
     if not kernel_draws(logits, params):
         return None
-    r = torch.rand(logits.shape[0], generator=generator)  # the op draws at 1 - r, in (0, 1], as sample() does
+    r = uniform(generator, (logits.shape[0],), logits.device, FINAL)  # the op draws at 1 - r, in (0, 1], as sample()
     return torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
 
 

@@ -22,6 +22,7 @@ class Sequence:
     token_source: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     carried: int = 0  # completion tokens it came in with from an earlier call (partial rollouts, rollout/partial.py)
+    key: int | None = None  # its random key (generate(sample_keys=...), rollout/runtime/draws.py)
 
     @property
     def cache_len(self) -> int:

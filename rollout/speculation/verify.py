@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.runtime.sampling import kernel_draws, probs_from_logits, sample, sample_plain
+from rollout.runtime.draws import ACCEPT, FINAL, TREE
+from rollout.runtime.sampling import Draws, kernel_draws, probs_from_logits, sample, sample_plain, shifted, uniform
 from rollout.types import SamplingParams
 
 
@@ -50,7 +51,7 @@ def verify_chain(
     num_drafts: torch.Tensor,  # [B] long, each <= K
     params: SamplingParams,
     draft_probs: torch.Tensor | None = None,  # [B, K, V] processed drafter probs; None = deterministic
-    generator: torch.Generator | None = None,
+    generator: Draws = None,  # or a call's per-sample keys bound to the rows (rollout/runtime/draws.py)
     kept: torch.Tensor | None = None,  # [B, K] bool: accepted whatever the exact test says; None = lossless
     p: torch.Tensor | None = None,  # [B, K+1, V]: probs_from_logits(target_logits, params), if the caller has it
 ) -> Verdict:
@@ -83,7 +84,7 @@ def verify_chain(
         q_draft = torch.ones(B, K, device=p.device)  # one-hot q: q_i(x_i) = 1
     else:
         q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-    u = torch.rand(B, K, generator=generator, device=p.device)
+    u = uniform(generator, (B, K), p.device, ACCEPT)
     exact = _accept(u, p[:, :K], q_draft, draft_tokens)
     accepted = _accepted(exact, kept, in_range)  # [B]
 
@@ -105,8 +106,8 @@ def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, gene
     if not kernel_draws(target_logits, params):
         return None
     B, K = draft_tokens.shape
-    u = torch.rand(B, K, generator=generator)
-    r = torch.rand(B, generator=generator)
+    u = uniform(generator, (B, K), "cpu", ACCEPT)
+    r = uniform(generator, (B,), "cpu", FINAL)
     q = target_logits.new_empty(0) if draft_probs is None else draft_probs.float()  # a no-op for float32 q
     accepted, token, logprob, finite = torch.ops.rlspec_kernels.verify_chain_rows(
         target_logits, draft_tokens, num_drafts, q, u, r, float(params.temperature))
@@ -158,7 +159,7 @@ def verify_tree(
     children: torch.Tensor,  # [B, N+1, W] long: child node indices of each node in drawing order, -1 = none
     params: SamplingParams,
     draft_probs: torch.Tensor | None = None,  # [B, N+1, V]: q_j of each node (node 0 unused); None = deterministic
-    generator: torch.Generator | None = None,
+    generator: Draws = None,
 ) -> TreeVerdict:
     """Walk the tree from the root; at each node try its children with `_recursive_reject`.
 
@@ -190,7 +191,8 @@ def verify_tree(
             slot = torch.where(match.any(-1), match.long().argmax(-1), -1)  # the first match
         else:
             qs = None if draft_probs is None else draft_probs[rows[:, None], kids.clamp(min=0)]  # [B, W, V]
-            slot, rest = _recursive_reject(p[rows, cur], xs, qs, valid, generator)
+            # keyed draws: depth d's children take indices d*W .. d*W+W-1 (every row at every depth: no subsets)
+            slot, rest = _recursive_reject(p[rows, cur], xs, qs, valid, shifted(generator, depth * W))
             final = torch.where((alive & (slot < 0))[:, None], rest, final)
         moved = slot >= 0
         cur = torch.where(moved, kids.gather(1, slot.clamp(min=0)[:, None]).squeeze(1), cur)
@@ -208,7 +210,7 @@ def _recursive_reject(
     xs: torch.Tensor,  # [B, W] long: the children's tokens, in drawing order
     qs: torch.Tensor | None,  # [B, W, V]: q_j each child was drawn from; None = deterministic (one-hot)
     valid: torch.Tensor,  # [B, W] bool: which children exist
-    generator: torch.Generator | None,
+    generator: Draws,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recursive rejection sampling over one node's children -> (slot [B] long: the accepted child's
     index in xs or -1, running [B, V]: the distribution to sample from where every child was rejected).
@@ -223,7 +225,7 @@ def _recursive_reject(
     B, W = xs.shape
     running = p
     slot = torch.full((B,), -1, dtype=torch.long, device=p.device)
-    u = torch.rand(B, W, generator=generator, device=p.device)
+    u = uniform(generator, (B, W), p.device, TREE)
     for j in range(W):
         x = xs[:, j]
         q = qs[:, j] if qs is not None else torch.zeros_like(p).scatter_(-1, x[:, None], 1.0)
