@@ -38,6 +38,7 @@ from trainers import partial_trl, rollout_source, trl_compat
 from trainers.callbacks import attach_summary_callback
 from trainers.checkpoint import CheckpointMixin
 from trainers.partial_rollouts import PartialRolloutConfig
+from trainers.sample_keys import sample_key
 from trainers.sampling_args import grpo_sampling
 from trainers.weight_sync import unwrap_model
 
@@ -91,7 +92,7 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         self.dropped_long_prompts = 0
         if self.partial is not None:
             partial_trl.refuse_unsupported(self)
-            self.partial_extras = partial_trl.ExtraPrompts(self.train_dataset, self.args.seed)
+            self.partial_future = partial_trl.TrlGroups(self)  # the groups TRL will hand out, drawn ahead
         if self.rollouts is not None:  # on TRL's generation, sampling and IS settings stay as plain TRL has them
             # TRL's sampling options as the engine's, what every rollout asks for (why_not_the_engine has sent
             # generation_kwargs the engine cannot honour to TRL's generation)
@@ -112,7 +113,7 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         steps still consume (steps_per_generation or num_iterations > 1), that buffered batch."""
         mid_buffer = self._step % (self.args.steps_per_generation * self.num_iterations) != 0
         partial = None if self.partial is None else {"pool": self.partial.state_dict(),
-                                                     "extras_drawn": self.partial_extras.drawn}
+                                                     "future_drawn": self.partial_future.drawn}
         return {"trl_step": self._step, "buffered_inputs": self._buffered_inputs if mid_buffer else None,
                 "partial": partial}
 
@@ -124,8 +125,7 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
                              f"{'off' if self.partial is not None else 'on'}: resume it with the same setting")
         if self.partial is not None:
             self.partial.load_state_dict(state["partial"]["pool"])
-            self.partial_extras = partial_trl.ExtraPrompts(self.train_dataset, self.args.seed,
-                                                           drawn=state["partial"]["extras_drawn"])
+            self.partial_future = partial_trl.TrlGroups(self, drawn=state["partial"]["future_drawn"])
 
     def _generate(self, prompts: list):
         """TRL's, plus for a rollout_func: the engine synced to the policy first (TRL syncs vLLM there), so a
@@ -166,7 +166,8 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
             unique_ids, n = dedupe_repeated_prompts([prompt_ids[i] for i in todo], num_generations)
             results = self.rollouts.generate(
                 self.model, self.state.global_step, unique_ids, n, **self.engine_sampling,
-                max_new_tokens=self.max_completion_length, stop_token_ids=list(self.eos_token_ids))
+                max_new_tokens=self.max_completion_length, stop_token_ids=list(self.eos_token_ids),
+                sample_keys=self._sample_keys(todo, num_generations, len(prompt_ids)))
             self.rollouts.log_metrics(metrics)
             # the sampling logprobs TRL's importance-sampling correction divides by: the behaviour policy's, which
             # differ from the target's exactly on tokens a lossy mode kept (rollout/types.py, docs/lossy.md)
@@ -174,6 +175,18 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
                 completions[i], logprobs[i] = list(r.completion_ids), list(r.sampling_logprobs())
         metrics[trl_compat.ENGINE_METRIC].append(1.0)
         return completions, logprobs
+
+    def _sample_keys(self, rows: list[int], num_generations: int, batch_rows: int) -> list[int] | None:
+        """The keys of a training generation batch's rows `rows` (TRL lays group g's samples at rows g*n..g*n+n-1):
+        group ordinal = generation round x groups per batch + g, as partial rollouts number TRL's groups, so a
+        sample is drawn alike with partial rollouts on or off (trainers/sample_keys.py). None in evaluation and for
+        tool turns (TRL calls those with num_generations=1: keyed again, a sample's turns would share draws)."""
+        if not self.model.training or num_generations != self.num_generations:
+            return None
+        generation = self._step // (self.args.steps_per_generation * self.num_iterations)
+        base = generation * (batch_rows // num_generations)
+        return [sample_key(self.args.seed, self.accelerator.process_index, base + i // num_generations,
+                           i % num_generations) for i in rows]
 
     def _generate_and_score_completions(self, inputs):
         """TRL's; its first no-grad pass of the policy over the rollouts (the old logprobs) also feeds the

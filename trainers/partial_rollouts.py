@@ -10,16 +10,24 @@ newer policy (the engine prefills their prefix again: rollout/partial.py). What 
 - staleness is bounded: a round runs at least `min_decode_steps` decode steps, enough that a sample finishes
   within the rounds `max_staleness` allows; a sample older than that anyway (it waited for a row) restarts.
 
-GroupPool knows nothing of TRL: SpecGRPOTrainer (trainers/grpo.py) feeds it TRL's rows and reads back the
-groups to train; the pool's state is plain Python, saved in checkpoints beside TRL's buffered inputs.
+The groups in flight beyond TRL's current batch are the ones TRL will hand out in its later batches (prefetched
+from a replica of its sampler: trainers/partial_trl.py), so a run trains exactly the prompts TRL's sampler gives,
+each once. GroupPool knows nothing of TRL: SpecGRPOTrainer (trainers/grpo.py) feeds it TRL's rows and that
+sequence, and reads back the groups to train; the pool's state is plain Python, saved in checkpoints beside
+TRL's buffered inputs.
 """
 from __future__ import annotations
 
+import logging
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rollout.types import Carried, PartialRound, RolloutResult
+
+logger = logging.getLogger(__name__)
+UNFORESEEN = 1 << 40  # ordinals of groups TRL handed out that its replica did not foresee start here: unique, apart
 
 
 @dataclass
@@ -78,13 +86,15 @@ class Group:
     prompt_ids: list[int]
     samples: list[Sample]
     order: int  # when it entered the pool: complete groups train oldest first
+    ordinal: int  # its index in TRL's sequence of groups over the run (UNFORESEEN + k: one TRL gave unforeseen)
 
     @property
     def done(self) -> bool:
         return all(s.done for s in self.samples)
 
 
-Generate = Callable[[list[list[int]], PartialRound], list[RolloutResult]]
+# (prompts, the round's plan, each sample's (group ordinal, index in group) in result order) -> results
+Generate = Callable[[list[list[int]], PartialRound, list[tuple[int, int]]], list[RolloutResult]]
 
 
 class GroupPool:
@@ -111,35 +121,66 @@ class GroupPool:
         self.groups: list[Group] = []
         self.rounds = self.entered = 0
         self.dropped = self.trained_samples = self.skipped = 0  # skipped: TRL's groups a draining pool left out
+        self.drawn = self.mismatched = 0  # groups drawn from TRL's future sequence; TRL's groups it did not foresee
+        self.ahead: deque = deque()  # the prompts of drawn groups TRL has not handed out yet, in its order
         self.tail_steps: dict[int, int] = {}  # round -> most tokens a sample it stopped still needed (so far)
         self.step_s: dict[int, float] = {}  # round -> its mean decode step seconds (note_step_time)
 
     # ---- the round ---------------------------------------------------------------------------------------------
     def wants(self, rounds_left: float = math.inf) -> int:
-        """Groups to add (TRL's new rows and, past those, extra prompts) before the next round, when `rounds_left`
-        rounds remain in the run (the current one included). Near the end the pool drains: it never holds more
-        groups than the remaining rounds will train, so every group that enters is trained. Which prompts are
-        left out is then decided before any is sampled: the run trains the groups it started, long ones included,
-        instead of the ones that happened to finish first (docs/partial_rollouts.md#bias-and-when-not-to-use-it)."""
+        """Groups to add before the next round, when `rounds_left` rounds remain in the run (the current one
+        included). Near the end the pool drains: it never holds more groups than the remaining rounds will train,
+        so every group that enters is trained, and a run trains exactly the groups TRL hands out over it (all
+        drawn ahead in TRL's order): none left in flight, none of TRL's skipped, long ones included
+        (docs/partial_rollouts.md#bias-and-when-not-to-use-it)."""
         return max(0, min(self.capacity, self.train_groups * rounds_left) - len(self.groups))
 
-    def add(self, rows: list[dict], prompt_ids: list[int]) -> None:
-        self.groups.append(Group(rows, list(prompt_ids), [Sample() for _ in rows], self.entered))
+    def add(self, rows: list[dict], prompt_ids: list[int], ordinal: int) -> None:
+        self.groups.append(Group(rows, list(prompt_ids), [Sample() for _ in rows], self.entered, ordinal))
         self.entered += 1
 
-    def fill(self, batch: list[list[dict]], extra: Callable[[], list[dict]], prompt_ids: Callable[[dict], list[int]],
+    def fill(self, batch: list[list[dict]], future: Callable[[], list[dict]], prompt_ids: Callable[[dict], list[int]],
              rounds_left: float = math.inf) -> None:
-        """Before a round: the new groups of `batch` (TRL's, each a group's rows) while the pool wants them (a
-        draining pool skips the rest), then extra groups from `extra()` up to what it wants. prompt_ids(row): a
-        group's tokenized prompt, asked only for groups that enter."""
+        """Before a round. `future()`: the next group (its rows) of the sequence TRL hands out over the run;
+        `batch`: TRL's generation batch now (each a group's rows), normally the sequence's next groups. The pool
+        draws ahead of TRL up to what it wants; a group of `batch` already drawn (matched in order by prompt) is in
+        the pool or trained and is only checked off; one the sequence did not foresee (a sampler the replica does
+        not reproduce) enters as a new group, counted in `mismatched`. prompt_ids(row): a group's tokenized
+        prompt, asked only for groups that enter."""
         for rows in batch:
-            if self.wants(rounds_left):
-                self.add(rows, prompt_ids(rows[0]))
-            else:  # the rounds left will train what the pool holds
+            prompt = rows[0]["prompt"]
+            if prompt not in self.ahead and self.wants(rounds_left):
+                self._draw(future, prompt_ids)  # TRL's group is normally the sequence's next: it enters now
+            if prompt in self.ahead:  # drawn already; any drawn before it TRL passed over (they train anyway)
+                while self.ahead.popleft() != prompt:
+                    pass
+            elif self.ahead:
+                self._unforeseen(rows, prompt_ids, rounds_left)
+            else:  # a draining pool with nothing drawn ahead: the rounds left train what it holds
                 self.skipped += 1
         while self.wants(rounds_left):
-            rows = extra()
-            self.add(rows, prompt_ids(rows[0]))
+            self._draw(future, prompt_ids)
+        while len(self.ahead) > self.capacity:  # never when the sequence is TRL's; bounds a diverged one
+            self.ahead.popleft()
+
+    def _draw(self, future: Callable[[], list[dict]], prompt_ids: Callable[[dict], list[int]]) -> None:
+        rows = future()
+        self.add(rows, prompt_ids(rows[0]), self.drawn)
+        self.ahead.append(rows[0]["prompt"])
+        self.drawn += 1
+
+    def _unforeseen(self, rows: list[dict], prompt_ids: Callable[[dict], list[int]], rounds_left: float) -> None:
+        """A group of TRL's that the sequence did not foresee: it trains as a new group (if the pool wants it)."""
+        if not self.mismatched:
+            logger.warning("partial rollouts: TRL handed out a prompt that the replica of its sampler did not "
+                           "foresee (a custom sampler or dataloader, or a resume that changed TRL's data order?); it "
+                           "trains as a new group, and the run no longer trains exactly TRL's prompts "
+                           "(partial/replica_mismatch counts them)")
+        self.mismatched += 1
+        if self.wants(rounds_left):
+            self.add(rows, prompt_ids(rows[0]), UNFORESEEN + self.mismatched - 1)
+        else:
+            self.skipped += 1
 
     def round(self, generate: Generate, step: int) -> list[Group]:
         """One round at optimizer step `step`: generate until enough groups are complete, then hand back the
@@ -151,7 +192,9 @@ class GroupPool:
         if work and need > 0:
             plan = PartialRound([[s.carried() for s in g.samples if not s.done] for g in work], stop_after_groups=need,
                                 min_decode_steps=self.min_decode_steps)
-            results = iter(generate([g.prompt_ids for g in work], plan))
+            # each sample's name for the engine's keyed draws: its group's ordinal and its index in the group
+            names = [(g.ordinal, j) for g in work for j, s in enumerate(g.samples) if not s.done]
+            results = iter(generate([g.prompt_ids for g in work], plan, names))
             for g in work:
                 for s in (s for s in g.samples if not s.done):
                     s.take(next(results), step)
@@ -199,6 +242,7 @@ class GroupPool:
                "partial/waiting_groups": float(sum(g.done for g in self.groups)),
                "partial/dropped_stale_frac": self.dropped / max(self.trained_samples, 1),
                "partial/skipped_groups": float(self.skipped),
+               "partial/replica_mismatch": float(self.mismatched),
                "partial/on_policy_token_frac": sum(a == 0 for a in ages) / max(len(ages), 1),
                "partial/staleness_mean": sum(ages) / max(len(ages), 1),
                "partial/staleness_max": float(max(ages, default=0)),
@@ -213,10 +257,12 @@ class GroupPool:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"groups": [{"rows": g.rows, "prompt_ids": g.prompt_ids, "order": g.order,
+        return {"groups": [{"rows": g.rows, "prompt_ids": g.prompt_ids, "order": g.order, "ordinal": g.ordinal,
                             "samples": [asdict(s) for s in g.samples]}
                            for g in self.groups],
-                "counters": [self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped],
+                "counters": [self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped, self.drawn,
+                             self.mismatched],
+                "ahead": list(self.ahead),
                 "tail_steps": [[k, v] for k, v in self.tail_steps.items()],
                 "step_s": [[k, v] for k, v in self.step_s.items()]}
 
@@ -224,7 +270,10 @@ class GroupPool:
         self.groups = []
         for g in state["groups"]:
             samples = [Sample(**dict(raw)) for raw in g["samples"]]
-            self.groups.append(Group(list(g["rows"]), list(g["prompt_ids"]), samples, int(g["order"])))
-        self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped = (int(x) for x in state["counters"])
+            self.groups.append(Group(list(g["rows"]), list(g["prompt_ids"]), samples, int(g["order"]),
+                                     int(g["ordinal"])))
+        (self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped, self.drawn,
+         self.mismatched) = (int(x) for x in state["counters"])
+        self.ahead = deque(state["ahead"])
         self.tail_steps = {int(k): int(v) for k, v in state["tail_steps"]}
         self.step_s = {int(k): float(v) for k, v in state["step_s"]}

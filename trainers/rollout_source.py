@@ -126,11 +126,12 @@ class RolloutSource:
         self.last_params: SamplingParams | None = None
         self.sampling_dtype = None  # the dtype the backend samples in, when this source chose it (for_trainer)
         self.last_policy_version = 0
+        self.keyed = getattr(engine, "supports_sample_keys", False)  # draws per sample key (trainers/sample_keys.py)
 
     def generate(self, policy, step: int, prompt_ids: list[list[int]], n: int, *, temperature: float,
                  max_new_tokens: int, stop_token_ids: list[int], top_p: float = 1.0, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 partial: PartialRound | None = None) -> list[RolloutResult]:
+                 partial: PartialRound | None = None, sample_keys: list[int] | None = None) -> list[RolloutResult]:
         """n samples of each prompt from the policy as of optimizer step `step`, prompt 0's n first.
         The sampling options are SamplingParams' (trainers/sampling_args.py maps TRL's onto them).
 
@@ -139,6 +140,8 @@ class RolloutSource:
         on_nonfinite policy handles it (trainers/checkpoint.py).
         partial: a round of partial rollouts (rollout/types.py PartialRound; n is then ignored): the results are
         its samples, prompt by prompt, the unfinished ones with finish_reason "partial".
+        sample_keys: one per result (trainers/sample_keys.py): each sample's draws come from its key alone; ignored
+        by a backend without `supports_sample_keys` (its samples then depend on the call's seed).
         """
         start = time.perf_counter()
         with self._profile("sync_weights"):
@@ -150,8 +153,10 @@ class RolloutSource:
             self.drafter_feed.claim()  # from the first rollout on, our pass feeds the drafter, not the backend
         with self._profile("RolloutEngine.generate"):
             try:
-                results = self.engine.generate(prompt_ids, params) if partial is None else \
-                    self.engine.generate(prompt_ids, params, partial=partial)
+                extra = {} if partial is None else {"partial": partial}
+                if sample_keys is not None and self.keyed:
+                    extra["sample_keys"] = sample_keys
+                results = self.engine.generate(prompt_ids, params, **extra)
             except BaseException:
                 # a failed call consumes no seed: a checkpoint taken now (on_nonfinite=stop, a lost backend) is
                 # the state before this step, and the resumed run draws this step's samples with its seed

@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
                    help="master weights' dtype; the step runs under bf16 mixed precision either way (as dropin)")
     p.add_argument("--dataset", default="embedded_math", help="trainers.data.load_dataset_by_name name")
-    p.add_argument("--examples", type=int, default=256, help="training prompts (partial rounds draw extras here)")
+    p.add_argument("--examples", type=int, default=256, help="training prompts (TRL's sampler hands them out; partial rounds start its later ones early)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-completion", type=int, default=1024, help="max_completion_length")
     # the shape of configs/grpo_math.yaml, the default run: 2 prompts x 4 samples a step

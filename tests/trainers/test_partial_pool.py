@@ -1,5 +1,6 @@
-"""GroupPool (trainers/partial_rollouts.py) on a real tiny engine, without TRL: which groups a run trains, the
-drain at its end, the staleness bound and restarts, the pool's state across a checkpoint."""
+"""GroupPool (trainers/partial_rollouts.py) on a real tiny engine, without TRL: which groups a run trains (TRL's,
+drawn ahead, each once), groups TRL gives unforeseen, the drain at its end, the staleness bound and restarts, the
+pool's state across a checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ from rollout.engine import RolloutEngine
 from rollout.runtime.model import loader
 from rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf
-from trainers.partial_rollouts import GroupPool, PartialRolloutConfig
+from trainers.partial_rollouts import UNFORESEEN, GroupPool, PartialRolloutConfig
 
 CAP = 24
 
@@ -18,33 +19,68 @@ def engine_and_generate(seed: int = 0):
                            max_num_seqs=16, kv_memory_gb=0.01)
     calls = iter(range(10**6))
 
-    def generate(prompts, plan):
+    def generate(prompts, plan, names):
         return engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=CAP, seed=seed * 1000 +
                                                        next(calls)), partial=plan)
     return engine, generate
 
 
-def run(pool: GroupPool, generate, steps: int, fill=lambda i: [1, 3 + i % 5]):
-    """`steps` rounds, one optimizer step each, new prompts as TRL would give them; the trained groups' orders."""
-    trained, drawn = [], iter(range(10**6))
-
-    def group() -> list[dict]:
-        return [{"i": next(drawn)}] * pool.group_size
-
-    for step in range(steps):  # TRL's batch of the step, then extra prompts
-        pool.fill([group() for _ in range(pool.train_groups)], group, lambda row: fill(row["i"]), steps - step)
-        trained += [g.order for g in pool.round(generate, step)]
-    return trained, pool.entered
+def group(i: int, size: int) -> list[dict]:
+    """Prompt i's rows, as TRL's dataloader gives them (one dict per sample)."""
+    return [{"prompt": f"q{i}", "i": i} for _ in range(size)]
 
 
-def test_a_draining_run_trains_every_group_it_started_each_whole():
+def prompt_ids(row: dict) -> list[int]:
+    return [1, 3 + row["i"] % 5]
+
+
+def run(pool: GroupPool, generate, steps: int, handed_out=lambda k: k):
+    """`steps` rounds, one optimizer step each, the pool drawing ahead from the sequence 0, 1, 2, ... while TRL's
+    batch k holds the groups handed_out(j) for j in batch k; the trained groups (their rows' i, ordinal)."""
+    trained, sequence, b = [], iter(range(10**6)), pool.train_groups
+    for step in range(steps):
+        batch = [group(handed_out(j), pool.group_size) for j in range(step * b, (step + 1) * b)]
+        pool.fill(batch, lambda: group(next(sequence), pool.group_size), prompt_ids, steps - step)
+        trained += [(g.rows[0]["i"], g.ordinal) for g in pool.round(generate, step)]
+    return trained
+
+
+def test_a_run_trains_exactly_the_groups_trl_hands_out_each_whole_and_once():
+    """TRL's batches arrive after the pool drew their groups ahead: checked off, never added twice; with the drain
+    the run trains exactly TRL's 12 groups, skips none and leaves none in flight."""
     _, generate = engine_and_generate()
     pool = GroupPool(PartialRolloutConfig(oversample=1.0, max_staleness=3), group_size=3, train_groups=2,
                      steps_per_round=1, max_new_tokens=CAP)
-    trained, entered = run(pool, generate, steps=6)
-    assert sorted(trained) == list(range(entered)) and not pool.groups  # nothing left in flight, none twice
-    assert pool.skipped == 2  # TRL's last batch: the rounds left train what the pool held
-    assert pool.dropped == 0
+    trained = run(pool, generate, steps=6)
+    assert sorted(i for i, _ in trained) == list(range(12))  # TRL's groups, each once
+    assert sorted(o for _, o in trained) == list(range(12))  # ordinal: the index in TRL's sequence
+    assert all(i == o for i, o in trained)
+    assert pool.entered == 12 and pool.skipped == 0 and pool.mismatched == 0
+    assert not pool.groups and not pool.ahead and pool.dropped == 0
+    assert [i for i, _ in trained] != list(range(12)), "the test did not exercise out-of-order finishing"
+
+
+def test_groups_trl_hands_out_unforeseen_are_added_and_counted():
+    """The replica foresaw group 3 but TRL gave group 100 there: 100 trains as a new group with an ordinal of its
+    own, 3 (drawn ahead) trains too, and the sequence resynchronises at once."""
+    _, generate = engine_and_generate()
+    pool = GroupPool(PartialRolloutConfig(oversample=1.0, max_staleness=3), 3, 2, 1, CAP)
+    trained = run(pool, generate, steps=6, handed_out=lambda k: 100 if k == 3 else k)
+    assert pool.mismatched == 1 and pool.metrics([], 6)["partial/replica_mismatch"] == 1.0
+    assert (100, UNFORESEEN) in trained and sum(i == 3 for i, _ in trained) == 1
+    assert sorted(o for _, o in trained if o < UNFORESEEN) == list(range(len(trained) - 1))
+    assert len(trained) == 12 and not pool.groups
+
+
+def test_a_replica_that_never_matches_counts_every_group_and_stays_bounded():
+    """A sampler the replica does not reproduce at all: every group of TRL's is counted, the queue of groups drawn
+    ahead never outgrows the pool, and the drain still trains every group that entered."""
+    _, generate = engine_and_generate()
+    pool = GroupPool(PartialRolloutConfig(oversample=1.0, max_staleness=3), 3, 2, 1, CAP)
+    trained = run(pool, generate, steps=8, handed_out=lambda k: 1000 + k)
+    assert pool.mismatched == 16 and len(trained) == 16 and not pool.groups
+    assert any(o >= UNFORESEEN for _, o in trained) and len({o for _, o in trained}) == 16
+    assert len(pool.ahead) <= pool.capacity
 
 
 def test_without_the_drain_the_longest_groups_are_left_in_flight():
@@ -54,7 +90,7 @@ def test_without_the_drain_the_longest_groups_are_left_in_flight():
     trained = []
     for step in range(6):
         while pool.wants():
-            pool.add([{}] * 3, [1, 3 + pool.entered % 5])
+            pool.add([{}] * 3, [1, 3 + pool.entered % 5], pool.entered)
         trained += pool.round(generate, step)
     assert len(pool.groups) == 2 and len(trained) == 12
 
@@ -65,11 +101,11 @@ def test_every_trained_token_is_within_max_staleness_and_a_starved_sample_restar
     assert pool.min_decode_steps == CAP // 3  # a sample decoding every round ends within 3 rounds
     for step in range(5):
         while pool.wants(5 - step):
-            pool.add([{}] * 3, [1, 3 + pool.entered % 5])
+            pool.add([{}] * 3, [1, 3 + pool.entered % 5], pool.entered)
         for group in pool.round(generate, step):
             assert all(step - t <= 2 for s in group.samples for t in s.steps)
     # a sample that could not decode (no row free) for rounds: restarted before a round would train it too stale
-    pool.add([{}] * 3, [1, 4])
+    pool.add([{}] * 3, [1, 4], 99)
     pool.groups[-1].samples[0].completion_ids, pool.groups[-1].samples[0].steps = [5], [0]
     pool.groups[-1].samples[0].logprobs = pool.groups[-1].samples[0].behaviour = [-1.0]
     pool._restart_stale(step=3)
@@ -79,11 +115,11 @@ def test_every_trained_token_is_within_max_staleness_and_a_starved_sample_restar
 def test_the_pool_round_trips_through_its_state_dict():
     _, generate = engine_and_generate()
     pool = GroupPool(PartialRolloutConfig(), 3, 2, 1, CAP)
-    for step in range(2):
-        while pool.wants(10):
-            pool.add([{"q": "x"}] * 3, [1, 3 + pool.entered % 5])
-        pool.round(generate, step)
-    assert any(s.completion_ids and not s.done for g in pool.groups for s in g.samples)
+    run(pool, generate, steps=2)  # rounds_left 2, 1: drained at the end; go on undrained
+    sequence = iter(range(4, 10**6))  # TRL's sequence goes on past the 4 groups the two rounds trained
+    pool.fill([group(4, 3), group(5, 3)], lambda: group(next(sequence), 3), prompt_ids)
+    pool.round(generate, 2)
+    assert any(s.completion_ids and not s.done for g in pool.groups for s in g.samples) and pool.ahead
     copy = GroupPool(PartialRolloutConfig(), 3, 2, 1, CAP)
     copy.load_state_dict(pool.state_dict())
     assert copy.state_dict() == pool.state_dict()
