@@ -39,6 +39,7 @@ from trainers.callbacks import attach_summary_callback
 from trainers.checkpoint import CheckpointMixin
 from trainers.partial_rollouts import PartialRolloutConfig
 from trainers.sample_keys import sample_key
+from trainers.trimmed_logps import trimmed
 from trainers.sampling_args import grpo_sampling
 from trainers.weight_sync import unwrap_model
 
@@ -213,12 +214,25 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         _generate_and_score_completions. Only that one: TRL's reference pass comes after it, and for a PEFT
         policy it runs through the very same layers with the adapter off."""
         if not getattr(self, "_feed_drafter", False) or model is not self.model or torch.is_grad_enabled():
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                               *args, **kwargs)
+            return self._trimmed_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         self._feed_drafter = False
         with self.rollouts.drafter_pass(input_ids, attention_mask, logits_to_keep):
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                                *args, **kwargs)
+
+    def _trimmed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
+        """TRL's pass without the completions' padding (trainers/trimmed_logps.py), for text models; the share of
+        the padded tokens it computed is logged as train/logps_token_frac. Multimodal inputs and MoE aux losses
+        take TRL's padded pass."""
+        parent = super()._get_per_token_logps_and_entropies
+        flags = ("compute_entropy", "compute_aux_loss")
+        if kwargs.get("compute_aux_loss") or any(v is not None for k, v in kwargs.items() if k not in flags):
+            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
+        out, frac = trimmed(lambda *a, **kw: parent(model, *a, **kw), input_ids, attention_mask, logits_to_keep,
+                            batch_size, **kwargs)
+        getattr(self, "_metrics", {}).get("train" if model.training else "eval", {}).setdefault(
+            "train/logps_token_frac", []).append(frac)
+        return out
 
     def _tool_call_loop(self, *args, **kwargs):
         """TRL's tool loop; while it runs, _generate_single_turn is generating tool turns."""

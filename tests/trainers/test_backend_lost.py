@@ -16,11 +16,11 @@ from trainers import checkpoint_dirs as dirs
 def _lose_backend_on_call(trainer, call: int) -> None:
     real, calls = trainer.engine.generate, []
 
-    def generate(prompts, params=None):
+    def generate(prompts, params=None, **kw):
         calls.append(1)
         if len(calls) == call:
             raise RolloutBackendLost("injected: the Ray cluster's head at 127.0.0.1 does not answer")
-        return real(prompts, params)
+        return real(prompts, params, **kw)
 
     trainer.engine.generate = generate
 

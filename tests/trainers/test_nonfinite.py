@@ -50,11 +50,11 @@ def _fail_generate_on_call(trainer, call: int) -> list:
     """Make the engine's generate raise NonFiniteLogitsError on its `call`-th call; returns the call log."""
     real, calls = trainer.engine.generate, []
 
-    def generate(prompts, params=None):
+    def generate(prompts, params=None, **kw):
         calls.append(1)
         if len(calls) == call:
             raise NonFiniteLogitsError("injected", step=3, rows=[1, 5], first_bad="model.layers.0.mlp")
-        return real(prompts, params)
+        return real(prompts, params, **kw)
 
     trainer.engine.generate = generate
     return calls

@@ -81,10 +81,10 @@ def script_first_turn(trainer, tokenizer) -> list[list[int]]:
             logits = trainer.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / trainer.temperature
         return logits.log_softmax(-1).gather(-1, torch.tensor(call_ids)[:, None])[:, 0].tolist()
 
-    def generate(prompt_ids, params, use_tqdm=False):
+    def generate(prompt_ids, params, use_tqdm=False, **kw):
         if TOOL_RESULT in tokenizer.decode(prompt_ids[0]):
             tool_turns.extend(prompt_ids)
-            return real_generate(prompt_ids, params)
+            return real_generate(prompt_ids, params, **kw)
         return [RolloutResult(prompt_ids=list(p), completion_ids=list(call_ids), logprobs=policy_logprobs(list(p)),
                               finish_reason="stop", policy_version=engine.policy_version, prompt_index=i,
                               sample_index=j)
