@@ -103,7 +103,7 @@ def run_arm(args, arm: str, rep: int) -> dict:
 
 # ---- the report ------------------------------------------------------------------------------------------------
 METRICS = ("trained_len", "clipped_frac", "carried_samples", "on_policy_token_frac", "staleness_mean",
-           "dropped_stale_frac", "reward", "heldout_accuracy")
+           "dropped_stale_frac", "reward", "heldout_accuracy", "decode_steps", "rows_per_step")
 
 
 def summarize(runs: dict[str, list[dict]], args) -> dict:
@@ -117,11 +117,13 @@ def summarize(runs: dict[str, list[dict]], args) -> dict:
             off = runs[f"off/{arm[3:]}"]
             row["wall_off_over_on"] = statistics.median(o["wall_s"] / r["wall_s"] for o, r in zip(off, rs))
             row["len_on_over_off"] = _ratio_median(rs, off, "trained_len")
+            row["steps_off_over_on"] = _ratio_median(off, rs, "decode_steps")
         rows.append(row)
-    ratios = {f"{key}/{row['arm'][3:]}": row[key] for row in rows for key in ("wall_off_over_on", "len_on_over_off")
-              if key in row}
-    cols = ["arm", "wall_s", "rollout_s_per_step", "trained_len", "carried_samples", "on_policy_token_frac",
-            "staleness_mean", "dropped_stale_frac", "heldout_accuracy", "wall_off_over_on", "len_on_over_off"]
+    ratios = {f"{key}/{row['arm'][3:]}": row[key] for row in rows
+              for key in ("wall_off_over_on", "len_on_over_off", "steps_off_over_on") if key in row}
+    cols = ["arm", "wall_s", "rollout_s_per_step", "decode_steps", "rows_per_step", "trained_len", "carried_samples",
+            "on_policy_token_frac", "dropped_stale_frac", "heldout_accuracy", "wall_off_over_on", "len_on_over_off",
+            "steps_off_over_on"]
     return {"rows": rows, "columns": cols, "ratios": ratios, "runs": runs, "smoke": args.smoke}
 
 
@@ -228,7 +230,11 @@ def run_metrics(history: list[dict]) -> dict:
                 carried_samples=_mean(values("partial/carried_samples")),
                 on_policy_token_frac=_mean(values("partial/on_policy_token_frac")),
                 staleness_mean=_mean(values("partial/staleness_mean")),
-                accept_len=_mean(values("rollout/accept_len")))
+                accept_len=_mean(values("rollout/accept_len")),
+                # the sequential decode steps the rollouts took, and the rows a step decoded on average: what a GPU,
+                # whose step costs about the same from 1 to 32 rows, pays is the steps
+                decode_steps=sum(values("rollout/decode_steps")),
+                rows_per_step=sum(values("rollout/generated_tokens")) / max(sum(values("rollout/decode_steps")), 1))
 
 
 def heldout_accuracy(trainer, tokenizer, spec: dict) -> float:

@@ -27,13 +27,14 @@ def test_run_metrics_reads_the_trainers_log_step_by_step():
     assert m["staleness_mean"] is None  # not logged: None, not 0
 
 
-def _arm(wall, rollout_s, length, carried=None):
-    return {"wall_s": wall, "rollout_s": rollout_s, "trained_len": length, "carried_samples": carried}
+def _arm(wall, rollout_s, length, carried=None, steps=None):
+    return {"wall_s": wall, "rollout_s": rollout_s, "trained_len": length, "carried_samples": carried,
+            "decode_steps": steps}
 
 
 def test_summary_ratios_pair_each_on_arm_with_its_off_arm_per_repetition():
-    runs = {"off/plain": [_arm(10.0, [2.0, 2.0], 100.0), _arm(20.0, [4.0, 4.0], 100.0)],
-            "on/plain": [_arm(8.0, [1.0], 150.0, 2.0), _arm(10.0, [3.0], 150.0, 2.0)],
+    runs = {"off/plain": [_arm(10.0, [2.0, 2.0], 100.0, steps=900), _arm(20.0, [4.0, 4.0], 100.0, steps=800)],
+            "on/plain": [_arm(8.0, [1.0], 150.0, 2.0, 300), _arm(10.0, [3.0], 150.0, 2.0, 400)],
             "on/spec": [_arm(5.0, [1.0, 1.0], 120.0, 1.0), _arm(5.0, [1.0, 1.0], 120.0, 1.0)]}
     report = summarize(runs, argparse.Namespace(steps=2, smoke=False))
     rows = {r["arm"]: r for r in report["rows"]}
@@ -41,6 +42,8 @@ def test_summary_ratios_pair_each_on_arm_with_its_off_arm_per_repetition():
     assert rows["on/plain"]["rollout_s_per_step"] == pytest.approx(1.0)  # median of 0.5 and 1.5
     assert rows["on/plain"]["wall_off_over_on"] == pytest.approx(1.625)  # median of 10/8 and 20/10
     assert rows["on/plain"]["len_on_over_off"] == pytest.approx(1.5)
-    assert report["ratios"] == {"wall_off_over_on/plain": pytest.approx(1.625), "len_on_over_off/plain": 1.5}
+    assert rows["on/plain"]["steps_off_over_on"] == pytest.approx(2.5)  # median of 900/300 and 800/400
+    assert report["ratios"] == {"wall_off_over_on/plain": pytest.approx(1.625), "len_on_over_off/plain": 1.5,
+                                "steps_off_over_on/plain": pytest.approx(2.5)}
     assert "wall_off_over_on" not in rows["on/spec"]  # no off/spec arm ran: no ratio, rather than a wrong one
     assert rows["off/plain"]["carried_samples"] is None
