@@ -210,15 +210,17 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         return output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """TRL's, with the drafter's tap around the old-logprob pass: the first no-grad pass of the policy in
-        _generate_and_score_completions. Only that one: TRL's reference pass comes after it, and for a PEFT
-        policy it runs through the very same layers with the adapter off."""
-        if not getattr(self, "_feed_drafter", False) or model is not self.model or torch.is_grad_enabled():
-            return self._trimmed_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        self._feed_drafter = False
-        with self.rollouts.drafter_pass(input_ids, attention_mask, logits_to_keep):
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                               *args, **kwargs)
+        """TRL's, without the completions' padding (_trimmed_logps), and with the drafter's tap around the
+        old-logprob pass when a learned drafter feeds on it: the first no-grad pass of the policy in
+        _generate_and_score_completions, run at TRL's shapes. Only that one: TRL's reference pass comes after it,
+        and for a PEFT policy it runs through the very same layers with the adapter off."""
+        if getattr(self, "_feed_drafter", False) and model is self.model and not torch.is_grad_enabled():
+            self._feed_drafter = False
+            if self.rollouts.feeds_drafter:  # the drafter's hooks read TRL's padded shapes
+                with self.rollouts.drafter_pass(input_ids, attention_mask, logits_to_keep):
+                    return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
+                                                                       logits_to_keep, *args, **kwargs)
+        return self._trimmed_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
     def _trimmed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
         """TRL's pass without the completions' padding (trainers/trimmed_logps.py), for text models; the share of

@@ -169,13 +169,18 @@ class RolloutSource:
         self.last_params, self.last_policy_version = params, results[0].policy_version if results else 0
         return results
 
+    @property
+    def feeds_drafter(self) -> bool:
+        """Whether the trainer's next pass over the last rollout feeds the learned drafter (drafter_pass acts)."""
+        feed = self.drafter_feed
+        return feed is not None and feed.claimed and self.last_params is not None
+
     def drafter_pass(self, input_ids, attention_mask, completion_len: int):
         """Context for the trainer's no-grad forward over the last rollout's rows: feeds the learned drafter
         (DrafterFeed.around_pass) when a feed has claimed the backend's intake; else does nothing."""
-        feed = self.drafter_feed
-        if feed is None or not feed.claimed or self.last_params is None:
+        if not self.feeds_drafter:
             return contextlib.nullcontext()
-        return feed.around_pass(input_ids, attention_mask, completion_len, self.last_params, self.last_policy_version)
+        return self.drafter_feed.around_pass(input_ids, attention_mask, completion_len, self.last_params, self.last_policy_version)
 
     def _next_seed(self) -> int:
         # A fresh, reproducible seed per call and per process: same seed -> same rollouts.

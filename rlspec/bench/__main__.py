@@ -25,6 +25,7 @@ REGISTRY = {
     "ppo": "rlspec.bench.ppo",
     "dropin": "rlspec.bench.dropin",
     "partial": "rlspec.bench.partial",
+    "passes": "rlspec.bench.passes",
     "kv": "rlspec.bench.kv",
     "lossy": "rlspec.bench.lossy",
     "vllm": "rlspec.bench.vllm",

@@ -93,6 +93,8 @@ SMOKE = {
               and not r["faults"][0]["reached_step_1"] and r["faults"][0]["with_drop_long_prompts"]["exit_code"] == 0),
     "trl-suite": ([], lambda r: r["summary"]["plain"]["passed"] == r["summary"]["spec"]["passed"] == 1
                   and r["summary"]["spec"]["skipped"] == 1 and "tiny-VisionOnly" in str(r["unbuilt"])),
+    "passes": ([], lambda r: [x["pass_"] for x in r["rows"]] == ["trl_padded", "trimmed"]
+               and r["rows"][1]["tokens_frac"] < 1.0 and all(x["fwd_bwd_s"] > 0 for x in r["rows"])),
     # one arm of four (the ratios: tests/rlspec/test_bench_partial.py): it trains samples carried from the step before
     "partial": (["--arms", "on/spec"], lambda r: [x["arm"] for x in r["rows"]] == ["on/spec"]
                 and r["rows"][0]["carried_samples"] > 0 and r["rows"][0]["staleness_mean"] > 0

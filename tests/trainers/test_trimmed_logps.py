@@ -75,3 +75,20 @@ def test_trimmed_pass_equals_trls_padded_pass(trainer, cut, monkeypatch):
         (lp * real).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
+
+
+def test_a_step_trims_the_old_logprob_pass_and_the_loss_pass(trainer, monkeypatch):
+    """Both of TRL's passes of a plain run skip the padding; only a pass a learned drafter taps keeps TRL's shapes
+    (none here: no drafter feed)."""
+    grads = []
+    real = SpecGRPOTrainer._trimmed_logps
+
+    def spy(self, *a, **k):
+        grads.append(torch.is_grad_enabled())
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(SpecGRPOTrainer, "_trimmed_logps", spy)
+    trainer.args.logging_steps = 1
+    trainer.train()
+    assert False in grads and True in grads, grads  # the no-grad old-logprob pass and the loss's forward
+    assert not trainer.rollouts.feeds_drafter
