@@ -39,8 +39,8 @@ from trainers.callbacks import attach_summary_callback
 from trainers.checkpoint import CheckpointMixin
 from trainers.partial_rollouts import PartialRolloutConfig
 from trainers.sample_keys import sample_key
-from trainers.trimmed_logps import trimmed
 from trainers.sampling_args import grpo_sampling
+from trainers.trimmed_logps import trimmed
 from trainers.weight_sync import unwrap_model
 
 
