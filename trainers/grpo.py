@@ -38,7 +38,7 @@ from trainers import partial_trl, rollout_source, trl_compat
 from trainers.callbacks import attach_summary_callback
 from trainers.checkpoint import CheckpointMixin
 from trainers.partial_rollouts import PartialRolloutConfig
-from trainers.sample_keys import sample_key
+from trainers.sample_keys import sample_keys
 from trainers.sampling_args import grpo_sampling
 from trainers.trimmed_logps import trimmed
 from trainers.weight_sync import unwrap_model
@@ -186,8 +186,8 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
             return None
         generation = self._step // (self.args.steps_per_generation * self.num_iterations)
         base = generation * (batch_rows // num_generations)
-        return [sample_key(self.args.seed, self.accelerator.process_index, base + i // num_generations,
-                           i % num_generations) for i in rows]
+        return sample_keys(self.args.seed, self.accelerator.process_index,
+                           [(base + i // num_generations, i % num_generations) for i in rows])
 
     def _generate_and_score_completions(self, inputs):
         """TRL's; its first no-grad pass of the policy over the rollouts (the old logprobs) also feeds the

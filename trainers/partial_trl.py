@@ -18,7 +18,7 @@ import torch
 
 import rollout.metrics as M
 from trainers.partial_rollouts import GroupPool, PartialRolloutConfig
-from trainers.sample_keys import sample_key
+from trainers.sample_keys import sample_keys
 
 
 class TrlGroups:
@@ -129,7 +129,7 @@ def run_round(trainer, rows: list[dict]) -> list[dict]:
     metrics = trainer._metrics["train"]
 
     def generate(prompts, plan, names):
-        keys = [sample_key(trainer.args.seed, trainer.accelerator.process_index, o, j) for o, j in names]
+        keys = sample_keys(trainer.args.seed, trainer.accelerator.process_index, names)
         results = trainer.rollouts.generate(trainer.model, step, prompts, 1, **trainer.engine_sampling,
                                             max_new_tokens=trainer.max_completion_length,
                                             stop_token_ids=list(trainer.eos_token_ids), partial=plan,

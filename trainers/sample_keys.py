@@ -16,6 +16,6 @@ def sample_key(seed: int, process: int, group: int, sample: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
-def group_keys(seed: int, process: int, groups: list[int], sizes: list[int]) -> list[int]:
-    """The keys of groups' samples in the engine's result order: group after group, sizes[i] samples each."""
-    return [sample_key(seed, process, g, j) for g, n in zip(groups, sizes, strict=True) for j in range(n)]
+def sample_keys(seed: int, process: int, names: list[tuple[int, int]]) -> list[int]:
+    """The keys of samples named (group ordinal, index in the group), in the order given (the engine's results)."""
+    return [sample_key(seed, process, group, sample) for group, sample in names]

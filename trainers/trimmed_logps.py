@@ -50,10 +50,9 @@ def trimmed(per_token_logps, input_ids, attention_mask, logits_to_keep, batch_si
         idx = torch.tensor(rows, device=input_ids.device)
         lp, ent, _ = per_token_logps(input_ids[idx, :prompt_len + keep], attention_mask[idx, :prompt_len + keep],
                                      keep, batch_size=None, compute_entropy=compute_entropy, **kwargs)
-        logps = logps.to(lp.dtype)
-        logps = logps.index_put((idx[:, None], torch.arange(keep, device=idx.device)[None]), lp)
+        at = (idx[:, None], torch.arange(keep, device=idx.device)[None])  # the chunk's rows, its first keep columns
+        logps = logps.to(lp.dtype).index_put(at, lp)
         if compute_entropy:
-            entropies = entropies.to(ent.dtype).index_put((idx[:, None], torch.arange(keep, device=idx.device)[None]),
-                                                          ent)
+            entropies = entropies.to(ent.dtype).index_put(at, ent)
         computed += len(rows) * (prompt_len + keep)
     return (logps, entropies, None), computed / (input_ids.size(0) * input_ids.size(1))
