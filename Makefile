@@ -69,7 +69,7 @@ $(STAMP): pyproject.toml | $(PY)
 	@echo "venv ready: $(VENV) (torch $(TORCH_VERSION))"
 
 model: venv
-	$(PY) -m rollout.runtime.model.fetch $(MODEL)
+	$(PY) -m rlspec.rollout.runtime.model.fetch $(MODEL)
 
 train: venv model
 	$(PY) -m rlspec.train config=$(CONFIG) $(ARGS)
@@ -122,7 +122,7 @@ $(VLLM_STAMP): pyproject.toml | $(VLLM_PY)
 
 # Tests of the vLLM backend, inside its environment; vLLM runs in this process (no engine-core subprocess).
 test-vllm: vllm-venv
-	$(VLLM_PY) -m rollout.runtime.model.fetch $(MODEL)
+	$(VLLM_PY) -m rlspec.rollout.runtime.model.fetch $(MODEL)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest \
 	  tests/rollout/test_vllm_spec_map.py tests/rlspec/test_vllm_export.py tests/vllm -p no:cacheprovider $(PYTEST_ARGS)
 

@@ -12,13 +12,13 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (imports point one way: rlspec -> trainers -> rollout)
 _EXPORTS = {
-    "RolloutEngine": "rollout.engine",
-    "SamplingParams": "rollout.types",
-    "SpecConfig": "rollout.types",
-    "RolloutResult": "rollout.types",
-    "fetch_model": "rollout.runtime.model.fetch",
-    "SpecGRPOTrainer": "trainers.grpo",
-    "PPOTrainer": "trainers.ppo",
+    "RolloutEngine": "rlspec.rollout.engine",
+    "SamplingParams": "rlspec.rollout.types",
+    "SpecConfig": "rlspec.rollout.types",
+    "RolloutResult": "rlspec.rollout.types",
+    "fetch_model": "rlspec.rollout.runtime.model.fetch",
+    "SpecGRPOTrainer": "rlspec.trainers.grpo",
+    "PPOTrainer": "rlspec.trainers.ppo",
     "export_drafter": "rlspec.export",
 }
 

@@ -23,7 +23,7 @@ Z95 = 1.96
 
 def heldout_math(n: int, seed: int = 1234, ops=("+", "-", "*"), max_operand: int = 20):
     """(conversations, answers): n embedded-task problems none of which is in the default training set."""
-    from trainers.data import make_math_dataset
+    from rlspec.trainers.data import make_math_dataset
 
     seen = {str(p) for p in make_math_dataset(**TRAIN_SET)["prompt"]}
     prompts, answers, k = [], [], 0
@@ -44,7 +44,7 @@ def heldout_math(n: int, seed: int = 1234, ops=("+", "-", "*"), max_operand: int
 def parse_spec(pairs: list[str]):
     """SpecConfig from key=value words, each value typed and checked as a `drafter.<key>=` override is."""
     from rlspec.config import build_from_words
-    from rollout.types import SpecConfig
+    from rlspec.rollout.types import SpecConfig
 
     return build_from_words(SpecConfig, pairs, "--spec")
 
@@ -52,7 +52,7 @@ def parse_spec(pairs: list[str]):
 def evaluate(engine, prompt_ids: list[list[int]], answers: list[str], params) -> dict:
     """Generate, score with accuracy_reward, time the whole call and its tail. Returns a dict with
     accuracy, correct (per sample, prompt-major), tokens_per_s, tail_tokens_per_s and engine stats."""
-    from trainers.rewards import accuracy_reward
+    from rlspec.trainers.rewards import accuracy_reward
 
     engine.stats()  # start the counters here
     t0 = time.perf_counter()
@@ -105,9 +105,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--spec", nargs="*", default=["drafter=suffix"], help="SpecConfig fields, key=value")
     args = ap.parse_args(argv)
-    from rollout.engine import RolloutEngine
-    from rollout.types import SamplingParams, SpecConfig
-    from trainers.data import prompt_token_ids
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.types import SamplingParams, SpecConfig
+    from rlspec.trainers.data import prompt_token_ids
 
     convs, answers = heldout_math(args.prompts)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=args.samples,

@@ -31,7 +31,7 @@ def export_drafter(drafter_or_path: Any, out_dir: str, target: Any = None, dtype
     (its config.json already carries them). metadata: extra fields for rlspec_drafter.json
     (policy_version, training steps, metrics, ...).
     """
-    from rollout.speculation.drafters.eagle3_io import as_dtype, load_eagle3, read_config, read_metadata, save_eagle3
+    from rlspec.rollout.speculation.drafters.eagle3_io import as_dtype, load_eagle3, read_config, read_metadata, save_eagle3
 
     target_cfg = resolve_target(target) if target is not None else None
     meta: dict = {}
@@ -56,13 +56,13 @@ def resolve_target(target: Any) -> Any:
     configs, dicts and models pass through for save_eagle3 to read."""
     if not isinstance(target, (str, os.PathLike)):
         return target
-    from rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.runtime.model.fetch import fetch_model
 
     return json.loads((Path(fetch_model(str(target))) / "config.json").read_text())
 
 
 def _num_layers(target: Any) -> int | None:
-    from rollout.speculation.drafters.eagle3_io import target_dict
+    from rlspec.rollout.speculation.drafters.eagle3_io import target_dict
 
     return target_dict(target).get("num_hidden_layers")
 

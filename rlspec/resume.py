@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 from rlspec.config import Config, ConfigError
-from trainers import checkpoint_dirs as dirs
-from trainers import run_files, run_lock
-from trainers.resume_point import explicit_checkpoint, roll_back
+from rlspec.trainers import checkpoint_dirs as dirs
+from rlspec.trainers import run_files, run_lock
+from rlspec.trainers.resume_point import explicit_checkpoint, roll_back
 
 # what a run writes in output_dir besides checkpoints and final/ (recorded in the manifest when the run starts;
 # W&B's own directory aside: it keeps runs by id and is never deleted)

@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import rollout.metrics as M  # plain Python: the CLI stays light
+import rlspec.rollout.metrics as M  # plain Python: the CLI stays light
 from rlspec.config import Config, ConfigError, format_help, load_config
 
 DEFAULT_CONFIG = "grpo_math.yaml"
@@ -60,7 +60,7 @@ def _planned_exit_code(exc: Exception) -> int | None:
     refused before step 1 (a prompt too long for the context, a model feature the runtime does not compute,
     an output_dir another process holds: OutputDirLocked), 128 + signal for a signal stop (TrainingInterrupted),
     1 for on_nonfinite=stop and a lost rollout backend (both wrote a checkpoint first); None otherwise."""
-    from rollout.errors import NonFiniteLogitsError, PromptTooLongError, RolloutBackendLost, UnsupportedModelError
+    from rlspec.rollout.errors import NonFiniteLogitsError, PromptTooLongError, RolloutBackendLost, UnsupportedModelError
 
     if isinstance(exc, (PromptTooLongError, UnsupportedModelError)):
         return 2
@@ -102,8 +102,8 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
     set_wandb_run_id(resume_from)
     trainer, summary_cb = build_trainer(cfg, out)
     from rlspec.distributed import is_main_process, main_process_first, save_crash_model
-    from rollout.errors import NonFiniteLogitsError, RolloutBackendLost
-    from trainers.interrupts import TrainingInterrupted
+    from rlspec.rollout.errors import NonFiniteLogitsError, RolloutBackendLost
+    from rlspec.trainers.interrupts import TrainingInterrupted
 
     main = is_main_process(trainer)
     start, status, error, warm = time.time(), "finished", None, None
@@ -157,10 +157,10 @@ def build_trainer(cfg: Config, out: Path):
 
     from rlspec.distributed import DrafterCheckpointCallback, main_process_first
     from rlspec.trainer_args import build_trainer_args
-    from rollout.runtime.model.fetch import fetch_model
-    from trainers.callbacks import RolloutSummaryCallback
-    from trainers.data import load_dataset_by_name
-    from trainers.rewards import get_reward_funcs
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.trainers.callbacks import RolloutSummaryCallback
+    from rlspec.trainers.data import load_dataset_by_name
+    from rlspec.trainers.rewards import get_reward_funcs
 
     args = build_trainer_args(cfg, out)  # before the model fetch: an extra-key typo should fail fast
     reward_funcs = get_reward_funcs(cfg.rewards)
@@ -199,10 +199,10 @@ def _partial_rollouts(cfg: Config) -> dict:
 
 def _trainer_class(name: str):
     if name == "ppo":
-        from trainers.ppo import PPOTrainer
+        from rlspec.trainers.ppo import PPOTrainer
 
         return PPOTrainer
-    from trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.grpo import SpecGRPOTrainer
 
     return SpecGRPOTrainer
 
@@ -215,7 +215,7 @@ def warm_start_drafter(cfg: Config, trainer) -> dict | None:
     engine = trainer.engine  # None: SpecGRPOTrainer generates through TRL (a model the engine cannot run)
     if engine is None or not engine.has_learned_drafter or cfg.drafter.warm_start_s <= 0 or cfg.drafter.drafter_path:
         return None
-    from trainers.data import prompt_token_ids
+    from rlspec.trainers.data import prompt_token_ids
 
     convs = trainer.train_dataset["prompt"][:cfg.drafter.warm_start_prompts]
     prompts = prompt_token_ids(trainer.processing_class, convs)
@@ -254,7 +254,7 @@ def summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict],
 
 def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict], wall_s: float, status: str,
                error: str | None, warm_start: dict | None) -> dict:
-    from trainers.callbacks import format_summary_table
+    from rlspec.trainers.callbacks import format_summary_table
 
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
     timed = [r for r in rows if r.get("rollout_s") is not None and r.get("step_s")]

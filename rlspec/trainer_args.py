@@ -16,7 +16,7 @@ from rlspec.config import Config, ConfigError
 def build_trainer_args(cfg: Config, out: Path):
     """trl.GRPOConfig (trainer: grpo) or trainers.ppo_config.PPOConfig (trainer: ppo)."""
     if cfg.trainer == "ppo":
-        from trainers.ppo_config import PPOConfig
+        from rlspec.trainers.ppo_config import PPOConfig
 
         return _build(cfg, out, PPOConfig)
     import trl

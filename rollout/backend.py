@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from rollout.types import RolloutResult, SamplingParams
+from rlspec.rollout.types import RolloutResult, SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout.speculation.warm_start import WarmStartResult
-    from rollout.types import SpecConfig
+    from rlspec.rollout.speculation.warm_start import WarmStartResult
+    from rlspec.rollout.types import SpecConfig
 
 
 @runtime_checkable
@@ -86,7 +86,7 @@ def build_backend(name: str, policy, tokenizer, spec: SpecConfig | None, **engin
 # Every backend registers here, with a factory that imports its module (and Ray or vLLM) only when built.
 @register_backend("engine")
 def _engine_backend(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend:
-    from rollout.engine import RolloutEngine
+    from rlspec.rollout.engine import RolloutEngine
 
     return RolloutEngine.from_hf_model(policy, tokenizer, spec=spec, **engine_kwargs)
 
@@ -96,7 +96,7 @@ def _ray_backend(policy, tokenizer, spec, **kwargs) -> RolloutBackend:
     """N engine replicas as Ray actors (rollout/workers/); kwargs: the engine's settings plus workers,
     ray_address, groups_per_task, worker_threads, drafter_trainer, drafter_trainer_gpus."""
     try:
-        from rollout.workers.pool import RayPool
+        from rlspec.rollout.workers.pool import RayPool
     except ImportError as e:
         raise ImportError(f"rollout.backend=ray needs Ray ({e}); install it with pip install 'rlspec[ray]'") from None
     return RayPool(policy, tokenizer, spec, **kwargs)
@@ -109,6 +109,6 @@ def _vllm_backend(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend:
     if importlib.util.find_spec("vllm") is None:
         raise ImportError("rollout.backend=vllm needs vLLM, which this environment lacks; run inside the one "
                           "`make vllm-venv` builds (.venv-vllm), see docs/vllm_backend.md")
-    from rollout.vllm_backend.backend import VLLMBackend
+    from rlspec.rollout.vllm_backend.backend import VLLMBackend
 
     return VLLMBackend(policy, tokenizer, spec, **engine_kwargs)

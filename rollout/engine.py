@@ -16,27 +16,27 @@ from dataclasses import dataclass
 
 import torch
 
-import rollout.metrics as M
-from rollout.eos import resolve_eos
-from rollout.limits import check_request
-from rollout.metrics import RolloutMetrics
-from rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
-from rollout.partial import round_over, round_sequences
-from rollout.registry import STRATEGIES
-from rollout.runtime.draws import KeyedDraws, bound, call_draws
-from rollout.runtime.history import TokenHistory
-from rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
-from rollout.runtime.kv_ledger import KVLedger
-from rollout.runtime.model import loader
-from rollout.runtime.runner import KEEP_KV_FRACTION, ModelRunner
-from rollout.runtime.sampling import greedy_tokens, logprobs_of, penalise, probs_from_logits, sample
-from rollout.runtime.scheduler import Scheduler
-from rollout.runtime.sequence import Sequence
-from rollout.speculation.draft_batch import DraftBatch, build_draft_batch
-from rollout.speculation.drafters.base import Drafter
-from rollout.speculation.speculation import Speculation, build_speculation
-from rollout.speculation.strategies import Proposer, Provenance, StepVerdict, Verifier
-from rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfig
+import rlspec.rollout.metrics as M
+from rlspec.rollout.eos import resolve_eos
+from rlspec.rollout.limits import check_request
+from rlspec.rollout.metrics import RolloutMetrics
+from rlspec.rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
+from rlspec.rollout.partial import round_over, round_sequences
+from rlspec.rollout.registry import STRATEGIES
+from rlspec.rollout.runtime.draws import KeyedDraws, bound, call_draws
+from rlspec.rollout.runtime.history import TokenHistory
+from rlspec.rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
+from rlspec.rollout.runtime.kv_ledger import KVLedger
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.runner import KEEP_KV_FRACTION, ModelRunner
+from rlspec.rollout.runtime.sampling import greedy_tokens, logprobs_of, penalise, probs_from_logits, sample
+from rlspec.rollout.runtime.scheduler import Scheduler
+from rlspec.rollout.runtime.sequence import Sequence
+from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
+from rlspec.rollout.speculation.drafters.base import Drafter
+from rlspec.rollout.speculation.speculation import Speculation, build_speculation
+from rlspec.rollout.speculation.strategies import Proposer, Provenance, StepVerdict, Verifier
+from rlspec.rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfig
 
 
 class RolloutEngine:
@@ -93,7 +93,7 @@ class RolloutEngine:
         kv: kv_memory_gb, kv_memory_fraction, kv_block_size, free_kv_between_rollouts (see __init__)."""
         from transformers import AutoTokenizer
 
-        from rollout.runtime.model.fetch import fetch_model
+        from rlspec.rollout.runtime.model.fetch import fetch_model
 
         path = fetch_model(model)
         runtime = loader.load_model(path, dtype=dtype, device=device)
@@ -416,7 +416,7 @@ class RolloutEngine:
                            temperature: float):
         """Train the learned drafter on this engine's own rollouts of `prompts` before RL starts, or load
         the cached result for these weights (rollout/speculation/warm_start.py)."""
-        from rollout.speculation.warm_start import warm_start
+        from rlspec.rollout.speculation.warm_start import warm_start
 
         return warm_start(self, prompts, budget_s=budget_s, group=group, max_new_tokens=max_new_tokens,
                           temperature=temperature)
@@ -425,7 +425,7 @@ class RolloutEngine:
         """Where a caller that computes drafter training samples itself (a trainer's forward pass,
         rollout/speculation/feature_tap.py) hands them: a DrafterIntake over the online trainer, whose
         claim() stops this engine banking its own finished samples; None without online training."""
-        from rollout.speculation.intake import TrainerIntake
+        from rlspec.rollout.speculation.intake import TrainerIntake
 
         spec = self.speculation
         if spec.learned is None or spec.trainer is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rollout.errors import PromptTooLongError
+from rlspec.rollout.errors import PromptTooLongError
 
 SHOWN = 10  # offending prompts named in one message; the count covers the rest
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from rollout.errors import NonFiniteLogitsError
-from rollout.runtime.model.attention import causal_mask
-from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
+from rlspec.rollout.errors import NonFiniteLogitsError
+from rlspec.rollout.runtime.model.attention import causal_mask
+from rlspec.rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 
 def finite_flags(logits: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def nonfinite_error(model: LlamaForCausalLM, rows: list[int], step: int, where: 
 
 def _describe_param(model: LlamaForCausalLM, name: str, param: torch.Tensor) -> str:
     """`name`, plus the Hugging Face parameter of the first bad row when `name` is a fused q|k|v or gate|up."""
-    from rollout.runtime.model.loader import fused_parts
+    from rlspec.rollout.runtime.model.loader import fused_parts
 
     bad_row = int((~torch.isfinite(param.reshape(param.shape[0], -1))).any(-1).nonzero()[0, 0])
     for hf, start, stop in fused_parts(model.cfg, name):

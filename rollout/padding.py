@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.types import RolloutResult
+from rlspec.rollout.types import RolloutResult
 
 
 def pad_rollouts(results: list[RolloutResult], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -8,8 +8,8 @@ them is what completes groups.
 """
 from __future__ import annotations
 
-from rollout.runtime.sequence import Sequence
-from rollout.types import Carried, PartialRound, SamplingParams
+from rlspec.rollout.runtime.sequence import Sequence
+from rlspec.rollout.types import Carried, PartialRound, SamplingParams
 
 
 def round_sequences(prompts: list[list[int]], partial: PartialRound, params: SamplingParams, max_model_len: int,

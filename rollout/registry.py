@@ -55,11 +55,11 @@ class Registry:
 
 # factory(target=..., spec=..., **overrides) -> Drafter; meta: learned (needs the target's hidden
 # states), auto (part of drafter="auto")
-DRAFTERS = Registry("drafter", {"ngram": "rollout.speculation.drafters.ngram", "suffix": "rollout.speculation.drafters.suffix",
-                                "eagle3": "rollout.speculation.drafters.eagle3"})
+DRAFTERS = Registry("drafter", {"ngram": "rlspec.rollout.speculation.drafters.ngram", "suffix": "rlspec.rollout.speculation.drafters.suffix",
+                                "eagle3": "rlspec.rollout.speculation.drafters.eagle3"})
 # factory(spec, drafter names (the first is the default), learned drafter names) -> Selector
-SELECTORS = Registry("selector", {"fixed": "rollout.speculation.selectors.longtail", "adaptive": "rollout.speculation.selectors.bandit",
-                                  "always": "rollout.speculation.selectors.forced"})
+SELECTORS = Registry("selector", {"fixed": "rlspec.rollout.speculation.selectors.longtail", "adaptive": "rlspec.rollout.speculation.selectors.bandit",
+                                  "always": "rlspec.rollout.speculation.selectors.forced"})
 # factory(spec, model, tokenizer, speculation) -> (Proposer, Verifier) (rollout/speculation/strategies.py): "exact"
 # is lossless speculation, "lossy" the judge / step-routing pair; the engine takes "lossy" when SpecConfig.lossy
-STRATEGIES = Registry("strategy", {"exact": "rollout.speculation.strategies", "lossy": "rollout.lossy.control"})
+STRATEGIES = Registry("strategy", {"exact": "rlspec.rollout.speculation.strategies", "lossy": "rlspec.rollout.lossy.control"})

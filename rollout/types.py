@@ -130,7 +130,7 @@ class SpecConfig:
                                            "behaviour_logprobs) so TRL's importance-sampling correction sees them")
 
     def __post_init__(self) -> None:
-        from rollout.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
+        from rlspec.rollout.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
 
         if self.drafter not in ("none", "auto"):
             try:
@@ -151,7 +151,7 @@ class SpecConfig:
             SELECTORS.check(self.selector)
         except ValueError as e:
             raise ValueError(f"selector: {e}") from None
-        from rollout.config_checks import check_lossy  # plain Python too
+        from rlspec.rollout.config_checks import check_lossy  # plain Python too
 
         check_lossy(self)
 

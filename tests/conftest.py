@@ -68,8 +68,8 @@ def cache_with_the_machines_kernels(cache: Path) -> Path:
     kernels/ is the machine's: the fused CPU kernels are built once per machine (~100 s of C++ on 2 cores), and a
     bf16 engine in a process that has not loaded them yet would otherwise build them again into `cache`. The build's
     own lock and trust checks apply as ever (the link resolves to the machine's private directory)."""
-    from rollout.runtime.model.fetch import cache_root
-    from rollout.runtime.model.kernels.trust import make_private_dirs
+    from rlspec.rollout.runtime.model.fetch import cache_root
+    from rlspec.rollout.runtime.model.kernels.trust import make_private_dirs
 
     shared = cache_root() / "kernels"
     make_private_dirs(shared)
@@ -81,7 +81,7 @@ def cache_with_the_machines_kernels(cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded real model, converted once into the cache (see rollout/model/fetch.py)."""
-    from rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.runtime.model.fetch import fetch_model
 
     return fetch_model("smollm2-135m-instruct")
 

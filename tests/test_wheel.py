@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rlspec.config import load_config, resolve_config_path
-from rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model import kernels
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = "rollout/runtime/model/kernels"
@@ -27,13 +27,15 @@ SHIPPED = ("pyproject.toml", "README.md", "configs", "rlspec", "trainers", "roll
 # Run from the installed copy: where each package came from, the default recipe, and the kernels' state.
 PROBE = """
 import json, sys
-import rlspec, rollout
+import rlspec, rlspec.rollout as rollout
 from rlspec.config import load_config, resolve_config_path
-from rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model import kernels
 cfg = load_config("grpo_math.yaml", ["grpo.max_steps=1"])
 print(json.dumps(dict(rlspec=rlspec.__file__, rollout=rollout.__file__, recipe=str(resolve_config_path("grpo_math")),
                       model=cfg.model, max_steps=cfg.grpo.max_steps,
-                      cpu=kernels.cpu_has_avx512_bf16(), kernels=kernels.available())))
+                      cpu=kernels.cpu_has_avx512_bf16(), kernels=kernels.available(),
+                      top_levels=sorted(p.name for p in __import__("pathlib").Path(rlspec.__file__).parents[1].iterdir()
+                                        if (p / "__init__.py").exists()))))
 """
 
 
@@ -62,7 +64,8 @@ def test_the_wheel_ships_the_kernel_headers_and_the_recipes(installed):
     (wheel,) = (installed / "dist").glob("rlspec-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for p in kernels.SOURCES + kernels.HEADERS:
-        assert f"rollout/runtime/model/kernels/{p.name}" in names
+        assert f"rlspec/{KERNELS}/{p.name}" in names
+    assert {n.split("/")[0] for n in names if n.endswith(".py")} == {"rlspec"}  # one top-level package
     for recipe in (REPO / "configs").rglob("*.yaml"):
         assert f"rlspec/configs/{recipe.relative_to(REPO / 'configs').as_posix()}" in names
 
@@ -77,7 +80,8 @@ def test_installed_outside_the_checkout_it_loads_the_default_recipe_and_builds_t
     for key in ("rlspec", "rollout", "recipe"):
         assert Path(got[key]).is_relative_to(site), (key, got[key])  # the installed copy, not the checkout's
     assert (got["model"], got["max_steps"]) == (load_config("grpo_math.yaml").model, 1)
-    built_from, there = installed / "src" / KERNELS, site / KERNELS
+    assert got["top_levels"] == ["rlspec"], got["top_levels"]  # installs exactly one package
+    built_from, there = installed / "src" / KERNELS, site / "rlspec" / KERNELS
     for p in kernels.SOURCES + kernels.HEADERS:  # every source and header there, byte for byte
         assert (there / p.name).read_bytes() == (built_from / p.name).read_bytes(), p.name
     assert got["kernels"] == got["cpu"], proc.stderr[-3000:]  # built (or found built) wherever the CPU can

@@ -1,4 +1,4 @@
-"""Trainers that route their rollouts through the rollout engine.
+"""rlspec.trainers: trainers that route their rollouts through the rollout engine.
 
 rollout_source.py  the engine side both trainers share: build, weight sync, seeds, rollout metrics
 grpo.py         SpecGRPOTrainer, a drop-in subclass of trl.GRPOTrainer
@@ -16,5 +16,9 @@ weight_sync.py  pushing the policy's weights into the engine after each optimize
 callbacks.py    the run summary: rollout time vs step time, reward, throughput
 
 Submodules import torch/transformers/trl; this package file stays empty of imports so that
-`import trainers` is cheap.
+`import rlspec.trainers` is cheap.
 """
+
+# Installed as rlspec.trainers through the link rlspec/trainers (see rlspec/rollout/__init__.py).
+if __name__ != "rlspec.trainers":
+    raise ImportError(f"import this package as rlspec.trainers, not {__name__}")

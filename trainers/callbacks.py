@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-import rollout.metrics as M
+import rlspec.rollout.metrics as M
 
 # Row field -> the logged key it comes from (TRL's names for reward and step time, ours for rollouts).
 ROW_KEYS = {

@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from rollout.errors import NonFiniteLogitsError, RolloutBackendLost
-from trainers import checkpoint_dirs as dirs
-from trainers import run_files, run_lock
-from trainers.interrupts import (StopOnSignal, TrainingInterrupted, check_on_nonfinite, first_nonfinite_parameter,
+from rlspec.rollout.errors import NonFiniteLogitsError, RolloutBackendLost
+from rlspec.trainers import checkpoint_dirs as dirs
+from rlspec.trainers import run_files, run_lock
+from rlspec.trainers.interrupts import (StopOnSignal, TrainingInterrupted, check_on_nonfinite, first_nonfinite_parameter,
                                  nonfinite_message, stop_on_signals)
-from trainers.resume_point import explicit_checkpoint, roll_back
+from rlspec.trainers.resume_point import explicit_checkpoint, roll_back
 
 STATE_FORMAT = 1
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainers import run_files
+from rlspec.trainers import run_files
 
 PREFIX = "checkpoint"
 TMP_PREFIX = "tmp-checkpoint-"

@@ -3,7 +3,7 @@
 Every dataset this module returns has two columns, the shape TRL's GRPOTrainer and our rewards read:
 - `prompt`: a conversation, `[{"role": "user", "content": ...}]` with an optional system turn first
   (TRL applies the chat template);
-- `answer`: the verifiable final answer as a string (what `trainers.rewards.accuracy_reward` checks).
+- `answer`: the verifiable final answer as a string (what `rlspec.trainers.rewards.accuracy_reward` checks).
 
 The embedded set needs no network: small arithmetic word problems, seeded, easy enough that
 SmolLM2-135M-Instruct earns a nonzero reward. Measured through our engine (bf16, T=1.0, 64 new

@@ -19,9 +19,9 @@ import contextlib
 
 import torch
 
-from rollout.backend import drafter_intake
-from rollout.speculation.feature_tap import FeatureTap, RowFeeder
-from rollout.types import SamplingParams
+from rlspec.rollout.backend import drafter_intake
+from rlspec.rollout.speculation.feature_tap import FeatureTap, RowFeeder
+from rlspec.rollout.types import SamplingParams
 
 
 class DrafterFeed:

@@ -30,22 +30,22 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-import rollout.metrics as M
-from rollout.limits import fits
-from rollout.runtime.model.loader import body_tensor
-from rollout.types import SpecConfig
-from trainers import partial_trl, rollout_source, trl_compat
-from trainers.callbacks import attach_summary_callback
-from trainers.checkpoint import CheckpointMixin
-from trainers.partial_rollouts import PartialRolloutConfig
-from trainers.sample_keys import sample_keys
-from trainers.sampling_args import grpo_sampling
-from trainers.trimmed_logps import trimmed
-from trainers.weight_sync import unwrap_model
+import rlspec.rollout.metrics as M
+from rlspec.rollout.limits import fits
+from rlspec.rollout.runtime.model.loader import body_tensor
+from rlspec.rollout.types import SpecConfig
+from rlspec.trainers import partial_trl, rollout_source, trl_compat
+from rlspec.trainers.callbacks import attach_summary_callback
+from rlspec.trainers.checkpoint import CheckpointMixin
+from rlspec.trainers.partial_rollouts import PartialRolloutConfig
+from rlspec.trainers.sample_keys import sample_keys
+from rlspec.trainers.sampling_args import grpo_sampling
+from rlspec.trainers.trimmed_logps import trimmed
+from rlspec.trainers.weight_sync import unwrap_model
 
 
 class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
-    """GRPO whose rollouts go through `rollout.engine.RolloutEngine` (see the module docstring).
+    """GRPO whose rollouts go through `rlspec.rollout.engine.RolloutEngine` (see the module docstring).
 
     spec_config: how the engine speculates (None: plain decoding). Ignored when `engine` is given.
     engine: an existing RolloutEngine whose target has the policy's architecture and tokenizer; its

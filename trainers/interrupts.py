@@ -5,7 +5,7 @@ handler only raises a flag, and at the end of the step under way `StopOnSignal` 
 save a checkpoint and stop. `train()` then raises `TrainingInterrupted` (exit code 128 + signal:
 143 for SIGTERM, 130 for SIGINT) once the checkpoint is complete. A second signal aborts at once.
 
-Non-finite logits (`rollout.errors.NonFiniteLogitsError`, raised by the engine's generate) follow the
+Non-finite logits (`rlspec.rollout.errors.NonFiniteLogitsError`, raised by the engine's generate) follow the
 trainer's `on_nonfinite` policy: "stop" (default) or "skip_batch" (ON_NONFINITE below; the stop path's
 checkpoint is written by trainers/checkpoint.py).
 """

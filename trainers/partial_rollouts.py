@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from rollout.types import Carried, PartialRound, RolloutResult
+from rlspec.rollout.types import Carried, PartialRound, RolloutResult
 
 logger = logging.getLogger(__name__)
 UNFORESEEN = 1 << 40  # ordinals of groups TRL handed out that its replica did not foresee start here: unique, apart

@@ -16,9 +16,9 @@ import math
 
 import torch
 
-import rollout.metrics as M
-from trainers.partial_rollouts import GroupPool, PartialRolloutConfig
-from trainers.sample_keys import sample_keys
+import rlspec.rollout.metrics as M
+from rlspec.trainers.partial_rollouts import GroupPool, PartialRolloutConfig
+from rlspec.trainers.sample_keys import sample_keys
 
 
 class TrlGroups:

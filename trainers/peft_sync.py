@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rollout.errors import UnsupportedModelError
+from rlspec.rollout.errors import UnsupportedModelError
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

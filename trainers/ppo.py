@@ -29,18 +29,18 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 from trl.models import prepare_deepspeed, prepare_fsdp
 
-from rollout.eos import resolve_eos
-from rollout.types import SpecConfig
-from trainers import ppo_math, rollout_source
-from trainers.callbacks import attach_summary_callback
-from trainers.checkpoint import CheckpointMixin
-from trainers.data import prompt_token_ids
-from trainers.ppo_batch import Experience, RolloutBatch, pad_results, token_logprobs
-from trainers.ppo_config import PPOConfig
-from trainers.ppo_model import VALUE_FILE, PolicyAndValue, completion_logits
-from trainers.ppo_update import PPOUpdateMixin
-from trainers.rewards import score_completions
-from trainers.weight_sync import unwrap_model
+from rlspec.rollout.eos import resolve_eos
+from rlspec.rollout.types import SpecConfig
+from rlspec.trainers import ppo_math, rollout_source
+from rlspec.trainers.callbacks import attach_summary_callback
+from rlspec.trainers.checkpoint import CheckpointMixin
+from rlspec.trainers.data import prompt_token_ids
+from rlspec.trainers.ppo_batch import Experience, RolloutBatch, pad_results, token_logprobs
+from rlspec.trainers.ppo_config import PPOConfig
+from rlspec.trainers.ppo_model import VALUE_FILE, PolicyAndValue, completion_logits
+from rlspec.trainers.ppo_update import PPOUpdateMixin
+from rlspec.trainers.rewards import score_completions
+from rlspec.trainers.weight_sync import unwrap_model
 
 
 def _keep_rows(rows: list) -> list:

@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rollout.padding import pad_rollouts
-from rollout.types import RolloutResult
+from rlspec.rollout.padding import pad_rollouts
+from rlspec.rollout.types import RolloutResult
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rollout.limits import check_prompt_lengths, prompt_too_long_error
+from rlspec.rollout.limits import check_prompt_lengths, prompt_too_long_error
 
 logger = logging.getLogger(__name__)
 CHUNK = 512  # conversations templated per tokenizer call

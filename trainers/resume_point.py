@@ -18,8 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainers import checkpoint_dirs as dirs
-from trainers.checkpoint_verify import checkpoint_problems
+from rlspec.trainers import checkpoint_dirs as dirs
+from rlspec.trainers.checkpoint_verify import checkpoint_problems
 
 
 def explicit_checkpoint(given: str | os.PathLike) -> Path:

@@ -13,10 +13,10 @@ import contextlib
 import time
 from collections.abc import Callable
 
-import rollout.metrics as M
-from rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfig
-from trainers.peft_sync import engine_source, is_peft_model
-from trainers.weight_sync import DEFAULT_BUCKET_MB, WeightSyncer, gathered_model
+import rlspec.rollout.metrics as M
+from rlspec.rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfig
+from rlspec.trainers.peft_sync import engine_source, is_peft_model
+from rlspec.trainers.weight_sync import DEFAULT_BUCKET_MB, WeightSyncer, gathered_model
 
 
 def build_engine(policy, tokenizer, spec_config: SpecConfig | None, defaults: dict, engine_kwargs: dict):
@@ -24,7 +24,7 @@ def build_engine(policy, tokenizer, spec_config: SpecConfig | None, defaults: di
     `policy` (a bare HF causal LM, or a PEFT model: its base model's weights, trainers/peft_sync.py). engine_kwargs
     (the user's: max_model_len, max_num_seqs, dtype, graph_mode, KV settings) override the trainer's `defaults`.
     Raises rollout.errors.UnsupportedModelError for a policy the runtime cannot compute."""
-    from rollout.backend import build_backend
+    from rlspec.rollout.backend import build_backend
 
     kwargs = {**defaults, **engine_kwargs}
     name = kwargs.pop("backend", "engine")
@@ -63,7 +63,7 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
     source.sampling_dtype = dtypes.get("dtype")  # None: an engine the caller built, in its own dtype
     if peft:
         source.weight_syncer.maybe_sync(policy, trainer.state.global_step)
-    from trainers.drafter_feed import DrafterFeed
+    from rlspec.trainers.drafter_feed import DrafterFeed
 
     source.drafter_feed = DrafterFeed.for_backend(engine, policy)  # the learned drafter learns from our own pass
     return source
@@ -72,8 +72,8 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
 def sampling_dtypes(args, policy, engine_kwargs: dict) -> dict:
     """The engine's dtype and head_dtype for a trainer with TrainingArguments `args` (trainers/sampling_dtype.py:
     its compute dtype, not the master weights'; the user's engine_kwargs dtype wins)."""
-    from rollout.runtime.model.loader import body_tensor
-    from trainers.sampling_dtype import head_dtype, sampling_dtype
+    from rlspec.rollout.runtime.model.loader import body_tensor
+    from rlspec.trainers.sampling_dtype import head_dtype, sampling_dtype
 
     body = body_tensor(policy.named_parameters())
     dtype = sampling_dtype(args, policy, engine_kwargs.get("dtype"), engine_kwargs.get("device", body.device),
@@ -86,7 +86,7 @@ def preflight(trainer, drop_long_prompts: bool) -> int:
     """Before step 1: every prompt of the trainer's train_dataset must fit its rollout context
     (trainers/preflight.py). Raises PromptTooLongError naming the rows, or drops them when asked; returns how
     many were dropped. A backend whose context is unknown is not checked (it refuses at generate)."""
-    from trainers.preflight import check_trainer_prompts
+    from rlspec.trainers.preflight import check_trainer_prompts
 
     if trainer.rollouts.max_model_len is None:
         return 0

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainers.run_files import LOCK
+from rlspec.trainers.run_files import LOCK
 
 try:
     import fcntl

@@ -14,7 +14,7 @@ it sampled with (docs/verification.md#logprobs).
 """
 from __future__ import annotations
 
-from rollout.types import SamplingParams
+from rlspec.rollout.types import SamplingParams
 
 # the generation_kwargs keys the engine applies exactly as transformers' generate and vLLM do
 SUPPORTED_GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

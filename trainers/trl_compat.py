@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-from rollout.errors import UnsupportedModelError
+from rlspec.rollout.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def why_not_the_engine(model, generation_kwargs: dict | None) -> str | None:
     transformers' own (overridden by its class or patched): the engine could not reproduce custom decoding."""
     from transformers import GenerationMixin
 
-    from trainers.sampling_args import SUPPORTED_GENERATION_KWARGS, unsupported_generation_kwargs
+    from rlspec.trainers.sampling_args import SUPPORTED_GENERATION_KWARGS, unsupported_generation_kwargs
 
     keys = unsupported_generation_kwargs(generation_kwargs)
     if keys:

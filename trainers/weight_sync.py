@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.runtime.device import DeviceTimer, synchronize
-from trainers.peft_sync import check_mergeable, is_peft_model, merged_named_tensors
+from rlspec.rollout.runtime.device import DeviceTimer, synchronize
+from rlspec.trainers.peft_sync import check_mergeable, is_peft_model, merged_named_tensors
 
 DEFAULT_BUCKET_MB = 512
 

@@ -117,7 +117,7 @@ def fault_long_prompt(work: Path, straight: Path) -> dict:
 
 
 def fault_unsupported_model(work: Path, straight: Path) -> dict:
-    from rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.runtime.model.fetch import fetch_model
 
     model = work / "longrope_model"
     if not model.is_dir():

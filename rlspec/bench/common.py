@@ -27,7 +27,7 @@ SMOKE_DTYPE = "float32"
 
 def math_task(tokenizer, n: int, seed: int = 0, max_operand: int = 9, ops=("+",)) -> tuple[list[list[int]], list[str]]:
     """(chat-templated prompt token ids, answers) of `n` embedded arithmetic problems (the default run's data)."""
-    from trainers.data import make_math_dataset, prompt_token_ids
+    from rlspec.trainers.data import make_math_dataset, prompt_token_ids
 
     data = make_math_dataset(num_examples=n, seed=seed, max_operand=max_operand, ops=ops)
     return prompt_token_ids(tokenizer, data["prompt"]), list(data["answer"])
@@ -44,7 +44,7 @@ def hf_model(model: str, dtype, device: str = "cpu", **tokenizer_kw):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.runtime.model.fetch import fetch_model
 
     path = fetch_model(model)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -55,7 +55,7 @@ def hf_model(model: str, dtype, device: str = "cpu", **tokenizer_kw):
 def tokenizer_and_eos(model: str, dtype: str = "bfloat16"):
     """The tokenizer and EOS ids RolloutEngine.from_pretrained uses for `model`, for engines built from loaded
     weights (the engine that found them is dropped)."""
-    from rollout.engine import RolloutEngine
+    from rlspec.rollout.engine import RolloutEngine
 
     base = RolloutEngine.from_pretrained(model, dtype=dtype)
     return base.tokenizer, list(base.eos_token_ids)

@@ -63,7 +63,7 @@ def measure(engine, prompts, params, force_arm=None):
 
 
 def _learn(eng, trainer, held_out, eval_params, forced, args) -> list[dict]:
-    from rollout.types import SamplingParams
+    from rlspec.rollout.types import SamplingParams
 
     collect_params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=4)
     curve = []
@@ -83,10 +83,10 @@ def _learn(eng, trainer, held_out, eval_params, forced, args) -> list[dict]:
 def curve(args) -> dict:
     import torch
 
-    from rollout.engine import RolloutEngine
-    from rollout.speculation.drafter_training import DrafterTrainer
-    from rollout.speculation.selectors.longtail import Arm
-    from rollout.types import SamplingParams, SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.types import SamplingParams, SpecConfig
 
     torch.manual_seed(args.seed)
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=args.k, online_training=False)  # trained below

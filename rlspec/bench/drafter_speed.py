@@ -24,7 +24,7 @@ def phrase_text(rng: random.Random, bank: list[list[int]], n: int, noise: float 
 
 def make_groups(rng, bank, batch: int, group: int, prompt_len: int) -> tuple[list, list]:
     """Groups of sequences (one first token each) and the full text each will grow into."""
-    from rollout.runtime.sequence import Sequence
+    from rlspec.rollout.runtime.sequence import Sequence
 
     groups, texts = [], []
     for p in range(batch // group):
@@ -74,9 +74,9 @@ def traced_bytes(fill) -> int:
 def suffix_memory(rng, bank, doc_len: int = 500, n_docs: int = 128) -> dict:
     """Bytes per token: an indexed window (the global one, or a prompt with live samples) and a
     cold history (prompts between visits keep raw tokens only)."""
-    from rollout.runtime.sequence import Sequence
-    from rollout.speculation.drafters.base import make_drafter
-    from rollout.speculation.drafters.ngram import NgramIndex
+    from rlspec.rollout.runtime.sequence import Sequence
+    from rlspec.rollout.speculation.drafters.base import make_drafter
+    from rlspec.rollout.speculation.drafters.ngram import NgramIndex
 
     docs = [phrase_text(rng, bank, doc_len) for _ in range(n_docs)]
 
@@ -102,8 +102,8 @@ def suffix_memory(rng, bank, doc_len: int = 500, n_docs: int = 128) -> dict:
 
 
 def run_speed(args) -> dict:
-    from rollout.runtime.sequence import Sequence
-    from rollout.speculation.drafters.base import make_drafter
+    from rlspec.rollout.runtime.sequence import Sequence
+    from rlspec.rollout.speculation.drafters.base import make_drafter
 
     rng = random.Random(args.seed)
     bank = [[rng.randrange(32_000) for _ in range(rng.randint(2, 8))] for _ in range(100)]

@@ -132,10 +132,10 @@ def is_probe(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model.fetch import fetch_model
-    from rollout.types import SamplingParams
-    from trainers.data import make_math_dataset
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.types import SamplingParams
+    from rlspec.trainers.data import make_math_dataset
 
     path = fetch_model(args.model)
     engine = RolloutEngine.from_pretrained(path, dtype="bfloat16", max_model_len=512, max_num_seqs=16)
@@ -175,11 +175,11 @@ def child(spec: dict) -> dict:
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.runtime.model.fetch import fetch_model
-    from trainers.data import make_math_dataset
-    from trainers.grpo import SpecGRPOTrainer
-    from trainers.rewards import get_reward_funcs
-    from rollout.types import SpecConfig
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.trainers.data import make_math_dataset
+    from rlspec.trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.rewards import get_reward_funcs
+    from rlspec.rollout.types import SpecConfig
 
     path = fetch_model(spec["model_path"])
     tokenizer = AutoTokenizer.from_pretrained(path)

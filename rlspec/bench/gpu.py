@@ -71,7 +71,7 @@ def tokenizer_dir(args) -> str | None:
     for cand in (args.tokenizer, CARRY / "tokenizer"):
         if cand and Path(cand).is_dir():
             return str(cand)
-    from rollout.runtime.model.fetch import EMBEDDED_ALIAS, cache_root
+    from rlspec.rollout.runtime.model.fetch import EMBEDDED_ALIAS, cache_root
 
     embedded = cache_root() / "models" / EMBEDDED_ALIAS
     return str(embedded) if (embedded / "tokenizer_config.json").is_file() else args.tokenizer

@@ -22,8 +22,8 @@ def policy_reward(model: str, args) -> dict:
     """Mean accuracy reward of `model` sampled alone (exact, T = 1) on the training task, with its binomial
     standard error."""
     from rlspec.eval import evaluate
-    from rollout.engine import RolloutEngine
-    from rollout.types import SamplingParams
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.types import SamplingParams
 
     engine = RolloutEngine.from_pretrained(model, max_model_len=256, max_num_seqs=64,
                                            dtype="float32" if args.smoke else "bfloat16")

@@ -74,7 +74,7 @@ def _extension():
     """The timing extension, linked against the kernels this process loaded."""
     from torch.utils.cpp_extension import load_inline
 
-    from rollout.runtime.model import kernels
+    from rlspec.rollout.runtime.model import kernels
 
     assert kernels.available(), "the kernels are not available here (no AVX-512 BF16, or no C++ toolchain)"
     lib = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
@@ -116,7 +116,7 @@ def add_arguments(parser) -> None:
 def run(args) -> dict:
     import torch
 
-    from rollout.runtime.model import kernels
+    from rlspec.rollout.runtime.model import kernels
 
     ctx, iters, reps = (256, 200, 1) if args.smoke else (args.ctx, args.iters, args.reps)
     ext = _extension()

@@ -129,12 +129,12 @@ def growth(args) -> dict:
     set_limit(args.limit_gb)
     from transformers import AutoConfig, AutoTokenizer
 
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.kv_budget import memory_limits
-    from rollout.runtime.model.config import ModelConfig
-    from rollout.runtime.model.fetch import fetch_model
-    from rollout.runtime.model.loader import resolve_dtype
-    from rollout.types import SamplingParams
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.kv_budget import memory_limits
+    from rlspec.rollout.runtime.model.config import ModelConfig
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.runtime.model.loader import resolve_dtype
+    from rlspec.rollout.types import SamplingParams
 
     report = {"part": "growth", "vm_after_imports_gib": vm_gib()}
     path = fetch_model(EMBEDDED)

@@ -26,7 +26,7 @@ TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16, hidden=64)
 
 
 def model_config(shape: dict):
-    from rollout.runtime.model.config import ModelConfig
+    from rlspec.rollout.runtime.model.config import ModelConfig
 
     return ModelConfig("qwen2", 152064, shape["hidden"], 18944, shape["num_layers"], 28, shape["num_kv_heads"],
                        shape["head_dim"], 1e-6, 32768, False, True, False, False, False)
@@ -57,11 +57,11 @@ def simulate(args, cfg, lengths, layout: str, budget_gb: float) -> dict:
     contiguous, they are today's separate [sequences, positions, 3H] buffer, outside the KV budget."""
     import torch
 
-    from rollout.runtime.kv_budget import KVBudget
-    from rollout.runtime.kv_cache import PagedKVCache, block_bytes, side_bytes
-    from rollout.runtime.kv_ledger import KVLedger
-    from rollout.runtime.scheduler import Scheduler
-    from rollout.runtime.sequence import Sequence
+    from rlspec.rollout.runtime.kv_budget import KVBudget
+    from rlspec.rollout.runtime.kv_cache import PagedKVCache, block_bytes, side_bytes
+    from rlspec.rollout.runtime.kv_ledger import KVLedger
+    from rlspec.rollout.runtime.scheduler import Scheduler
+    from rlspec.rollout.runtime.sequence import Sequence
 
     layers = cfg.num_layers + args.drafter_layers
     side = {"eagle3/features": ((3 * cfg.hidden_size,), torch.bfloat16)} \
@@ -132,7 +132,7 @@ def _emit(s, k: int, target: dict) -> None:
 def run_memory(args) -> dict:
     import torch
 
-    from rollout.runtime.kv_cache import block_bytes
+    from rlspec.rollout.runtime.kv_cache import block_bytes
 
     if args.smoke:
         args.prompts, args.n, args.max_new_tokens, args.budget_gb = 4, 4, 256, 0.001

@@ -54,9 +54,9 @@ def phase_rates(trace, total_seqs: int, tail_live: int | None = None) -> dict:
 
 
 def make_engine(name, path, dtype, tokenizer, eos, rows, drafter_path=None):
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.types import SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.types import SpecConfig
 
     drafter, k, width, selector = CONFIGS[name]
     learned = drafter in ("eagle3", "auto") and name not in UNTRAINED
@@ -130,8 +130,8 @@ def _speedups(rows: list[dict]) -> None:
 def run_longtail(args) -> dict:
     import torch
 
-    from rollout.runtime.model.fetch import fetch_model
-    from rollout.types import SamplingParams
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.types import SamplingParams
 
     torch.manual_seed(0)
     path = fetch_model(args.model)

@@ -95,9 +95,9 @@ def settings(args) -> list[tuple[str, dict]]:
 
 def run_all(args) -> dict:
     from rlspec.eval import evaluate, heldout_math, paired_difference, parse_spec
-    from rollout.engine import RolloutEngine
-    from rollout.types import SamplingParams
-    from trainers.data import prompt_token_ids
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.types import SamplingParams
+    from rlspec.trainers.data import prompt_token_ids
 
     convs, answers = heldout_math(args.prompts, seed=args.prompt_seed)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, n=args.samples,

@@ -50,7 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=EMBEDDED, help="model alias or local HF directory")
     p.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
                    help="master weights' dtype; the step runs under bf16 mixed precision either way (as dropin)")
-    p.add_argument("--dataset", default="embedded_math", help="trainers.data.load_dataset_by_name name")
+    p.add_argument("--dataset", default="embedded_math", help="rlspec.trainers.data.load_dataset_by_name name")
     p.add_argument("--examples", type=int, default=256, help="training prompts (TRL's sampler hands them out; partial rounds start its later ones early)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-completion", type=int, default=1024, help="max_completion_length")
@@ -83,7 +83,7 @@ def run(args) -> dict:
     if args.no_eval:
         args.eval_prompts = 0
     if any(arm.endswith("/spec") for arm in args.arms):  # a bad --drafter fails now, not in the first spec arm
-        from rollout.types import SpecConfig
+        from rlspec.rollout.types import SpecConfig
 
         SpecConfig(drafter=args.drafter)
     arms = {arm: (lambda rep, arm=arm: run_arm(args, arm, rep)) for arm in args.arms}
@@ -162,11 +162,11 @@ def child(spec: dict) -> dict:
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.runtime.model.fetch import fetch_model
-    from rollout.types import SpecConfig
-    from trainers.data import load_dataset_by_name
-    from trainers.grpo import SpecGRPOTrainer
-    from trainers.rewards import get_reward_funcs
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.types import SpecConfig
+    from rlspec.trainers.data import load_dataset_by_name
+    from rlspec.trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.rewards import get_reward_funcs
 
     path = fetch_model(spec["model"])
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -241,11 +241,11 @@ def heldout_accuracy(trainer, tokenizer, spec: dict) -> float:
     """Greedy accuracy of the trained policy on held-out problems (rlspec.eval's set and scorer), sampled by a
     plain engine built from the policy's weights in the dtype the run sampled in (no drafter: a greedy score)."""
     from rlspec.eval import evaluate, heldout_math
-    from rollout.engine import RolloutEngine
-    from rollout.types import SamplingParams
-    from trainers.data import prompt_token_ids
-    from trainers.rollout_source import sampling_dtypes
-    from trainers.weight_sync import unwrap_model
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.types import SamplingParams
+    from rlspec.trainers.data import prompt_token_ids
+    from rlspec.trainers.rollout_source import sampling_dtypes
+    from rlspec.trainers.weight_sync import unwrap_model
 
     policy = unwrap_model(trainer.model, trainer.accelerator)
     convs, answers = heldout_math(spec["eval_prompts"], seed=spec["eval_seed"])

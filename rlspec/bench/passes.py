@@ -34,9 +34,9 @@ def run(args) -> dict:
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.runtime.model.fetch import fetch_model
-    from trainers.data import load_dataset_by_name
-    from trainers.grpo import SpecGRPOTrainer
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.trainers.data import load_dataset_by_name
+    from rlspec.trainers.grpo import SpecGRPOTrainer
 
     lengths = [max(1, n // 16) for n in args.lengths] if args.smoke else args.lengths
     path = fetch_model(args.model)

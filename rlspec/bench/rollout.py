@@ -88,8 +88,8 @@ def _runner_hf(args):
 
 
 def _runner_engine(args):
-    from rollout.engine import RolloutEngine
-    from rollout.types import SamplingParams
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.types import SamplingParams
 
     engine = RolloutEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                            max_num_seqs=max(args.batch_sizes))

@@ -80,7 +80,7 @@ def hf_step_ms(model, batch: int, ctx: int, steps: int) -> float:
 
 def engine_step_ms(engine, prompts, steps: int) -> float:
     """Plain decode step of `engine` by the public API, ms: (t(steps + 1) - t(1)) / steps."""
-    from rollout.types import SamplingParams
+    from rlspec.rollout.types import SamplingParams
 
     def call(n):
         params = SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True, seed=0)
@@ -90,9 +90,9 @@ def engine_step_ms(engine, prompts, steps: int) -> float:
 
 
 def plain_rows(args) -> tuple[list[dict], int]:
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model.fetch import fetch_model
-    from rollout.runtime.model.linear import unpack_linears
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.runtime.model.linear import unpack_linears
 
     path = fetch_model(args.model)
 
@@ -141,8 +141,8 @@ def run(args) -> dict:
             c["plain_step_ms"] = verify[0]["fused_ms"]
             c["draft_cost"] = c["draft_ms_per_token"] / c["plain_step_ms"]
     if nbytes is None:
-        from rollout.runtime.model import loader
-        from rollout.runtime.model.fetch import fetch_model
+        from rlspec.rollout.runtime.model import loader
+        from rlspec.rollout.runtime.model.fetch import fetch_model
 
         nbytes = step_bytes(loader.load_model(fetch_model(args.model), dtype=args.dtype))
     roofline_ms = nbytes / (bw * 1e9) * 1e3

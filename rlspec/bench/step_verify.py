@@ -21,7 +21,7 @@ VERIFY_ARMS = ("fused", "compiled", "inductor-attention", "eager-verify")
 @contextlib.contextmanager
 def fused_steps(on: bool):
     """While an arm's steps run: fused steps (model/fused.py) on or off; off, the engine compiles them."""
-    from rollout.runtime.model import fused
+    from rlspec.rollout.runtime.model import fused
 
     saved = fused.enabled
     fused.enabled = on
@@ -34,7 +34,7 @@ def fused_steps(on: bool):
 @contextlib.contextmanager
 def eager_verify():
     """While it lasts, step runners built compile one-token steps only: steps of several tokens run eagerly."""
-    from rollout.runtime.compiled import CompiledRunner
+    from rlspec.rollout.runtime.compiled import CompiledRunner
 
     saved = CompiledRunner.__dict__["cpu_max_rows"]
     CompiledRunner.cpu_max_rows = staticmethod(lambda model: 1)
@@ -48,7 +48,7 @@ def eager_verify():
 def verify_arm(arm: str):
     """Fused steps only for `fused`; `inductor-attention` attends through inductor (dynamo keeps both graphs,
     guarded on the switch)."""
-    from rollout.runtime.model import kernels
+    from rlspec.rollout.runtime.model import kernels
 
     saved = kernels.attention
     kernels.attention = arm != "inductor-attention"
@@ -60,8 +60,8 @@ def verify_arm(arm: str):
 
 
 def _runners(args) -> dict:
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model.fetch import fetch_model
 
     path, top, arms = fetch_model(args.model), max(args.verify_ctx), {}
     for arm in VERIFY_ARMS:
@@ -113,10 +113,10 @@ def verify_rows(args) -> list[dict]:
 def draft_costs(args) -> list[dict]:
     """Each proposer's time per drafted token as a share of a plain step (the engine's rollout/draft_cost),
     over a batch-1 rollout with the drafter forced on every step."""
-    from rollout import metrics as M
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model.fetch import fetch_model
-    from rollout.types import SamplingParams, SpecConfig
+    from rlspec.rollout import metrics as M
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.types import SamplingParams, SpecConfig
 
     path, rows = fetch_model(args.model), []
     for drafter in args.drafters:

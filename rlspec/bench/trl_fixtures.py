@@ -118,7 +118,7 @@ def _smollm2_tokenizer_with_ids(special_ids: dict[str, int], out_dir: Path):
     """The SmolLM2 tokenizer with the given tokens at the given ids (moved or added), saved to out_dir."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.runtime.model.fetch import fetch_model
 
     src = Path(fetch_model(SMOLLM2))
     if not special_ids:

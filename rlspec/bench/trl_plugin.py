@@ -87,7 +87,7 @@ _STATE = {"constructed": 0, "on_trl_generation": 0, "engine_calls": 0, "engine_s
 
 def _spec_subclass():
     """SpecGRPOTrainer, counting the rollouts that came back from its RolloutSource (the engine)."""
-    from trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.grpo import SpecGRPOTrainer
 
     class SpecGRPOTrainerUnderTest(SpecGRPOTrainer):
         def __init__(self, *args, **kwargs):

@@ -97,9 +97,9 @@ def trained_drafter(args) -> str:
     """rlspec's warm-started EAGLE-3 drafter for the model (loaded from the cache when there)."""
     if args.drafter_path:
         return args.drafter_path
-    from rollout.engine import RolloutEngine
-    from rollout.speculation.warm_start import warm_start
-    from rollout.types import SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.speculation.warm_start import warm_start
+    from rlspec.rollout.types import SpecConfig
 
     engine = RolloutEngine.from_pretrained(args.model, spec=SpecConfig(drafter="eagle3", online_training=False),
                                            dtype=args.dtype, max_num_seqs=16)
@@ -111,8 +111,8 @@ def trained_drafter(args) -> str:
 
 def run_one(args, name: str | None = None) -> dict:
     """Build one config's backend from the HF model, warm it up, time args.reps calls."""
-    from rollout.backend import build_backend
-    from rollout.types import SamplingParams, SpecConfig
+    from rlspec.rollout.backend import build_backend
+    from rlspec.rollout.types import SamplingParams, SpecConfig
 
     name = name or args.one
     backend_name, drafter, k, selector = CONFIGS[name]

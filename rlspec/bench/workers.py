@@ -52,8 +52,8 @@ def add_arguments(p) -> None:
 def run(args) -> dict:
     import ray
 
-    from rollout.types import SamplingParams
-    from rollout.workers.cluster import connect
+    from rlspec.rollout.types import SamplingParams
+    from rlspec.rollout.workers.cluster import connect
 
     if args.smoke:
         args.prompts, args.group, args.max_new_tokens, args.reps, args.spot_steps = 2, 2, 8, 1, 1
@@ -86,8 +86,8 @@ QUEUE_S = 0.002  # driver work per task (ray.wait + submit + a hub poll): an ass
 def longtail(args, hf, tok, params) -> dict:
     import torch
 
-    from rollout.engine import RolloutEngine
-    from rollout.workers.pool import RayPool
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.workers.pool import RayPool
 
     kw = dict(max_model_len=args.max_model_len, max_num_seqs=args.prompts * args.group, dtype=args.dtype)
     pool = RayPool(hf, tok, None, workers=2, groups_per_task=args.groups_per_task, **kw)
@@ -129,8 +129,8 @@ def _costs(pool, hf, args) -> dict:
 
 
 def spot(args, hf, tok, params) -> dict:
-    from rollout.types import SpecConfig
-    from rollout.workers.pool import RayPool
+    from rlspec.rollout.types import SpecConfig
+    from rlspec.rollout.workers.pool import RayPool
 
     out = {}
     # a smoke run starts the one pool with the hub (the costlier path: training, publishing); each pool is seconds of

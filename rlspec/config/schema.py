@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 def _reward_names() -> list[str]:
     """The reward registry, read when a config is checked (a reward registered by then counts)."""
-    from trainers.rewards import REWARD_FUNCS  # plain Python (re only; math_verify is imported when scoring)
+    from rlspec.trainers.rewards import REWARD_FUNCS  # plain Python (re only; math_verify is imported when scoring)
 
     return list(REWARD_FUNCS)
 

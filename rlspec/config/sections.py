@@ -31,7 +31,7 @@ from rlspec.config.ranges import (
     registered,
     subset_of,
 )
-from rollout.types import SpecConfig  # plain dataclasses, no torch
+from rlspec.rollout.types import SpecConfig  # plain dataclasses, no torch
 
 
 def _f(default: Any = None, help: str = "", factory: Any = None, rule: Rule | None = None) -> Any:
@@ -44,7 +44,7 @@ def _f(default: Any = None, help: str = "", factory: Any = None, rule: Rule | No
 
 
 def _backends() -> list[str]:
-    from rollout.backend import BACKENDS  # plain Python: each backend's module is imported only when built
+    from rlspec.rollout.backend import BACKENDS  # plain Python: each backend's module is imported only when built
 
     return list(BACKENDS)
 

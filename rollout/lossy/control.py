@@ -19,16 +19,16 @@ from dataclasses import replace
 
 import torch
 
-from rollout.lossy.heads import OnlineHead
-from rollout.lossy.judge import JUDGE, TARGET, judge_accepts, judge_labels, judge_vocab, target_probs, \
+from rlspec.rollout.lossy.heads import OnlineHead
+from rlspec.rollout.lossy.judge import JUDGE, TARGET, judge_accepts, judge_labels, judge_vocab, target_probs, \
     verify_lossy_chain
-from rollout.lossy.router import agreement_labels, likelihood_scores, step_features
-from rollout.config_checks import DRAFT_MODEL_PREFIX
-from rollout.lossy.steps import StepBoundary
-from rollout.registry import STRATEGIES
-from rollout.speculation.drafters.base import Draft
-from rollout.speculation.strategies import ExactVerifier, Provenance, chain_verdict
-from rollout.types import LOSSY_SOURCES, TOKEN_SOURCES
+from rlspec.rollout.lossy.router import agreement_labels, likelihood_scores, step_features
+from rlspec.rollout.config_checks import DRAFT_MODEL_PREFIX
+from rlspec.rollout.lossy.steps import StepBoundary
+from rlspec.rollout.registry import STRATEGIES
+from rlspec.rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.strategies import ExactVerifier, Provenance, chain_verdict
+from rlspec.rollout.types import LOSSY_SOURCES, TOKEN_SOURCES
 
 HEAD_EXAMPLES_PER_STEP = 64  # judge examples banked per verify (a random subset: bounded cost)
 
@@ -54,7 +54,7 @@ class LossyControl:
     def _step_source(self, spec, model, tokenizer):
         src = spec.step_source or self.speculation.names[0]  # None: the engine's (first) drafter
         if src.startswith(DRAFT_MODEL_PREFIX):
-            from rollout.lossy.draft_model import DraftModelSource
+            from rlspec.rollout.lossy.draft_model import DraftModelSource
 
             p = next(model.parameters())
             path = src[len(DRAFT_MODEL_PREFIX):]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.drafters.base import Draft
 
 
 class DraftModelSource:

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from rollout.lossy.law import chain_law, greedy_law, target_law
-from rollout.runtime.sampling import probs_from_logits
-from rollout.speculation.verify import verify_chain
-from rollout.types import SamplingParams
+from rlspec.rollout.lossy.law import chain_law, greedy_law, target_law
+from rlspec.rollout.runtime.sampling import probs_from_logits
+from rlspec.rollout.speculation.verify import verify_chain
+from rlspec.rollout.types import SamplingParams
 
 # token_source codes (rollout.types.TOKEN_SOURCES)
 TARGET, DRAFT_EXACT, JUDGE, ROUTED = 0, 1, 2, 3

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.types import LOSSY_SOURCES
+from rlspec.rollout.types import LOSSY_SOURCES
 
 
 @dataclass

@@ -33,8 +33,8 @@ import os
 
 import torch
 
-from rollout.runtime.graphs import EagerRunner, bucket_for, pad_batch, pow2_buckets
-from rollout.runtime.model import fused
+from rlspec.rollout.runtime.graphs import EagerRunner, bucket_for, pad_batch, pow2_buckets
+from rlspec.rollout.runtime.model import fused
 
 COMPILE_MODES = ("off", "on", "auto")
 CPU_MAX_DECODE_BATCH = 8  # plain decode steps of more rows run eagerly on a CPU (16 rows: 51 vs 48 ms eager)
@@ -47,8 +47,8 @@ def inductor_cache_dir(root: str | None = None) -> str:
     other users can write is swapped for a private one (it holds compiled code that this process loads)."""
     from pathlib import Path
 
-    from rollout.runtime.model.fetch import cache_root
-    from rollout.runtime.model.kernels.trust import private_dir
+    from rlspec.rollout.runtime.model.fetch import cache_root
+    from rlspec.rollout.runtime.model.kernels.trust import private_dir
 
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root(root) / "inductor")
     path = str(private_dir(Path(chosen), "inductor's compiled graphs"))
@@ -115,7 +115,7 @@ class CompiledRunner(EagerRunner):
         (model/kernels: the products stream each weight once for all 16, attention reads the paged cache in place),
         else one (its products then fused reductions, model/linear.py). Bigger steps run eagerly on packed weights:
         at 16 one-token rows compiled was slower (51 vs 48 ms, docs/runtime.md#verify-steps-on-the-cpu)."""
-        from rollout.runtime.model import kernels
+        from rlspec.rollout.runtime.model import kernels
 
         bf16 = next(model.parameters()).dtype == torch.bfloat16
         return kernels.MAX_ROWS if bf16 and kernels.available() else 1

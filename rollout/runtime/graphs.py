@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import torch
 
-from rollout.runtime.kv_cache import PagedKVCache
-from rollout.runtime.model.attention import BLOCK, step_mask, use_flex
-from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
+from rlspec.rollout.runtime.model.attention import BLOCK, step_mask, use_flex
+from rlspec.rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 WARMUP_RUNS = 2  # first calls pick kernels and allocate workspaces; a capture must not see that
 MODES = ("auto", "off", "lazy", "eager_start")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.runtime.blocks import pow2_at_least
+from rlspec.rollout.runtime.blocks import pow2_at_least
 
 DEFAULT_BLOCK_SIZE = 16  # positions per block: vLLM's default; waste is < 16 positions per sequence
 DEFAULT_FRACTION = 0.9  # of what the process may still use, when no budget is given

@@ -33,8 +33,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from rollout.runtime.blocks import TRASH, BlockAllocator
-from rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.blocks import TRASH, BlockAllocator
+from rlspec.rollout.runtime.model.config import ModelConfig
 
 
 def block_bytes(cfg: ModelConfig, layers: int, block_size: int, dtype: torch.dtype) -> int:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollout.runtime.kv_cache import PagedKVCache
-from rollout.runtime.scheduler import Scheduler, draft_room
-from rollout.runtime.sequence import Sequence
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
+from rlspec.rollout.runtime.scheduler import Scheduler, draft_room
+from rlspec.rollout.runtime.sequence import Sequence
 
 
 class KVLedger:

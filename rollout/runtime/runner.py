@@ -10,14 +10,14 @@ import sys
 
 import torch
 
-from rollout.runtime import device as device_sync
-from rollout.runtime.compiled import CompiledRunner, captured_layer_call, resolve_compile
-from rollout.runtime.graphs import MODES, EagerRunner, GraphPool, make_step_runner
-from rollout.runtime.kv_budget import KVBudget, step_reserve_bytes, total_memory_bytes
-from rollout.runtime.kv_cache import PagedKVCache, SideSpec, block_bytes, side_bytes
-from rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
-from rollout.runtime.model.linear import pack_linears, refresh_linears
-from rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
+from rlspec.rollout.runtime import device as device_sync
+from rlspec.rollout.runtime.compiled import CompiledRunner, captured_layer_call, resolve_compile
+from rlspec.rollout.runtime.graphs import MODES, EagerRunner, GraphPool, make_step_runner
+from rlspec.rollout.runtime.kv_budget import KVBudget, step_reserve_bytes, total_memory_bytes
+from rlspec.rollout.runtime.kv_cache import PagedKVCache, SideSpec, block_bytes, side_bytes
+from rlspec.rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
+from rlspec.rollout.runtime.model.linear import pack_linears, refresh_linears
+from rlspec.rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
 
 
 KEEP_KV_FRACTION = 0.25  # a pool and its graphs up to this share of the device's memory stay across rollouts

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from rollout.runtime.draws import FINAL, KeyedDraws
-from rollout.runtime.model import kernels
-from rollout.types import SamplingParams
+from rlspec.rollout.runtime.draws import FINAL, KeyedDraws
+from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.types import SamplingParams
 
 # a draw site's source of uniforms: the call's torch.Generator (None: torch's global one), or a call's per-sample
 # keys bound to the rows drawn (rollout/runtime/draws.py)

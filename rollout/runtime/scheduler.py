@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from rollout.runtime.blocks import BlockAllocator
-from rollout.runtime.sequence import Sequence
+from rlspec.rollout.runtime.blocks import BlockAllocator
+from rlspec.rollout.runtime.sequence import Sequence
 
 
 class Scheduler:

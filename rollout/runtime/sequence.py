@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout.types import RolloutResult
+from rlspec.rollout.types import RolloutResult
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.runtime.model.fetch import cache_root
+from rlspec.rollout.runtime.model.fetch import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def calibration_key(runner, sizes: list[int], context: int) -> dict:
 
 def fused_steps(runner) -> str | None:
     """The fused CPU step's kernel build when the runner's steps run fused (model/fused.py), else None."""
-    from rollout.runtime.model import fused, kernels
+    from rlspec.rollout.runtime.model import fused, kernels
 
     return kernels.source_digest() if getattr(runner.steps, "fused", None) is not None and fused.enabled else None
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from rollout.runtime.device import DeviceTimer
+from rlspec.rollout.runtime.device import DeviceTimer
 
 EMA = 0.2  # weight of a new observation
 ACCEPT_DECAY = 0.98  # old acceptance evidence fades by this per observed verify

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.drafters.base import Draft
 
 
 @dataclass

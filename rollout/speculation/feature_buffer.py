@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.runtime.device import StreamFence
+from rlspec.rollout.runtime.device import StreamFence
 
 
 @dataclass
@@ -49,7 +49,7 @@ def law_top_k(logits: torch.Tensor, params, k: int) -> tuple[torch.Tensor, torch
     """(ids int32, probs, rest) [.., k]: the top-k of the processed next-token law a drafter trains toward,
     the call's processing of `logits` (temperature, top-k, top-p, min-p; softmax at temperature 1 for a
     greedy call or params None), and the mass outside it. Both producers stage it (Eagle3Drafter, FeatureTap)."""
-    from rollout.runtime.sampling import probs_from_logits
+    from rlspec.rollout.runtime.sampling import probs_from_logits
 
     probs = torch.softmax(logits, -1) if params is None or params.greedy else probs_from_logits(logits, params)
     top = probs.topk(k, -1)

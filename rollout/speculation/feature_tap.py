@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.speculation.feature_buffer import Dist, law_top_k
-from rollout.padding import pad_rollouts
-from rollout.types import RolloutResult, SamplingParams
+from rlspec.rollout.speculation.feature_buffer import Dist, law_top_k
+from rlspec.rollout.padding import pad_rollouts
+from rlspec.rollout.types import RolloutResult, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -21,14 +21,14 @@ import weakref
 
 import torch
 
-from rollout.speculation.calibration_cache import calibration_key, load_table, save_table
-from rollout.speculation.checkpoint import mismatch
-from rollout.speculation.cost_model import reachable_buckets
-from rollout.speculation.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
-from rollout.registry import DRAFTERS, SELECTORS
-from rollout.speculation.selectors.base import OFF, Arm, Selector, arm_key, arm_of
-from rollout.speculation.selectors.forced import ForcedSelector
-from rollout.types import SpecConfig
+from rlspec.rollout.speculation.calibration_cache import calibration_key, load_table, save_table
+from rlspec.rollout.speculation.checkpoint import mismatch
+from rlspec.rollout.speculation.cost_model import reachable_buckets
+from rlspec.rollout.speculation.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
+from rlspec.rollout.registry import DRAFTERS, SELECTORS
+from rlspec.rollout.speculation.selectors.base import OFF, Arm, Selector, arm_key, arm_of
+from rlspec.rollout.speculation.selectors.forced import ForcedSelector
+from rlspec.rollout.types import SpecConfig
 
 
 # Share of a learned drafter's acceptance evidence kept when new weights arrive. Versions come from
@@ -273,7 +273,7 @@ class Speculation:
         EAGLE-3 format vLLM and SGLang load."""
         if self.learned is None:
             raise ValueError("this engine has no learned drafter to export; use drafter='eagle3' or 'auto'")
-        from rollout.speculation.drafters.eagle3_io import save_learned
+        from rlspec.rollout.speculation.drafters.eagle3_io import save_learned
 
         return save_learned(self.learned, self.trainer, target_hf_config, path, metadata)
 
@@ -351,7 +351,7 @@ def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None) -
     trainer = None
     learned = next((d for d in drafters.values() if isinstance(d, LearnedDrafter)), None)
     if learned is not None and trains_online(spec, learned.target):
-        from rollout.speculation.trainer_process import make_trainer
+        from rlspec.rollout.speculation.trainer_process import make_trainer
 
         trainer = make_trainer(learned, spec)  # a thread or a process of its own, as spec.online_trainer says
     # "auto" means choosing among drafters per batch: the fixed policy has one drafter, so auto is adaptive

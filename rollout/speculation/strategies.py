@@ -24,12 +24,12 @@ from typing import Protocol
 
 import torch
 
-from rollout.registry import STRATEGIES
-from rollout.speculation.draft_batch import DraftBatch
-from rollout.speculation.drafters.base import Draft
-from rollout.speculation.selectors.base import Arm
-from rollout.speculation.verify import verify_chain, verify_tree
-from rollout.types import SamplingParams
+from rlspec.rollout.registry import STRATEGIES
+from rlspec.rollout.speculation.draft_batch import DraftBatch
+from rlspec.rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.selectors.base import Arm
+from rlspec.rollout.speculation.verify import verify_chain, verify_tree
+from rlspec.rollout.types import SamplingParams
 
 # room(nodes per row) -> draft nodes each row may carry: within its token budget, the cache table and
 # the KV blocks the pool can give (the engine's; a proposer asks before drafting)

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from rollout.runtime.model.llama import LlamaForCausalLM, RMSNorm
+from rlspec.rollout.runtime.model.llama import LlamaForCausalLM, RMSNorm
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.runtime.draws import ACCEPT, FINAL, TREE
-from rollout.runtime.sampling import Draws, kernel_draws, probs_from_logits, sample, sample_plain, shifted, uniform
-from rollout.types import SamplingParams
+from rlspec.rollout.runtime.draws import ACCEPT, FINAL, TREE
+from rlspec.rollout.runtime.sampling import Draws, kernel_draws, probs_from_logits, sample, sample_plain, shifted, uniform
+from rlspec.rollout.types import SamplingParams
 
 
 @dataclass

@@ -92,7 +92,7 @@ def install_drafter(drafter, trainer, path: str | os.PathLike) -> bool:
     """The EAGLE-3 directory at `path` as `drafter`'s weights (through `trainer` when one trains it, which
     publishes them: the drafter swaps them in at its next proposal); False when there is no readable
     drafter of the same shape there."""
-    from rollout.speculation.drafters.eagle3_io import load_eagle3
+    from rlspec.rollout.speculation.drafters.eagle3_io import load_eagle3
 
     try:
         model = load_eagle3(str(path))
@@ -134,10 +134,10 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
 
     trainer, own_trainer = spec.trainer, spec.trainer is None
     if own_trainer:
-        from rollout.speculation.drafter_training import DrafterTrainer
+        from rlspec.rollout.speculation.drafter_training import DrafterTrainer
 
         trainer = spec.attach_trainer(DrafterTrainer(spec.learned, publish_every=10**9, **trainer_kwargs))
-    from rollout.speculation.selectors.base import OFF
+    from rlspec.rollout.speculation.selectors.base import OFF
 
     def collect(batch, params):
         with spec.forced(OFF):  # collect plainly (a cold drafter only costs time); features are still captured
@@ -160,7 +160,7 @@ def train_rounds(collect, trainer, prompts: list[list[int]], key: str, out: Path
     prompts_per_round prompts, whose features reach `trainer`: the engine banks them, the vLLM backend feeds
     the policy's pass), then up to steps_per_round optimizer steps, until budget_s or max_steps is spent; a
     round that started collecting finishes. Publishes the weights and says what the warm-up did."""
-    from rollout.types import SamplingParams
+    from rlspec.rollout.types import SamplingParams
 
     t0, steps0, rnd = time.perf_counter(), trainer.stats.steps, 0
     left_s = lambda: float("inf") if budget_s is None else budget_s - (time.perf_counter() - t0)  # noqa: E731

@@ -23,17 +23,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import rollout.metrics as M
-from rollout.eos import resolve_eos
-from rollout.metrics import RolloutMetrics
-from rollout.runtime.model.loader import body_tensor
-from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from rollout.speculation.drafter_health import DrafterHealth, HealthConfig, fingerprint
-from rollout.vllm_backend import cpu_fixes, step_costs, weights
-from rollout.vllm_backend.depth import depths
-from rollout.vllm_backend.host import DrafterHost
-from rollout.vllm_backend.scratch import ScratchDir
-from rollout.vllm_backend.spec_map import DepthTable, check_supported, speculative_config
+import rlspec.rollout.metrics as M
+from rlspec.rollout.eos import resolve_eos
+from rlspec.rollout.metrics import RolloutMetrics
+from rlspec.rollout.runtime.model.loader import body_tensor
+from rlspec.rollout.types import RolloutResult, SamplingParams, SpecConfig
+from rlspec.rollout.speculation.drafter_health import DrafterHealth, HealthConfig, fingerprint
+from rlspec.rollout.vllm_backend import cpu_fixes, step_costs, weights
+from rlspec.rollout.vllm_backend.depth import depths
+from rlspec.rollout.vllm_backend.host import DrafterHost
+from rlspec.rollout.vllm_backend.scratch import ScratchDir
+from rlspec.rollout.vllm_backend.spec_map import DepthTable, check_supported, speculative_config
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +142,7 @@ class VLLMBackend:
             if self.spec.enabled else None
         self._readback = None
         if self.host is not None:
-            from rollout.vllm_backend.drafter_readback import DraftReadback
+            from rlspec.rollout.vllm_backend.drafter_readback import DraftReadback
 
             self._readback = DraftReadback(self.llm, self.host.drafter_tensors())
 
@@ -300,7 +300,7 @@ class VLLMBackend:
                        stop_token_ids=stop, ignore_eos=True, logprobs=0, detokenize=False)
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        from rollout.limits import check_prompt_lengths, prompt_too_long_error
+        from rlspec.rollout.limits import check_prompt_lengths, prompt_too_long_error
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")

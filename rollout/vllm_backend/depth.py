@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollout.vllm_backend.spec_map import DepthTable, depth_table
+from rlspec.rollout.vllm_backend.spec_map import DepthTable, depth_table
 
 # cost(batch, tokens per row) -> seconds of one target forward of `batch` rows with that many new tokens each
 CostFn = Callable[[int, int], float]

@@ -10,7 +10,7 @@ shared with the target (vLLM's EAGLE-3 reuses the target's embedding where the e
 are left out: a policy sync moves them."""
 from __future__ import annotations
 
-from rollout.speculation.drafter_health import Fingerprint, fingerprint, totals
+from rlspec.rollout.speculation.drafter_health import Fingerprint, fingerprint, totals
 
 
 def _draft_fingerprint(worker) -> Fingerprint:

@@ -18,15 +18,15 @@ from types import SimpleNamespace
 
 import torch
 
-from rollout.speculation.intake import TrainerIntake
-from rollout.types import SpecConfig
+from rlspec.rollout.speculation.intake import TrainerIntake
+from rlspec.rollout.types import SpecConfig
 
 
 def target_view(policy: torch.nn.Module):
     """The policy as a drafter trainer sees it (trainer_child.TargetView), over its own tensors."""
-    from rollout.runtime.model.config import ModelConfig
-    from rollout.runtime.model.families import family_of_model
-    from rollout.speculation.trainer_child import TargetView
+    from rlspec.rollout.runtime.model.config import ModelConfig
+    from rlspec.rollout.runtime.model.families import family_of_model
+    from rlspec.rollout.speculation.trainer_child import TargetView
 
     lm = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     embed, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
@@ -45,9 +45,9 @@ class DrafterHost:
         """A host when the spec has a learned drafter (eagle3), else None."""
         if not spec.enabled or spec.drafter != "eagle3":
             return None
-        from rollout.speculation.drafters.base import make_drafter
-        from rollout.speculation.speculation import trains_online
-        from rollout.speculation.trainer_process import make_trainer
+        from rlspec.rollout.speculation.drafters.base import make_drafter
+        from rlspec.rollout.speculation.speculation import trains_online
+        from rlspec.rollout.speculation.trainer_process import make_trainer
 
         target = target_view(policy)
         drafter = make_drafter("eagle3", target=target, spec=spec)
@@ -74,12 +74,12 @@ class DrafterHost:
 
     def drafter_tensors(self) -> list:
         """The version version() reports, under the names of the exported file (what vLLM loads)."""
-        from rollout.speculation.drafters.eagle3_io import drafter_tensors
+        from rlspec.rollout.speculation.drafters.eagle3_io import drafter_tensors
 
         return list(drafter_tensors(self.drafter.network(), torch.float32).items())
 
     def export(self, path: str | Path, metadata: dict | None = None) -> str:
-        from rollout.speculation.drafters.eagle3_io import save_learned
+        from rlspec.rollout.speculation.drafters.eagle3_io import save_learned
 
         return save_learned(self.drafter, self.trainer, self.drafter.target.cfg.hf_config, str(path), metadata)
 
@@ -97,8 +97,8 @@ class DrafterHost:
         the drafter, as the engine's warm start does (rollout/speculation/warm_start.py; cached per policy
         weights). With online training the online trainer keeps the data; otherwise a
         DrafterTrainer(**trainer_kwargs) lives for the warm-up only."""
-        from rollout.speculation.feature_tap import feed_results
-        from rollout.speculation.warm_start import WarmStartResult, cache_dir, cache_key, train_rounds
+        from rlspec.rollout.speculation.feature_tap import feed_results
+        from rlspec.rollout.speculation.warm_start import WarmStartResult, cache_dir, cache_key, train_rounds
 
         key = cache_key(policy, self.drafter.model.cfg, tag="hf")  # an HF model's names: not the engine's key
         out = cache_dir(root) / key
@@ -119,7 +119,7 @@ class DrafterHost:
         return result
 
     def _own_trainer(self, **kwargs):
-        from rollout.speculation.drafter_training import DrafterTrainer
+        from rlspec.rollout.speculation.drafter_training import DrafterTrainer
 
         return DrafterTrainer(self.drafter, **{"publish_every": 10**9, **kwargs})  # publishes once, at the end
 
@@ -133,7 +133,7 @@ class DrafterHost:
 
     def _load(self, path: Path) -> bool:
         """Install a cached drafter (the online trainer too, which publishes it); False if unreadable."""
-        from rollout.speculation.warm_start import install_drafter
+        from rlspec.rollout.speculation.warm_start import install_drafter
 
         if not install_drafter(self.drafter, self.trainer, path):
             return False

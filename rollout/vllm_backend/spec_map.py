@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.types import SpecConfig
+from rlspec.rollout.types import SpecConfig
 
 # rlspec drafter -> vLLM speculative method. suffix needs vLLM's optional Arctic Inference package.
 METHODS = {"ngram": "ngram", "suffix": "suffix", "eagle3": "eagle3"}

@@ -23,10 +23,10 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from rollout.speculation.cost_model import buckets
-from rollout.vllm_backend.depth import PRIOR_ACCEPTANCE, depth_table_from_costs
-from rollout.vllm_backend.spec_map import DepthTable
-from rollout.vllm_backend.weights import spec_counters
+from rlspec.rollout.speculation.cost_model import buckets
+from rlspec.rollout.vllm_backend.depth import PRIOR_ACCEPTANCE, depth_table_from_costs
+from rlspec.rollout.vllm_backend.spec_map import DepthTable
+from rlspec.rollout.vllm_backend.weights import spec_counters
 
 
 def scheduler(llm):

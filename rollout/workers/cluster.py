@@ -26,7 +26,7 @@ import time
 
 import ray
 
-from rollout.errors import RolloutBackendLost
+from rlspec.rollout.errors import RolloutBackendLost
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rollout.errors import RolloutBackendLost, RolloutWorkerError
-from rollout.workers.tasks import Task
+from rlspec.rollout.errors import RolloutBackendLost, RolloutWorkerError
+from rlspec.rollout.workers.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def run_tasks(workers: dict[int, object], tasks: list[Task], submit: Callable[[i
 
 def _failed(err, rank, task, workers, free, failures, stats, max_task_retries) -> None:
     """Decide whether the worker stays and whether the task may go back to the queue (else raise)."""
-    from rollout.workers.worker import StaleWeightsError
+    from rlspec.rollout.workers.worker import StaleWeightsError
 
     text = f"rollout worker {rank} failed on task {task.index}:\n{err}"
     stats.errors.append(text)

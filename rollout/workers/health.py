@@ -6,7 +6,7 @@ broadcast (every worker's drafter in use is then read back and compared), each p
 rollouts, through the workers' `set_speculation`."""
 from __future__ import annotations
 
-from rollout.speculation.drafter_health import DrafterHealth, Fingerprint, HealthConfig, fingerprint
+from rlspec.rollout.speculation.drafter_health import DrafterHealth, Fingerprint, HealthConfig, fingerprint
 
 
 class PoolHealth:

@@ -21,19 +21,19 @@ from dataclasses import replace
 import ray
 import torch
 
-import rollout.metrics as M
-from rollout.eos import resolve_eos
-from rollout.runtime.model.families import family_of_model
-from rollout.types import RolloutResult, SamplingParams, SpecConfig
-from rollout.workers import cluster
-from rollout.workers.dispatch import DispatchStats, drop_worker, kill_and_wait, run_tasks
-from rollout.speculation.drafter_health import HealthConfig
-from rollout.workers.health import PoolHealth
-from rollout.errors import RolloutBackendLost, RolloutWorkerError
-from rollout.workers.spot import DrafterHub
-from rollout.workers.stats import merge_stats
-from rollout.workers.tasks import split, merge
-from rollout.workers.worker import RolloutWorker
+import rlspec.rollout.metrics as M
+from rlspec.rollout.eos import resolve_eos
+from rlspec.rollout.runtime.model.families import family_of_model
+from rlspec.rollout.types import RolloutResult, SamplingParams, SpecConfig
+from rlspec.rollout.workers import cluster
+from rlspec.rollout.workers.dispatch import DispatchStats, drop_worker, kill_and_wait, run_tasks
+from rlspec.rollout.speculation.drafter_health import HealthConfig
+from rlspec.rollout.workers.health import PoolHealth
+from rlspec.rollout.errors import RolloutBackendLost, RolloutWorkerError
+from rlspec.rollout.workers.spot import DrafterHub
+from rlspec.rollout.workers.stats import merge_stats
+from rlspec.rollout.workers.tasks import split, merge
+from rlspec.rollout.workers.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class RayPool:
     def warm_start_drafter(self, prompts: list[list[int]], *, budget_s: float, group: int, max_new_tokens: int,
                            temperature: float):
         """Warm the drafter on one worker (or load the cache there), then make it every worker's and the hub's."""
-        from rollout.speculation.warm_start import WarmStartResult
+        from rlspec.rollout.speculation.warm_start import WarmStartResult
 
         first = next(iter(self.workers.values()))
         result, state = self._get(first.warm_start.remote(prompts, budget_s=budget_s, group=group,
@@ -181,7 +181,7 @@ class RayPool:
 
     def export_drafter(self, path: str, metadata: dict | None = None) -> str:
         """The run's one drafter (the hub's master weights, else the workers' shared one), written here."""
-        from rollout.speculation.drafters.eagle3_io import save_eagle3
+        from rlspec.rollout.speculation.drafters.eagle3_io import save_eagle3
 
         if not self._learned:
             raise ValueError("this pool has no learned drafter to export; use drafter='eagle3' or 'auto'")

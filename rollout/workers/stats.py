@@ -7,7 +7,7 @@ that ran ten). Throughput is the pool's: tokens of every worker over the wall ti
 """
 from __future__ import annotations
 
-import rollout.metrics as M
+import rlspec.rollout.metrics as M
 
 SUMMED = (M.GENERATED_TOKENS, M.NUM_SEQUENCES, M.DECODE_STEPS, M.PREEMPTIONS,
           M.KV_SHARED_BLOCKS, "drafter/shipped_samples", "drafter/shipped_tokens")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-from rollout.types import RolloutResult, SamplingParams
+from rlspec.rollout.types import RolloutResult, SamplingParams
 
 
 @dataclass(frozen=True)

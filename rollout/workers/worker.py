@@ -15,8 +15,8 @@ import socket
 
 import torch
 
-from rollout.types import RolloutResult, SpecConfig
-from rollout.workers.tasks import Task
+from rlspec.rollout.types import RolloutResult, SpecConfig
+from rlspec.rollout.workers.tasks import Task
 
 
 class StaleWeightsError(RuntimeError):
@@ -38,7 +38,7 @@ class RolloutWorker:
     def attach_hub(self, hub, topk: int) -> None:
         """Ship this engine's training samples to the DrafterHub (which stages `topk` target probabilities
         per position for its loss) instead of training here."""
-        from rollout.workers.spot import SpotLink
+        from rlspec.rollout.workers.spot import SpotLink
 
         self.link = self.engine.speculation.attach_trainer(SpotLink(hub, self.rank, topk))
 
@@ -85,14 +85,14 @@ class RolloutWorker:
 
     def drafter_fingerprint(self) -> tuple[int, dict]:
         """(version, fingerprint of the draft weights in use): what the pool compares with what it sent."""
-        from rollout.speculation.drafter_health import fingerprint
+        from rlspec.rollout.speculation.drafter_health import fingerprint
 
         learned = self.engine.speculation.learned
         return (learned.version, fingerprint(learned.model.state_dict())) if learned is not None else (0, {})
 
     def set_speculation(self, on: bool) -> bool:
         """Speculate (the selector chooses) or decode plainly (drafter health turned speculation off)."""
-        from rollout.speculation.selectors.base import OFF
+        from rlspec.rollout.speculation.selectors.base import OFF
 
         self.engine.speculation.force(None if on else OFF)
         return on
@@ -108,10 +108,10 @@ class RolloutWorker:
     # ---- the learned drafter ----------------------------------------------------------------------
     def drafter_recipe(self, trainer_kwargs: dict, threads: int, device: str | None):
         """What the DrafterHub needs to rebuild this drafter and the target's embedding/head (no layers)."""
-        from rollout.speculation.trainer_process import _recipe
+        from rlspec.rollout.speculation.trainer_process import _recipe
 
         learned = self.engine.speculation.learned
-        return _recipe(learned, "rollout.speculation.drafter_training:DrafterTrainer", trainer_kwargs, threads, device, 0), \
+        return _recipe(learned, "rlspec.rollout.speculation.drafter_training:DrafterTrainer", trainer_kwargs, threads, device, 0), \
             {k: v.detach().float().cpu() for k, v in learned.network().state_dict().items()}
 
     def drafter_network(self) -> torch.nn.Module:
@@ -162,8 +162,8 @@ def _spec_counts(engine) -> tuple[int, int, int]:
 
 def _build_engine(policy: dict, tokenizer, spec: SpecConfig | None, kwargs: dict):
     """The engine from_hf_model would build, straight from the config and weights (no HF model needed)."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray gives a GPU worker exactly one device
     dtype, head_dtype = kwargs.pop("dtype", None), kwargs.pop("head_dtype", None)

@@ -39,7 +39,7 @@ def spread_reward(completions, **kwargs) -> list[float]:
 
 def synced_policy(trainer):
     """The bare HF model the trainer pushes into its engine (PPO's sits inside its policy+value wrapper)."""
-    from trainers.weight_sync import unwrap_model
+    from rlspec.trainers.weight_sync import unwrap_model
 
     return trainer.policy if hasattr(trainer, "policy") else unwrap_model(trainer.model, trainer.accelerator)
 
@@ -49,8 +49,8 @@ def engine_matches_policy(trainer, record: dict, initial: dict) -> None:
     every rank pushes at the same step, so every rank reaches it)."""
     import torch
 
-    from rollout.runtime.model import loader
-    from trainers.weight_sync import NamedWeights, gathered_model
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.trainers.weight_sync import NamedWeights, gathered_model
 
     engine, syncer = trainer.engine, trainer.weight_syncer
     policy = synced_policy(trainer)
@@ -71,7 +71,7 @@ def engine_matches_policy(trainer, record: dict, initial: dict) -> None:
 
 def instrument(trainer, record: dict) -> None:
     """Wrap this rank's engine.load_weights with the check (after the push it makes)."""
-    import trainers.weight_sync as weight_sync
+    import rlspec.trainers.weight_sync as weight_sync
 
     engine = trainer.engine
     initial = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
@@ -102,7 +102,7 @@ def main() -> int:
     report_dir, expected_stage, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     skip_deepspeed_shm_op()
     import rlspec.train as train
-    import trainers.rewards as rewards
+    import rlspec.trainers.rewards as rewards
     from rlspec.distributed import zero_stage
 
     rewards.REWARD_FUNCS["spread"] = spread_reward

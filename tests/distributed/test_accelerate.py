@@ -110,7 +110,7 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from tests.trainers.conftest import build_char_tokenizer, build_tiny_llama
-from trainers.weight_sync import iter_named_weights
+from rlspec.trainers.weight_sync import iter_named_weights
 tok = build_char_tokenizer()
 model = build_tiny_llama(len(tok), tok.eos_token_id, tok.pad_token_id)
 mesh = init_device_mesh("cpu", (1,))

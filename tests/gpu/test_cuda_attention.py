@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rollout.runtime.model import attention
-from rollout.runtime.model.attention import attend_causal, attend_dense, attend_flex, dense_step_mask, step_mask
+from rlspec.rollout.runtime.model import attention
+from rlspec.rollout.runtime.model.attention import attend_causal, attend_dense, attend_flex, dense_step_mask, step_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -6,14 +6,14 @@ test_feature_fence.py, test_drafter_oom.py; tests/rollout/runtime/test_graph_reu
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.device import DeviceTimer
-from rollout.runtime.graphs import EagerRunner, GraphPool
-from rollout.runtime.model import loader
-from rollout.runtime.runner import compiled_frames
-from rollout.speculation.cost_model import CostModel
-from rollout.speculation.feature_buffer import FeatureBuffer
-from rollout.types import SamplingParams
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.device import DeviceTimer
+from rlspec.rollout.runtime.graphs import EagerRunner, GraphPool
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.runner import compiled_frames
+from rlspec.rollout.speculation.cost_model import CostModel
+from rlspec.rollout.speculation.feature_buffer import FeatureBuffer
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_graphs import _cuda_setup, _tokens
 
@@ -81,7 +81,7 @@ def test_rollouts_reuse_their_graphs_and_stay_greedy_exact():
 
 
 def test_one_compile_of_the_captured_layer_serves_every_batch_bucket():
-    from rollout.runtime.compiled import captured_layer_call
+    from rlspec.rollout.runtime.compiled import captured_layer_call
 
     model, cache = _cuda_setup(rows=16, length=256)
     pool = GraphPool(model, cache, "cuda", max_t=1, layer_call=captured_layer_call())
@@ -110,7 +110,7 @@ def test_a_growing_pool_leaves_the_steps_reserve_free():
 
 def test_an_out_of_memory_drafter_step_backs_off_on_cuda():
     from tests.rollout.speculation.test_drafter_oom import _oom_while_batch_above, _run_until
-    from rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
     from tests.rollout.speculation.test_eagle3 import eagle_engine
 
     eng = eagle_engine(make_tiny_hf("llama", seed=10).cuda())

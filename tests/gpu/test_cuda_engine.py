@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.graphs import EagerRunner, GraphPool
-from rollout.runtime.kv_cache import PagedKVCache
-from rollout.runtime.model import attention, loader
-from rollout.types import SamplingParams
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.graphs import EagerRunner, GraphPool
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
+from rlspec.rollout.runtime.model import attention, loader
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_graphs import _cuda_setup, _tokens, _tree
 
@@ -25,7 +25,7 @@ def _model_and_cache(rows=32, length=512):
 @pytest.mark.parametrize("shape", ["decode", "chain", "tree"])
 def test_compiled_graph_replay_equals_eager(shape):
     """Issue 27: the graph pool capturing the compiled layer (runtime/compiled.py) gives the dense eager logits."""
-    from rollout.runtime.compiled import compiled_layer_call
+    from rlspec.rollout.runtime.compiled import compiled_layer_call
 
     model, cache = _model_and_cache()
     pool = GraphPool(model, cache, "cuda", max_t=8, layer_call=compiled_layer_call())
@@ -156,7 +156,7 @@ def test_seeded_sampling_has_the_target_law():
 
 
 def test_eagle3_drafter_trains_on_cuda_and_stays_exact():
-    from rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
     from tests.rollout.speculation.test_eagle3 import eagle_engine, plain
 
     hf = make_tiny_hf("llama", seed=9).cuda()

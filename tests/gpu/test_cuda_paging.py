@@ -5,10 +5,10 @@ graphs (runner.release)."""
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.graphs import EagerRunner, GraphPool, build_step_batch
-from rollout.runtime.model import attention, loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.graphs import EagerRunner, GraphPool, build_step_batch
+from rlspec.rollout.runtime.model import attention, loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_attention import _paged_runner
 from tests.gpu.test_cuda_engine import _hf_greedy

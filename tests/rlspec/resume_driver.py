@@ -25,7 +25,7 @@ def spread_reward(completions, **kwargs) -> list[float]:
 
 def register_reward(monkeypatch=None) -> None:
     """Add "spread" to the reward registry; with pytest's monkeypatch, only for the test (no leak into others)."""
-    import trainers.rewards as rewards
+    import rlspec.trainers.rewards as rewards
 
     if monkeypatch is None:
         rewards.REWARD_FUNCS["spread"] = spread_reward

@@ -186,7 +186,7 @@ def test_rollout_graph_mode_offers_exactly_the_graph_pools_modes():
     from typing import get_args, get_type_hints
 
     from rlspec.config import RolloutSection
-    from rollout.runtime.graphs import MODES
+    from rlspec.rollout.runtime.graphs import MODES
 
     assert get_args(get_type_hints(RolloutSection)["graph_mode"]) == MODES
     assert load_config(None, ["rollout.graph_mode=eager_start"]).rollout.graph_mode == "eager_start"
@@ -197,7 +197,7 @@ def test_rollout_graph_mode_offers_exactly_the_graph_pools_modes():
 def test_rollout_kv_budget_fields_load_and_name_the_engine_arguments():
     import inspect
 
-    from rollout.engine import RolloutEngine
+    from rlspec.rollout.engine import RolloutEngine
 
     cfg = load_config(None, ["rollout.kv_memory_gb=40", "rollout.free_kv_between_rollouts=false"]).rollout
     assert cfg.kv_memory_gb == 40.0 and cfg.free_kv_between_rollouts is False and cfg.kv_memory_fraction is None

@@ -209,7 +209,7 @@ def test_override_errors_name_the_override_value_and_range():
 
 
 def test_misspelt_reward_names_the_nearest_registered_one():
-    from trainers.rewards import REWARD_FUNCS
+    from rlspec.trainers.rewards import REWARD_FUNCS
 
     valid = ", ".join(sorted(REWARD_FUNCS))  # the live registry: a reward registered later counts too
     with pytest.raises(ConfigError) as err:
@@ -224,7 +224,7 @@ def test_misspelt_reward_names_the_nearest_registered_one():
 
 
 def test_embedded_math_ops_are_the_datasets_templates():
-    from trainers.data import _TEMPLATES
+    from rlspec.trainers.data import _TEMPLATES
 
     assert sorted(MATH_OPS) == sorted(_TEMPLATES)
 

@@ -7,7 +7,7 @@ from rlspec.eval import TRAIN_SET, heldout_math, paired_difference, parse_spec, 
 
 
 def test_heldout_prompts_avoid_the_training_set():
-    from trainers.data import make_math_dataset
+    from rlspec.trainers.data import make_math_dataset
 
     train = {str(p) for p in make_math_dataset(**TRAIN_SET)["prompt"]}
     prompts, answers = heldout_math(200)

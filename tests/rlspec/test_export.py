@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from rlspec.export import export_drafter, main
-from rollout.speculation.drafters.eagle3_io import load_eagle3, save_eagle3
-from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
-from rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.speculation.drafters.eagle3_io import load_eagle3, save_eagle3
+from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rlspec.rollout.runtime.model.config import ModelConfig
 from tests.conftest import make_tiny_hf
 
 # the tiny 2-layer target repeats its only usable layer id; engines need a bigger target

@@ -21,8 +21,8 @@ def test_value_types_resolve_without_torch():
 
 
 def test_lazy_names_are_the_defining_objects():
-    from rollout.runtime.model.fetch import fetch_model
-    from rollout.types import SamplingParams
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+    from rlspec.rollout.types import SamplingParams
 
     assert rlspec.SamplingParams is SamplingParams
     assert rlspec.fetch_model is fetch_model

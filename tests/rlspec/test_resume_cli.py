@@ -18,7 +18,7 @@ import pytest
 from tests.rlspec import resume_driver as driver
 
 pytest.importorskip("trl")
-pytest.importorskip("rollout.engine")
+pytest.importorskip("rlspec.rollout.engine")
 
 REPO = driver.REPO
 
@@ -174,7 +174,7 @@ def test_a_used_output_dir_is_refused_before_torch_then_overwritten_on_request(t
     (out / "checkpoint-3").mkdir(parents=True)
     (out / "summary.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
-    from trainers import run_files
+    from rlspec.trainers import run_files
 
     run_files.record(out, "checkpoint-3", "summary.json")  # a previous run's (overwrite deletes only those)
     code = (f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom rlspec.train import main\n"

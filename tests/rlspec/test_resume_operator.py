@@ -12,7 +12,7 @@ import pytest
 from tests.rlspec import resume_driver as driver
 
 pytest.importorskip("trl")
-pytest.importorskip("rollout.engine")
+pytest.importorskip("rlspec.rollout.engine")
 
 
 def _weights(path: Path) -> dict:

@@ -97,8 +97,8 @@ def tiny_run(tmp_path, monkeypatch):
     """A tiny random Llama + char tokenizer saved to disk, W&B offline under tmp_path, and the CLI
     arguments of a short run on it (append more overrides to the returned list)."""
     pytest.importorskip("trl")
-    pytest.importorskip("trainers.grpo")
-    pytest.importorskip("rollout.engine")
+    pytest.importorskip("rlspec.trainers.grpo")
+    pytest.importorskip("rlspec.rollout.engine")
     from tests.trainers.conftest import build_char_tokenizer, build_tiny_llama
 
     model_dir = tmp_path / "tiny"
@@ -153,7 +153,7 @@ def test_ppo_cli_end_to_end_on_a_tiny_model(tiny_run, tmp_path, capsys):
 
 def test_crash_keeps_checkpoints_and_saves_the_policy(tiny_run, tmp_path, monkeypatch):
     """A failure in step 2 re-raises, keeps checkpoint-1, saves <output_dir>/crash and a summary."""
-    import trainers.rewards as rewards
+    import rlspec.trainers.rewards as rewards
     from rlspec.train import main
 
     calls = []

@@ -27,7 +27,7 @@ def prompts(smollm2_dir):
     """Chat prompts of the embedded math task, the distribution the warm start trains on."""
     from transformers import AutoTokenizer
 
-    from trainers.data import make_math_dataset, prompt_token_ids
+    from rlspec.trainers.data import make_math_dataset, prompt_token_ids
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     return prompt_token_ids(tok, make_math_dataset(64, seed=0)["prompt"])
@@ -39,8 +39,8 @@ def untrained_drafter(smollm2_dir, tmp_path_factory):
     import transformers as tf
 
     from rlspec.export import export_drafter
-    from rollout.runtime.model.config import ModelConfig
-    from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+    from rlspec.rollout.runtime.model.config import ModelConfig
+    from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 
     cfg = ModelConfig.from_hf(tf.AutoConfig.from_pretrained(smollm2_dir))
     torch.manual_seed(0)
@@ -53,9 +53,9 @@ def untrained_drafter(smollm2_dir, tmp_path_factory):
 def trained_drafter(smollm2_dir, prompts, tmp_path_factory):
     """rlspec's warm-started drafter for SmolLM2 (cached), re-exported through rlspec.export."""
     from rlspec.export import export_drafter
-    from rollout.engine import RolloutEngine
-    from rollout.speculation.warm_start import warm_start
-    from rollout.types import SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.speculation.warm_start import warm_start
+    from rlspec.rollout.types import SpecConfig
 
     engine = RolloutEngine.from_pretrained(smollm2_dir, spec=SpecConfig(drafter="eagle3", online_training=False),
                                            dtype="bfloat16", max_num_seqs=16)
@@ -66,7 +66,7 @@ def trained_drafter(smollm2_dir, prompts, tmp_path_factory):
 
 def speculate(model_dir: str, drafter_dir: str, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
     """(vLLM's accepted length per verify, greedy completions) with the drafter at K tokens per step."""
-    from rollout.vllm_backend.weights import spec_counters
+    from rlspec.rollout.vllm_backend.weights import spec_counters
 
     llm = vllm.LLM(model=model_dir, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=PROMPTS,
                    kv_cache_memory_bytes=2**29, disable_log_stats=False, seed=0,

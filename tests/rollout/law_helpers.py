@@ -177,9 +177,9 @@ def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_f
     """n completions of `length` tokens from the engine with speculation forced on every decode step
     (selector "always"), the drafter built by drafter_for(runtime model; None: no speculation) ->
     (samples [n, length] long, engine.stats()). engine_kw: more RolloutEngine arguments (a KV budget)."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.types import SamplingParams, SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.types import SamplingParams, SpecConfig
 
     runtime = loader.from_hf_model(hf)
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, selector="always",
@@ -197,7 +197,7 @@ def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_f
 def spy_siblings(monkeypatch) -> Counter:
     """Patch rollout.speculation.verify._recursive_reject to count, over nodes verified with two or more
     children, which child was accepted ("first", "later") or that all were rejected ("none")."""
-    import rollout.speculation.verify as verify
+    import rlspec.rollout.speculation.verify as verify
 
     seen, real = Counter(), verify._recursive_reject
 

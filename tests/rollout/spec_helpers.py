@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.drafters.base import Draft
 
 
 class ScriptedDrafter:

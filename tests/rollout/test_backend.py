@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.backend import BACKENDS, RolloutBackend, build_backend, register_backend
-from rollout.types import SamplingParams
+from rlspec.rollout.backend import BACKENDS, RolloutBackend, build_backend, register_backend
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 
 

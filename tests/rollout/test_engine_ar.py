@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.errors import PromptTooLongError
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.errors import PromptTooLongError
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 
 

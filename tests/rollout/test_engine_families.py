@@ -4,7 +4,7 @@ and the per-token logprobs are transformers' forward's."""
 import pytest
 import torch
 
-from rollout.types import SamplingParams
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import TINY_VOCAB, random_prompts
 from tests.rollout.family_helpers import FAMILIES, make_family
 from tests.rollout.spec_helpers import ScriptedDrafter
@@ -53,8 +53,8 @@ def test_logprobs_are_transformers_logprobs(kind):
 
 def test_moe_models_run_without_cuda_graphs():
     """The experts loop depends on the routing (rollout/runtime/model/moe.py): no capture, whatever is asked."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
 
     assert RolloutEngine(loader.from_hf_model(make_family("qwen3_moe")), None, graph_mode="lazy").runner.graph_mode \
         == "off"

@@ -5,9 +5,9 @@ from collections import Counter
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
 from tests.rollout.law_helpers import one_thread  # noqa: F401  (fixture of the law tests)
 from tests.rollout.spec_helpers import ScriptedDrafter
@@ -21,7 +21,7 @@ def spec_engine(hf, drafter, width=1, k=4, **kw):
 
 
 def _arm(eng):
-    from rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.speculation.selectors.longtail import Arm
 
     return Arm("scripted", eng.spec.num_draft_tokens, eng.spec.tree_width)
 
@@ -169,7 +169,7 @@ def free_speculation(monkeypatch) -> Counter:
     """A fake clock (every reading 1 ms later) makes every forward cost the same, and drafting is reported free,
     so speculation always looks worth it and a selector really does move between arms, whatever the machine
     load. Returns a Counter of the arms chosen, step by step (Speculation.choose)."""
-    from rollout.speculation.speculation import Speculation
+    from rlspec.rollout.speculation.speculation import Speculation
 
     ticks = iter(range(10**9))
     monkeypatch.setattr("time.perf_counter", lambda: next(ticks) * 1e-3)
@@ -234,7 +234,7 @@ def test_forced_arm_overrides_the_selector_for_a_block_and_hands_back():
     """Speculation.forced(arm): every step uses `arm` (OFF: plain decoding) inside the block, the
     cache slack follows a forced arm larger than any the selector offers, and the choice returns
     to the selector afterwards; output stays exact either way."""
-    from rollout.speculation.selectors.base import OFF, Arm
+    from rlspec.rollout.speculation.selectors.base import OFF, Arm
 
     hf = make_tiny_hf("llama", seed=11)
     prompts = random_prompts(3, 4, 9, seed=11)

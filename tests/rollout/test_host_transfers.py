@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,8 +96,8 @@ def test_one_transfer_per_step_finite_check_included(monkeypatch):
     """Plain decoding makes exactly one transfer per prefill and per decode step: the per-row "logits
     finite" flag rides in it. With a NaN weight the error is raised from that same transfer (counted up to
     the moment the error is built; finding the culprit afterwards may cost what it likes)."""
-    import rollout.engine as engine_module
-    from rollout.errors import NonFiniteLogitsError
+    import rlspec.rollout.engine as engine_module
+    from rlspec.rollout.errors import NonFiniteLogitsError
 
     eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, eos_token_ids=[2])
     prompts, params = random_prompts(4, 3, 8, seed=3), SamplingParams(temperature=1.0, max_new_tokens=10, seed=0)
@@ -119,7 +119,7 @@ def test_one_transfer_per_step_finite_check_included(monkeypatch):
 def test_penalty_adds_no_transfer(monkeypatch):
     """A repetition penalty under speculation (chains of scripted drafts, every step) still makes one
     transfer per prefill and per decode step: histories are marked and read on the device."""
-    from rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.speculation.selectors.longtail import Arm
     from tests.conftest import TINY_VOCAB
     from tests.rollout.spec_helpers import ScriptedDrafter
 
@@ -149,7 +149,7 @@ LOSSY_MODES = {
 def test_lossy_modes_make_one_transfer_per_step_too(monkeypatch, mode, temperature):
     """The lossy verifiers' sources and behaviour logprobs ride in the step's one transfer, and the learned
     heads bank and train on the device: one transfer per prefill and per decode step, as in lossless."""
-    from rollout.lossy.judge import TARGET
+    from rlspec.rollout.lossy.judge import TARGET
     from tests.conftest import TINY_VOCAB
     from tests.rollout.lossy.helpers import lossy_engine
     from tests.rollout.spec_helpers import ScriptedDrafter

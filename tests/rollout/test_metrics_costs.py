@@ -2,10 +2,10 @@
 costs <= 5% of a target step", reported per drafter in every engine's stats)."""
 import pytest
 
-from rollout import metrics as M
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout import metrics as M
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.errors import NonFiniteLogitsError
-from rollout.nonfinite import finite_flags
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.errors import NonFiniteLogitsError
+from rlspec.rollout.nonfinite import finite_flags
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)

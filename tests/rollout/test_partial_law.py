@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.types import Carried, PartialRound, SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import Carried, PartialRound, SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf
 from tests.rollout.law_helpers import ALPHA, chi2_pvalue, make_law_model, one_thread, sequence_pvalue  # noqa: F401
 

@@ -10,9 +10,9 @@ rejected in every batch (asserted).
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
 from tests.rollout.spec_helpers import ScriptedDrafter
 
@@ -32,7 +32,7 @@ def engine(hf, drafter=None, width=1, **kw) -> RolloutEngine:
                                                    max_spec_batch=10_000)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], drafter=drafter, **kw)
     if drafter is not None:
-        from rollout.speculation.selectors.longtail import Arm
+        from rlspec.rollout.speculation.selectors.longtail import Arm
 
         eng.speculation.force(Arm("scripted", 4, width))  # every step speculates
     return eng

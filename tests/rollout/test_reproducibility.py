@@ -6,9 +6,9 @@ learned drafter samples its drafts (T > 0), so its random draws are part of what
 """
 import pytest
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.law_helpers import one_thread  # noqa: F401  (fixture)
 

@@ -7,22 +7,22 @@ invariance they buy.
     from the KV row, fail the same test), five tokens through chains (the CPU op and the torch rule) and trees;
   - a key draws the same sample alone, in a batch, with another n, under preemption, stopped and carried on;
   - bad keys are refused.
-Exact laws come from transformers' forward (law_helpers), never from rollout.*.
+Exact laws come from transformers' forward (law_helpers), never from rlspec.rollout.*.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-import rollout.engine as engine_mod
-import rollout.runtime.draws as draws
-import rollout.speculation.verify as verify
-from rollout.engine import RolloutEngine
-from rollout.runtime.draws import ACCEPT, FINAL, TREE, KeyedDraws
-from rollout.runtime.model import kernels, loader
-from rollout.runtime.sampling import sample, sample_plain
-from rollout.speculation.drafters.base import Draft
-from rollout.types import Carried, PartialRound, SamplingParams
+import rlspec.rollout.engine as engine_mod
+import rlspec.rollout.runtime.draws as draws
+import rlspec.rollout.speculation.verify as verify
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.draws import ACCEPT, FINAL, TREE, KeyedDraws
+from rlspec.rollout.runtime.model import kernels, loader
+from rlspec.rollout.runtime.sampling import sample, sample_plain
+from rlspec.rollout.speculation.drafters.base import Draft
+from rlspec.rollout.types import Carried, PartialRound, SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.law_helpers import (ALPHA, chi2_pvalue, hf_exact_law, make_law_model, one_thread,  # noqa: F401
                                        sequence_pvalue, spy_siblings)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.vllm_backend.cpu_fixes import expand_batch_to_tokens
+from rlspec.rollout.vllm_backend.cpu_fixes import expand_batch_to_tokens
 
 
 def test_expand_repeats_each_request_over_its_tokens_and_replaces():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollout.speculation.drafter_health import DrafterHealth, fingerprint
-from rollout.vllm_backend.drafter_readback import DraftReadback
+from rlspec.rollout.speculation.drafter_health import DrafterHealth, fingerprint
+from rlspec.rollout.vllm_backend.drafter_readback import DraftReadback
 
 
 class _Runner:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.types import SpecConfig
-from rollout.vllm_backend import depth
-from rollout.vllm_backend.host import DrafterHost
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.types import SpecConfig
+from rlspec.rollout.vllm_backend import depth
+from rlspec.rollout.vllm_backend.host import DrafterHost
 from tests.conftest import make_tiny_hf, random_prompts
 
 
@@ -107,7 +107,7 @@ class FakeHost:
 
 @pytest.mark.parametrize("every", [1, 3])
 def test_push_drafter_pushes_at_most_once_per_call_and_every_n_versions(monkeypatch, every):
-    from rollout.vllm_backend import backend as vb
+    from rlspec.rollout.vllm_backend import backend as vb
 
     pushed = []
     monkeypatch.setattr(vb.weights, "load_drafter", lambda llm, tensors: pushed.append(float(tensors[0][1][0])))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.vllm_backend.backend import RUNTIME_HEADROOM_GB, _memory_args, budget_share
+from rlspec.rollout.vllm_backend.backend import RUNTIME_HEADROOM_GB, _memory_args, budget_share
 
 GIB = 2**30
 H100 = 80 * GIB

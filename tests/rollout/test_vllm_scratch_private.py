@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.vllm_backend.scratch import ScratchDir, process_tag
+from rlspec.rollout.vllm_backend.scratch import ScratchDir, process_tag
 
 OTHER_UID = 4242  # some other user's uid
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="planting a directory owned by another user needs root")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.types import SpecConfig
-from rollout.vllm_backend.spec_map import DepthTable, UnsupportedSpec, depth_table, speculative_config
+from rlspec.rollout.types import SpecConfig
+from rlspec.rollout.vllm_backend.spec_map import DepthTable, UnsupportedSpec, depth_table, speculative_config
 
 
 def test_depth_table_follows_buckets_and_merges_equal_depths():
@@ -55,7 +55,7 @@ def test_eagle3_needs_a_drafter_directory():
 def test_the_backend_is_registered_and_says_how_to_get_vllm():
     import importlib.util
 
-    from rollout.backend import BACKENDS, build_backend
+    from rlspec.rollout.backend import BACKENDS, build_backend
 
     assert "vllm" in BACKENDS
     if importlib.util.find_spec("vllm") is None:

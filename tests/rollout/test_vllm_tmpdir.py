@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from rollout.vllm_backend.scratch import ScratchDir, process_tag, scratch_root, sweep_stale
+from rlspec.rollout.vllm_backend.scratch import ScratchDir, process_tag, scratch_root, sweep_stale
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import os, signal, sys
 from pathlib import Path
-from rollout.vllm_backend.scratch import ScratchDir
+from rlspec.rollout.vllm_backend.scratch import ScratchDir
 d = ScratchDir.create("rlspec-vllm-", root=Path(sys.argv[1]))
 (d.path / "policy").mkdir()
 print(d.path, flush=True)
@@ -90,7 +90,7 @@ def fake_vllm(monkeypatch, tmp_path):
             return []
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
-    from rollout.vllm_backend import cpu_fixes
+    from rlspec.rollout.vllm_backend import cpu_fixes
 
     monkeypatch.setattr(cpu_fixes, "apply", lambda: None)  # it patches vLLM internals the stand-in lacks
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -98,7 +98,7 @@ def fake_vllm(monkeypatch, tmp_path):
 
 
 def test_the_backend_s_policy_copy_goes_on_close_and_on_a_failed_start(fake_vllm, tmp_path):
-    from rollout.vllm_backend.backend import VLLMBackend
+    from rlspec.rollout.vllm_backend.backend import VLLMBackend
     from tests.conftest import make_tiny_hf
 
     hf = make_tiny_hf("llama", seed=1)

@@ -1,9 +1,9 @@
-"""trainers.callbacks: per-step rows from the trainer's log records and the summary table."""
+"""rlspec.trainers.callbacks: per-step rows from the trainer's log records and the summary table."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from trainers.callbacks import RolloutSummaryCallback, format_summary_table
+from rlspec.trainers.callbacks import RolloutSummaryCallback, format_summary_table
 
 
 def _log(callback, step, logs):

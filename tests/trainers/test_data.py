@@ -1,4 +1,4 @@
-"""trainers.data: the embedded arithmetic set (seeded, correct, TRL-shaped) and hub-dataset loading errors."""
+"""rlspec.trainers.data: the embedded arithmetic set (seeded, correct, TRL-shaped) and hub-dataset loading errors."""
 from __future__ import annotations
 
 import re
@@ -6,7 +6,7 @@ import re
 import datasets
 import pytest
 
-from trainers.data import extract_final_answer, load_dataset_by_name, make_math_dataset
+from rlspec.trainers.data import extract_final_answer, load_dataset_by_name, make_math_dataset
 
 _NUMBERS = re.compile(r"\d+")
 

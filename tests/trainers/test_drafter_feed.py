@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import trl
 
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.trainers.test_grpo import distinct_chars_reward
-from trainers.data import make_math_dataset, prompt_token_ids
-from trainers.grpo import SpecGRPOTrainer
-from trainers.ppo import PPOTrainer
-from trainers.ppo_config import PPOConfig
+from rlspec.trainers.data import make_math_dataset, prompt_token_ids
+from rlspec.trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers.ppo import PPOTrainer
+from rlspec.trainers.ppo_config import PPOConfig
 
 SPEC = SpecConfig(drafter="eagle3", num_draft_tokens=3, selector="always", online_training=True,
                   online_trainer="thread")

@@ -1,4 +1,4 @@
-"""trainers.grpo: SpecGRPOTrainer end to end on a tiny random Llama (CPU, float32, W&B offline).
+"""rlspec.trainers.grpo: SpecGRPOTrainer end to end on a tiny random Llama (CPU, float32, W&B offline).
 
 The end-to-end test is the losslessness check: TRL recomputes the policy's logprobs of every token
 our engine sampled and logs the difference; in float32 it must be ~0 at every step, including the
@@ -11,9 +11,9 @@ import trl
 
 from tests.trainers.conftest import assert_two_steps_synced_once
 from tests.trainers.wandb_log import offline_run_files, read_history
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer, dedupe_repeated_prompts
-from trainers.rewards import get_reward_funcs
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer, dedupe_repeated_prompts
+from rlspec.trainers.rewards import get_reward_funcs
 
 
 def distinct_chars_reward(completions, **kwargs):
@@ -86,9 +86,9 @@ def test_speculation_on_keeps_trl_importance_ratio_at_one(tiny_llama, char_token
     """Issue 3's end-to-end check: with every decode step speculating (k=4 drafts of random tokens,
     so rejections and residual resampling happen all the time), TRL's recomputed logprobs still
     equal ours, so its importance ratio stays 1 as with speculation off."""
-    from rollout.engine import RolloutEngine
-    from rollout.speculation.selectors.longtail import Arm
-    from rollout.types import SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.types import SpecConfig
     from tests.rollout.spec_helpers import ScriptedDrafter
 
     args = trl.GRPOConfig(
@@ -96,7 +96,7 @@ def test_speculation_on_keeps_trl_importance_ratio_at_one(tiny_llama, char_token
         num_generations=4, max_completion_length=16, max_steps=2, logging_steps=1, learning_rate=1e-2,
         report_to="none", save_strategy="no", disable_tqdm=True,
     )
-    from rollout.runtime.model import loader
+    from rlspec.rollout.runtime.model import loader
 
     engine = RolloutEngine(loader.from_hf_model(tiny_llama), char_tokenizer, spec=SpecConfig(drafter="ngram"),
                            max_model_len=256, max_num_seqs=8, eos_token_ids=[char_tokenizer.eos_token_id],

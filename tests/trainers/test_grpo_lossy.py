@@ -9,16 +9,16 @@ import pytest
 import trl
 
 from tests.trainers.test_grpo import distinct_chars_reward
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer
 
 
 def test_trl_importance_ratio_moves_exactly_on_lossy_tokens(tiny_llama, char_tokenizer, tmp_path):
-    from rollout.engine import RolloutEngine
-    from rollout.lossy.judge import JUDGE, TARGET
-    from rollout.runtime.model import loader
-    from rollout.speculation.selectors.longtail import Arm
-    from rollout.types import SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.lossy.judge import JUDGE, TARGET
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.types import SpecConfig
     from tests.rollout.spec_helpers import ScriptedDrafter
 
     args = trl.GRPOConfig(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import trl
 
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer
-from trainers.sampling_args import SUPPORTED_GENERATION_KWARGS, engine_sampling, unsupported_generation_kwargs
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers.sampling_args import SUPPORTED_GENERATION_KWARGS, engine_sampling, unsupported_generation_kwargs
 
 
 def distinct_chars_reward(completions, **kwargs):
@@ -25,10 +25,10 @@ def test_min_p_penalty_and_generation_kwargs_reach_the_engine(tiny_llama, char_t
     """generation_kwargs win over the config fields, as in TRL; every rollout samples with them, speculating
     at every step; TRL's importance ratio stays 1: the engine's logprobs are the temperature-scaled policy's,
     what TRL recomputes (docs/verification.md#logprobs)."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.speculation.selectors.longtail import Arm
-    from rollout.types import SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.types import SpecConfig
     from tests.rollout.spec_helpers import ScriptedDrafter
 
     engine = RolloutEngine(loader.from_hf_model(tiny_llama), char_tokenizer, spec=SpecConfig(drafter="ngram"),
@@ -91,7 +91,7 @@ def test_a_model_with_its_own_generate_is_sampled_by_it(tiny_llama, char_tokeniz
     training step comes from that generate; once the patch is gone the model is the engine's again."""
     from unittest import mock
 
-    from trainers.trl_compat import why_not_the_engine
+    from rlspec.trainers.trl_compat import why_not_the_engine
 
     assert why_not_the_engine(tiny_llama, None) is None
     calls = []

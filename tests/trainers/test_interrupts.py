@@ -7,7 +7,7 @@ import signal
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from trainers.interrupts import StopOnSignal, stop_on_signals
+from rlspec.trainers.interrupts import StopOnSignal, stop_on_signals
 
 
 def test_a_swallowed_abort_still_stops_before_the_checkpoint(monkeypatch, tmp_path):

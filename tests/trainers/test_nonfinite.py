@@ -13,12 +13,12 @@ import torch
 import trl
 from transformers import TrainerCallback
 
-from rollout.errors import NonFiniteLogitsError
-from trainers import checkpoint_dirs as dirs
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer
-from trainers.ppo import PPOTrainer
-from trainers.ppo_config import PPOConfig
+from rlspec.rollout.errors import NonFiniteLogitsError
+from rlspec.trainers import checkpoint_dirs as dirs
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers.ppo import PPOTrainer
+from rlspec.trainers.ppo_config import PPOConfig
 
 
 def spread(completions, **kwargs):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf
-from trainers.partial_rollouts import UNFORESEEN, GroupPool, PartialRolloutConfig
+from rlspec.trainers.partial_rollouts import UNFORESEEN, GroupPool, PartialRolloutConfig
 
 CAP = 24
 

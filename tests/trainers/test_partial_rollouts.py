@@ -17,9 +17,9 @@ import torch
 import trl
 
 from tests.trainers.conftest import build_tiny_llama
-from trainers import partial_rollouts, partial_trl
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers import partial_rollouts, partial_trl
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer
 
 CAP, N = 20, 4
 GENERATE_AND_SCORE, RUN_ROUND = SpecGRPOTrainer._generate_and_score_completions, partial_trl.run_round

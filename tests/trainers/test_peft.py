@@ -7,10 +7,10 @@ import pytest
 import torch
 import trl
 
-from rollout.types import SamplingParams
-from trainers.data import make_math_dataset
-from trainers.rollout_source import build_engine
-from trainers.weight_sync import sync_weights
+from rlspec.rollout.types import SamplingParams
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.rollout_source import build_engine
+from rlspec.trainers.weight_sync import sync_weights
 
 peft = pytest.importorskip("peft")
 
@@ -83,7 +83,7 @@ def test_modules_to_save_and_dora_are_pushed_merged(dora, char_tokenizer):
 
 def test_prefix_tuning_trains_on_trl_generation(tiny_llama, char_tokenizer, tmp_path):
     """A PEFT method with no merged weights (virtual tokens) is one the engine cannot run: TRL's generation."""
-    from trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.grpo import SpecGRPOTrainer
 
     args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
                           num_generations=2, max_completion_length=4, max_steps=1, report_to="none",
@@ -100,7 +100,7 @@ def _len_reward(completions, **kwargs):
 
 
 def test_grpo_trains_lora_and_the_engine_follows(tiny_llama, char_tokenizer, tmp_path):
-    from trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.grpo import SpecGRPOTrainer
 
     args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, seed=0,
                           per_device_train_batch_size=8,

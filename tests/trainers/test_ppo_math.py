@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainers import ppo_math
+from rlspec.trainers import ppo_math
 
 T = torch.tensor
 

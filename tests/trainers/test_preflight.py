@@ -1,13 +1,13 @@
-"""trainers.preflight: a prompt too long for the rollout context is named before step 1, or dropped on request,
+"""rlspec.trainers.preflight: a prompt too long for the rollout context is named before step 1, or dropped on request,
 with prompts tokenized exactly as TRL's GRPOTrainer tokenizes them for generation."""
 from __future__ import annotations
 
 import datasets
 import pytest
 
-from rollout.errors import PromptTooLongError
-from trainers.data import make_math_dataset, prompt_token_ids
-from trainers.preflight import check_dataset_prompts, check_trainer_prompts, prompt_lengths
+from rlspec.rollout.errors import PromptTooLongError
+from rlspec.trainers.data import make_math_dataset, prompt_token_ids
+from rlspec.trainers.preflight import check_dataset_prompts, check_trainer_prompts, prompt_lengths
 
 LONG_ROW = 7
 MAX_LEN = 128
@@ -82,9 +82,9 @@ def test_both_trainers_refuse_a_long_prompt_at_construction_or_drop_it(tiny_llam
     step: the row is named, or dropped with drop_long_prompts=True (and never reaches the engine)."""
     import trl
 
-    from trainers.grpo import SpecGRPOTrainer
-    from trainers.ppo import PPOTrainer
-    from trainers.ppo_config import PPOConfig
+    from rlspec.trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.ppo import PPOTrainer
+    from rlspec.trainers.ppo_config import PPOConfig
 
     reward = [lambda completions, **kw: [0.0] * len(completions)]
     engine_kwargs = dict(max_model_len=MAX_LEN, max_num_seqs=8)

@@ -1,9 +1,9 @@
-"""trainers.rewards: strict about the value, lenient about the format; the registry names its choices."""
+"""rlspec.trainers.rewards: strict about the value, lenient about the format; the registry names its choices."""
 from __future__ import annotations
 
 import pytest
 
-from trainers.rewards import accuracy_reward, format_reward, get_reward_funcs
+from rlspec.trainers.rewards import accuracy_reward, format_reward, get_reward_funcs
 
 
 def _conv(*texts: str) -> list:

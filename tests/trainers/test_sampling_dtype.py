@@ -1,4 +1,4 @@
-"""trainers.sampling_dtype: rollouts are sampled in the trainer's compute dtype, not the master weights' dtype.
+"""rlspec.trainers.sampling_dtype: rollouts are sampled in the trainer's compute dtype, not the master weights' dtype.
 
 A float32 model trained with bf16=True must be sampled in bf16 by every backend (as vLLM would), float32 only when
 asked; cast_lm_head_to_fp32 keeps a float32 head over the 16-bit body, the product TRL's forward computes.
@@ -12,9 +12,9 @@ import torch
 import trl
 
 from tests.trainers.conftest import build_tiny_llama
-from trainers import sampling_dtype as sd
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers import sampling_dtype as sd
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer
 
 
 def _args(**kw):
@@ -87,7 +87,7 @@ def test_sampling_in_the_storage_dtype_keeps_trls_importance_sampling_default(ti
 
 
 def test_masked_fractions_count_what_trls_correction_zeroed():
-    from trainers.trl_compat import masked_fractions
+    from rlspec.trainers.trl_compat import masked_fractions
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
     seq = {"importance_sampling_ratio": torch.tensor([[0.0], [1.2], [0.0]]), "completion_mask": mask}
@@ -125,7 +125,7 @@ def test_cast_lm_head_to_fp32_keeps_a_float32_head_over_the_bf16_body(char_token
 
 def _engine_last_logits(engine, prompt: list[int]) -> torch.Tensor:
     """The target's float32 logits after `prompt`, from a prefill of the engine's runtime model."""
-    from rollout.runtime.runner import ModelRunner
+    from rlspec.rollout.runtime.runner import ModelRunner
 
     model = engine.runner.model
     runner = ModelRunner(model, "cpu", next(model.parameters()).dtype)

@@ -10,9 +10,9 @@ import torch
 import trl
 
 from tests.trainers.conftest import build_tiny_llama
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer
-from trainers.trimmed_logps import CHUNK_OVERHEAD_TOKENS, plan_chunks
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers.trimmed_logps import CHUNK_OVERHEAD_TOKENS, plan_chunks
 
 
 def test_chunks_split_the_long_tail_from_the_rest():
@@ -50,7 +50,7 @@ def batch(vocab: int, lengths: list[int], prompt_len: int = 6, width: int = 300)
 @pytest.mark.parametrize("cut", [0, 1])
 def test_trimmed_pass_equals_trls_padded_pass(trainer, cut, monkeypatch):
     """cut=1 plants a flaw (each chunk one token too short): the comparison must catch it."""
-    import trainers.trimmed_logps as tl
+    import rlspec.trainers.trimmed_logps as tl
 
     if cut:  # the module's max() (each chunk's longest completion) one short
         monkeypatch.setattr(tl, "max", lambda *a, **k: builtins.max(*a, **k) - 1, raising=False)

@@ -1,4 +1,4 @@
-"""trainers.trl_compat: what plain trl.GRPOTrainer accepts, SpecGRPOTrainer runs (issue 28).
+"""rlspec.trainers.trl_compat: what plain trl.GRPOTrainer accepts, SpecGRPOTrainer runs (issue 28).
 
 A model the engine cannot run trains on TRL's own generation (with a warning, rollout/engine = 0, checkpoints
 and resume included); every loss_type and importance-sampling mode runs on the engine (rollout/engine = 1);
@@ -12,10 +12,10 @@ import pytest
 import torch
 import trl
 
-from rollout.types import SamplingParams
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer
-from trainers.trl_compat import ENGINE_METRIC
+from rlspec.rollout.types import SamplingParams
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers.trl_compat import ENGINE_METRIC
 
 
 def distinct_chars_reward(completions, **kwargs):
@@ -79,7 +79,7 @@ def test_unsupported_model_trains_on_trl_generation_and_resumes(char_tokenizer, 
 
 
 def test_fsdp_generates_through_trl_without_building_an_engine():
-    from trainers.trl_compat import engine_or_trl_generation
+    from rlspec.trainers.trl_compat import engine_or_trl_generation
 
     def build():
         raise AssertionError("an FSDP run must not build an engine it cannot sync")
@@ -100,7 +100,7 @@ def test_supported_model_logs_engine_metric(tiny_llama, char_tokenizer, tmp_path
 def test_every_trl_loss_type_runs_on_the_engine(loss_type, tiny_llama, char_tokenizer, tmp_path, caplog):
     level = "sequence" if loss_type == "luspo" else "token"  # TRL: luspo needs sequence-level, vespo token-level
     args = grpo_args(tmp_path, loss_type=loss_type, importance_sampling_level=level)
-    with caplog.at_level(logging.INFO, logger="trainers.trl_compat"):
+    with caplog.at_level(logging.INFO, logger="rlspec.trainers.trl_compat"):
         trainer = trainer_for(tiny_llama, char_tokenizer, args)
     if loss_type == "vespo":  # TRL's vespo takes a token-level correction: the default sequence_mask becomes token_mask
         assert trainer.vllm_importance_sampling_mode == "token_mask"

@@ -13,11 +13,11 @@ import pytest
 import torch
 import trl
 
-from rollout.types import RolloutResult
+from rlspec.rollout.types import RolloutResult
 from tests.trainers.conftest import build_char_tokenizer, build_tiny_llama
-from trainers.data import make_math_dataset
-from trainers.grpo import SpecGRPOTrainer
-from trainers.trl_compat import ENGINE_METRIC
+from rlspec.trainers.data import make_math_dataset
+from rlspec.trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers.trl_compat import ENGINE_METRIC
 
 TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
 TOOL_RESULT = "<tool_response>\n5\n</tool_response>"

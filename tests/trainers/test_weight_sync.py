@@ -1,4 +1,4 @@
-"""trainers.weight_sync: the engine follows the policy after a sync, unchanged policies are not re-sent, ZeRO-3
+"""rlspec.trainers.weight_sync: the engine follows the policy after a sync, unchanged policies are not re-sent, ZeRO-3
 gathers are grouped under a byte bound and wrapper name parts are stripped (the real ZeRO-3 and FSDP runs:
 tests/distributed)."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.types import SamplingParams
-from trainers.weight_sync import WeightSyncer, gather_groups, hf_name, iter_named_weights, sync_weights, unwrap_model
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.types import SamplingParams
+from rlspec.trainers.weight_sync import WeightSyncer, gather_groups, hf_name, iter_named_weights, sync_weights, unwrap_model
 
 
 class _Wrapper(torch.nn.Module):
@@ -113,7 +113,7 @@ def _named(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_a_sync_missing_a_tensor_is_refused_and_the_version_stays(tiny_llama, engine):
-    from rollout.errors import WeightSyncError
+    from rlspec.rollout.errors import WeightSyncError
 
     named = [(n, t) for n, t in _named(tiny_llama) if n != "model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(WeightSyncError, match=r"1 of the \d+ runtime tensors were never written: "
@@ -123,7 +123,7 @@ def test_a_sync_missing_a_tensor_is_refused_and_the_version_stays(tiny_llama, en
 
 
 def test_a_tensor_written_twice_in_one_sync_is_refused(tiny_llama, engine):
-    from rollout.errors import WeightSyncError
+    from rlspec.rollout.errors import WeightSyncError
 
     named = _named(tiny_llama)
     with pytest.raises(WeightSyncError, match=r"'model.layers.0.self_attn.k_proj.weight' was written twice"):
@@ -132,7 +132,7 @@ def test_a_tensor_written_twice_in_one_sync_is_refused(tiny_llama, engine):
 
 
 def test_an_unknown_name_and_a_wrong_shape_are_refused(tiny_llama, engine):
-    from rollout.errors import UnknownWeightError, WeightSyncError
+    from rlspec.rollout.errors import UnknownWeightError, WeightSyncError
 
     with pytest.raises(UnknownWeightError, match="'model.layers.0.mlp.experts.weight' has no place"):
         engine.load_weights(_named(tiny_llama) + [("model.layers.0.mlp.experts.weight", torch.zeros(2))])
@@ -145,7 +145,7 @@ def test_an_unknown_name_and_a_wrong_shape_are_refused(tiny_llama, engine):
 def test_a_sync_in_buckets_is_checked_as_one(tiny_llama, char_tokenizer, engine):
     """complete=False on all but the last call: one version bump for the whole sync; a missed bucket or a
     bucket sent twice is caught at the end / at once, and a failed sync leaves the next one a clean slate."""
-    from rollout.errors import WeightSyncError
+    from rlspec.rollout.errors import WeightSyncError
 
     _perturb(tiny_llama)
     named = _named(tiny_llama)

@@ -3,7 +3,7 @@ their launch (runtime/device.py)."""
 import torch
 
 from tests.rollout.speculation.test_cost_timing import QueuedRunner
-from trainers.weight_sync import sync_weights
+from rlspec.trainers.weight_sync import sync_weights
 
 COPY_SECONDS = 0.1
 

@@ -9,8 +9,8 @@ from tests.vllm.conftest import NO_VLLM
 
 pytest.importorskip("vllm", reason=NO_VLLM)
 
-from rollout.backend import RolloutBackend, build_backend
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.backend import RolloutBackend, build_backend
+from rlspec.rollout.types import SamplingParams, SpecConfig
 
 KW = dict(max_model_len=128, max_num_seqs=8, dtype="float32")
 
@@ -63,7 +63,7 @@ def test_vllm_backend_matches_the_engine_and_follows_weight_pushes(tiny_llama64,
 
 
 def test_unsupported_spec_fails_before_vllm_starts(tiny_llama64, char_tokenizer):
-    from rollout.vllm_backend.spec_map import UnsupportedSpec
+    from rlspec.rollout.vllm_backend.spec_map import UnsupportedSpec
 
     with pytest.raises(UnsupportedSpec, match="tree_width"):
         build_backend("vllm", tiny_llama64, char_tokenizer, SpecConfig(drafter="ngram", tree_width=2), **KW)
@@ -73,7 +73,7 @@ def test_long_tail_depth_table_from_vllms_measured_costs_follows_acceptance(char
     """selector fixed: vLLM's per-batch-size depth table comes from vLLM's own step times at every batch bucket
     and depth (step_costs.measure) and vLLM's counted acceptance; it is installed in vLLM's scheduler and
     rebuilt when the acceptance moves (rollout/vllm_backend/step_costs.py). The drafter host holds no policy."""
-    from rollout.vllm_backend import step_costs, weights
+    from rlspec.rollout.vllm_backend import step_costs, weights
     from tests.vllm.conftest import build_tiny_llama64
 
     policy = build_tiny_llama64(char_tokenizer, layers=8)

@@ -15,12 +15,12 @@ from tests.vllm.conftest import NO_VLLM
 
 pytest.importorskip("vllm", reason=NO_VLLM)
 
-from rollout.types import SpecConfig
-from rollout.vllm_backend.backend import VLLMBackend
+from rlspec.rollout.types import SpecConfig
+from rlspec.rollout.vllm_backend.backend import VLLMBackend
 from tests.trainers.conftest import assert_two_steps_synced_once
 from tests.vllm.conftest import build_tiny_llama64
-from trainers.data import make_math_dataset, prompt_token_ids
-from trainers.grpo import SpecGRPOTrainer
+from rlspec.trainers.data import make_math_dataset, prompt_token_ids
+from rlspec.trainers.grpo import SpecGRPOTrainer
 
 
 def distinct_chars_reward(completions, **kwargs):

@@ -14,8 +14,8 @@ from tests.vllm.conftest import NO_VLLM
 
 pytest.importorskip("vllm", reason=NO_VLLM)
 
-from rollout.backend import build_backend
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.backend import build_backend
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.vllm.test_backend import KW, hf_logprobs
 
 

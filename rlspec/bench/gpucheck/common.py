@@ -79,8 +79,8 @@ def make_greedy_stable(hf, seed: int = 0) -> None:
 def engine_over(hf, device, dtype, max_seqs: int, max_len: int, spec=None, drafter=None):
     """A RolloutEngine over a copy of `hf`'s weights: graphs captured lazily, the KV pool kept between calls (the
     timed calls must not meet a new pool), eager layers (compiled ones recompile per pool size on CUDA)."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
 
     model = loader.from_hf_model(hf, dtype, device)
     return RolloutEngine(model, None, spec, max_len, max_seqs, eos_token_ids=[-1], drafter=drafter,

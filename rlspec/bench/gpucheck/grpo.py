@@ -52,8 +52,8 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     from transformers import AutoTokenizer
 
     from rlspec.bench.gpucheck.common import build_hf
-    from trainers.data import make_math_dataset
-    from trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.data import make_math_dataset
+    from rlspec.trainers.grpo import SpecGRPOTrainer
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(cfg["tokenizer"])

@@ -33,7 +33,7 @@ class OracleDrafter:
         pass
 
     def propose(self, seqs, max_tokens: list[int], width: int):
-        from rollout.speculation.drafters.base import Draft
+        from rlspec.rollout.speculation.drafters.base import Draft
 
         out = []
         for seq, cap in zip(seqs, max_tokens):
@@ -51,8 +51,8 @@ class OracleDrafter:
 
 def run(cfg: dict, device, dtype, left, save) -> dict:
     """cfg: shape, batches, accepts, num_draft_tokens, prompt_len, new_tokens."""
-    from rollout.metrics import ACCEPT_LEN
-    from rollout.types import SamplingParams, SpecConfig
+    from rlspec.rollout.metrics import ACCEPT_LEN
+    from rlspec.rollout.types import SamplingParams, SpecConfig
 
     k, new, B = cfg["num_draft_tokens"], cfg["new_tokens"], max(cfg["batches"])
     out = {"shape": cfg["shape"], "num_draft_tokens": k, "temperature": 0.0, "rows": []}

@@ -37,8 +37,8 @@ def engine_rows(engine, prompts, batches: list[int], new: int, device, iters: in
     """Engine tok/s and step times per batch, while `left()` (seconds of the section's budget) is positive."""
     import torch
 
-    from rollout.runtime.graphs import EagerRunner
-    from rollout.types import SamplingParams
+    from rlspec.rollout.runtime.graphs import EagerRunner
+    from rlspec.rollout.types import SamplingParams
 
     full = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     engine.generate(prompts, full)  # the pool for every row at the timed length: no timed call meets a new one

@@ -32,7 +32,7 @@ def verify_rows(model, device, dtype, cfg: dict, left) -> list[dict]:
     `model` (its own KV pool and graphs), every row at cfg["ctx"] cached positions."""
     import torch
 
-    from rollout.runtime.runner import ModelRunner
+    from rlspec.rollout.runtime.runner import ModelRunner
 
     top = max(cfg["verify_tokens"])
     runner = ModelRunner(model, device, dtype, graph_mode="lazy", max_graph_t=top, compile_mode="off")
@@ -66,8 +66,8 @@ def verify_rows(model, device, dtype, cfg: dict, left) -> list[dict]:
 
 def draft_rows(hf, device, dtype, cfg: dict, left) -> list[dict]:
     """EAGLE-3 drafting ms per drafted token, per batch, the drafter forced on every step (4 drafts a step)."""
-    from rollout.metrics import DRAFT_MS_PER_TOKEN
-    from rollout.types import SamplingParams, SpecConfig
+    from rlspec.rollout.metrics import DRAFT_MS_PER_TOKEN
+    from rlspec.rollout.types import SamplingParams, SpecConfig
 
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=4, selector="always", online_training=False)
     new = cfg["draft_new_tokens"]
@@ -94,7 +94,7 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     why = fits(cfg["shape"], max(cfg["batches"]), cfg["ctx"] + 16, 2, device, dtype)
     if why:
         return {**out, "skipped": why}
-    from rollout.runtime.model import loader
+    from rlspec.rollout.runtime.model import loader
 
     hf = build_hf(cfg["shape"], dtype, device)
     model = loader.from_hf_model(hf, dtype, device)

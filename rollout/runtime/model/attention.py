@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollout.runtime.kv_cache import gather_blocks
+from rlspec.rollout.runtime.kv_cache import gather_blocks
 
 BLOCK = 128  # FlexAttention's sparse block: KV is read or skipped 128 positions at a time
 FEW_QUERIES = 32  # at most this many queries per row, the CPU's grouped matmuls beat SDPA

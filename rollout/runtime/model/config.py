@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.errors import UnsupportedModelError
-from rollout.runtime.model.families import FAMILIES, family_of_config
+from rlspec.rollout.errors import UnsupportedModelError
+from rlspec.rollout.runtime.model.families import FAMILIES, family_of_config
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # RoPE variants whose frequencies are fixed at load (llama.rope_inv_freq computes them as transformers

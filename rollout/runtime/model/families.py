@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rollout.errors import UnsupportedModelError
+from rlspec.rollout.errors import UnsupportedModelError
 
 # family (transformers' model_type) -> (modeling module under transformers.models, causal-LM class name)
 FAMILIES: dict[str, tuple[str, str]] = {

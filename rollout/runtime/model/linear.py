@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model import kernels
 
 
 class Linear(nn.Linear):

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.runtime.model.attention import AttnMask, attend, dense_view
-from rollout.runtime.model.config import ModelConfig, main_rope_type
-from rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
-from rollout.runtime.model import kernels
-from rollout.runtime.model.linear import Linear
-from rollout.runtime.model.moe import SparseMoE
-from rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
+from rlspec.rollout.runtime.model.attention import AttnMask, attend, dense_view
+from rlspec.rollout.runtime.model.config import ModelConfig, main_rope_type
+from rlspec.rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
+from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model.linear import Linear
+from rlspec.rollout.runtime.model.moe import SparseMoE
+from rlspec.rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
 
 
 class RMSNorm(nn.Module):

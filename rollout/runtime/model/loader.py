@@ -16,10 +16,10 @@ from collections.abc import Iterable
 
 import torch
 
-from rollout.errors import ModelNotFoundError, UnknownWeightError, UnsupportedModelError, WeightSyncError
-from rollout.runtime.model.config import ModelConfig
-from rollout.runtime.model.families import family_of_model
-from rollout.runtime.model.llama import LlamaForCausalLM
+from rlspec.rollout.errors import ModelNotFoundError, UnknownWeightError, UnsupportedModelError, WeightSyncError
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.model.families import family_of_model
+from rlspec.rollout.runtime.model.llama import LlamaForCausalLM
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

@@ -2,5 +2,5 @@
 
 Model-free, deterministic ones: `ngram` (prompt lookup over a sample's own context) and `suffix`
 (what this prompt's siblings, earlier rollouts and recent rollouts said after the same words).
-Build one by name with `rollout.speculation.drafters.base.make_drafter(name, **kwargs)`.
+Build one by name with `rlspec.rollout.speculation.drafters.base.make_drafter(name, **kwargs)`.
 """

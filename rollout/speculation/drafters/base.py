@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from rollout.runtime.sequence import Sequence
-from rollout.registry import DRAFTERS
+from rlspec.rollout.runtime.sequence import Sequence
+from rlspec.rollout.registry import DRAFTERS
 
 
 @dataclass

@@ -28,16 +28,16 @@ import time
 
 import torch
 
-from rollout.speculation.drafters.base import DRAFTERS, Draft
-from rollout.speculation.drafters.eagle3_draws import ChainDraws, to_draft
-from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
-from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
-from rollout.runtime.model import kernels
-from rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
-from rollout.runtime.model.linear import fast_linear
-from rollout.runtime.model.attention import attend_dense
-from rollout.speculation.feature_buffer import Dist, law_top_k
-from rollout.runtime.sequence import Sequence
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
+from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws, to_draft
+from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
+from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
+from rlspec.rollout.runtime.model.linear import fast_linear
+from rlspec.rollout.runtime.model.attention import attend_dense
+from rlspec.rollout.speculation.feature_buffer import Dist, law_top_k
+from rlspec.rollout.runtime.sequence import Sequence
 
 
 class Eagle3Drafter(ChainDraws):
@@ -57,7 +57,7 @@ class Eagle3Drafter(ChainDraws):
             model = Eagle3Model.initialised(Eagle3Config.for_target(target.cfg, draft_vocab_size),
                                             torch.Generator().manual_seed(seed))
         if model.cfg.vocab_size != target.cfg.vocab_size or model.cfg.hidden_size != target.cfg.hidden_size:
-            from rollout.errors import TokenizerMismatchError
+            from rlspec.rollout.errors import TokenizerMismatchError
 
             raise TokenizerMismatchError(
                 f"drafter (vocab {model.cfg.vocab_size}, hidden {model.cfg.hidden_size}) does not fit the target "
@@ -312,7 +312,7 @@ def _build(target=None, spec=None, **overrides) -> Eagle3Drafter:
     if target is None:
         raise ValueError("the eagle3 drafter reads the target's hidden states: build it with target=<the model>")
     if spec is not None and spec.drafter_path:
-        from rollout.speculation.drafters.eagle3_io import load_eagle3
+        from rlspec.rollout.speculation.drafters.eagle3_io import load_eagle3
 
         return Eagle3Drafter(target, load_eagle3(spec.drafter_path), **overrides)
     vocab = spec.draft_vocab_size if spec is not None else 4096

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
-from rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement, truncates
-from rollout.speculation.drafters.base import Draft
+from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
+from rlspec.rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement, truncates
+from rlspec.rollout.speculation.drafters.base import Draft
 
 MAX_CONF = 0.4  # max-confidence stop rule: end the draft below this top-1 drafter probability
 SVIP_BOUND = 0.3  # SVIP: end the draft when sqrt(0.15 * entropy) exceeds this

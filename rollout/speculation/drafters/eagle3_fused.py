@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.runtime.model import fused, kernels
+from rlspec.rollout.runtime.model import fused, kernels
 
 
 class FusedDraftLayer:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_FILE = "config.json"

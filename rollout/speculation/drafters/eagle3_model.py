@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.runtime.model.config import ModelConfig
-from rollout.runtime.model.linear import fast_linear
-from rollout.runtime.model.llama import RMSNorm, rotate_half
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.model.linear import fast_linear
+from rlspec.rollout.runtime.model.llama import RMSNorm, rotate_half
 
 
 @dataclass

@@ -19,8 +19,8 @@ import math
 from array import array
 from dataclasses import dataclass
 
-from rollout.speculation.drafters.base import DRAFTERS, Draft
-from rollout.runtime.sequence import Sequence
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
+from rlspec.rollout.runtime.sequence import Sequence
 
 _SHIFT = 24  # an address is doc_id << _SHIFT | position: documents up to 16M tokens
 _MASK = (1 << _SHIFT) - 1

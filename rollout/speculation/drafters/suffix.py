@@ -30,10 +30,10 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from rollout.speculation.checkpoint import pack_arrays, unpack_arrays
-from rollout.speculation.drafters.base import DRAFTERS, Draft
-from rollout.speculation.drafters.ngram import NgramIndex, context_tail
-from rollout.runtime.sequence import Sequence
+from rlspec.rollout.speculation.checkpoint import pack_arrays, unpack_arrays
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
+from rlspec.rollout.speculation.drafters.ngram import NgramIndex, context_tail
+from rlspec.rollout.runtime.sequence import Sequence
 
 
 @dataclass

@@ -8,8 +8,8 @@ verify accepted back to per-token accepts and rejects.
 """
 from __future__ import annotations
 
-from rollout.speculation.cost_model import AcceptanceTracker
-from rollout.speculation.selectors.base import OFF, Arm
+from rlspec.rollout.speculation.cost_model import AcceptanceTracker
+from rlspec.rollout.speculation.selectors.base import OFF, Arm
 
 STOP_RULES = ("max_conf", "entropy")
 

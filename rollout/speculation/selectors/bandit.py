@@ -43,16 +43,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket, nearest_bucket, \
+from rlspec.rollout.speculation.cost_model import ACCEPT_DECAY, EMA, AcceptanceTracker, CostModel, bucket, nearest_bucket, \
     step_width
-from rollout.speculation.selectors.arms import arm_name, default_arms, expected_tokens, path_evidence, \
+from rlspec.rollout.speculation.selectors.arms import arm_name, default_arms, expected_tokens, path_evidence, \
     tokens_by_depth
-from rollout.speculation.selectors.bandit_state import AcceptanceBook, ArmStat, BucketState, bandit_state, \
+from rlspec.rollout.speculation.selectors.bandit_state import AcceptanceBook, ArmStat, BucketState, bandit_state, \
     load_bandit_state
-from rollout.speculation.selectors.base import OFF, SELECTORS, Arm
-from rollout.speculation.selectors.gate import acceptance_tracker, make_gates
-from rollout.speculation.selectors.loss_guard import LossGuard
-from rollout.speculation.selectors.regret import RegretLedger
+from rlspec.rollout.speculation.selectors.base import OFF, SELECTORS, Arm
+from rlspec.rollout.speculation.selectors.gate import acceptance_tracker, make_gates
+from rlspec.rollout.speculation.selectors.loss_guard import LossGuard
+from rlspec.rollout.speculation.selectors.regret import RegretLedger
 
 FRESH_DECAY = 0.5  # the change detector looks at the last ~2 uses of a drafter
 RECENT = 0.99  # the exploration cap also holds over ~100 bucket steps: no saved-up bursts

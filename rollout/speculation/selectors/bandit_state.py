@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import AcceptanceTracker
-from rollout.speculation.selectors.base import arm_key, arm_of, check_selector_state
+from rlspec.rollout.speculation.cost_model import AcceptanceTracker
+from rlspec.rollout.speculation.selectors.base import arm_key, arm_of, check_selector_state
 
 
 class AcceptanceBook(dict):

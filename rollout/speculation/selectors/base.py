@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from rollout.speculation.cost_model import CostModel
-from rollout.registry import SELECTORS  # noqa: F401  (re-exported for selector modules)
+from rlspec.rollout.speculation.cost_model import CostModel
+from rlspec.rollout.registry import SELECTORS  # noqa: F401  (re-exported for selector modules)
 
 
 @dataclass(frozen=True)

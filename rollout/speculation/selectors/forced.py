@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import CostModel, step_width
-from rollout.speculation.selectors.base import SELECTORS, Arm, arm_key, check_selector_state
+from rlspec.rollout.speculation.cost_model import CostModel, step_width
+from rlspec.rollout.speculation.selectors.base import SELECTORS, Arm, arm_key, check_selector_state
 
 
 @dataclass

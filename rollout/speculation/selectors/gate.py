@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from rollout.speculation.cost_model import AcceptanceTracker
+from rlspec.rollout.speculation.cost_model import AcceptanceTracker
 
 GATE_MARGIN = 0.05  # as the long-tail selector's hysteresis: break-even is no reason to draft
 GATE_TRIALS = 16.0  # measured per-token trials after which the engine's acceptance decides

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket, nearest_bucket, step_width
-from rollout.speculation.selectors.base import OFF, Arm, SELECTORS, check_selector_state
-from rollout.speculation.selectors.gate import LearnedGate, acceptance_tracker
-from rollout.speculation.selectors.regret import RegretLedger
+from rlspec.rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket, nearest_bucket, step_width
+from rlspec.rollout.speculation.selectors.base import OFF, Arm, SELECTORS, check_selector_state
+from rlspec.rollout.speculation.selectors.gate import LearnedGate, acceptance_tracker
+from rlspec.rollout.speculation.selectors.regret import RegretLedger
 
 HYSTERESIS = 0.05  # speculation turns on above 1.05x estimated gain, off below 0.95x
 

@@ -15,10 +15,10 @@ GOLDEN = Path(__file__).with_name("lossless_golden.json")
 
 def lossless_runs(**spec_fields) -> dict[str, list[dict]]:
     """{"plain": [...], "spec": [...]}: completion ids and logprobs per sample; spec_fields go to SpecConfig."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.speculation.selectors.base import Arm
-    from rollout.types import SamplingParams, SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.speculation.selectors.base import Arm
+    from rlspec.rollout.types import SamplingParams, SpecConfig
     from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
     from tests.rollout.spec_helpers import ScriptedDrafter
 

@@ -26,10 +26,10 @@ class TinyTokenizer:
 
 def lossy_engine(hf, drafter, k: int = 4, **spec_fields):
     """An engine over `hf` whose every step drafts with `drafter` (a forced chain arm of depth k)."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.speculation.selectors.base import Arm
-    from rollout.types import SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.speculation.selectors.base import Arm
+    from rlspec.rollout.types import SpecConfig
 
     spec = SpecConfig(drafter="ngram", num_draft_tokens=k, **spec_fields)
     eng = RolloutEngine(loader.from_hf_model(hf), TinyTokenizer(), spec=spec, eos_token_ids=[2], drafter=drafter)

@@ -23,12 +23,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from rollout.engine import _to_host
-from rollout.lossy.control import LossyControl
-from rollout.lossy.judge import JUDGE, ROUTED
-from rollout.runtime.sampling import logprobs_of
-from rollout.speculation.draft_batch import DraftBatch
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import _to_host
+from rlspec.rollout.lossy.control import LossyControl
+from rlspec.rollout.lossy.judge import JUDGE, ROUTED
+from rlspec.rollout.runtime.sampling import logprobs_of
+from rlspec.rollout.speculation.draft_batch import DraftBatch
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.rollout.lossy.helpers import TinyTokenizer
 
 ROWS, V, H = 20000, 6, 16
@@ -248,8 +248,8 @@ def _lossless_rollouts(width: int, monkeypatch):
     step (OracleDrafter: drafts of 1-3 nodes along the target's likeliest path, some tokens random; width 2: the
     root's top-1 and top-2 children) -> (law model, results, exact law (sequences, probabilities), engine stats,
     sibling outcomes of verified nodes with two children)."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
     from tests.rollout.law_helpers import hf_exact_law, make_law_model, spy_siblings
     from tests.rollout.spec_helpers import OracleDrafter
 

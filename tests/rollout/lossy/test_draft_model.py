@@ -1,16 +1,16 @@
 """step_source=draft_model=<dir>: a smaller model with the target's tokenizer writes whole steps."""
 import math
 
-from rollout.lossy.judge import ROUTED, TARGET
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.lossy.judge import ROUTED, TARGET
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.trainers.conftest import build_char_tokenizer, build_tiny_llama
 
 
 def test_draft_model_writes_greedy_steps_recorded_as_point_masses(tmp_path):
     """A routed step is the draft model's argmax chain, so given the context it is emitted with
     probability 1 (behaviour log 1 = 0): both samples of a prompt open with the same kept step."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
 
     tok = build_char_tokenizer()
     target = build_tiny_llama(len(tok), tok.eos_token_id, tok.pad_token_id, seed=0)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from rollout.lossy.judge import DRAFT_EXACT, JUDGE, ROUTED, judge_accepts, judge_labels, verify_lossy_chain
-from rollout.speculation.verify import verify_chain
-from rollout.types import SamplingParams
+from rlspec.rollout.lossy.judge import DRAFT_EXACT, JUDGE, ROUTED, judge_accepts, judge_labels, verify_lossy_chain
+from rlspec.rollout.speculation.verify import verify_chain
+from rlspec.rollout.types import SamplingParams
 
 P = torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])  # [B=1, K=1, V=4]
 

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from rollout.lossy.judge import DRAFT_EXACT, JUDGE, ROUTED, TARGET
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.lossy.judge import DRAFT_EXACT, JUDGE, ROUTED, TARGET
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
 from tests.rollout.lossy.helpers import NEWLINE, STEP, lossy_engine
 from tests.rollout.spec_helpers import ScriptedDrafter
@@ -93,7 +93,7 @@ def test_routing_keeps_whole_steps_up_to_the_delimiter():
 
 
 def _full(seq, cap):
-    from rollout.speculation.drafters.base import Draft
+    from rlspec.rollout.speculation.drafters.base import Draft
 
     return Draft.chain(_step_oracle(seq, cap))
 
@@ -136,7 +136,7 @@ def test_config_errors(fields, match):
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tmp_path):
-    from rollout.lossy.draft_model import check_same_tokenizer
+    from rlspec.rollout.lossy.draft_model import check_same_tokenizer
     from tests.rollout.lossy.helpers import TinyTokenizer
 
     class Other(TinyTokenizer):
@@ -152,9 +152,9 @@ def test_draft_model_with_another_tokenizer_is_refused(tmp_path):
 def test_eagle3_writes_whole_steps(temperature):
     """The learned drafter as step source: long chains (step_max_tokens, beyond num_draft_tokens) drafted
     greedily at any temperature, so a kept step is a point mass (behaviour 0)."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.speculation.selectors.base import Arm
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.speculation.selectors.base import Arm
     from tests.rollout.lossy.helpers import TinyTokenizer
 
     hf = make_tiny_hf("llama", seed=3)
@@ -188,9 +188,9 @@ def test_judged_sampled_eagle3_chains_record_the_mixture_law(monkeypatch):
     accepted chain the target's p(y)."""
     import numpy as np
 
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.speculation.selectors.base import Arm
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.speculation.selectors.base import Arm
     from tests.rollout.lossy.helpers import TinyTokenizer
 
     tau = 0.005  # the tiny target is flat: p ~ 1/96

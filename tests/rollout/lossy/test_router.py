@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from rollout.lossy.heads import OnlineHead
-from rollout.lossy.router import agreement_labels, likelihood_scores, step_features
-from rollout.lossy.steps import StepBoundary
+from rlspec.rollout.lossy.heads import OnlineHead
+from rlspec.rollout.lossy.router import agreement_labels, likelihood_scores, step_features
+from rlspec.rollout.lossy.steps import StepBoundary
 
 
 def test_likelihood_score_by_hand():

@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from rollout.engine import RolloutEngine  # noqa: E402
-from rollout.runtime.kv_budget import KVBudget, _field_kb, memory_limits  # noqa: E402
-from rollout.runtime.kv_cache import PagedKVCache  # noqa: E402
-from rollout.runtime.model import loader  # noqa: E402
-from rollout.types import SamplingParams  # noqa: E402
+from rlspec.rollout.engine import RolloutEngine  # noqa: E402
+from rlspec.rollout.runtime.kv_budget import KVBudget, _field_kb, memory_limits  # noqa: E402
+from rlspec.rollout.runtime.kv_cache import PagedKVCache  # noqa: E402
+from rlspec.rollout.runtime.model import loader  # noqa: E402
+from rlspec.rollout.types import SamplingParams  # noqa: E402
 from tests.conftest import make_tiny_hf, random_prompts  # noqa: E402
 
 HEADROOM_GIB = 1.5

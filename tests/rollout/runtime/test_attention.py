@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from rollout.runtime.graphs import EagerRunner, build_step_batch
-from rollout.runtime.model import attention
-from rollout.runtime.model.attention import (attend_causal, attend_dense, attend_flex, dense_step_mask, step_mask)
+from rlspec.rollout.runtime.graphs import EagerRunner, build_step_batch
+from rlspec.rollout.runtime.model import attention
+from rlspec.rollout.runtime.model.attention import (attend_causal, attend_dense, attend_flex, dense_step_mask, step_mask)
 from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
 
 needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
@@ -110,9 +110,9 @@ def test_cpu_keeps_the_dense_path():
 def _paged_runner(n_prompts=5, length=384, device="cpu"):
     """Rows whose 128-position blocks interleave in the pool (row r's block j is physical 1 + j*5 + r),
     prefilled with prompts long enough to span blocks: what the paged FlexAttention path reads."""
-    from rollout.runtime.kv_cache import PagedKVCache
-    from rollout.runtime.model import loader
-    from rollout.runtime.runner import ModelRunner
+    from rlspec.rollout.runtime.kv_cache import PagedKVCache
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.runtime.runner import ModelRunner
     from tests.conftest import make_tiny_hf, random_prompts
 
     model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, device)
@@ -137,7 +137,7 @@ def test_paged_flex_reads_the_pool_through_the_block_table(shape, compiled):
     """CUDA's path: FlexAttention over the whole pool with physical block indices (no gather) equals the
     dense attention over each row's gathered blocks; also inside the compiled layer (runtime/compiled.py), where
     the flex call sits behind a graph break (`make gpu-check` found it failing there first, traced into the layer)."""
-    from rollout.runtime.compiled import compiled_layer_call
+    from rlspec.rollout.runtime.compiled import compiled_layer_call
 
     runner, lens = _paged_runner()
     cache = runner.cache

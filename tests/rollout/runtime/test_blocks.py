@@ -1,7 +1,7 @@
 """BlockAllocator: free list, reference counts, growth, trimming, sharing, and its accounting."""
 import pytest
 
-from rollout.runtime.blocks import TRASH, BlockAllocator, OutOfBlocks
+from rlspec.rollout.runtime.blocks import TRASH, BlockAllocator, OutOfBlocks
 
 
 def test_ensure_grows_by_whole_blocks_and_never_hands_out_trash():

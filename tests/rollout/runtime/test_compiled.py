@@ -6,11 +6,11 @@ shape and few buckets; inductor's artefacts are cached on disk, so a second run 
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.compiled import CompiledRunner, resolve_compile
-from rollout.runtime.graphs import EagerRunner
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.compiled import CompiledRunner, resolve_compile
+from rlspec.rollout.runtime.graphs import EagerRunner
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
 from tests.rollout.test_engine_ar import hf_greedy

@@ -3,8 +3,8 @@ FlexAttention sits behind a graph break (runtime/compiled.py, captured_layer_cal
 flex makes the same break; the CUDA run is tests/gpu/test_cuda_device_order.py."""
 import torch
 
-from rollout.runtime.compiled import captured_layer_call
-from rollout.runtime.runner import compiled_frames
+from rlspec.rollout.runtime.compiled import captured_layer_call
+from rlspec.rollout.runtime.runner import compiled_frames
 
 H = 8
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 import transformers as tf
 
-from rollout.errors import UnsupportedModelError
-from rollout.runtime.graphs import EagerRunner, build_step_batch
-from rollout.runtime.kv_cache import PagedKVCache
-from rollout.runtime.model import attention, loader
-from rollout.runtime.model.config import ModelConfig
-from rollout.runtime.model.families import family_of_model
-from rollout.runtime.runner import ModelRunner
+from rlspec.rollout.errors import UnsupportedModelError
+from rlspec.rollout.runtime.graphs import EagerRunner, build_step_batch
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
+from rlspec.rollout.runtime.model import attention, loader
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.model.families import family_of_model
+from rlspec.rollout.runtime.runner import ModelRunner
 from tests.conftest import random_prompts
 from tests.rollout.family_helpers import (COMMON, FAMILIES, WINDOW, CustomLlamaConfig, CustomLlamaForCausalLM,
                                           make_family)
@@ -236,7 +236,7 @@ def test_a_qwen3_moe_checkpoint_of_per_expert_matrices_loads_into_the_fused_expe
     as written once every slice came (a missing one is named)."""
     from safetensors.torch import load_file, save_file
 
-    from rollout.errors import WeightSyncError
+    from rlspec.rollout.errors import WeightSyncError
 
     hf = make_family("qwen3_moe")
     hf.save_pretrained(tmp_path)

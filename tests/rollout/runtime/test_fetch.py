@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.errors import ModelNotFoundError
-from rollout.runtime.model import fetch
-from rollout.runtime.model.fetch import EMBEDDED_ALIAS, fetch_model
+from rlspec.rollout.errors import ModelNotFoundError
+from rlspec.rollout.runtime.model import fetch
+from rlspec.rollout.runtime.model.fetch import EMBEDDED_ALIAS, fetch_model
 
 
 @pytest.fixture(autouse=True)

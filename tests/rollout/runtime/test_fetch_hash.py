@@ -9,8 +9,8 @@ import zipfile
 
 import pytest
 
-from rollout.runtime.model import fetch
-from rollout.runtime.model.fetch import EMBEDDED_ALIAS, IntegrityError, fetch_model
+from rlspec.rollout.runtime.model import fetch
+from rlspec.rollout.runtime.model.fetch import EMBEDDED_ALIAS, IntegrityError, fetch_model
 
 
 @pytest.fixture

@@ -8,13 +8,13 @@ gives the same tokens with and without speculation."""
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.blocks import TRASH
-from rollout.runtime.compiled import CompiledRunner
-from rollout.runtime.graphs import EagerRunner
-from rollout.runtime.model import fused, kernels, loader
-from rollout.runtime.model.linear import Linear
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.blocks import TRASH
+from rlspec.rollout.runtime.compiled import CompiledRunner
+from rlspec.rollout.runtime.graphs import EagerRunner
+from rlspec.rollout.runtime.model import fused, kernels, loader
+from rlspec.rollout.runtime.model.linear import Linear
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
 from tests.rollout.runtime.test_kernels import _bf16_ulps
@@ -37,7 +37,7 @@ def _tiny_hf(kind="llama"):
 
 def _fused_runner(kind="llama", rows=8, length=64):
     """A bf16 runner whose steps run fused, with 5 prompts prefilled into rows 0..4; returns (runner, lengths)."""
-    from rollout.runtime.runner import ModelRunner
+    from rlspec.rollout.runtime.runner import ModelRunner
 
     model = loader.from_hf_model(_tiny_hf(kind), torch.bfloat16, "cpu")
     runner = ModelRunner(model, "cpu", torch.bfloat16, compile_mode="on")
@@ -132,7 +132,7 @@ def test_fused_engine_greedy_is_the_same_with_and_without_speculation():
 def test_models_the_op_does_not_cover_keep_the_compiled_step(monkeypatch):
     """q/k norms (Qwen3), float32, or the switch off (read at each step): no fused steps, the compiled ones as
     before."""
-    from rollout.runtime.runner import ModelRunner
+    from rlspec.rollout.runtime.runner import ModelRunner
 
     qwen3 = loader.from_hf_model(make_tiny_hf("qwen3", head_dim=32), torch.bfloat16, "cpu")
     llama32 = loader.from_hf_model(make_tiny_hf("llama", **HEAD32), torch.float32, "cpu")

@@ -5,14 +5,14 @@ docs/runtime.md#memory-plan). The graph pool is CPU-emulated (graphs.GraphPool, 
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime import kv_budget, runner as runner_mod
-from rollout.runtime.graphs import GraphPool
-from rollout.runtime.kv_budget import DEFAULT_FRACTION, KVBudget, step_reserve_bytes
-from rollout.runtime.kv_cache import block_bytes
-from rollout.runtime.model import loader
-from rollout.runtime.model.config import ModelConfig
-from rollout.types import SamplingParams
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime import kv_budget, runner as runner_mod
+from rlspec.rollout.runtime.graphs import GraphPool
+from rlspec.rollout.runtime.kv_budget import DEFAULT_FRACTION, KVBudget, step_reserve_bytes
+from rlspec.rollout.runtime.kv_cache import block_bytes
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.test_engine_ar import hf_greedy
 

@@ -5,11 +5,11 @@ import shutil
 import pytest
 import torch
 
-from rollout.runtime.graphs import (EagerRunner, GraphPool, batch_buckets, bucket_for, make_step_runner, pad_batch,
+from rlspec.rollout.runtime.graphs import (EagerRunner, GraphPool, batch_buckets, bucket_for, make_step_runner, pad_batch,
                             pow2_buckets)
-from rollout.runtime.kv_cache import PagedKVCache
-from rollout.runtime.model import loader
-from rollout.runtime.runner import ModelRunner
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.runner import ModelRunner
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
 
 CUDA = torch.cuda.is_available()
@@ -164,9 +164,9 @@ def test_compiled_layer_graphs_serve_every_pool_size(monkeypatch):
     and every step equals the eager dense one."""
     import torch._dynamo.eval_frame as eval_frame
 
-    from rollout.runtime import graphs
-    from rollout.runtime.compiled import captured_layer_call, compiled_layer_call
-    from rollout.runtime.model import attention
+    from rlspec.rollout.runtime import graphs
+    from rlspec.rollout.runtime.compiled import captured_layer_call, compiled_layer_call
+    from rlspec.rollout.runtime.model import attention
 
     monkeypatch.setattr(graphs, "use_flex", lambda device: True)
     model = loader.from_hf_model(make_tiny_hf("llama", seed=4), torch.float32, "cpu")
@@ -283,7 +283,7 @@ def test_cuda_pool_memory_is_reported():
 
 
 def test_engine_constructors_pass_graph_mode_and_reject_unknown_ones():
-    from rollout.engine import RolloutEngine
+    from rlspec.rollout.engine import RolloutEngine
 
     engine = RolloutEngine.from_hf_model(make_tiny_hf("llama"), None, graph_mode="eager_start", max_num_seqs=2)
     assert engine.runner.graph_mode == "eager_start"

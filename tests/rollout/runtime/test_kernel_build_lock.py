@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.runtime.model import kernels
-from rollout.runtime.model.kernels.build import LOCK_TIMEOUT_ENV, BuildBusy, build_turn, load_library
+from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model.kernels.build import LOCK_TIMEOUT_ENV, BuildBusy, build_turn, load_library
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="flock and the extension builder: Linux")
@@ -36,7 +36,7 @@ TORCH_LIBRARY(NS, m) { m.def("twice(Tensor x) -> Tensor", twice); }
 CHILD = """
 import sys
 from pathlib import Path
-from rollout.runtime.model.kernels.build import load_library
+from rlspec.rollout.runtime.model.kernels.build import load_library
 load_library(sys.argv[1], [Path(sys.argv[2])], [], [], Path(sys.argv[3]))
 """
 
@@ -120,7 +120,7 @@ def test_the_real_kernels_load_past_a_build_lock_left_by_a_killed_build(tmp_path
     it forever; the built library is now loaded without looking at it."""
     if not kernels.available():
         pytest.skip("no AVX-512 BF16 CPU or no C++ toolchain")
-    from rollout.runtime.model.fetch import cache_root
+    from rlspec.rollout.runtime.model.fetch import cache_root
 
     digest = kernels.source_digest()
     name, built = f"rlspec_kernels_{digest}", cache_root() / "kernels" / digest
@@ -131,6 +131,6 @@ def test_the_real_kernels_load_past_a_build_lock_left_by_a_killed_build(tmp_path
     shutil.copy2(built / f"{name}.so", planted / f"{name}.so")
     (planted / "lock").write_text("")
     (planted / f"{name}.lock").write_text(f"{_dead_pid()}\n")
-    code = "from rollout.runtime.model import kernels; assert kernels.available()"
+    code = "from rlspec.rollout.runtime.model import kernels; assert kernels.available()"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120,
                    env=dict(os.environ, PYTHONPATH=str(ROOT), RLSPEC_CACHE=str(tmp_path)))

@@ -26,7 +26,7 @@ def _bf(*shape):
 
 
 def _pack(n, k):
-    from rollout.runtime.model import kernels
+    from rlspec.rollout.runtime.model import kernels
 
     return kernels.pack(_bf(n, k))
 
@@ -279,14 +279,14 @@ def run_cases() -> int:
 
 
 def main() -> int:
-    from rollout.runtime.model import kernels
+    from rlspec.rollout.runtime.model import kernels
 
     assert kernels.available(), "the kernels did not build"
     return min(run_cases(), 100)
 
 
 def test_every_op_refuses_bad_inputs_with_a_runtime_error():
-    from rollout.runtime.model import kernels
+    from rlspec.rollout.runtime.model import kernels
 
     if not kernels.available():
         pytest.skip("no AVX-512 BF16 CPU or no C++ toolchain")

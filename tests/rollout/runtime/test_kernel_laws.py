@@ -11,7 +11,7 @@ the law test: this is what shows it has the power to see them.
 import pytest
 import torch
 
-from rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model import kernels
 from tests.rollout.law_helpers import ALPHA, chi2_pvalue
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.runtime.model.kernels.trust import private_dir, untrusted_reason
+from rlspec.rollout.runtime.model.kernels.trust import private_dir, untrusted_reason
 
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="a directory owned by another user needs root to make")
 
@@ -58,7 +58,7 @@ def test_private_dir_makes_missing_directories_0700_and_swaps_an_open_one_for_a_
 
 
 def test_inductor_s_compile_cache_is_not_kept_in_a_cache_others_can_write(tmp_path, monkeypatch):
-    from rollout.runtime.compiled import inductor_cache_dir
+    from rlspec.rollout.runtime.compiled import inductor_cache_dir
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     assert inductor_cache_dir(str(tmp_path / "mine")) == str(tmp_path / "mine" / "inductor")

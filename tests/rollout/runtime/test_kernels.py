@@ -7,10 +7,10 @@ test_kernel_laws.py."""
 import pytest
 import torch
 
-from rollout.runtime.compiled import CompiledRunner
-from rollout.runtime.graphs import EagerRunner
-from rollout.runtime.model import kernels
-from rollout.runtime.model.loader import from_hf_model
+from rlspec.rollout.runtime.compiled import CompiledRunner
+from rlspec.rollout.runtime.graphs import EagerRunner
+from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model.loader import from_hf_model
 from tests.conftest import make_tiny_hf
 from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
 
@@ -145,8 +145,8 @@ def test_compiled_bf16_batched_decode_step_matches_eager():
 def test_compiled_steps_follow_a_weight_sync():
     """Compiled steps read the kernel's blocked copies of the weights, which a sync must rewrite: after
     load_weights an engine samples what an engine built on the new weights samples."""
-    from rollout.engine import RolloutEngine
-    from rollout.types import SamplingParams
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.types import SamplingParams
     from tests.conftest import random_prompts
 
     old, new = make_tiny_hf("llama", seed=0), make_tiny_hf("llama", seed=1)
@@ -169,7 +169,7 @@ def test_fast_linear_follows_the_drafters_weight_changes():
     in place (an optimizer step, load_state_dict) or is replaced (assign=True); gradients on: the module itself."""
     from torch import nn
 
-    from rollout.runtime.model.linear import fast_linear
+    from rlspec.rollout.runtime.model.linear import fast_linear
 
     layer = nn.Linear(40, 20).bfloat16()
     x = torch.randn(2, 40).bfloat16()
@@ -187,7 +187,7 @@ def test_warm_compiles_every_graph_the_steps_will_use():
     """Graphs compiled ahead (Speculation.calibrate calls it with 1 + each draft size): no step of those sizes
     compiles afterwards, so no compilation lands inside a rollout (or a selector's timing). Contexts of two
     blocks or more, as every chat prompt has: dynamo gives a one-block context a graph of its own."""
-    from rollout.runtime.runner import compiled_frames
+    from rlspec.rollout.runtime.runner import compiled_frames
 
     runner, lens = _bf16_runner()
     lens = lens.clamp_min(17)  # the cache rows hold garbage past the prompts: fine for counting compiles
@@ -231,7 +231,7 @@ def test_paged_attention_is_the_exact_attention(B, H, KV, T, D, ctx, tree):
     in random order (a row's blocks are not adjacent), rows whose lengths differ (the kernel skips what no query
     sees), contexts over several 256-position chunks (their partial softmaxes merged). A wrong chunk rescale, a
     mask read off by one position or a wrong KV head breaks this by far more."""
-    from rollout.runtime.model.attention import dense_step_mask
+    from rlspec.rollout.runtime.model.attention import dense_step_mask
 
     g = torch.Generator().manual_seed(B * 100 + T + D)
     bs = 16
@@ -264,7 +264,7 @@ def test_bf16_steps_attend_through_the_kernel(compile_mode, heads, monkeypatch):
     steps, which would take these shapes, call it from C++: test_fused.py covers them.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollout.runtime.model import fused
+    from rlspec.rollout.runtime.model import fused
 
     monkeypatch.setattr(fused, "enabled", False)
     runner, lens = _runner(rows=8, length=64, n_prompts=4, dtype=torch.bfloat16, compile_mode=compile_mode,

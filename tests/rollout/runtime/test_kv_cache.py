@@ -3,8 +3,8 @@ prompt sharing with copy-on-write, compaction of table rows, tree fix-ups across
 import pytest
 import torch
 
-from rollout.runtime.kv_cache import PagedKVCache
-from rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
+from rlspec.rollout.runtime.model.config import ModelConfig
 from tests.conftest import make_tiny_hf
 
 BS = 4
@@ -114,7 +114,7 @@ def test_for_rows_is_the_contiguous_equivalent():
 
 
 def test_budget_too_small_for_one_sequence_names_the_size():
-    from rollout.runtime.kv_budget import KVBudget
+    from rlspec.rollout.runtime.kv_budget import KVBudget
 
     with pytest.raises(ValueError, match=r"one sequence of 1000 positions needs 63 blocks = .* GiB"):
         KVBudget(memory_gb=1e-6).pool_blocks(1024, rows=4, length=1024, min_positions=1000, device="cpu")

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.blocks import BlockAllocator, pow2_at_least
-from rollout.runtime.graphs import EagerRunner, GraphPool
-from rollout.runtime.kv_budget import (DEFAULT_FRACTION, NO_LIMIT, KVBudget, address_space_headroom,
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.blocks import BlockAllocator, pow2_at_least
+from rlspec.rollout.runtime.graphs import EagerRunner, GraphPool
+from rlspec.rollout.runtime.kv_budget import (DEFAULT_FRACTION, NO_LIMIT, KVBudget, address_space_headroom,
                                        cgroup_headroom, memory_limits)
-from rollout.runtime.kv_cache import PagedKVCache
-from rollout.runtime.model import loader
-from rollout.runtime.model.config import ModelConfig
-from rollout.runtime.runner import ModelRunner
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.runner import ModelRunner
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import TINY_VOCAB, make_tiny_hf, random_prompts
 from tests.rollout.test_engine_ar import hf_greedy
 
@@ -159,9 +159,9 @@ def test_a_flex_pool_counts_its_budget_in_its_own_128_position_blocks(monkeypatc
     """CUDA's pool (paged FlexAttention) has 128-position blocks whatever the budget's block size: a budget
     of 6 such blocks holds a 209-position sequence (2 blocks). Counted in 16-position blocks it asked for
     14 and refused (found by `make gpu-check`); on a CPU the dispatch is forced to flex's pool here."""
-    import rollout.runtime.runner as runner_mod
-    from rollout.runtime.kv_cache import block_bytes
-    from rollout.runtime.model.attention import BLOCK
+    import rlspec.rollout.runtime.runner as runner_mod
+    from rlspec.rollout.runtime.kv_cache import block_bytes
+    from rlspec.rollout.runtime.model.attention import BLOCK
 
     model = loader.from_hf_model(make_tiny_hf("llama"), torch.float32, "cpu")
     budget = KVBudget(memory_gb=6 * block_bytes(model.cfg, 2, BLOCK, torch.float32) / 2**30)
@@ -322,7 +322,7 @@ def test_cgroup_path_missing_in_this_namespace_falls_back_to_the_mount(tmp_path)
 
 
 def test_budget_ceiling_follows_the_tightest_limit(monkeypatch):
-    import rollout.runtime.kv_budget as kb
+    import rlspec.rollout.runtime.kv_budget as kb
 
     monkeypatch.setattr(kb, "address_space_headroom", lambda: 1000 * 1024)
     monkeypatch.setattr(kb, "cgroup_headroom", lambda: None)
@@ -341,7 +341,7 @@ def test_growth_mid_decode_under_cuda_graphs_and_flex_equals_a_presized_pool():
     """CUDA graphs hold the pool's addresses and FlexAttention reads the pool as one sequence: a pool that
     grows mid-decode (8 rows of up to 6 blocks of 128: 16 -> 32 at admission, -> 41 near step 380) drops
     its graphs and decodes exactly what a pool allocated at 41 blocks does."""
-    from rollout.runtime.model import attention
+    from rlspec.rollout.runtime.model import attention
 
     hf = make_tiny_hf("llama", seed=2)
     prompts = random_prompts(4, 2, 60, seed=3)

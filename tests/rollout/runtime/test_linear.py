@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.runtime.model.linear import Linear, pack_linears, packable, unpack_linears
-from rollout.types import SamplingParams
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.model.linear import Linear, pack_linears, packable, unpack_linears
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")

@@ -13,12 +13,12 @@ import pytest
 import torch
 import transformers as tf
 
-from rollout.engine import RolloutEngine
-from rollout.errors import UnsupportedModelError, WeightSyncError
-from rollout.runtime.graphs import build_step_batch
-from rollout.runtime.model import loader
-from rollout.runtime.model.config import ModelConfig
-from rollout.runtime.runner import ModelRunner
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.errors import UnsupportedModelError, WeightSyncError
+from rlspec.rollout.runtime.graphs import build_step_batch
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.runner import ModelRunner
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_model_parity import ATOL, _ours_full_logits
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from rollout.runtime.model import loader
-from rollout.runtime.runner import ModelRunner
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.runner import ModelRunner
 from tests.conftest import make_tiny_hf, random_prompts
 
 ATOL = 1e-4  # float32; the fused q|k|v and gate|up matmuls sum in a different order than HF

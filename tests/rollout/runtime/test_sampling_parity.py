@@ -12,9 +12,9 @@ import itertools
 import pytest
 import torch
 
-from rollout.runtime.history import TokenHistory
-from rollout.runtime.sampling import greedy_tokens, penalise, probs_from_logits
-from rollout.types import SamplingParams
+from rlspec.rollout.runtime.history import TokenHistory
+from rlspec.rollout.runtime.sampling import greedy_tokens, penalise, probs_from_logits
+from rlspec.rollout.types import SamplingParams
 from tests.rollout.law_helpers import hf_warpers
 
 
@@ -114,8 +114,8 @@ def test_node_histories_are_the_path_to_each_node(tree):
     to each node's explicit history (row tokens + path), which is what the verify's p must equal."""
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from rollout.speculation.draft_batch import build_draft_batch
-    from rollout.speculation.drafters.base import Draft
+    from rlspec.rollout.speculation.draft_batch import build_draft_batch
+    from rlspec.rollout.speculation.drafters.base import Draft
 
     V, g = 12, torch.Generator().manual_seed(4)
     rows = [[3, 4, 4, 9], [1, 2], [7]]

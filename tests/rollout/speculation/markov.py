@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-import rollout.speculation.verify as verify
+import rlspec.rollout.speculation.verify as verify
 from tests.rollout.law_helpers import chi2_pvalue, hf_warpers
 
 V, L, K, W = 5, 5, 3, 3

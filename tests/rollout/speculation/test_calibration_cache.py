@@ -9,13 +9,13 @@ import logging
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.speculation.calibration_cache import cache_file, calibration_key
-from rollout.speculation.selectors.bandit import AdaptiveSelector
-from rollout.speculation.selectors.base import Arm
-from rollout.speculation.speculation import Speculation
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.speculation.calibration_cache import cache_file, calibration_key
+from rlspec.rollout.speculation.selectors.bandit import AdaptiveSelector
+from rlspec.rollout.speculation.selectors.base import Arm
+from rlspec.rollout.speculation.speculation import Speculation
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 
@@ -127,7 +127,7 @@ def test_a_corrupt_file_is_ignored_with_a_warning(cache, caplog):
     calibrate(eng)
     (path,) = cache.glob("*.json")
     path.write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger="rollout.speculation.calibration_cache"):
+    with caplog.at_level(logging.WARNING, logger="rlspec.rollout.speculation.calibration_cache"):
         assert calibrate(suffix_engine(hf))
     assert "ignoring the calibration cache file" in caplog.text
     assert json.loads(path.read_text())["table"]  # rewritten whole
@@ -143,7 +143,7 @@ def test_a_file_of_another_key_is_not_trusted(cache, caplog):
     saved = json.loads(path.read_text())
     saved["key"]["dtype"] = "torch.float64"
     path.write_text(json.dumps(saved))
-    with caplog.at_level(logging.WARNING, logger="rollout.speculation.calibration_cache"):
+    with caplog.at_level(logging.WARNING, logger="rlspec.rollout.speculation.calibration_cache"):
         assert calibrate(suffix_engine(hf))
     assert "another key" in caplog.text
 

@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = textwrap.dedent('''
     import time
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.speculation.trainer_process import ProcessTrainer
-    from rollout.types import SamplingParams, SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.speculation.trainer_process import ProcessTrainer
+    from rlspec.rollout.types import SamplingParams, SpecConfig
     from tests.conftest import make_tiny_hf, random_prompts
 
     MODE = {mode!r}

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from rollout.runtime.device import DeviceTimer, synchronize
-from rollout.speculation.cost_model import CostModel
+from rlspec.rollout.runtime.device import DeviceTimer, synchronize
+from rlspec.rollout.speculation.cost_model import CostModel
 
 SECONDS_PER_TOKEN = 0.02
 

@@ -3,9 +3,9 @@ position, the buffer keeps it, and each loss is the divergence it claims to be."
 import pytest
 import torch
 
-from rollout.speculation.distill_losses import LOSSES, draft_target, get_loss
-from rollout.speculation.drafter_training import DrafterTrainer
-from rollout.speculation.feature_buffer import Dist, FeatureBuffer
+from rlspec.rollout.speculation.distill_losses import LOSSES, draft_target, get_loss
+from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+from rlspec.rollout.speculation.feature_buffer import Dist, FeatureBuffer
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.speculation.test_eagle3 import eagle_engine
 
@@ -83,7 +83,7 @@ def test_engine_stages_the_targets_distribution_at_generated_positions():
     trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, loss="kl", topk=8,
                                                             min_tokens=1))
     prompts = random_prompts(3, 4, 9, seed=11)
-    from rollout.types import SamplingParams
+    from rlspec.rollout.types import SamplingParams
 
     eng.generate(prompts, SamplingParams(temperature=0.8, max_new_tokens=16, seed=0, ignore_eos=True))
     buf = trainer.buffer
@@ -109,7 +109,7 @@ def test_every_loss_trains_the_drafter(loss):
     eng = eagle_engine(hf)
     trainer = eng.speculation.attach_trainer(DrafterTrainer(eng.speculation.learned, lr=3e-3, min_tokens=16,
                                                             batch=4, window=16, loss=loss, topk=8))
-    from rollout.types import SamplingParams
+    from rlspec.rollout.types import SamplingParams
 
     eng.generate(random_prompts(4, 4, 8), SamplingParams(temperature=1.0, max_new_tokens=30, seed=0, ignore_eos=True))
     first = trainer.train_steps(1)

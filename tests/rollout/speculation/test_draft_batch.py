@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from rollout.speculation.draft_batch import build_draft_batch
-from rollout.speculation.drafters.base import Draft
-from rollout.speculation.verify import verify_chain, verify_tree
-from rollout.types import SamplingParams
+from rlspec.rollout.speculation.draft_batch import build_draft_batch
+from rlspec.rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.verify import verify_chain, verify_tree
+from rlspec.rollout.types import SamplingParams
 
 V = 7
 

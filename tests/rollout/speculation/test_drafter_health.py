@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.runtime.model.config import ModelConfig
-from rollout.speculation.drafter_health import DrafterHealth, HealthConfig, compare, fingerprint
-from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.speculation.drafter_health import DrafterHealth, HealthConfig, compare, fingerprint
+from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from tests.conftest import make_tiny_hf
 
 

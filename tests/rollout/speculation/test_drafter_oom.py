@@ -4,9 +4,9 @@ import time
 
 import torch
 
-from rollout.speculation import drafter_training
-from rollout.speculation.drafter_training import DrafterTrainer
-from rollout.types import SamplingParams
+from rlspec.rollout.speculation import drafter_training
+from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.speculation.test_eagle3 import eagle_engine
 
@@ -83,9 +83,9 @@ def test_a_synchronous_caller_sees_the_back_off_not_the_error():
 def test_the_kv_pool_leaves_room_for_an_online_drafter_trainer_on_its_device():
     """The engine registers its thread trainer's estimate among the runner's reserves (the KV pool's growth keeps
     them free on CUDA: docs/runtime.md#memory-plan); without a trainer there is nothing to reserve."""
-    from rollout.engine import RolloutEngine
-    from rollout.runtime.model import loader
-    from rollout.types import SpecConfig
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.types import SpecConfig
 
     hf = make_tiny_hf("llama", seed=10)
     spec = SpecConfig(drafter="eagle3", online_training=True, online_trainer="thread")

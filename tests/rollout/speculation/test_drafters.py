@@ -3,10 +3,10 @@ import random
 
 import pytest
 
-from rollout.speculation.drafters.base import Draft, make_drafter
-from rollout.speculation.drafters.ngram import NgramDrafter, NgramIndex
-from rollout.speculation.drafters.suffix import SuffixDrafter, best_first
-from rollout.runtime.sequence import Sequence
+from rlspec.rollout.speculation.drafters.base import Draft, make_drafter
+from rlspec.rollout.speculation.drafters.ngram import NgramDrafter, NgramIndex
+from rlspec.rollout.speculation.drafters.suffix import SuffixDrafter, best_first
+from rlspec.rollout.runtime.sequence import Sequence
 
 
 def make_seq(prompt, completion=(), pi=0, si=0, max_new=1000) -> Sequence:

@@ -5,12 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout.speculation.drafter_training import DrafterTrainer
-from rollout.speculation.drafters.eagle3 import Eagle3Drafter
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import kernels, loader
-from rollout.speculation.selectors.longtail import Arm
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import kernels, loader
+from rlspec.rollout.speculation.selectors.longtail import Arm
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.law_helpers import one_thread  # noqa: F401  (fixture of the law tests)
 
@@ -181,8 +181,8 @@ def test_stop_rules_end_drafts_of_an_unsure_drafter(stop):
 def test_a_new_drafter_version_fades_the_selectors_evidence_rather_than_dropping_it():
     """The engine's side of the bandit rule: a version from the online trainer keeps part of the
     acceptance evidence (dropping it all sent the bandit back to its optimistic prior every step)."""
-    from rollout.speculation.selectors.base import OFF
-    from rollout.speculation.speculation import UPDATE_KEEP
+    from rlspec.rollout.speculation.selectors.base import OFF
+    from rlspec.rollout.speculation.speculation import UPDATE_KEEP
 
     hf = make_tiny_hf("llama", seed=14)
     eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2],
@@ -200,8 +200,8 @@ def test_a_new_drafter_version_fades_the_selectors_evidence_rather_than_dropping
 def test_draft_attention_equals_attention_over_context_and_drafts():
     """The draft steps' attention (context scored apart, in float32) equals one attention over the context
     and the draft keys concatenated, positions at or past each row's length hidden (they hold garbage)."""
-    from rollout.runtime.model.attention import attend_dense
-    from rollout.speculation.drafters.eagle3_draws import _DraftAttention
+    from rlspec.rollout.runtime.model.attention import attend_dense
+    from rlspec.rollout.speculation.drafters.eagle3_draws import _DraftAttention
 
     g = torch.Generator().manual_seed(0)
     R, H, KV, D, S = 3, 6, 2, 16, 20
@@ -225,7 +225,7 @@ def test_bf16_catch_up_attends_through_the_kernel(monkeypatch):
     what gathering them gave, up to bf16 rounding, on every catch-up of a rollout."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollout.runtime.model import fused
+    from rlspec.rollout.runtime.model import fused
 
     monkeypatch.setattr(fused, "enabled", False)  # the network's own step (the fused one: the next test)
     hf = make_tiny_hf("llama", seed=7, head_dim=32)
@@ -260,8 +260,8 @@ def test_fused_draft_steps_are_the_networks(monkeypatch):
     eager and fused greedy drafts agree, and at the first draw where they part, whose logits share a prefix); and
     decoding stays plain decoding's, token for token (the fused target step gives a token the same bits in a
     verify as alone, test_fused.py)."""
-    from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
-    from rollout.speculation.drafters.eagle3_model import Eagle3Model
+    from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
+    from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Model
 
     hf = make_tiny_hf("llama", seed=7, head_dim=32)
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
@@ -334,9 +334,9 @@ def test_chain_op_draws_each_token_from_the_networks_law(temperature):
     map; weights scaled up make q peaked and q1 depend on the first draw, so a second draw from q0, from another
     token's state or at another temperature fails (q1 moves by >= 0.1 between first draws)."""
     from tests.rollout.law_helpers import ALPHA, chi2_pvalue
-    from rollout.runtime.model.linear import fast_linear
-    from rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
-    from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+    from rlspec.rollout.runtime.model.linear import fast_linear
+    from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
+    from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 
     H, D, V, ctx = 64, 32, 16, 5
     cfg = Eagle3Config(H, 128, 2, 1, D, 1e-5, V, 6, (1, 1, 1))
@@ -399,8 +399,8 @@ def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(
     learns drafting's cost from the seconds without that backlog: drafting on every step never pays it. The first
     chain after plain steps has a backlog and the selector is told less than the proposal took; the chains after
     it, each catching up on the previous step's commit only, have none."""
-    from rollout.speculation.selectors.base import OFF
-    from rollout.speculation.speculation import Speculation
+    from rlspec.rollout.speculation.selectors.base import OFF
+    from rlspec.rollout.speculation.speculation import Speculation
 
     hf = make_tiny_hf("llama", seed=5)
     eng = eagle_engine(hf, k=3, force=False)

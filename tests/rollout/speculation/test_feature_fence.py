@@ -3,8 +3,8 @@ last write's event, each write for the reads queued before it (feature_buffer.py
 event logs the order of record and wait; the CUDA run is tests/gpu/test_cuda_device_order.py."""
 import torch
 
-from rollout.runtime.device import StreamFence
-from rollout.speculation.feature_buffer import FeatureBuffer
+from rlspec.rollout.runtime.device import StreamFence
+from rlspec.rollout.speculation.feature_buffer import FeatureBuffer
 
 WIDTH = 6
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.speculation.feature_buffer import Dist
-from rollout.padding import pad_rollouts
-from rollout.speculation.feature_tap import FeatureTap, feed_pass, feed_results
-from rollout.speculation.intake import TrainerIntake
-from rollout.speculation.selectors.longtail import Arm
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.speculation.feature_buffer import Dist
+from rlspec.rollout.padding import pad_rollouts
+from rlspec.rollout.speculation.feature_tap import FeatureTap, feed_pass, feed_results
+from rlspec.rollout.speculation.intake import TrainerIntake
+from rlspec.rollout.speculation.selectors.longtail import Arm
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import random_prompts
 
 

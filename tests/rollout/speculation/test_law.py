@@ -17,8 +17,8 @@ replacement have their own engine-level tests in test_rsd.py.
 import pytest
 import torch
 
-from rollout.speculation.drafters.eagle3 import Eagle3Drafter
-from rollout.types import SamplingParams
+from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+from rlspec.rollout.types import SamplingParams
 from tests.rollout.law_helpers import (ALPHA, engine_samples, hf_exact_law, make_law_model, one_thread,  # noqa: F401
                                        sequence_pvalue, spy_siblings)
 from tests.rollout.spec_helpers import OracleDrafter
@@ -87,7 +87,7 @@ def test_model_free_trees_keep_the_law(hf, params, monkeypatch):
 def test_compiled_steps_keep_the_law(hf, width, k, monkeypatch):
     """The same law when the target's steps run compiled (rollout/runtime/compiled.py): every verify went
     through the compiled layer (counted), multi-token drafts were accepted, and trees branched."""
-    from rollout.runtime.compiled import CompiledRunner
+    from rlspec.rollout.runtime.compiled import CompiledRunner
 
     calls = {"T>1": 0}
     runners = []

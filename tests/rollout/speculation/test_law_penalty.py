@@ -13,9 +13,9 @@ full, sibling children tried after a rejection).
 import pytest
 import torch
 
-import rollout.runtime.history as history
-from rollout.speculation.drafters.eagle3 import Eagle3Drafter
-from rollout.types import SamplingParams
+import rlspec.rollout.runtime.history as history
+from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+from rlspec.rollout.types import SamplingParams
 from tests.rollout.law_helpers import (ALPHA, engine_samples, hf_exact_law, make_law_model, one_thread,  # noqa: F401
                                        sequence_pvalue, spy_siblings)
 from tests.rollout.spec_helpers import OracleDrafter

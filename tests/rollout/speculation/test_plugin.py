@@ -7,15 +7,15 @@ import textwrap
 
 import pytest
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.registry import DRAFTERS
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.registry import DRAFTERS
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 TOY = '''
 """Toy drafter: proposes the sequence's last token again, k times (a chain)."""
-from rollout.speculation.drafters.base import DRAFTERS, Draft
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
 
 
 class RepeatDrafter:

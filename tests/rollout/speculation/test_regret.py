@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from rollout.speculation.selectors.base import OFF, Arm
-from rollout.speculation.selectors.longtail import LongTailSelector
-from rollout.speculation.selectors.regret import RegretLedger
+from rlspec.rollout.speculation.selectors.base import OFF, Arm
+from rlspec.rollout.speculation.selectors.longtail import LongTailSelector
+from rlspec.rollout.speculation.selectors.regret import RegretLedger
 from tests.rollout.speculation.test_selector import World, calibrated, make
 
 FAST = Arm("suffix", 4)

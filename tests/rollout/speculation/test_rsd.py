@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-import rollout.speculation.drafters.eagle3_draws as eagle3_draws
-from rollout.runtime.sampling import sample_without_replacement
-from rollout.speculation.drafters.eagle3 import Eagle3Drafter
-from rollout.speculation.verify import verify_tree
-from rollout.types import SamplingParams
+import rlspec.rollout.speculation.drafters.eagle3_draws as eagle3_draws
+from rlspec.rollout.runtime.sampling import sample_without_replacement
+from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+from rlspec.rollout.speculation.verify import verify_tree
+from rlspec.rollout.types import SamplingParams
 from tests.rollout.law_helpers import ALPHA, chi2_pvalue, one_thread, sequence_pvalue, spy_siblings  # noqa: F401
 from tests.rollout.speculation.test_law import LENGTH, N, PROMPT, engine_samples, exact, hf  # noqa: F401  (fixture)
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket
-from rollout.speculation.selectors.arms import arm_name, default_arms, path_evidence
-from rollout.speculation.selectors.bandit import AdaptiveSelector
-from rollout.speculation.selectors.forced import ForcedSelector
-from rollout.speculation.selectors.longtail import OFF, Arm, LongTailSelector
+from rlspec.rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket
+from rlspec.rollout.speculation.selectors.arms import arm_name, default_arms, path_evidence
+from rlspec.rollout.speculation.selectors.bandit import AdaptiveSelector
+from rlspec.rollout.speculation.selectors.forced import ForcedSelector
+from rlspec.rollout.speculation.selectors.longtail import OFF, Arm, LongTailSelector
 
 DRAFTERS = ["suffix", "ngram", "eagle3"]
 BATCHES = [1, 3, 12, 48]  # buckets 1, 4, 16, 64
@@ -339,8 +339,8 @@ def test_tokens_by_depth_is_expected_tokens_bit_for_bit():
     so the batching changes no choice."""
     import random
 
-    from rollout.speculation.cost_model import AcceptanceTracker
-    from rollout.speculation.selectors.arms import expected_tokens, tokens_by_depth
+    from rlspec.rollout.speculation.cost_model import AcceptanceTracker
+    from rlspec.rollout.speculation.selectors.arms import expected_tokens, tokens_by_depth
 
     rng = random.Random(0)
     for _ in range(200):

@@ -13,16 +13,16 @@ import types
 import pytest
 import torch
 
-import rollout.engine
-import rollout.runtime.device
-import rollout.speculation.drafter_training
-import rollout.speculation.drafters.eagle3
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.runtime.sequence import Sequence
-from rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
-from rollout.speculation.drafters.suffix import SuffixDrafter
-from rollout.types import SamplingParams, SpecConfig
+import rlspec.rollout.engine
+import rlspec.rollout.runtime.device
+import rlspec.rollout.speculation.drafter_training
+import rlspec.rollout.speculation.drafters.eagle3
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.runtime.sequence import Sequence
+from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rlspec.rollout.speculation.drafters.suffix import SuffixDrafter
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 
@@ -204,7 +204,7 @@ def test_a_state_taken_while_the_thread_trains_is_consistent():
 
 
 def test_process_trainer_state_round_trips_through_the_child(tmp_path):
-    from rollout.speculation.trainer_process import ProcessTrainer
+    from rlspec.rollout.speculation.trainer_process import ProcessTrainer
 
     hf = make_tiny_hf("llama", seed=4)
     prompts = random_prompts(4, 4, 10, seed=4)
@@ -247,7 +247,7 @@ def test_process_trainer_state_round_trips_through_the_child(tmp_path):
 
 def test_process_trainer_state_loads_into_a_thread_trainer(tmp_path):
     """A run may resume on other hardware, where online_trainer="auto" picks a thread: same state."""
-    from rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
 
     hf = make_tiny_hf("llama", seed=4)
     a, ta = thread_trained_engine(hf)

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from rollout.engine import RolloutEngine
-from rollout.runtime.model import loader
-from rollout.speculation.drafter_training import DrafterTrainer
-from rollout.speculation.trainer_process import ProcessTrainer
-from rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+from rlspec.rollout.speculation.trainer_process import ProcessTrainer
+from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.speculation.test_eagle3 import eagle_engine, plain
 

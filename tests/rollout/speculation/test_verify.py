@@ -10,8 +10,8 @@ wrongly among them, is in test_verify_flaws.py.
 import pytest
 import torch
 
-import rollout.speculation.verify as verify
-from rollout.types import SamplingParams
+import rlspec.rollout.speculation.verify as verify
+from rlspec.rollout.types import SamplingParams
 from tests.rollout.law_helpers import ALPHA, one_thread  # noqa: F401  (fixture)
 from tests.rollout.speculation.markov import K, P_LOGITS, V, chain_step, sample_window, tree_step, window_pvalue
 
@@ -47,7 +47,7 @@ CASES = [(s, m) for s in sorted(SETTINGS) for m in CHAINS + TREES if not (s.ends
 def test_real_verifier_keeps_target_law(setting, mode, monkeypatch):
     """The window's joint law equals the target's; the paths the law depends on were exercised. Chains at T1 run
     through the CPU kernel where it is built (kernels/verify_chain.cpp: counted), and through the torch rule too."""
-    from rollout.runtime.model import kernels
+    from rlspec.rollout.runtime.model import kernels
 
     params = SETTINGS[setting]
     if setting.endswith("-torch"):

@@ -9,9 +9,9 @@ what it is given or what it returns), or change what the drafter tells the verif
 import pytest
 import torch
 
-import rollout.speculation.verify as verify
-from rollout.runtime.sampling import probs_from_logits, sample
-from rollout.types import SamplingParams
+import rlspec.rollout.speculation.verify as verify
+from rlspec.rollout.runtime.sampling import probs_from_logits, sample
+from rlspec.rollout.types import SamplingParams
 from tests.rollout.law_helpers import ALPHA
 from tests.rollout.speculation.markov import V, window_pvalue
 from tests.rollout.speculation.test_verify import _threads, one_thread, run  # noqa: F401  (fixtures)

@@ -8,9 +8,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-import rollout.workers.pool as pool_module  # noqa: E402
-from rollout.backend import build_backend  # noqa: E402
-from rollout.types import SamplingParams, SpecConfig  # noqa: E402
+import rlspec.rollout.workers.pool as pool_module  # noqa: E402
+from rlspec.rollout.backend import build_backend  # noqa: E402
+from rlspec.rollout.types import SamplingParams, SpecConfig  # noqa: E402
 from tests.conftest import make_tiny_hf, random_prompts  # noqa: E402
 
 SPEC = SpecConfig(drafter="eagle3", num_draft_tokens=2, selector="always", online_training=True, draft_vocab_size=64)
@@ -21,7 +21,7 @@ PARAMS = SamplingParams(temperature=0.9, n=3, max_new_tokens=16, seed=1, ignore_
 
 @pytest.fixture(scope="module")
 def pool():
-    from rollout.workers import cluster
+    from rlspec.rollout.workers import cluster
 
     cluster.connect(num_cpus=2)
     p = build_backend("ray", make_tiny_hf("llama", seed=5), None, SPEC, workers=1, groups_per_task=2,

@@ -16,11 +16,11 @@ import pytest
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from rollout.types import SamplingParams  # noqa: E402
-from rollout.workers import cluster  # noqa: E402
-from rollout.workers.dispatch import DispatchStats, run_tasks  # noqa: E402
-from rollout.errors import RolloutBackendLost, RolloutWorkerError  # noqa: E402
-from rollout.workers.tasks import split  # noqa: E402
+from rlspec.rollout.types import SamplingParams  # noqa: E402
+from rlspec.rollout.workers import cluster  # noqa: E402
+from rlspec.rollout.workers.dispatch import DispatchStats, run_tasks  # noqa: E402
+from rlspec.rollout.errors import RolloutBackendLost, RolloutWorkerError  # noqa: E402
+from rlspec.rollout.workers.tasks import split  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -43,7 +43,7 @@ class Toy:
         if self.mode == "exit":
             os._exit(1)
         if self.mode == "stale":
-            from rollout.workers.worker import StaleWeightsError
+            from rlspec.rollout.workers.worker import StaleWeightsError
 
             raise StaleWeightsError("holds policy version 0, the pool asked for 1")
         return [task.index]
@@ -101,10 +101,10 @@ def test_a_dropped_worker_is_killed_and_no_worker_left_is_backend_lost(local_ray
 
 CHILD = textwrap.dedent("""
     import os, sys, time, psutil, ray
-    from rollout.backend import build_backend
-    from rollout.types import SamplingParams
-    from rollout.workers import cluster
-    from rollout.errors import RolloutBackendLost
+    from rlspec.rollout.backend import build_backend
+    from rlspec.rollout.types import SamplingParams
+    from rlspec.rollout.workers import cluster
+    from rlspec.rollout.errors import RolloutBackendLost
     from tests.conftest import make_tiny_hf
 
     cluster.connect(num_cpus=1)

@@ -12,10 +12,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rollout.backend import RolloutBackend, build_backend  # noqa: E402
-from rollout.engine import RolloutEngine  # noqa: E402
-from rollout.types import SamplingParams, SpecConfig  # noqa: E402
-from rollout.workers.tasks import generate_in_tasks  # noqa: E402
+from rlspec.rollout.backend import RolloutBackend, build_backend  # noqa: E402
+from rlspec.rollout.engine import RolloutEngine  # noqa: E402
+from rlspec.rollout.types import SamplingParams, SpecConfig  # noqa: E402
+from rlspec.rollout.workers.tasks import generate_in_tasks  # noqa: E402
 from tests.conftest import make_tiny_hf, random_prompts  # noqa: E402
 
 ENGINE = dict(max_model_len=160, max_num_seqs=16, dtype="float32")
@@ -24,7 +24,7 @@ PROMPTS = random_prompts(6, 4, 12, seed=2)
 
 @pytest.fixture(scope="module")
 def local_ray():
-    from rollout.workers import cluster
+    from rlspec.rollout.workers import cluster
 
     cluster.connect(num_cpus=2)  # 127.0.0.1 only, no dashboard
     yield
@@ -83,7 +83,7 @@ def test_two_workers_return_what_one_engine_returns_task_by_task(pool, hf):
 
 
 def test_bad_input_raises_the_engine_s_own_error_from_the_worker(pool):
-    from rollout.errors import PromptTooLongError
+    from rlspec.rollout.errors import PromptTooLongError
 
     with pytest.raises(PromptTooLongError, match="max_model_len"):
         pool.generate([list(range(3, 200))], params())
@@ -149,7 +149,7 @@ def test_a_killed_worker_s_tasks_are_retried_on_the_survivor(pool, hf):
 def test_a_dead_drafter_trainer_is_backend_lost_and_close_still_kills_every_actor(pool):
     """After the killed-worker test: the hub dies; the next call says so (a trainer checkpoints on it),
     close() does not raise over it and kills the workers, and export_drafter reports what close() hit."""
-    from rollout.errors import RolloutBackendLost, RolloutWorkerError
+    from rlspec.rollout.errors import RolloutBackendLost, RolloutWorkerError
 
     ray.kill(pool.hub, no_restart=True)
     with pytest.raises(RolloutBackendLost, match="drafter trainer(.|\n)*died(.|\n)*resume=auto"):

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.engine import RolloutEngine
-from rollout.types import SamplingParams
-from rollout.workers.stats import merge_stats
-from rollout.workers.tasks import generate_in_tasks, split, task_seed
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.types import SamplingParams
+from rlspec.rollout.workers.stats import merge_stats
+from rlspec.rollout.workers.tasks import generate_in_tasks, split, task_seed
 from tests.conftest import make_tiny_hf, random_prompts
 
 PROMPTS = random_prompts(5, 4, 10, seed=7)

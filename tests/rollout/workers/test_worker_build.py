@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from rollout.types import SamplingParams  # noqa: E402
-from rollout.workers.pool import _policy_blob  # noqa: E402
-from rollout.workers.worker import _build_engine  # noqa: E402
+from rlspec.rollout.types import SamplingParams  # noqa: E402
+from rlspec.rollout.workers.pool import _policy_blob  # noqa: E402
+from rlspec.rollout.workers.worker import _build_engine  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 from tests.rollout.family_helpers import make_family  # noqa: E402
 from tests.rollout.test_engine_ar import engine_for  # noqa: E402

@@ -85,8 +85,8 @@ def _build() -> None:
     global _loaded
     if _loaded:
         return
-    from rollout.runtime.model.fetch import cache_root
-    from rollout.runtime.model.kernels.build import load_library
+    from rlspec.rollout.runtime.model.fetch import cache_root
+    from rlspec.rollout.runtime.model.kernels.build import load_library
 
     digest = source_digest()
     load_library(f"rlspec_kernels_{digest}", SOURCES, FLAGS, ["-fopenmp"], cache_root() / "kernels" / digest)

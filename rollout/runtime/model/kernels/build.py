@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from rollout.runtime.model.kernels.trust import private_dir, untrusted_reason
+from rlspec.rollout.runtime.model.kernels.trust import private_dir, untrusted_reason
 
 LOCK_TIMEOUT_ENV = "RLSPEC_KERNEL_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT = 300.0  # a first build takes ~30 s on a free machine, minutes on a loaded one
