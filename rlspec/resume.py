@@ -77,7 +77,7 @@ def _resume_point(cfg: Config, out: Path, main_process: bool) -> str | None:
     if cfg.resume == "auto":
         path, skipped = dirs.find_resumable_checkpoint(out)
         for s in skipped:
-            print(f"rlspec.train: resume=auto skips the half-written {s}", file=sys.stderr, flush=True)
+            print(f"rlspec.train: resume=auto skips the {s.kind} {s}", file=sys.stderr, flush=True)
         if path is None:
             print(f"rlspec.train: resume=auto: no complete checkpoint in {out}; starting at step 0", flush=True)
             return None

@@ -115,7 +115,8 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         trainer.train(resume_from_checkpoint=resume_from)
         trainer.save_final_model(out / "final")  # through a temporary directory; a collective under ZeRO-3
     except (TrainingInterrupted, NonFiniteLogitsError, RolloutBackendLost) as exc:  # planned: the checkpoint is the state
-        status = {TrainingInterrupted: "interrupted", NonFiniteLogitsError: "nonfinite"}.get(type(exc), "backend_lost")
+        status = "interrupted" if isinstance(exc, TrainingInterrupted) else \
+            "nonfinite" if isinstance(exc, NonFiniteLogitsError) else "backend_lost"
         error = f"{type(exc).__name__}: {exc}"
         raise
     except (Exception, KeyboardInterrupt) as exc:

@@ -37,8 +37,8 @@ from transformers import TrainerCallback
 from rlspec.rollout.errors import NonFiniteLogitsError, RolloutBackendLost
 from rlspec.trainers import checkpoint_dirs as dirs
 from rlspec.trainers import run_files, run_lock
-from rlspec.trainers.interrupts import (StopOnSignal, TrainingInterrupted, check_on_nonfinite, first_nonfinite_parameter,
-                                 nonfinite_message, stop_on_signals)
+from rlspec.trainers.interrupts import (NonFiniteWeightsError, StopOnSignal, TrainingInterrupted, check_on_nonfinite,
+                                        first_nonfinite_parameter, nonfinite_message, stop_on_signals, weights_finite)
 from rlspec.trainers.resume_point import explicit_checkpoint, roll_back
 
 STATE_FORMAT = 1
@@ -83,6 +83,8 @@ class CheckpointMixin:
         try:
             with stop_on_signals(stopper):
                 output = super().train(resume, *args, **kwargs)
+        except NonFiniteWeightsError:
+            raise  # nothing to save: the weights are what is wrong
         except NonFiniteLogitsError as exc:
             raise self._stop_on_nonfinite(exc) from exc
         except RolloutBackendLost as exc:
@@ -106,7 +108,7 @@ class CheckpointMixin:
         if resume is True:
             path, skipped = dirs.find_resumable_checkpoint(self.args.output_dir)
             for s in skipped:
-                print(f"rlspec: resume skips the half-written {s}", file=sys.stderr, flush=True)
+                print(f"rlspec: resume skips the {s.kind} {s}", file=sys.stderr, flush=True)
             if path is None:
                 raise ValueError(f"no complete checkpoint in {self.args.output_dir} to resume from")
         else:
@@ -185,6 +187,7 @@ class CheckpointMixin:
         then the completion marker and one rename; then rotation of complete checkpoints only."""
         run_dir, step = Path(self._run_dir(trial)), self.state.global_step
         staging, name = run_dir / f"{dirs.TMP_PREFIX}{step}", dirs.checkpoint_name(step)
+        self.check_weights_finite(f"checkpoint-{step}")
         if self.args.should_save:
             run_files.record(run_dir, staging.name, name)  # before they exist: overwrite and rotation may delete them
             shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while writing this step
@@ -203,8 +206,26 @@ class CheckpointMixin:
             self._publish(staging, name, run_dir)
         self.accelerator.wait_for_everyone()
 
+    def check_weights_finite(self, what: str) -> None:
+        """Raise NonFiniteWeightsError when a weight of the policy is NaN/inf, so that `what` (a checkpoint, the
+        final model) is never written from them; on every process (one flag reduced across them)."""
+        finite = weights_finite(self.model)
+        if self.args.world_size > 1:
+            flag = torch.tensor([0.0 if finite else 1.0], device=self.args.device)
+            finite = float(self.accelerator.reduce(flag, reduction="sum").item()) == 0.0
+        if finite:
+            return
+        bad = first_nonfinite_parameter(self.model)
+        newest, _ = dirs.find_resumable_checkpoint(self._run_dir())
+        raise NonFiniteWeightsError(
+            f"step {self.state.global_step}: the policy's weights are NaN/inf ({bad or 'on another process'}): "
+            f"{what} was not written, so no finite checkpoint is rotated out; the newest complete checkpoint is "
+            f"{newest or 'none'}. Fix the cause (a lower learning rate, max_grad_norm, dtype=float32, a reward that "
+            "can be inf), then continue with resume=auto.", bad, str(newest) if newest else None)
+
     def _publish(self, staging: Path, name: str, run_dir: Path) -> None:
-        dirs.write_marker(staging / name, self.state.global_step, current_wandb_run_id())
+        # the files are fsynced before the marker, the marker last, the rename fsynced, then rotation
+        dirs.write_marker(staging / name, self.state.global_step, current_wandb_run_id(), finite=True)
         dirs.publish(staging / name, run_dir / name)
         shutil.rmtree(staging, ignore_errors=True)
         best = self.state.best_model_checkpoint
@@ -234,6 +255,7 @@ class CheckpointMixin:
         ZeRO-3: every process calls it."""
         final = Path(path)
         tmp = final.with_name(f"tmp-{final.name}")
+        self.check_weights_finite(f"the final model {final}")
         if self.args.should_save:
             run_files.record(final.parent, tmp.name, final.name)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -241,6 +263,7 @@ class CheckpointMixin:
         self.save_model(str(tmp))
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
+            dirs.sync_tree(tmp)
             dirs.publish(tmp, final)
         self.accelerator.wait_for_everyone()
 

@@ -4,7 +4,8 @@ Plain files and names, no torch: the CLI reads these before any heavy import (re
 to start into a used output_dir). What a checkpoint holds and how it is written is trainers/checkpoint.py.
 
     checkpoint-N/               a checkpoint; complete only when it holds rlspec_complete.json
-    checkpoint-N/rlspec_complete.json   written last: {"step", "time", "wandb_run_id"}
+    checkpoint-N/rlspec_complete.json   written last: {"step", "time", "wandb_run_id", "finite", "files",
+                                "digest"}: every file's size, and a checksum of that list
     tmp-checkpoint-N/           a checkpoint being written (renamed to checkpoint-N when complete)
     tmp-old-checkpoint-N/       a same-step checkpoint being replaced (publish(), between its two renames)
     abandoned-<date>-from-N/    checkpoints newer than N, set aside when a run resumed from N (an operator's
@@ -13,13 +14,18 @@ to start into a used output_dir). What a checkpoint holds and how it is written 
 transformers' get_last_checkpoint and rotation match only `checkpoint-<digits>`, so they never see a
 temporary directory; a checkpoint-N without the marker (a checkpoint written by a crashed run of an
 older layout, a plain HF/TRL checkpoint, or a copy cut short) is skipped by resume=auto and reported.
-scan() first finishes or undoes a publish() that a crash cut short (recover()). Rotation deletes complete
+Durable: every file and directory of a checkpoint is fsynced before its marker, the marker (itself fsynced)
+is written last, and the rename is fsynced before rotation deletes anything; still, a file system may lose
+data it acknowledged (a power loss on a cache that lies), so the scan trusts a marker only when the sizes it
+lists match the files and its checksum matches: a torn checkpoint is skipped and reported like a
+half-written one. scan() first finishes or undoes a publish() that a crash cut short (recover()). Rotation deletes complete
 checkpoints (the marker is rlspec's) and half-written directories the run recorded in its manifest
 (trainers/run_files.py), never an entry of the user's.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -49,6 +55,7 @@ class Skipped:
     path: Path
     step: int
     reason: str
+    kind: str = "half-written"  # or "damaged": marked complete, but its files do not match the marker
 
     def __str__(self) -> str:
         return f"{self.path} ({self.reason})"
@@ -59,26 +66,97 @@ def checkpoint_name(step: int) -> str:
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    """Whether the checkpoint directory was finished: its completion marker is there and readable."""
-    return read_marker(path) is not None
+    """Whether the checkpoint directory was finished: its completion marker is there and readable, and the
+    files it lists are there with their sizes (verify())."""
+    return read_marker(path) is not None and verify(path) is None
 
 
 def read_marker(path: str | os.PathLike) -> dict | None:
     """The completion marker's content, or None when the directory is half-written."""
     try:
-        return json.loads((Path(path) / MARKER).read_text())
+        marker = json.loads((Path(path) / MARKER).read_text())
     except (OSError, ValueError):
         return None
+    return marker if isinstance(marker, dict) else None
 
 
-def write_marker(path: str | os.PathLike, step: int, wandb_run_id: str | None) -> None:
-    """Write the completion marker (last, and itself through a rename, so it is whole or absent)."""
-    final = Path(path) / MARKER
+def verify(path: str | os.PathLike) -> str | None:
+    """Why a marked checkpoint cannot be trusted (None when it can): its marker's checksum does not match its
+    file list, a listed file is missing or has another size (a write the disk lost after the marker: a power
+    loss, a node reboot), or the marker says its weights were not finite. A marker without a file list (an
+    older rlspec's) is trusted as it was."""
+    root = Path(path)
+    marker = read_marker(root)
+    if marker is None:
+        return f"no {MARKER}"
+    if marker.get("finite") is False:
+        return "its weights are not finite"
+    files = marker.get("files")
+    if files is None:
+        return None
+    if not isinstance(files, dict) or marker.get("digest") != _digest(files):
+        return f"its {MARKER} does not match its own checksum"
+    for rel, size in files.items():
+        try:
+            got = os.lstat(root / rel).st_size
+        except OSError:
+            return f"{rel} is missing (its {MARKER} lists it)"
+        if got != size:
+            return f"{rel} is {got} bytes, its {MARKER} recorded {size}: the write was lost after the marker"
+    return None
+
+
+def _digest(files: dict) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_sizes(path: str | os.PathLike) -> dict[str, int]:
+    """Every regular file under a directory (relative path -> size), the marker aside."""
+    root = Path(path)
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name not in (MARKER, MARKER + ".tmp")}
+
+
+def sync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under path (and path itself): what the marker vouches for is on disk."""
+    root = Path(path)
+    for p in sorted(root.rglob("*"), reverse=True):  # files before the directories holding them
+        if not p.is_symlink():
+            fsync_path(p)
+    fsync_path(root)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (a directory's fsync makes its entries durable: a rename, a new file)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # a file system that cannot fsync a directory (some network ones): the files still were
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_marker(path: str | os.PathLike, step: int, wandb_run_id: str | None, finite: bool | None = None) -> None:
+    """Write the completion marker last: the checkpoint's files are fsynced first, the marker lists their sizes
+    (and a checksum of that list) and goes in through a rename, so it is whole or absent. finite: whether the
+    weights were checked finite (None: not checked)."""
+    root = Path(path)
+    sync_tree(root)
+    files = file_sizes(root)
+    final = root / MARKER
     tmp = final.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "time": time.time(), "wandb_run_id": wandb_run_id}))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    body = {"step": step, "time": time.time(), "wandb_run_id": wandb_run_id, "files": files, "digest": _digest(files)}
+    if finite is not None:
+        body["finite"] = finite
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        os.write(fd, json.dumps(body).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, final)
+    fsync_path(root)
 
 
 def scan(output_dir: str | os.PathLike) -> tuple[list[tuple[int, Path]], list[Skipped]]:
@@ -93,7 +171,10 @@ def scan(output_dir: str | os.PathLike) -> tuple[list[tuple[int, Path]], list[Sk
         if not entry.is_dir():
             continue
         if m := _CHECKPOINT.match(entry.name):
-            if is_complete(entry):
+            if read_marker(entry) is not None and (why := verify(entry)) is not None:
+                skipped.append(Skipped(entry, int(m.group(1)), f"marked complete, but {why}; resume=auto passes "
+                                       "over it", kind="damaged"))
+            elif is_complete(entry):
                 complete.append((int(m.group(1)), entry))
             else:
                 skipped.append(Skipped(entry, int(m.group(1)), f"no {MARKER}: it was being written when the run "
@@ -136,9 +217,11 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
+        fsync_path(final.parent)  # the new copy's name is durable before the old copy goes
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+        fsync_path(final.parent)
 
 
 def recover(output_dir: str | os.PathLike) -> list[str]:
@@ -218,12 +301,15 @@ def set_aside_newer(output_dir: str | os.PathLike, step: int) -> tuple[Path | No
 def rotate(output_dir: str | os.PathLike, limit: int | None, protect: list[Path] = ()) -> list[Path]:
     """Delete the oldest complete checkpoints beyond `limit` (None or <= 0: keep all) and the half-written
     directories older than the newest complete checkpoint that this run recorded in its manifest (never a
-    user's). Never deletes the newest complete checkpoint or a path in `protect` (the one just written, the
-    best model, the one the run resumed from). Returns what was deleted."""
+    user's). Never deletes the newest complete checkpoint, the newest one whose weights were checked finite, or
+    a path in `protect` (the one just written, the best model, the one the run resumed from). Returns what was deleted."""
     complete, skipped = scan(output_dir)
     if not complete:
         return []
     keep = {complete[-1][1].resolve(), *(Path(p).resolve() for p in protect)}
+    finite = [p for _, p in complete if (read_marker(p) or {}).get("finite") is True]
+    if finite:  # the newest whose weights were checked finite stays, whatever newer ones hold
+        keep.add(finite[-1].resolve())
     ours = set(run_files.recorded(output_dir))
     doomed = [s.path for s in skipped if s.step < complete[-1][0] and s.path.name in ours]
     if limit is not None and limit > 0:

@@ -18,6 +18,8 @@ import threading
 
 from transformers import TrainerCallback
 
+from rlspec.rollout.errors import NonFiniteLogitsError
+
 ON_NONFINITE = ("stop", "skip_batch")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -90,6 +92,29 @@ def check_on_nonfinite(value: str) -> str:
     if value not in ON_NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {list(ON_NONFINITE)}, got {value!r}")
     return value
+
+
+class NonFiniteWeightsError(NonFiniteLogitsError):
+    """The policy's weights were NaN/inf when a checkpoint or the final model was due: nothing was written (a
+    checkpoint of them would only push good ones out of the rotation). checkpoint: the newest complete one."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, param: str | None, checkpoint: str | None):
+        super().__init__(message, first_bad=param)
+        self.param, self.checkpoint = param, checkpoint
+
+
+def weights_finite(model) -> bool:
+    """Whether every parameter is finite: one isfinite-all per tensor on its own device, stacked, and a single
+    host sync (no copy of the weights, no pass per element in Python)."""
+    import torch
+
+    flags = [torch.isfinite(p).all() for p in model.parameters() if p.numel()]
+    if not flags:
+        return True
+    device = flags[0].device
+    return bool(torch.stack([f.to(device) for f in flags]).all())
 
 
 def first_nonfinite_parameter(model) -> str | None:

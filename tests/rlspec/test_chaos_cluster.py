@@ -1,0 +1,107 @@
+"""Faults of long runs on clusters, injected for real through the CLI on the tiny float32 model (docs/resume.md,
+"Faults and what happens"): a NaN written into the policy at a save step, a shard torn after its marker, a
+user's drafter/ in output_dir."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.rlspec import resume_driver as driver
+
+pytest.importorskip("trl")
+pytest.importorskip("rlspec.rollout.engine")
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    for var in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    driver.register_reward(monkeypatch)
+    model_dir = driver.build_model(tmp_path / "tiny")
+    return model_dir, driver.cli_args(model_dir) + ["grpo.save_total_limit=1"]
+
+
+def _add_callback(monkeypatch, train, callback) -> None:
+    build = train.build_trainer
+
+    def build_with(cfg, out):
+        trainer, summary_cb = build(cfg, out)
+        trainer.add_callback(callback(trainer))
+        return trainer, summary_cb
+
+    monkeypatch.setattr(train, "build_trainer", build_with)
+
+
+def _nan_at_end_of(step: int):
+    from transformers import TrainerCallback
+
+    class NanAtStepEnd(TrainerCallback):
+        """One NaN weight at the end of step `step`, after the optimizer and before the Trainer's save."""
+
+        def __init__(self, trainer):
+            self.trainer = trainer
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                import torch
+
+                with torch.no_grad():
+                    next(self.trainer.model.parameters()).view(-1)[0] = float("nan")
+
+    return NanAtStepEnd
+
+
+def _finite(path: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    return all(bool(torch.isfinite(t).all()) for t in load_file(str(path / "model.safetensors")).values())
+
+
+def test_a_nan_at_a_save_step_is_never_a_checkpoint_and_resume_continues_from_the_last_finite(tiny, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """save_steps=2, save_total_limit=1, NaN at the end of step 4: checkpoint-4 is not written, checkpoint-2 stays
+    (rotation never ran for a checkpoint that was not published), exit 1 naming the parameter and checkpoint-2;
+    resume=auto continues from checkpoint-2 to the end."""
+    import rlspec.train as train
+
+    _, args = tiny
+    out = tmp_path / "out"
+    run = args + [f"output_dir={out}", "grpo.max_steps=4", "grpo.save_steps=2"]
+    _add_callback(monkeypatch, train, _nan_at_end_of(4))
+    assert train.main(run) == 1
+    err = capsys.readouterr().err
+    assert "weights are NaN/inf" in err and "checkpoint-4 was not written" in err and "checkpoint-2" in err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"] and _finite(out / "checkpoint-2")
+    assert not (out / "tmp-checkpoint-4").exists() and not (out / "crash").exists()
+    assert json.loads((out / "summary.json").read_text())["status"] == "nonfinite"
+    monkeypatch.undo()
+    driver.register_reward(monkeypatch)
+    assert train.main(run + ["resume=auto"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"] and _finite(out / "checkpoint-4")
+    assert _finite(out / "final")
+
+
+def test_a_shard_torn_after_its_marker_is_skipped_with_a_message(tiny, tmp_path, capsys):
+    """checkpoint-3 marked complete, then its weights truncated (a write the disk lost in a power loss):
+    resume=auto names it and why, continues from checkpoint-2 and rewrites checkpoint-3 whole."""
+    import rlspec.train as train
+
+    _, args = tiny
+    out = tmp_path / "out"
+    run = args[:-1] + ["grpo.save_total_limit=3", f"output_dir={out}", "grpo.save_steps=1"]
+    assert train.main(run + ["grpo.max_steps=3"]) == 0
+    shard = out / "checkpoint-3" / "model.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    capsys.readouterr()
+    assert train.main(run + ["grpo.max_steps=4", "resume=auto"]) == 0
+    cap = capsys.readouterr()
+    assert "skips the damaged" in cap.err and "checkpoint-3" in cap.err and "model.safetensors is" in cap.err
+    assert f"resuming from {out / 'checkpoint-2'}" in cap.out
+    assert _finite(out / "checkpoint-3") and json.loads((out / "summary.json").read_text())["status"] == "finished"
