@@ -28,11 +28,12 @@ from rlspec.trainers import checkpoint_dirs as dirs
 from rlspec.trainers import run_files, run_lock
 from rlspec.trainers.resume_point import explicit_checkpoint, roll_back
 
-# what a run writes in output_dir besides checkpoints and final/ (recorded in the manifest when the run starts;
-# W&B's own directory aside: it keeps runs by id and is never deleted)
+# what a run writes in output_dir besides checkpoints and final/: each is recorded in the manifest just before
+# the run writes it (run_files.claim), and one of the user's already there is left alone, never claimed (W&B's
+# own directory aside: it keeps runs by id and is never deleted)
 RUN_OUTPUTS = ("crash", "drafter", "summary.json")
-# names a run writes: an entry so named that rlspec did not write would be overwritten or mixed into the run
-_RUN_NAMES = re.compile(rf"^(final|tmp-final|crash|drafter|summary\.json|{dirs.PREFIX}-\d+|{dirs.TMP_PREFIX}\d+|"
+# names a run writes into, mixing its files with what is there: an entry so named that rlspec did not write
+_RUN_NAMES = re.compile(rf"^(final|tmp-final|{dirs.PREFIX}-\d+|{dirs.TMP_PREFIX}\d+|"
                         rf"{dirs.OLD_PREFIX}.*|{dirs.ABANDONED_PREFIX}.*)$")
 _RUN_ID_WE_SET = "_RLSPEC_WANDB_RUN_ID"  # to tell our WANDB_RUN_ID of an earlier run() from a user's
 
@@ -65,11 +66,13 @@ def prepare_output_dir(cfg: Config, out: Path, main_process: bool = True) -> str
     and neither resume nor overwrite_output_dir says what to do with it. main_process: whether this process
     may change output_dir (overwrite, a rollback's set-aside, the manifest); with several processes only rank 0
     does."""
+    links = [out / n for n in run_files.BOOKKEEPING if (out / n).is_symlink()]
+    if links:
+        raise ConfigError(f"{_shown(links)} in output_dir {out} is a symlink: rlspec never writes through one there "
+                          "(it would write wherever the link points); remove it")
     resume_from = _resume_point(cfg, out, main_process)
     if resume_from is None and cfg.resume == "none":
         _start_over(cfg, out, main_process)
-    if main_process:
-        run_files.record(out, *RUN_OUTPUTS)
     return resume_from
 
 

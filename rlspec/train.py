@@ -14,6 +14,7 @@ alone writes what belongs to the run (rlspec/distributed.py, docs/distributed.md
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -66,7 +67,7 @@ def _planned_exit_code(exc: Exception) -> int | None:
         return 2
     if isinstance(exc, (NonFiniteLogitsError, RolloutBackendLost)):
         return 1
-    planned = ("TrainingInterrupted", "OutputDirLocked")
+    planned = ("TrainingInterrupted", "OutputDirLocked", "StoppedBySignal")
     return getattr(exc, "exit_code", None) if type(exc).__name__ in planned else None
 
 
@@ -88,8 +89,44 @@ def run(cfg: Config) -> dict[str, Any]:
     from rlspec.resume import output_dir_lock, resolve_output_dir
 
     out = resolve_output_dir(cfg.output_dir)
-    with output_dir_lock(out, main_process=_launch_rank() == 0):
+    with _sigterm_raises(), output_dir_lock(out, main_process=_launch_rank() == 0):
         return _run(cfg, out)
+
+
+class StoppedBySignal(Exception):
+    """SIGTERM outside the training loop (the model load, the drafter warm start, the final save): the run ends
+    through an exception, so the lock is released and nothing half-done is taken for done. exit_code: 143."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(f"{signal.Signals(signum).name} received before training started or after it ended: "
+                         "stopped; continue with resume=auto")
+        self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """From before the model loads: SIGTERM (Slurm and Kubernetes stop a job with it) raises StoppedBySignal
+    where it would end the process at once; inside train() the trainers' own handler stops at a step's end with
+    a checkpoint instead. SIGINT needs nothing: Python already raises KeyboardInterrupt. A handler the caller
+    installed is left in place; a no-op off the main thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise StoppedBySignal(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _run(cfg: Config, out: Path) -> dict[str, Any]:
@@ -114,8 +151,8 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
                 warm = warm_start_drafter(cfg, trainer)
         trainer.train(resume_from_checkpoint=resume_from)
         trainer.save_final_model(out / "final")  # through a temporary directory; a collective under ZeRO-3
-    except (TrainingInterrupted, NonFiniteLogitsError, RolloutBackendLost) as exc:  # planned: the checkpoint is the state
-        status = "interrupted" if isinstance(exc, TrainingInterrupted) else \
+    except (TrainingInterrupted, StoppedBySignal, NonFiniteLogitsError, RolloutBackendLost) as exc:  # planned
+        status = "interrupted" if isinstance(exc, (TrainingInterrupted, StoppedBySignal)) else \
             "nonfinite" if isinstance(exc, NonFiniteLogitsError) else "backend_lost"
         error = f"{type(exc).__name__}: {exc}"
         raise
@@ -124,7 +161,7 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         print(f"rlspec.train: training stopped by {error}; saving the current policy to {out / 'crash'}",
               file=sys.stderr)
         traceback.print_exc()
-        save_crash_model(trainer, out / "crash")
+        _save_crash(trainer, out, main, save_crash_model)
         raise
     finally:
         export_byproduct_drafter(cfg, trainer, out, main)  # on the crash path too: never lose the drafter
@@ -135,6 +172,25 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         else:  # summary.json and the table are the run's, written by rank 0
             summary = {"status": status, "error": error, "process_index": trainer.args.process_index}
     return summary
+
+
+def _save_crash(trainer, out: Path, main: bool, save_crash_model) -> None:
+    """The crash path's copy of the policy in <output_dir>/crash, unless a complete checkpoint of this very step
+    holds it already (no second full copy on a disk that may be full) or a `crash` of the user's is there."""
+    from rlspec.trainers import checkpoint_dirs as dirs
+    from rlspec.trainers import run_files
+
+    saved = out / dirs.checkpoint_name(trainer.state.global_step)
+    if dirs.is_complete(saved):
+        if main:
+            print(f"rlspec.train: the policy after step {trainer.state.global_step} is in {saved}; no crash copy "
+                  "written", file=sys.stderr)
+        return
+    if main and not run_files.claim(out, "crash"):
+        print(f"rlspec.train: {out / 'crash'} is not rlspec's: no crash copy written (the newest checkpoint "
+              "stands in for it)", file=sys.stderr)
+        return
+    save_crash_model(trainer, out / "crash")
 
 
 def _launch_rank() -> int:
@@ -283,8 +339,25 @@ def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict]
     }
     print(format_summary_table(rows))
     print(_digest(summary))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    from rlspec.trainers import run_files
+
+    if run_files.claim(out, "summary.json"):
+        write_new_file(out / "summary.json", json.dumps(summary, indent=2, default=str))
+    else:
+        print(f"rlspec.train: {out / 'summary.json'} is not rlspec's (or a symlink): the summary is not written "
+              "there", file=sys.stderr)
     return summary
+
+
+def write_new_file(path: Path, text: str) -> None:
+    """Write a file of the run's through a temporary name and a rename: never through a symlink."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 # (loss/, val/, objective/, policy/: PPO's curves, for `python -m rlspec.bench ppo`)
@@ -314,6 +387,12 @@ def export_byproduct_drafter(cfg: Config, trainer, out: Path, main: bool = True)
         return None
     engine.close()
     if not cfg.drafter.export or not main:
+        return None
+    from rlspec.trainers import run_files
+
+    if not run_files.claim(out, "drafter"):
+        print(f"rlspec.train: {out / 'drafter'} is not rlspec's: the drafter is not exported there (each "
+              "checkpoint-N/drafter holds it)", file=sys.stderr)
         return None
     try:
         path = engine.export_drafter(str(out / "drafter"))

@@ -83,8 +83,6 @@ class CheckpointMixin:
         try:
             with stop_on_signals(stopper):
                 output = super().train(resume, *args, **kwargs)
-        except NonFiniteWeightsError:
-            raise  # nothing to save: the weights are what is wrong
         except NonFiniteLogitsError as exc:
             raise self._stop_on_nonfinite(exc) from exc
         except RolloutBackendLost as exc:
@@ -187,7 +185,10 @@ class CheckpointMixin:
         then the completion marker and one rename; then rotation of complete checkpoints only."""
         run_dir, step = Path(self._run_dir(trial)), self.state.global_step
         staging, name = run_dir / f"{dirs.TMP_PREFIX}{step}", dirs.checkpoint_name(step)
-        self.check_weights_finite(f"checkpoint-{step}")
+        problem = self.nonfinite_weights(f"checkpoint-{step}")
+        if problem is not None:  # never published: it would push finite checkpoints out of the rotation
+            print(f"rlspec: {problem}", file=sys.stderr, flush=True)
+            return
         if self.args.should_save:
             run_files.record(run_dir, staging.name, name)  # before they exist: overwrite and rotation may delete them
             shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while writing this step
@@ -206,22 +207,22 @@ class CheckpointMixin:
             self._publish(staging, name, run_dir)
         self.accelerator.wait_for_everyone()
 
-    def check_weights_finite(self, what: str) -> None:
-        """Raise NonFiniteWeightsError when a weight of the policy is NaN/inf, so that `what` (a checkpoint, the
-        final model) is never written from them; on every process (one flag reduced across them)."""
+    def nonfinite_weights(self, what: str) -> str | None:
+        """None when every weight of the policy is finite; else a message saying that `what` (a checkpoint, the
+        final model) is not written from them. On every process (one flag reduced across them)."""
         finite = weights_finite(self.model)
         if self.args.world_size > 1:
             flag = torch.tensor([0.0 if finite else 1.0], device=self.args.device)
             finite = float(self.accelerator.reduce(flag, reduction="sum").item()) == 0.0
         if finite:
-            return
-        bad = first_nonfinite_parameter(self.model)
+            return None
+        self._nonfinite_param = bad = first_nonfinite_parameter(self.model)
         newest, _ = dirs.find_resumable_checkpoint(self._run_dir())
-        raise NonFiniteWeightsError(
-            f"step {self.state.global_step}: the policy's weights are NaN/inf ({bad or 'on another process'}): "
-            f"{what} was not written, so no finite checkpoint is rotated out; the newest complete checkpoint is "
-            f"{newest or 'none'}. Fix the cause (a lower learning rate, max_grad_norm, dtype=float32, a reward that "
-            "can be inf), then continue with resume=auto.", bad, str(newest) if newest else None)
+        self._newest_finite = str(newest) if newest else None
+        return (f"step {self.state.global_step}: the policy's weights are NaN/inf ({bad or 'on another process'}): "
+                f"{what} was not written, so no finite checkpoint is rotated out; the newest complete checkpoint is "
+                f"{newest or 'none'}. Fix the cause (a lower learning rate, max_grad_norm, dtype=float32, a reward "
+                "that can be inf), then continue with resume=auto.")
 
     def _publish(self, staging: Path, name: str, run_dir: Path) -> None:
         # the files are fsynced before the marker, the marker last, the rename fsynced, then rotation
@@ -255,7 +256,9 @@ class CheckpointMixin:
         ZeRO-3: every process calls it."""
         final = Path(path)
         tmp = final.with_name(f"tmp-{final.name}")
-        self.check_weights_finite(f"the final model {final}")
+        problem = self.nonfinite_weights(f"the final model {final}")
+        if problem is not None:
+            raise NonFiniteWeightsError(problem, self._nonfinite_param, self._newest_finite)
         if self.args.should_save:
             run_files.record(final.parent, tmp.name, final.name)
             shutil.rmtree(tmp, ignore_errors=True)

@@ -95,8 +95,9 @@ def check_on_nonfinite(value: str) -> str:
 
 
 class NonFiniteWeightsError(NonFiniteLogitsError):
-    """The policy's weights were NaN/inf when a checkpoint or the final model was due: nothing was written (a
-    checkpoint of them would only push good ones out of the rotation). checkpoint: the newest complete one."""
+    """The policy's weights were NaN/inf when the final model was due: it was not written (a checkpoint due at
+    such a step is skipped with a line instead: a checkpoint of them would only push good ones out of the
+    rotation). checkpoint: the newest complete one."""
 
     exit_code = 1
 

@@ -105,3 +105,39 @@ def test_a_shard_torn_after_its_marker_is_skipped_with_a_message(tiny, tmp_path,
     assert "skips the damaged" in cap.err and "checkpoint-3" in cap.err and "model.safetensors is" in cap.err
     assert f"resuming from {out / 'checkpoint-2'}" in cap.out
     assert _finite(out / "checkpoint-3") and json.loads((out / "summary.json").read_text())["status"] == "finished"
+
+
+EAGLE = ["drafter.drafter=eagle3", "drafter.warm_start_s=0", "drafter.online_trainer=thread", "drafter.draft_vocab_size=32"]
+
+
+def test_a_users_drafter_dir_survives_resume_auto_and_a_later_overwrite(tiny, tmp_path, capsys):
+    """output_dir holds the user's drafter/ (and nothing else): resume=auto starts at step 0, does not claim it
+    (not in the manifest, not exported over); overwrite_output_dir then deletes the run's files and not it."""
+    import rlspec.train as train
+    from rlspec.trainers import run_files
+
+    _, args = tiny
+    out = tmp_path / "out"
+    (out / "drafter").mkdir(parents=True)
+    (out / "drafter" / "notes.txt").write_text("mine")
+    run = args + [f"output_dir={out}", "grpo.max_steps=1"] + EAGLE
+    assert train.main(run + ["resume=auto"]) == 0
+    assert "drafter" not in run_files.recorded(out) and "is not rlspec's" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "drafter").iterdir()) == ["notes.txt"]
+    assert (out / "checkpoint-1" / "drafter" / "config.json").is_file()  # the drafter is still saved
+    assert train.main(run + ["overwrite_output_dir=true"]) == 0
+    assert (out / "drafter" / "notes.txt").read_text() == "mine"
+    assert "summary.json" in run_files.recorded(out) and (out / "final").is_dir()
+
+
+def test_a_symlinked_manifest_is_never_written_through(tmp_path):
+    from rlspec.trainers import run_files
+
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("mine\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / run_files.MANIFEST).symlink_to(target)
+    with pytest.raises(OSError, match="symlink"):
+        run_files.record(out, "checkpoint-1")
+    assert target.read_text() == "mine\n"

@@ -67,3 +67,15 @@ def test_inductor_s_compile_cache_is_not_kept_in_a_cache_others_can_write(tmp_pa
     with pytest.warns(UserWarning, match="inductor's compiled graphs"):
         path = inductor_cache_dir(str(shared))
     assert not Path(path).is_relative_to(shared) and os.environ["TORCHINDUCTOR_CACHE_DIR"] == path
+
+
+def test_a_symlink_in_a_directory_others_can_write_is_not_trusted_and_the_resolved_path_is_returned(tmp_path):
+    """A link to a private cache, kept in a world-writable (not sticky) directory: anyone can swap the link, so
+    the link's own directory counts; a trusted path comes back resolved, so what was checked is what is used."""
+    mine = _dir(tmp_path / "mine", 0o700)
+    shared = _dir(tmp_path / "shared", 0o777)
+    (shared / "cache").symlink_to(mine)
+    reason = untrusted_reason(shared / "cache" / "kernels")
+    assert reason is not None and f"{shared} is writable" in reason
+    (tmp_path / "link").symlink_to(mine)
+    assert private_dir(tmp_path / "link" / "k", "tests") == mine / "k"

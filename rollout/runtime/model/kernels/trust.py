@@ -19,17 +19,23 @@ from pathlib import Path
 
 
 def untrusted_reason(path: str | os.PathLike) -> str | None:
-    """Why other users could change what `path` holds, or None when they cannot. Checks the path itself (or,
-    while it does not exist yet, the nearest existing directory above it) and every directory up to /."""
+    """Why other users could change what `path` holds, or None when they cannot. Checks every directory on the
+    path as given (a symlink's own directory and the link's owner included: a link in a world-writable
+    directory can be swapped) and every directory of the path it resolves to, up to /; while the path does not
+    exist yet, the nearest existing directory above it."""
     uid = os.getuid()
+    given = Path(os.path.abspath(path))
     real = Path(os.path.realpath(path))  # after this no symlink is left to follow: each stat is the real thing
-    for p in (real, *real.parents):
+    for p, look in [*((q, os.lstat) for q in (given, *given.parents)), *((q, os.stat) for q in (real, *real.parents))]:
         try:
-            st = os.stat(p)
+            st = look(p)
         except FileNotFoundError:
             continue
         if st.st_uid not in (uid, 0):
-            return f"{p} is owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else ""
+            return f"{p} is {kind + ' ' if kind else ''}owned by uid {st.st_uid}, not by this user (uid {uid}) or root"
+        if stat.S_ISLNK(st.st_mode):  # a link's own mode bits mean nothing; its directory is checked next
+            continue
         sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
         if st.st_mode & 0o022 and not sticky_dir:
             who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit)
@@ -53,15 +59,16 @@ def make_private_dirs(path: Path) -> None:
 
 
 def private_dir(path: Path, what: str) -> Path:
-    """`path` (created 0700 where missing) when no other user can change it, else a new private temporary
-    directory for this process, with a warning saying why. what: names the contents in the warning."""
+    """`path` resolved (created 0700 where missing) when no other user can change it, else a new private
+    temporary directory for this process, with a warning saying why. what: names the contents in the warning.
+    The resolved path is what was checked: a link swapped after the check is never followed."""
     try:
         make_private_dirs(path)
         reason = untrusted_reason(path)
     except OSError as exc:
         reason = f"cannot create {path}: {exc}"
     if reason is None:
-        return path
+        return Path(os.path.realpath(path))
     fallback = Path(tempfile.mkdtemp(prefix="rlspec-private-"))
     atexit.register(shutil.rmtree, fallback, True)  # nobody else may use it: it goes with this process
     warnings.warn(f"rlspec: not using {path} for {what}: {reason}. Other users could replace the code loaded "
