@@ -67,7 +67,7 @@ def _planned_exit_code(exc: Exception) -> int | None:
         return 2
     if isinstance(exc, (NonFiniteLogitsError, RolloutBackendLost)):
         return 1
-    planned = ("TrainingInterrupted", "OutputDirLocked", "StoppedBySignal")
+    planned = ("TrainingInterrupted", "OutputDirLocked", "StoppedBySignal", "DatasetRowError")
     return getattr(exc, "exit_code", None) if type(exc).__name__ in planned else None
 
 

@@ -107,3 +107,61 @@ def test_both_trainers_refuse_a_long_prompt_at_construction_or_drop_it(tiny_llam
         assert trainer.dropped_long_prompts == 1 and len(trainer.train_dataset) == 14, name
         assert max(prompt_lengths(trainer.train_dataset, char_tokenizer)) < MAX_LEN, name
         trainer.engine.close()
+
+
+def _rows_with(**changes) -> datasets.Dataset:
+    rows = make_math_dataset(15, seed=0).to_dict()
+    for column, (row, value) in changes.items():
+        rows[column][row] = value
+    return datasets.Dataset.from_dict(rows)
+
+
+@pytest.mark.parametrize("prompt", [[{"role": "user", "content": "  "}], None, []])
+def test_an_empty_prompt_is_refused_naming_the_row(char_tokenizer, prompt):
+    from rlspec.trainers.preflight import DatasetRowError
+
+    with pytest.raises(DatasetRowError, match=r"row 4 of the train dataset has an empty or missing 'prompt'"):
+        check_dataset_prompts(_rows_with(prompt=(4, prompt)), char_tokenizer, MAX_LEN)
+    plain = datasets.Dataset.from_dict({"prompt": ["1 + 1 =", "", "2 + 2 ="]})
+    with pytest.raises(DatasetRowError, match="row 1 of"):
+        check_dataset_prompts(plain, char_tokenizer, MAX_LEN)
+
+
+def test_a_token_id_beyond_the_models_vocabulary_and_a_none_a_reward_reads_are_refused(char_tokenizer):
+    from rlspec.trainers.preflight import DatasetRowError
+
+    ds = make_math_dataset(15, seed=0)
+    lengths = prompt_lengths(ds, char_tokenizer)
+    top = max(max(x) for x in prompt_token_ids(char_tokenizer, list(ds["prompt"])))
+    check_dataset_prompts(ds, char_tokenizer, MAX_LEN, vocab_size=top + 1)  # every id in range: fine
+    with pytest.raises(DatasetRowError, match=f"token id {top} .* outside the model's vocabulary of {top} ids"):
+        check_dataset_prompts(ds, char_tokenizer, MAX_LEN, vocab_size=top)
+    assert lengths  # the same tokenization
+
+    def accuracy(completions, answer, **kwargs):
+        return [0.0] * len(completions)
+
+    bad = _rows_with(answer=(9, None))
+    with pytest.raises(DatasetRowError, match="row 9 of the train dataset have None in 'answer'"):
+        check_dataset_prompts(bad, char_tokenizer, MAX_LEN, reward_funcs=[accuracy])
+    check_dataset_prompts(bad, char_tokenizer, MAX_LEN, reward_funcs=[lambda completions, **kw: [0.0]])  # reads none
+
+
+def test_spec_grpo_refuses_an_out_of_vocabulary_row_at_construction(tiny_llama, char_tokenizer, tmp_path):
+    """A model whose embedding has fewer rows than the tokenizer has tokens: the first row using such a token is
+    named before step 1 (the engine would index past its embedding at that row's step)."""
+    import trl
+
+    from rlspec.trainers.grpo import SpecGRPOTrainer
+    from rlspec.trainers.preflight import DatasetRowError
+
+    vocab = len(char_tokenizer)
+    tiny_llama.resize_token_embeddings(vocab - 1)  # the last id ("~") has no row
+    ds = _rows_with(prompt=(6, [{"role": "user", "content": "What is 1 ~ 1?"}]))
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "g"), use_cpu=True, bf16=False, report_to=[],
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                          save_strategy="no")
+    with pytest.raises(DatasetRowError, match=f"row 6 of the train dataset hold token id {vocab - 1}"):
+        SpecGRPOTrainer(model=tiny_llama, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                        args=args, train_dataset=ds, processing_class=char_tokenizer,
+                        engine_kwargs=dict(max_model_len=MAX_LEN, max_num_seqs=8))
