@@ -116,7 +116,12 @@ def network_from_state(cls, cfg, state: dict) -> nn.Module:
 
 
 def _child_main(recipe: Recipe, ch) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole process group: the parent decides
+    # Ctrl-C, and Slurm's or a container runtime's SIGTERM, hit the whole process group: the parent decides (it
+    # saves this process's state in its checkpoint, then stops it); a parent gone is noticed in _serve
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # the parent started this process with them blocked
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     ch.outbox.cancel_join_thread()  # answers to a parent that stopped listening must not block exit
     if recipe.nice:
         os.nice(recipe.nice)

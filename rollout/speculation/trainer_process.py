@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import time
 import weakref
@@ -88,7 +89,7 @@ class ProcessTrainer:
                                    stats_buf=self._stats_buf, stats_len=self._stats_len, stats_lock=self._stats_lock,
                                    consumed=self._consumed)
         self._proc = ctx.Process(target=_child_main, args=(recipe, channels), name="drafter-trainer", daemon=True)
-        with _main_not_reimported():
+        with _main_not_reimported(), _signals_blocked():
             self._proc.start()
         self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop_evt)
 
@@ -144,7 +145,11 @@ class ProcessTrainer:
         first) plus the proxy's count of dropped samples, so a thread trainer loads it too; None
         when the child is gone (crashed, killed or stopped: its training state went with it) or its
         trainer has no state_dict."""
-        reply = self._request("state")
+        try:
+            reply = self._request("state")
+        except DrafterTrainerTimeout as exc:
+            log.warning("%s", exc)
+            reply = None
         if reply is None:
             log.warning("the drafter trainer's process gave no state (it is gone, or its trainer has no "
                         "state_dict): its training state is not in the checkpoint")
@@ -224,13 +229,15 @@ class ProcessTrainer:
 
     # ---- internals --------------------------------------------------------------------------------
     def _request(self, kind: str, *payload, timeout: float | None = None):
-        """Send a command and wait for its answer; None if the child dies (or `timeout` passes)."""
+        """Send a command and wait for its answer; None if the child dies. A child alive but silent for
+        `timeout` seconds (default: request_timeout_s()) raises DrafterTrainerTimeout."""
         if self._stopped or not self._proc.is_alive():
             return None
         req = next(self._req)
         self._inbox.put((kind, req, *payload))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while deadline is None or time.monotonic() < deadline:
+        timeout = request_timeout_s() if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             try:
                 got, value = self._outbox.get(timeout=0.2)
             except queue.Empty:
@@ -239,7 +246,11 @@ class ProcessTrainer:
                 continue
             if got == req:
                 return value
-        return None
+        raise DrafterTrainerTimeout(
+            f"the drafter trainer's process (pid {self._proc.pid}) did not answer a {kind!r} request within "
+            f"{timeout:.0f} s (RLSPEC_DRAFTER_TIMEOUT_S): it is stuck (a stopped process, a swapping host, a "
+            "deadlock in its torch threads). Its training state is not saved; resume=auto continues from the last "
+            "checkpoint.")
 
     def _snapshot(self, force: bool = False) -> dict:
         """The child's last metrics snapshot (cached when its lock is busy: never wait on the child)."""
@@ -253,6 +264,20 @@ class ProcessTrainer:
             if raw:
                 self._stats_cache = json.loads(raw)
         return self._stats_cache
+
+
+class DrafterTrainerTimeout(TimeoutError):
+    """The drafter trainer's process is alive but did not answer a request in time."""
+
+
+def request_timeout_s() -> float:
+    """How long a request to the drafter trainer's process may take (RLSPEC_DRAFTER_TIMEOUT_S, default 600 s: a
+    state copy of a large drafter, a train step on a busy CPU)."""
+    raw = os.environ.get("RLSPEC_DRAFTER_TIMEOUT_S", "").strip()
+    try:
+        return float(raw) if raw else 600.0
+    except ValueError:
+        raise ValueError(f"RLSPEC_DRAFTER_TIMEOUT_S={raw!r} is not a number of seconds (e.g. 600)") from None
 
 
 def make_trainer(drafter, spec):
@@ -289,6 +314,20 @@ def _shutdown(proc, stop_evt) -> None:
         if proc.is_alive():
             kill()
             proc.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+    """SIGTERM and SIGINT blocked in this thread while the child starts: the child inherits the mask, so a
+    signal to the process group during its start (imports take seconds) waits until it ignores them."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _recipe(drafter, factory, kwargs, threads, device, nice) -> Recipe:

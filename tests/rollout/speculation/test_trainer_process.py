@@ -127,3 +127,33 @@ def test_online_training_auto_is_off_on_a_cpu_target():
     eng.close()
     with pytest.raises(ValueError, match="online_training must be 'auto', true or false"):
         SpecConfig(drafter="eagle3", online_training="yes")
+
+
+def test_sigterm_to_the_group_leaves_the_child_to_the_parent_and_a_stuck_child_times_out(monkeypatch):
+    """Slurm signals the whole job: the child ignores SIGTERM (as SIGINT), so the parent still gets its state
+    for the checkpoint; a child alive but stopped answers no request, which fails with a clear error in time
+    (and state_dict, the checkpoint's call, gives None with a warning rather than hanging)."""
+    from rlspec.rollout.speculation.trainer_process import DrafterTrainerTimeout
+
+    hf = make_tiny_hf("llama", seed=11)
+    eng = eagle_engine(hf)
+    trainer = eng.speculation.attach_trainer(ProcessTrainer(eng.speculation.learned, min_tokens=16, publish_every=1))
+    try:
+        eng.generate(random_prompts(2, 4, 8, seed=11), SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+        os.kill(trainer.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert not gone(trainer.pid) and not trainer.failed
+        assert trainer.state_dict() is not None  # what the parent's checkpoint saves
+        monkeypatch.setenv("RLSPEC_DRAFTER_TIMEOUT_S", "1")
+        os.kill(trainer.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(DrafterTrainerTimeout, match="did not answer a 'train' request within 1 s"):
+                trainer.train_steps(1)
+            assert time.monotonic() - start < 10
+            assert trainer.state_dict() is None
+        finally:
+            os.kill(trainer.pid, signal.SIGCONT)
+    finally:
+        eng.close()
+    assert wait_for(lambda: gone(trainer.pid), 30)
