@@ -14,6 +14,11 @@ One task in flight per worker: a worker is handed its next task the moment its l
     RolloutWorkerError is raised with the last error: a task that kills every worker it lands on
     (out of memory on a huge prompt) must stop the step, not take down the whole pool one worker at
     a time, and a bug that fails on every worker must not loop.
+  - a worker alive but stuck (a hung driver call, a deadlock, a node that stopped answering) is caught by a
+    per-task deadline (TaskDeadline: a stated multiple of the slowest recent task, never below a floor): it
+    is dropped and killed like a dead one and its task re-run elsewhere, the same Task (the same sample
+    keys), so the same samples;
+  - a dropped worker is replaced when the caller can (`replace`), so the pool keeps its size.
 No worker left: RolloutBackendLost listing what each one died of. While waiting, `check()` runs
 every `poll_s` (the pool's ClusterWatch: a lost Ray head raises instead of hanging). docs/workers.md#failures.
 """
@@ -33,7 +38,37 @@ from rlspec.rollout.workers.tasks import Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DispatchStats", "RolloutWorkerError", "drop_worker", "kill_actor", "kill_and_wait", "run_tasks"]
+__all__ = ["DispatchStats", "RolloutWorkerError", "TaskDeadline", "WorkerStuck", "drop_worker", "kill_actor", "kill_and_wait", "run_tasks"]
+
+
+@dataclass
+class TaskDeadline:
+    """How long one task may run: `multiple` x the slowest of the last `window` tasks' times, at least `floor_s`;
+    before any task was measured (the first rollout compiles and warms up), `first_s`."""
+
+    multiple: float = 5.0
+    floor_s: float = 30.0
+    first_s: float = 900.0
+    window: int = 32
+    recent: deque = field(default_factory=deque)
+
+    def __post_init__(self):
+        if not (self.multiple >= 1 and self.floor_s > 0 and self.first_s > 0):
+            raise ValueError(f"task deadline: multiple must be >= 1 and floor_s, first_s > 0, got {self}")
+
+    def limit_s(self) -> float:
+        if not self.recent:
+            return max(self.first_s, self.floor_s)
+        return max(self.floor_s, self.multiple * max(self.recent))
+
+    def measured(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        while len(self.recent) > self.window:
+            self.recent.popleft()
+
+
+class WorkerStuck(RuntimeError):
+    """A task ran past its deadline on a live worker."""
 
 
 @dataclass
@@ -41,6 +76,8 @@ class DispatchStats:
     tasks_per_worker: dict[int, int] = field(default_factory=dict)
     retried_tasks: int = 0
     lost_workers: list[int] = field(default_factory=list)
+    stuck_workers: list[int] = field(default_factory=list)  # dropped for running a task past its deadline
+    replaced_workers: int = 0
     errors: list[str] = field(default_factory=list)  # each worker's own error text, traceback included
     idle_windows: int = 0  # times some worker ran out of tasks while others still worked
     tail_s: float = 0.0  # seconds from the first worker running out of tasks to the call's last result
@@ -49,45 +86,61 @@ class DispatchStats:
 def run_tasks(workers: dict[int, object], tasks: list[Task], submit: Callable[[int, Task], object],
               on_idle: Callable[[bool], None] = lambda idle: None, on_done: Callable[[int], None] = lambda r: None,
               stats: DispatchStats | None = None, max_task_retries: int = 2,
-              check: Callable[[], None] = lambda: None, poll_s: float = 1.0) -> dict[int, list]:
+              check: Callable[[], None] = lambda: None, poll_s: float = 1.0, deadline: TaskDeadline | None = None,
+              replace: Callable[[], int | None] | None = None) -> dict[int, list]:
     """Run every task on `workers` (rank -> actor handle; dropped ones are killed and removed from it).
 
     submit(rank, task) -> ObjectRef of the task's results; on_idle(True) when a worker first finds the
     queue empty while others still work, on_idle(False) when the last result is in; on_done(rank)
     after each successful task (e.g. to pick up new drafter weights); check() every poll_s while
-    waiting (raises to abandon the call). Returns task index -> results.
+    waiting (raises to abandon the call); deadline: how long one task may run (None: no limit), each
+    finished task's time measured into it; replace() after a worker is dropped: starts another, adds it to
+    `workers` and returns its rank (None when it cannot). Returns task index -> results.
     """
     if max_task_retries < 0:
         raise ValueError(f"max_task_retries must be >= 0, got {max_task_retries}")
     stats = stats if stats is not None else DispatchStats()
     queue, free = deque(tasks), list(workers)
-    inflight: dict[object, tuple[int, Task]] = {}
+    inflight: dict[object, tuple[int, Task, float]] = {}
     results: dict[int, list] = {}
     failures: dict[int, list[int]] = {}  # task index -> ranks it failed on
     idle, t_idle = False, 0.0
+
+    def lost(rank: int, task: Task, err: BaseException) -> None:
+        _failed(err, rank, task, workers, free, failures, stats, max_task_retries, replace)
+        queue.appendleft(task)
+
     try:
         while queue or inflight:
             while queue and free:
                 rank = free.pop(0)
                 task = queue.popleft()
-                inflight[submit(rank, task)] = (rank, task)
+                inflight[submit(rank, task)] = (rank, task, time.monotonic())
             if free and not queue and inflight and not idle:
                 idle, t_idle = True, time.perf_counter()
                 stats.idle_windows += 1
                 on_idle(True)
             if not inflight:
                 raise RolloutBackendLost(_no_workers(stats))
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=poll_s)
+            wait = poll_s if deadline is None else min(poll_s, max(_next_due(inflight, deadline), 0.01))
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait)
             if not ready:
+                for ref in _overdue(inflight, deadline):
+                    rank, task, t0 = inflight.pop(ref)
+                    lost(rank, task, WorkerStuck(
+                        f"task {task.index} ran {time.monotonic() - t0:.0f} s on a live worker, past its deadline of "
+                        f"{deadline.limit_s():.0f} s ({deadline.multiple:g} x the slowest recent task, at least "
+                        f"{deadline.floor_s:g} s): the worker is stuck"))
                 check()
                 continue
-            rank, task = inflight.pop(ready[0])
+            rank, task, t0 = inflight.pop(ready[0])
             try:
                 results[task.index] = ray.get(ready[0])
             except (RayActorError, RayTaskError) as err:
-                _failed(err, rank, task, workers, free, failures, stats, max_task_retries)
-                queue.appendleft(task)
+                lost(rank, task, err)
                 continue
+            if deadline is not None:
+                deadline.measured(time.monotonic() - t0)
             stats.tasks_per_worker[rank] = stats.tasks_per_worker.get(rank, 0) + 1
             free.append(rank)
             on_done(rank)
@@ -98,17 +151,38 @@ def run_tasks(workers: dict[int, object], tasks: list[Task], submit: Callable[[i
     return results
 
 
-def _failed(err, rank, task, workers, free, failures, stats, max_task_retries) -> None:
+def _next_due(inflight: dict, deadline: TaskDeadline) -> float:
+    """Seconds until the first task in flight passes its deadline."""
+    limit, now = deadline.limit_s(), time.monotonic()
+    return min(t0 + limit - now for _, _, t0 in inflight.values())
+
+
+def _overdue(inflight: dict, deadline: TaskDeadline | None) -> list:
+    if deadline is None:
+        return []
+    limit, now = deadline.limit_s(), time.monotonic()
+    return [ref for ref, (_, _, t0) in inflight.items() if now - t0 > limit]
+
+
+def _failed(err, rank, task, workers, free, failures, stats, max_task_retries, replace=None) -> None:
     """Decide whether the worker stays and whether the task may go back to the queue (else raise)."""
     from rlspec.rollout.workers.worker import StaleWeightsError
 
     text = f"rollout worker {rank} failed on task {task.index}:\n{err}"
     stats.errors.append(text)
-    lost = isinstance(err, RayActorError) or isinstance(getattr(err, "cause", None), StaleWeightsError)
+    stuck = isinstance(err, WorkerStuck)
+    lost = stuck or isinstance(err, RayActorError) or isinstance(getattr(err, "cause", None), StaleWeightsError)
     if not lost and isinstance(err, ValueError):
         raise err
     if lost:
+        if stuck:
+            stats.stuck_workers.append(rank)
         drop_worker(workers, rank, stats, text)
+        new = replace() if replace is not None else None
+        if new is not None:
+            stats.replaced_workers += 1
+            free.append(new)
+            log.warning("worker %d replaces the dropped worker %d", new, rank)
     else:
         free.append(rank)
     if not workers:

@@ -26,7 +26,7 @@ from rlspec.rollout.eos import resolve_eos
 from rlspec.rollout.runtime.model.families import family_of_model
 from rlspec.rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rlspec.rollout.workers import cluster
-from rlspec.rollout.workers.dispatch import DispatchStats, drop_worker, kill_and_wait, run_tasks
+from rlspec.rollout.workers.dispatch import DispatchStats, TaskDeadline, drop_worker, kill_and_wait, run_tasks
 from rlspec.rollout.speculation.drafter_health import HealthConfig
 from rlspec.rollout.workers.health import PoolHealth
 from rlspec.rollout.errors import RolloutBackendLost, RolloutWorkerError
@@ -43,11 +43,14 @@ class RayPool:
                  ray_address: str | None = None, groups_per_task: int = 1, worker_threads: int | None = None,
                  drafter_trainer: str = "spot", drafter_trainer_gpus: float = 0.0,
                  drafter_trainer_kwargs: dict | None = None, max_task_retries: int = 2, ray_dashboard: bool = False,
-                 cluster_lost_after_s: float = 15.0, **engine_kwargs):
+                 cluster_lost_after_s: float = 15.0, task_deadline_multiple: float = 5.0,
+                 task_deadline_floor_s: float = 30.0, task_deadline_first_s: float = 900.0, **engine_kwargs):
         """policy: an HF causal LM (gathered); the rest: RolloutSection's fields (rlspec/config/sections.py).
         max_task_retries: retries of one task (on other workers) before the call fails; ray_dashboard:
         start Ray's dashboard with a local cluster; cluster_lost_after_s: how long the Ray head may be
-        unreachable before calls raise RolloutBackendLost (Ray itself ends the process at 60 s)."""
+        unreachable before calls raise RolloutBackendLost (Ray itself ends the process at 60 s);
+        task_deadline_*: how long one task may run before its worker counts as stuck (dropped, replaced, the
+        task re-run): multiple x the slowest recent task, at least floor_s; first_s before any was measured."""
         if drafter_trainer not in ("spot", "dedicated"):
             raise ValueError(f"drafter_trainer must be 'spot' or 'dedicated', got {drafter_trainer!r}")
         if max_task_retries < 0:
@@ -58,6 +61,9 @@ class RayPool:
         self.max_task_retries = max_task_retries
         self.policy_version = 0
         self._dispatch = DispatchStats()
+        self.deadline = TaskDeadline(task_deadline_multiple, task_deadline_floor_s, task_deadline_first_s)
+        self._new_worker = None  # rank -> a new worker actor (set by _start), for replacing a dropped one
+        self._weights_ref = None  # the newest policy weights in the object store (a replacement loads them)
         self._wall_s = 0.0
         self.workers: dict[int, object] = {}
         self.hub = None
@@ -88,8 +94,9 @@ class RayPool:
         blob = ray.put(_policy_blob(policy, tokenizer))
         actor = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=1 if gpus else 0, max_concurrency=1)
         threads = worker_threads if worker_threads is not None else (None if gpus else 1)
+        self._new_worker = lambda r: actor.remote(r, blob, tokenizer, worker_spec, engine_kwargs, threads)
         for r in range(n):
-            self.workers[r] = actor.remote(r, blob, tokenizer, worker_spec, engine_kwargs, threads)
+            self.workers[r] = self._new_worker(r)
         # a worker that cannot build its engine raises here, with its own traceback
         self.infos = _started([w.info.remote() for w in self.workers.values()], "rollout workers")
         self._learned = self.infos[0]["learned"]
@@ -125,6 +132,7 @@ class RayPool:
         self.watch.check()
         ref = ray.put({name: t.detach().cpu() for name, t in named_tensors})
         self.policy_version += 1
+        self._weights_ref = ref
         held = self._call_all("load_weights", ref, self.policy_version)
         if any(v != self.policy_version for v in held.values()):
             raise RolloutWorkerError(f"workers hold policy versions {held}, expected {self.policy_version}")
@@ -137,6 +145,7 @@ class RayPool:
         d = self._dispatch
         counts = [d.tasks_per_worker.get(r, 0) for r in self.workers]
         out.update({"workers/alive": float(len(self.workers)), "workers/lost": float(len(d.lost_workers)),
+                    "workers/stuck": float(len(d.stuck_workers)), "workers/replaced": float(d.replaced_workers),
                     "workers/retried_tasks": float(d.retried_tasks), "workers/idle_windows": float(d.idle_windows),
                     "workers/tail_s": d.tail_s,
                     "workers/tasks_max": float(max(counts, default=0)), "workers/tasks_min": float(min(counts, default=0)),
@@ -147,7 +156,7 @@ class RayPool:
             out.update(self._hub_call("metrics", self.policy_version))
         if self.health is not None:
             out.update(self.health.metrics())
-        self._dispatch, self._wall_s = DispatchStats(lost_workers=d.lost_workers), 0.0
+        self._dispatch, self._wall_s = DispatchStats(lost_workers=d.lost_workers, stuck_workers=d.stuck_workers), 0.0
         return out
 
     def release_kv(self) -> None:
@@ -235,7 +244,28 @@ class RayPool:
             return self.workers[rank].run.remote(task, self.policy_version, version, ref if behind else None)
 
         return run_tasks(self.workers, tasks, submit, on_idle=idle, on_done=lambda r: self._poll_drafter(),
-                         stats=self._dispatch, max_task_retries=self.max_task_retries, check=self.watch.check)
+                         stats=self._dispatch, max_task_retries=self.max_task_retries, check=self.watch.check,
+                         deadline=self.deadline, replace=self._replace_worker)
+
+    def _replace_worker(self) -> int | None:
+        """Start a worker in place of a dropped one, holding the current policy (and, with its first task, the
+        drafter); None when it cannot start (the cluster lost the node's resources: the pool goes on smaller)."""
+        if self._new_worker is None:
+            return None
+        rank = max([*self.workers, *self._dispatch.lost_workers, -1]) + 1
+        worker = self._new_worker(rank)
+        try:
+            info = _started([worker.info.remote()], "a replacement rollout worker", timeout_s=self.deadline.first_s)[0]
+            if info.get("learned") and self.hub is not None:
+                ray.get(worker.attach_hub.remote(self.hub, self._hub_topk))
+            if self._weights_ref is not None:
+                ray.get(worker.load_weights.remote(self._weights_ref, self.policy_version))
+        except Exception as err:  # noqa: BLE001 - the pool goes on with the workers it has
+            log.warning("could not start a replacement rollout worker: %s", err)
+            kill_and_wait([worker])
+            return None
+        self.workers[rank], self._held[rank] = worker, 0
+        return rank
 
     def _get(self, refs):
         """ray.get that raises RolloutBackendLost instead of hanging when the Ray head is gone."""
@@ -300,7 +330,7 @@ class RayPool:
         _started([hub.metrics.remote(0)], "the drafter trainer")
         if spec.drafter_path:  # a trained drafter keeps its draft vocabulary and head (never re-chosen)
             ray.get(hub.load_weights.remote(state))
-        topk = trainer_kwargs.get("topk", 32) if trainer_kwargs.get("loss", "kl") != "ce" else 0
+        self._hub_topk = topk = trainer_kwargs.get("topk", 32) if trainer_kwargs.get("loss", "kl") != "ce" else 0
         ray.get([w.attach_hub.remote(hub, topk) for w in self.workers.values()])
 
 

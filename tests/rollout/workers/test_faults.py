@@ -18,7 +18,7 @@ psutil = pytest.importorskip("psutil")
 
 from rlspec.rollout.types import SamplingParams  # noqa: E402
 from rlspec.rollout.workers import cluster  # noqa: E402
-from rlspec.rollout.workers.dispatch import DispatchStats, run_tasks  # noqa: E402
+from rlspec.rollout.workers.dispatch import DispatchStats, TaskDeadline, run_tasks  # noqa: E402
 from rlspec.rollout.errors import RolloutBackendLost, RolloutWorkerError  # noqa: E402
 from rlspec.rollout.workers.tasks import split  # noqa: E402
 
@@ -40,6 +40,10 @@ class Toy:
         self.mode = mode
 
     def run(self, task):
+        if self.mode == "sleep":
+            import time
+
+            time.sleep(600)  # alive, stuck
         if self.mode == "exit":
             os._exit(1)
         if self.mode == "stale":
@@ -97,6 +101,51 @@ def test_a_dropped_worker_is_killed_and_no_worker_left_is_backend_lost(local_ray
     workers = toys("exit")
     with pytest.raises(RolloutBackendLost, match="no rollout worker is left(.|\n)*resume=auto"):
         run_tasks(workers, tasks(2), lambda r, t: workers[r].run.remote(t))
+
+
+def test_a_stuck_worker_is_dropped_at_its_deadline_replaced_and_its_task_rerun(local_ray):
+    """Worker 0 sleeps in its task (alive, stuck): at the deadline (a multiple of the measured task time, at
+    least the floor) it is killed, a new worker takes its place, and its task (the same Task: the same sample
+    keys) is run again; the call ends in seconds, not when the sleep would."""
+    import time
+
+    workers = toys("sleep", "ok")
+    stuck = workers[0]
+    ray.get([w.ping.remote() for w in workers.values()])  # started: the deadline times tasks, not actor starts
+    deadline = TaskDeadline(multiple=3.0, floor_s=3.0, first_s=3.0)
+    stats, made = DispatchStats(), []
+
+    def replace():
+        rank = 10 + len(made)
+        workers[rank] = ray.remote(Toy).options(num_cpus=0).remote("ok")
+        ray.get(workers[rank].ping.remote())  # as the pool does: a replacement joins once it runs
+        made.append(rank)
+        return rank
+
+    t0 = time.monotonic()
+    done = run_tasks(workers, tasks(4), lambda r, t: workers[r].run.remote(t), stats=stats, deadline=deadline,
+                     replace=replace, poll_s=0.2)
+    assert time.monotonic() - t0 < 30
+    assert done == {i: [i] for i in range(4)}  # every task's own result, task 0's from its re-run
+    assert stats.stuck_workers == [0] and stats.lost_workers == [0] and stats.replaced_workers == 1
+    assert sorted(workers) == [1, 10] and "past its deadline of 3 s" in stats.errors[0]
+    with pytest.raises(ray.exceptions.RayActorError):  # killed, not left holding its CPU
+        ray.get(stuck.ping.remote(), timeout=30)
+    assert deadline.limit_s() == max(3.0, 3.0 * max(deadline.recent)) and len(deadline.recent) == 4
+
+
+def test_the_deadline_is_a_multiple_of_the_slowest_recent_task_with_a_floor():
+    d = TaskDeadline(multiple=4.0, floor_s=10.0, first_s=300.0, window=2)
+    assert d.limit_s() == 300.0  # nothing measured yet: the first rollout compiles and warms up
+    d.measured(1.0)
+    assert d.limit_s() == 10.0
+    d.measured(5.0)
+    d.measured(3.0)
+    assert d.limit_s() == 20.0
+    d.measured(1.0)  # the 5 s task left the window
+    assert d.limit_s() == 12.0
+    with pytest.raises(ValueError):
+        TaskDeadline(multiple=0.5)
 
 
 CHILD = textwrap.dedent("""
