@@ -182,6 +182,13 @@ class RolloutSection(_Checked):
                 "a CPU (or drafter_trainer_gpus) of its own, training all the time")
     drafter_trainer_gpus: float = _f(0.0, "ray, dedicated drafter trainer: GPUs it reserves (0: it trains on a CPU)",
                                      rule=NON_NEGATIVE)
+    task_deadline_multiple: float = _f(5.0, "ray: a task running longer than this multiple of the slowest recent "
+                                            "task (and task_deadline_floor_s) counts its worker as stuck: the worker "
+                                            "is killed and replaced and the task re-run (the same samples)",
+                                       rule=at_least(1))
+    task_deadline_floor_s: float = _f(30.0, "ray: the shortest deadline of a task, in seconds", rule=POSITIVE)
+    task_deadline_first_s: float = _f(300.0, "ray: a task's deadline before any task was timed (the first rollout "
+                                             "compiles and warms up), in seconds", rule=POSITIVE)
 
     max_model_len: int = _f(2048, "prompt + completion tokens the engine's KV cache holds per sequence",
                             rule=at_least(2))
@@ -228,7 +235,8 @@ class RolloutSection(_Checked):
             return {}
         return dict(workers=self.workers, ray_address=self.ray_address, groups_per_task=self.groups_per_task,
                     worker_threads=self.worker_threads, drafter_trainer=self.drafter_trainer,
-                    drafter_trainer_gpus=self.drafter_trainer_gpus)
+                    drafter_trainer_gpus=self.drafter_trainer_gpus, task_deadline_multiple=self.task_deadline_multiple,
+                    task_deadline_floor_s=self.task_deadline_floor_s, task_deadline_first_s=self.task_deadline_first_s)
 
 
 @dataclass

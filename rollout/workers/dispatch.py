@@ -48,7 +48,7 @@ class TaskDeadline:
 
     multiple: float = 5.0
     floor_s: float = 30.0
-    first_s: float = 900.0
+    first_s: float = 300.0
     window: int = 32
     recent: deque = field(default_factory=deque)
 

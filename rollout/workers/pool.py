@@ -44,7 +44,7 @@ class RayPool:
                  drafter_trainer: str = "spot", drafter_trainer_gpus: float = 0.0,
                  drafter_trainer_kwargs: dict | None = None, max_task_retries: int = 2, ray_dashboard: bool = False,
                  cluster_lost_after_s: float = 15.0, task_deadline_multiple: float = 5.0,
-                 task_deadline_floor_s: float = 30.0, task_deadline_first_s: float = 900.0, **engine_kwargs):
+                 task_deadline_floor_s: float = 30.0, task_deadline_first_s: float = 300.0, **engine_kwargs):
         """policy: an HF causal LM (gathered); the rest: RolloutSection's fields (rlspec/config/sections.py).
         max_task_retries: retries of one task (on other workers) before the call fails; ray_dashboard:
         start Ray's dashboard with a local cluster; cluster_lost_after_s: how long the Ray head may be
