@@ -67,7 +67,7 @@ def _planned_exit_code(exc: Exception) -> int | None:
         return 2
     if isinstance(exc, (NonFiniteLogitsError, RolloutBackendLost)):
         return 1
-    planned = ("TrainingInterrupted", "OutputDirLocked", "StoppedBySignal", "DatasetRowError")
+    planned = ("TrainingInterrupted", "OutputDirLocked", "StoppedBySignal", "DatasetRowError", "GeometryChanged")
     return getattr(exc, "exit_code", None) if type(exc).__name__ in planned else None
 
 
@@ -140,6 +140,7 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
     trainer, summary_cb = build_trainer(cfg, out)
     from rlspec.distributed import is_main_process, main_process_first, save_crash_model
     from rlspec.rollout.errors import NonFiniteLogitsError, RolloutBackendLost
+    from rlspec.trainers.checkpoint import GeometryChanged
     from rlspec.trainers.interrupts import TrainingInterrupted
 
     main = is_main_process(trainer)
@@ -151,6 +152,10 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
                 warm = warm_start_drafter(cfg, trainer)
         trainer.train(resume_from_checkpoint=resume_from)
         trainer.save_final_model(out / "final")  # through a temporary directory; a collective under ZeRO-3
+    except GeometryChanged:  # refused before step 1: nothing ran; the previous run's drafter and summary stay
+        status = "refused"
+        _close_engine(trainer)
+        raise
     except (TrainingInterrupted, StoppedBySignal, NonFiniteLogitsError, RolloutBackendLost) as exc:  # planned
         status = "interrupted" if isinstance(exc, (TrainingInterrupted, StoppedBySignal)) else \
             "nonfinite" if isinstance(exc, NonFiniteLogitsError) else "backend_lost"
@@ -164,14 +169,23 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         _save_crash(trainer, out, main, save_crash_model)
         raise
     finally:
-        export_byproduct_drafter(cfg, trainer, out, main)  # on the crash path too: never lose the drafter
+        if status != "refused":
+            export_byproduct_drafter(cfg, trainer, out, main)  # on the crash path too: never lose the drafter
         _finish_wandb()  # first, so the summary table is the last thing printed
-        if main:
+        if status == "refused":
+            summary = {"status": status}
+        elif main:
             summary = summarize(cfg, out, summary_cb.rows, trainer.state.log_history, time.time() - start, status,
                                 error, warm)
         else:  # summary.json and the table are the run's, written by rank 0
             summary = {"status": status, "error": error, "process_index": trainer.args.process_index}
     return summary
+
+
+def _close_engine(trainer) -> None:
+    engine = getattr(trainer, "engine", None)
+    if engine is not None and getattr(engine, "has_learned_drafter", False):
+        engine.close()  # its drafter trainer's thread or process
 
 
 def _save_crash(trainer, out: Path, main: bool, save_crash_model) -> None:

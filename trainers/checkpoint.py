@@ -42,6 +42,15 @@ from rlspec.trainers.interrupts import (NonFiniteWeightsError, StopOnSignal, Tra
 from rlspec.trainers.resume_point import explicit_checkpoint, roll_back
 
 STATE_FORMAT = 1
+# the batch geometry a checkpoint is tied to (those of these the trainer's args have)
+GEOMETRY = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_generation",
+            "num_generations", "generation_batch_size", "num_iterations", "num_mini_batches", "num_ppo_epochs")
+
+
+class GeometryChanged(ValueError):
+    """A resume with another batch geometry than the checkpoint's (the keys are named). exit_code: the CLI's."""
+
+    exit_code = 2
 
 
 class CheckpointMixin:
@@ -114,9 +123,29 @@ class CheckpointMixin:
             if self.args.should_save:
                 roll_back(self.args.output_dir, path)
             self.accelerator.wait_for_everyone()
+        self._check_geometry(Path(path))
         step = dirs.checkpoint_step(path)
         self._resumed_from = (step, Path(path)) if step is not None else None
         return str(path)
+
+    def batch_geometry(self) -> dict:
+        """The settings that index TRL's buffered inputs and the data position (recorded in the marker): a
+        resume with others would draw a generation batch's slices, or the sampler's batches, wrongly."""
+        args = self.args
+        return {k: getattr(args, k) for k in GEOMETRY if isinstance(getattr(args, k, None), int)}
+
+    def _check_geometry(self, path: Path) -> None:
+        saved = (dirs.read_marker(path) or {}).get("geometry")
+        if not isinstance(saved, dict):
+            return  # a checkpoint of an older rlspec, or not rlspec's: nothing recorded to compare
+        now = self.batch_geometry()
+        changed = {k: (saved[k], now[k]) for k in saved.keys() & now.keys() if saved[k] != now[k]}
+        if changed:
+            what = ", ".join(f"{k}: {a} in the checkpoint, {b} now" for k, (a, b) in sorted(changed.items()))
+            raise GeometryChanged(f"resume from {path}: the batch geometry differs ({what}). These settings place "
+                                  "the data and the generation batch being consumed; resume with the checkpoint's "
+                                  "values (the config and overrides of the run you continue), or start a new run "
+                                  "in another output_dir.")
 
     def _stop_on_nonfinite(self, exc: NonFiniteLogitsError) -> NonFiniteLogitsError:
         """on_nonfinite=stop: keep the state before the failing step as a checkpoint, and return the error to
@@ -226,7 +255,8 @@ class CheckpointMixin:
 
     def _publish(self, staging: Path, name: str, run_dir: Path) -> None:
         # the files are fsynced before the marker, the marker last, the rename fsynced, then rotation
-        dirs.write_marker(staging / name, self.state.global_step, current_wandb_run_id(), finite=True)
+        dirs.write_marker(staging / name, self.state.global_step, current_wandb_run_id(), finite=True,
+                          geometry=self.batch_geometry())
         dirs.publish(staging / name, run_dir / name)
         shutil.rmtree(staging, ignore_errors=True)
         best = self.state.best_model_checkpoint

@@ -137,10 +137,11 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_marker(path: str | os.PathLike, step: int, wandb_run_id: str | None, finite: bool | None = None) -> None:
+def write_marker(path: str | os.PathLike, step: int, wandb_run_id: str | None, finite: bool | None = None,
+                 **extra) -> None:
     """Write the completion marker last: the checkpoint's files are fsynced first, the marker lists their sizes
     (and a checksum of that list) and goes in through a rename, so it is whole or absent. finite: whether the
-    weights were checked finite (None: not checked)."""
+    weights were checked finite (None: not checked); extra: more keys (the batch geometry)."""
     root = Path(path)
     sync_tree(root)
     files = file_sizes(root)
@@ -149,6 +150,7 @@ def write_marker(path: str | os.PathLike, step: int, wandb_run_id: str | None, f
     body = {"step": step, "time": time.time(), "wandb_run_id": wandb_run_id, "files": files, "digest": _digest(files)}
     if finite is not None:
         body["finite"] = finite
+    body.update(extra)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
     try:
         os.write(fd, json.dumps(body).encode())

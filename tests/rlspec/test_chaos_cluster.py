@@ -141,3 +141,21 @@ def test_a_symlinked_manifest_is_never_written_through(tmp_path):
     with pytest.raises(OSError, match="symlink"):
         run_files.record(out, "checkpoint-1")
     assert target.read_text() == "mine\n"
+
+
+def test_a_resume_with_another_batch_geometry_is_refused_naming_the_keys(tiny, tmp_path, capsys):
+    import rlspec.train as train
+
+    _, args = tiny
+    out = tmp_path / "out"
+    run = args + [f"output_dir={out}", "grpo.save_steps=1"]
+    assert train.main(run + ["grpo.max_steps=1"]) == 0
+    assert json.loads((out / "checkpoint-1" / "rlspec_complete.json").read_text())["geometry"][
+        "per_device_train_batch_size"] == 8
+    summary = (out / "summary.json").read_text()
+    capsys.readouterr()
+    assert train.main(run + ["grpo.max_steps=2", "resume=auto", "grpo.per_device_train_batch_size=4",
+                             "grpo.extra.steps_per_generation=2"]) == 2
+    err = capsys.readouterr().err
+    assert "per_device_train_batch_size: 8 in the checkpoint, 4 now" in err and "Traceback" not in err
+    assert (out / "summary.json").read_text() == summary and not (out / "crash").exists()
