@@ -135,8 +135,35 @@ def fault_unsupported_model(work: Path, straight: Path) -> dict:
             "resumed_equals_straight": None}
 
 
+def fault_torn_checkpoint(work: Path, straight: Path) -> dict:
+    """A power loss that kept checkpoint-4's marker but not all of its weights: the straight run's directory with
+    checkpoint-4's shard cut in half."""
+    out = work / "torn_checkpoint"
+    shutil.copytree(straight, out, ignore=shutil.ignore_patterns("wandb", "final"))
+    shard = out / f"checkpoint-{STEPS}" / "model.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    row = resume(out, straight, 2)
+    return {"fault": "a torn checkpoint (power loss after the marker)", "injected": f"checkpoint-{STEPS}'s weights "
+            "truncated to half", "exit_code": None, "user_saw": row["resume_said"],
+            "lost": f"steps 3-{STEPS} (rerun from checkpoint-2); the torn checkpoint is named and rewritten", **row}
+
+
+def fault_stale_lock_other_host(work: Path, straight: Path) -> dict:
+    """A requeue on another node after the first node died: its lock, renewed an hour ago, is still there."""
+    out = work / "stale_lock"
+    shutil.copytree(straight, out, ignore=shutil.ignore_patterns("wandb", "final", f"checkpoint-{STEPS}"))
+    (out / "rlspec.lock").write_text(json.dumps({"host": "another-node", "pid": 4242, "time": "then",
+                                                 "heartbeat": time.time() - 3600}))
+    row = resume(out, straight, 2)
+    return {"fault": "a lock left by another host (a requeue on another node)", "injected": "rlspec.lock of host "
+            "another-node, heartbeat an hour old", "exit_code": None, "user_saw": row["resume_said"],
+            "lost": "nothing (taken over with a line saying so)", **row}
+
+
 FAULTS = {f.__name__[len("fault_"):]: f for f in (
     fault_kill9_mid_step, fault_kill9_mid_save, fault_sigterm, fault_sigint, fault_rerun_without_resume,
-    fault_nan_stop, fault_nan_skip_batch, fault_long_prompt, fault_unsupported_model)}
+    fault_nan_stop, fault_nan_skip_batch, fault_long_prompt, fault_unsupported_model, fault_torn_checkpoint,
+    fault_stale_lock_other_host)}
 
 

@@ -6,7 +6,8 @@ runs rlspec.train.main with the tiny run's arguments plus the given overrides. T
 (distinct characters / 10), which differs between samples, so every step moves the policy and a resume
 that lost any state would show in the weights. RLSPEC_TEST_HANG_AT_STEP=k makes the process write
 <output_dir>/hanging and sleep when step k begins (after checkpoint k-1 is complete): the test then kills it
-with SIGKILL at a known point.
+with SIGKILL at a known point. RLSPEC_TEST_PAUSE_AT_STEP=k writes <output_dir>/paused when step k begins and
+sleeps a few seconds, then goes on: time for the test to send a signal that the step's end acts on.
 """
 from __future__ import annotations
 
@@ -69,21 +70,34 @@ def hang_callback(step: int):
     return Hang()
 
 
+def pause_callback(step: int, seconds: float = 5.0):
+    """A TrainerCallback that, when step `step` begins, marks <output_dir>/paused and sleeps `seconds`."""
+    from transformers import TrainerCallback
+
+    class Pause(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == step:
+                (Path(args.output_dir) / "paused").write_text(str(os.getpid()))
+                time.sleep(seconds)
+
+    return Pause()
+
+
 def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO))
     register_reward()
     import rlspec.train as train
 
-    hang_at = os.environ.get("RLSPEC_TEST_HANG_AT_STEP")
-    if hang_at:
+    hang_at, pause_at = os.environ.get("RLSPEC_TEST_HANG_AT_STEP"), os.environ.get("RLSPEC_TEST_PAUSE_AT_STEP")
+    if hang_at or pause_at:
         build = train.build_trainer
 
-        def build_with_hang(cfg, out):
+        def build_with_hook(cfg, out):
             trainer, summary_cb = build(cfg, out)
-            trainer.add_callback(hang_callback(int(hang_at)))
+            trainer.add_callback(hang_callback(int(hang_at)) if hang_at else pause_callback(int(pause_at)))
             return trainer, summary_cb
 
-        train.build_trainer = build_with_hang
+        train.build_trainer = build_with_hook
     model_dir = build_model(Path(argv[0]))
     trainer = "ppo" if any(a == "trainer=ppo" for a in argv[1:]) else "grpo"
     return train.main(cli_args(model_dir, trainer) + [a for a in argv[1:] if a != "trainer=ppo"])

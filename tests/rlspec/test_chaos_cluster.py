@@ -159,3 +159,71 @@ def test_a_resume_with_another_batch_geometry_is_refused_naming_the_keys(tiny, t
     err = capsys.readouterr().err
     assert "per_device_train_batch_size: 8 in the checkpoint, 4 now" in err and "Traceback" not in err
     assert (out / "summary.json").read_text() == summary and not (out / "crash").exists()
+
+
+def test_sigterm_to_the_process_group_with_a_learned_drafter_in_a_child_checkpoints_its_state(tiny, tmp_path):
+    """Slurm's scancel signals every process of the job: the run and its drafter trainer's child. The child
+    ignores it, the run finishes step 2, checkpoints the child's training state with it and exits 143 with no
+    process left behind; resume=auto restores that state and finishes. (The final weights are not compared with
+    an uninterrupted run's: the child trains whenever the engine idles, so its drafts, and with them which random
+    numbers sample which token, depend on timing: rollout/types.py, SamplingParams.seed.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    import rlspec.train as train
+
+    model_dir, args = tiny
+    out = tmp_path / "out"
+    drafter = ["drafter.drafter=eagle3", "drafter.warm_start_s=0", "drafter.online_trainer=process",
+               "drafter.online_training=true", "drafter.draft_vocab_size=32", "drafter.selector=always",
+               "grpo.save_steps=100", "grpo.max_steps=3"]
+    env = {**os.environ, "RLSPEC_TEST_PAUSE_AT_STEP": "2", "PYTHONPATH": str(driver.REPO)}
+    proc = subprocess.Popen([sys.executable, str(Path(driver.__file__)), str(model_dir), *drafter, f"output_dir={out}"],
+                            cwd=driver.REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "paused").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.poll() else "slow"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as scancel does
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 143, err[-3000:]
+    assert "gave no state" not in err
+    with pytest.raises(ProcessLookupError):  # the child went with the run, after its state was taken
+        os.killpg(proc.pid, 0)
+    state = torch.load(out / "checkpoint-2" / "rlspec_state.pt", weights_only=True)
+    assert state["engine"]["speculation"]["trainer"] is not None  # the child's training state is in it
+    (out / "paused").unlink()
+    assert train.main(args + drafter + [f"output_dir={out}", "resume=auto"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def test_the_crash_path_writes_no_second_copy_of_a_checkpointed_step(tmp_path, capsys):
+    """An exception right after checkpoint-3 was written (a full disk at the next step): the checkpoint holds the
+    policy, so no crash/ copy is written; with no checkpoint of that step, the copy is written; a crash/ of the
+    user's is never written into."""
+    from types import SimpleNamespace
+
+    from rlspec.train import _save_crash
+    from rlspec.trainers import checkpoint_dirs as dirs
+
+    out = tmp_path / "out"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "checkpoint-3" / "model.safetensors").write_text("w")
+    dirs.write_marker(out / "checkpoint-3", 3, None, finite=True)
+    saved = []
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=3))
+    _save_crash(trainer, out, True, lambda t, path: saved.append(path))
+    assert saved == [] and "is in" in capsys.readouterr().err
+    trainer.state.global_step = 4
+    _save_crash(trainer, out, True, lambda t, path: saved.append(path))
+    assert saved == [out / "crash"]
+    users = tmp_path / "users"
+    (users / "crash").mkdir(parents=True)
+    _save_crash(trainer, users, True, lambda t, path: saved.append(path))
+    assert saved == [out / "crash"] and "not rlspec's" in capsys.readouterr().err
