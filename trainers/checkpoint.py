@@ -16,7 +16,10 @@ processes), docs/resume.md:
 
 Atomic: the Trainer writes into tmp-checkpoint-N/checkpoint-N (its output-dir lookup is redirected while
 saving), callbacks with a `write_checkpoint(checkpoint_dir, trainer)` method add their files there, the
-completion marker goes in last, then one rename makes it checkpoint-N. Rotation (trainers/checkpoint_dirs.py)
+completion marker goes in last, then one rename makes it checkpoint-N. Nothing is published from non-finite
+weights (checked on the trainer's device first: the save is skipped with a line, so rotation never pushes a
+finite checkpoint out); files are fsynced before the marker, which lists their sizes and the batch geometry
+(a resume with another geometry is refused, GeometryChanged). Rotation (trainers/checkpoint_dirs.py)
 never deletes the newest complete checkpoint. `train(resume_from_checkpoint=True)` resumes from the newest
 complete checkpoint, reporting half-written ones it passes over; a named older checkpoint is a rollback
 (trainers/resume_point.py). Every name written in output_dir is recorded first (trainers/run_files.py), TRL's

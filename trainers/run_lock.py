@@ -244,7 +244,7 @@ def _read(fd: int) -> dict | None:
 def heartbeat_age(holder: dict, mtime: float) -> float:
     """Seconds since the holder last renewed the lock: its "heartbeat" (seconds since the epoch, or a date),
     else the file's modification time."""
-    beat = holder.get("heartbeat")
+    beat = next((holder[k] for k in ("heartbeat", "heartbeat_time", "last_heartbeat") if k in holder), None)
     when = None
     if isinstance(beat, (int, float)) and not isinstance(beat, bool):
         when = float(beat)
