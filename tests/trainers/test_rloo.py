@@ -69,13 +69,13 @@ def test_refuses_lossy_modes_and_partial_rollouts(tmp_path):
         SpecRLOOTrainer(model="unused", reward_funcs=[distinct_chars_reward], args=_args(tmp_path, use_vllm=True))
 
 
-def test_beam_search_trains_on_trl_generation_after_one_warning(tiny_llama, char_tokenizer, tmp_path):
-    args = _args(tmp_path, max_steps=1, per_device_train_batch_size=4, num_generations=2,
-                 generation_kwargs={"num_beams": 2})
+def test_beam_search_goes_to_trl_generation_after_one_warning(tiny_llama, char_tokenizer, tmp_path):
+    args = _args(tmp_path, generation_kwargs={"num_beams": 2})
     with pytest.warns(UserWarning, match="SpecRLOOTrainer: .*'num_beams'.* TRL's own generation") as caught:
         trainer = SpecRLOOTrainer(model=tiny_llama, reward_funcs=[distinct_chars_reward], args=args,
                                   train_dataset=make_math_dataset(8, seed=0), processing_class=char_tokenizer)
     assert sum("TRL's own generation" in str(w.message) for w in caught) == 1
     assert trainer.rollouts is None and trainer.engine is None
-    trainer.train()
-    assert [s[trl_compat.ENGINE_METRIC] for s in trainer.state.log_history if "reward" in s] == [0.0]
+    prompt = char_tokenizer("1+1=")["input_ids"]
+    completions = trainer._generate_single_turn([prompt, prompt], None, {})  # TRL's beam search, as plain TRL
+    assert len(completions) == 2 and trainer._metrics["train"][trl_compat.ENGINE_METRIC] == [0.0]
