@@ -13,7 +13,8 @@ path, too, samples in the 16-bit dtype and trains on the samples as drawn), so a
 another law than the policy's and need that correction, is refused at construction, and so are partial rollouts,
 whose carried samples cross policy updates. TRL's own generation samples instead, after one warning, where the engine
 cannot reproduce it (trainers/trl_compat.py: generation_kwargs it does not honour, a patched `generate`, a policy
-it cannot run).
+it cannot run, and, unlike SpecGRPOTrainer, which refuses them, a vision-language model: `rollout/engine` = 0 says so
+in the logs, and RLOO has no importance-sampling setting that TRL's generation would need adjusted).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class SpecRLOOTrainer(TrlEngineMixin, RLOOTrainer):
     """
 
     spec_class_name, trl_class_name = "SpecRLOOTrainer", "RLOOTrainer"
+    refuse_vlms = False  # a vision-language model trains on TRL's generation, after the one warning
 
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, partial_rollouts=None, **kwargs):
         if partial_rollouts is not None:

@@ -7,7 +7,8 @@ and runs the policy's no-grad pass over them; `_step` and `_buffered_inputs` car
 micro-steps that consume it. `TrlEngineMixin` (before the TRL class in the MRO) holds everything around the engine
 that does not depend on the algorithm:
 
-- construction: use_vllm refused, a vision-language policy refused, the engine built from the policy (or TRL's own
+- construction: use_vllm refused, a vision-language policy refused (GRPO) or left to TRL's generation (RLOO), the
+  engine built from the policy (or TRL's own
   generation after one warning when the engine cannot reproduce what TRL would sample: trainers/trl_compat.py),
   TRL's sampling options as the engine's (trainers/sampling_args.py), the sampling dtype (trainers/sampling_dtype.py)
   and the prompt preflight (trainers/preflight.py);
@@ -45,6 +46,8 @@ class TrlEngineMixin(CheckpointMixin):
 
     spec_class_name = "SpecGRPOTrainer"
     trl_class_name = "GRPOTrainer"
+    # a vision-language policy: refused at construction (True), or sampled by TRL's generation after the one warning
+    refuse_vlms = True
 
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, spec_config=None, engine=None,
                  engine_kwargs: dict | None = None, on_nonfinite: str = "stop", drop_long_prompts: bool = False,
@@ -55,17 +58,22 @@ class TrlEngineMixin(CheckpointMixin):
         self._check_arguments(args, spec_config)
         # a processor passed in is refused before TRL loads anything; one TRL loads itself (AutoProcessor) after
         positional = trainer_args[2] if len(trainer_args) > 2 else None  # after train_dataset, eval_dataset
-        trl_compat.refuse_vlm(trainer_kwargs.get("processing_class", positional), name, self.trl_class_name)
+        if self.refuse_vlms:
+            trl_compat.refuse_vlm(trainer_kwargs.get("processing_class", positional), name, self.trl_class_name)
         self.init_resilience(on_nonfinite)
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
-        trl_compat.refuse_vlm(self.processing_class, name, self.trl_class_name)
+        if self.refuse_vlms:
+            trl_compat.refuse_vlm(self.processing_class, name, self.trl_class_name)
         policy = unwrap_model(self.model, self.accelerator)
         self._before_engine()
+        why_not = trl_compat.why_not_the_engine(policy, self.args.generation_kwargs)
+        if getattr(self, "_is_vlm", False):  # TRL's own test (a ProcessorMixin processing class), when not refused
+            why_not = "a vision-language model: the engine generates text only"
         # None when the engine cannot run the policy: TRL's own generation then samples (trl_compat.py)
         self.rollouts = trl_compat.engine_or_trl_generation(lambda: rollout_source.for_trainer(
             self, policy, self._tokenizer, spec_config, engine, engine_kwargs or {}, max_num_seqs=self._engine_rows(),
             max_model_len=self.args.vllm_max_model_length), engine_given=engine is not None, fsdp=self.is_fsdp_enabled,
-            why_not=trl_compat.why_not_the_engine(policy, self.args.generation_kwargs), trainer=name)
+            why_not=why_not, trainer=name)
         self.engine = self.rollouts.engine if self.rollouts is not None else None
         self.weight_syncer = self.rollouts.weight_syncer if self.rollouts is not None else None
         self.dropped_long_prompts = 0
