@@ -4,7 +4,7 @@ The public API, re-exported lazily: `import rlspec` imports no torch (the CLI pa
 before any heavy import); each name loads its module on first access.
 
     from rlspec import RolloutEngine, SamplingParams, SpecConfig, RolloutResult, fetch_model
-    from rlspec import SpecGRPOTrainer, PPOTrainer, export_drafter
+    from rlspec import SpecGRPOTrainer, SpecRLOOTrainer, PPOTrainer, export_drafter
 """
 import importlib
 
@@ -18,6 +18,7 @@ _EXPORTS = {
     "RolloutResult": "rlspec.rollout.types",
     "fetch_model": "rlspec.rollout.runtime.model.fetch",
     "SpecGRPOTrainer": "rlspec.trainers.grpo",
+    "SpecRLOOTrainer": "rlspec.trainers.rloo",
     "PPOTrainer": "rlspec.trainers.ppo",
     "export_drafter": "rlspec.export",
 }

@@ -2,7 +2,8 @@
 
 The config is parsed and checked before torch is imported, so a typo fails in a fraction of a
 second. Then: W&B environment, model fetch, data, rewards, the trainer (`trainer: grpo` ->
-SpecGRPOTrainer, `trainer: ppo` -> PPOTrainer, both rolling out through the same engine), train.
+SpecGRPOTrainer, `trainer: rloo` -> SpecRLOOTrainer, `trainer: ppo` -> PPOTrainer, all rolling out through the same
+engine), train.
 Checkpoints are written by the Trainer every <grpo|ppo>.save_steps, atomically, with everything a step
 depends on (trainers/checkpoint.py; the learned drafter in checkpoint-N/drafter); `resume=auto` continues
 from the newest complete one, and an output_dir holding a run is refused without resume or
@@ -273,6 +274,10 @@ def _trainer_class(name: str):
         from rlspec.trainers.ppo import PPOTrainer
 
         return PPOTrainer
+    if name == "rloo":
+        from rlspec.trainers.rloo import SpecRLOOTrainer
+
+        return SpecRLOOTrainer
     from rlspec.trainers.grpo import SpecGRPOTrainer
 
     return SpecGRPOTrainer

@@ -1,6 +1,6 @@
-"""The trainer's own config object (trl.GRPOConfig or trainers' PPOConfig) from an rlspec Config.
+"""The trainer's own config object (trl.GRPOConfig, trl.RLOOConfig or trainers' PPOConfig) from an rlspec Config.
 
-One recipe for both: the algorithm's section (grpo: or ppo:) gives the named fields, the run settings
+One recipe for all: the algorithm's section (grpo:, rloo: or ppo:) gives the named fields, the run settings
 give the fields rlspec manages (output_dir, device, precision, W&B, seed), and `<section>.extra`
 passes any other field of the target class, checked against its fields with a did-you-mean hint.
 """
@@ -14,14 +14,14 @@ from rlspec.config import Config, ConfigError
 
 
 def build_trainer_args(cfg: Config, out: Path):
-    """trl.GRPOConfig (trainer: grpo) or trainers.ppo_config.PPOConfig (trainer: ppo)."""
+    """trl.GRPOConfig (trainer: grpo), trl.RLOOConfig (trainer: rloo) or trainers.ppo_config.PPOConfig (trainer: ppo)."""
     if cfg.trainer == "ppo":
         from rlspec.trainers.ppo_config import PPOConfig
 
         return _build(cfg, out, PPOConfig)
     import trl
 
-    return _build(cfg, out, trl.GRPOConfig)
+    return _build(cfg, out, trl.RLOOConfig if cfg.trainer == "rloo" else trl.GRPOConfig)
 
 
 def _build(cfg: Config, out: Path, cls):

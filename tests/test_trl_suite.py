@@ -33,7 +33,8 @@ SPEC = _junit("""
 <testcase classname="trl_tests.test_grpo_trainer" name="test_module_level" time="0.1"/>
 """)
 ENGINE = "\n".join(json.dumps(r) for r in [
-    {"nodeid": "trl_tests/test_grpo_trainer.py::TestGRPOTrainer::test_a[x]", "constructed": 1, "engine_calls": 3, "engine_samples": 9},
+    {"nodeid": "trl_tests/test_grpo_trainer.py::TestGRPOTrainer::test_a[x]", "constructed": 1, "generations": 3,
+     "engine_calls": 3, "engine_samples": 9},
     {"nodeid": "trl_tests/test_grpo_trainer.py::TestGRPOTrainer::test_b", "constructed": 0, "engine_calls": 0},
     {"nodeid": "trl_tests/test_grpo_trainer.py::test_module_level", "constructed": 0, "engine_calls": 0},
 ])
@@ -68,7 +69,9 @@ def test_summary_and_regressions():
     assert s["spec_passing_sampled_through_engine"] == 1  # test_a sampled; test_module_level passed without
     assert s["pass_on_plain_fail_on_spec"] == 2
     assert s["fixed_on_spec"] == 1
-    assert s["issue28_met"] is False
+    assert s["spec_passing_generated"] == 1
+    assert s["engine_bar"] == 68  # GRPO's fixed bar is above two thirds of one generating test
+    assert s["bar_met"] is False
     regs = trl_results.regressions(plain, spec)
     assert [r["test"] for r in regs] == ["TestGRPOTrainer::test_b", "TestGRPOTrainer::test_c"]
     assert regs[0]["error"].startswith("ValueError: SpecGRPOTrainer's engine does not support")
@@ -126,3 +129,33 @@ def test_unbuilt_failures_become_skips_in_both_arms(tmp_path):
         "outcome"] == "skipped"
     assert results["TestGRPOTrainer::test_param[trl-internal-testing/tiny-Qwen2ForCausalLM-2.5]"]["outcome"] == "failed"
     assert results["TestGRPOTrainer::test_other"]["outcome"] == "failed"
+
+
+def test_engine_bar_is_two_thirds_of_the_generating_passes():
+    assert trl_results.engine_bar(30, "rloo") == 20
+    assert trl_results.engine_bar(31, "rloo") == 21  # rounded up: two thirds at least
+    assert trl_results.engine_bar(0, "rloo") == 0
+    assert trl_results.engine_bar(120, "grpo") == 80 and trl_results.engine_bar(90, "grpo") == 68
+
+
+def test_rloo_bar_met_and_one_line():
+    rloo = _junit("""
+<testcase classname="trl_tests.test_rloo_trainer.TestRLOOTrainer" name="test_gen_engine" time="1"/>
+<testcase classname="trl_tests.test_rloo_trainer.TestRLOOTrainer" name="test_gen_beams" time="1"/>
+<testcase classname="trl_tests.test_rloo_trainer.TestRLOOTrainer" name="test_gen_engine_2" time="1"/>
+<testcase classname="trl_tests.test_rloo_trainer.TestRLOOTrainer" name="test_init_only" time="1"/>
+""")
+    results = trl_results.parse_junit(rloo)
+    log = "\n".join(json.dumps({"nodeid": f"trl_tests/test_rloo_trainer.py::TestRLOOTrainer::{name}",
+                                 "generations": gens, "engine_calls": calls})
+                    for name, gens, calls in [("test_gen_engine", 2, 2), ("test_gen_beams", 2, 0),
+                                              ("test_gen_engine_2", 1, 1), ("test_init_only", 0, 0)])
+    engine = trl_results.parse_engine_log(log)
+    s = trl_results.summarize(results, results, engine, "rloo")
+    assert (s["spec_passing_generated"], s["spec_passing_sampled_through_engine"], s["engine_bar"]) == (3, 2, 2)
+    assert s["bar_met"] is True
+    line = trl_results.one_line({"trainer": "rloo", "summary": s})
+    assert line == ("trl-suite rloo: plain 4/4 passed, spec 4/4; 0 pass on plain only; 2 of 3 generating passes "
+                    "sampled through the engine (bar 2): MET")
+    engine["TestRLOOTrainer::test_gen_engine_2"]["engine_calls"] = 0  # one fewer through the engine: 1 < 2
+    assert trl_results.summarize(results, results, engine, "rloo")["bar_met"] is False

@@ -1,7 +1,9 @@
 """rlspec.trainers: trainers that route their rollouts through the rollout engine.
 
 rollout_source.py  the engine side both trainers share: build, weight sync, seeds, rollout metrics
+trl_engine.py   the seam between a TRL online trainer and the engine, shared by the two drop-ins below
 grpo.py         SpecGRPOTrainer, a drop-in subclass of trl.GRPOTrainer
+rloo.py         SpecRLOOTrainer, a drop-in subclass of trl.RLOOTrainer
 trl_compat.py   what keeps it a drop-in: TRL's generation for a model the engine cannot run, VLM refusal,
                 the importance-sampling settings, rollout_func outputs
 peft_sync.py    PEFT (LoRA) policies: the merged weights the engine is built from and synced with

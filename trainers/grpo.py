@@ -27,25 +27,18 @@ A drop-in: same constructor as `trl.GRPOTrainer` plus keyword-only `spec_config`
 """
 from __future__ import annotations
 
-import torch
 from trl import GRPOTrainer
 
 import rlspec.rollout.metrics as M
-from rlspec.rollout.limits import fits
-from rlspec.rollout.runtime.model.loader import body_tensor
 from rlspec.rollout.types import SpecConfig
-from rlspec.trainers import partial_trl, rollout_source, trl_compat
-from rlspec.trainers.callbacks import attach_summary_callback
-from rlspec.trainers.checkpoint import CheckpointMixin
+from rlspec.trainers import partial_trl, trl_compat
 from rlspec.trainers.partial_rollouts import PartialRolloutConfig
-from rlspec.trainers.sample_keys import sample_keys
-from rlspec.trainers.sampling_args import grpo_sampling
-from rlspec.trainers.trimmed_logps import trimmed
-from rlspec.trainers.weight_sync import unwrap_model
+from rlspec.trainers.trl_engine import TrlEngineMixin, dedupe_repeated_prompts  # noqa: F401 (tests import it here)
 
 
-class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
-    """GRPO whose rollouts go through `rlspec.rollout.engine.RolloutEngine` (see the module docstring).
+class SpecGRPOTrainer(TrlEngineMixin, GRPOTrainer):
+    """GRPO whose rollouts go through `rlspec.rollout.engine.RolloutEngine` (see the module docstring; what it
+    shares with SpecRLOOTrainer: trainers/trl_engine.py).
 
     spec_config: how the engine speculates (None: plain decoding). Ignored when `engine` is given.
     engine: an existing RolloutEngine whose target has the policy's architecture and tokenizer; its
@@ -60,67 +53,50 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
     drop_long_prompts: every prompt of train_dataset is checked against the rollout context at construction
         (trainers/preflight.py); False (default) raises PromptTooLongError naming the rows that do not fit,
         True drops them with a warning (`dropped_long_prompts` says how many).
+    partial_rollouts: a PartialRolloutConfig (or its fields as a dict) turns partial rollouts on
+        (trainers/partial_trl.py, docs/partial_rollouts.md); None (default) leaves them off.
     After construction `engine` (also what a rollout_func reaches as `trainer.engine`), `weight_syncer` and
     `rollouts` are None when the engine cannot run the policy and TRL's generation samples instead.
     """
 
+    spec_class_name, trl_class_name = "SpecGRPOTrainer", "GRPOTrainer"
+
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, spec_config: SpecConfig | None = None,
                  engine=None, engine_kwargs: dict | None = None, on_nonfinite: str = "stop", drop_long_prompts: bool = False,
                  partial_rollouts: PartialRolloutConfig | dict | None = None, **trainer_kwargs):
-        _check_supported(args)
-        # a processor passed in is refused before TRL loads anything; one TRL loads itself (AutoProcessor) after
-        positional = trainer_args[2] if len(trainer_args) > 2 else None  # after train_dataset, eval_dataset
-        trl_compat.refuse_vlm(trainer_kwargs.get("processing_class", positional))
-        self.init_resilience(on_nonfinite)
         if isinstance(partial_rollouts, dict):
             partial_rollouts = PartialRolloutConfig(**partial_rollouts)
-        super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
-        trl_compat.refuse_vlm(self.processing_class)
-        # None when the engine cannot run the policy: TRL's own generation then samples (trl_compat.py)
-        policy = unwrap_model(self.model, self.accelerator)
+        self._partial_config = partial_rollouts
+        super().__init__(model, reward_funcs, args, *trainer_args, spec_config=spec_config, engine=engine,
+                         engine_kwargs=engine_kwargs, on_nonfinite=on_nonfinite, drop_long_prompts=drop_long_prompts,
+                         **trainer_kwargs)
+
+    def _before_engine(self) -> None:
         # partial rollouts (trainers/partial_trl.py): None when off
         self.partial, self._partial_groups = None, None
-        if partial_rollouts is not None:
-            self.partial = partial_trl.make_pool(self, partial_rollouts)
-        rows = self.args.per_device_train_batch_size * self.args.steps_per_generation if self.partial is None \
-            else self.partial.capacity * self.num_generations
-        self.rollouts = trl_compat.engine_or_trl_generation(lambda: rollout_source.for_trainer(
-            self, policy, self._tokenizer, spec_config, engine, engine_kwargs or {}, max_num_seqs=rows,
-            max_model_len=self.args.vllm_max_model_length), engine_given=engine is not None, fsdp=self.is_fsdp_enabled,
-            why_not=trl_compat.why_not_the_engine(policy, self.args.generation_kwargs))
-        self.engine = self.rollouts.engine if self.rollouts is not None else None
-        self.weight_syncer = self.rollouts.weight_syncer if self.rollouts is not None else None
-        self.dropped_long_prompts = 0
+        if self._partial_config is not None:
+            self.partial = partial_trl.make_pool(self, self._partial_config)
+
+    def _engine_rows(self) -> int:
+        return super()._engine_rows() if self.partial is None else self.partial.capacity * self.num_generations
+
+    def _after_engine(self) -> None:
         if self.partial is not None:
             partial_trl.refuse_unsupported(self)
             self.partial_future = partial_trl.TrlGroups(self)  # the groups TRL will hand out, drawn ahead
-        if self.rollouts is not None:  # on TRL's generation, sampling and IS settings stay as plain TRL has them
-            # TRL's sampling options as the engine's, what every rollout asks for (why_not_the_engine has sent
-            # generation_kwargs the engine cannot honour to TRL's generation)
-            self.engine_sampling = grpo_sampling(self)
-            self.dropped_long_prompts = rollout_source.preflight(self, drop_long_prompts)
+        if self.rollouts is not None:  # on TRL's generation, IS settings stay as plain TRL has them
             # TRL's importance-sampling correction and its sampling/* metrics, against the engine's logprobs
-            self.rlspec_sampling_dtypes = (self.rollouts.sampling_dtype, body_tensor(policy.named_parameters()).dtype)
             trl_compat.turn_on_importance_sampling(self)
             self.rollout_func = trl_compat.with_sampling_logprobs(self.rollout_func)
-        self.summary_callback = attach_summary_callback(self)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """TRL's step, under the on_nonfinite policy (CheckpointMixin.guarded_step)."""
-        return self.guarded_step(super().training_step, model, inputs, num_items_in_batch)
 
     def rlspec_trainer_state(self) -> dict:
-        """TRL's micro-step counter and, when a checkpoint falls inside a generation batch that later
-        steps still consume (steps_per_generation or num_iterations > 1), that buffered batch."""
-        mid_buffer = self._step % (self.args.steps_per_generation * self.num_iterations) != 0
+        """The shared state (TrlEngineMixin) and the partial-rollout pool's."""
         partial = None if self.partial is None else {"pool": self.partial.state_dict(),
                                                      "future_drawn": self.partial_future.drawn}
-        return {"trl_step": self._step, "buffered_inputs": self._buffered_inputs if mid_buffer else None,
-                "partial": partial}
+        return {**super().rlspec_trainer_state(), "partial": partial}
 
     def load_rlspec_trainer_state(self, state: dict) -> None:
-        self._step = int(state["trl_step"])
-        self._buffered_inputs = state["buffered_inputs"]
+        super().load_rlspec_trainer_state(state)
         if (state.get("partial") is None) != (self.partial is None):
             raise ValueError("this checkpoint was written with partial rollouts "
                              f"{'off' if self.partial is not None else 'on'}: resume it with the same setting")
@@ -159,43 +135,15 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
                                                  has_tool_images)
         if multimodal_fields:  # only a VLM has them, and VLMs are refused at construction
             raise NotImplementedError("SpecGRPOTrainer generates text only; multimodal prompts need trl.GRPOTrainer")
-        # `images` is ignored, as TRL's own text path ignores it (a text model's tool may return image blocks)
-        completions: list[list[int]] = [[] for _ in prompt_ids]
-        logprobs: list[list[float]] = [[] for _ in prompt_ids]
-        todo = self._prompts_that_fit(prompt_ids)
-        if todo:
-            unique_ids, n = dedupe_repeated_prompts([prompt_ids[i] for i in todo], num_generations)
-            results = self.rollouts.generate(
-                self.model, self.state.global_step, unique_ids, n, **self.engine_sampling,
-                max_new_tokens=self.max_completion_length, stop_token_ids=list(self.eos_token_ids),
-                sample_keys=self._sample_keys(todo, num_generations, len(prompt_ids)))
-            self.rollouts.log_metrics(metrics)
-            # the sampling logprobs TRL's importance-sampling correction divides by: the behaviour policy's, which
-            # differ from the target's exactly on tokens a lossy mode kept (rollout/types.py, docs/lossy.md)
-            for i, r in zip(todo, results, strict=True):
-                completions[i], logprobs[i] = list(r.completion_ids), list(r.sampling_logprobs())
-        metrics[trl_compat.ENGINE_METRIC].append(1.0)
-        return completions, logprobs
-
-    def _sample_keys(self, rows: list[int], num_generations: int, batch_rows: int) -> list[int] | None:
-        """The keys of a training generation batch's rows `rows` (TRL lays group g's samples at rows g*n..g*n+n-1):
-        group ordinal = generation round x groups per batch + g, as partial rollouts number TRL's groups, so a
-        sample is drawn alike with partial rollouts on or off (trainers/sample_keys.py). None in evaluation and for
-        tool turns (TRL calls those with num_generations=1: keyed again, a sample's turns would share draws)."""
-        if not self.model.training or num_generations != self.num_generations:
-            return None
-        generation = self._step // (self.args.steps_per_generation * self.num_iterations)
-        base = generation * (batch_rows // num_generations)
-        return sample_keys(self.args.seed, self.accelerator.process_index,
-                           [(base + i // num_generations, i % num_generations) for i in rows])
+        # `images` is ignored, as TRL's own text path ignores it (a text model's tool may return image blocks); the
+        # sampling logprobs are what TRL's importance-sampling correction divides by
+        return self._engine_completions(prompt_ids, num_generations, metrics)
 
     def _generate_and_score_completions(self, inputs):
-        """TRL's; its first no-grad pass of the policy over the rollouts (the old logprobs) also feeds the
-        learned drafter (trainers/drafter_feed.py). Logs what TRL's importance-sampling correction zeroed
-        (trl_compat.masked_fractions)."""
+        """TRL's (with the drafter fed from its old-logprob pass: TrlEngineMixin), after a partial round when partial
+        rollouts are on. Logs what TRL's importance-sampling correction zeroed (trl_compat.masked_fractions)."""
         if getattr(self, "partial", None) is not None and self.model.training:
             inputs = partial_trl.run_round(self, inputs)  # the rows of the round's complete groups
-        self._feed_drafter = getattr(self, "rollouts", None) is not None
         try:
             output = super()._generate_and_score_completions(inputs)
             metrics = self._metrics["train" if self.model.training else "eval"]
@@ -206,35 +154,8 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
                 for key, value in partial_trl.carried_is_metrics(self, output).items():
                     metrics[key].append(value)
         finally:
-            self._feed_drafter, self._partial_groups = False, None
+            self._partial_groups = None
         return output
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """TRL's, without the completions' padding (_trimmed_logps), and with the drafter's tap around the
-        old-logprob pass when a learned drafter feeds on it: the first no-grad pass of the policy in
-        _generate_and_score_completions, run at TRL's shapes. Only that one: TRL's reference pass comes after it,
-        and for a PEFT policy it runs through the very same layers with the adapter off."""
-        if getattr(self, "_feed_drafter", False) and model is self.model and not torch.is_grad_enabled():
-            self._feed_drafter = False
-            if self.rollouts.feeds_drafter:  # the drafter's hooks read TRL's padded shapes
-                with self.rollouts.drafter_pass(input_ids, attention_mask, logits_to_keep):
-                    return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
-                                                                       logits_to_keep, *args, **kwargs)
-        return self._trimmed_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-
-    def _trimmed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
-        """TRL's pass without the completions' padding (trainers/trimmed_logps.py), for text models; the share of
-        the padded tokens it computed is logged as train/logps_token_frac. Multimodal inputs and MoE aux losses
-        take TRL's padded pass."""
-        parent = super()._get_per_token_logps_and_entropies
-        flags = ("compute_entropy", "compute_aux_loss")
-        if kwargs.get("compute_aux_loss") or any(v is not None for k, v in kwargs.items() if k not in flags):
-            return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
-        out, frac = trimmed(lambda *a, **kw: parent(model, *a, **kw), input_ids, attention_mask, logits_to_keep,
-                            batch_size, **kwargs)
-        getattr(self, "_metrics", {}).get("train" if model.training else "eval", {}).setdefault(
-            "train/logps_token_frac", []).append(frac)
-        return out
 
     def _tool_call_loop(self, *args, **kwargs):
         """TRL's tool loop; while it runs, _generate_single_turn is generating tool turns."""
@@ -243,34 +164,3 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
             return super()._tool_call_loop(*args, **kwargs)
         finally:
             self._in_tool_loop = False
-
-    def _prompts_that_fit(self, prompt_ids: list[list[int]]) -> list[int]:
-        """Indices of the prompts to generate for. A tool turn whose prompt (prompt + completion + tool output)
-        fills the engine's context gets no tokens, as generating in a full context would give: TRL's tool loop
-        drops a tool result only past the model's max_position_embeddings, which may exceed the engine's
-        max_model_len. First-turn prompts were checked at construction (preflight) and all go to the engine,
-        which names any that do not fit."""
-        context = self.rollouts.max_model_len
-        if not getattr(self, "_in_tool_loop", False) or context is None:
-            return list(range(len(prompt_ids)))
-        return [i for i, ids in enumerate(prompt_ids) if fits(len(ids), context)]
-
-
-def dedupe_repeated_prompts(prompt_ids: list[list[int]], n: int) -> tuple[list[list[int]], int]:
-    """(unique prompts, samples per prompt) for the engine, so each prompt's prefill is shared.
-
-    TRL's RepeatSampler lays each prompt out `n` times in a row, and the engine returns prompt 0's n
-    samples, then prompt 1's...: the same order. When the list is not made of whole blocks of n equal
-    prompts (a process holding part of a group in multi-GPU runs), fall back to one sample per entry.
-    """
-    if n > 1 and len(prompt_ids) % n == 0:
-        blocks = [prompt_ids[i:i + n] for i in range(0, len(prompt_ids), n)]
-        if all(all(p == block[0] for p in block) for block in blocks):
-            return [block[0] for block in blocks], n
-    return [list(p) for p in prompt_ids], 1
-
-
-def _check_supported(args) -> None:
-    """Fail before TRL's __init__ starts anything we would not use."""
-    if args is not None and getattr(args, "use_vllm", False):
-        raise ValueError("SpecGRPOTrainer generates with its own engine: set use_vllm=False (the default)")

@@ -59,7 +59,8 @@ def engine_sampling(temperature: float, top_p: float | None, top_k: int | None, 
     return out
 
 
-def grpo_sampling(trainer) -> dict:
-    """engine_sampling for a TRL GRPOTrainer after its __init__ (its fields and args.generation_kwargs)."""
+def trl_sampling(trainer) -> dict:
+    """engine_sampling for a TRL GRPOTrainer or RLOOTrainer after its __init__ (its fields and
+    args.generation_kwargs, which both apply alike)."""
     return engine_sampling(trainer.temperature, trainer.top_p, trainer.top_k, trainer.min_p,
                            trainer.repetition_penalty, trainer.args.generation_kwargs)

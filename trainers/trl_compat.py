@@ -1,4 +1,5 @@
-"""What SpecGRPOTrainer does so that everything plain `trl.GRPOTrainer` accepts still runs (trl 1.16).
+"""What SpecGRPOTrainer and SpecRLOOTrainer do so that everything plain `trl.GRPOTrainer` / `trl.RLOOTrainer`
+accept still runs (trl 1.16). The importance-sampling settings and rollout_func are GRPO's (RLOO has neither).
 
 - A policy the engine cannot run (rollout.errors.UnsupportedModelError at engine construction: an unknown
   model_type, a RoPE or attention kind the runtime does not compute, a PEFT method that cannot be merged)
@@ -36,15 +37,16 @@ ENGINE_METRIC = "rollout/engine"  # 1.0: the rlspec engine sampled; 0.0: TRL's o
 TOKEN_LEVEL_FOR_VESPO = {"sequence_mask": "token_mask", "sequence_truncate": "token_truncate"}
 
 
-def refuse_vlm(processing_class) -> None:
+def refuse_vlm(processing_class, trainer: str = "SpecGRPOTrainer", trl_trainer: str = "GRPOTrainer") -> None:
     """Refuse a vision-language policy at construction, before any engine is built. TRL's test: a VLM is
-    one whose processing class is a ProcessorMixin (GRPOTrainer.__init__ sets `_is_vlm` from it)."""
+    one whose processing class is a ProcessorMixin (GRPOTrainer.__init__ sets `_is_vlm` from it).
+    trainer / trl_trainer: the rlspec class and the TRL class it replaces, for the message."""
     from transformers import ProcessorMixin
 
     if isinstance(processing_class, ProcessorMixin):
         raise ValueError(
-            "SpecGRPOTrainer's engine generates text only, and this model comes with a multimodal processor "
-            "(a vision-language model): use trl.GRPOTrainer for it (same arguments, without spec_config, "
+            f"{trainer}'s engine generates text only, and this model comes with a multimodal processor "
+            f"(a vision-language model): use trl.{trl_trainer} for it (same arguments, without spec_config, "
             "engine and engine_kwargs)")
 
 
@@ -66,29 +68,31 @@ def why_not_the_engine(model, generation_kwargs: dict | None) -> str | None:
     return None
 
 
-def engine_or_trl_generation(build, engine_given: bool, fsdp: bool = False, why_not: str | None = None):
+def engine_or_trl_generation(build, engine_given: bool, fsdp: bool = False, why_not: str | None = None,
+                             trainer: str = "SpecGRPOTrainer"):
     """build() (a RolloutSource), or None after one warning when the engine cannot run the policy.
 
     engine_given: the user passed an engine; it already runs the model, so an UnsupportedModelError then
     comes from something else and is raised as is.
     fsdp: the Trainer will shard the policy with FSDP, whose flat shards / DTensors the weight sync cannot push
-    (trainers/weight_sync.py); TRL's generation gathers them itself (summon_full_params), so it samples instead."""
+    (trainers/weight_sync.py); TRL's generation gathers them itself (summon_full_params), so it samples instead.
+    trainer: the rlspec class's name, for the warning."""
     if why_not is not None and not engine_given:
-        return _trl_generation(why_not)
+        return _trl_generation(why_not, trainer)
     if fsdp and not engine_given:
         return _trl_generation("the policy is FSDP-sharded, and the engine's weight sync reads whole tensors "
                                "(DeepSpeed ZeRO-3 keeps the engine: accelerate launch --config_file "
-                               "configs/accelerate/zero3.yaml)")
+                               "configs/accelerate/zero3.yaml)", trainer)
     try:
         return build()
     except UnsupportedModelError as e:
         if engine_given:
             raise
-        return _trl_generation(str(e))
+        return _trl_generation(str(e), trainer)
 
 
-def _trl_generation(why: str) -> None:
-    warnings.warn(f"SpecGRPOTrainer: rlspec's rollout engine cannot sample this run as TRL would ({why}); generating with TRL's "
+def _trl_generation(why: str, trainer: str) -> None:
+    warnings.warn(f"{trainer}: rlspec's rollout engine cannot sample this run as TRL would ({why}); generating with TRL's "
                   "own generation instead (no speculation; TRL's importance-sampling settings as in plain TRL). The "
                   f"metric {ENGINE_METRIC} is 0 on this path", UserWarning, stacklevel=4)
 

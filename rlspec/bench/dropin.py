@@ -1,12 +1,14 @@
-"""The drop-in, as a TRL user meets it: trl.GRPOTrainer against SpecGRPOTrainer with only the class changed.
+"""The drop-in, as a TRL user meets it: trl.GRPOTrainer against SpecGRPOTrainer with only the class changed (or, with
+`--trainer rloo`, trl.RLOOTrainer against SpecRLOOTrainer; report bench_out/dropin_rloo.json).
 
 Each run is a fresh process (`--child`): the user's own code, `AutoModelForCausalLM.from_pretrained(path, dtype=...)`,
-`GRPOConfig(bf16=True, per_device_train_batch_size=8, num_generations=4, max_completion_length=128, use_cpu=True)`,
-the embedded math task and its accuracy reward, N optimizer steps. Arms:
+`GRPOConfig(bf16=True, per_device_train_batch_size=8, num_generations=4, max_completion_length=128, use_cpu=True)`
+(RLOOConfig alike, its other fields at TRL's defaults: beta=0.05, a reference model), the embedded math task and its
+accuracy reward, N optimizer steps. Arms:
 
-  trl         trl.GRPOTrainer (its own transformers generation)
-  spec        SpecGRPOTrainer, no spec_config (plain decoding in the engine)
-  spec-auto   SpecGRPOTrainer(spec_config=SpecConfig(drafter="auto"))
+  trl         trl.GRPOTrainer / trl.RLOOTrainer (its own transformers generation)
+  spec        SpecGRPOTrainer / SpecRLOOTrainer, no spec_config (plain decoding in the engine)
+  spec-auto   the same with spec_config=SpecConfig(drafter="auto")
 
 for two models: `fp32` (float32 master weights under bf16 mixed precision, the common case) and `bf16` (loaded in
 bf16). Arms alternate in rotating order, same seeds; the figures are medians over repetitions and per-repetition
@@ -15,6 +17,7 @@ rewards, the loss's forward, backward, optimizer; and, for SpecGRPOTrainer, what
 correction masked (sequences and tokens) and what speculation saved or cost.
 
     python -m rlspec.bench dropin --reps 3 --steps 6
+    python -m rlspec.bench dropin --trainer rloo --arms trl spec --models fp32 --reps 3
 """
 from __future__ import annotations
 
@@ -30,14 +33,19 @@ from contextlib import contextmanager
 from rlspec.bench import harness
 
 NAME = "dropin"
-HELP = "trl.GRPOTrainer vs SpecGRPOTrainer (plain, auto) as a TRL user swaps the class: end to end, per phase"
+HELP = ("trl.GRPOTrainer vs SpecGRPOTrainer (plain, auto), or --trainer rloo: trl.RLOOTrainer vs SpecRLOOTrainer, as "
+        "a TRL user swaps the class: end to end, per phase")
+TRAINERS = ("grpo", "rloo")
 ARMS = ("trl", "spec", "spec-auto")
 MODELS = ("fp32", "bf16")
 PHASES = ("rollout", "sync", "old_logprobs", "rewards", "loss_forward", "backward", "optimizer")
 MARK = "DROPIN_RESULT "
+TRL_CLASSES = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--trainer", choices=TRAINERS, default="grpo",
+                   help="grpo: trl.GRPOTrainer vs SpecGRPOTrainer; rloo: trl.RLOOTrainer vs SpecRLOOTrainer")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--steps", type=int, default=6)
@@ -46,22 +54,25 @@ def add_arguments(p) -> None:
     p.add_argument("--max-completion", type=int, default=128, help="max_completion_length")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model alias or local HF directory")
     p.add_argument("--is-prompts", type=int, default=16, help="prompts (x --generations samples) of the "
-                   "importance-sampling probe: what TRL's default sequence_mask would drop under bf16 sampling; 0 skips")
+                   "importance-sampling probe: what TRL's default sequence_mask would drop under bf16 sampling; 0 "
+                   "skips (grpo only: RLOO runs no importance-sampling correction)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run's settings, in its own process
 
 
 def run(args) -> dict:
     if args.child:
         return {**child(json.loads(args.child)), "no_plot": True}
+    if args.trainer != "grpo" and args.out == harness.default_out(argparse.Namespace(smoke=args.smoke), NAME):
+        args.out = args.out.removesuffix(".json") + f"_{args.trainer}.json"
     if args.smoke:
         args.steps, args.reps, args.batch, args.generations, args.max_completion = 1, 1, 2, 2, 4
-    probe = is_probe(args) if args.is_prompts > 0 else None
+    probe = is_probe(args) if args.is_prompts > 0 and args.trainer == "grpo" else None
     runs: dict[str, list[dict]] = defaultdict(list)
     for model in args.models:
         arms = {arm: (lambda rep, arm=arm, model=model: spawn(args, arm, model, rep)) for arm in args.arms}
         for arm, results in harness.alternate(arms, args.reps, say=_say(model)).items():
             runs[f"{model}/{arm}"] = results
-    return {**summarize(runs, args), "is_probe": probe}
+    return {**summarize(runs, args), "trainer": args.trainer, "is_probe": probe}
 
 
 def _say(model):
@@ -73,9 +84,9 @@ def _say(model):
 
 def spawn(args, arm: str, model: str, rep: int) -> dict:
     """One training run in a fresh process; its result dict."""
-    spec = dict(arm=arm, model=model, rep=rep, steps=args.steps, batch=args.batch, generations=args.generations,
+    spec = dict(trainer=args.trainer, arm=arm, model=model, rep=rep, steps=args.steps, batch=args.batch, generations=args.generations,
                 max_completion=args.max_completion, model_path=args.model, seed=args.seed, smoke=args.smoke)
-    return harness.run_child(NAME, spec, MARK, f"dropin run {arm}/{model}")
+    return harness.run_child(NAME, spec, MARK, f"dropin run {args.trainer} {arm}/{model}")
 
 
 def summarize(runs: dict[str, list[dict]], args) -> dict:
@@ -114,11 +125,11 @@ def plot(report: dict, path: str) -> None:
             ax.bar(labels, values, bottom=bottom, label=phase)
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.set_ylabel("seconds per step")
-        ax.set_title("a GRPO step, phase by phase (medians)")
+        ax.set_title(f"a {report.get('trainer', 'grpo').upper()} step, phase by phase (medians)")
         ax.legend(fontsize=7)
         bx.bar(labels, [r["speedup_vs_trl"] or 0 for r in rows])
         bx.axhline(1.0, color="k", lw=0.8)
-        bx.set_ylabel("x trl.GRPOTrainer (end to end)")
+        bx.set_ylabel(f"x trl.{TRL_CLASSES[report.get('trainer', 'grpo')]} (end to end)")
         bx.set_title(f"{report.get('date')} {report.get('commit')}")
 
 
@@ -176,10 +187,17 @@ def child(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlspec.rollout.runtime.model.fetch import fetch_model
-    from rlspec.trainers.data import make_math_dataset
-    from rlspec.trainers.grpo import SpecGRPOTrainer
-    from rlspec.trainers.rewards import get_reward_funcs
     from rlspec.rollout.types import SpecConfig
+    from rlspec.trainers.data import make_math_dataset
+    from rlspec.trainers.rewards import get_reward_funcs
+
+    trainer_name = spec.get("trainer", "grpo")
+    if trainer_name == "rloo":
+        from rlspec.trainers.rloo import SpecRLOOTrainer as spec_class
+    else:
+        from rlspec.trainers.grpo import SpecGRPOTrainer as spec_class
+    trl_class, config_class = (trl.RLOOTrainer, trl.RLOOConfig) if trainer_name == "rloo" else (trl.GRPOTrainer,
+                                                                                                trl.GRPOConfig)
 
     path = fetch_model(spec["model_path"])
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -188,7 +206,7 @@ def child(spec: dict) -> dict:
     if spec["smoke"]:
         model = _shrunk(model)
     with tempfile.TemporaryDirectory() as out:
-        args = trl.GRPOConfig(output_dir=out, bf16=True, use_cpu=True, per_device_train_batch_size=spec["batch"],
+        args = config_class(output_dir=out, bf16=True, use_cpu=True, per_device_train_batch_size=spec["batch"],
                               num_generations=spec["generations"], max_completion_length=spec["max_completion"],
                               max_steps=spec["steps"], seed=spec["seed"], logging_steps=1, report_to="none",
                               save_strategy="no", disable_tqdm=True)
@@ -196,15 +214,15 @@ def child(spec: dict) -> dict:
                       train_dataset=make_math_dataset(max(64, spec["batch"] * spec["steps"]), seed=spec["seed"]),
                       processing_class=tokenizer)
         if spec["arm"] == "trl":
-            trainer = trl.GRPOTrainer(**kwargs)
+            trainer = trl_class(**kwargs)
         else:
             config = SpecConfig(drafter="auto") if spec["arm"] == "spec-auto" else None
-            trainer = SpecGRPOTrainer(**kwargs, spec_config=config)
+            trainer = spec_class(**kwargs, spec_config=config)
         phases = PhaseClock(trainer)
         start = time.perf_counter()
         trainer.train()
         total = time.perf_counter() - start
-    result = dict(arm=spec["arm"], model=spec["model"], total_s=total, phases=phases.per_step(spec["steps"]),
+    result = dict(trainer=trainer_name, arm=spec["arm"], model=spec["model"], total_s=total, phases=phases.per_step(spec["steps"]),
                   **_run_metrics(trainer.state.log_history))
     print(MARK + json.dumps(result), flush=True)
     return result

@@ -1,14 +1,18 @@
-"""pytest plugin loaded by `python -m rlspec.bench trl-suite` (`-p rlspec.bench.trl_plugin`) into TRL's GRPO test run.
+"""pytest plugin loaded by `python -m rlspec.bench trl-suite` (`-p rlspec.bench.trl_plugin`) into TRL's GRPO or RLOO
+test run.
 
 It never edits TRL's test files; everything is done from outside, driven by environment variables the
 driver sets:
 
-  RLSPEC_TRL_ARM          "plain" (trl.GRPOTrainer, untouched) or "spec" (the name `GRPOTrainer` in every
-                          collected test module is bound to `SpecGRPOTrainerUnderTest`, a thin subclass of
-                          trainers.grpo.SpecGRPOTrainer that counts its engine rollouts)
+  RLSPEC_TRL_TRAINER      "grpo" (tests/test_grpo_trainer.py) or "rloo" (tests/test_rloo_trainer.py)
+  RLSPEC_TRL_ARM          "plain" (trl.GRPOTrainer / trl.RLOOTrainer, untouched) or "spec" (the name `GRPOTrainer`
+                          / `RLOOTrainer` in every collected test module is bound to `SpecGRPOTrainerUnderTest` /
+                          `SpecRLOOTrainerUnderTest`, a thin subclass of SpecGRPOTrainer / SpecRLOOTrainer that
+                          counts its generations and its engine rollouts)
   RLSPEC_TRL_FIXTURES     fixtures.json written by the driver: local datasets ({repo id: {config: dir}}) and the
                           repo ids that could not be built offline ({repo id: reason})
-  RLSPEC_TRL_ENGINE_LOG   JSON-lines file; one line per test: nodeid, trainers constructed, engine calls/samples
+  RLSPEC_TRL_ENGINE_LOG   JSON-lines file; one line per test: nodeid, trainers constructed, generations (calls of
+                          `_generate_single_turn`, either path), engine calls/samples
   RLSPEC_TRL_TIMEOUT_S    per-test limit (SIGALRM in the main thread; 0 = none)
 
 Models come from a Hugging Face cache layout the driver populated (HF_HOME + HF_HUB_OFFLINE=1), so
@@ -26,6 +30,10 @@ import signal
 import pytest
 
 ARM = os.environ.get("RLSPEC_TRL_ARM", "plain")
+TRAINER = os.environ.get("RLSPEC_TRL_TRAINER", "grpo")
+# the TRL class the tests use -> the rlspec class standing in for it
+SPEC_CLASSES = {"grpo": ("GRPOTrainer", "rlspec.trainers.grpo", "SpecGRPOTrainer"),
+                "rloo": ("RLOOTrainer", "rlspec.trainers.rloo", "SpecRLOOTrainer")}
 _FIXTURES = json.loads(open(os.environ["RLSPEC_TRL_FIXTURES"]).read()) if os.environ.get("RLSPEC_TRL_FIXTURES") else {}
 LOCAL_DATASETS: dict[str, dict[str, str]] = _FIXTURES.get("datasets", {})
 UNBUILT: dict[str, str] = _FIXTURES.get("unbuilt", {})
@@ -82,42 +90,50 @@ _install_import_utils_fallback()
 _install_dataset_redirect()
 
 # --- the Spec arm: a thin subclass that records whether rollouts went through rlspec's engine
-_STATE = {"constructed": 0, "on_trl_generation": 0, "engine_calls": 0, "engine_samples": 0}
+_STATE = {"constructed": 0, "on_trl_generation": 0, "generations": 0, "engine_calls": 0, "engine_samples": 0}
 
 
-def _spec_subclass():
-    """SpecGRPOTrainer, counting the rollouts that came back from its RolloutSource (the engine)."""
-    from rlspec.trainers.grpo import SpecGRPOTrainer
+def _spec_subclass(trainer: str):
+    """The rlspec trainer standing in for TRL's, counting its generations and the rollouts that came back from its
+    RolloutSource (the engine)."""
+    import importlib
 
-    class SpecGRPOTrainerUnderTest(SpecGRPOTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            _STATE["constructed"] += 1
-            if getattr(self, "rollouts", None) is None:  # the engine cannot run this policy: TRL's generation samples
-                _STATE["on_trl_generation"] += 1
-                return
-            inner = self.rollouts.generate
+    trl_name, module, name = SPEC_CLASSES[trainer]
+    spec_class = getattr(importlib.import_module(module), name)
 
-            def generate(*a, **k):
-                results = inner(*a, **k)
-                _STATE["engine_calls"] += 1
-                _STATE["engine_samples"] += len(results)
-                return results
+    def __init__(self, *args, **kwargs):
+        spec_class.__init__(self, *args, **kwargs)
+        _STATE["constructed"] += 1
+        if getattr(self, "rollouts", None) is None:  # the engine cannot run this policy: TRL's generation samples
+            _STATE["on_trl_generation"] += 1
+            return
+        inner = self.rollouts.generate
 
-            self.rollouts.generate = generate
+        def generate(*a, **k):
+            results = inner(*a, **k)
+            _STATE["engine_calls"] += 1
+            _STATE["engine_samples"] += len(results)
+            return results
 
-    return SpecGRPOTrainerUnderTest
+        self.rollouts.generate = generate
+
+    def _generate_single_turn(self, *args, **kwargs):
+        _STATE["generations"] += 1
+        return spec_class._generate_single_turn(self, *args, **kwargs)
+
+    return type(f"{name}UnderTest", (spec_class,), {"__init__": __init__, "_generate_single_turn": _generate_single_turn,
+                                                    "__module__": __name__}), trl_name
 
 
-SpecGRPOTrainerUnderTest = _spec_subclass() if ARM == "spec" else None
+SPEC_UNDER_TEST, TRL_NAME = _spec_subclass(TRAINER) if ARM == "spec" else (None, SPEC_CLASSES[TRAINER][0])
 
 
 def pytest_collection_modifyitems(session, config, items):
     if ARM != "spec":
         return
     for module in {item.module for item in items if getattr(item, "module", None) is not None}:
-        if hasattr(module, "GRPOTrainer"):
-            module.GRPOTrainer = SpecGRPOTrainerUnderTest
+        if hasattr(module, TRL_NAME):
+            setattr(module, TRL_NAME, SPEC_UNDER_TEST)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,11 +1,14 @@
-"""TRL compatibility: TRL's own GRPOTrainer tests (tests/test_grpo_trainer.py), plain vs SpecGRPOTrainer.
+"""TRL compatibility: TRL's own trainer tests, plain vs the rlspec drop-in. `--trainer grpo` (default): TRL's
+tests/test_grpo_trainer.py against SpecGRPOTrainer; `--trainer rloo`: tests/test_rloo_trainer.py against
+SpecRLOOTrainer.
 
 Runs the test module twice with pytest, offline:
-  plain  as written (trl.GRPOTrainer);
-  spec   the name `GRPOTrainer` in the test module bound to a thin subclass of trainers.grpo.SpecGRPOTrainer that
-         records whether each test's rollouts came back from rlspec's engine (the pytest plugin
-         rlspec/bench/trl_plugin.py).
-The bar: no test passing on plain fails on spec, and >= 68 spec-passing tests sample through the engine.
+  plain  as written (trl.GRPOTrainer / trl.RLOOTrainer);
+  spec   the name `GRPOTrainer` / `RLOOTrainer` in the test module bound to a thin subclass of the rlspec class that
+         records, per test, its generations and whether its rollouts came back from rlspec's engine (the pytest
+         plugin rlspec/bench/trl_plugin.py).
+The bar: no test passing on plain fails on spec, and at least two thirds of the spec-passing tests that generate
+sample through the engine (for GRPO also at least 68 of them). The last line printed is the result in one line.
 
 TRL's tests are passed in (CI has no network; TRL's test code is never vendored here):
     git clone https://github.com/huggingface/trl && git -C trl checkout v1.16.0   # the installed trl version
@@ -17,10 +20,12 @@ arms. The report: per-test outcome of both arms, whether each spec test sampled 
 times, and the tests passing on plain but failing on spec with the first line of the error. docs/trl_suite.md.
 
     python -m rlspec.bench trl-suite --trl-tests /tmp/trl_tests -k "TestGRPOTrainer and loss_type"   # a subset
+    python -m rlspec.bench trl-suite --trainer rloo --trl-tests /tmp/trl_tests   # bench_out/trl_suite_rloo.json
     python -m rlspec.bench trl-suite --report-only                                                   # re-print
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -29,20 +34,22 @@ import sys
 import time
 from pathlib import Path
 
+from rlspec.bench import harness
 from rlspec.bench.harness import ROOT as REPO
 from rlspec.bench.trl_fixtures import build_fixtures
 from rlspec.bench.trl_results import (
-    TEST_FILE, counts, format_summary, group_by_cause, nodeid_key, parse_engine_log, parse_junit, per_test_table,
+    SUITES, counts, format_summary, group_by_cause, nodeid_key, parse_engine_log, parse_junit, per_test_table,
     reclassify_unbuilt, regressions, summarize, test_sources)
 
 NAME = "trl-suite"
-HELP = "TRL's own GRPOTrainer tests, plain vs SpecGRPOTrainer: no regression, tests sampling through the engine"
+HELP = ("TRL's own GRPOTrainer (or --trainer rloo: RLOOTrainer) tests, plain vs the rlspec drop-in: no regression, "
+        "tests sampling through the engine")
 # --smoke: a two-test stand-in for TRL's test file, run through both arms and the plugin
-SMOKE_TESTS = '''from trl import GRPOTrainer
+SMOKE_TESTS = '''from trl import {trl_class}
 
 
-def test_grpo_trainer_is_importable():
-    assert GRPOTrainer.__name__ in ("GRPOTrainer", "SpecGRPOTrainerUnderTest")
+def test_trainer_is_importable():
+    assert {trl_class}.__name__ in ("{trl_class}", "{spec_class}UnderTest")
 
 
 def test_unbuilt_model_is_skipped():
@@ -51,9 +58,13 @@ def test_unbuilt_model_is_skipped():
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--trainer", choices=sorted(SUITES), default="grpo",
+                   help="whose tests: grpo (test_grpo_trainer.py, SpecGRPOTrainer) or rloo (test_rloo_trainer.py, "
+                        "SpecRLOOTrainer); rloo's report goes to bench_out/trl_suite_rloo.json")
     p.add_argument("--trl-tests", type=Path, help="a checkout of TRL's tests/ directory for the installed trl version")
-    p.add_argument("--work", type=Path, default=Path("/tmp/rlspec_trl_suite"),
-                   help="scratch directory (tiny models, datasets, logs); reused across runs")
+    p.add_argument("--work", type=Path, default=None,
+                   help="scratch directory (tiny models, datasets, logs); reused across runs (default "
+                        "/tmp/rlspec_trl_suite, /tmp/rlspec_trl_suite_rloo for rloo)")
     p.add_argument("--arms", default="plain,spec", help="comma-separated: plain, spec")
     p.add_argument("-k", "--select", default=None, help="pytest -k expression: run a subset")
     p.add_argument("--timeout-s", type=int, default=300, help="per-test limit (0: none)")
@@ -73,18 +84,30 @@ def _smoke_tests(args) -> None:
     base = Path(args.out).with_suffix("")
     args.trl_tests, args.work = base.parent / (base.name + "_tests"), base.parent / (base.name + "_work")
     args.trl_tests.mkdir(parents=True, exist_ok=True)
-    (args.trl_tests / TEST_FILE).write_text(SMOKE_TESTS)
+    (args.trl_tests / SUITES[args.trainer]["test_file"]).write_text(SMOKE_TESTS.format(**SUITES[args.trainer]))
+
+
+def _trainer_defaults(args) -> None:
+    """--work and --out for a trainer other than grpo, unless given (grpo keeps the historical names)."""
+    suffix = "" if args.trainer == "grpo" else f"_{args.trainer}"
+    if args.work is None:
+        args.work = Path(f"/tmp/rlspec_trl_suite{suffix}")
+    default_out = harness.default_out(argparse.Namespace(smoke=args.smoke), NAME)
+    if suffix and args.out == default_out:
+        args.out = default_out.removesuffix(".json") + f"{suffix}.json"
 
 
 def run(args) -> dict:
+    _trainer_defaults(args)
+    test_file = SUITES[args.trainer]["test_file"]
     if args.report_only:
         print(format_summary(json.loads(Path(args.out).read_text())))
         raise SystemExit(0)
     if args.smoke:
         _smoke_tests(args)
         args.jobs = 1  # one pytest process per arm
-    if args.trl_tests is None or not (args.trl_tests / TEST_FILE).is_file():
-        raise SystemExit(f"--trl-tests must be a TRL tests/ checkout containing {TEST_FILE} (see --help)")
+    if args.trl_tests is None or not (args.trl_tests / test_file).is_file():
+        raise SystemExit(f"--trl-tests must be a TRL tests/ checkout containing {test_file} (see --help)")
     import trl
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -94,7 +117,7 @@ def run(args) -> dict:
     shutil.rmtree(tests_dir, ignore_errors=True)
     shutil.copytree(args.trl_tests, tests_dir, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     t0 = time.time()
-    fixtures = build_fixtures(tests_dir / TEST_FILE, work, rebuild=args.rebuild)
+    fixtures = build_fixtures(tests_dir / test_file, work, rebuild=args.rebuild)
     fixtures_file = work / "fixtures.json"
     fixtures_file.write_text(json.dumps(fixtures, indent=1))
     build_s = time.time() - t0
@@ -106,26 +129,26 @@ def run(args) -> dict:
         previous = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
         wall_doc = previous.get("wall_s", {})
     else:
-        results, engines, walls = run_arms(arms, tests_dir, work, fixtures_file, args.select, args.timeout_s,
-                                           args.pytest_arg, args.jobs, args.threads)
+        results, engines, walls = run_arms(arms, tests_dir / test_file, work, fixtures_file, args.select,
+                                           args.timeout_s, args.pytest_arg, args.jobs, args.threads, args.trainer)
         wall_doc = {**{a: round(w, 1) for a, w in walls.items()}, "fixtures": round(build_s, 1),
                     "total": round(time.time() - t0, 1)}
     return report(args, arms, tests_dir, fixtures, results, engines, wall_doc, trl.__version__)
 
 
 def report(args, arms, tests_dir, fixtures, results, engines, wall_doc, trl_version) -> dict:
-    sources = test_sources(tests_dir / TEST_FILE)
+    sources = test_sources(tests_dir / SUITES[args.trainer]["test_file"])
     for arm in arms:
         n = reclassify_unbuilt(results[arm], sources, fixtures["unbuilt"])
         print(f"[trl_suite] {arm}: {n} failures needing a model/dataset not built offline counted as skipped", flush=True)
     plain, spec = results.get("plain"), results.get("spec")
     engine = engines.get("spec", {})
     regs = regressions(plain, spec) if plain is not None and spec is not None else []
-    doc = {"trl_version": trl_version, "trl_tests_source": str(args.trl_tests.resolve()),
+    doc = {"trainer": args.trainer, "trl_version": trl_version, "trl_tests_source": str(args.trl_tests.resolve()),
            "trl_tests_version_note": _source_note(args.trl_tests), "note": args.note, "select": args.select,
            "arms": arms, "jobs": args.jobs, "threads": args.threads,
            "test_time_s": {a: round(sum(r["time_s"] for r in res.values()), 1) for a, res in results.items()},
-           "wall_s": wall_doc, "summary": summarize(plain, spec, engine), "regressions": regs,
+           "wall_s": wall_doc, "summary": summarize(plain, spec, engine, args.trainer), "regressions": regs,
            "regressions_by_cause": group_by_cause(regs), "built_models": fixtures["models"],
            "built_datasets": {k: sorted(v) for k, v in fixtures["datasets"].items()}, "unbuilt": fixtures["unbuilt"],
            "tests": per_test_table(plain, spec, engine)}
@@ -149,7 +172,8 @@ def _source_note(tests_dir: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- running
-def _env(arm: str, work: Path, fixtures_file: Path, engine_log: Path, timeout_s: int, threads: int) -> dict:
+def _env(arm: str, work: Path, fixtures_file: Path, engine_log: Path, timeout_s: int, threads: int,
+         trainer: str = "grpo") -> dict:
     env = dict(os.environ)
     env.update({
         "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -157,17 +181,18 @@ def _env(arm: str, work: Path, fixtures_file: Path, engine_log: Path, timeout_s:
         "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
         # tiny models: intra-op threads only add contention (measured 80 s -> 26 s per test on 2 shared cores)
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-        "RLSPEC_TRL_ARM": arm, "RLSPEC_TRL_FIXTURES": str(fixtures_file), "RLSPEC_TRL_ENGINE_LOG": str(engine_log),
+        "RLSPEC_TRL_ARM": arm, "RLSPEC_TRL_TRAINER": trainer, "RLSPEC_TRL_FIXTURES": str(fixtures_file), "RLSPEC_TRL_ENGINE_LOG": str(engine_log),
         "RLSPEC_TRL_TIMEOUT_S": str(timeout_s),
         "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     })
     return env
 
 
-def _pytest_cmd(tests_dir: Path, junit: Path | None, select: str | None, nodeids: list[str] | None,
+def _pytest_cmd(test_file: Path, junit: Path | None, select: str | None, nodeids: list[str] | None,
                 extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", *(nodeids or [str(tests_dir / TEST_FILE)]), "-p", "rlspec.bench.trl_plugin",
-           "-p", "no:cacheprovider", "-q", "-rN", "--tb=line", "-o", "junit_logging=no", f"--rootdir={tests_dir.parent}"]
+    cmd = [sys.executable, "-m", "pytest", *(nodeids or [str(test_file)]), "-p", "rlspec.bench.trl_plugin",
+           "-p", "no:cacheprovider", "-q", "-rN", "--tb=line", "-o", "junit_logging=no", "-o", "addopts=",
+           f"--rootdir={test_file.parent.parent}"]  # addopts: a --work inside a checkout must not add its own
     if junit is not None:
         cmd.append(f"--junitxml={junit}")
     if select and not nodeids:
@@ -175,10 +200,11 @@ def _pytest_cmd(tests_dir: Path, junit: Path | None, select: str | None, nodeids
     return cmd + extra
 
 
-def collect(tests_dir: Path, work: Path, fixtures_file: Path, select: str | None, threads: int) -> list[str]:
+def collect(test_file: Path, work: Path, fixtures_file: Path, select: str | None, threads: int,
+            trainer: str = "grpo") -> list[str]:
     """The selected test nodeids, in file order (pytest --collect-only with the plugin loaded)."""
-    cmd = _pytest_cmd(tests_dir, None, select, None, ["--collect-only"])
-    env = _env("plain", work, fixtures_file, work / "engine_collect.jsonl", 0, threads)
+    cmd = _pytest_cmd(test_file, None, select, None, ["--collect-only"])
+    env = _env("plain", work, fixtures_file, work / "engine_collect.jsonl", 0, threads, trainer)
     out = subprocess.run(cmd, cwd=str(work), env=env, capture_output=True, text=True)
     ids = [line.strip() for line in out.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if not ids:
@@ -186,11 +212,11 @@ def collect(tests_dir: Path, work: Path, fixtures_file: Path, select: str | None
     return ids
 
 
-def run_arms(arms: list[str], tests_dir: Path, work: Path, fixtures_file: Path, select: str | None, timeout_s: int,
-             extra_pytest: list[str], jobs: int, threads: int) -> tuple[dict, dict, dict]:
+def run_arms(arms: list[str], test_file: Path, work: Path, fixtures_file: Path, select: str | None, timeout_s: int,
+             extra_pytest: list[str], jobs: int, threads: int, trainer: str = "grpo") -> tuple[dict, dict, dict]:
     """Run every arm over the selected tests, split into `jobs` shards per arm, at most `jobs` pytest processes at
     a time (shards of the arms interleaved). Returns ({arm: results}, {arm: engine records}, {arm: wall_s})."""
-    nodeids = collect(tests_dir, work, fixtures_file, select, threads)
+    nodeids = collect(test_file, work, fixtures_file, select, threads, trainer)
     shards = [nodeids[i::jobs] for i in range(jobs)] if jobs > 1 else [nodeids]
     tasks = [(arm, i, shard) for i, shard in enumerate(shards) if shard for arm in arms]
     print(f"[trl_suite] {len(nodeids)} tests selected; {len(tasks)} pytest processes ({jobs} at a time)", flush=True)
@@ -206,10 +232,10 @@ def run_arms(arms: list[str], tests_dir: Path, work: Path, fixtures_file: Path, 
         while pending and len(running) < jobs:
             arm, i, shard = pending.pop(0)
             junit, engine_log = work / f"junit_{arm}_{i}.xml", work / f"engine_{arm}_{i}.jsonl"
-            cmd = _pytest_cmd(tests_dir, junit, select, shard if jobs > 1 else None, extra_pytest)
+            cmd = _pytest_cmd(test_file, junit, select, shard if jobs > 1 else None, extra_pytest)
             log = open(work / f"pytest_{arm}_{i}.log", "w")
             print(f"[trl_suite] start {arm} shard {i} ({len(shard)} tests)", flush=True)
-            proc = subprocess.Popen(cmd, cwd=str(work), env=_env(arm, work, fixtures_file, engine_log, timeout_s, threads),
+            proc = subprocess.Popen(cmd, cwd=str(work), env=_env(arm, work, fixtures_file, engine_log, timeout_s, threads, trainer),
                                     stdout=log, stderr=subprocess.STDOUT)
             started.setdefault(arm, time.time())
             running.append((proc, arm, i, log, time.time()))

@@ -10,8 +10,8 @@ Read it in four pieces, each importing only the ones before it:
 
     ranges.py    what values a field allows (a `Rule` per field: >= 1, in (0, 1], a registered name, ...),
                  checked when a section is built and when a key is overridden
-    sections.py  the sections (DataConfig, GRPOSection, PPOSection, RolloutSection, DrafterSection,
-                 WandbSection): every key, its type, default and help string
+    sections.py  the sections (DataConfig, GRPOSection and RLOOSection over their shared TRLSection,
+                 PPOSection, RolloutSection, DrafterSection, WandbSection): every key, its type, default and help
     schema.py    Config (the whole run: top-level keys + the sections), ConfigError, and the checks
                  that span fields (batch sizes vs. group size and data, max_model_len, `extra` keys that
                  shadow a first-class key, Ray settings)
@@ -25,6 +25,7 @@ from rlspec.config.sections import (
     DrafterSection,
     GRPOSection,
     PPOSection,
+    RLOOSection,
     RolloutSection,
     WandbSection,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "DrafterSection",
     "GRPOSection",
     "PPOSection",
+    "RLOOSection",
     "RolloutSection",
     "WandbSection",
     "build",

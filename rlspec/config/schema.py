@@ -20,7 +20,9 @@ from rlspec.config.sections import (
     GRPOSection,
     PartialRolloutsSection,
     PPOSection,
+    RLOOSection,
     RolloutSection,
+    TRLSection,
     WandbSection,
     _f,
 )
@@ -41,7 +43,8 @@ def _reward_names() -> list[str]:
 class Config:
     """A whole training run."""
 
-    trainer: Literal["grpo", "ppo"] = _f("grpo", "which RL algorithm trains the policy")
+    trainer: Literal["grpo", "rloo", "ppo"] = _f("grpo", "which RL algorithm trains the policy (grpo: SpecGRPOTrainer, "
+                                                         "rloo: SpecRLOOTrainer, ppo: PPOTrainer)")
     model: str = _f("smollm2-135m-instruct", "local HF directory, hub id, or the embedded alias "
                                              "'smollm2-135m-instruct'", rule=NON_EMPTY)
     dtype: Literal["bfloat16", "float32"] = _f(
@@ -65,6 +68,7 @@ class Config:
                             rule=names_list("reward functions (trainers/rewards.py)", _reward_names))
     data: DataConfig = _f(help="training prompts", factory=DataConfig)
     grpo: GRPOSection = _f(help="GRPO hyperparameters (trl.GRPOConfig); read when trainer is grpo", factory=GRPOSection)
+    rloo: RLOOSection = _f(help="RLOO hyperparameters (trl.RLOOConfig); read when trainer is rloo", factory=RLOOSection)
     ppo: PPOSection = _f(help="PPO hyperparameters (trainers.ppo_config.PPOConfig); read when trainer is ppo",
                          factory=PPOSection)
     rollout: RolloutSection = _f(help="rollout engine capacity", factory=RolloutSection)
@@ -85,9 +89,9 @@ class Config:
         _check_cross_fields(self)
 
     @property
-    def algorithm(self) -> GRPOSection | PPOSection:
-        """The section of the trainer this run uses (grpo or ppo)."""
-        return self.ppo if self.trainer == "ppo" else self.grpo
+    def algorithm(self) -> GRPOSection | RLOOSection | PPOSection:
+        """The section of the trainer this run uses (grpo, rloo or ppo)."""
+        return getattr(self, self.trainer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,8 +105,8 @@ def _check_cross_fields(cfg: Config) -> None:
     if cfg.resume != "none" and cfg.overwrite_output_dir:
         raise ConfigError(f"resume={cfg.resume} continues the run in output_dir, overwrite_output_dir=true deletes it: "
                           "set one of them")
-    if cfg.trainer == "grpo":
-        _check_grpo(cfg.grpo, cfg.data.num_examples)
+    if cfg.trainer in ("grpo", "rloo"):
+        _check_grpo(cfg.algorithm, cfg.data.num_examples, cfg.trainer)
     else:
         _check_ppo(cfg.ppo)
     g = cfg.algorithm
@@ -112,6 +116,10 @@ def _check_cross_fields(cfg: Config) -> None:
             f"({g.max_completion_length}) to leave room for the prompt"
         )
     _check_extras(cfg)
+    if cfg.trainer == "rloo" and cfg.drafter.lossy:
+        raise ConfigError("a lossy mode (drafter.verification / drafter.step_routing) samples off-policy tokens, and "
+                          "RLOO has no importance-sampling correction to account for them: turn the lossy mode off "
+                          "or use trainer=grpo")
     key = "vllm_importance_sampling_correction" if cfg.trainer == "grpo" else "importance_sampling_correction"
     if cfg.drafter.lossy and not g.extra.get(key, True):
         raise ConfigError(f"a lossy mode (drafter.verification / drafter.step_routing) samples off-policy tokens, but "
@@ -134,7 +142,7 @@ _MANAGED = {"output_dir": "output_dir", "seed": "seed", "run_name": "wandb.run_n
 def _check_extras(cfg: Config) -> None:
     """`extra` passes other keyword arguments through; a key that a first-class key already sets is refused,
     naming that key (a second, silent way to set one thing is how runs end up where no one looks)."""
-    for name in ("grpo", "ppo", "data"):
+    for name in ("grpo", "rloo", "ppo", "data"):
         section = getattr(cfg, name)
         first_class = {f.name: f"{name}.{f.name}" for f in dataclasses.fields(section) if f.name != "extra"}
         if name == "data":
@@ -161,22 +169,23 @@ def _check_rollout(r: RolloutSection) -> None:
                           f"{r.backend!r}; set rollout.backend=ray or drop them")
 
 
-def _check_grpo(g: GRPOSection, num_examples: int | None) -> None:
+def _check_grpo(g: TRLSection, num_examples: int | None, name: str = "grpo") -> None:
+    """The batch checks of TRL's group-sampling trainers (grpo, rloo: `name` is the section)."""
     if {"generation_batch_size", "steps_per_generation"} & set(g.extra):
         return  # TRL derives the generation batch from those; it checks them itself
     batch = g.per_device_train_batch_size * g.gradient_accumulation_steps
     if batch % g.num_generations:
         raise ConfigError(
-            f"grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps ({batch}) must be a multiple "
-            f"of grpo.num_generations ({g.num_generations}); e.g. set grpo.per_device_train_batch_size="
+            f"{name}.per_device_train_batch_size * {name}.gradient_accumulation_steps ({batch}) must be a multiple "
+            f"of {name}.num_generations ({g.num_generations}); e.g. set {name}.per_device_train_batch_size="
             f"{max(g.num_generations, batch // g.num_generations * g.num_generations)}"
         )
     prompts = batch // g.num_generations
     if num_examples is not None and num_examples < prompts:
         # TRL's sampler drops a partial batch of prompts: the run would train 0 steps and exit 0
         raise ConfigError(f"data.num_examples ({num_examples}) is fewer than the {prompts} prompts one step samples "
-                          f"(grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps / "
-                          f"grpo.num_generations): the run would train 0 steps. Set data.num_examples >= {prompts}")
+                          f"({name}.per_device_train_batch_size * {name}.gradient_accumulation_steps / "
+                          f"{name}.num_generations): the run would train 0 steps. Set data.num_examples >= {prompts}")
 
 
 def _check_ppo(p: PPOSection) -> None:

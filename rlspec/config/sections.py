@@ -1,4 +1,4 @@
-"""The YAML sections of a run's config, one dataclass each: data, grpo, ppo, rollout, drafter, wandb.
+"""The YAML sections of a run's config, one dataclass each: data, grpo, rloo, ppo, rollout, drafter, wandb.
 
 Each field carries its default, a help string and the rule its values follow (`_f`; rules in
 rlspec/config/ranges.py, checked when a section is built), which `format_help` prints for
@@ -79,11 +79,12 @@ class DataConfig(_Checked):
 
 
 @dataclass
-class GRPOSection(_Checked):
-    """Fields copied onto trl.GRPOConfig (same names and meaning); `extra` passes any other GRPOConfig field."""
+class TRLSection(_Checked):
+    """The fields trl.GRPOConfig and trl.RLOOConfig share (same names and meaning), declared once for the grpo: and
+    rloo: sections; `extra` passes any other field of the trainer's config."""
 
     num_generations: int = _f(8, "completions sampled per prompt (the group size G)",
-                              rule=at_least(2, "GRPO compares samples within a group"))
+                              rule=at_least(2, "the advantage compares samples within a group"))
     per_device_train_batch_size: int = _f(8, "completions per device per micro-batch (times "
                                              "gradient_accumulation_steps: a multiple of num_generations)",
                                           rule=AT_LEAST_1)
@@ -98,16 +99,28 @@ class GRPOSection(_Checked):
                             rule=POSITIVE)
     top_p: float = _f(1.0, "nucleus sampling of the rollouts (1.0 = off)", rule=FRACTION)
     top_k: int = _f(0, "top-k sampling of the rollouts (0 = off)", rule=AT_LEAST_0)
-    beta: float = _f(0.0, "KL coefficient against a reference model (0 = no reference model, cheaper)",
-                     rule=NON_NEGATIVE)
+    beta: float = _f(0.0, "KL coefficient against a reference model (0 = no reference model, cheaper; grpo: a loss "
+                          "term, rloo: a penalty in the reward)", rule=NON_NEGATIVE)
     logging_steps: int = _f(1, "log metrics every this many steps", rule=AT_LEAST_1)
     save_steps: int = _f(10, "write a checkpoint every this many steps", rule=AT_LEAST_1)
     save_total_limit: int | None = _f(2, "keep at most this many checkpoints (None = keep all)", rule=AT_LEAST_1)
     activation_checkpointing: bool | None = _f(None, "recompute activations in backward to save memory (slower); "
                                                      "None = TRL's default (on)")
     log_completions: bool = _f(False, "log sampled completions to the console/W&B")
-    extra: dict = _f(help="any other trl.GRPOConfig field, passed through unchanged (checked against GRPOConfig "
-                          "when training starts)", factory=dict)
+    extra: dict = _f(help="any other field of the trainer's TRL config (trl.GRPOConfig / trl.RLOOConfig), passed "
+                          "through unchanged (checked against it when training starts)", factory=dict)
+
+
+@dataclass
+class GRPOSection(TRLSection):
+    """Fields copied onto trl.GRPOConfig (same names and meaning); `extra` passes any other GRPOConfig field."""
+
+
+@dataclass
+class RLOOSection(TRLSection):
+    """Fields copied onto trl.RLOOConfig (same names and meaning); `extra` passes any other RLOOConfig field."""
+
+    normalize_advantages: bool = _f(False, "normalize the leave-one-out advantages over the batch")
 
 
 @dataclass
