@@ -18,8 +18,6 @@ correction masked (sequences and tokens) and what speculation saved or cost.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -34,7 +32,7 @@ HELP = "trl.GRPOTrainer vs SpecGRPOTrainer (plain, auto) as a TRL user swaps the
 ARMS = ("trl", "spec", "spec-auto")
 MODELS = ("fp32", "bf16")
 PHASES = ("rollout", "sync", "old_logprobs", "rewards", "loss_forward", "backward", "optimizer")
-MARK = "DROPIN_RESULT "
+RUNS = harness.ChildRuns(NAME)  # each run in a fresh process (--child)
 
 
 def add_arguments(p) -> None:
@@ -47,12 +45,13 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model alias or local HF directory")
     p.add_argument("--is-prompts", type=int, default=16, help="prompts (x --generations samples) of the "
                    "importance-sampling probe: what TRL's default sequence_mask would drop under bf16 sampling; 0 skips")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run's settings, in its own process
+    RUNS.add_flag(p)
 
 
 def run(args) -> dict:
-    if args.child:
-        return {**child(json.loads(args.child)), "no_plot": True}
+    served = RUNS.serve(args, child)
+    if served is not None:
+        return served
     if args.smoke:
         args.steps, args.reps, args.batch, args.generations, args.max_completion = 1, 1, 2, 2, 4
     probe = is_probe(args) if args.is_prompts > 0 else None
@@ -75,7 +74,7 @@ def spawn(args, arm: str, model: str, rep: int) -> dict:
     """One training run in a fresh process; its result dict."""
     spec = dict(arm=arm, model=model, rep=rep, steps=args.steps, batch=args.batch, generations=args.generations,
                 max_completion=args.max_completion, model_path=args.model, seed=args.seed, smoke=args.smoke)
-    return harness.run_child(NAME, spec, MARK, f"dropin run {arm}/{model}")
+    return RUNS.spawn(spec, f"dropin run {arm}/{model}")
 
 
 def summarize(runs: dict[str, list[dict]], args) -> dict:
@@ -206,7 +205,6 @@ def child(spec: dict) -> dict:
         total = time.perf_counter() - start
     result = dict(arm=spec["arm"], model=spec["model"], total_s=total, phases=phases.per_step(spec["steps"]),
                   **_run_metrics(trainer.state.log_history))
-    print(MARK + json.dumps(result), flush=True)
     return result
 
 

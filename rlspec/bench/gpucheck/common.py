@@ -1,11 +1,11 @@
 """What the device check's sections share: the random-weight model shapes, building a transformers model of a
 shape straight on the device (no hub, no download: a step's time does not depend on the weights' values), the
-engine over it, random prompts, and wall-clock timing that waits for the device.
+engine over it, random prompts; timing that waits for the device is bench/common.py's (DeviceTimer).
 
 torch and transformers are imported inside the helpers: the check's parent process only starts children."""
 from __future__ import annotations
 
-import time
+from rlspec.bench.common import time_steps, timed_on as timed  # noqa: F401  (the one device timer, re-exported)
 
 # transformers config fields of each shape; `tiny` is the CPU rehearsal's
 SHAPES = {
@@ -96,32 +96,10 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 def sync(device) -> None:
-    """Wait for queued device work, so wall-clock time covers it (a no-op on CPU)."""
-    if device.type == "cuda":
-        import torch
+    """Wait for queued device work (a no-op on CPU)."""
+    from rlspec.rollout.runtime.device import synchronize
 
-        torch.cuda.synchronize()
-
-
-def timed(fn, device):
-    """(fn(), seconds) of one call, the device's queued work waited for before and after."""
-    sync(device)
-    t0 = time.perf_counter()
-    value = fn()
-    sync(device)
-    return value, time.perf_counter() - t0
-
-
-def time_steps(run, iters: int, device, warmup: int = 2) -> float:
-    """Seconds per `run()` after `warmup` untimed calls (they capture the step's graph on CUDA)."""
-    for _ in range(warmup):
-        run()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    sync(device)
-    return (time.perf_counter() - t0) / iters
+    synchronize(device)
 
 
 def release(device) -> None:
