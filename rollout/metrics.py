@@ -77,7 +77,7 @@ class RolloutMetrics:
         shape first, which is no step's cost); levels: the draft levels the proposal ran for the whole batch
         (the arm's depth; default the longest row's draft, a chain's depth)."""
         self.steps += 1
-        bucket = _bucket(len(drafted))
+        bucket = bucket_of(len(drafted))
         if sum(drafted) == 0:
             if step_s is not None:
                 self.plain_steps += 1
@@ -175,7 +175,7 @@ class RolloutMetrics:
         return sum(advanced * self._plain_s(bucket) - seconds for bucket, (advanced, seconds) in self.spec_by_bucket.items())
 
 
-def _bucket(rows: int) -> int:
+def bucket_of(rows: int) -> int:
     """The power of two at or above `rows` (a plain step's cost grows slowly with rows within one)."""
     return 1 << max(rows - 1, 0).bit_length()
 
