@@ -81,8 +81,9 @@ def run(targets: list[str], marker: str | None, per_test_s: float, total_s: floa
         exclude: list[str] = (), name: str = "tests") -> dict:
     """Run `targets` (pytest paths or node-id prefixes) under `marker`, but not those under `exclude` (node-id
     prefixes); the section's dict: per-test rows, counts, pytest's status; its log `<name>.log`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-           "HF_HUB_OFFLINE": "1"}
+    from rlspec.bench.harness import child_env
+
+    env = child_env({"HF_HUB_OFFLINE": "1"}, path=[str(root)])  # the plugin from the rlspec running this
     base = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-p", PLUGIN, "-q", "-rs"]
     base += ["-m", marker] if marker else []
     base += [f"--deselect={t}" for t in exclude]
