@@ -60,8 +60,6 @@ def test_rehearsal_writes_every_section(tmp_path):
     # greedy speculation is exact: the oracle's rollouts are the plain ones, token for token (float32 on CPU)
     assert all(r["same_as_reference"] == 1.0 for r in rows)
     assert all(r["predicted_speedup"] > 0 for r in rows)  # from this run's 5-token verifies
-    prof = report["oracle"]["profile"]
-    assert [p["accept"] for p in prof] == [0.5, 0.9] and all(p["wall_s"] > 0 and p["decode_steps"] > 0 for p in prof)
     e2e = report["e2e"]
     if e2e["status"] != "skipped":
         arms = {r["arm"]: r for r in e2e["rows"]}

@@ -100,25 +100,28 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def run_child(args) -> dict:
-    """This process is one section's child: run it, saving partial results to <folder>/<section>.json."""
+    """This process is the child of one section (or, in the rehearsal, of several in a row: "a,b"): run each,
+    saving partial results to <folder>/<section>.json and, when it completes, its seconds."""
     from rlspec.bench.gpucheck.common import device_and_dtype
 
-    name = args.section
     _, folder = paths(args)
     device, dtype = device_and_dtype(args.smoke)
-    cfg = presets.config(name, args.smoke, tokenizer=tokenizer_dir(args))
-    budget = presets.timeouts(args.smoke, args.timeout_s)[name] * 0.8  # stop starting measurements before the kill
-    t0 = time.perf_counter()
-    module = presets.module(name)
-    result = module.run(cfg, device, dtype, lambda: budget - (time.perf_counter() - t0),
-                        lambda partial: write_json(folder / f"{name}.json", partial))
-    write_json(folder / f"{name}.json", result)
+    result = {}
+    for name in args.section.split(","):
+        cfg = presets.config(name, args.smoke, tokenizer=tokenizer_dir(args))
+        budget = presets.timeouts(args.smoke, args.timeout_s)[name] * 0.8  # stop starting measurements before the kill
+        t0 = time.perf_counter()
+        result = presets.module(name).run(cfg, device, dtype, lambda: budget - (time.perf_counter() - t0),
+                                          lambda partial, name=name: write_json(folder / f"{name}.json", partial))
+        write_json(folder / f"{name}.json", {**result, "complete_s": round(time.perf_counter() - t0, 2)})
     return result
 
 
-def child_section(name: str, args, folder: Path, timeout: float) -> dict:
-    """Run section `name` in a child with a timeout; its saved result plus status, seconds and log."""
-    cmd = [sys.executable, "-m", "rlspec.bench.gpu", "--section", name, "--out", str(folder.resolve())]
+def child_sections(names: list[str], args, folder: Path, timeout: float) -> dict[str, dict]:
+    """Run sections `names` in one child with a timeout (one section on a GPU; the rehearsal runs its measuring
+    sections in one child, paying the imports once); each one's saved result plus status, seconds and log."""
+    log_name = f"{names[0]}.log"
+    cmd = [sys.executable, "-m", "rlspec.bench.gpu", "--section", ",".join(names), "--out", str(folder.resolve())]
     cmd += (["--smoke"] if args.smoke else []) + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
     cmd += ["--timeout-s", *args.timeout_s] if args.timeout_s else []
     # the rehearsal checks the GPU path's plumbing: the CPU's own C++ kernels (built once per machine, minutes)
@@ -127,9 +130,10 @@ def child_section(name: str, args, folder: Path, timeout: float) -> dict:
                  "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if args.smoke else {}
     env = harness.child_env({**smoke_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
                             path=[site_dir(args)] if site_dir(args) else [])
-    (folder / f"{name}.json").unlink(missing_ok=True)
+    for name in names:
+        (folder / f"{name}.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
-    with open(folder / f"{name}.log", "w") as log:
+    with open(folder / log_name, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             status = "ok" if proc.wait(timeout=timeout) == 0 else f"failed (exit {proc.returncode})"
@@ -137,11 +141,18 @@ def child_section(name: str, args, folder: Path, timeout: float) -> dict:
             os.killpg(proc.pid, 9)
             proc.wait()
             status = f"timeout ({timeout:.0f} s)"
-    saved = folder / f"{name}.json"
-    result = json.loads(saved.read_text()) if saved.is_file() else {}
-    if isinstance(result.get("skipped"), str) and status == "ok":  # the whole section could not run here
-        status = "skipped"
-    return {**result, "status": status, "seconds": round(time.perf_counter() - t0, 2), "log": f"{name}.log"}
+    out = {}
+    for name in names:
+        saved = folder / f"{name}.json"
+        result = json.loads(saved.read_text()) if saved.is_file() else {}
+        seconds = result.pop("complete_s", None)
+        # a section the child completed is ok even if a later one in the same child failed
+        state = "ok" if seconds is not None else (status if status != "ok" else "failed (not completed)")
+        if isinstance(result.get("skipped"), str) and state == "ok":  # the whole section could not run here
+            state = "skipped"
+        out[name] = {**result, "status": state, "log": log_name,
+                     "seconds": seconds if seconds is not None else round(time.perf_counter() - t0, 2)}
+    return out
 
 
 def header(args) -> dict:
@@ -163,21 +174,32 @@ def run(args) -> dict:
     limits = presets.timeouts(args.smoke, args.timeout_s)
     report = {**header(args), "sections_run": args.sections, "timeouts_s": limits}
     t0 = time.perf_counter()
-    for name in args.sections:
-        print(f"[gpu] {name} (limit {limits[name]:.0f} s) ...", flush=True)
-        if name in presets.TEST_SECTIONS:
-            report[name] = test_section(name, args, limits[name], folder)
+    for group in groups(args.sections, args.smoke):
+        print(f"[gpu] {'+'.join(group)} (limit {sum(limits[n] for n in group):.0f} s) ...", flush=True)
+        if group[0] in presets.TEST_SECTIONS:
+            report[group[0]] = test_section(group[0], args, limits[group[0]], folder)
         else:
-            report[name] = child_section(name, args, folder, limits[name])
+            report.update(child_sections(group, args, folder, sum(limits[n] for n in group)))
         report["elapsed_s"] = round(time.perf_counter() - t0, 2)
         predict.annotate(report)  # the formula's speedup beside each oracle row, from this run's verify costs
         write_json(report_path, report)
-        print(f"[gpu] {name}: {report[name]['status']} ({report['elapsed_s']:.0f} s so far)", flush=True)
+        print(f"[gpu] {', '.join(n + ': ' + report[n]['status'] for n in group)} "
+              f"({report['elapsed_s']:.0f} s so far)", flush=True)
     report["ok"] = not failed(report)  # the harness's exit status reads it
     presets.print_summary(report)
     print(f"wrote {report_path}", flush=True)
     args.out = str(report_path)  # the harness writes its copy of the report to args.out: the same file
     return report
+
+
+def groups(sections: list[str], smoke: bool) -> list[list[str]]:
+    """The children to start: one per section on a GPU (a hung CUDA call takes only its own section down); in
+    the rehearsal one per run of consecutive measuring sections (the tests always apart)."""
+    out: list[list[str]] = []
+    for name in sections:
+        joins = smoke and out and name not in presets.TEST_SECTIONS and out[-1][0] not in presets.TEST_SECTIONS
+        out[-1:] = [out[-1] + [name]] if joins else [*out[-1:], [name]]
+    return out
 
 
 def test_section(name: str, args, limit: float, folder: Path) -> dict:

@@ -50,7 +50,7 @@ class OracleDrafter:
 
 
 def run(cfg: dict, device, dtype, left, save) -> dict:
-    """cfg: shape, batches, accepts, num_draft_tokens, prompt_len, new_tokens, repeats, profile.
+    """cfg: shape, batches, accepts, num_draft_tokens, prompt_len, new_tokens, repeats.
 
     Every graph key is captured before any timing (one untimed call per batch and acceptance), each row is the
     median of `repeats` timed calls with their decode steps and captures, and the acceptances run in an order
@@ -108,18 +108,4 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
                   f"{r['accept_len']} (expected {r['expected_accept_len']:.2f}), steps {r['decode_steps']}, "
                   f"captures in timed calls {r['timed_captures']}", flush=True)
         save(out)
-    if cfg.get("profile"):  # one call per end of the acceptance range under the profiler, at the largest batch
-        from rlspec.bench.gpucheck.profile_step import profile_call
-        from rlspec.rollout.metrics import DECODE_STEPS
-
-        out["profile"] = []
-        for a in (min(cfg["accepts"]), max(cfg["accepts"])):
-            if left() <= 0:
-                break
-            drafter.accept = a
-            oracle.stats()
-            prof = profile_call(lambda: oracle.generate(prompts, greedy), device)
-            steps = int(oracle.stats().get(DECODE_STEPS, 0))
-            out["profile"].append(dict(batch=B, accept=a, decode_steps=steps, **prof))
-            save(out)
     return out

@@ -33,7 +33,7 @@ GPU = {
     "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12),
     "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3),
     "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
-                   prompt_len=64, new_tokens=48, repeats=3, profile=False),
+                   prompt_len=64, new_tokens=48, repeats=3),
     "e2e": dict(shape="smollm2-135m-untied", steps=3, batch=8, generations=4, max_completion_length=64, accept=0.7,
                 num_draft_tokens=4, arms=["trl", "spec", "spec-oracle"], temperature=1.0),
 }
@@ -45,7 +45,7 @@ SMOKE = {
     "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
-                   new_tokens=16, repeats=3, profile=True),
+                   new_tokens=16, repeats=3),
     # temperature: the tiny shape's greedy margin (~sqrt(hidden) = 8 logits) against a 49k vocabulary is sampled
     # away at T = 1; at 0.25 the sampled continuation is the greedy one, as SmolLM2's (24 logits) at T = 1
     "e2e": dict(shape="tiny", steps=1, batch=4, generations=2, max_completion_length=8, accept=0.7,
