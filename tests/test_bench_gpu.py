@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rehearsal_writes_every_section(tmp_path):
     """`make gpu-rehearsal`: the whole check at tiny shapes on the CPU, each section complete, in minutes."""
     proc = subprocess.run([sys.executable, "-m", "rlspec.bench.gpu", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=400)
     report = json.loads((tmp_path / "report.json").read_text())
     logs = {s: (tmp_path / f"{s}.log").read_text()[-2000:] for s in gpu.SECTIONS
             if (tmp_path / f"{s}.log").exists()}

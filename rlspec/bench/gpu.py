@@ -18,7 +18,7 @@ Sections, in order; the core (tests, plain, spec_costs) is limited to 300 s, the
               per step and per phase (skipped, and why, where TRL is not importable)
   tests_rest  every other CUDA test
 Every section but the tests runs in a child process with a timeout (a hung CUDA call cannot take the report
-down); every CUDA test's outcome is a row of report.json.
+down; the rehearsal runs its measuring sections in one child); every CUDA test's outcome is a row of report.json.
 
     python -m rlspec.bench.gpu                      # on the GPU machine (make gpu-check): bench_out/gpu/report.json
     python -m rlspec.bench gpu                      # the same through the harness: bench_out/gpu.json + bench_out/gpu/
