@@ -83,11 +83,12 @@ bench: venv model
 	$(PY) -m rlspec.bench rollout --model $(MODEL) $(BENCH_ARGS)
 
 # A GPU machine has a preinstalled CUDA torch, transformers, scipy and pytest but no package registry and
-# no hub: this target installs nothing and uses no venv. rlspec/bench/gpu.py runs the CUDA tests (each with its own
-# timeout), then plain decode (the core, under 5 minutes on an H100), then speculation's costs, the oracle rollouts
-# and GRPO steps, each section in a child with a time limit, writing bench_out/gpu/report.json and a log per
-# section as each completes; it fails when a test fails or a section does not complete. Carried files (a tokenizer,
-# trl/datasets): .cache/gpu_carry/ (docs/gpu.md). Where vLLM's CUDA build is importable, its tests run too.
+# no hub: this target installs nothing and uses no venv. rlspec/bench/gpu.py runs the core (the CUDA smoke subset:
+# parity, law, graphs, paging; plain decode; speculation's costs; 300 s of limits), then the profile, long contexts,
+# the oracle rollouts, GRPO end to end against TRL and the other CUDA tests (600 s in all), each section in a child
+# with a time limit, writing bench_out/gpu/report.json and a log per section as each completes; it fails when a
+# test fails or a section does not complete. Carried files (a tokenizer, trl/datasets as wheels): .cache/gpu_carry/
+# (docs/gpu.md). Where vLLM's CUDA build is importable, its tests run too.
 gpu-check:
 	@$(PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else \
 	  'make gpu-check needs an NVIDIA GPU and a CUDA build of torch for $(PYTHON)')"
@@ -100,7 +101,7 @@ gpu-check:
 	exit $$status
 
 # The device check's rehearsal: the same script and report at tiny shapes on the CPU (tests/test_bench_gpu.py runs
-# it in `make test`, so the check cannot rot between GPU loans).
+# it in `make test`, so the check cannot rot where no GPU is at hand).
 gpu-rehearsal: venv model
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m rlspec.bench.gpu --smoke $(GPU_BENCH_ARGS)
 

@@ -25,8 +25,12 @@ KV_BLOCKS_TOTAL = "rollout/kv_blocks_total"  # the KV pool's blocks at the end o
 GRAPH_POOL_MB = "rollout/graph_pool_mb"  # CUDA graph memory
 WALL_S = "rollout/wall_s"  # a trainer's rollout, weight sync included
 PLAIN_STEP_MS = "rollout/plain_step_ms"  # mean time of a decode step that carried no drafts (forward to commit)
-DRAFT_MS_PER_TOKEN = "rollout/draft_ms_per_token"  # /<drafter>: proposing time per drafted token
-DRAFT_COST = "rollout/draft_cost"  # /<drafter>: DRAFT_MS_PER_TOKEN / PLAIN_STEP_MS (issue 27's aim: <= 0.05)
+DRAFT_MS_PER_TOKEN = "rollout/draft_ms_per_token"  # /<drafter>: proposing time per drafted token (rows summed)
+DRAFT_LEVEL_MS = "rollout/draft_level_ms"  # /<drafter>: one draft level for the whole live batch
+# /<drafter>: one draft level for the whole live batch over a plain step at that batch, the mean over the batch
+# buckets drafted in weighted by their levels; /<drafter>/b<bucket>: per live-batch bucket. What a verify of k
+# drafts pays beside the verify itself: k times this, in plain steps (docs/gpu.md#predicted-rollout-speedup)
+DRAFT_COST = "rollout/draft_cost"
 # decode seconds speculation saved (< 0: lost) against plain steps at the same live batch (spec_saved_s below)
 SPEC_SAVED_S = "rollout/spec_saved_s"
 
@@ -44,6 +48,7 @@ class RolloutMetrics:
     accepted: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify -> count
     per_drafter: dict = field(default_factory=dict)  # name -> [drafted, accepted, verifies, draft seconds]
+    draft_levels: dict = field(default_factory=dict)  # (name, live-batch bucket) -> [draft levels, their seconds]
     plain_steps: int = 0  # timed steps without drafts
     plain_seconds: float = 0.0  # and their seconds
     kv_blocks_used: int = 0  # most KV blocks held at once (paged cache, kv_cache.py)
@@ -66,12 +71,13 @@ class RolloutMetrics:
         self.completion_lens.extend(len(s.completion_ids) for s in seqs)
 
     def record_verify(self, drafter: str, drafted: list[int], accepted: list[int], draft_s: float = 0.0,
-                      step_s: float | None = 0.0) -> None:
+                      step_s: float | None = 0.0, levels: int | None = None) -> None:
         """One decode step: its drafts and their acceptance per row, the seconds spent proposing (draft_s) and
         in the rest of the step (step_s: forward, verify, transfer, commit; None when the step compiled its
-        shape first, which is no step's cost)."""
+        shape first, which is no step's cost); levels: the draft levels the proposal ran for the whole batch
+        (the arm's depth; default the longest row's draft, a chain's depth)."""
         self.steps += 1
-        bucket = _bucket(len(drafted))
+        bucket = bucket_of(len(drafted))
         if sum(drafted) == 0:
             if step_s is not None:
                 self.plain_steps += 1
@@ -83,6 +89,8 @@ class RolloutMetrics:
             _add(self.spec_by_bucket, bucket, (sum(accepted) + len(drafted)) / len(drafted), step_s + draft_s)
         d = self.per_drafter.setdefault(drafter, [0, 0, 0, 0.0])
         d[3] += draft_s
+        if step_s is not None:  # a step that compiled or captured first is no measure of a level's cost
+            _add(self.draft_levels, (drafter, bucket), levels or max(drafted), draft_s)
         for n, a in zip(drafted, accepted):
             if n > 0:
                 self.drafted += n
@@ -125,9 +133,36 @@ class RolloutMetrics:
             out[f"rollout/accept_len/{name}"] = 1.0 + a / max(v, 1)
             if n:
                 out[f"{DRAFT_MS_PER_TOKEN}/{name}"] = secs / n * 1e3
-                if plain_ms:
-                    out[f"{DRAFT_COST}/{name}"] = secs / n * 1e3 / plain_ms
+        out.update(self.draft_costs())
         return out
+
+    def draft_costs(self) -> dict[str, float]:
+        """DRAFT_LEVEL_MS and DRAFT_COST per drafter (and per live-batch bucket): a level's seconds at each bucket
+        over the plain step at that bucket (the nearest bucket with plain steps where it has none)."""
+        out, per = {}, {}
+        for (name, bucket), (levels, seconds) in sorted(self.draft_levels.items()):
+            total = per.setdefault(name, [0.0, 0.0, 0.0, 0.0])  # levels, seconds, costed levels, cost x levels
+            total[0] += levels
+            total[1] += seconds
+            plain = self._plain_s(bucket)
+            if plain and levels:
+                out[f"{DRAFT_COST}/{name}/b{bucket}"] = seconds / levels / plain
+                total[2] += levels
+                total[3] += seconds / plain
+        for name, (levels, seconds, costed, weighted) in per.items():
+            if levels:
+                out[f"{DRAFT_LEVEL_MS}/{name}"] = seconds / levels * 1e3
+            if costed:
+                out[f"{DRAFT_COST}/{name}"] = weighted / costed
+        return out
+
+    def _plain_s(self, bucket: int) -> float | None:
+        """Seconds of a plain step at this live-batch bucket, or at the nearest bucket with plain steps."""
+        if not self.plain_by_bucket:
+            return None
+        near = min(self.plain_by_bucket, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        steps, seconds = self.plain_by_bucket[near]
+        return seconds / steps if steps else None
 
     def spec_saved_s(self) -> float | None:
         """Decode seconds speculation saved (negative: lost): for each live-batch bucket, the plain steps its
@@ -137,15 +172,10 @@ class RolloutMetrics:
         without speculative steps or without any plain step to compare with."""
         if not self.spec_by_bucket or not self.plain_by_bucket:
             return None
-        saved = 0.0
-        for bucket, (advanced, seconds) in self.spec_by_bucket.items():
-            near = min(self.plain_by_bucket, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-            steps, plain_s = self.plain_by_bucket[near]
-            saved += advanced * plain_s / steps - seconds
-        return saved
+        return sum(advanced * self._plain_s(bucket) - seconds for bucket, (advanced, seconds) in self.spec_by_bucket.items())
 
 
-def _bucket(rows: int) -> int:
+def bucket_of(rows: int) -> int:
     """The power of two at or above `rows` (a plain step's cost grows slowly with rows within one)."""
     return 1 << max(rows - 1, 0).bit_length()
 

@@ -1,6 +1,7 @@
 """The device check (rlspec/bench/gpu.py, `make gpu-check`) never rots on a machine without a GPU: its CPU
-rehearsal writes every section of the report; the test runner times out a hung test and records a crashed one
-without losing the tests after them; the oracle drafter's acceptance is what it says; the tree it verifies is a
+rehearsal writes every section of the report; the test runner times out a hung test, records a crashed one
+without losing the tests after them and lists the ones time ran out for; a timed call that captured is flagged;
+the section limits fit the budget; the oracle drafters' acceptance is what they say; the tree it verifies is a
 tree."""
 from __future__ import annotations
 
@@ -24,30 +25,47 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rehearsal_writes_every_section(tmp_path):
     """`make gpu-rehearsal`: the whole check at tiny shapes on the CPU, each section complete, in minutes."""
     proc = subprocess.run([sys.executable, "-m", "rlspec.bench.gpu", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=290)
+                          capture_output=True, text=True, timeout=400)
     report = json.loads((tmp_path / "report.json").read_text())
-    logs = {s: (tmp_path / f"{s}.log").read_text()[-2000:] for s in gpu.SECTIONS[1:]
+    logs = {s: (tmp_path / f"{s}.log").read_text()[-2000:] for s in gpu.SECTIONS
             if (tmp_path / f"{s}.log").exists()}
     assert proc.returncode == 0, (proc.stdout[-3000:], logs)
     assert all(report[s]["status"] in ("ok", "skipped") for s in gpu.SECTIONS), logs
-    # the CUDA tests ran (and skipped themselves on a CPU): one row per test, each with its outcome and time
-    rows = report["tests"]["tests"]
-    assert rows and all({"test", "outcome", "seconds"} <= r.keys() for r in rows)
-    assert {(r["model"], r["batch"]) for r in report["plain"]["rows"]} == {("tiny", 1), ("tiny", 2)}
-    assert all(r["engine_tok_s"] > 0 and r["step_graph_ms"] > 0 for r in report["plain"]["rows"])
+    assert report["commit"] and report["dirty"] in (True, False)  # written from the tree it ran
+    # the CUDA tests ran (and skipped themselves on a CPU): one row per test in report.json, core and rest apart
+    core, rest = report["tests"]["tests"], report["tests_rest"]["tests"]
+    assert core and rest and all({"test", "outcome", "seconds"} <= r.keys() for r in core + rest)
+    assert not {r["test"] for r in core} & {r["test"] for r in rest}
+    assert any("test_cuda_paging" in r["test"] for r in core) and any("device_order" in r["test"] for r in rest)
+    # plain: every key captured before timing, three timed calls a row, their steps and captures recorded
+    plain = report["plain"]["rows"]
+    assert {(r["model"], r["batch"]) for r in plain} == {("tiny", 1), ("tiny", 2)}
+    assert all(r["engine_tok_s"] > 0 and r["step_graph_ms"] > 0 and len(r["step_graph_ms_all"]) == 3 for r in plain)
+    assert all(r["timed_captures"] == 0 and len(r["decode_steps"]) == 3 and min(r["decode_steps"]) > 0 for r in plain)
+    assert all(r["bytes_moved"] > 0 and r["limit_ms"] is None for r in plain)  # no bandwidth figure for a CPU
     verify = report["spec_costs"]["verify"]
     assert {(r["kind"], r["tokens"]) for r in verify} == {("chain", 1), ("chain", 2), ("chain", 5), ("tree", 4)}
-    assert report["spec_costs"]["eagle3_draft"][0]["draft_ms_per_token"] > 0
-    assert {(r["batch"], r["accept"]) for r in report["oracle"]["rows"]} == \
-        {(b, a) for b in (1, 2) for a in (0.5, 0.7, 0.9)}
+    draft = report["spec_costs"]["eagle3_draft"]
+    assert [r["batch"] for r in draft] == [1, 2] and all(r["draft_level_ms"] > 0 for r in draft)
+    assert draft[-1]["level_graphs"]["captures"] > 0  # the drafter's levels went through the graph bookkeeping
+    assert all(r["timed_captures"] == 0 for r in draft)
+    prof = report["profile"]["rows"]
+    assert [p["batch"] for p in prof] == [1, 2] and all(p["decode_steps"] > 0 and p["top_host_ops"] for p in prof)
+    assert {(r["context"], r["batch"]) for r in report["contexts"]["rows"]} == {(c, b) for c in (16, 64) for b in (1, 2)}
+    rows = report["oracle"]["rows"]
+    assert {(r["batch"], r["accept"]) for r in rows} == {(b, a) for b in (1, 2) for a in (0.5, 0.7, 0.9)}
+    assert [r["accept"] for r in rows if r["batch"] == 1] == [0.5, 0.7, 0.9]
+    assert [r["accept"] for r in rows if r["batch"] == 2] == [0.7, 0.9, 0.5]  # rotated: not always low to high
+    assert all(r["timed_captures"] == 0 and len(r["seconds_all"]) == 3 for r in rows)
     # greedy speculation is exact: the oracle's rollouts are the plain ones, token for token (float32 on CPU)
-    assert all(r["same_as_reference"] == 1.0 for r in report["oracle"]["rows"])
-    assert all(r["predicted_speedup"] > 0 for r in report["oracle"]["rows"])  # from this run's 5-token verifies
-    # one profiled call per end of the acceptance range: wall time, steps and the ops with the most host time
-    prof = report["oracle"]["profile"]
-    assert [p["accept"] for p in prof] == [0.5, 0.9] and all(p["wall_s"] > 0 and p["decode_steps"] > 0 for p in prof)
-    assert all(p["top_host_ops"] and p["top_host_ops"][0]["self_host_ms"] > 0 for p in prof)
-    assert report["grpo"]["status"] == "skipped" or len(report["grpo"]["per_step"]) == 3
+    assert all(r["same_as_reference"] == 1.0 for r in rows)
+    assert all(r["predicted_speedup"] > 0 for r in rows)  # from this run's 5-token verifies
+    e2e = report["e2e"]
+    if e2e["status"] != "skipped":
+        arms = {r["arm"]: r for r in e2e["rows"]}
+        assert set(arms) == {"trl", "spec", "spec-oracle"} and all(r["step_s"] > 0 for r in arms.values())
+        assert all(r["phases_s_per_step"]["rollout"] > 0 for r in arms.values())
+        assert arms["spec-oracle"]["accept_len"] > 1.5  # the oracle's drafts are the model's own continuation
 
 
 def test_hung_and_crashed_tests_are_recorded_and_the_rest_still_run(tmp_path):
@@ -142,7 +160,7 @@ def test_the_oracle_model_picks_its_greedy_token_by_a_margin_rounding_cannot_fli
     with torch.no_grad():
         top2 = hf(ids).logits.float().topk(2, dim=-1).values
         assert (top2[..., 0] - top2[..., 1]).min() < 0.5  # the plain random model: near ties
-        make_greedy_stable(hf)
+        successor = make_greedy_stable(hf)
         logits = hf(ids).logits.float()
     top2 = logits.topk(2, dim=-1).values
     margin = (top2[..., 0] - top2[..., 1]).min().item()
@@ -150,7 +168,78 @@ def test_the_oracle_model_picks_its_greedy_token_by_a_margin_rounding_cannot_fli
     assert margin > 20 * ulp, (margin, ulp)
     # a function of the current token alone: the same token maps to the same successor wherever it stands
     nxt = logits.argmax(-1)
+    assert torch.equal(nxt, successor[ids])  # the table it returns
     pairs = {}
     for cur, succ in zip(ids.flatten().tolist(), nxt.flatten().tolist()):
         assert pairs.setdefault(cur, succ) == succ
     assert len(set(pairs.values())) == len(pairs)  # a permutation: distinct tokens, distinct successors
+
+
+def test_section_limits_fit_the_budget():
+    """The core (CUDA smoke subset, plain, spec_costs) within 5 minutes, everything within 10."""
+    limits = presets.GPU_LIMITS
+    assert set(limits) == set(gpu.SECTIONS) and presets.CORE == gpu.SECTIONS[:3]
+    assert sum(limits[s] for s in presets.CORE) <= 300 and sum(limits.values()) <= 600
+    assert presets.hbm_bytes_s("NVIDIA H200") == 4.8e12 and presets.hbm_bytes_s("cpu") is None
+
+
+def test_tests_time_ran_out_for_are_recorded_as_not_run(tmp_path):
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n" + "".join(f"def test_{i}():\n    time.sleep(2)\n" for i in range(6)))
+    out = tmp_path / "out"
+    out.mkdir()
+    section = cuda_tests.run([str(tmp_path / "test_slow.py")], None, per_test_s=30, total_s=5, out=out,
+                             root=tmp_path, name="tests_rest")
+    outcome = [r["outcome"] for r in section["tests"]]
+    assert len(outcome) == 6 and "not_run" in outcome and not section["ok"]
+    assert (out / "tests_rest.log").is_file()
+
+
+class _Counting:
+    """An engine's face for timed_calls: a step pool counting captures, stats with decode steps."""
+
+    def __init__(self):
+        self.runner = type("R", (), {})()
+        self.runner.steps = type("S", (), {"counts": {"captures": 0}})()
+        self.speculation = None
+        self.steps = 0
+
+    def stats(self):
+        out, self.steps = {"rollout/decode_steps": float(self.steps)}, 0
+        return out
+
+    def generate(self, capture: bool):
+        self.steps += 7
+        self.runner.steps.counts["captures"] += capture
+        return "done"
+
+
+def test_a_timed_call_that_captured_is_flagged():
+    import torch
+
+    from rlspec.bench.gpucheck.common import timed_calls
+
+    eng = _Counting()
+    calls = iter([True, False, False])
+    got = timed_calls(eng, lambda: eng.generate(next(calls)), torch.device("cpu"), 3)
+    assert got["captures"] == [1, 0, 0] and got["timed_captures"] == 1 and got["decode_steps"] == [7, 7, 7]
+    assert got["value"] == "done" and len(got["seconds_all"]) == 3
+
+
+def test_the_e2e_oracle_drafts_the_successor_chain_with_probability_a():
+    from rlspec.bench.gpucheck.e2e import SuccessorOracle
+
+    succ = [(t * 7 + 3) % 101 for t in range(101)]
+    d = SuccessorOracle(succ, accept=0.7, seed=1)
+    kept = total = 0
+    for start in range(3, 100):
+        draft = d.propose([_Seq([1, 2], [start])], [4], 1)[0]
+        chain, t = [], start
+        for _ in range(4):
+            t = succ[t]
+            chain.append(t)
+        kept += sum(a == b for a, b in zip(draft.tokens, chain))
+        total += 4
+    assert abs(kept / total - 0.7) < 0.06
+    full = SuccessorOracle(succ, accept=1.0)
+    assert full.propose([_Seq([9, 5], [])], [2], 1)[0].tokens == [succ[5], succ[succ[5]]]  # from the prompt's end

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlspec.bench.harness import ROOT
+from rlspec.bench.harness import child_env
 
 EMBEDDED = "smollm2-135m-instruct"
 # SmolLM2-135M's and a tiny Llama's shape (transformers LlamaConfig fields), for random-weight models: step
@@ -74,33 +74,21 @@ def timed_generate(engine, prompts, params, **kw) -> tuple[list, int, float]:
     return results, completion_tokens(results), seconds
 
 
-def sync(device) -> None:
-    """Wait for queued GPU work, so wall-clock time covers it (a no-op on CPU)."""
-    if getattr(device, "type", device) == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def timed_on(fn, device) -> tuple[object, float]:
-    """(fn(), seconds) of one call, the device's queued work waited for before and after."""
-    sync(device)
-    t0 = time.perf_counter()
-    value = fn()
-    sync(device)
-    return value, time.perf_counter() - t0
+    """(fn(), seconds) of one call, the device's queued work waited for before and after (runtime/device.py's
+    DeviceTimer: the one timer of the engine, its cost model and the benchmarks)."""
+    from rlspec.rollout.runtime.device import DeviceTimer
+
+    with DeviceTimer(device) as clock:
+        value = fn()
+    return value, clock.seconds
 
 
-def time_steps(run, tokens, start, iters: int, device, warmup: int = 2) -> float:
-    """Seconds per `run(tokens, start)` after `warmup` untimed calls (they capture, for a graph pool)."""
+def time_steps(run, iters: int, device, warmup: int = 2) -> float:
+    """Seconds per `run()` after `warmup` untimed calls (they capture, for a graph pool)."""
     for _ in range(warmup):
-        run(tokens, start)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run(tokens, start)
-    sync(device)
-    return (time.perf_counter() - t0) / iters
+        run()
+    return timed_on(lambda: [run() for _ in range(iters)], device)[1] / iters
 
 
 def release_cached(device) -> None:
@@ -123,8 +111,7 @@ SMOKE_TRAIN = ["dtype=float32", "grpo.max_completion_length=8", "grpo.save_steps
 
 
 def train_run(tag: str, out: Path, config: str, steps: int, overrides: list[str], in_process: bool = False) -> dict:
-    """`python -m rlspec.train config=<config> grpo.max_steps=<steps> output_dir=<out> <overrides>` from the repo
-    root, in a process of its own (W&B and threads start clean) unless `in_process` (a smoke run: the imports are
+    """`python -m rlspec.train config=<config> grpo.max_steps=<steps> output_dir=<out> <overrides>` in a process of its own (W&B and threads start clean) unless `in_process` (a smoke run: the imports are
     paid once), the command echoed after `[tag]`; returns the run's summary.json."""
     argv = [f"config={config}", f"grpo.max_steps={steps}", f"output_dir={out}", *overrides]
     print(f"[{tag}] python -m rlspec.train", " ".join(argv), flush=True)
@@ -135,7 +122,7 @@ def train_run(tag: str, out: Path, config: str, steps: int, overrides: list[str]
         if rc:
             raise SystemExit(f"[{tag}] rlspec.train exited with {rc}")
     else:
-        subprocess.run([sys.executable, "-m", "rlspec.train", *argv], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "rlspec.train", *argv], env=child_env(), check=True)
     return json.loads((Path(out) / "summary.json").read_text())
 
 

@@ -22,7 +22,6 @@ correction masked (sequences and tokens) and what speculation saved or cost.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -39,8 +38,8 @@ TRAINERS = ("grpo", "rloo")
 ARMS = ("trl", "spec", "spec-auto")
 MODELS = ("fp32", "bf16")
 PHASES = ("rollout", "sync", "old_logprobs", "rewards", "loss_forward", "backward", "optimizer")
-MARK = "DROPIN_RESULT "
 TRL_CLASSES = {"grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}
+RUNS = harness.ChildRuns(NAME)  # each run in a fresh process (--child)
 
 
 def add_arguments(p) -> None:
@@ -56,12 +55,13 @@ def add_arguments(p) -> None:
     p.add_argument("--is-prompts", type=int, default=16, help="prompts (x --generations samples) of the "
                    "importance-sampling probe: what TRL's default sequence_mask would drop under bf16 sampling; 0 "
                    "skips (grpo only: RLOO runs no importance-sampling correction)")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run's settings, in its own process
+    RUNS.add_flag(p)
 
 
 def run(args) -> dict:
-    if args.child:
-        return {**child(json.loads(args.child)), "no_plot": True}
+    served = RUNS.serve(args, child)
+    if served is not None:
+        return served
     if args.trainer != "grpo" and args.out == harness.default_out(argparse.Namespace(smoke=args.smoke), NAME):
         args.out = args.out.removesuffix(".json") + f"_{args.trainer}.json"
     if args.smoke:
@@ -86,7 +86,7 @@ def spawn(args, arm: str, model: str, rep: int) -> dict:
     """One training run in a fresh process; its result dict."""
     spec = dict(trainer=args.trainer, arm=arm, model=model, rep=rep, steps=args.steps, batch=args.batch, generations=args.generations,
                 max_completion=args.max_completion, model_path=args.model, seed=args.seed, smoke=args.smoke)
-    return harness.run_child(NAME, spec, MARK, f"dropin run {args.trainer} {arm}/{model}")
+    return RUNS.spawn(spec, f"dropin run {args.trainer} {arm}/{model}")
 
 
 def summarize(runs: dict[str, list[dict]], args) -> dict:
@@ -224,7 +224,6 @@ def child(spec: dict) -> dict:
         total = time.perf_counter() - start
     result = dict(trainer=trainer_name, arm=spec["arm"], model=spec["model"], total_s=total, phases=phases.per_step(spec["steps"]),
                   **_run_metrics(trainer.state.log_history))
-    print(MARK + json.dumps(result), flush=True)
     return result
 
 

@@ -1,5 +1,10 @@
 """The shared harness of `python -m rlspec.bench <name>`: common flags, alternated arms, medians and one-run
-ratios, the JSON report (stamped with the day, the commit and the machine), the PNG and the printed table.
+ratios, runs in child processes, the JSON report (stamped with the day, the source's commit where it is a git
+checkout, and the machine), the PNG and the printed table.
+
+Benchmarks run from a checkout or from an installed wheel alike: reports go under the working directory's
+bench_out/, children import rlspec from where this process did, and git is optional (a wheel's commit is
+"unknown").
 
 Stdlib only at import (matplotlib inside `png`), so `--help` stays fast and a benchmark may set process limits
 (RLIMIT_AS) before torch loads.
@@ -18,7 +23,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the folder rlspec is imported from: a checkout, or site-packages
+UNKNOWN = "unknown"
 COMMON_FLAGS = ("--smoke", "--out", "--reps", "--seed")
 
 
@@ -39,11 +45,36 @@ def add_common_flags(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def default_out(args: argparse.Namespace, name: str) -> str:
-    """The report path: --out, else bench_out/<name>.json (outputs/bench_smoke/ for a smoke run)."""
+    """The report path: --out, else bench_out/<name>.json under the working directory (outputs/bench_smoke/ for
+    a smoke run)."""
     if getattr(args, "out", None):
         return str(args.out)
     folder = "outputs/bench_smoke" if getattr(args, "smoke", False) else "bench_out"
-    return str(ROOT / folder / f"{name.replace('-', '_')}.json")
+    return str(Path.cwd() / folder / f"{name.replace('-', '_')}.json")
+
+
+def child_env(extra: dict | None = None, path: list[str] | None = None) -> dict:
+    """This process's environment for a child that imports rlspec from where this one did (ROOT first on its
+    PYTHONPATH, after `path`), plus `extra`."""
+    parts = [*(path or []), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, **(extra or {}), "PYTHONPATH": os.pathsep.join(p for p in parts if p)}
+
+
+def source_state() -> dict:
+    """{"commit", "dirty"} of the tree rlspec is imported from, where that is a git checkout's root and git is
+    installed; {"commit": "unknown", "dirty": None} otherwise (an installed wheel, a copied tree)."""
+    def git(*cmd: str) -> str | None:
+        try:
+            proc = subprocess.run(["git", "-C", str(ROOT), *cmd], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != ROOT:  # site-packages inside some repository is not its source
+        return {"commit": UNKNOWN, "dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "--short", "HEAD") or UNKNOWN, "dirty": None if status is None else bool(status)}
 
 
 def rotation(items: list, k: int) -> list:
@@ -76,15 +107,35 @@ def ratios(runs: dict[str, list[float]], base: str) -> dict[str, list[float]]:
     return {name: [v / b for v, b in zip(values, runs[base])] for name, values in runs.items() if name != base}
 
 
-def run_child(name: str, spec: dict, mark: str, what: str) -> dict:
-    """One run of benchmark `name` in a fresh process (`--child <spec as JSON>`: imports, threads and allocator
-    start clean for every arm): the JSON the child printed after `mark`; `what` names the run in the error."""
-    cmd = [sys.executable, "-m", "rlspec.bench", name, "--child", json.dumps(spec), "--out", os.devnull]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(mark)), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(line[len(mark):])
+class ChildRuns:
+    """Runs of one benchmark, each in a fresh process (imports, threads and allocator start clean for every arm):
+    the parent `spawn`s `python -m rlspec.bench <name> --child <spec as JSON>`; the child, seeing --child,
+    `serve`s it: runs fn(spec) and prints the result after the benchmark's mark, which the parent reads."""
+
+    def __init__(self, name: str):
+        self.name, self.mark = name, f"{name.upper().replace('-', '_')}_RESULT "
+
+    @staticmethod
+    def add_flag(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run's settings (JSON)
+
+    def serve(self, args: argparse.Namespace, fn) -> dict | None:
+        """In a child (--child given): fn(spec) printed for the parent, returned as a report with no plot; None
+        in the parent."""
+        if not getattr(args, "child", None):
+            return None
+        result = fn(json.loads(args.child))
+        print(self.mark + json.dumps(result), flush=True)
+        return {**result, "no_plot": True}
+
+    def spawn(self, spec: dict, what: str) -> dict:
+        """One run in a fresh process: the result its child printed; `what` names the run in the error."""
+        cmd = [sys.executable, "-m", "rlspec.bench", self.name, "--child", json.dumps(spec), "--out", os.devnull]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(self.mark)), None)
+        if proc.returncode != 0 or line is None:
+            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(line[len(self.mark):])
 
 
 def timed(fn) -> tuple[object, float]:
@@ -111,16 +162,10 @@ def table(rows: list[dict], cols: list[str] | None = None) -> str:
 
 
 def provenance(name: str, argv: list[str]) -> dict:
-    """What dates a figure: the day (UTC), the commit the code was at (+dirty), the command and the machine."""
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
+    """What dates a figure: the day (UTC), the commit the code was at (+dirty; "unknown" outside a checkout), the
+    command and the machine."""
     return {"benchmark": name, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-            "commit": git("rev-parse", "--short", "HEAD") or None, "dirty": bool(git("status", "--porcelain",
-                                                                                      "--untracked-files=no")),
+            **source_state(),
             "command": "python -m rlspec.bench " + " ".join([name, *argv]),
             "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                         # other processes on a shared machine skew timings: record how busy it was

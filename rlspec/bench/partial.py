@@ -22,8 +22,6 @@ each speculation setting (above 1: partial rollouts reach max_steps sooner) and 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -36,7 +34,7 @@ from rlspec.bench.dropin import PhaseClock
 NAME = "partial"
 HELP = "GRPO on a long-tail task: partial rollouts on vs off, with and without speculation (wall, staleness, accuracy)"
 ARMS = ("off/plain", "on/plain", "off/spec", "on/spec")
-MARK = "PARTIAL_RESULT "
+RUNS = harness.ChildRuns(NAME)  # each run in a fresh process (--child)
 EVAL_PROMPTS = 32  # held-out problems scored after training (--eval-prompts; none under --smoke unless asked)
 # what one run needs from the command line (the child's settings)
 SPEC_KEYS = ("model", "weights", "dataset", "examples", "temperature", "max_completion", "generations", "batch",
@@ -69,12 +67,13 @@ def add_arguments(p) -> None:
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the trainer runs")
     p.add_argument("--reps", type=int, default=1, help="repetitions of each arm (alternated; medians)")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one run's settings, in its own process
+    RUNS.add_flag(p)
 
 
 def run(args) -> dict:
-    if args.child:
-        return {**child(json.loads(args.child)), "no_plot": True}
+    served = RUNS.serve(args, child)
+    if served is not None:
+        return served
     if args.smoke:  # in this process (imports paid once), a tiny random-weight model (tiny_model), eager float32
         args.steps, args.reps, args.batch, args.generations, args.max_completion = 2, 1, 4, 2, 8
         args.examples, args.eval_max_tokens = 16, 8
@@ -98,7 +97,7 @@ def _say(arm, rep, result):
 def run_arm(args, arm: str, rep: int) -> dict:
     """One training run: a fresh process (in this one for --smoke); its result dict."""
     spec = dict(arm=arm, rep=rep, **{key: getattr(args, key) for key in SPEC_KEYS})
-    return child(spec) if args.smoke else harness.run_child(NAME, spec, MARK, f"partial run {arm}")
+    return child(spec) if args.smoke else RUNS.spawn(spec, f"partial run {arm}")
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
@@ -195,7 +194,6 @@ def child(spec: dict) -> dict:
     phases = {p: v for p, v in phases.per_step(spec["steps"]).items() if p not in ("rollout", "sync")}
     result = dict(arm=spec["arm"], wall_s=wall, phases=phases, heldout_accuracy=accuracy,
                   **run_metrics(trainer.state.log_history))
-    print(MARK + json.dumps(result), flush=True)
     return result
 
 

@@ -4,7 +4,9 @@
 the largest graph, largest batch captured first, and a replay pads to the smallest graph that fits.
 A graph is keyed by (batch bucket b, T bucket t, hidden layers), never by context length:
   * b: 1, 2, 4, 8, then every 16 up to the cache's rows (and the row count itself).
-  * t: tokens per row (1 = decode, 1 + nodes = verify), padded up to a power of two <= max_t.
+  * t: tokens per row (1 = decode, 1 + nodes = verify): the token counts the selector's arms use
+    (`use_sizes`, from the engine's calibration), so a verify of 4 drafts runs a 5-token graph, not an 8;
+    any other count pads up to the next of those or of the powers of two <= max_t (`verify_buckets`).
   * hidden layers: EAGLE-3's features are static outputs too, captured on first request.
 At 512 rows that is 36 x 5 graphs per hidden-layer set; keying by context length as well (powers of
 two up to the cache length) multiplied that by 4-6 and made long rollouts capture all the time.
@@ -64,6 +66,12 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
         out.append(n)
         n *= 2
     return out + [hi]
+
+
+def verify_buckets(max_t: int, sizes=()) -> list[int]:
+    """Token buckets of the step graphs: the powers of two up to max_t (what a capped or unusual draft pads to)
+    and every size in `sizes` <= max_t (1 + the draft nodes of each arm: those run exactly, unpadded)."""
+    return sorted(set(pow2_buckets(1, max_t)) | {int(t) for t in sizes if 1 <= int(t) <= max_t})
 
 
 def bucket_for(n: int, buckets: list[int]) -> int | None:
@@ -216,6 +224,37 @@ class _CallGraph:
         self.fn()
 
 
+class GraphSet:
+    """Keyed captures of closures over static buffers, one memory pool and one capture stream: the mechanism
+    GraphPool uses for the target's steps, for other fixed-shape work (the EAGLE-3 drafter's levels,
+    drafters/eagle3_graphs.py). backend "cuda" captures CUDA graphs; "emulate" replays by calling (CPU tests
+    of the bookkeeping). `counts`: captures and replays."""
+
+    def __init__(self, device, backend: str = "cuda"):
+        if backend not in ("cuda", "emulate") or (backend == "cuda" and torch.device(device).type != "cuda"):
+            raise ValueError(f"backend {backend!r} on device {device!s}: CUDA graphs need backend='cuda' on a "
+                             "CUDA device; use backend='emulate' elsewhere (tests)")
+        self.backend, self.device = backend, torch.device(device)
+        cuda = backend == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.graphs: dict = {}
+        self.counts = {"captures": 0, "replays": 0}
+
+    def replay(self, key, fn) -> bool:
+        """Replay the graph of `key`, capturing `fn` first when there is none; True when this call captured."""
+        graph = self.graphs.get(key)
+        fresh = graph is None
+        if fresh:
+            graph = _CudaGraph() if self.backend == "cuda" else _CallGraph()
+            graph.capture(fn, self.pool, self.stream)
+            self.graphs[key] = graph
+            self.counts["captures"] += 1
+        graph.replay()
+        self.counts["replays"] += 1
+        return fresh
+
+
 def _reserved_bytes(cuda: bool) -> int:
     """Bytes the CUDA caching allocator holds (a host-side counter: no synchronisation)."""
     return torch.cuda.memory_reserved() if cuda else 0
@@ -245,7 +284,8 @@ class GraphPool:
         self.eager = EagerRunner(model, cache, device)
         self.flex = use_flex(self.device)  # decided once: every graph of the pool attends the same way
         self.batch_buckets = batch_buckets(min(max_rows or cache.rows, cache.rows))
-        self.t_buckets = pow2_buckets(1, max_t)
+        self.max_t = max_t
+        self.t_buckets = verify_buckets(max_t)
         cfg = model.cfg
         self.static = _StaticBuffers(self.batch_buckets[-1], self.t_buckets[-1], cfg.vocab_size,
                                      cfg.hidden_size, model.lm_head.weight.dtype, self.device)
@@ -260,6 +300,11 @@ class GraphPool:
         self._generation = cache.generation  # the pool's tensors the graphs were captured over
         if capture_mode == "eager_start":
             self.capture_all(hidden_layers)
+
+    def use_sizes(self, sizes) -> None:
+        """Give the token counts `sizes` (1 + draft nodes of each arm) graphs of their own: no verify pads
+        to the next power of two. Graphs already captured stay valid (a key names its exact shape)."""
+        self.t_buckets = verify_buckets(self.max_t, [*self.t_buckets, *sizes])
 
     def key_for(self, tokens, start, hidden_layers=()) -> tuple | None:
         """(b, t, hidden layers) of the graph that serves this step, or None to run eagerly."""

@@ -91,7 +91,10 @@ class ModelRunner:
         return steps
 
     def warm(self, Ts: list[int], rows: int) -> None:
-        """Compile ahead every step graph that steps of these token counts (1 + each draft size) will use."""
+        """Compile ahead every step graph that steps of these token counts (1 + each draft size) will use; a
+        graph pool gives each count a graph of its own (no padding to a power of two)."""
+        if isinstance(self.steps, GraphPool):
+            self.steps.use_sizes(Ts)
         if isinstance(self.steps, CompiledRunner):
             self.steps.warm(Ts, rows)
 

@@ -1,5 +1,5 @@
-"""rollout/metrics.py: what a drafted token costs, against a plain decode step (issue 27's "a drafter token
-costs <= 5% of a target step", reported per drafter in every engine's stats)."""
+"""rollout/metrics.py: what drafting costs against a plain decode step (a draft level for the whole batch, per
+live-batch bucket), and the seconds speculation saved, reported per drafter in every engine's stats."""
 import pytest
 
 from rlspec.rollout import metrics as M
@@ -9,17 +9,23 @@ from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 
-def test_draft_cost_is_draft_time_per_token_over_the_plain_step():
+def test_draft_cost_is_one_level_for_the_whole_batch_over_the_plain_step_at_that_batch():
     m = M.RolloutMetrics()
-    m.record_verify("off", [0, 0], [0, 0], draft_s=0.0, step_s=0.020)
-    m.record_verify("off", [0], [0], draft_s=0.0, step_s=0.030)
-    m.record_verify("suffix", [4, 2], [1, 0], draft_s=0.003, step_s=0.040)  # 6 tokens in 3 ms
-    m.record_verify("eagle3", [3], [3], draft_s=0.006, step_s=0.035)  # 3 tokens in 6 ms
+    m.record_verify("off", [0, 0], [0, 0], draft_s=0.0, step_s=0.020)  # bucket 2: 20 ms a plain step
+    m.record_verify("off", [0], [0], draft_s=0.0, step_s=0.030)  # bucket 1: 30 ms
+    m.record_verify("suffix", [4, 2], [1, 0], draft_s=0.003, step_s=0.040)  # 4 levels in 3 ms at batch 2
+    m.record_verify("eagle3", [3], [3], draft_s=0.006, step_s=0.035)  # 3 levels in 6 ms at batch 1
+    m.record_verify("eagle3", [4, 4, 4, 1], [0] * 4, draft_s=0.016, step_s=0.05, levels=4)  # batch 4: no plain
+    m.record_verify("eagle3", [4], [4], draft_s=0.5, step_s=None)  # a step that captured first: no measure
     s = m.as_dict()
     assert s[M.PLAIN_STEP_MS] == pytest.approx(25.0)  # drafted steps do not count as plain ones
-    assert s[f"{M.DRAFT_MS_PER_TOKEN}/suffix"] == pytest.approx(0.5)
-    assert s[f"{M.DRAFT_COST}/suffix"] == pytest.approx(0.02)
-    assert s[f"{M.DRAFT_COST}/eagle3"] == pytest.approx(0.08)
+    assert s[f"{M.DRAFT_MS_PER_TOKEN}/suffix"] == pytest.approx(0.5)  # per drafted token, rows summed
+    assert s[f"{M.DRAFT_LEVEL_MS}/suffix"] == pytest.approx(0.75)
+    assert s[f"{M.DRAFT_COST}/suffix"] == pytest.approx(0.75 / 20)  # a level against batch 2's plain step
+    assert s[f"{M.DRAFT_COST}/eagle3/b1"] == pytest.approx(2.0 / 30)
+    assert s[f"{M.DRAFT_COST}/eagle3/b4"] == pytest.approx(4.0 / 20)  # borrows the nearest bucket's plain step
+    assert s[f"{M.DRAFT_COST}/eagle3"] == pytest.approx((3 * 2.0 / 30 + 4 * 4.0 / 20) / 7)  # weighted by levels
+    assert s[f"{M.DRAFT_LEVEL_MS}/eagle3"] == pytest.approx(22.0 / 7)
 
 
 def test_speculation_saved_seconds_count_positions_advanced_at_the_buckets_plain_step_time():
@@ -47,3 +53,25 @@ def test_the_engine_reports_each_drafters_cost():
     s = eng.stats()
     assert s[M.PLAIN_STEP_MS] > 0
     assert 0 < s[f"{M.DRAFT_COST}/suffix"] < 10
+
+
+def test_the_fixed_selector_charges_each_depth_its_levels_of_drafting():
+    """The selector's drafting input is one level for the whole batch: a proposal of 4 levels in 8 ms costs a
+    depth-1 arm 2 ms, not 8 (its gain then reads the per-level figure times the depth); states saved with
+    seconds per propose load as per level."""
+    from rlspec.rollout.speculation.selectors.base import Arm
+    from rlspec.rollout.speculation.selectors.longtail import LongTailSelector
+
+    sel = LongTailSelector("suffix", 4)
+    for T, secs in ((1, 0.010), (2, 0.010), (3, 0.010), (5, 0.010)):  # verifies as dear as a plain step
+        sel.costs.observe(2, T, secs)
+    sel.observe(Arm("suffix", 4), 2, 0.010, 0.008, [4, 4], [4, 4])
+    assert sel.draft_seconds == {2: pytest.approx(0.002)}
+    tokens = sel.acceptance.expected_tokens
+    assert sel.gain(2, 1) == pytest.approx(tokens(1) / (1 + 0.2))
+    assert sel.gain(2, 4) == pytest.approx(tokens(4) / (1 + 0.8))
+    state = sel.state_dict()
+    del state["draft_per"]
+    state["draft_seconds"] = [[2, 0.008]]  # an older state: seconds per propose
+    sel.load_state_dict(state)
+    assert sel.draft_seconds == {2: pytest.approx(0.002)}

@@ -1,11 +1,11 @@
 """What the device check's sections share: the random-weight model shapes, building a transformers model of a
 shape straight on the device (no hub, no download: a step's time does not depend on the weights' values), the
-engine over it, random prompts, and wall-clock timing that waits for the device.
+engine over it, random prompts; timing that waits for the device is bench/common.py's (DeviceTimer).
 
 torch and transformers are imported inside the helpers: the check's parent process only starts children."""
 from __future__ import annotations
 
-import time
+from rlspec.bench.common import time_steps, timed_on as timed  # noqa: F401  (the one device timer, re-exported)
 
 # transformers config fields of each shape; `tiny` is the CPU rehearsal's
 SHAPES = {
@@ -15,6 +15,10 @@ SHAPES = {
     "qwen2.5-7b": ("Qwen2Config", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                                        tie_word_embeddings=False, rope_theta=1000000.0)),
+    # SmolLM2-135M's shape with untied embeddings: make_greedy_stable needs them (the e2e section)
+    "smollm2-135m-untied": ("LlamaConfig", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                                tie_word_embeddings=False, rope_theta=100000.0)),
     "tiny": ("LlamaConfig", dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)),
 }
@@ -55,14 +59,14 @@ def build_hf(shape: str, dtype, device, vocab: int | None = None, seed: int = 0)
     return hf.eval()
 
 
-def make_greedy_stable(hf, seed: int = 0) -> None:
+def make_greedy_stable(hf, seed: int = 0):
     """Give a random-weight model a greedy choice that bf16 cannot flip: the next token is a fixed permutation of
     the current one, by a logit margin of ~sqrt(hidden) against noise of ~1. Random layers have near-flat logits
     (the top two of 152k tokens within bf16's rounding), so a verify of T rows and a decode step of one, which
     sum in other orders, pick different tokens and a recorded greedy continuation stops matching after a few
     steps. Here the embedding dominates the residual stream (the layers add ~2 per element, the embedding ~200),
     and lm_head row v is the unit embedding of the token that maps to v. Values only: shapes, kernels and step
-    times are those of the random model."""
+    times are those of the random model. Returns the successor table [V] (the greedy token after each token)."""
     import torch
 
     emb, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
@@ -74,6 +78,7 @@ def make_greedy_stable(hf, seed: int = 0) -> None:
         perm = torch.randperm(len(table), generator=torch.Generator().manual_seed(seed)).to(emb.device)
         emb.copy_(200 * table)
         head.copy_(torch.nn.functional.normalize(table, dim=-1)[perm])
+    return torch.argsort(perm).cpu()  # logit v peaks where perm[v] is the current token
 
 
 def engine_over(hf, device, dtype, max_seqs: int, max_len: int, spec=None, drafter=None):
@@ -96,32 +101,10 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 def sync(device) -> None:
-    """Wait for queued device work, so wall-clock time covers it (a no-op on CPU)."""
-    if device.type == "cuda":
-        import torch
+    """Wait for queued device work (a no-op on CPU)."""
+    from rlspec.rollout.runtime.device import synchronize
 
-        torch.cuda.synchronize()
-
-
-def timed(fn, device):
-    """(fn(), seconds) of one call, the device's queued work waited for before and after."""
-    sync(device)
-    t0 = time.perf_counter()
-    value = fn()
-    sync(device)
-    return value, time.perf_counter() - t0
-
-
-def time_steps(run, iters: int, device, warmup: int = 2) -> float:
-    """Seconds per `run()` after `warmup` untimed calls (they capture the step's graph on CUDA)."""
-    for _ in range(warmup):
-        run()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    sync(device)
-    return (time.perf_counter() - t0) / iters
+    synchronize(device)
 
 
 def release(device) -> None:
@@ -151,3 +134,42 @@ def fits(shape: str, batch: int, length: int, copies: int, device, dtype) -> str
     need = copies * params * size + 2 * 2 * batch * length * layers * kv_dim * size + 4 * 2**30
     free, _ = torch.cuda.mem_get_info(device)
     return None if need < free else f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"
+
+
+def graph_captures(engine) -> int:
+    """Graphs the engine captured so far: the target's step pool and the learned drafter's levels (0 eager)."""
+    steps = getattr(engine.runner, "steps", None)
+    n = getattr(steps, "counts", {}).get("captures", 0)
+    learned = getattr(engine.speculation, "learned", None)
+    graphs = getattr(learned, "_graphs", None)
+    return n + (graphs.counts["captures"] if graphs is not None else 0)
+
+
+def timed_calls(engine, fn, device, repeats: int) -> dict:
+    """fn() (a generate call of `engine`) timed `repeats` times: the median seconds, every repetition's seconds,
+    decode steps and graph captures, the engine's stats of the last; `timed_captures` > 0 flags a timed call that captured (its time then holds
+    warm-ups and a capture: no step's cost)."""
+    import statistics
+
+    from rlspec.rollout.metrics import DECODE_STEPS
+
+    seconds, steps, captures, value, stats = [], [], [], None, {}
+    for _ in range(repeats):
+        engine.stats()  # the counters restart: the stats after the call are this call's
+        pool, before = engine.runner.steps, graph_captures(engine)
+        value, secs = timed(fn, device)
+        seconds.append(secs)
+        stats = engine.stats()
+        steps.append(int(stats.get(DECODE_STEPS, 0)))
+        # a new step pool (the KV pool was reallocated) starts counting again: all its captures are this call's
+        captures.append(graph_captures(engine) - (before if engine.runner.steps is pool else 0))
+    return dict(value=value, stats=stats, seconds=statistics.median(seconds), seconds_all=seconds, decode_steps=steps,
+                captures=captures, timed_captures=sum(captures))
+
+
+def median_time(run, iters: int, device, repeats: int) -> tuple[float, list[float]]:
+    """Seconds per run() (after warm-up calls that capture), the median of `repeats` timings of `iters` calls."""
+    import statistics
+
+    times = [time_steps(run, iters, device, warmup=2 if i == 0 else 0) for i in range(repeats)]
+    return statistics.median(times), times

@@ -3,7 +3,8 @@
 pytest runs in a child process with the events plugin (pytest_events.py); this runner watches its event file.
 A test running past `per_test_s` has its process group killed, is recorded as "timeout", and pytest starts again
 with every test already recorded deselected; a test whose process died under it is "crashed", the same way.
-Past `total_s` the test running is "timeout" and the rest are not run. pytest's output goes to `log`."""
+Past `total_s` the test running is "timeout" and the rest are not run: every test collected and never reached
+is recorded as "not_run", so the report lists each test's outcome. pytest's output goes to `<name>.log`."""
 from __future__ import annotations
 
 import json
@@ -37,7 +38,7 @@ def one_pass(cmd: list[str], events: Path, log, env: dict, per_test_s: float, de
     events.unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**env,
                             "RLSPEC_TEST_EVENTS": str(events)}, start_new_session=True)
-    results, killed_for = {}, None
+    results, killed_for, collected = {}, None, []
     while proc.poll() is None:
         time.sleep(0.2)
         running = _running(read_events(events))
@@ -50,6 +51,8 @@ def one_pass(cmd: list[str], events: Path, log, env: dict, per_test_s: float, de
             _kill(proc)
             break
     for ev in read_events(events):
+        if ev["event"] == "collected":
+            collected = ev["tests"]
         if ev["event"] == "end":
             results[ev["test"]] = dict(test=ev["test"], outcome=ev["outcome"], seconds=round(ev["seconds"], 3))
     running = _running(read_events(events))
@@ -58,13 +61,15 @@ def one_pass(cmd: list[str], events: Path, log, env: dict, per_test_s: float, de
     if killed_for and killed_for[0]:
         results[killed_for[0]] = dict(test=killed_for[0], outcome=killed_for[1], seconds=round(killed_for[2], 3))
     stop = killed_for is None or time.time() > deadline
-    return results, (None if killed_for else proc.returncode), stop
+    return results, (None if killed_for else proc.returncode), stop, collected
 
 
 def _running(events: list[dict]):
     """(test, start time) of the test started and not ended, or None."""
     open_ = {}
     for ev in events:
+        if ev["event"] == "collected":
+            continue
         if ev["event"] == "start":
             open_[ev["test"]] = ev["t"]
         else:
@@ -72,29 +77,38 @@ def _running(events: list[dict]):
     return next(iter(open_.items()), None)
 
 
-def run(targets: list[str], marker: str | None, per_test_s: float, total_s: float, out: Path, root: Path) -> dict:
-    """Run `targets` (pytest paths) under `marker`; the section's dict: per-test rows, counts, pytest's status."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-           "HF_HUB_OFFLINE": "1"}
+def run(targets: list[str], marker: str | None, per_test_s: float, total_s: float, out: Path, root: Path,
+        exclude: list[str] = (), name: str = "tests") -> dict:
+    """Run `targets` (pytest paths or node-id prefixes) under `marker`, but not those under `exclude` (node-id
+    prefixes); the section's dict: per-test rows, counts, pytest's status; its log `<name>.log`."""
+    from rlspec.bench.harness import child_env
+
+    env = child_env({"HF_HUB_OFFLINE": "1"}, path=[str(root)])  # the plugin from the rlspec running this
     base = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-p", PLUGIN, "-q", "-rs"]
     base += ["-m", marker] if marker else []
+    base += [f"--deselect={t}" for t in exclude]
     deadline = time.time() + total_s
-    results, returncode, passes = {}, None, 0
-    with open(out / "tests.log", "w") as log:
+    results, returncode, passes, collected = {}, None, 0, {}
+    with open(out / f"{name}.log", "w") as log:
         while passes <= MAX_RESTARTS:
             cmd = base + [f"--deselect={t}" for t in results]
             log.write(f"$ {' '.join(cmd)}\n")
             log.flush()
-            got, returncode, stop = one_pass(cmd, out / "test_events.jsonl", log, env, per_test_s, deadline, root)
+            got, returncode, stop, seen = one_pass(cmd, out / f"{name}_events.jsonl", log, env, per_test_s,
+                                                   deadline, root)
             results.update(got)
+            collected.update(dict.fromkeys(seen))
             passes += 1
             if stop:
                 break
+    for test in collected:  # collected, never reached: the time ran out first
+        results.setdefault(test, dict(test=test, outcome="not_run", seconds=0.0))
     rows = list(results.values())
     counts = {}
     for r in rows:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     # pytest's own status of its last pass: 5 = nothing left to run (all deselected or skipped by marker)
-    ok = not any(r["outcome"] in ("failed", "error", "timeout", "crashed") for r in rows) and returncode in (0, 5)
+    ok = not any(r["outcome"] in ("failed", "error", "timeout", "crashed", "not_run") for r in rows) and \
+        returncode in (0, 5)
     return dict(targets=targets, marker=marker, per_test_timeout_s=per_test_s, passes=passes,
                 pytest_returncode=returncode, ok=ok, counts=counts, tests=rows)

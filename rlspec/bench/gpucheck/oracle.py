@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import random
 
-from rlspec.bench.gpucheck.common import (build_hf, engine_over, fits, make_greedy_stable, random_prompts, release,
-                                         timed)
+from rlspec.bench.gpucheck.common import (build_hf, engine_over, fits, graph_captures, make_greedy_stable,
+                                         random_prompts, release, timed_calls)
 from rlspec.bench.gpucheck.predict import expected_tokens
 
 
@@ -50,7 +50,12 @@ class OracleDrafter:
 
 
 def run(cfg: dict, device, dtype, left, save) -> dict:
-    """cfg: shape, batches, accepts, num_draft_tokens, prompt_len, new_tokens."""
+    """cfg: shape, batches, accepts, num_draft_tokens, prompt_len, new_tokens, repeats.
+
+    Every graph key is captured before any timing (one untimed call per batch and acceptance), each row is the
+    median of `repeats` timed calls with their decode steps and captures, and the acceptances run in an order
+    rotated per batch (not always low to high on the same engine)."""
+    from rlspec.bench.harness import rotation
     from rlspec.rollout.metrics import ACCEPT_LEN
     from rlspec.rollout.types import SamplingParams, SpecConfig
 
@@ -72,38 +77,35 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     oracle = engine_over(hf, device, dtype, B, length, spec=spec, drafter=drafter)
     del hf
     release(device)
-    for b in cfg["batches"]:
-        ids = prompts[:b]
-        plain.generate(ids, greedy)  # captures b's graphs
-        plain_tok_s = b * new / timed(lambda: plain.generate(ids, greedy), device)[1]
+    oracle.generate(prompts, greedy)
+    for b in cfg["batches"]:  # the warm-up: every key of every row captured before any timing
+        plain.generate(prompts[:b], greedy)
         for a in cfg["accepts"]:
+            drafter.accept = a
+            oracle.generate(prompts[:b], greedy)
+    out["warmup_captures"] = dict(plain=graph_captures(plain), oracle=graph_captures(oracle))
+    for i, b in enumerate(cfg["batches"]):
+        ids = prompts[:b]
+        base = timed_calls(plain, lambda: plain.generate(ids, greedy), device, cfg["repeats"])
+        plain_tok_s = b * new / base["seconds"]
+        for a in rotation(list(cfg["accepts"]), i):
             if left() <= 0:
                 save(out)
                 return out
             drafter.accept = a
-            oracle.generate(ids, greedy)  # captures b's verify graphs
-            oracle.stats()
-            res, secs = timed(lambda: oracle.generate(ids, greedy), device)
-            stats = oracle.stats()
+            call = timed_calls(oracle, lambda: oracle.generate(ids, greedy), device, cfg["repeats"])
+            res, stats = call["value"], call["stats"]
             same = sum(r.completion_ids == reference[tuple(r.prompt_ids)] for r in res) / len(res)
-            out["rows"].append(dict(batch=b, accept=a, tok_s=b * new / secs, plain_tok_s=plain_tok_s,
-                                    speedup=b * new / secs / plain_tok_s, accept_len=stats.get(ACCEPT_LEN),
-                                    expected_accept_len=expected_tokens(a, k), same_as_reference=same))
+            out["rows"].append(dict(batch=b, accept=a, tok_s=b * new / call["seconds"], plain_tok_s=plain_tok_s,
+                                    speedup=plain_tok_s and b * new / call["seconds"] / plain_tok_s,
+                                    accept_len=stats.get(ACCEPT_LEN), expected_accept_len=expected_tokens(a, k),
+                                    same_as_reference=same, seconds_all=call["seconds_all"],
+                                    decode_steps=call["decode_steps"], captures=call["captures"],
+                                    timed_captures=call["timed_captures"], plain_seconds_all=base["seconds_all"],
+                                    plain_decode_steps=base["decode_steps"], plain_captures=base["captures"]))
             r = out["rows"][-1]
             print(f"  batch {b} a={a}: {r['tok_s']:.0f} tok/s, x{r['speedup']:.2f} plain, accept_len "
-                  f"{r['accept_len']} (expected {r['expected_accept_len']:.2f})", flush=True)
-        save(out)
-    # one call per acceptance under the profiler at the largest batch: host or device, and which ops
-    from rlspec.bench.gpucheck.profile_step import profile_call
-
-    out["profile"] = []
-    for a in (min(cfg["accepts"]), max(cfg["accepts"])):
-        if left() <= 0:
-            break
-        drafter.accept = a
-        prof = profile_call(lambda: oracle.generate(prompts, greedy), device)
-        out["profile"].append(dict(batch=B, accept=a, decode_steps=oracle.stats().get("rollout/decode_steps"), **prof))
-        print(f"  profile batch {B} a={a}: wall {prof['wall_s']:.3f} s, device busy {prof['device_busy_s']:.3f} s, "
-              f"syncs {prof['syncs']}", flush=True)
+                  f"{r['accept_len']} (expected {r['expected_accept_len']:.2f}), steps {r['decode_steps']}, "
+                  f"captures in timed calls {r['timed_captures']}", flush=True)
         save(out)
     return out

@@ -1,11 +1,14 @@
 """The `plain` section: plain decoding, the engine against transformers' `generate`, per model shape and batch.
 
-Per row (greedy, EOS ignored, the same random prompts): transformers' tok/s; the engine's tok/s with its CUDA
-graphs already captured; the decode step at the rollout's mean context, eager and replayed from the graph
-pool; the step's achieved bandwidth (weights + KV read / step time). A shape that would not fit says why."""
+Per row (greedy, EOS ignored, the same random prompts): the engine's tok/s over whole rollouts, every graph key
+captured beforehand (a warm-up call per batch; captures and decode steps of each timed call are recorded and a
+timed call that captured is flagged), the median of three; the decode step at the rollout's mean context, eager
+and replayed from the graph pool (median of three timings); the step's bandwidth limit (weights + KV read at the
+device's memory bandwidth) beside it; transformers' tok/s at a few batches. A shape that would not fit says why."""
 from __future__ import annotations
 
-from rlspec.bench.gpucheck.common import build_hf, engine_over, fits, random_prompts, release, time_steps, timed
+from rlspec.bench.gpucheck.common import (build_hf, engine_over, fits, median_time, random_prompts, release,
+                                         time_steps, timed, timed_calls)
 
 
 def hf_tok_s(hf, prompts, batches: list[int], new: int, device) -> dict[int, float]:
@@ -33,7 +36,28 @@ def weight_bytes(model) -> int:
     return total
 
 
-def engine_rows(engine, prompts, batches: list[int], new: int, device, iters: int, left) -> list[dict]:
+def kv_read(model, rows: int, context: int) -> int:
+    """K and V bytes a step reads: `context` positions of `rows` rows over all layers."""
+    c = model.cfg
+    p = next(model.parameters())
+    return 2 * rows * context * c.num_layers * c.num_kv_heads * c.head_dim * p.element_size()
+
+
+def limit(model, rows: int, context: int, device) -> dict:
+    """The step's bandwidth limit: weights + KV bytes, and their read time at the device's memory bandwidth
+    (limit_ms None where the bandwidth is not known: a CPU, a GPU not in presets.HBM_BYTES_S)."""
+    from rlspec.bench.gpucheck.presets import hbm_bytes_s
+
+    moved = weight_bytes(model) + kv_read(model, rows, context)
+    bw = None
+    if device.type == "cuda":
+        import torch
+
+        bw = hbm_bytes_s(torch.cuda.get_device_name(device))
+    return dict(bytes_moved=moved, hbm_bytes_s=bw, limit_ms=moved / bw * 1e3 if bw else None)
+
+
+def engine_rows(engine, prompts, batches: list[int], new: int, device, cfg: dict, left) -> list[dict]:
     """Engine tok/s and step times per batch, while `left()` (seconds of the section's budget) is positive."""
     import torch
 
@@ -42,37 +66,36 @@ def engine_rows(engine, prompts, batches: list[int], new: int, device, iters: in
 
     full = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     engine.generate(prompts, full)  # the pool for every row at the timed length: no timed call meets a new one
+    for b in batches:  # the warm-up: every batch's graph keys captured before any timing
+        engine.generate(prompts[:b], full)
     ctx = len(prompts[0]) + new // 2
     rows = []
     for b in batches:
         if left() <= 0:
             break
         ids = prompts[:b]
-        engine.generate(ids, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))  # capture b's graph
-        secs = timed(lambda: engine.generate(ids, full), device)[1]
+        call = timed_calls(engine, lambda: engine.generate(ids, full), device, cfg["repeats"])
         runner = engine.runner
         tokens, start = torch.tensor(ids)[:, :1], torch.full((b,), ctx)
-        graph_s = time_steps(lambda: runner.steps.run(tokens, start), iters, device)
+        graph_s, graph_all = median_time(lambda: runner.steps.run(tokens, start), cfg["iters"], device,
+                                         cfg["repeats"])
         eager = EagerRunner(runner.model, runner.cache, device)
-        eager_s = time_steps(lambda: eager.run(tokens, start), max(iters // 4, 2), device, warmup=1)
-        moved = weight_bytes(runner.model) + kv_read(runner.model, b, ctx + 1)
-        rows.append(dict(batch=b, engine_tok_s=b * new / secs, step_graph_ms=graph_s * 1e3,
-                         step_eager_ms=eager_s * 1e3, graph_speedup=eager_s / graph_s,
-                         achieved_gbs=moved / graph_s / 1e9))
+        eager_s = time_steps(lambda: eager.run(tokens, start), max(cfg["iters"] // 4, 2), device, warmup=1)
+        bound = limit(runner.model, b, ctx + 1, device)
+        rows.append(dict(batch=b, context=ctx, engine_tok_s=b * new / call["seconds"], call_s=call["seconds_all"],
+                         decode_steps=call["decode_steps"], captures=call["captures"],
+                         timed_captures=call["timed_captures"], step_graph_ms=graph_s * 1e3,
+                         step_graph_ms_all=[t * 1e3 for t in graph_all], step_eager_ms=eager_s * 1e3,
+                         graph_speedup=eager_s / graph_s, achieved_gbs=bound["bytes_moved"] / graph_s / 1e9,
+                         **bound, of_limit=bound["limit_ms"] / (graph_s * 1e3) if bound["limit_ms"] else None))
         print(f"  batch {b}: engine {rows[-1]['engine_tok_s']:.0f} tok/s, graph step {graph_s * 1e3:.2f} ms, "
-              f"eager {eager_s * 1e3:.2f} ms", flush=True)
+              f"eager {eager_s * 1e3:.2f} ms, captures in timed calls {call['timed_captures']}", flush=True)
     return rows
 
 
-def kv_read(model, rows: int, context: int) -> int:
-    """K and V bytes a step reads: `context` positions of `rows` rows over all layers."""
-    c = model.cfg
-    p = next(model.parameters())
-    return 2 * rows * context * c.num_layers * c.num_kv_heads * c.head_dim * p.element_size()
-
-
 def run(cfg: dict, device, dtype, left, save) -> dict:
-    """cfg: shapes, batches, prompt_len, new_tokens {shape: n}, iters. save(partial) after every shape."""
+    """cfg: shapes, batches, prompt_len, new_tokens {shape: n}, iters, repeats, hf_batches. save(partial) after
+    every shape."""
     out = {"rows": [], "skipped": {}}
     for shape in cfg["shapes"]:
         new = cfg["new_tokens"][shape]
@@ -85,14 +108,15 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
         print(f"plain {shape}: transformers generate", flush=True)
         hf = build_hf(shape, dtype, device)
         prompts = random_prompts(max(cfg["batches"]), cfg["prompt_len"], hf.config.vocab_size)
-        hf_rows = hf_tok_s(hf, prompts, cfg["batches"], new, device)
+        hf_rows = hf_tok_s(hf, prompts, cfg["hf_batches"], new, device)
         print(f"plain {shape}: engine", flush=True)
         engine = engine_over(hf, device, dtype, max(cfg["batches"]), length)
         del hf
         release(device)
-        for r in engine_rows(engine, prompts, cfg["batches"], new, device, cfg["iters"], left):
-            out["rows"].append(dict(model=shape, new_tokens=new, hf_tok_s=hf_rows[r["batch"]],
-                                    speedup_vs_hf=r["engine_tok_s"] / hf_rows[r["batch"]], **r))
+        for r in engine_rows(engine, prompts, cfg["batches"], new, device, cfg, left):
+            hf_s = hf_rows.get(r["batch"])
+            out["rows"].append(dict(model=shape, new_tokens=new, hf_tok_s=hf_s,
+                                    speedup_vs_hf=r["engine_tok_s"] / hf_s if hf_s else None, **r))
         del engine
         release(device)
         save(out)

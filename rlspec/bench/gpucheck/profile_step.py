@@ -1,9 +1,8 @@
-"""Where a speculative rollout's step time goes: one call under torch.profiler, summed per op.
+"""Where a rollout's step time goes: one call under torch.profiler, summed per op.
 
-The oracle's rows run below the formula, by more the more drafts are rejected, on a GPU only (docs/gpu.md#the-
-oracle-check-speculation-timed-on-a-gpu). This profiles one oracle call per acceptance and keeps what answers
-"host or device, and which ops": the call's wall seconds, the device's busy seconds (kernel time summed), the
-host-device synchronisations and copies counted, and the ops with the most host time."""
+Kept: what answers "host or device, and which kernels": the call's wall seconds, the device's busy seconds
+(kernel time summed), the host-device synchronisations and copies counted, the kernels with the most device time,
+the ops with the most host time, and per decode step the host gap (wall time the device was not busy)."""
 from __future__ import annotations
 
 import time
@@ -13,9 +12,10 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
             "aten::_local_scalar_dense", "aten::nonzero")
 
 
-def profile_call(fn, device, top: int = 12) -> dict:
-    """Profile fn() once: wall_s, device_busy_s (CUDA kernels summed; 0 on a CPU), counts of SYNC_OPS, and the
-    `top` ops by self host time (name, calls, self_host_ms)."""
+def profile_call(fn, device, top: int = 12, steps: int | None = None) -> dict:
+    """Profile fn() once: wall_s, device_busy_s (CUDA kernels summed; 0 on a CPU), counts of SYNC_OPS, the `top`
+    kernels by device time (name, calls, device_ms; none on a CPU), the `top` ops by self host time (name, calls,
+    self_host_ms) and, given the call's decode steps, host_gap_ms_per_step: (wall - device busy) / steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from rlspec.bench.gpucheck.common import sync
@@ -31,6 +31,13 @@ def profile_call(fn, device, top: int = 12) -> dict:
     device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events)
     counts = {e.key: e.count for e in events if e.key in SYNC_OPS}
     ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return dict(wall_s=wall, device_busy_s=device_us / 1e6, syncs=counts,
-                top_host_ops=[dict(name=e.key, calls=e.count, self_host_ms=e.self_cpu_time_total / 1e3)
-                              for e in ranked])
+    kernels = sorted((e for e in events if (getattr(e, "self_device_time_total", 0) or 0) > 0),
+                     key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    out = dict(wall_s=wall, device_busy_s=device_us / 1e6, syncs=counts,
+               top_kernels=[dict(name=e.key, calls=e.count, device_ms=e.self_device_time_total / 1e3) for e in kernels],
+               top_host_ops=[dict(name=e.key, calls=e.count, self_host_ms=e.self_cpu_time_total / 1e3)
+                             for e in ranked])
+    if steps:
+        out["decode_steps"] = steps
+        out["host_gap_ms_per_step"] = (wall - device_us / 1e6) / steps * 1e3
+    return out

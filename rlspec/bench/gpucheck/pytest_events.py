@@ -1,6 +1,7 @@
 """A pytest plugin (`-p rlspec.bench.gpucheck.pytest_events`) that appends one JSON line per test to the file
 $RLSPEC_TEST_EVENTS: {"event": "start", "test", "t"} when a test begins and {"event": "end", "test",
-"outcome", "seconds"} when its setup, call and teardown are done. The device check's test runner
+"outcome", "seconds"} when its setup, call and teardown are done; {"event": "collected", "tests": [...]} once the
+tests to run are known (a test never reached is then recorded as "not_run"). The device check's test runner
 (cuda_tests.py) watches the file to time each test out from outside (pytest-timeout is not on the GPU machine,
 and a test stuck in a CUDA call ignores signals); stdlib only."""
 from __future__ import annotations
@@ -18,6 +19,10 @@ def _write(event: dict) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(event) + "\n")
+
+
+def pytest_collection_finish(session):
+    _write({"event": "collected", "tests": [item.nodeid for item in session.items]})
 
 
 def pytest_runtest_logstart(nodeid, location):

@@ -2,13 +2,14 @@
 (docs/gpu.md#predicted-rollout-speedup).
 
   * verify: one target step over T tokens a row (the pending token and T - 1 drafts; a chain, or a binary tree
-    of T nodes), per batch bucket, replayed from the CUDA graph pool, relative to a plain (T = 1) step of the
-    same bucket at the same context;
-  * drafting: the EAGLE-3 drafter's ms per drafted token (the engine's own rollout/draft_ms_per_token/eagle3),
-    a random-weight drafter forced on every step of a rollout (its cost does not depend on its weights)."""
+    of T nodes), per batch bucket, replayed from the CUDA graph pool (a graph per T: no padding to a power of
+    two), relative to a plain (T = 1) step of the same bucket at the same context; the median of three timings;
+  * drafting: one EAGLE-3 draft level for the whole batch, ms and over the plain step at that batch (the
+    engine's own rollout/draft_level_ms and rollout/draft_cost), a random-weight drafter forced on every step of
+    a rollout (its cost does not depend on its weights), its levels replayed from graphs where there are any."""
 from __future__ import annotations
 
-from rlspec.bench.gpucheck.common import build_hf, engine_over, fits, random_prompts, release, time_steps, timed
+from rlspec.bench.gpucheck.common import build_hf, engine_over, fits, median_time, random_prompts, release, timed_calls
 
 
 def tree(T: int):
@@ -39,6 +40,7 @@ def verify_rows(model, device, dtype, cfg: dict, left) -> list[dict]:
     B = max(cfg["batches"])
     cache = runner.ensure_cache(B, cfg["ctx"] + top + 8)
     cache.grow([(b, ("spec_costs", b), cfg["ctx"] + top) for b in range(B)])
+    runner.warm(sorted({1, *cfg["verify_tokens"], *cfg["tree_tokens"]}), B)  # a graph per token count
     g = torch.Generator().manual_seed(0)
     rows = []
     for b in cfg["batches"]:
@@ -53,8 +55,9 @@ def verify_rows(model, device, dtype, cfg: dict, left) -> list[dict]:
             if kind == "tree":
                 depths, mask = tree(T)
                 extra = dict(depths=depths.expand(b, T).clone(), tree_mask=mask.expand(b, T, T).clone())
-            ms = time_steps(lambda: runner.step(tokens, start, **extra), cfg["iters"], device) * 1e3
-            rows.append(dict(batch=b, kind=kind, tokens=T, step_ms=ms))
+            secs, all_s = median_time(lambda: runner.step(tokens, start, **extra), cfg["iters"], device,
+                                      cfg["repeats"])
+            rows.append(dict(batch=b, kind=kind, tokens=T, step_ms=secs * 1e3, step_ms_all=[t * 1e3 for t in all_s]))
         plain = rows[-len(shapes)]["step_ms"]
         for r in rows[-len(shapes):]:
             r["vs_plain"] = r["step_ms"] / plain
@@ -64,26 +67,37 @@ def verify_rows(model, device, dtype, cfg: dict, left) -> list[dict]:
     return rows
 
 
-def draft_rows(hf, device, dtype, cfg: dict, left) -> list[dict]:
-    """EAGLE-3 drafting ms per drafted token, per batch, the drafter forced on every step (4 drafts a step)."""
-    from rlspec.rollout.metrics import DRAFT_MS_PER_TOKEN
+def draft_rows(hf, device, dtype, cfg: dict, left, graph_mode: str = "auto") -> list[dict]:
+    """One EAGLE-3 draft level for the whole batch, ms and over the plain step, per batch, the drafter forced
+    on every step (4 drafts a step); graph_mode: the drafter's ("emulate" in the rehearsal: the graph path's
+    bookkeeping on a CPU)."""
+    from rlspec.rollout import metrics as M
     from rlspec.rollout.types import SamplingParams, SpecConfig
 
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=4, selector="always", online_training=False)
     new = cfg["draft_new_tokens"]
     engine = engine_over(hf, device, dtype, max(cfg["draft_batches"]), cfg["prompt_len"] + new + 16, spec=spec)
+    engine.speculation.learned.graph_mode = graph_mode
     prompts = random_prompts(max(cfg["draft_batches"]), cfg["prompt_len"], hf.config.vocab_size, seed=2)
     params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
+    for b in cfg["draft_batches"]:  # the warm-up: every batch's target and drafter graphs captured first
+        engine.generate(prompts[:b], params)
     rows = []
     for b in cfg["draft_batches"]:
         if left() <= 0:
             break
-        engine.generate(prompts[:b], params)  # captures and compiles this batch's shapes
-        engine.stats()
-        secs = timed(lambda: engine.generate(prompts[:b], params), device)[1]
-        ms = engine.stats().get(f"{DRAFT_MS_PER_TOKEN}/eagle3")
-        rows.append(dict(batch=b, draft_ms_per_token=ms, rollout_s=secs))
-        print(f"  eagle3 batch {b}: {ms} ms a drafted token", flush=True)
+        call = timed_calls(engine, lambda: engine.generate(prompts[:b], params), device, 1)
+        stats = call["stats"]
+        level = f"{M.DRAFT_COST}/eagle3/b{M.bucket_of(b)}"
+        rows.append(dict(batch=b, draft_level_ms=stats.get(f"{M.DRAFT_LEVEL_MS}/eagle3"),
+                         draft_cost=stats.get(level), draft_ms_per_token=stats.get(f"{M.DRAFT_MS_PER_TOKEN}/eagle3"),
+                         plain_step_ms=stats.get(M.PLAIN_STEP_MS), rollout_s=call["seconds"],
+                         timed_captures=call["timed_captures"]))
+        print(f"  eagle3 batch {b}: a level {rows[-1]['draft_level_ms']} ms, {rows[-1]['draft_cost']} of a plain "
+              f"step", flush=True)
+    rows_graphs = engine.speculation.learned.level_graphs()
+    for r in rows:
+        r["level_graphs"] = None if rows_graphs is None else dict(rows_graphs.counts)
     del engine
     return rows
 
@@ -104,10 +118,10 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     del model
     release(device)
     print(f"spec_costs {cfg['shape']}: EAGLE-3 drafting", flush=True)
-    out["eagle3_draft"] = draft_rows(hf, device, dtype, cfg, left)
+    out["eagle3_draft"] = draft_rows(hf, device, dtype, cfg, left, "emulate" if device.type == "cpu" else "auto")
     plain = {r["batch"]: r["step_ms"] for r in out["verify"] if r["tokens"] == 1}
-    for r in out["eagle3_draft"]:
-        if r["draft_ms_per_token"] is not None and r["batch"] in plain:
-            r["vs_plain_step"] = r["draft_ms_per_token"] / plain[r["batch"]]
+    for r in out["eagle3_draft"]:  # a level over the graph-replayed plain step of the verify rows
+        if r["draft_level_ms"] is not None and r["batch"] in plain:
+            r["vs_plain_step"] = r["draft_level_ms"] / plain[r["batch"]]
     save(out)
     return out

@@ -31,6 +31,7 @@ import torch
 from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
 from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws, to_draft
 from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
+from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, DraftLevelGraphs
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rlspec.rollout.runtime.model import kernels
 from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
@@ -45,9 +46,13 @@ class Eagle3Drafter(ChainDraws):
     extra_kv_layers = 1
 
     def __init__(self, target, model: Eagle3Model | None = None, draft_vocab_size: int = 4096, seed: int = 0,
-                 tree_draws: str = "without_replacement"):
+                 tree_draws: str = "without_replacement", graph_mode: str = "auto"):
         if tree_draws not in ("without_replacement", "iid"):
             raise ValueError(f"tree_draws must be 'without_replacement' or 'iid', got {tree_draws!r}")
+        if graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+        # draft levels from graphs (eagle3_graphs.py): "auto" on a CUDA device, "emulate" replays by calling
+        self.graph_mode, self._graphs = graph_mode, None
         # how a tree's root children are sampled at T > 0: without replacement (distinct tokens, which
         # recursive rejection sampling accepts more often) or i.i.d. (SpecInfer; kept to test both rules)
         self.tree_draws = tree_draws
@@ -244,6 +249,16 @@ class Eagle3Drafter(ChainDraws):
         branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
         return [to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
                 else Draft() for i, cap in enumerate(max_tokens)]
+
+    def level_graphs(self) -> DraftLevelGraphs | None:
+        """The draft levels' graphs (made on first use), or None where levels run eagerly."""
+        if self._graphs is None and self.graph_mode != "off":
+            device = next(self.model.parameters()).device
+            if self.graph_mode == "emulate":
+                self._graphs = DraftLevelGraphs(self.model, device, "emulate")
+            elif device.type == "cuda":
+                self._graphs = DraftLevelGraphs(self.model, device, "cuda")
+        return self._graphs
 
     def swap_latest(self) -> None:
         """Take the trainer's newest published weights, if newer than ours (between steps only)."""

@@ -9,8 +9,10 @@ A proposal draws `depth` tokens below each row's catch-up output, `width` branch
 - chains on a bf16 CPU with the fused ops: the chain op (`_chain_op`, kernels/draft_chain.cpp) where it draws from
   the same law as `_pick` (docs/drafters.md#the-chain-as-one-op), else one fused layer call a step with the draws in
   Python (`_draw_steps` over `_fused_steps`);
-- trees, and anywhere else: the network's eager steps, attending over the cached context plus the branch's own keys
-  held apart (`_DraftAttention`), never written, so branches sharing a row cannot clobber each other.
+- trees, and anywhere else: the network's steps, attending over the cached context plus the branch's own keys
+  held apart (`_DraftAttention`), never written, so branches sharing a row cannot clobber each other; on a CUDA
+  device each of those levels is replayed from a graph per row bucket and level (`_level_steps`,
+  eagle3_graphs.py), eager elsewhere.
 """
 from __future__ import annotations
 
@@ -81,8 +83,8 @@ class ChainDraws:
                     ids, q, kept = self._draw_steps(h, depth, 1, vocab, seen, self._fused_steps(inputs))
             else:
                 cache, L = self.target_cache, self.target.cfg.num_layers
-                attend = _DraftAttention(*cache.gather(L, rows, max(lens)), torch.tensor(lens, device=dev))
-                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._eager_steps(attend, lens, depth))
+                ctx = cache.gather(L, rows, max(lens))
+                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth))
         ids = ids.view(B, width, depth).cpu()
         # trees: every branch to the shortest
         keep = [depth * width] * B if kept is None else \
@@ -146,6 +148,16 @@ class ChainDraws:
             if qs is not None:
                 qs.append(q[:, 0])
         return torch.stack(out, 1), None if qs is None else torch.stack(qs, 1), kept
+
+    def _level_steps(self, ctx: tuple, lens: list[int], depth: int):
+        """Draft steps over the rows' cached context ctx = (keys, values) [R, KV, S, D]: replayed from graphs
+        where the drafter has them (eagle3_graphs.py), else eager through `_DraftAttention`; the same math."""
+        lens_t = torch.tensor(lens, device=ctx[0].device)
+        graphs = self.level_graphs() if depth > 1 else None
+        if graphs is None:
+            return self._eager_steps(_DraftAttention(*ctx, lens_t), lens, depth)
+        cos, sin = self._step_rope(lens, depth)
+        return graphs.steps(*ctx, lens_t, cos, sin)
 
     def _step_rope(self, lens: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of draft steps 1..depth-1 (step j stands at position lens + j - 1), gathered for all of them at

@@ -29,7 +29,7 @@ class LongTailSelector:
     max_spec_batch: int | None = None  # a user override: never speculate above this live batch
     costs: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
-    draft_seconds: dict = field(default_factory=dict)  # batch bucket -> EMA seconds per propose
+    draft_seconds: dict = field(default_factory=dict)  # batch bucket -> EMA seconds of one draft level, whole batch
     on: bool = False
     last_gain: float = 0.0
     gate: LearnedGate | None = None  # set when the drafter is learned: no speculation without evidence
@@ -84,7 +84,7 @@ class LongTailSelector:
     def state_dict(self) -> dict:
         return {"kind": "fixed", "shape": [self.drafter, self.max_depth, self.width], "costs": self.costs.state_dict(),
                 "acceptance": self.acceptance.state_dict(),
-                "draft_seconds": [[b, s] for b, s in self.draft_seconds.items()], "on": self.on,
+                "draft_seconds": [[b, s] for b, s in self.draft_seconds.items()], "draft_per": "level", "on": self.on,
                 "last_gain": self.last_gain, "steps": self.steps,
                 "gate": None if self.gate is None else self.gate.state_dict()}
 
@@ -92,7 +92,9 @@ class LongTailSelector:
         check_selector_state(state, "fixed", [self.drafter, self.max_depth, self.width], "(drafter, depth, width)")
         self.costs.load_state_dict(state["costs"])
         self.acceptance.load_state_dict(state["acceptance"])
-        self.draft_seconds = {int(b): float(s) for b, s in state["draft_seconds"]}
+        # states saved before this held seconds per propose (of max_depth levels, mostly): per level now
+        per = 1.0 if state.get("draft_per") == "level" else float(self.max_depth)
+        self.draft_seconds = {int(b): float(s) / per for b, s in state["draft_seconds"]}
         self.on, self.last_gain = bool(state["on"]), float(state["last_gain"])
         self.steps = int(state.get("steps", 0))  # absent in states saved before the gate existed
         if self.gate is not None and state.get("gate") is not None:
@@ -105,12 +107,12 @@ class LongTailSelector:
         plain = self.costs.cost(batch, 1)
         if rel is None or not plain:
             return 0.0
-        draft = self._draft_cost(bucket(batch)) / plain
+        draft = self._draft_cost(bucket(batch)) * depth / plain  # `depth` levels for the whole batch
         # the tracked rate is per level of this shape: a chain token, or any of `width` siblings
         return self.acceptance.expected_tokens(depth) / (rel + draft)
 
     def _draft_cost(self, b: int) -> float:
-        """Seconds per propose in bucket b; a bucket not drafted in yet borrows the nearest measured one
+        """Seconds of one draft level in bucket b; a bucket not drafted in yet borrows the nearest measured one
         (as the bandit does): taking it as free made unmeasured buckets look like wins, and kept a
         learned drafter's gate open on them after its measured acceptance had fallen."""
         if b in self.draft_seconds or not self.draft_seconds:
@@ -132,8 +134,8 @@ class LongTailSelector:
         self.costs.observe(batch, step_width(drafted), seconds)
         if arm.speculative:
             key = bucket(batch)
-            old = self.draft_seconds.get(key)
-            self.draft_seconds[key] = draft_seconds if old is None else 0.8 * old + 0.2 * draft_seconds
+            old, level = self.draft_seconds.get(key), draft_seconds / max(arm.depth, 1)
+            self.draft_seconds[key] = level if old is None else 0.8 * old + 0.2 * level
             # evidence per level: a tree of n nodes offers n // width levels, each passed or not
             levels = [n if self.width == 1 else max(1, n // self.width) for n in drafted]
             self.acceptance.observe(levels, accepted)

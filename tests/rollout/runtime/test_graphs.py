@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlspec.rollout.runtime.graphs import (EagerRunner, GraphPool, batch_buckets, bucket_for, make_step_runner, pad_batch,
-                            pow2_buckets)
+                            pow2_buckets, verify_buckets)
 from rlspec.rollout.runtime.kv_cache import PagedKVCache
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.runtime.runner import ModelRunner
@@ -113,6 +113,24 @@ def _rows_view(cache):
 # ---- the pool's static-buffer path on CPU (emulated replay) -------------------------------------------
 def _emulated_pool(runner, **kw):
     return GraphPool(runner.model, runner.cache, "cpu", backend="emulate", max_t=8, **kw)
+
+
+def test_verify_graphs_exist_for_the_token_counts_the_arms_use():
+    """A verify of 4 drafts runs a 5-token graph, not an 8 (the powers of two stay for capped drafts): the sizes
+    come through ModelRunner.warm, which the engine's calibration calls with the selector's verify sizes."""
+    assert verify_buckets(8) == [1, 2, 4, 8]
+    assert verify_buckets(8, [1, 3, 5, 9]) == [1, 2, 3, 4, 5, 8]  # 9 is past the pool's largest step
+    runner, lens = _runner()
+    runner.steps = pool = _emulated_pool(runner)
+    assert pool.key_for(_tokens(3, 5), lens[:3])[:2] == (4, 8)
+    runner.warm([1, 5], 3)
+    assert pool.t_buckets == [1, 2, 4, 5, 8]
+    assert pool.key_for(_tokens(3, 5), lens[:3])[:2] == (4, 5)
+    assert pool.key_for(_tokens(3, 3), lens[:3])[:2] == (4, 4)  # a capped draft: the next bucket up
+    eager = EagerRunner(runner.model, runner.cache, "cpu")
+    tokens = _tokens(3, 5, seed=1)
+    got, _ = pool.run(tokens, lens[:3])
+    assert (4, 5, ()) in pool.graphs and torch.allclose(got, eager.run(tokens, lens[:3])[0], atol=1e-5, rtol=0)
 
 
 def test_emulated_pool_matches_eager_across_buckets_and_shapes():

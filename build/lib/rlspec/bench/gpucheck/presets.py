@@ -1,0 +1,114 @@
+"""The device check's sections, shapes and limits: one preset for an H200-class GPU and one for the CPU rehearsal
+(--smoke), and the summary it prints. Stdlib only.
+
+Limits: the core (the CUDA smoke subset, plain, spec_costs) adds up to 300 s and everything to 600 s (one device
+call). Each is sized from the H200 run's section times (bench_out/gpu/: tests 24 in ~170 s, plain 97 s,
+spec_costs 84 s, oracle 63 s, grpo 34 s) after the work each section was cut to (docs/gpu.md#the-device-check);
+a section stops starting measurements at 0.8 of its limit, so what it measured comes back either way."""
+from __future__ import annotations
+
+import importlib
+
+SECTIONS = ("tests", "plain", "spec_costs", "profile", "contexts", "oracle", "e2e", "tests_rest")
+CORE = ("tests", "plain", "spec_costs")
+TEST_SECTIONS = ("tests", "tests_rest")
+TEST_TARGETS = ["tests/gpu", "tests/rollout/runtime/test_graphs.py"]  # run under `-m gpu`
+# the core's CUDA smoke subset: greedy parity, the sampling law, graph replay, paging (node-id prefixes);
+# tests_rest runs every other test of TEST_TARGETS
+CORE_TESTS = [
+    "tests/gpu/test_cuda_engine.py::test_greedy_matches_transformers_generate",
+    "tests/gpu/test_cuda_engine.py::test_greedy_exact_with_speculation_and_graphs",
+    "tests/gpu/test_cuda_engine.py::test_seeded_sampling_has_the_target_law",
+    "tests/rollout/runtime/test_graphs.py::test_cuda_graph_replay_equals_eager",
+    "tests/gpu/test_cuda_paging.py",
+    "tests/gpu/test_cuda_eagle3_graphs.py",
+]
+
+GPU = {
+    "plain": dict(shapes=["smollm2-135m", "qwen2.5-7b"], batches=[1, 8, 32, 128], prompt_len=64,
+                  new_tokens={"smollm2-135m": 64, "qwen2.5-7b": 32}, iters=10, repeats=3, hf_batches=[1, 32]),
+    "spec_costs": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], verify_tokens=[2, 3, 4, 5, 6, 7, 8],
+                       tree_tokens=[5, 7], ctx=256, iters=6, repeats=3, draft_batches=[1, 8, 32],
+                       draft_new_tokens=24, prompt_len=64),
+    "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12),
+    "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3),
+    "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
+                   prompt_len=64, new_tokens=48, repeats=3),
+    "e2e": dict(shape="smollm2-135m-untied", steps=3, batch=8, generations=4, max_completion_length=64, accept=0.7,
+                num_draft_tokens=4, arms=["trl", "spec", "spec-oracle"], temperature=1.0),
+}
+SMOKE = {
+    "plain": dict(shapes=["tiny"], batches=[1, 2], prompt_len=8, new_tokens={"tiny": 8}, iters=3, repeats=3,
+                  hf_batches=[1]),
+    "spec_costs": dict(shape="tiny", batches=[1, 2], verify_tokens=[2, 5], tree_tokens=[4], ctx=16, iters=2,
+                       repeats=3, draft_batches=[1, 2], draft_new_tokens=8, prompt_len=8),
+    "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
+    "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3),
+    "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
+                   new_tokens=16, repeats=3),
+    # temperature: the tiny shape's greedy margin (~sqrt(hidden) = 8 logits) against a 49k vocabulary is sampled
+    # away at T = 1; at 0.25 the sampled continuation is the greedy one, as SmolLM2's (24 logits) at T = 1
+    "e2e": dict(shape="tiny", steps=1, batch=4, generations=2, max_completion_length=8, accept=0.7,
+                num_draft_tokens=4, arms=["trl", "spec", "spec-oracle"], temperature=0.25),
+}
+# seconds per section; the core's add up to 300, all to 600
+GPU_LIMITS = dict(tests=120, plain=90, spec_costs=90, profile=40, contexts=50, oracle=80, e2e=70, tests_rest=60)
+SMOKE_LIMITS = dict(tests=120, plain=120, spec_costs=120, profile=120, contexts=120, oracle=120, e2e=200,
+                    tests_rest=120)
+# what a device's memory reads at (bytes/s), for the bandwidth limit beside each plain step (by device name)
+HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12}
+
+
+def config(name: str, smoke: bool, tokenizer: str | None = None) -> dict:
+    cfg = dict((SMOKE if smoke else GPU)[name])
+    if name == "e2e":
+        cfg["tokenizer"] = tokenizer
+    return cfg
+
+
+def timeouts(smoke: bool, overrides: list[str] | None = None) -> dict[str, float]:
+    """Each section's limit in seconds; overrides: ["oracle=200", ...]."""
+    limits = dict(SMOKE_LIMITS if smoke else GPU_LIMITS)
+    for item in overrides or []:
+        name, _, value = item.partition("=")
+        if name not in limits or not value:
+            raise SystemExit(f"--timeout-s {item!r}: expected SECTION=SECONDS with SECTION one of {list(limits)}")
+        limits[name] = float(value)
+    return limits
+
+
+def per_test_timeout(smoke: bool) -> float:
+    return 60.0 if smoke else 90.0
+
+
+def hbm_bytes_s(device_name: str) -> float | None:
+    """The device's memory bandwidth by its name (None: not in the table, or a CPU)."""
+    return next((bw for key, bw in HBM_BYTES_S.items() if key in device_name), None)
+
+
+def module(name: str):
+    return importlib.import_module(f"rlspec.bench.gpucheck.{name}")
+
+
+def print_summary(report: dict) -> None:
+    """One line per section, then the rows that answer its question."""
+    print(f"\n{report['device']} (torch {report['torch']}), {report.get('elapsed_s', 0):.0f} s, "
+          f"commit {report.get('commit')}{' (dirty)' if report.get('dirty') else ''}")
+    for name in SECTIONS:
+        sec = report.get(name)
+        if sec is None:
+            continue
+        extra = sec.get("counts") or sec.get("skipped") or ""
+        print(f"  {name:<11} {sec['status']:<18} {sec.get('seconds', '')} s {extra}")
+    for r in report.get("plain", {}).get("rows", []):
+        print(f"  plain  {r['model']:<13} batch {r['batch']:>3}: engine {r['engine_tok_s']:8.0f} tok/s, graph step "
+              f"{r['step_graph_ms']:.2f} ms (limit {r.get('limit_ms')}), captures in timed calls "
+              f"{r['timed_captures']}")
+    for r in report.get("contexts", {}).get("rows", []):
+        print(f"  ctx {r['context']:>5} batch {r['batch']:>3}: {r['step_ms']:.2f} ms, x{r.get('over_limit')} limit")
+    for r in report.get("oracle", {}).get("rows", []):
+        predicted = f", predicted x{r['predicted_speedup']:.2f}" if "predicted_speedup" in r else ""
+        print(f"  oracle batch {r['batch']:>3} a={r['accept']}: x{r['speedup']:.2f} plain{predicted}, accept_len "
+              f"{r['accept_len']} (expected {r['expected_accept_len']:.2f}), steps {r['decode_steps']}")
+    for r in report.get("e2e", {}).get("rows", []):
+        print(f"  e2e {r['arm']:<12} {r['step_s']:.2f} s a step (rollout {r['rollout_s']:.2f} s)")

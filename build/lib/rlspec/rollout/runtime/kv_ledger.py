@@ -1,0 +1,79 @@
+"""KVLedger: which blocks a generate call's sequences hold, step by step (no forwards, no drafters).
+
+The engine's loop and `python -m rlspec.bench kv` (which replays a rollout's scheduling with no model
+to measure memory) both keep their books through this class, so the benchmark's figures are the
+engine's own accounting rather than a copy of it. Plain Python over the Scheduler and the cache's
+allocator and block table; the forwards and the drafters' hooks stay in the engine (`on_evict`,
+`on_finish` callbacks).
+
+The order of one call, as the engine runs it:
+  admit -> blocks for fresh prompts (the head sample) -> prefill -> share the prompt with its siblings
+        -> blocks for resumed sequences -> re-prefill
+  step  -> make_room (preempt the youngest until every live pending token has a block)
+        -> draft_room (blocks for drafted positions while they last) -> forward, verify, commit
+        -> trim (rejected drafts hold nothing past their step) -> retire (free, compact rows)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
+from rlspec.rollout.runtime.scheduler import Scheduler, draft_room
+from rlspec.rollout.runtime.sequence import Sequence
+
+
+class KVLedger:
+    def __init__(self, cache: PagedKVCache, sched: Scheduler, followers: tuple = ()):
+        """followers: per-row device state kept aligned with the block table (a TokenHistory): every
+        row compaction applied to the table is applied to them too (`move_rows(src, dst)`)."""
+        self.cache, self.sched, self.followers = cache, sched, tuple(followers)
+
+    def _move_rows(self, src: list[int], dst: list[int]) -> None:
+        for t in (self.cache, *self.followers):
+            t.move_rows(src, dst)
+
+    def prompt_blocks(self, fresh: list[list[Sequence]]) -> None:
+        """Each fresh group's head sample gets blocks for its prompt and its pending token."""
+        self.cache.grow([(g[0].row, id(g[0]), len(g[0].prompt_ids) + 1) for g in fresh])
+
+    def share_prompts(self, fresh: list[list[Sequence]]) -> None:
+        """After the prefill: the siblings reference the head's full prompt blocks (copy-on-write tail)."""
+        for g in fresh:
+            self.cache.share_prompt(g[0].row, id(g[0]), [(s.row, id(s)) for s in g[1:]], len(g[0].prompt_ids))
+
+    def resume_blocks(self, seqs: list[Sequence]) -> None:
+        """Readmitted preempted sequences get fresh blocks for everything they hold and their pending token."""
+        self.cache.grow([(s.row, id(s), s.cache_len + 1) for s in seqs])
+
+    def make_room(self, on_evict: Callable[[Sequence], None] = lambda s: None) -> None:
+        """Preempt the youngest until every live sequence's pending token has a block, then take those."""
+        cache, sched = self.cache, self.sched
+        victims = sched.make_room()
+        for victim, moves in victims:  # moves of successive removals: applied in order
+            on_evict(victim)
+            self._move_rows([m[0] for m in moves], [m[1] for m in moves])
+        if victims:
+            cache.clear_rows(len(sched.live))
+        cache.grow([(s.row, id(s), s.cache_len + 1) for s in sched.live])
+
+    def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:
+        """Blocks for each row's drafted positions while the pool lasts; returns the caps kept."""
+        kept = draft_room(self.cache.alloc, live, caps)
+        self.cache.grow([(s.row, id(s), s.cache_len + 1 + k) for s, k in zip(live, kept)])
+        return kept
+
+    def trim(self, live: list[Sequence]) -> None:
+        """After commit: hand back blocks past each unfinished sequence's pending position."""
+        self.cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished])
+
+    def retire(self, on_finish: Callable[[Sequence], None] = lambda s: None) -> list[Sequence]:
+        """Finished sequences leave (on_finish runs while they still hold their blocks); survivors' rows
+        fill the holes and rows past the live batch point at the trash block. Returns the finished."""
+        finished, moves = self.sched.retire()
+        for s in finished:
+            on_finish(s)
+            self.cache.release(id(s))
+        if finished:
+            self._move_rows([m[0] for m in moves], [m[1] for m in moves])
+            self.cache.clear_rows(len(self.sched.live))
+        return finished

@@ -1,0 +1,279 @@
+"""Our compact Llama-family runtime (the families of config.py) over a paged KV cache.
+
+One forward takes T new tokens per sequence with their own RoPE positions, the cache indices to
+write their keys/values at, and what they may attend to (attention.py). That single shape
+serves batched prefill, plain decode (T=1), chain verification (T=k+1) and tree verification
+(T=nodes, mask = ancestors), because rejected tokens are simply never made visible again.
+
+Projections are fused (q|k|v and gate|up) to halve kernel launches, which dominate small-batch
+decode on CPU and GPU alike; `loader.py` maps Hugging Face names onto the fused weights.
+
+Family switches (ModelConfig) pick modules at construction (gemma.py's norms and scaled embedding, moe.py's
+routed experts) or add an op only where set (sliding-window masks, soft-capping, a second RoPE table), so a
+Llama runs exactly the ops it always ran.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlspec.rollout.runtime.model.attention import AttnMask, attend, dense_view
+from rlspec.rollout.runtime.model.config import ModelConfig, main_rope_type
+from rlspec.rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
+from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model.linear import Linear
+from rlspec.rollout.runtime.model.moe import SparseMoE
+from rlspec.rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
+
+
+class RMSNorm(nn.Module):
+    """Same arithmetic as HF's LlamaRMSNorm (float32 statistics), so bf16 outputs match bit for bit."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+@dataclass
+class ForwardBatch:
+    """Tensors for one forward over B sequences with T new tokens each.
+
+    input_ids, positions, write_index: [B, T] (long). positions are RoPE positions; write_index are
+    cache positions (equal for chains, different for trees whose nodes share a depth).
+    slots: [B, T] flat pool slots of write_index through each row's block table (kv_cache.py).
+    attn: what the new tokens see (attention.py): a causal prefill among the new tokens only, or a
+    step over the first attn.kv_len cache positions of each row.
+    blocks: [B, attn.kv_len / block_size] the blocks a step gathers (rows 0..B-1); None for a prefill and
+    for paged FlexAttention, which reads the pool through attn.block's physical indices.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    write_index: torch.Tensor
+    attn: AttnMask
+    slots: torch.Tensor
+    blocks: torch.Tensor | None = None
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def norm_class(cfg: ModelConfig) -> type[nn.Module]:
+    return GemmaRMSNorm if cfg.gemma_norm else RMSNorm
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        norm = norm_class(cfg)
+        self.q_norm = norm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap  # None for all but Gemma 2/3
+
+    def forward(self, x, cos, sin, k_cache, v_cache, fb: ForwardBatch, attn: AttnMask) -> torch.Tensor:
+        """attn: fb.attn, or the layer's own view of it (a sliding window, a dense mask: LlamaForCausalLM)."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        q = q.view(B, T, self.nh, self.hd)
+        k = k.view(B, T, self.nkv, self.hd)
+        v = v.view(B, T, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # cos/sin: [B, T, 1, hd]; rotation as in HF (q * cos + rotate_half(q) * sin).
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        write_slots(k_cache, fb.slots, k)
+        write_slots(v_cache, fb.slots, v)
+        q, out = q.transpose(1, 2), None  # q [B, nh, T, hd]
+        if attn.causal:  # fresh prompts see only each other
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        elif fb.blocks is not None and attn.dense is not None and self.softcap is None and \
+                kernels.attention_usable(q, k_cache):  # CPU bf16: read in place from the pool (kernels/)
+            out = kernels.paged_attention(q, k_cache, v_cache, fb.blocks, attn.dense,
+                                          self.hd ** -0.5 if self.scale is None else self.scale)
+        elif fb.blocks is not None:  # one gather of the rows' blocks: [B, KV, kv_len, hd]
+            keys, values = gather_blocks(k_cache, fb.blocks), gather_blocks(v_cache, fb.blocks)
+        elif attn.block is not None:  # paged FlexAttention reads the pool itself, through its block mask
+            keys, values = pool_sequence(k_cache), pool_sequence(v_cache)
+        else:  # a dense view of a paged flex step (a sliding layer): gather through the rows' block table
+            keys, values = gather_blocks(k_cache, attn.table), gather_blocks(v_cache, attn.table)
+        if out is None:
+            out = attend(q, keys, values, attn, self.scale, self.softcap)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, -1)
+        return self.down_proj(self.act(gate) * up)
+
+
+# transformers' ACT2FN entries for config.ACTIVATIONS: F.silu, and GELUTanh's gelu(approximate="tanh")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+class DecoderLayer(nn.Module):
+    """Llama's pre-norm block; with cfg.sandwich_norms Gemma 2/3's, whose post_attention_layernorm normalises
+    the attention output (not the MLP input) and whose MLP sits between pre/post_feedforward_layernorm."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        norm, H, eps = norm_class(cfg), cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = norm(H, eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = norm(H, eps)
+        self.mlp = SparseMoE(cfg, ACTIVATIONS[cfg.hidden_act]) if cfg.moe_layers and cfg.moe_layers[index] else MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(H, eps), norm(H, eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, fb, attn):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache,
+                                                                 fb, attn))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, fb, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale) \
+            if cfg.embed_scale is not None else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm_class(cfg)(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names mirror HF's (`model.layers.0.self_attn...`, `lm_head`) apart from the fusions."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaBackbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope_cos: torch.Tensor | None = None  # [max_len, hd] float32, built by init_rope
+        self.rope_sin: torch.Tensor | None = None
+        self.rope_extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # other layer types' tables (Gemma 3)
+
+    def init_rope(self, max_len: int) -> None:
+        """Precompute cos/sin tables in float32 exactly as HF computes them per position. Tables only
+        grow: engines (or a drafter trainer) sharing one model must never shrink another's."""
+        if self.rope_cos is not None and self.rope_cos.shape[0] >= max_len:
+            return
+        device = self.lm_head.weight.device
+        self.rope_cos, self.rope_sin = rope_table(self.cfg, max_len, device)
+        self.rope_extra = {t: rope_table(self.cfg, max_len, device, t)
+                           for t in sorted({t for t in self.cfg.layer_rope if t is not None})}
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, k_cache, v_cache, hidden_layers=(), logits_index=None, layer_call=None):
+        """Run B x T new tokens; k_cache/v_cache: the paged pools [L, num_blocks, block_size, kv_heads, head_dim].
+
+        Returns (logits, hiddens): logits [B, T, V] float32, or [B, V] when logits_index [B] picks
+        one position per row (prefill); hiddens: {HF hidden_states index: [B, T, H]} for the layers
+        asked for (index 0 = embeddings, i = output of layer i-1, for i <= L; L is before the final norm).
+        layer_call(layer, *args): how each layer runs (runtime/compiled.py passes its compiled call, or
+        fused.FusedLayers, which runs each layer as one C++ op).
+        """
+        x = self.model.embed_tokens(fb.input_ids)
+        dtype = x.dtype
+        ropes = {None: (self.rope_cos, self.rope_sin), **self.rope_extra}
+        ropes = {t: (c[fb.positions].to(dtype).unsqueeze(2), s[fb.positions].to(dtype).unsqueeze(2))
+                 for t, (c, s) in ropes.items()}
+        masks = self.layer_masks(fb)
+        hiddens = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in hidden_layers:
+                hiddens[i] = x
+            cos, sin = ropes[self.cfg.layer_rope[i] if self.cfg.layer_rope else None]
+            x = (layer_call or _call)(layer, x, cos, sin, k_cache[i], v_cache[i], fb, masks[i])
+        if len(self.model.layers) in hidden_layers:  # the last layer's output, pre-norm (rollout/lossy's heads)
+            hiddens[len(self.model.layers)] = x
+        if logits_index is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_index]
+        return (layer_call or _call)(_head, self.model.norm, self.lm_head, x, self.cfg.final_softcap), hiddens
+
+    def layer_masks(self, fb: ForwardBatch) -> list[AttnMask]:
+        """Each layer's mask, built once per forward: fb.attn, or for sliding layers fb.attn with the window
+        (dense: FlexAttention's block mask marks whole blocks full, which a window can cut, attention.dense_view).
+        Attention soft-capping (Gemma 2) needs the scores, which only the dense kernel exposes: no FlexAttention.
+        A window no position can reach (the RoPE table, which covers every position, is no longer) is dropped."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        window = cfg.sliding_window if cfg.windows and cfg.sliding_window < self.rope_cos.shape[0] else None
+        full = fb.attn
+        if cfg.attn_softcap is not None and full.block is not None:
+            full = dense_view(full, fb.positions)
+        if window is None:
+            return [full] * L
+        slide = dense_view(fb.attn, fb.positions, window)
+        return [slide if w else full for w in cfg.windows]
+
+
+def _call(layer, *args):
+    return layer(*args)
+
+
+def _head(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Final norm, LM head, soft-cap (in the model dtype, as transformers) -> float32 logits; a function so
+    that the compiled step compiles it too (its single-row product is the step's largest, compiled.py).
+    A float32 head over a 16-bit body (TRL's cast_lm_head_to_fp32, loader.cast_head) takes the normed hidden
+    state in float32, as TRL's patched head does."""
+    logits = lm_head(norm(x).to(lm_head.weight.dtype))
+    if cap is not None:
+        logits = softcap(logits, cap)
+    return logits.float()
+
+
+def rope_table(cfg: ModelConfig, max_len: int, device, layer_type: str | None = None):
+    """(cos, sin) [max_len, hd] float32 for one layer type's RoPE (None: the main one), as HF per position."""
+    inv_freq, scaling = rope_inv_freq(cfg, layer_type)
+    freqs = torch.arange(max_len, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling; non-default RoPE types go through transformers. With RoPE
+    parameters per layer type (Gemma 3), layer_type None is the main type (config.main_rope_type)."""
+    hf = cfg.hf_config
+    params = getattr(hf, "rope_parameters", None) or {}
+    kind = layer_type or main_rope_type(hf)
+    if kind is not None and isinstance(params.get(kind), dict):
+        params = params[kind]
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        dim = cfg.head_dim
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    extra = {"layer_type": kind} if kind is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **extra)
+    return inv_freq.float(), float(scaling)

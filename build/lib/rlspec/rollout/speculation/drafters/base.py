@@ -1,0 +1,120 @@
+"""The drafter protocol and registry: every drafter proposes a small token tree per live sequence.
+
+A draft is a tree hanging below the sequence's pending token (node -1 = the pending token, whose
+KV is not cached yet). A chain is the tree with parents [-1, 0, 1, ...]. Drafters are told about
+new prompt groups and finished samples so that model-free ones can index them.
+
+Deterministic drafters (n-gram, suffix) return no probabilities: verification then treats q as
+one-hot, which is exact for them (docs/verification.md). A drafter that samples its tokens
+(EAGLE-3 at temperature > 0) returns `q`, the processed distribution each token was drawn from;
+verification then accepts with min(1, p/q) and resamples rejections from the residual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rlspec.rollout.runtime.sequence import Sequence
+from rlspec.rollout.registry import DRAFTERS
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # index into tokens, -1 = the pending token
+    # [len(tokens), V] float: the distribution each token was sampled from, given the siblings listed
+    # before it (i.i.d. siblings share one q; siblings drawn without replacement each have q with the
+    # earlier ones removed, renormalised); None for deterministic proposals
+    q: Any = None
+
+    @classmethod
+    def chain(cls, tokens: list[int], q=None) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), q)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the engine calls on every drafter. One file per drafter, registered with
+    `@DRAFTERS.register(name)` on a factory `(target=None, spec=None, **overrides) -> Drafter`.
+
+    Optional, for checkpoints (Speculation.state_dict): `state_dict() -> dict` of what the drafter
+    carries from one generate() call to the next (plain Python values and CPU tensors) and
+    `load_state_dict(state)`. A drafter without them is taken to carry nothing. Optional too:
+    `abandon(seq)`, a partial round stopped seq unfinished (drop its per-sample state, index nothing)."""
+
+    name: str
+
+    def begin(self, groups: list[list[Sequence]]) -> None:
+        """New prompt groups were admitted (their n samples share the prompt)."""
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
+        """One draft per sequence with at most max_tokens[i] nodes and at most `width` children per node.
+        An empty draft means "no speculation for this sequence this step"."""
+
+    def finish(self, seq: Sequence) -> None:
+        """A sample finished; model-free drafters index it for later prompts and epochs."""
+
+
+@runtime_checkable
+class LearnedDrafter(Drafter, Protocol):
+    """A drafter that runs a network on the target's hidden states (EAGLE-3). Beyond `Drafter`, the
+    engine gives it the target's features, a few layers of the shared KV cache and the call's
+    sampling state, and its weights can be retrained online and exported."""
+
+    aux_layers: tuple[int, ...]  # target layers whose hidden states it reads (HF hidden_states indices)
+    extra_kv_layers: int  # KV layers it keeps as extra layers of the engine's cache (they move with rows)
+    version: int  # weights version; changes when a trainer publishes new weights
+    backlog_seconds: float  # of the latest propose: catching up on steps it sat out (the selector leaves it out)
+
+    def side_buffers(self) -> dict:
+        """Per-position data it stages in the KV pool's blocks (kv_cache.SideSpec: name -> (shape, dtype)),
+        so the data follows the tokens held, is shared with a prompt and freed with the blocks."""
+
+    def start(self, seqs: list[Sequence], cache, params, generator, history=None) -> None:
+        """A generate call begins: its sequences, the engine's PagedKVCache, SamplingParams and generator;
+        history: the rows' token sets (rollout/runtime/history.py) when a repetition penalty is on, else
+        None. A sampled q should be penalised with them (the row's set plus the draft's own tokens before
+        each position) to stay close to p; exactness only needs q to be the law the draft was drawn from."""
+
+    def observe_prefill(self, groups: list[list[Sequence]], feats) -> None:
+        """feats [P, T, 3H]: the target's features at every prompt position of each admitted group."""
+
+    def observe_resume(self, seqs: list[Sequence], feats) -> None:
+        """Preempted sequences were prefilled again: feats [B, T, 3H] of positions 0..cache_len-1 of each."""
+
+    def observe_verify(self, seqs: list[Sequence], feats, path, accepted: list[int], logits) -> None:
+        """feats [B, N+1, 3H] at every verified node; path [B, N] the accepted nodes (-1 after);
+        logits [B, N+1, V] float32: the target's raw logits at every node (a distillation target)."""
+
+    def evict(self, seq: Sequence) -> None:
+        """seq was preempted: its blocks, with the drafter's KV layer and staged data, are gone; rebuild the
+        layer when seq is back (observe_resume restages the features first)."""
+
+    def set_policy_version(self, version: int) -> None:
+        """The target's weights changed: tag data from now on with this version."""
+
+    def set_stop_rule(self, rule: str) -> None:
+        """How the next proposal ends its chains early: "none", "max_conf" or "entropy"."""
+
+    def attach(self, trainer) -> None:
+        """Send finished samples' features to trainer.add(...) and take new weights from trainer.latest()
+        (None: no trainer; stage no training data)."""
+
+    def swap_latest(self) -> None:
+        """Take the attached trainer's newest published weights now, if they are newer."""
+
+    def network(self):
+        """The drafter network (an Eagle3Model) as it drafts now, for export."""
+
+
+def make_drafter(name: str, target=None, spec=None, **overrides) -> Drafter:
+    """Build a registered drafter by name; the factory takes what it needs (the target model for a
+    learned drafter, the SpecConfig for its settings) and keyword overrides for its own fields."""
+    return DRAFTERS.build(name, target=target, spec=spec, **overrides)

@@ -1,0 +1,334 @@
+"""The learned EAGLE-3 drafter inside the engine: catch up on the target's features, then draft.
+
+Per sequence the drafter keeps one layer of KV in the engine's paged cache (an extra layer of the
+same blocks, so sharing, preemption and tree fix-ups cover it) and the target features of every cached
+position, staged in side buffers of the same blocks (kv_cache.py): they cost memory only for the tokens
+held, a prompt's are shared by its samples, and they go with the blocks when a sequence finishes or is
+preempted (the engine's re-prefill of a preempted sequence stages them again). Each step:
+1. catch-up: run positions valid..cache_len-1 (features of token t, embedding of token t+1),
+   writing the drafter's KV; the last output predicts the token after the pending one;
+2. draft: feed the drafter's own output back for depth-1 more steps. These speculative steps attend
+   over the cached context plus their own keys held locally, never written, so tree branches
+   sharing a row cannot clobber each other and rejected drafts leave nothing behind. Chains on a bf16
+   CPU run both stages as one fused op a step (eagle3_fused.py); their draft keys go to the drafter's
+   KV layer at the positions they stand for, which the next catch-up rewrites before any step reads
+   them as context.
+At temperature 0 drafts are greedy (top-w at the root for trees) and verified as one-hot
+proposals. At temperature > 0 they are sampled from q, the drafter's distribution processed exactly
+like the target's (repetition penalty over the same history, temperature, top-k, top-p, min-p), and
+returned with q so verification accepts with min(1, p/q): acceptance is then sum(min(p, q)), close to 1
+where q matches p, while a greedy draft of a high-entropy target is accepted only with probability
+p(argmax q).
+New weights from a trainer are swapped in here, between decode iterations, and invalidate the drafter
+KV (it was computed by the old weights), which the staged features rebuild.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
+from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws, to_draft
+from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
+from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, DraftLevelGraphs
+from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
+from rlspec.rollout.runtime.model.linear import fast_linear
+from rlspec.rollout.runtime.model.attention import attend_dense
+from rlspec.rollout.speculation.feature_buffer import Dist, law_top_k
+from rlspec.rollout.runtime.sequence import Sequence
+
+
+class Eagle3Drafter(ChainDraws):
+    name = "eagle3"
+    extra_kv_layers = 1
+
+    def __init__(self, target, model: Eagle3Model | None = None, draft_vocab_size: int = 4096, seed: int = 0,
+                 tree_draws: str = "without_replacement", graph_mode: str = "auto"):
+        if tree_draws not in ("without_replacement", "iid"):
+            raise ValueError(f"tree_draws must be 'without_replacement' or 'iid', got {tree_draws!r}")
+        if graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+        # draft levels from graphs (eagle3_graphs.py): "auto" on a CUDA device, "emulate" replays by calling
+        self.graph_mode, self._graphs = graph_mode, None
+        # how a tree's root children are sampled at T > 0: without replacement (distinct tokens, which
+        # recursive rejection sampling accepts more often) or i.i.d. (SpecInfer; kept to test both rules)
+        self.tree_draws = tree_draws
+        self.target = target
+        p = next(target.parameters())
+        if model is None:  # a local generator: building an engine must not reseed the user's global RNG
+            model = Eagle3Model.initialised(Eagle3Config.for_target(target.cfg, draft_vocab_size),
+                                            torch.Generator().manual_seed(seed))
+        if model.cfg.vocab_size != target.cfg.vocab_size or model.cfg.hidden_size != target.cfg.hidden_size:
+            from rlspec.rollout.errors import TokenizerMismatchError
+
+            raise TokenizerMismatchError(
+                f"drafter (vocab {model.cfg.vocab_size}, hidden {model.cfg.hidden_size}) does not fit the target "
+                f"(vocab {target.cfg.vocab_size}, hidden {target.cfg.hidden_size}); train or export a drafter "
+                "for this target model")
+        self.model = model.to(device=p.device, dtype=p.dtype).eval()
+        self.fused_layer = FusedDraftLayer(self.model)  # chains' draft steps as one op (eagle3_fused.py)
+        self.fused = None  # fused_layer while a proposal may use it (propose decides)
+        if p.device.type == "cpu" and p.dtype == torch.bfloat16:
+            kernels.available()  # load (once a machine: build) the few-row kernel its steps use (linear.fast_linear)
+        self.aux_layers = tuple(model.cfg.aux_layer_ids)
+        self.version = 0
+        self.trainer = None  # a DrafterTrainer: takes finished samples (add), publishes weights (latest)
+        # False once a trainer's own forward pass feeds the trainer (rollout/speculation/intake.py): the
+        # engine then stages features for drafting only, and banks nothing (no sample counted twice)
+        self.bank_samples = True
+        self.target_cache = None  # the engine's PagedKVCache, given at each start()
+        self.policy_version = 0
+        self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
+        self.committed: dict[int, int] = {}  # id(sequence) -> tokens its latest step committed (observe_verify)
+        # seconds of the latest proposal's catch-up spent on a backlog: positions beyond what the latest step
+        # committed (the drafter sat out some steps). Drafting on every step never pays them, so the selector
+        # keeps them out of the drafter's per-level cost (Speculation.observe_step)
+        self.backlog_seconds = 0.0
+        self.params = None  # the call's SamplingParams: drafts are processed like the target
+        self.history = None  # the call's TokenHistory when a repetition penalty is on
+        self.generator = None
+        self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
+        self._rope_of, self._rope_tables = None, ()  # the target's RoPE tables in its dtype (_rope)
+        self._vocab_of, self._vocab = None, None  # the draft vocabulary's target ids (_draft_vocab)
+
+    # ---- engine hooks ---------------------------------------------------------------------------
+    def side_buffers(self) -> dict:
+        """What the drafter stages per cached position, in the KV pool's blocks: the target's features
+        [3H]; with a trainer whose loss reads it, the target's top-k distribution of the next token too
+        (ids, probs, the mass outside the top k, and whether the position has one: prompt positions don't),
+        unless the samples come from elsewhere (bank_samples False)."""
+        p = next(self.model.parameters())
+        side = {"eagle3/features": ((3 * self.model.cfg.hidden_size,), p.dtype)}
+        k = getattr(self.trainer, "topk", 0) if self.bank_samples else 0
+        if k > 0:
+            side.update({"eagle3/dist_ids": ((k,), torch.int32), "eagle3/dist_probs": ((k,), torch.float16),
+                         "eagle3/dist_rest": ((), torch.float16), "eagle3/dist_has": ((), torch.bool)})
+        return side
+
+    @property
+    def stages_dist(self) -> bool:
+        """Whether this call's pool has the distribution buffers (side_buffers asked for them)."""
+        return "eagle3/dist_ids" in self.target_cache.side
+
+    def start(self, seqs: list[Sequence], cache, params=None, generator=None, history=None) -> None:
+        self.target_cache, self.params, self.generator, self.history = cache, params, generator, history
+        self.valid = {id(s): 0 for s in seqs}
+        self.committed = {}
+
+    def begin(self, groups) -> None:
+        pass
+
+    def set_policy_version(self, version: int) -> None:
+        self.policy_version = version  # tags the training data of samples finished from now on
+
+    def set_stop_rule(self, rule: str) -> None:
+        self.stop_rule = rule
+
+    def attach(self, trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        """The weights drafting now (CPU copies, the engine's dtype) and their version. Per-call state
+        (which positions have drafter KV, the call's sampling state) starts over at every start()."""
+        return {"config": self.model.cfg.to_dict(), "version": self.version,
+                "weights": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}}
+
+    def state_misfit(self, state: dict) -> str | None:
+        """Why `state` cannot load here (another network shape), or None."""
+        here, saved = self.model.cfg.to_dict(), state["config"]
+        diff = {k: (saved.get(k), v) for k, v in here.items() if saved.get(k) != v}
+        return None if not diff else (
+            f"eagle3 drafter shape (checkpoint, here): {diff} (build the engine with the target model and the "
+            "SpecConfig draft_vocab_size / drafter_path of the run that saved it)")
+
+    def load_state_dict(self, state: dict) -> None:
+        problem = self.state_misfit(state)
+        if problem:
+            raise ValueError(f"the checkpoint's drafter state does not fit: {problem}")
+        self.model.load_state_dict(state["weights"])
+        self.version = int(state["version"])
+        self.valid = {k: 0 for k in self.valid}  # any drafter KV came from the old weights
+
+    def network(self) -> Eagle3Model:
+        return self.model
+
+    def observe_prefill(self, groups: list[list[Sequence]], feats: torch.Tensor) -> None:
+        """feats [P, T, 3H]: the target's features of each group's prompt positions, staged once in the
+        head sample's blocks, which its siblings then share (the engine shares them after this call)."""
+        self._stage_prefix([g[0] for g in groups], [len(g[0].prompt_ids) for g in groups], feats)
+
+    def observe_resume(self, seqs: list[Sequence], feats: torch.Tensor) -> None:
+        """A preempted sequence was prefilled again: feats [B, T, 3H] of positions 0..cache_len-1. Their
+        staged next-token distributions went with the blocks: those positions train on the sampled next
+        token, as prompt positions do."""
+        self._stage_prefix(seqs, [s.cache_len for s in seqs], feats)
+
+    def _stage_prefix(self, seqs: list[Sequence], lens: list[int], feats: torch.Tensor) -> None:
+        cache, dev = self.target_cache, feats.device
+        pos = torch.arange(feats.shape[1], device=dev)[None, :]
+        pos = torch.where(pos < torch.tensor(lens, device=dev)[:, None], pos, -1)  # padding -> trash block
+        slots = cache.slots(torch.tensor([s.row for s in seqs], device=dev), pos)
+        cache.write_side("eagle3/features", slots, feats)
+        if self.stages_dist:  # a recycled block may still say "has" from its previous owner
+            cache.write_side("eagle3/dist_has", slots, torch.zeros(slots.shape, dtype=torch.bool, device=dev))
+
+    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor, accepted,
+                       logits: torch.Tensor | None = None) -> None:
+        """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
+        positions cache_len..cache_len+accepted of each row (sequence i sits in table row i)."""
+        dev, cache = feats.device, self.target_cache
+        for s, a in zip(seqs, accepted):
+            self.committed[id(s)] = a + 1
+        n = feats.shape[1]
+        # positions cache_len .. cache_len + accepted (unkept nodes: the trash block), as slots from the host lists
+        slots = torch.tensor([cache.host_slots(id(s), [s.cache_len + j if j <= a else -1 for j in range(n)])
+                              for s, a in zip(seqs, accepted)], device=dev)
+        if n == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
+            nodes, kept = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), feats
+        else:
+            nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long, device=path.device), path.clamp(min=0)],
+                              1).to(dev)
+            kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
+        cache.write_side("eagle3/features", slots, kept)
+        if self.stages_dist and self.bank_samples and logits is not None:
+            on = torch.arange(n, device=dev)[None, :] <= torch.tensor(accepted, device=dev)[:, None]
+            self._stage_dist(slots, nodes, on, logits)
+
+    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, kept: torch.Tensor, logits: torch.Tensor) -> None:
+        """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
+        the pending token; kept [B, N+1] bool), staged at the slot of that node's token: the law of the
+        next token."""
+        cache = self.target_cache
+        rows, cols = kept.nonzero(as_tuple=True)  # only the kept nodes: ~2 per row
+        slots = slots[rows, cols]  # [K]
+        sel = logits[rows.to(logits.device), nodes[rows, cols].to(logits.device)]  # [K, V]
+        ids, probs, rest = law_top_k(sel, self.params, cache.side["eagle3/dist_ids"].shape[-1])
+        slots = slots.to(probs.device)
+        cache.write_side("eagle3/dist_ids", slots, ids)
+        cache.write_side("eagle3/dist_probs", slots, probs)
+        cache.write_side("eagle3/dist_rest", slots, rest)
+        cache.write_side("eagle3/dist_has", slots, torch.ones(slots.shape, dtype=torch.bool, device=slots.device))
+
+    def evict(self, seq: Sequence) -> None:
+        """Preempted: its KV blocks (this layer's and its staged features too) are gone; the engine's
+        re-prefill stages the features again (observe_resume) and the next catch-up rebuilds the layer."""
+        if id(seq) in self.valid:
+            self.valid[id(seq)] = 0
+
+    def abandon(self, seq: Sequence) -> None:
+        """A partial round stopped seq unfinished: nothing is banked (its features are of an unfinished text)."""
+        self.valid.pop(id(seq), None)
+        self.committed.pop(id(seq), None)
+
+    def finish(self, seq: Sequence) -> None:
+        """Bank a finished sample's staged features (read now: the engine frees its blocks next), unless a
+        trainer's own pass feeds the trainer (bank_samples False, rollout/speculation/intake.py)."""
+        known = self.valid.pop(id(seq), None) is not None
+        self.committed.pop(id(seq), None)
+        if known and self.trainer is not None and self.bank_samples and seq.cache_len > 2:
+            cache, n = self.target_cache, seq.cache_len
+            slots = cache.owner_slots(id(seq), n)
+            dist = Dist(*(cache.read_side(f"eagle3/dist_{f}", slots) for f in ("ids", "probs", "rest", "has"))) \
+                if self.stages_dist else None
+            temp = 1.0 if self.params is None or self.params.greedy else self.params.temperature
+            self.trainer.add(cache.read_side("eagle3/features", slots), seq.all_ids()[:n + 1], self.policy_version,
+                             dist, temp)
+
+    def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
+        self.swap_latest()
+        if max(max_tokens, default=0) == 0:
+            return [Draft() for _ in seqs]
+        self.fused = self.fused_layer.prepare() if self.fused_layer.usable else None
+        t0 = time.perf_counter()
+        h_last, ready, backlog = self._catch_up(seqs)
+        self.backlog_seconds = (time.perf_counter() - t0) * backlog
+        depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
+        branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
+        return [to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
+                else Draft() for i, cap in enumerate(max_tokens)]
+
+    def level_graphs(self) -> DraftLevelGraphs | None:
+        """The draft levels' graphs (made on first use), or None where levels run eagerly."""
+        if self._graphs is None and self.graph_mode != "off":
+            device = next(self.model.parameters()).device
+            if self.graph_mode == "emulate":
+                self._graphs = DraftLevelGraphs(self.model, device, "emulate")
+            elif device.type == "cuda":
+                self._graphs = DraftLevelGraphs(self.model, device, "cuda")
+        return self._graphs
+
+    def swap_latest(self) -> None:
+        """Take the trainer's newest published weights, if newer than ours (between steps only)."""
+        latest = self.trainer.latest() if self.trainer is not None else None
+        if latest is not None and latest[0] > self.version:
+            self.version, state = latest
+            self.model.load_state_dict(state)
+            self.valid = {k: 0 for k in self.valid}  # drafter KV came from the old weights
+
+    def _catch_up(self, seqs: list[Sequence]):
+        """Run the positions each sequence has not yet shown the drafter; returns its last output [B, H], which
+        rows had any, and the backlog's share of the positions run (those beyond each row's latest commit)."""
+        B = len(seqs)
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        starts = [self.valid[id(s)] for s in seqs]
+        counts = [s.cache_len - st for s, st in zip(seqs, starts)]
+        backlog = sum(max(0, c - self.committed.get(id(s), 1)) for s, c in zip(seqs, counts)) / max(sum(counts), 1)
+        C = max(max(counts), 1)
+        top = self.target.rope_cos.shape[0] - 1
+        # per row and query j: its token (the embedding of t + 1), the slot its key goes to (padding: the trash
+        # block), its RoPE position and the last position it sees (its cached context and own prefix); made as
+        # lists, one tensor: a catch-up is a few positions a row, and each small op costs more than its work
+        grid = torch.tensor([[s.ids(st + 1, st + 1 + c) + [0] * (C - c),
+                              cache.host_slots(id(s), [st + j if j < c else -1 for j in range(C)]),
+                              [min(st + j, top) if j < c else 0 for j in range(C)], list(range(st, st + C))]
+                             for s, st, c in zip(seqs, starts, counts)])
+        dev = cache.table.device
+        toks, slots, pos, sees = grid.to(dev).unbind(1)
+        # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
+        # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
+        S = min(-(-(max(starts) + C) // cache.block_size) * cache.block_size, cache.length)
+        rows = torch.arange(B, device=dev)
+        feats = cache.read_side("eagle3/features", slots)  # [B, C, 3H]; padding reads the trash block, masked
+
+        visible = (torch.arange(S, device=dev) <= sees[..., None])[:, None]  # [B, 1, C, S]
+        # whole blocks: read in place (the kernel, the fused op), as target steps do
+        blocks = cache.table[rows, : S // cache.block_size] if S % cache.block_size == 0 else None
+
+        def attend(q, k, v):
+            cache.write(L, slots, k.transpose(1, 2), v.transpose(1, 2))
+            if blocks is not None and kernels.attention_usable(q, cache.k[L]):
+                return kernels.paged_attention(q, cache.k[L], cache.v[L], blocks, visible, q.shape[-1] ** -0.5)
+            keys, values = cache.gather(L, rows, S)
+            return attend_dense(q, keys, values, visible)
+
+        with torch.inference_mode():
+            # one op, attending in place (eagle3_fused.py), up to the fused step's token count: a long catch-up
+            # (a drafter unused for a while) is a product of many rows, which oneDNN does better than our kernel
+            if self.fused is not None and blocks is not None and B * C <= FUSED_MAX_TOKENS:
+                out = self.fused.step(fast_linear(self.model.fc, feats), self._embed(toks), *self._rope(pos),
+                                      cache.k[L], cache.v[L], slots, blocks, visible)
+            else:
+                out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
+        for s in seqs:
+            self.valid[id(s)] = s.cache_len
+        ready = [c > 0 for c in counts]
+        if min(counts) == C:  # every row ran C positions (one index op fewer: most steps)
+            return out[:, C - 1], ready, backlog
+        return out[rows, torch.tensor([max(c - 1, 0) for c in counts], device=dev)], ready, backlog
+
+
+@DRAFTERS.register("eagle3", learned=True, auto=True)
+def _build(target=None, spec=None, **overrides) -> Eagle3Drafter:
+    """A trained drafter from spec.drafter_path, or a cold one (only online training makes a cold
+    drafter useful; the selectors keep it off until its measured acceptance pays)."""
+    if target is None:
+        raise ValueError("the eagle3 drafter reads the target's hidden states: build it with target=<the model>")
+    if spec is not None and spec.drafter_path:
+        from rlspec.rollout.speculation.drafters.eagle3_io import load_eagle3
+
+        return Eagle3Drafter(target, load_eagle3(spec.drafter_path), **overrides)
+    vocab = spec.draft_vocab_size if spec is not None else 4096
+    return Eagle3Drafter(target, draft_vocab_size=vocab, **overrides)

@@ -1,0 +1,261 @@
+"""EAGLE-3's draws after its catch-up: chains and trees from the drafter's output, `propose`'s second half.
+
+`ChainDraws` is a part of Eagle3Drafter (drafters/eagle3.py), split out by what it does: the drafter's own file keeps
+the engine hooks, its state and the catch-up. These methods read the drafter's network (`model`), its fused ops
+(`fused`, None where they do not serve this proposal), the target (`target`: its embedding and RoPE tables), the
+engine's KV cache (`target_cache`) and the call's sampling state (`params`, `generator`, `history`, `stop_rule`).
+
+A proposal draws `depth` tokens below each row's catch-up output, `width` branches at the root:
+- chains on a bf16 CPU with the fused ops: the chain op (`_chain_op`, kernels/draft_chain.cpp) where it draws from
+  the same law as `_pick` (docs/drafters.md#the-chain-as-one-op), else one fused layer call a step with the draws in
+  Python (`_draw_steps` over `_fused_steps`);
+- trees, and anywhere else: the network's steps, attending over the cached context plus the branch's own keys
+  held apart (`_DraftAttention`), never written, so branches sharing a row cannot clobber each other; on a CUDA
+  device each of those levels is replayed from a graph per row bucket and level (`_level_steps`,
+  eagle3_graphs.py), eager elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
+from rlspec.rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement, truncates
+from rlspec.rollout.speculation.drafters.base import Draft
+
+MAX_CONF = 0.4  # max-confidence stop rule: end the draft below this top-1 drafter probability
+SVIP_BOUND = 0.3  # SVIP: end the draft when sqrt(0.15 * entropy) exceeds this
+
+
+class ChainDraws:
+    """The drafting half of Eagle3Drafter's `propose` (see the module docstring for the state it reads)."""
+
+    def _confident(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R] bool: may the chain go on, by the arm's stop rule (docs/drafters.md#stop-rules)?"""
+        probs = torch.softmax(logits, -1)
+        if self.stop_rule == "max_conf":
+            return probs.max(-1).values >= MAX_CONF
+        entropy = -(probs * torch.log(probs.clamp(min=1e-12))).sum(-1)
+        return torch.sqrt(0.15 * entropy) <= SVIP_BOUND
+
+    def _pick(self, h: torch.Tensor, k: int, ids: torch.Tensor, seen: torch.Tensor | None = None):
+        """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, Vd] or None,
+        confident [R], None without a stop rule); ids [Vd]: the draft vocabulary's target ids
+        (`Eagle3Model.draft_vocab`). Greedy: the top k. Sampling
+        from q, the processed distribution over the draft vocabulary (zero elsewhere, so sampling there loses
+        nothing; `_draft` spreads q over the target's vocabulary once per proposal, for verification): k > 1
+        draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution draw j came
+        from given the earlier ones, which is what verification needs. seen [R, V]: the history the drafted
+        token follows (repetition penalty; None = off), the same as the target's node there, so q stays close
+        to p."""
+        logits = self.model.logits(h) if self.fused is None or len(h) > FUSED_MAX_TOKENS else self.fused.logits(h)
+        ok = None if self.stop_rule == "none" else self._confident(logits)
+        seen = None if seen is None else seen[:, ids]
+        if self.params is None or self.params.greedy:
+            return ids[penalise(logits, seen, self.params).topk(k, -1).indices], None, ok
+        q = probs_from_logits(logits, self.params, seen)  # [R, Vd]
+        if k > 1 and self.tree_draws == "without_replacement":
+            tok, qs = sample_without_replacement(q, k, self.generator)
+            return ids[tok], qs, ok
+        if k > 1:
+            q = q.repeat_interleave(k, 0)  # [R*k, Vd]
+        tok = sample(q, self.generator)
+        return ids[tok].view(len(h), k), q.view(len(h), k, -1), ok
+
+    def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
+        """Chains, `width` of them branching at the root -> (target ids [B, width, depth],
+        q [B, width, depth, V] on the CPU or None for greedy drafts, nodes to keep per row [B] by the
+        stop rule: a chain ends before the first token drawn from an unsure distribution)."""
+        B, dev = len(seqs), h.device
+        with torch.inference_mode():
+            # each branch's history: its sequence's tokens (by table row: a lossy proposer may pass a subset of
+            # the live rows), then the branch's own drafts
+            seen = None if self.history is None else self.history.rows(torch.tensor([s.row for s in seqs], device=dev))
+            vocab = self._draft_vocab()
+            rows = torch.arange(B, device=dev) if width == 1 else torch.arange(B, device=dev).repeat_interleave(width)
+            lens = [s.cache_len for s in seqs for _ in range(width)]
+            # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
+            if self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS:
+                inputs = self._chain_inputs([id(s) for s in seqs], rows, lens, depth)
+                if self._chain_op_serves(seen, len(vocab)):
+                    ids, q, kept = self._chain_op(h, depth, vocab, inputs)
+                else:
+                    ids, q, kept = self._draw_steps(h, depth, 1, vocab, seen, self._fused_steps(inputs))
+            else:
+                cache, L = self.target_cache, self.target.cfg.num_layers
+                ctx = cache.gather(L, rows, max(lens))
+                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth))
+        ids = ids.view(B, width, depth).cpu()
+        # trees: every branch to the shortest
+        keep = [depth * width] * B if kept is None else \
+            (kept if width == 1 else kept.view(B, width).amin(-1) * width).tolist()
+        V = self.model.cfg.vocab_size
+        if q is None or q.shape[-1] == V:  # none (greedy), or already over the target's vocabulary (the chain op)
+            return ids, None if q is None else q.view(B, width, depth, V), keep
+        q = q.view(B, width, depth, -1).float()  # over the draft vocabulary
+        return ids, q.new_zeros(B, width, depth, V).index_copy_(3, vocab.to(q.device), q), keep
+
+    def _draft_vocab(self) -> torch.Tensor:
+        """Eagle3Model.draft_vocab, made again only when d2t changed (set_draft_vocab, new weights)."""
+        d2t = self.model.d2t
+        if self._vocab_of != (d2t._version, d2t.data_ptr()):
+            self._vocab_of, self._vocab = (d2t._version, d2t.data_ptr()), self.model.draft_vocab()
+        return self._vocab
+
+    def _chain_op_serves(self, seen, vocab: int) -> bool:
+        """Whether the chain op draws from what _pick would: the processed distribution is softmax(logits / T)
+        (no repetition penalty, no truncation) or greedy drafts, and the target's embedding is its plain table."""
+        return seen is None and type(self.target.model.embed_tokens) is nn.Embedding and (
+            self.params is None or self.params.greedy or not truncates(self.params, vocab))
+
+    def _chain_op(self, h: torch.Tensor, depth: int, vocab: torch.Tensor, inputs: tuple):
+        """Chains (one per row of h [R, H]) drawn in one op (FusedDraftLayer.chain, kernels/draft_chain.cpp): the
+        processed distribution is softmax(logits / T) there (no penalty, no truncation; greedy: the top token).
+        -> (target ids [R, depth], q [R, depth, V] over the target's vocabulary or None when greedy, nodes to
+        keep [R]: the leading draws that were finite and, with a stop rule, drawn from a sure distribution)."""
+        greedy = self.params is None or self.params.greedy
+        # the uniforms of every draw at once, from the call's generator, as sample() takes them
+        r = torch.zeros(depth, len(h)) if greedy else torch.rand(depth, len(h), generator=self.generator)
+        ids, q, logits, finite = self.fused.chain(h, self.target.model.embed_tokens.weight, *inputs, vocab, r,
+                                                  0.0 if greedy else float(self.params.temperature))
+        ok = finite if self.stop_rule == "none" else finite & self._confident(logits)
+        return ids, None if greedy else q, ok.long().cumprod(1).sum(1)
+
+    def _draw_steps(self, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen, step_fn):
+        """Chains drawn one token at a time, `width` of them below each row of h [B, H], each draft step through
+        step_fn(h, embeds, j) -> (target ids [B * width, depth], q [B * width, depth, Vd] or None when greedy,
+        nodes to keep [B * width] by the stop rule or None without one)."""
+        first, q_first, ok = self._pick(h, width, vocab, seen)  # [B, w]
+        # a stop rule's bookkeeping only where one is on: without, every chain keeps its depth
+        alive = None if ok is None else ok.repeat_interleave(width)
+        kept = None if ok is None else alive.long()
+        tok = first.reshape(-1)  # [B*w]
+        if seen is not None:
+            seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
+        qs = None if q_first is None else [q_first.reshape(len(tok), -1)]
+        out = [tok]
+        h = h.repeat_interleave(width, 0)
+        for step in range(1, depth):
+            h = step_fn(h[:, None], self._embed(tok[:, None]), step - 1)[:, 0]
+            nxt, q, ok = self._pick(h, 1, vocab, seen)
+            if ok is not None:
+                alive &= ok
+                kept += alive.long()
+            tok = nxt[:, 0]
+            if seen is not None:
+                seen = seen.scatter(1, tok[:, None], True)
+            out.append(tok)
+            if qs is not None:
+                qs.append(q[:, 0])
+        return torch.stack(out, 1), None if qs is None else torch.stack(qs, 1), kept
+
+    def _level_steps(self, ctx: tuple, lens: list[int], depth: int):
+        """Draft steps over the rows' cached context ctx = (keys, values) [R, KV, S, D]: replayed from graphs
+        where the drafter has them (eagle3_graphs.py), else eager through `_DraftAttention`; the same math."""
+        lens_t = torch.tensor(lens, device=ctx[0].device)
+        graphs = self.level_graphs() if depth > 1 else None
+        if graphs is None:
+            return self._eager_steps(_DraftAttention(*ctx, lens_t), lens, depth)
+        cos, sin = self._step_rope(lens, depth)
+        return graphs.steps(*ctx, lens_t, cos, sin)
+
+    def _step_rope(self, lens: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of draft steps 1..depth-1 (step j stands at position lens + j - 1), gathered for all of them at
+        once: cos and sin [depth - 1, R, 1, 1, D], contiguous, so that step j's [R, 1, 1, D] is cos[j - 1]."""
+        top = self.target.rope_cos.shape[0] - 1
+        pos = torch.tensor([[min(n + j, top) for n in lens] for j in range(depth - 1)], dtype=torch.long)
+        cos, sin = self._rope(pos)
+        return cos[:, :, None], sin[:, :, None]
+
+    def _eager_steps(self, attend, lens: list[int], depth: int):
+        """Draft steps through the network, attending with `attend` (_DraftAttention): step(h, embeds, j), j =
+        0 .. depth-2 for draft steps 1 .. depth-1."""
+        cos, sin = self._step_rope(lens, depth)
+        return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
+
+    def _chain_inputs(self, owners: list[int], rows: torch.Tensor, lens: list[int], depth: int) -> tuple:
+        """What the fused draft steps of chains differ in, made for all of them at once (not ~15 small ops a step
+        again: with the changes beside it, a 4-token proposal 2.55 -> 2.31 ms). Draft step j + 1 writes
+        its key and value to the drafter's KV layer at position write = lens + j (past the row's table: the trash
+        block, for drafts no cap keeps) and attends positions 0..write of its row. -> (cos, sin [depth - 1, R, 1,
+        1, D], the drafter's K and V pools, slots [depth - 1, R], blocks [R, n], masks [depth - 1, R, 1, 1, n * bs]):
+        FusedDraftLayer.chain's inputs after h."""
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        dev, bs = cache.table.device, cache.block_size
+        S, R = depth - 1, len(lens)
+        if S == 0:  # a chain of one draw: no draft step, the head alone (nothing to address)
+            none = torch.empty(0, R, dtype=torch.long, device=dev)
+            return (*self._step_rope(lens, depth), cache.k[L], cache.v[L], none, none, none.bool())
+        n = min(-(-(max(lens) + depth - 1) // bs), cache.table.shape[1])
+        held = [cache.host_slots(o, [m + j for j in range(S)]) for o, m in zip(owners, lens)]  # [R][S]
+        grid = [[m + j for m in lens] for j in range(S)] + [[h[j] for h in held] for j in range(S)]
+        write, slots = torch.tensor(grid, dtype=torch.long).view(2, S, R).to(dev)  # each [S, R]
+        masks = (torch.arange(n * bs, device=dev) <= write[..., None])[:, :, None, None]  # [depth-1, R, 1, 1, n*bs]
+        return (*self._step_rope(lens, depth), cache.k[L], cache.v[L], slots, cache.table[rows, :n], masks)
+
+    def _fused_steps(self, inputs: tuple):
+        """Draft steps of chains through the fused layer op, one call each: step(h, embeds, j) runs draft step
+        j + 1 on `_chain_inputs`."""
+        cos, sin, k, v, slots, blocks, masks = inputs
+        return lambda h, embeds, j: self.fused.step(h, embeds, cos[j], sin[j], k, v, slots[j][:, None], blocks,
+                                                    masks[j])
+
+    def _embed(self, toks: torch.Tensor) -> torch.Tensor:
+        return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))
+
+    def _rope(self, pos: torch.Tensor):
+        """RoPE at positions pos [...] -> cos, sin [..., 1, D] in the target's dtype, from its tables converted once
+        (while the target keeps the same tables)."""
+        if self._rope_of is not self.target.rope_cos:
+            dtype = self.target.lm_head.weight.dtype
+            self._rope_of = self.target.rope_cos
+            self._rope_tables = (self.target.rope_cos.to(dtype), self.target.rope_sin.to(dtype))
+        cos, sin = self._rope_tables
+        pos = pos.to(cos.device)
+        return cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
+
+
+class _DraftAttention:
+    """Attention of the draft steps: each branch's queries over its row's cached context (keys [R, KV, S, D]
+    gathered once per proposal; positions at or past the row's length `lens` [R] hidden) and over the
+    branch's own earlier draft keys, which are never cached. The context is scored on its own, in float32
+    converted once, so no step copies it again; on the CPU a step's attention took 104 us against 194 us
+    concatenating context and draft keys into one bf16 attention (and 248 us through SDPA), 300 positions."""
+
+    def __init__(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, lens: torch.Tensor):
+        S = ctx_k.shape[2]
+        self.k, self.v = ctx_k.float(), ctx_v.float()
+        hidden = torch.arange(S, device=lens.device)[None, :] >= lens[:, None]
+        self.bias = torch.zeros(hidden.shape, device=lens.device).masked_fill(hidden, float("-inf"))[:, None, None]
+        self.local_k: list[torch.Tensor] = []
+        self.local_v: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [R, H, T, D], this step's k, v [R, KV, T, D] -> [R, H, T, D] in q's dtype (T = 1 when drafting: a
+        step's own key is its last; longer T would need a causal mask among them)."""
+        self.local_k.append(k.float())
+        self.local_v.append(v.float())
+        R, H, T, D = q.shape
+        KV, S = self.k.shape[1], self.k.shape[2]
+        qf = q.float().reshape(R, KV, H // KV * T, D) * D ** -0.5
+        lk, lv = torch.cat(self.local_k, 2), torch.cat(self.local_v, 2)
+        scores = torch.cat([qf @ self.k.transpose(-1, -2) + self.bias, qf @ lk.transpose(-1, -2)], -1)
+        p = torch.softmax(scores, -1)
+        out = p[..., :S] @ self.v + p[..., S:] @ lv
+        return out.reshape(R, H, T, D).to(q.dtype)
+
+
+def to_draft(branches: torch.Tensor, q, cap: int, width: int) -> Draft:
+    """[w, depth] target ids (+ q [w, depth, V]) -> a Draft of at most `cap` nodes: w chains below the root."""
+    if cap <= 0:
+        return Draft()
+    if width == 1:
+        return Draft.chain(branches[0, :cap].tolist(), None if q is None else q[0, :cap])
+    w = min(width, cap)
+    depth = cap // w
+    tokens, parents = [], []
+    for b in range(w):
+        for d in range(depth):
+            parents.append(-1 if d == 0 else len(tokens) - 1)
+            tokens.append(int(branches[b, d]))
+    return Draft(tokens, parents, None if q is None else q[:w, :depth].reshape(w * depth, -1))

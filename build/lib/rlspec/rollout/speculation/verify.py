@@ -1,0 +1,244 @@
+"""Lossless verification of drafted chains and trees: pure, batched functions, no host sync inside.
+
+Notation (docs/verification.md#chains, #trees): p_i is the target's processed distribution at draft position i,
+q_i the drafter's (processed identically; one-hot for deterministic drafters such as n-gram or
+suffix lookups), x_i the drafted token. For each sequence:
+
+  accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), in order, stopping at the first rejection;
+  on a rejection at i emit a token from the residual norm(max(0, p_i - q_i));
+  if all k drafts are accepted emit a bonus token from p_k.
+
+The emitted sequence then has exactly the law of sampling from p autoregressively (Leviathan et al.,
+Chen et al. 2023). For a one-hot q the residual is p with x_i removed and renormalised.
+Greedy (temperature 0): accept while x_i == argmax p_i, then emit argmax p at the first mismatch.
+
+Rows are ragged: sequence b drafted num_drafts[b] <= K tokens; positions beyond are padding and
+never accepted. Every sequence advances by its own accepted count.
+
+Trees use recursive rejection sampling at each node (`_recursive_reject`): the children are tried in
+order against a running target p_i, child j with q_j, the distribution it was drawn from given the
+siblings drawn before it. That one rule covers i.i.d. children (q_j = q: SpecInfer), children drawn
+without replacement (q_j = q with x_1..x_{j-1} removed, renormalised: Recursive Speculative
+Decoding) and deterministic children (q_j = one-hot x_j: EAGLE's top-k), so the draft's q says how
+its children were drawn and verification needs no flag.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlspec.rollout.runtime.draws import ACCEPT, FINAL, TREE
+from rlspec.rollout.runtime.sampling import Draws, kernel_draws, probs_from_logits, sample, sample_plain, shifted, uniform
+from rlspec.rollout.types import SamplingParams
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [B] long: drafts accepted per sequence (0..num_drafts[b])
+    next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
+    exact: torch.Tensor | None = None  # [B, K] bool: the exact test's verdict at each draft position
+    # a step drawn by a CPU kernel (sampling.sample_plain, _chain_op): [B, K+1] log p of each token emitted (the
+    # accepted drafts, then the next token) under the logits given, and each row's finite flag, which came with the
+    # draws (None otherwise: the engine computes them)
+    logprob: torch.Tensor | None = None
+    finite: torch.Tensor | None = None
+
+
+def verify_chain(
+    target_logits: torch.Tensor,  # [B, K+1, V] float32: target logits at the pending token and each draft
+    draft_tokens: torch.Tensor,  # [B, K] long
+    num_drafts: torch.Tensor,  # [B] long, each <= K
+    params: SamplingParams,
+    draft_probs: torch.Tensor | None = None,  # [B, K, V] processed drafter probs; None = deterministic
+    generator: Draws = None,  # or a call's per-sample keys bound to the rows (rollout/runtime/draws.py)
+    kept: torch.Tensor | None = None,  # [B, K] bool: accepted whatever the exact test says; None = lossless
+    p: torch.Tensor | None = None,  # [B, K+1, V]: probs_from_logits(target_logits, params), if the caller has it
+) -> Verdict:
+    """The chain rule of the module docstring. `kept` is where a lossy mode plugs in its own acceptance
+    test (rollout/lossy/judge.py): a position it keeps counts as accepted, with the same draws in the same
+    order, so with kept all False the result is the lossless one draw for draw."""
+    B, K = draft_tokens.shape
+    _check_q(draft_probs, (B, K), target_logits.shape[-1], "verify_chain")
+    if K == 0 and not params.greedy:  # plain decoding: nothing to verify, the next token is drawn from p
+        dev = target_logits.device
+        none, zero = torch.zeros(B, 0, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
+        drawn = sample_plain(target_logits[:, 0], params, generator) if p is None else None
+        if drawn is not None:
+            return Verdict(zero, drawn[0], none, drawn[1][:, None], drawn[2])
+        p = probs_from_logits(target_logits, params) if p is None else p
+        return Verdict(zero, sample(p[:, 0], generator), none)  # the same draws as below
+    drawn = _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) \
+        if kept is None and p is None else None
+    if drawn is not None:
+        return drawn
+    in_range = torch.arange(K, device=draft_tokens.device)[None, :] < num_drafts[:, None]  # [B, K]
+    if params.greedy:
+        target_top = target_logits.argmax(-1)  # [B, K+1]
+        exact = target_top[:, :K] == draft_tokens
+        accepted = _accepted(exact, kept, in_range)
+        return Verdict(accepted, target_top.gather(1, accepted[:, None]).squeeze(1), exact)
+
+    p = probs_from_logits(target_logits, params) if p is None else p  # [B, K+1, V]
+    if draft_probs is None:
+        q_draft = torch.ones(B, K, device=p.device)  # one-hot q: q_i(x_i) = 1
+    else:
+        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    u = uniform(generator, (B, K), p.device, ACCEPT)
+    exact = _accept(u, p[:, :K], q_draft, draft_tokens)
+    accepted = _accepted(exact, kept, in_range)  # [B]
+
+    # Distribution of the next token: residual at the first rejection, or p itself for the bonus.
+    rows = torch.arange(B, device=p.device)
+    p_next = p[rows, accepted]  # [B, V]
+    rejected = accepted < num_drafts
+    q_next = _q_at(draft_probs, draft_tokens, accepted.clamp(max=max(K - 1, 0)), p_next)  # [B, V]
+    dist = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
+    return Verdict(accepted, sample(dist, generator), exact)
+
+
+def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:
+    """verify_chain's rule as one CPU op (kernels/verify_chain.cpp), with the emitted tokens' logprobs and finite
+    flags; None where it does not serve (sampling.kernel_draws). The same uniforms in the same order as below: u
+    [B, K] for the acceptance tests, then one per row for the next token. No `exact` (the lossless path reads
+    none). Why: ~40 small ops over [B, K+1, V] and the host transfer's log-softmax were ~1.2 ms of a ~12 ms batch-1
+    CPU step with one draft (docs/verification.md#chains-on-the-cpu)."""
+    if not kernel_draws(target_logits, params):
+        return None
+    B, K = draft_tokens.shape
+    u = uniform(generator, (B, K), "cpu", ACCEPT)
+    r = uniform(generator, (B,), "cpu", FINAL)
+    q = target_logits.new_empty(0) if draft_probs is None else draft_probs.float()  # a no-op for float32 q
+    accepted, token, logprob, finite = torch.ops.rlspec_kernels.verify_chain_rows(
+        target_logits, draft_tokens, num_drafts, q, u, r, float(params.temperature))
+    return Verdict(accepted, token, None, logprob, finite)
+
+
+def _accepted(exact: torch.Tensor, kept: torch.Tensor | None, in_range: torch.Tensor) -> torch.Tensor:
+    """[B] drafts accepted: the run of accepted positions from the first (exact, or kept by a lossy test)."""
+    ok = (exact if kept is None else exact | kept) & in_range
+    return ok.long().cumprod(-1).sum(-1)
+
+
+def _accept(u: torch.Tensor, p: torch.Tensor, q_x: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Accept x with probability min(1, p(x) / q(x)): u < p/q  <=>  u * q < p (no division by zero).
+
+    u, q_x, x: [...]; p: [..., V] the target's processed distribution where x was drafted.
+    """
+    return u * q_x < p.gather(-1, x[..., None]).squeeze(-1)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last dim. Its mass is 0 only where p == q on the support, where a
+    rejection has probability 0; p stands in so the expression stays defined."""
+    r = (p - q).clamp(min=0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
+
+
+def _q_at(draft_probs, draft_tokens, idx, like) -> torch.Tensor:
+    """The drafter's distribution at position idx[b] per row: [B, V] (one-hot when deterministic)."""
+    if draft_tokens.shape[1] == 0:
+        return torch.zeros_like(like)
+    rows = torch.arange(draft_tokens.shape[0], device=like.device)
+    if draft_probs is not None:
+        return draft_probs[rows, idx]
+    return torch.zeros_like(like).scatter_(-1, draft_tokens[rows, idx][:, None], 1.0)
+
+
+@dataclass
+class TreeVerdict:
+    path: torch.Tensor  # [B, N] long: accepted node indices (1..N) by depth, -1 after the last
+    accepted: torch.Tensor  # [B] long
+    next_token: torch.Tensor  # [B] long
+
+
+def verify_tree(
+    target_logits: torch.Tensor,  # [B, N+1, V]: node 0 is the pending token, node j+1 is draft j
+    node_tokens: torch.Tensor,  # [B, N+1] long (node 0's entry unused)
+    children: torch.Tensor,  # [B, N+1, W] long: child node indices of each node in drawing order, -1 = none
+    params: SamplingParams,
+    draft_probs: torch.Tensor | None = None,  # [B, N+1, V]: q_j of each node (node 0 unused); None = deterministic
+    generator: Draws = None,
+) -> TreeVerdict:
+    """Walk the tree from the root; at each node try its children with `_recursive_reject`.
+
+    draft_probs[b, j] is the distribution node j's token was drawn from given the siblings drawn
+    before it (children[b, parent] lists siblings in that order). None: every child is a
+    deterministic proposal (q_j one-hot). An accepted child moves the walk there, where the running
+    distribution restarts at the target's p; where every child is rejected (or at a leaf) the next
+    token is drawn from the last running distribution.
+    Greedy: descend into the first child equal to argmax p, emit argmax p where none matches.
+    The loop runs a fixed N times over W children (no data-dependent exit, so no host sync).
+    """
+    B, N1, W = children.shape
+    _check_q(draft_probs, (B, N1), target_logits.shape[-1], "verify_tree")
+    rows = torch.arange(B, device=node_tokens.device)
+    cur = torch.zeros(B, dtype=torch.long, device=rows.device)
+    alive = torch.ones(B, dtype=torch.bool, device=rows.device)
+    path = torch.full((B, N1 - 1), -1, dtype=torch.long, device=rows.device)
+    accepted = torch.zeros(B, dtype=torch.long, device=rows.device)
+    greedy = params.greedy
+    top = target_logits.argmax(-1) if greedy else None  # [B, N+1]
+    p = None if greedy else probs_from_logits(target_logits, params)  # [B, N+1, V]
+    final = None if greedy else p[:, 0]  # [B, V]: where a row's next token comes from once it stops
+    for depth in range(N1 - 1):
+        kids = children[rows, cur]  # [B, W]
+        valid = alive[:, None] & (kids >= 0)
+        xs = node_tokens.gather(1, kids.clamp(min=0))  # [B, W]
+        if greedy:
+            match = valid & (xs == top[rows, cur][:, None])
+            slot = torch.where(match.any(-1), match.long().argmax(-1), -1)  # the first match
+        else:
+            qs = None if draft_probs is None else draft_probs[rows[:, None], kids.clamp(min=0)]  # [B, W, V]
+            # keyed draws: depth d's children take indices d*W .. d*W+W-1 (every row at every depth: no subsets)
+            slot, rest = _recursive_reject(p[rows, cur], xs, qs, valid, shifted(generator, depth * W))
+            final = torch.where((alive & (slot < 0))[:, None], rest, final)
+        moved = slot >= 0
+        cur = torch.where(moved, kids.gather(1, slot.clamp(min=0)[:, None]).squeeze(1), cur)
+        path[:, depth] = torch.where(moved, cur, path[:, depth])
+        alive &= moved
+        accepted += moved.long()
+    if greedy:
+        return TreeVerdict(path, accepted, top[rows, cur])
+    final = torch.where(alive[:, None], p[rows, cur], final)  # rows that walked to a leaf at depth N
+    return TreeVerdict(path, accepted, sample(final, generator))
+
+
+def _recursive_reject(
+    p: torch.Tensor,  # [B, V] the target's processed distribution at the parent node
+    xs: torch.Tensor,  # [B, W] long: the children's tokens, in drawing order
+    qs: torch.Tensor | None,  # [B, W, V]: q_j each child was drawn from; None = deterministic (one-hot)
+    valid: torch.Tensor,  # [B, W] bool: which children exist
+    generator: Draws,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling over one node's children -> (slot [B] long: the accepted child's
+    index in xs or -1, running [B, V]: the distribution to sample from where every child was rejected).
+
+    Child j is accepted with probability min(1, p_j(x_j) / q_j(x_j)); on a rejection
+    p_{j+1} = norm(max(0, p_j - q_j)). Exact whenever x_j ~ q_j given the earlier children: by
+    induction on the children left, the token that comes out (accepted child or final draw) has
+    law p_j given the history, the standard one-draft argument at each step. A child whose q_j gives
+    it no mass (a without-replacement draw past the end of q's support) cannot have been drawn from
+    q_j: it is skipped and changes nothing.
+    """
+    B, W = xs.shape
+    running = p
+    slot = torch.full((B,), -1, dtype=torch.long, device=p.device)
+    u = uniform(generator, (B, W), p.device, TREE)
+    for j in range(W):
+        x = xs[:, j]
+        q = qs[:, j] if qs is not None else torch.zeros_like(p).scatter_(-1, x[:, None], 1.0)
+        q_x = q.gather(-1, x[:, None]).squeeze(-1)
+        tried = valid[:, j] & (slot < 0) & (q_x > 0)
+        ok = tried & _accept(u[:, j], running, q_x, x)
+        slot = torch.where(ok, j, slot)
+        running = torch.where((tried & ~ok)[:, None], _residual(running, q), running)
+    return slot, running
+
+
+def _check_q(q: torch.Tensor | None, lead: tuple[int, int], vocab: int, where: str) -> None:
+    """Shapes only (no host sync): q must be [*lead, V] with the target's vocabulary V."""
+    if q is not None and (q.dim() != 3 or tuple(q.shape[:2]) != lead or q.shape[-1] != vocab):
+        raise ValueError(f"{where}: draft_probs has shape {tuple(q.shape)}, expected {(*lead, vocab)} "
+                         "(one processed drafter distribution over the target's vocabulary per draft node)")

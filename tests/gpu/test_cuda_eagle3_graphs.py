@@ -1,0 +1,52 @@
+"""EAGLE-3's draft levels replayed from CUDA graphs (drafters/eagle3_graphs.py): the same drafts as the eager
+levels on the same inputs (float32), greedy exactness of the rollout through them (chains and trees), one
+capture per key and replays after."""
+import pytest
+import torch
+
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+from rlspec.rollout.speculation.selectors.longtail import Arm
+from rlspec.rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _engine(hf, width: int, graph_mode: str):
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=4, tree_width=width, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf, torch.float32, "cuda"), None, spec=spec, eos_token_ids=[2])
+    eng.speculation.learned.graph_mode = graph_mode
+    with torch.no_grad():
+        eng.speculation.learned.model.lm_head.weight.mul_(8.0)
+    eng.speculation.force(Arm("eagle3", 4, width))
+    return eng
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_cuda_graph_levels_give_the_eager_drafts_and_stay_exact(width, monkeypatch):
+    hf = make_tiny_hf("llama", seed=6).cuda()
+    prompts = random_prompts(5, 3, 20, seed=3)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    plain = RolloutEngine(loader.from_hf_model(hf, torch.float32, "cuda"), None, eos_token_ids=[2])
+    ref = [r.completion_ids for r in plain.generate(prompts, params)]
+    eng = _engine(hf, width, "auto")
+    draft, compared = Eagle3Drafter._draft, []
+
+    def both(self, seqs, h, depth, w):
+        graphs = self._graphs
+        self._graphs, self.graph_mode = None, "off"
+        eager = draft(self, seqs, h, depth, w)
+        self._graphs, self.graph_mode = graphs, "auto"
+        got = draft(self, seqs, h, depth, w)
+        assert torch.equal(got[0], eager[0]), "graph levels drafted other tokens than eager ones"
+        compared.append(depth)
+        return got
+
+    monkeypatch.setattr(Eagle3Drafter, "_draft", both)
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
+    graphs = eng.speculation.learned.level_graphs()
+    assert graphs is not None and graphs.graphs.backend == "cuda"
+    assert graphs.counts["captures"] == len(graphs.graphs.graphs) > 0
+    assert graphs.counts["replays"] == sum(d - 1 for d in compared) > graphs.counts["captures"]

@@ -1,0 +1,79 @@
+"""EAGLE-3's draft levels from graphs (drafters/eagle3_graphs.py), their bookkeeping exercised on the CPU: an
+"emulate" graph replays by calling the captured closure, which reads only the static buffers, so the keys, the
+row and context buckets and the padding of rows are the CUDA path's; the drafts equal the eager ones."""
+import pytest
+import torch
+
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+from rlspec.rollout.speculation.drafters.eagle3_graphs import pow2_at_least, row_bucket
+from rlspec.rollout.speculation.selectors.longtail import Arm
+from rlspec.rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+
+
+def _engine(hf, width: int, graph_mode: str, k: int = 4):
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2])
+    eng.speculation.learned.graph_mode = graph_mode
+    with torch.no_grad():  # a sharper head: drafts that differ between rows and levels
+        eng.speculation.learned.model.lm_head.weight.mul_(8.0)
+    eng.speculation.force(Arm("eagle3", k, width))
+    return eng
+
+
+def test_buckets():
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 40)] == [1, 2, 4, 8, 8, 16, 16, 32, 48]
+    assert [pow2_at_least(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
+    """Every proposal of a greedy rollout drafted twice, eagerly and through the emulated graphs, on the same
+    inputs: the same tokens, row for row, at live batches 5, 3 and 1 (rows x width padded to buckets 1-16)."""
+    hf = make_tiny_hf("llama", seed=6)
+    prompts = random_prompts(5, 3, 20, seed=3)
+    eng = _engine(hf, width, "emulate")
+    drafter: Eagle3Drafter = eng.speculation.learned
+    draft, compared = Eagle3Drafter._draft, []
+
+    def both(self, seqs, h, depth, w):
+        graphs = self._graphs
+        self._graphs, self.graph_mode = None, "off"
+        eager = draft(self, seqs, h, depth, w)
+        self._graphs, self.graph_mode = graphs, "emulate"
+        got = draft(self, seqs, h, depth, w)
+        assert torch.equal(got[0], eager[0]) and got[2] == eager[2]
+        compared.append((len(seqs), depth))
+        return got
+
+    monkeypatch.setattr(Eagle3Drafter, "_draft", both)
+    for n in (5, 3, 1):
+        eng.generate(prompts[:n], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+    counts = drafter.level_graphs().counts
+    assert len(compared) >= 30 and {b for b, _ in compared} == {5, 3, 1}
+    # one graph per (row bucket, context bucket, capacity, level): captured once, replayed by every proposal's
+    # levels after the first
+    keys = drafter.level_graphs().graphs.graphs
+    assert counts["captures"] == len(keys) and counts["replays"] == sum(d - 1 for _, d in compared)
+    assert {k[0] for k in keys} == {row_bucket(b * width) for b in (5, 3, 1)} and {k[3] for k in keys} == {0, 1, 2}
+
+
+def test_graph_levels_keep_greedy_exactness():
+    """The rollout through the emulated graph levels equals plain decoding (chains and trees)."""
+    hf = make_tiny_hf("llama", seed=8)
+    prompts = random_prompts(3, 3, 20, seed=8)
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    plain = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2]).generate(prompts, params)
+    for width in (1, 2):
+        got = _engine(hf, width, "emulate").generate(prompts, params)
+        assert [r.completion_ids for r in got] == [r.completion_ids for r in plain]
+
+
+def test_graph_mode_is_checked_and_off_on_a_cpu_by_default():
+    hf = make_tiny_hf("llama", seed=1)
+    target = loader.from_hf_model(hf)
+    with pytest.raises(ValueError, match="graph_mode"):
+        Eagle3Drafter(target, draft_vocab_size=32, graph_mode="on")
+    assert Eagle3Drafter(target, draft_vocab_size=32).level_graphs() is None  # "auto" on a CPU: eager
