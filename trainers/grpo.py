@@ -74,6 +74,8 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
         self.init_resilience(on_nonfinite)
         if isinstance(partial_rollouts, dict):
             partial_rollouts = PartialRolloutConfig(**partial_rollouts)
+        if partial_rollouts is not None:
+            partial_trl.refuse_loss_options(args)
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         trl_compat.refuse_vlm(self.processing_class)
         # None when the engine cannot run the policy: TRL's own generation then samples (trl_compat.py)
@@ -102,6 +104,8 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
             # TRL's importance-sampling correction and its sampling/* metrics, against the engine's logprobs
             self.rlspec_sampling_dtypes = (self.rollouts.sampling_dtype, body_tensor(policy.named_parameters()).dtype)
             trl_compat.turn_on_importance_sampling(self)
+            if self.partial is not None:
+                partial_trl.allow_uncapped_ratio(self)
             self.rollout_func = trl_compat.with_sampling_logprobs(self.rollout_func)
         self.summary_callback = attach_summary_callback(self)
 

@@ -17,7 +17,7 @@ import math
 import torch
 
 import rlspec.rollout.metrics as M
-from rlspec.trainers.partial_rollouts import GroupPool, PartialRolloutConfig
+from rlspec.trainers.partial_rollouts import GroupPool, PartialRolloutConfig, why_not_with_this_loss
 from rlspec.trainers.sample_keys import sample_keys
 
 
@@ -107,6 +107,25 @@ def refuse_unsupported(trainer) -> None:
         raise ValueError(f"partial_rollouts: {why}; or leave partial rollouts off")
 
 
+def allow_uncapped_ratio(trainer) -> None:
+    """vllm_importance_sampling_clip_max=None asks TRL for an uncapped per-token ratio, but its truncate modes
+    call torch.clamp, which needs one bound: a lower bound of 0 cuts nothing (a ratio is never negative)."""
+    if (trainer.vllm_importance_sampling_mode.endswith("_truncate") and trainer.vllm_importance_sampling_clip_max
+            is None and trainer.vllm_importance_sampling_clip_min is None):
+        trainer.vllm_importance_sampling_clip_min = 0.0
+
+
+def refuse_loss_options(args) -> None:
+    """Before TRL's __init__ (which would load a reference model for beta > 0): the GRPOConfig options that would
+    train carried tokens uncorrected (why_not_with_this_loss). args None: TRL's defaults, all fine."""
+    if args is None:
+        return
+    why = why_not_with_this_loss(args.vllm_importance_sampling_correction, args.beta, args.off_policy_mask_threshold,
+                                 args.loss_type)
+    if why is not None:
+        raise ValueError(f"partial_rollouts: {why}; or leave partial rollouts off")
+
+
 def make_pool(trainer, config: PartialRolloutConfig) -> GroupPool:
     """The pool for this trainer's generation batches (one process: refuse_unsupported). Its capacity x
     num_generations is the engine's rows, so every sample of a full pool decodes at once."""
@@ -166,7 +185,10 @@ def carried_is_metrics(trainer, output: dict) -> dict[str, float]:
     if ratio.shape != mask.shape:  # a sequence-level mode: partial rollouts set a token-level one
         return {}
     cap = trainer.vllm_importance_sampling_clip_max
-    cut = (ratio == 0) if trainer.vllm_importance_sampling_mode.endswith("_mask") else (ratio >= cap)
+    if trainer.vllm_importance_sampling_mode.endswith("_mask"):
+        cut = ratio == 0
+    else:  # clip_max None: TRL clamps at nothing, so nothing is cut
+        cut = (ratio >= cap) if cap is not None else torch.zeros_like(mask)
     out = {}
     for name, rows in (("carried", carried), ("fresh", ~carried)):
         m = mask[rows.to(mask.device)]

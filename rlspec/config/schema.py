@@ -122,6 +122,14 @@ def _check_cross_fields(cfg: Config) -> None:
         raise ConfigError(f"partial_rollouts.enabled needs trainer=grpo and rollout.backend=engine (got trainer="
                           f"{cfg.trainer}, rollout.backend={cfg.rollout.backend}): only the in-process engine stops a "
                           "round and carries samples on; turn partial_rollouts.enabled off or switch")
+    if cfg.partial_rollouts.enabled:
+        from rlspec.trainers.partial_rollouts import why_not_with_this_loss  # plain Python
+
+        extra = cfg.grpo.extra
+        why = why_not_with_this_loss(extra.get("vllm_importance_sampling_correction", True), cfg.grpo.beta,
+                                     extra.get("off_policy_mask_threshold"), extra.get("loss_type", "dapo"))
+        if why is not None:
+            raise ConfigError(f"partial_rollouts.enabled: {why} (grpo.extra); or turn partial_rollouts.enabled off")
 
 
 # TrainingArguments fields rlspec/trainer_args.py fills from a first-class key. In <grpo|ppo>.extra they would
