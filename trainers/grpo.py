@@ -209,9 +209,21 @@ class SpecGRPOTrainer(CheckpointMixin, GRPOTrainer):
             if getattr(self, "_partial_groups", None) is not None:
                 for key, value in partial_trl.carried_is_metrics(self, output).items():
                     metrics[key].append(value)
+                partial_trl.loss_weights(self, output)  # token weights as with partial rollouts off
         finally:
             self._feed_drafter, self._partial_groups = False, None
         return output
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's; a partial batch's prompts are not tokenized again: the pool's ids, those its samples were drawn
+        after (a chat template that stamps the date would tokenize them otherwise after midnight)."""
+        if getattr(self, "_partial_groups", None) is not None:
+            return partial_trl.pool_prompt_ids(self, prompts)
+        return super()._tokenize_prompts(prompts)
+
+    def _compute_loss(self, model, inputs):
+        """TRL's, with a partial batch's rows weighted as with partial rollouts off (partial_trl.reweighted)."""
+        return super()._compute_loss(model, partial_trl.reweighted(self, inputs))
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's, without the completions' padding (_trimmed_logps), and with the drafter's tap around the

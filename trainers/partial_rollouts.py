@@ -18,13 +18,16 @@ TRL's buffered inputs.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rlspec.rollout.types import Carried, PartialRound, RolloutResult
+from rlspec.trainers.partial_rows import decode_rows, encode_rows
 
 logger = logging.getLogger(__name__)
 UNFORESEEN = 1 << 40  # ordinals of groups TRL handed out that its replica did not foresee start here: unique, apart
@@ -162,8 +165,10 @@ class GroupPool:
         self.dropped = self.trained_samples = self.skipped = 0  # skipped: TRL's groups a draining pool left out
         self.drawn = self.mismatched = 0  # groups drawn from TRL's future sequence; TRL's groups it did not foresee
         self.ahead: deque = deque()  # the prompts of drawn groups TRL has not handed out yet, in its order
+        self.ahead_bound = 0  # what a resumed pool drew ahead beyond its capacity (load_state_dict)
         self.tail_steps: dict[int, int] = {}  # round -> most tokens a sample it stopped still needed (so far)
         self.step_s: dict[int, float] = {}  # round -> its mean decode step seconds (note_step_time)
+        self.trained_tokens: dict[int, list[int]] = {}  # ordinal -> its samples' loss tokens, once trained
 
     # ---- the round ---------------------------------------------------------------------------------------------
     def wants(self, rounds_left: float = math.inf) -> int:
@@ -199,7 +204,8 @@ class GroupPool:
                 self.skipped += 1
         while self.wants(rounds_left):
             self._draw(future, prompt_ids)
-        while len(self.ahead) > self.capacity:  # never when the sequence is TRL's; bounds a diverged one
+        while len(self.ahead) > max(self.capacity, self.ahead_bound):  # never when the sequence is TRL's: bounds
+            # a diverged one
             self.ahead.popleft()
 
     def _draw(self, future: Callable[[], list[dict]], prompt_ids: Callable[[dict], list[int]]) -> None:
@@ -263,8 +269,8 @@ class GroupPool:
         max_staleness: a group whose oldest token is from step s may wait floor((s + max_staleness - step) / r)
         more rounds; if more than h x train_groups groups may wait at most h rounds, the most urgent of them train
         now (earliest deadline first). The rounds' minimum length makes each due group complete in time."""
-        slack = sorted(((self._first_step(g, step) + self.config.max_staleness - step) // self.steps_per_round,
-                        g.order, id(g)) for g in self.groups)
+        slack = sorted((math.floor((self._first_step(g, step) + self.config.max_staleness - step) /
+                                   self.steps_per_round + 1e-9), g.order, id(g)) for g in self.groups)
         must = max([0] + [k + 1 - h * self.train_groups for k, (h, _, _) in enumerate(slack)])
         return {key for _, _, key in slack[:min(must, self.train_groups)]}
 
@@ -320,25 +326,94 @@ class GroupPool:
             out["partial/tail_steps_saved"] = sum(self.tail_steps.pop(r) for r in known) / len(known)
         return out
 
+    # ---- token weights ---------------------------------------------------------------------------------------------
+    def normalisers(self, groups: list[Group], tokens: list[list[int]], micro_rows: int | None, cap: int,
+                    seed: int) -> list[float]:
+        """off_policy_normalisers for the trained `groups` (their samples' loss tokens `tokens`): each group's
+        batch-mates in TRL's order (ordinal // train_groups) as trained (their loss tokens), in flight (their
+        samples so far), or not drawn yet; unforeseen groups have none known, and draw all theirs."""
+        here = {g.ordinal: [(t, True) for t in ts] for g, ts in zip(groups, tokens)}
+        known = {o: [(t, True) for t in ts] for o, ts in self.trained_tokens.items()}
+        known.update({g.ordinal: [(len(s.completion_ids), s.done) for s in g.samples] for g in self.groups})
+        known.update(here)
+        mates = []
+        for g in groups:
+            if g.ordinal >= UNFORESEEN:
+                mates.append([None] * (self.train_groups - 1))
+                continue
+            first = g.ordinal - g.ordinal % self.train_groups
+            mates.append([known.get(o) for o in range(first, first + self.train_groups) if o != g.ordinal])
+        return off_policy_normalisers(tokens, mates, list(known.values()), micro_rows, cap, seed=seed)
+
+    def record_trained(self, groups: list[Group], tokens: list[list[int]]) -> None:
+        """The trained groups' loss tokens, for the token weights of the batches after."""
+        self.trained_tokens.update({g.ordinal: list(ts) for g, ts in zip(groups, tokens)})
+
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"groups": [{"rows": g.rows, "prompt_ids": g.prompt_ids, "order": g.order, "ordinal": g.ordinal,
+        """Plain Python a weights_only load reads: the rows and prompts (dataset columns of any ordinary type) as
+        encode_rows writes them."""
+        return {"groups": [{"rows": encode_rows(g.rows), "prompt_ids": g.prompt_ids, "order": g.order,
+                            "ordinal": g.ordinal,
                             "samples": [asdict(s) for s in g.samples]}
                            for g in self.groups],
                 "counters": [self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped, self.drawn,
                              self.mismatched],
-                "ahead": list(self.ahead),
+                "ahead": encode_rows(list(self.ahead)),
                 "tail_steps": [[k, v] for k, v in self.tail_steps.items()],
-                "step_s": [[k, v] for k, v in self.step_s.items()]}
+                "step_s": [[k, v] for k, v in self.step_s.items()],
+                "trained_tokens": [[k, list(v)] for k, v in self.trained_tokens.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.groups = []
         for g in state["groups"]:
             samples = [Sample(**dict(raw)) for raw in g["samples"]]
-            self.groups.append(Group(list(g["rows"]), list(g["prompt_ids"]), samples, int(g["order"]),
+            self.groups.append(Group(decode_rows(g["rows"]), list(g["prompt_ids"]), samples, int(g["order"]),
                                      int(g["ordinal"])))
         (self.rounds, self.entered, self.dropped, self.trained_samples, self.skipped, self.drawn,
          self.mismatched) = (int(x) for x in state["counters"])
-        self.ahead = deque(state["ahead"])
+        self.ahead = deque(decode_rows(state["ahead"]))
+        # a run resumed with a smaller oversample still holds what it drew ahead: TRL hands those out later
+        self.ahead_bound = max(self.capacity, len(self.ahead))
         self.tail_steps = {int(k): int(v) for k, v in state["tail_steps"]}
         self.step_s = {int(k): float(v) for k, v in state["step_s"]}
+        self.trained_tokens = {int(k): [int(t) for t in v] for k, v in state.get("trained_tokens", [])}
+
+
+
+def off_policy_normalisers(batch: list[list[int]], mates: list[list[list[tuple[int, bool]] | None]],
+                           population: list[list[tuple[int, bool]]], micro_rows: int | None, cap: int,
+                           draws: int = 64, seed: int = 0) -> list[float]:
+    """Per sample of `batch` (its groups' per-sample loss token counts, in row order): E[1 / N], N being the token
+    count TRL's dapo loss (micro_rows None: its generation batch's) or bnpo loss (the micro-batch of micro_rows rows
+    holding it, rows shuffled as TRL shuffles them) would divide its tokens by with partial rollouts off, where the
+    group trains beside its batch-mates in TRL's order. mates[g]: those of group g, each as its samples'
+    (tokens so far, done), or None when not drawn yet (then a group drawn from `population`, the run's groups known
+    so far). A sample not done counts as one of the finished samples of `population` that ran longer, drawn at
+    random (the cap when none did). Monte-Carlo over `draws` seeded draws: reproducible. A partial batch is formed
+    in finish order, so its own token count would weigh long groups less whenever they happen to finish together;
+    this does not depend on what finished together (docs/partial_rollouts.md#token-weights)."""
+    rng, out = random.Random(seed), []
+    finished = sorted(t for g in population for t, done in g if done)
+
+    def final(tokens: int, done: bool) -> int:
+        if done:
+            return tokens
+        i = bisect.bisect_right(finished, tokens)
+        return finished[rng.randrange(i, len(finished))] if i < len(finished) else cap
+
+    for group, theirs in zip(batch, mates):
+        acc = [0.0] * len(group)
+        for _ in range(draws):
+            rows = [final(t, done) for mate in theirs for t, done in (mate if mate is not None else
+                                                                          rng.choice(population))]
+            if micro_rows is None:
+                n = sum(group) + sum(rows)
+                acc = [a + 1.0 / max(n, 1) for a in acc]
+                continue
+            for j, tokens in enumerate(group):
+                others = group[:j] + group[j + 1:] + rows
+                acc[j] += 1.0 / max(tokens + sum(rng.sample(others, min(micro_rows - 1, len(others)))), 1)
+        out += [a / draws for a in acc]
+    return out
+
