@@ -85,6 +85,18 @@ class TrlGroups:
                 micro_step += 1
 
 
+# why a backend cannot run a partial round (docs/partial_rollouts.md#limits)
+BACKEND_WHY = {
+    "VLLMBackend": "it runs each call through vLLM's LLM.generate to every sample's end; a round would need to stop "
+                   "once enough groups are complete, abort the other requests and later resubmit each as prompt + "
+                   "prefix under the new weights with the prefix's per-token behaviour logprobs kept, which this "
+                   "backend does not do",
+    "RayPool": "it cuts a call into tasks of whole groups that each worker runs to its end; a round's stop (enough "
+               "groups complete, every sample in flight past its minimum of decode steps) is one decision over the "
+               "groups of every worker, which the workers do not share",
+}
+
+
 def refuse_unsupported(trainer) -> None:
     """What partial rollouts cannot do, said at construction (docs/partial_rollouts.md#limits)."""
     import datasets
@@ -93,8 +105,10 @@ def refuse_unsupported(trainer) -> None:
     if trainer.rollouts is None:
         why = "TRL's own generation samples this run (the engine cannot run the policy)"
     elif not getattr(trainer.rollouts.engine, "supports_partial_rollouts", False):
-        why = (f"the rollout backend {type(trainer.rollouts.engine).__name__} cannot stop and carry samples; use the "
-               "in-process engine (rollout.backend=engine)")
+        name = type(trainer.rollouts.engine).__name__
+        why = (f"the rollout backend {name} cannot stop a round and carry samples: "
+               f"{BACKEND_WHY.get(name, 'it runs every sample of a call to its end')}; use the in-process engine "
+               "(rollout.backend=engine)")
     elif trainer.accelerator.num_processes > 1:
         why = (f"{trainer.accelerator.num_processes} processes would each hold part of the pool and a group must "
                "never split across ranks; run on one process")

@@ -121,7 +121,9 @@ def _check_cross_fields(cfg: Config) -> None:
     if cfg.partial_rollouts.enabled and (cfg.trainer != "grpo" or cfg.rollout.backend != "engine"):
         raise ConfigError(f"partial_rollouts.enabled needs trainer=grpo and rollout.backend=engine (got trainer="
                           f"{cfg.trainer}, rollout.backend={cfg.rollout.backend}): only the in-process engine stops a "
-                          "round and carries samples on; turn partial_rollouts.enabled off or switch")
+                          "round and carries samples on (vLLM runs each request to its end; the Ray pool's workers "
+                          "each run their groups to the end, and a round's stop is one decision over all groups: "
+                          "docs/partial_rollouts.md#limits); turn partial_rollouts.enabled off or switch")
     if cfg.partial_rollouts.enabled:
         from rlspec.trainers.partial_rollouts import why_not_with_this_loss  # plain Python
 

@@ -65,3 +65,14 @@ def test_an_uncapped_correction_runs_and_reports_no_cut(char_tokenizer, tmp_path
            "completion_mask": torch.tensor([[1, 1], [1, 0]])}
     assert partial_trl.carried_is_metrics(fake, out) == {"partial/is_cut_token_frac_carried": 0.5,
                                                          "partial/is_cut_token_frac_fresh": 0.0}
+
+
+@pytest.mark.parametrize("backend, why", [("VLLMBackend", "abort the other requests and later resubmit each as "
+                                                          "prompt \\+ prefix"),
+                                          ("RayPool", "one decision over the groups of every worker")])
+def test_the_vllm_backend_and_the_ray_pool_are_refused_with_the_reason(backend, why):
+    engine = type(backend, (), {})()  # what the trainer's RolloutSource holds for that backend
+    trainer = types.SimpleNamespace(rollouts=types.SimpleNamespace(engine=engine))
+    with pytest.raises(ValueError, match=f"the rollout backend {backend} cannot stop a round and carry samples: .*"
+                                         f"{why}.*rollout.backend=engine"):
+        partial_trl.refuse_unsupported(trainer)
