@@ -152,8 +152,9 @@ RUNS = {"two-epochs": (6, 8, dict(per_device_train_batch_size=4, steps_per_gener
         "1.5-steps-per-round": (16, 3, dict(per_device_train_batch_size=4, steps_per_generation=3,
                                             gradient_accumulation_steps=2), 6),
         "two-iterations": (16, 4, dict(per_device_train_batch_size=8, num_iterations=2), 4)}
-# two optimizer steps a round: groups wait (1 + oversample) rounds on average, so max_staleness 4 (test_partial_pool)
-PARTIAL_FOR = {"two-iterations": dict(oversample=2.0, max_staleness=4)}
+# two optimizer steps a round: a group waits (1 + oversample) rounds on average, 6 steps: max_staleness 4 allows it
+PARTIAL_FOR = {"two-epochs": dict(oversample=2.0, max_staleness=4),
+               "two-iterations": dict(oversample=2.0, max_staleness=4)}
 
 
 def handed_out_and_trained(tok, out, monkeypatch, partial, run):
