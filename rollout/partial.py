@@ -37,8 +37,11 @@ def round_sequences(prompts: list[list[int]], partial: PartialRound, params: Sam
 
 
 def round_over(partial: PartialRound, by_prompt: list[list[Sequence]], steps: int) -> bool:
-    """The round has what it needs: enough complete groups and at least its minimum of decode steps."""
+    """The round has what it needs: enough complete groups, the groups it must finish, and at least its minimum
+    of decode steps."""
     if steps < partial.min_decode_steps:
+        return False
+    if not all(s.finished for i in partial.must_finish for s in by_prompt[i]):
         return False
     return sum(all(s.finished for s in group) for group in by_prompt) >= partial.stop_after_groups
 

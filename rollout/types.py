@@ -194,17 +194,23 @@ class PartialRound:
         stop_after_groups prompts have every sample finished and at least min_decode_steps decode steps ran;
         the samples still going come back with finish_reason "partial". Both count tokens and steps, never
         seconds, so a seeded round is reproducible.
+    must_finish: prompts (indices into the call's prompts) that must have every sample finished before the call
+        stops, whatever stop_after_groups says (the groups a round is due to train).
     """
 
     samples: list[list[Carried | None]]
     stop_after_groups: int
     min_decode_steps: int = 0
+    must_finish: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if any(not group for group in self.samples):
             raise ValueError("every prompt of a partial round needs at least one sample (None = a fresh one)")
         if self.stop_after_groups < 0 or self.min_decode_steps < 0:
             raise ValueError("stop_after_groups and min_decode_steps must be >= 0")
+        if any(not 0 <= i < len(self.samples) for i in self.must_finish):
+            raise ValueError(f"must_finish {list(self.must_finish)} names prompts outside the call's "
+                             f"{len(self.samples)}")
 
 
 # token_source codes of RolloutResult: who produced each completion token (docs/lossy.md#honest-results)

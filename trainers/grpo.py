@@ -66,6 +66,8 @@ class SpecGRPOTrainer(TrlEngineMixin, GRPOTrainer):
                  partial_rollouts: PartialRolloutConfig | dict | None = None, **trainer_kwargs):
         if isinstance(partial_rollouts, dict):
             partial_rollouts = PartialRolloutConfig(**partial_rollouts)
+        if partial_rollouts is not None:
+            partial_trl.refuse_loss_options(args)
         self._partial_config = partial_rollouts
         super().__init__(model, reward_funcs, args, *trainer_args, spec_config=spec_config, engine=engine,
                          engine_kwargs=engine_kwargs, on_nonfinite=on_nonfinite, drop_long_prompts=drop_long_prompts,
@@ -87,6 +89,8 @@ class SpecGRPOTrainer(TrlEngineMixin, GRPOTrainer):
         if self.rollouts is not None:  # on TRL's generation, IS settings stay as plain TRL has them
             # TRL's importance-sampling correction and its sampling/* metrics, against the engine's logprobs
             trl_compat.turn_on_importance_sampling(self)
+            if self.partial is not None:
+                partial_trl.allow_uncapped_ratio(self)
             self.rollout_func = trl_compat.with_sampling_logprobs(self.rollout_func)
 
     def rlspec_trainer_state(self) -> dict:
@@ -153,9 +157,21 @@ class SpecGRPOTrainer(TrlEngineMixin, GRPOTrainer):
             if getattr(self, "_partial_groups", None) is not None:
                 for key, value in partial_trl.carried_is_metrics(self, output).items():
                     metrics[key].append(value)
+                partial_trl.loss_weights(self, output)  # token weights as with partial rollouts off
         finally:
             self._partial_groups = None
         return output
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's; a partial batch's prompts are not tokenized again: the pool's ids, those its samples were drawn
+        after (a chat template that stamps the date would tokenize them otherwise after midnight)."""
+        if getattr(self, "_partial_groups", None) is not None:
+            return partial_trl.pool_prompt_ids(self, prompts)
+        return super()._tokenize_prompts(prompts)
+
+    def _compute_loss(self, model, inputs):
+        """TRL's, with a partial batch's rows weighted as with partial rollouts off (partial_trl.reweighted)."""
+        return super()._compute_loss(model, partial_trl.reweighted(self, inputs))
 
     def _tool_call_loop(self, *args, **kwargs):
         """TRL's tool loop; while it runs, _generate_single_turn is generating tool turns."""

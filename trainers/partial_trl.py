@@ -17,7 +17,7 @@ import math
 import torch
 
 import rlspec.rollout.metrics as M
-from rlspec.trainers.partial_rollouts import GroupPool, PartialRolloutConfig
+from rlspec.trainers.partial_rollouts import GroupPool, PartialRolloutConfig, why_not_with_this_loss
 from rlspec.trainers.sample_keys import sample_keys
 
 
@@ -60,7 +60,9 @@ class TrlGroups:
             return math.inf
         epochs, steps = divmod(max_steps, math.ceil(per_epoch / accumulate))
         micro_steps = epochs * per_epoch + min(steps * accumulate, per_epoch)
-        return math.ceil((micro_steps - trainer._step) / self._every)
+        # a batch on_nonfinite="skip_batch" skipped did not advance TRL's micro-step counter
+        done = trainer._step + getattr(trainer, "nonfinite_skipped", 0)
+        return math.ceil((micro_steps - done) / self._every)
 
     def __call__(self) -> list[dict]:
         self.drawn += 1
@@ -83,6 +85,18 @@ class TrlGroups:
                 micro_step += 1
 
 
+# why a backend cannot run a partial round (docs/partial_rollouts.md#limits)
+BACKEND_WHY = {
+    "VLLMBackend": "it runs each call through vLLM's LLM.generate to every sample's end; a round would need to stop "
+                   "once enough groups are complete, abort the other requests and later resubmit each as prompt + "
+                   "prefix under the new weights with the prefix's per-token behaviour logprobs kept, which this "
+                   "backend does not do",
+    "RayPool": "it cuts a call into tasks of whole groups that each worker runs to its end; a round's stop (enough "
+               "groups complete, every sample in flight past its minimum of decode steps) is one decision over the "
+               "groups of every worker, which the workers do not share",
+}
+
+
 def refuse_unsupported(trainer) -> None:
     """What partial rollouts cannot do, said at construction (docs/partial_rollouts.md#limits)."""
     import datasets
@@ -91,8 +105,10 @@ def refuse_unsupported(trainer) -> None:
     if trainer.rollouts is None:
         why = "TRL's own generation samples this run (the engine cannot run the policy)"
     elif not getattr(trainer.rollouts.engine, "supports_partial_rollouts", False):
-        why = (f"the rollout backend {type(trainer.rollouts.engine).__name__} cannot stop and carry samples; use the "
-               "in-process engine (rollout.backend=engine)")
+        name = type(trainer.rollouts.engine).__name__
+        why = (f"the rollout backend {name} cannot stop a round and carry samples: "
+               f"{BACKEND_WHY.get(name, 'it runs every sample of a call to its end')}; use the in-process engine "
+               "(rollout.backend=engine)")
     elif trainer.accelerator.num_processes > 1:
         why = (f"{trainer.accelerator.num_processes} processes would each hold part of the pool and a group must "
                "never split across ranks; run on one process")
@@ -103,6 +119,25 @@ def refuse_unsupported(trainer) -> None:
     elif isinstance(trainer.train_dataset, (torch.utils.data.IterableDataset, datasets.IterableDataset)):
         why = ("an iterable train_dataset has no indices: the pool draws TRL's later prompts ahead through a "
                "replica of its sampler; use a map-style dataset (datasets.Dataset)")
+    if why is not None:
+        raise ValueError(f"partial_rollouts: {why}; or leave partial rollouts off")
+
+
+def allow_uncapped_ratio(trainer) -> None:
+    """vllm_importance_sampling_clip_max=None asks TRL for an uncapped per-token ratio, but its truncate modes
+    call torch.clamp, which needs one bound: a lower bound of 0 cuts nothing (a ratio is never negative)."""
+    if (trainer.vllm_importance_sampling_mode.endswith("_truncate") and trainer.vllm_importance_sampling_clip_max
+            is None and trainer.vllm_importance_sampling_clip_min is None):
+        trainer.vllm_importance_sampling_clip_min = 0.0
+
+
+def refuse_loss_options(args) -> None:
+    """Before TRL's __init__ (which would load a reference model for beta > 0): the GRPOConfig options that would
+    train carried tokens uncorrected (why_not_with_this_loss). args None: TRL's defaults, all fine."""
+    if args is None:
+        return
+    why = why_not_with_this_loss(args.vllm_importance_sampling_correction, args.beta, args.off_policy_mask_threshold,
+                                 args.loss_type)
     if why is not None:
         raise ValueError(f"partial_rollouts: {why}; or leave partial rollouts off")
 
@@ -124,9 +159,7 @@ def run_round(trainer, rows: list[dict]) -> list[dict]:
     """One round for TRL's generation batch `rows`: returns the rows to score (whole groups, group after group)
     and stages their samples for `_generate_single_turn`."""
     pool, n, step = trainer.partial, trainer.num_generations, trainer.state.global_step
-    pool.fill([rows[k:k + n] for k in range(0, len(rows), n)], trainer.partial_future,
-              lambda row: prompt_ids(trainer, row), trainer.partial_future.rounds_left(trainer))
-    metrics = trainer._metrics["train"]
+    metrics, trainer._partial_groups = trainer._metrics["train"], None  # prompt_ids below: TRL's tokenization
 
     def generate(prompts, plan, names):
         keys = sample_keys(trainer.args.seed, trainer.accelerator.process_index, names)
@@ -139,11 +172,30 @@ def run_round(trainer, rows: list[dict]) -> list[dict]:
         pool.note_step_time(seconds / steps if steps else 0.0)
         return results
 
-    groups = pool.round(generate, step)
+    saved, drawn = copy.deepcopy(pool.__dict__), trainer.partial_future.drawn
+    try:
+        pool.fill([rows[k:k + n] for k in range(0, len(rows), n)], trainer.partial_future,
+                  lambda row: prompt_ids(trainer, row), trainer.partial_future.rounds_left(trainer))
+        groups = pool.round(generate, step)
+    except BaseException:  # a round that fails (non-finite logits skipped, an interrupt) leaves the pool as it was
+        pool.__dict__.clear()
+        pool.__dict__.update(saved)
+        if trainer.partial_future.drawn != drawn:
+            trainer.partial_future = TrlGroups(trainer, drawn=drawn)
+        raise
     for key, value in pool.metrics(groups, step).items():
         metrics[key].append(value)
     trainer._partial_groups = groups
     return [row for g in groups for row in g.rows]
+
+
+def pool_prompt_ids(trainer, prompts: list) -> tuple[list[list[int]], None, dict]:
+    """What TRL's `_tokenize_prompts` returns for the rows of the staged groups (text only: no images, no
+    multimodal fields), with each group's prompt ids as the pool tokenized them when it drew the group."""
+    ids = [list(g.prompt_ids) for g in trainer._partial_groups for _ in g.samples]
+    if len(ids) != len(prompts):
+        raise RuntimeError(f"partial rollouts: TRL asked for {len(prompts)} prompts, the staged groups hold {len(ids)}")
+    return ids, None, {}
 
 
 def staged_completions(trainer, prompt_ids_in: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
@@ -166,7 +218,10 @@ def carried_is_metrics(trainer, output: dict) -> dict[str, float]:
     if ratio.shape != mask.shape:  # a sequence-level mode: partial rollouts set a token-level one
         return {}
     cap = trainer.vllm_importance_sampling_clip_max
-    cut = (ratio == 0) if trainer.vllm_importance_sampling_mode.endswith("_mask") else (ratio >= cap)
+    if trainer.vllm_importance_sampling_mode.endswith("_mask"):
+        cut = ratio == 0
+    else:  # clip_max None: TRL clamps at nothing, so nothing is cut
+        cut = (ratio >= cap) if cap is not None else torch.zeros_like(mask)
     out = {}
     for name, rows in (("carried", carried), ("fresh", ~carried)):
         m = mask[rows.to(mask.device)]
@@ -178,3 +233,39 @@ def prompt_ids(trainer, row: dict) -> list[int]:
     """The row's prompt as TRL tokenizes it for generation (its chat template), so staged rows match."""
     ids, _, _ = trainer._tokenize_prompts([copy.deepcopy(row["prompt"])])
     return list(ids[0])
+
+
+# losses whose normaliser is the batch's token count (the others weigh each sample alike whatever it trains beside)
+BATCH_NORMALISED = {"dapo": None, "cispo": None, "bnpo": "micro"}
+
+
+def loss_weights(trainer, output: dict) -> None:
+    """After TRL scored a partial batch: each row's 1 / normaliser as with partial rollouts off
+    (GroupPool.normalisers), stored as output["partial_weight"] for `reweighted`; the batch's loss tokens are
+    recorded for the batches after."""
+    mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+    tokens, n, pool = [int(t) for t in mask.sum(1).tolist()], trainer.num_generations, trainer.partial
+    groups = [tokens[k:k + n] for k in range(0, len(tokens), n)]
+    if trainer.loss_type in BATCH_NORMALISED:
+        micro = trainer.args.per_device_train_batch_size if BATCH_NORMALISED[trainer.loss_type] else None
+        weights = pool.normalisers(trainer._partial_groups, groups, micro, trainer.max_completion_length,
+                                   seed=trainer.args.seed * 1000003 + pool.rounds)
+        output["partial_weight"] = torch.tensor(weights, dtype=torch.float32, device=mask.device)
+    pool.record_trained(trainer._partial_groups, groups)
+
+
+def reweighted(trainer, inputs: dict) -> dict:
+    """The micro-batch with each row's advantage scaled so that TRL's loss divides its tokens by the off-policy
+    normaliser instead of this batch's token count (the clipped objective is linear in a positive advantage
+    scale, so the scale is exactly a weight on the row's loss)."""
+    weight = inputs.get("partial_weight")
+    if weight is None or not trainer.model.training:
+        return inputs
+    if BATCH_NORMALISED[trainer.loss_type]:
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        normaliser = mask.sum().clamp(min=1.0)
+    else:
+        normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+    scale = weight * normaliser
+    advantages = inputs["advantages"]
+    return {**inputs, "advantages": advantages * (scale if advantages.dim() == 1 else scale[:, None])}

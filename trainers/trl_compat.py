@@ -123,10 +123,11 @@ def importance_sampling_mode(trainer) -> str:
     if getattr(trainer, "partial", None) is not None and mode.startswith("sequence_"):
         # a carried sample's ratio multiplies over every older token: a sequence-level mode would zero or cap
         # whole long samples, the very ones partial rollouts carry (docs/partial_rollouts.md#accounting-every-token-keeps-the-law-it-was-drawn-from)
+        cap = trainer.vllm_importance_sampling_clip_max
         logger.warning("SpecGRPOTrainer: partial rollouts carry samples across policy updates; "
                        "vllm_importance_sampling_mode=%r would mask or cap whole carried sequences, so "
-                       "'token_truncate' (each token's ratio clipped at %s) is used instead", mode,
-                       trainer.vllm_importance_sampling_clip_max)
+                       "'token_truncate' (%s) is used instead", mode,
+                       "each token's ratio unclipped" if cap is None else f"each token's ratio clipped at {cap:g}")
         return "token_truncate"
     sampled, stored = getattr(trainer, "rlspec_sampling_dtypes", (None, None))
     if mode == TRL_DEFAULT_IS_MODE and sampled is not None and sampled != stored:

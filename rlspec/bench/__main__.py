@@ -25,6 +25,7 @@ REGISTRY = {
     "ppo": "rlspec.bench.ppo",
     "dropin": "rlspec.bench.dropin",
     "partial": "rlspec.bench.partial",
+    "partial-weights": "rlspec.bench.partial_weights",
     "passes": "rlspec.bench.passes",
     "kv": "rlspec.bench.kv",
     "lossy": "rlspec.bench.lossy",

@@ -129,7 +129,17 @@ def _check_cross_fields(cfg: Config) -> None:
     if cfg.partial_rollouts.enabled and (cfg.trainer != "grpo" or cfg.rollout.backend != "engine"):
         raise ConfigError(f"partial_rollouts.enabled needs trainer=grpo and rollout.backend=engine (got trainer="
                           f"{cfg.trainer}, rollout.backend={cfg.rollout.backend}): only the in-process engine stops a "
-                          "round and carries samples on; turn partial_rollouts.enabled off or switch")
+                          "round and carries samples on (vLLM runs each request to its end; the Ray pool's workers "
+                          "each run their groups to the end, and a round's stop is one decision over all groups: "
+                          "docs/partial_rollouts.md#limits); turn partial_rollouts.enabled off or switch")
+    if cfg.partial_rollouts.enabled:
+        from rlspec.trainers.partial_rollouts import why_not_with_this_loss  # plain Python
+
+        extra = cfg.grpo.extra
+        why = why_not_with_this_loss(extra.get("vllm_importance_sampling_correction", True), cfg.grpo.beta,
+                                     extra.get("off_policy_mask_threshold"), extra.get("loss_type", "dapo"))
+        if why is not None:
+            raise ConfigError(f"partial_rollouts.enabled: {why} (grpo.extra); or turn partial_rollouts.enabled off")
 
 
 # TrainingArguments fields rlspec/trainer_args.py fills from a first-class key. In <grpo|ppo>.extra they would

@@ -14,9 +14,9 @@ from rlspec.trainers.partial_rollouts import UNFORESEEN, GroupPool, PartialRollo
 CAP = 24
 
 
-def engine_and_generate(seed: int = 0):
+def engine_and_generate(seed: int = 0, rows: int = 16):
     engine = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", vocab=8)), None, eos_token_ids=[2],
-                           max_num_seqs=16, kv_memory_gb=0.01)
+                           max_num_seqs=rows, kv_memory_gb=0.01)
     calls = iter(range(10**6))
 
     def generate(prompts, plan, names):
@@ -128,3 +128,34 @@ def test_the_pool_round_trips_through_its_state_dict():
 def test_max_staleness_below_the_steps_between_rounds_is_refused():
     with pytest.raises(ValueError, match="below the 3 optimizer steps"):
         GroupPool(PartialRolloutConfig(max_staleness=2), 3, 2, steps_per_round=3, max_new_tokens=CAP)
+
+
+def decode_guarantee_run(oversample: float, rounds: int = 12, plant=None):
+    """`rounds` rounds at max_staleness 4 on an engine with rows and KV blocks for the whole pool: (pool, the
+    fewest tokens a sample in flight gained in a round without finishing, the stalest trained token)."""
+    engine, generate = engine_and_generate(seed=2, rows=30)
+    pool = GroupPool(PartialRolloutConfig(oversample=oversample, max_staleness=4), 3, 2, 1, CAP)
+    assert pool.capacity * 3 <= engine.max_num_seqs
+    if plant:
+        plant(pool)
+    fewest, stalest, sequence = CAP, 0, iter(range(10**6))
+    for step in range(rounds):
+        pool.fill([], lambda: group(next(sequence), 3), prompt_ids, rounds - step)
+        going = [(s, len(s.completion_ids)) for g in pool.groups for s in g.samples if not s.done]
+        for g in pool.round(generate, step):
+            stalest = max([stalest] + [step - t for s in g.samples for t in s.steps])
+        fewest = min([fewest] + [len(s.completion_ids) - n for s, n in going if not s.done])
+        assert pool.metrics([], step)["partial/restarted_samples"] == pool.round_restarts
+    return pool, fewest, stalest
+
+
+@pytest.mark.parametrize("oversample", [2.0, 4.0])
+def test_every_sample_in_flight_decodes_every_round_so_nothing_restarts(oversample):
+    """With ample KV, every sample in flight gains at least min_decode_steps tokens in every round, even in rounds
+    where enough complete groups already wait (at oversample 4 most rounds), so none restarts and no trained token
+    is older than max_staleness. A round that lets samples sit idle, or skips its minimum, fails here."""
+    pool, fewest, stalest = decode_guarantee_run(oversample)
+    assert pool.trained_samples == 12 * 2 * 3 and pool.dropped == 0
+    assert fewest >= pool.min_decode_steps == -(-CAP // 5)
+    assert stalest <= 4
+    assert pool.metrics([], 12)["partial/dropped_stale_frac"] == 0.0

@@ -152,6 +152,9 @@ RUNS = {"two-epochs": (6, 8, dict(per_device_train_batch_size=4, steps_per_gener
         "1.5-steps-per-round": (16, 3, dict(per_device_train_batch_size=4, steps_per_generation=3,
                                             gradient_accumulation_steps=2), 6),
         "two-iterations": (16, 4, dict(per_device_train_batch_size=8, num_iterations=2), 4)}
+# two optimizer steps a round: a group waits (1 + oversample) rounds on average, 6 steps: max_staleness 4 allows it
+PARTIAL_FOR = {"two-epochs": dict(oversample=2.0, max_staleness=4),
+               "two-iterations": dict(oversample=2.0, max_staleness=4)}
 
 
 def handed_out_and_trained(tok, out, monkeypatch, partial, run):
@@ -173,6 +176,7 @@ def handed_out_and_trained(tok, out, monkeypatch, partial, run):
     monkeypatch.setattr(SpecGRPOTrainer, "_generate_and_score_completions", record_handed)
     monkeypatch.setattr(partial_trl, "run_round", record_trained)
     examples, steps, config, _ = RUNS[run]
+    partial = PARTIAL_FOR.get(run, partial) if partial else partial
     trainer = make_trainer(tok, out, steps=steps, partial=partial, examples=examples, config=config)
     trainer.train()
     return handed, trained if partial else None, trainer
@@ -201,6 +205,8 @@ def test_a_partial_run_trains_exactly_the_prompts_trl_hands_out_each_once(char_t
     (dict(oversample=0), {}, "oversample must be in"),
     (dict(max_staleness=0), {}, "max_staleness must be >= 1"),
     (dict(max_staleness=1), dict(steps_per_generation=2), "below the 2 optimizer steps"),
+    (dict(oversample=4.0, max_staleness=1), {}, "a group waits 5 rounds on average, but max_staleness=1 lets it "
+                                                "wait at most 2"),
 ])
 def test_settings_that_cannot_work_are_refused_at_construction(char_tokenizer, tmp_path, partial, kw, match):
     args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=8,
