@@ -51,4 +51,4 @@ def test_rloo_cli_trains_and_checkpoints(tiny_run, tmp_path):  # noqa: F811
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["config"]["trainer"] == "rloo"
     steps = [h for h in summary["history"] if "reward" in h]
-    assert len(steps) == 1 and steps[0]["rollout/engine"] == 1.0 and "clip_ratio/region_mean" in steps[0]
+    assert len(steps) == 1 and steps[0]["rollout/engine"] == 1.0

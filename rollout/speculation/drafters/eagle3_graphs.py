@@ -24,6 +24,9 @@ import torch
 from rlspec.rollout.runtime.graphs import GraphSet
 
 GRAPH_MODES = ("auto", "off", "emulate")  # auto: CUDA graphs on a CUDA device, eager elsewhere
+# frames (and their graphs) kept at once: a frame's context buffers are rows x context in float32 (~1 GB at 32
+# rows of 8k positions of a 7B shape), so the least recently used goes when a new key needs room
+MAX_FRAMES = 8
 
 
 def row_bucket(rows: int) -> int:
@@ -85,6 +88,7 @@ class DraftLevelGraphs:
         self.model = model
         self.graphs = GraphSet(device, backend)
         self.frames: dict[tuple, _Frame] = {}
+        self.capacity = 1
 
     @property
     def counts(self) -> dict:
@@ -92,8 +96,10 @@ class DraftLevelGraphs:
 
     def key(self, rows: int, context: int, levels: int) -> tuple[int, int, int]:
         """(row bucket, context bucket, local capacity) of a proposal: `rows` branches, a gathered context of
-        `context` positions (whole blocks), `levels` draft levels after the first."""
-        return row_bucket(rows), pow2_at_least(context), pow2_at_least(max(levels, 1))
+        `context` positions (whole blocks), `levels` draft levels after the first. The capacity is the most levels
+        seen so far (a proposal capped near the token limit reuses the full depth's frame)."""
+        self.capacity = max(self.capacity, pow2_at_least(max(levels, 1)))
+        return row_bucket(rows), pow2_at_least(context), self.capacity
 
     def steps(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor):
@@ -102,10 +108,16 @@ class DraftLevelGraphs:
         embeds [R, 1, H] -> the level's output [R, 1, H]."""
         R, KV, S, D = ctx_k.shape
         r, s, c = self.key(R, S, cos.shape[0])
-        frame = self.frames.get((r, s, c))
+        frame = self.frames.pop((r, s, c), None)
         if frame is None:
+            if len(self.frames) >= MAX_FRAMES:  # the least recently used frame and its levels' graphs go
+                old = next(iter(self.frames))
+                del self.frames[old]
+                for key in [k for k in self.graphs.graphs if k[:3] == old]:
+                    del self.graphs.graphs[key]
             p = self.model.lm_head.weight
-            frame = self.frames[(r, s, c)] = _Frame(r, s, c, KV, D, h_size(self.model), p.dtype, p.device)
+            frame = _Frame(r, s, c, KV, D, h_size(self.model), p.dtype, p.device)
+        self.frames[(r, s, c)] = frame  # most recently used last
         frame.load_context(ctx_k, ctx_v, lens)
 
         def step(h, embeds, j: int):

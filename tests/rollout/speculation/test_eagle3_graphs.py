@@ -32,6 +32,9 @@ def test_buckets():
 def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
     """Every proposal of a greedy rollout drafted twice, eagerly and through the emulated graphs, on the same
     inputs: the same tokens, row for row, at live batches 5, 3 and 1 (rows x width padded to buckets 1-16)."""
+    from rlspec.rollout.speculation.drafters import eagle3_graphs as G
+
+    monkeypatch.setattr(G, "MAX_FRAMES", 64)  # every key kept: captures count keys
     hf = make_tiny_hf("llama", seed=6)
     prompts = random_prompts(5, 3, 20, seed=3)
     eng = _engine(hf, width, "emulate")
@@ -58,6 +61,7 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
     keys = drafter.level_graphs().graphs.graphs
     assert counts["captures"] == len(keys) and counts["replays"] == sum(d - 1 for _, d in compared)
     assert {k[0] for k in keys} == {row_bucket(b * width) for b in (5, 3, 1)} and {k[3] for k in keys} == {0, 1, 2}
+    assert {k[2] for k in keys} == {4}  # proposals capped near the end reuse the full depth's frames
 
 
 def test_graph_levels_keep_greedy_exactness():
@@ -77,3 +81,25 @@ def test_graph_mode_is_checked_and_off_on_a_cpu_by_default():
     with pytest.raises(ValueError, match="graph_mode"):
         Eagle3Drafter(target, draft_vocab_size=32, graph_mode="on")
     assert Eagle3Drafter(target, draft_vocab_size=32).level_graphs() is None  # "auto" on a CPU: eager
+
+
+def test_least_recently_used_frames_go_with_their_graphs(monkeypatch):
+    """At most MAX_FRAMES frames (context buffers) are kept; a frame that goes takes its levels' graphs along."""
+    from rlspec.rollout.speculation.drafters import eagle3_graphs as G
+
+    monkeypatch.setattr(G, "MAX_FRAMES", 2)
+    hf = make_tiny_hf("llama", seed=1)
+    drafter = Eagle3Drafter(loader.from_hf_model(hf), draft_vocab_size=32, graph_mode="emulate")
+    graphs = drafter.level_graphs()
+    H, KV, D = hf.config.hidden_size, hf.config.num_key_value_heads, hf.config.hidden_size // hf.config.num_attention_heads
+
+    def propose(rows, ctx):
+        k = torch.randn(rows, KV, ctx, D)
+        cos = torch.ones(2, rows, 1, 1, D)
+        step = graphs.steps(k, k, torch.full((rows,), ctx), cos, cos * 0)
+        return step(torch.randn(rows, 1, H), torch.randn(rows, 1, H), 0)
+
+    for rows, ctx in ((1, 16), (3, 16), (1, 16), (9, 32)):
+        assert propose(rows, ctx).shape == (rows, 1, H)
+    assert list(graphs.frames) == [(1, 16, 2), (16, 32, 2)]  # (4, 16) was the least recently used
+    assert {k[:3] for k in graphs.graphs.graphs} == {(1, 16, 2), (16, 32, 2)}
