@@ -1,41 +1,53 @@
-"""rollout/metrics.py: what a drafted token costs, against a plain decode step (issue 27's "a drafter token
-costs <= 5% of a target step", reported per drafter in every engine's stats)."""
+"""What a drafted token costs against a plain decode step, and the seconds speculation saved: read from the
+speculation ledger (rollout/speculation/ledger.py) into every engine's stats (rollout/metrics.py's ledger_metrics),
+summed across a Ray pool's workers."""
 import pytest
 
 from rlspec.rollout import metrics as M
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.speculation.ledger import Ledger
+from rlspec.rollout.speculation.selectors.base import OFF, Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
+from rlspec.rollout.workers.stats import merge_stats
 from tests.conftest import make_tiny_hf, random_prompts
 
 
 def test_draft_cost_is_draft_time_per_token_over_the_plain_step():
-    m = M.RolloutMetrics()
-    m.record_verify("off", [0, 0], [0, 0], draft_s=0.0, step_s=0.020)
-    m.record_verify("off", [0], [0], draft_s=0.0, step_s=0.030)
-    m.record_verify("suffix", [4, 2], [1, 0], draft_s=0.003, step_s=0.040)  # 6 tokens in 3 ms
-    m.record_verify("eagle3", [3], [3], draft_s=0.006, step_s=0.035)  # 3 tokens in 6 ms
-    s = m.as_dict()
+    led = Ledger()
+    led.record(OFF, 2, 0.020, 0.0, [0, 0], [0, 0])
+    led.record(OFF, 1, 0.030, 0.0, [0], [0])
+    led.record(Arm("suffix", 4), 2, 0.040, 0.003, [4, 2], [1, 0])  # 6 tokens in 3 ms
+    led.record(Arm("eagle3", 3), 1, 0.035, 0.006, [3], [3])  # 3 tokens in 6 ms
+    s = M.ledger_metrics(led.take_window())
     assert s[M.PLAIN_STEP_MS] == pytest.approx(25.0)  # drafted steps do not count as plain ones
     assert s[f"{M.DRAFT_MS_PER_TOKEN}/suffix"] == pytest.approx(0.5)
     assert s[f"{M.DRAFT_COST}/suffix"] == pytest.approx(0.02)
     assert s[f"{M.DRAFT_COST}/eagle3"] == pytest.approx(0.08)
+    assert s[f"{M.ACCEPT_RATE}/suffix"] == pytest.approx(1 / 6) and s[f"{M.ACCEPT_LEN}/eagle3"] == 4.0
+    assert M.ledger_metrics(led.take_window()) == {}  # each read covers the steps since the last one
 
 
 def test_speculation_saved_seconds_count_positions_advanced_at_the_buckets_plain_step_time():
-    m = M.RolloutMetrics()
-    m.record_verify("off", [0, 0], [0, 0], step_s=0.020)  # bucket 2: 20 ms a plain step
-    m.record_verify("off", [0] * 8, [0] * 8, step_s=0.080)  # bucket 8: 80 ms
-    assert M.SPEC_SAVED_S not in m.as_dict()  # nothing speculated
+    led = Ledger()
+    led.record(OFF, 2, 0.020, 0.0, [0, 0], [0, 0])  # bucket 2: 20 ms a plain step
+    led.record(OFF, 8, 0.080, 0.0, [0] * 8, [0] * 8)  # bucket 8: 80 ms
+    assert M.SPEC_SAVED_S not in M.ledger_metrics(led.take_window())  # nothing speculated
     # two rows, 3 + 1 accepted: the batch advanced (4 + 2) / 2 = 3 positions = 60 ms of plain steps, in 35 ms
-    m.record_verify("suffix", [4, 2], [3, 1], draft_s=0.005, step_s=0.030)
-    assert m.as_dict()[M.SPEC_SAVED_S] == pytest.approx(0.060 - 0.035)
+    led.record(Arm("suffix", 4), 2, 0.030, 0.005, [4, 2], [3, 1])
+    assert led.saved == pytest.approx(0.060 - 0.035)
     # one row (bucket 1, no plain steps: borrows bucket 2's 20 ms), nothing accepted: 20 ms of progress in 50 ms
-    m.record_verify("eagle3", [3], [0], draft_s=0.010, step_s=0.040)
-    assert m.as_dict()[M.SPEC_SAVED_S] == pytest.approx(0.025 - 0.030)
-    # a step that compiled its shape (step_s None) is no measure either way
-    m.record_verify("suffix", [2, 2], [2, 2], draft_s=0.001, step_s=None)
-    assert m.as_dict()[M.SPEC_SAVED_S] == pytest.approx(-0.005)
+    led.record(Arm("eagle3", 3), 1, 0.040, 0.010, [3], [0])
+    window = M.ledger_metrics(led.take_window())
+    assert window[M.SPEC_SAVED_S] == pytest.approx(0.025 - 0.030) == led.saved  # the loss guard's S, once
+    assert led.plain_time == pytest.approx(0.100 + 0.060 + 0.020)
+
+
+def test_a_pool_sums_the_seconds_its_workers_saved():
+    """Each worker's rollout/spec_saved_s is its own decode time saved: the pool saved their sum, whatever the
+    workers' shares of the samples (a weighted mean would report 0.2 here)."""
+    workers = [{M.SPEC_SAVED_S: 1.0, M.NUM_SEQUENCES: 1.0}, {M.SPEC_SAVED_S: -0.25, M.NUM_SEQUENCES: 3.0}]
+    assert merge_stats(workers, wall_s=2.0)[M.SPEC_SAVED_S] == pytest.approx(0.75)
 
 
 def test_the_engine_reports_each_drafters_cost():
