@@ -1,4 +1,4 @@
-"""SpecConfig -> vLLM's speculative_config, and the long-tail policy as vLLM's per-batch-size depth table.
+"""SpecConfig -> vLLM's speculative_config, and the fixed selector's policy as vLLM's per-batch-size depth table.
 
 Plain Python (no vLLM, no torch at import), so the mapping is checked in the main environment too.
 The maths of the table is the fixed selector's (docs/selectors.md#fixed-selector) evaluated
@@ -83,7 +83,7 @@ def speculative_config(spec: SpecConfig, drafter_dir: str | None = None,
                        table: DepthTable | None = None) -> dict | None:
     """vLLM's speculative_config for `spec` (None: no speculation).
 
-    drafter_dir: the exported EAGLE-3 directory (eagle3 only). table: the long-tail depth table
+    drafter_dir: the exported EAGLE-3 directory (eagle3 only). table: the fixed selector's depth table
     (selector fixed); without it every step drafts num_draft_tokens (selector always)."""
     check_supported(spec)
     if not spec.enabled:

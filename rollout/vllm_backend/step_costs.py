@@ -16,7 +16,7 @@ steps = verify steps per request, from vLLM's draft counter (drafts / B) when d 
 
 Acceptance: vLLM counts accepted drafts per position; a = accepted at position 0 / drafts is the
 per-token acceptance of the geometric model the engine's selectors use (docs/selectors.md); the
-table for it is depth.py's (the long-tail selector's gain per batch bucket) over these costs.
+table for it is depth.py's (the fixed selector's gain per batch bucket) over these costs.
 """
 from __future__ import annotations
 

@@ -46,8 +46,11 @@ def test_speculation_saved_seconds_count_positions_advanced_at_the_buckets_plain
 def test_a_pool_sums_the_seconds_its_workers_saved():
     """Each worker's rollout/spec_saved_s is its own decode time saved: the pool saved their sum, whatever the
     workers' shares of the samples (a weighted mean would report 0.2 here)."""
-    workers = [{M.SPEC_SAVED_S: 1.0, M.NUM_SEQUENCES: 1.0}, {M.SPEC_SAVED_S: -0.25, M.NUM_SEQUENCES: 3.0}]
-    assert merge_stats(workers, wall_s=2.0)[M.SPEC_SAVED_S] == pytest.approx(0.75)
+    workers = [{M.SPEC_SAVED_S: 1.0, M.NUM_SEQUENCES: 1.0, "strategy/reason/selector": 10.0},
+               {M.SPEC_SAVED_S: -0.25, M.NUM_SEQUENCES: 3.0, "strategy/reason/selector": 30.0}]
+    merged = merge_stats(workers, wall_s=2.0)
+    assert merged[M.SPEC_SAVED_S] == pytest.approx(0.75)
+    assert merged["strategy/reason/selector"] == 40.0  # steps, counted on every worker
 
 
 def test_the_engine_reports_each_drafters_cost():

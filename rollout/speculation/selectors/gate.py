@@ -26,7 +26,7 @@ from typing import Callable
 
 from rlspec.rollout.speculation.cost_model import AcceptanceTracker
 
-GATE_MARGIN = 0.05  # as the long-tail selector's hysteresis: break-even is no reason to draft
+GATE_MARGIN = 0.05  # as the fixed selector's hysteresis: break-even is no reason to draft
 GATE_TRIALS = 16.0  # measured per-token trials after which the engine's acceptance decides
 ESTIMATE_WEIGHT = 4.0  # the trainer's estimate counts as this many trials in the tracker's prior
 RECHECK_EVERY = 16  # selector steps between re-checks without new evidence

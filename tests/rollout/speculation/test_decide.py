@@ -105,3 +105,18 @@ def test_the_engine_reports_a_reason_for_every_decode_step():
     eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
     s = eng.stats()
     assert s["strategy/reason/forced"] == s[M.DECODE_STEPS] > 0
+
+
+@pytest.mark.parametrize("module,old,new", [("longtail", "LongTailSelector", FixedSelector),
+                                            ("forced", "ForcedSelector", AlwaysSelector),
+                                            ("bandit", "AdaptiveSelector", AdaptiveSelector)])
+def test_old_selector_names_still_import_with_a_deprecation_warning(module, old, new):
+    """One name per selector for file, class and config key ("fixed" / fixed.py / FixedSelector); the names a
+    user could have imported before still work and say what to use."""
+    import importlib
+
+    mod = importlib.import_module(f"rlspec.rollout.speculation.selectors.{module}")
+    with pytest.warns(DeprecationWarning, match=new.__name__):
+        assert getattr(mod, old) is new
+    with pytest.warns(DeprecationWarning):
+        assert mod.Arm is Arm  # what else the old module held
