@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlspec import __version__
-
-DTYPE_CHOICES = ("bfloat16", "float16", "float32")
+from rlspec.rollout.dtypes import NAMES as DTYPE_CHOICES  # plain Python: the one dtype table
 
 
 def export_drafter(drafter_or_path: Any, out_dir: str, target: Any = None, dtype: str = "bfloat16",

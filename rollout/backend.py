@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from rlspec.rollout.registry import BACKENDS
 from rlspec.rollout.types import RolloutResult, SamplingParams
 
 if TYPE_CHECKING:
@@ -64,23 +65,12 @@ def drafter_intake(backend):
 # name -> factory(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend. `policy` is a bare HF causal
 # LM (already gathered when ZeRO-3 partitions it); engine_kwargs are the rollout section's engine settings.
 BackendFactory = Callable[..., RolloutBackend]
-BACKENDS: dict[str, BackendFactory] = {}
-
-
-def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
-    def add(factory: BackendFactory) -> BackendFactory:
-        if name in BACKENDS:
-            raise ValueError(f"rollout backend {name!r} is registered twice")
-        BACKENDS[name] = factory
-        return factory
-    return add
+register_backend = BACKENDS.register  # @register_backend("mine") above a factory
 
 
 def build_backend(name: str, policy, tokenizer, spec: SpecConfig | None, **engine_kwargs) -> RolloutBackend:
     """The backend `name` (rollout.backend) holding a copy of `policy`."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown rollout backend {name!r}: choose one of {sorted(BACKENDS)} (rollout.backend)")
-    return BACKENDS[name](policy, tokenizer, spec, **engine_kwargs)
+    return BACKENDS.build(name, policy, tokenizer, spec, **engine_kwargs)
 
 
 # Every backend registers here, with a factory that imports its module (and Ray or vLLM) only when built.

@@ -1,4 +1,5 @@
-"""Validation of SpecConfig's lossy fields: plain Python (no torch), run from SpecConfig.__post_init__.
+"""Validation of SpecConfig's lossy modes across fields: plain Python (no torch), run from SpecConfig.__post_init__
+after each field's own rule (rollout/rules.py).
 
 Every error says what is impossible and how to fix it. A model-dependent check (a draft model with
 another tokenizer) happens where the model is loaded: rollout/lossy/draft_model.py.
@@ -11,25 +12,12 @@ DRAFT_MODEL_PREFIX = "draft_model="
 
 
 def check_lossy(spec) -> None:
-    if spec.verification not in ("exact", "judge"):
-        raise ValueError(f"verification must be 'exact' or 'judge', got {spec.verification!r}")
-    if spec.step_routing not in ("off", "arbitrage"):
-        raise ValueError(f"step_routing must be 'off' or 'arbitrage', got {spec.step_routing!r}")
-    if spec.judge not in ("prob", "relative", "typical", "learned"):
-        raise ValueError(f"judge must be 'prob', 'relative', 'typical' or 'learned', got {spec.judge!r}")
-    if spec.router not in ("likelihood", "learned"):
-        raise ValueError(f"router must be 'likelihood' or 'learned', got {spec.router!r}")
-    if not 0 < spec.judge_threshold <= 1:
-        raise ValueError(f"judge_threshold must be in (0, 1], got {spec.judge_threshold}")
+    """What depends on several fields (each field's own values are its rule's: rollout/types.py, rollout/rules.py)."""
     if spec.router == "learned" and not 0 <= spec.route_threshold <= 1:
         raise ValueError(f"route_threshold is a probability for router=learned: in [0, 1], got {spec.route_threshold}")
     if spec.router == "likelihood" and spec.route_threshold > 0:
         raise ValueError(f"route_threshold for router=likelihood is nats per token, <= 0 (0 keeps only steps the "
                          f"target finds at least as likely as its own typical token), got {spec.route_threshold}")
-    if spec.step_max_tokens < 1:
-        raise ValueError(f"step_max_tokens must be >= 1, got {spec.step_max_tokens}")
-    if not spec.step_delimiter:
-        raise ValueError("step_delimiter must be a non-empty string (e.g. '\\n\\n')")
     lossy = spec.verification != "exact" or spec.step_routing != "off"
     if lossy and not spec.accept_off_policy:
         modes = [m for m, on in (("verification=judge", spec.verification == "judge"),
@@ -61,8 +49,6 @@ def check_step_source(spec) -> None:
             raise ValueError(f"step_source={src!r}: {path!r} is not a local directory; give a local HF model "
                              "directory with the target's tokenizer (e.g. draft_model=/models/qwen2.5-0.5b)")
         return
-    if src not in ("eagle3", "suffix", "ngram"):
-        raise ValueError(f"step_source must be eagle3, suffix, ngram or draft_model=<local dir>, got {src!r}")
     if spec.drafter not in (src, "auto"):
         raise ValueError(f"step_source={src} uses the engine's {src} drafter, but drafter is {spec.drafter!r}: "
                          f"set drafter={src} or drafter=auto")

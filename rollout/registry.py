@@ -1,5 +1,7 @@
-"""One small registry class, used once per concept: drafters (what proposes tokens), selectors (which arm
-a decode step takes) and strategies (the proposer + verifier pair a decode step runs).
+"""One small registry class, used once per concept and every one declared at the bottom of this file: drafters
+(what proposes tokens), selectors (which arm a decode step takes), strategies (the proposer + verifier pair a
+decode step runs), rollout backends (what generates: the engine, a Ray pool, vLLM) and drafter losses (how the
+online trainer distils the target into a learned drafter).
 
 A name maps to a factory plus metadata (e.g. whether a drafter is learned). Built-in plug-ins are
 listed here by name and module, so names validate without importing torch (config parsing stays
@@ -15,15 +17,19 @@ from typing import Any
 
 
 class Registry:
-    def __init__(self, concept: str, builtin: dict[str, str]):
+    def __init__(self, concept: str, builtin: dict[str, str], unique: bool = False, hint: str = ""):
         self.concept = concept
         self._builtin = builtin  # name -> module that registers it
         self._factories: dict[str, Callable[..., Any]] = {}
         self._meta: dict[str, dict] = {}
+        self._unique = unique  # a second registration of a name is an error (else the later one wins)
+        self._hint = hint or f"a plug-in registers with @{concept.upper()}S.register(name)"
 
     def register(self, name: str, **meta):
         """Decorator: `@DRAFTERS.register("mine", learned=False)` above a factory or class."""
         def deco(factory):
+            if self._unique and name in self._factories:
+                raise ValueError(f"{self.concept} {name!r} is registered twice")
             self._factories[name] = factory
             self._meta[name] = meta
             return factory
@@ -36,8 +42,7 @@ class Registry:
     def check(self, name: str) -> None:
         """Raise a ValueError naming every registered choice when `name` is not one of them."""
         if name not in self._factories and name not in self._builtin:
-            raise ValueError(f"unknown {self.concept} {name!r}; registered: {', '.join(self.names())} "
-                             f"(a plug-in registers with @{self.concept.upper()}S.register(name))")
+            raise ValueError(f"unknown {self.concept} {name!r}; registered: {', '.join(self.names())} ({self._hint})")
 
     def _factory(self, name: str):
         self.check(name)
@@ -52,14 +57,40 @@ class Registry:
     def build(self, name: str, *args, **kwargs):
         return self._factory(name)(*args, **kwargs)
 
+    def get(self, name: str):
+        """The registered factory (or function) itself."""
+        return self._factory(name)
+
+    # read as a mapping of name -> factory (importing every built-in module on iteration)
+    def __contains__(self, name: object) -> bool:
+        return name in self._factories or name in self._builtin
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __getitem__(self, name: str):
+        return self._factory(name)
+
+    def items(self):
+        return [(n, self._factory(n)) for n in self.names()]
+
 
 # factory(target=..., spec=..., **overrides) -> Drafter; meta: learned (needs the target's hidden
 # states), auto (part of drafter="auto")
 DRAFTERS = Registry("drafter", {"ngram": "rlspec.rollout.speculation.drafters.ngram", "suffix": "rlspec.rollout.speculation.drafters.suffix",
                                 "eagle3": "rlspec.rollout.speculation.drafters.eagle3"})
 # factory(spec, drafter names (the first is the default), learned drafter names) -> Selector
-SELECTORS = Registry("selector", {"fixed": "rlspec.rollout.speculation.selectors.longtail", "adaptive": "rlspec.rollout.speculation.selectors.bandit",
-                                  "always": "rlspec.rollout.speculation.selectors.forced"})
+SELECTORS = Registry("selector", {"fixed": "rlspec.rollout.speculation.selectors.fixed",
+                                  "adaptive": "rlspec.rollout.speculation.selectors.adaptive",
+                                  "always": "rlspec.rollout.speculation.selectors.always"})
 # factory(spec, model, tokenizer, speculation) -> (Proposer, Verifier) (rollout/speculation/strategies.py): "exact"
 # is lossless speculation, "lossy" the judge / step-routing pair; the engine takes "lossy" when SpecConfig.lossy
 STRATEGIES = Registry("strategy", {"exact": "rlspec.rollout.speculation.strategies", "lossy": "rlspec.rollout.lossy.control"})
+# factory(policy, tokenizer, spec, **engine_kwargs) -> RolloutBackend (rollout/backend.py registers all three;
+# each imports its module, and Ray or vLLM, only when built)
+BACKENDS = Registry("rollout backend", dict.fromkeys(("engine", "ray", "vllm"), "rlspec.rollout.backend"), unique=True,
+                    hint="rollout.backend")
+_LOSSES = "rlspec.rollout.speculation.distill_losses"
+# fn(drafter logits, DraftTarget) -> (per-position loss, per-position weight) (distill_losses.py)
+DRAFTER_LOSSES = Registry("drafter loss", dict.fromkeys(("ce", "kl", "tv", "tv_kl"), _LOSSES), unique=True,
+                          hint="DrafterTrainer(loss=...)")

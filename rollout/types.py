@@ -7,20 +7,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlspec.rollout import rules as R  # plain Python: the rules the CLI config checks too
+
+
+def _ruled(default, rule):
+    """A field with the rule its values must follow (rollout/rules.py)."""
+    return field(default=default, metadata={"rule": rule})
+
+
+def _help(default, text: str, rule=None):
+    """A field with a help string and its rule: the run config's `drafter:` section is SpecConfig, and
+    `python -m rlspec.train --help` prints these."""
+    return field(default=default, metadata={"help": text, **({"rule": rule} if rule is not None else {})})
+
 
 @dataclass
 class SamplingParams:
     """How to sample one generate call (the names follow vLLM's SamplingParams)."""
 
-    temperature: float = 1.0  # 0 means greedy (argmax)
-    top_p: float = 1.0  # nucleus truncation; 1.0 keeps the whole distribution
-    top_k: int = 0  # 0 keeps every token
-    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (after top-k/top-p); 0 = off
+    temperature: float = _ruled(1.0, R.NON_NEGATIVE)  # 0 means greedy (argmax)
+    top_p: float = _ruled(1.0, R.FRACTION)  # nucleus truncation; 1.0 keeps the whole distribution
+    top_k: int = _ruled(0, R.at_least(0, "0 disables it"))  # 0 keeps every token
+    # drop tokens below min_p x the top token's probability (after top-k/top-p); 0 = off
+    min_p: float = _ruled(0.0, R.closed(0, 1, "0 disables it"))
     # HF/vLLM repetition penalty over the prompt and every token generated so far: a seen token's logit is
     # divided by it when positive, multiplied when negative, before temperature; 1.0 = off
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 256
-    n: int = 1  # samples per prompt; they share the prompt's prefill
+    repetition_penalty: float = _ruled(1.0, R.Rule("a finite number > 0 (1.0 disables it; > 1 discourages repeats)",
+                                                   R.POSITIVE.test))
+    max_new_tokens: int = _ruled(256, R.AT_LEAST_1)
+    n: int = _ruled(1, R.AT_LEAST_1)  # samples per prompt; they share the prompt's prefill
     # None draws fresh randomness each call. What a seed reproduces: on the same device and dtype, with
     # the same prompts, params, weights and engine settings (the KV budget included: preemption decides
     # which rows share a step), identical rollouts (tokens and logprobs)
@@ -34,21 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: always run to max_new_tokens
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1.0 disables it; > 1 discourages "
-                             f"repeats), got {self.repetition_penalty}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        R.check_fields(self)
 
     @property
     def greedy(self) -> bool:
@@ -60,10 +61,21 @@ class SamplingParams:
         return self.repetition_penalty != 1.0
 
 
-def _help(default, text: str):
-    """A field with a help string: the run config's `drafter:` section is this dataclass, and
-    `python -m rlspec.train --help` prints these."""
-    return field(default=default, metadata={"help": text})
+def _drafters() -> list[str]:
+    from rlspec.rollout.registry import DRAFTERS  # plain Python: no torch at config time
+
+    return DRAFTERS.names()
+
+
+def _selectors() -> list[str]:
+    from rlspec.rollout.registry import SELECTORS
+
+    return SELECTORS.names()
+
+
+_DRAFTER = R.Rule(lambda: f"'none', 'auto' or a registered drafter; registered: {', '.join(_drafters())} (a plug-in "
+                          "registers with @DRAFTERS.register(name))", lambda v: v in ("none", "auto", *_drafters()))
+_SELECTOR = R.registered("selector", _selectors)
 
 
 @dataclass
@@ -71,86 +83,77 @@ class SpecConfig:
     """How the engine speculates. The default is no speculation (plain autoregressive decoding)."""
 
     drafter: str = _help("none", "none (plain decoding), auto (suffix + ngram + eagle3, chosen per batch), or a "
-                                 "registered drafter: ngram, suffix, eagle3 (learned), or a plug-in")
-    num_draft_tokens: int = _help(4, "k: tokens drafted per verify along one path")
-    tree_width: int = _help(1, "children per draft-tree node; 1 = a chain")
+                                 "registered drafter: ngram, suffix, eagle3 (learned), or a plug-in", rule=_DRAFTER)
+    num_draft_tokens: int = _help(4, "k: tokens drafted per verify along one path", rule=R.AT_LEAST_1)
+    tree_width: int = _help(1, "children per draft-tree node; 1 = a chain", rule=R.AT_LEAST_1)
     selector: str = _help("fixed", "fixed: the configured drafter and shape where measured costs say it pays, "
                                    "deeper as the live batch shrinks; adaptive: a bandit over drafters and shapes "
-                                   "per batch size; always: the configured arm on every step (benchmarks, tests)")
+                                   "per batch size; always: the configured arm on every step (benchmarks, tests)",
+                            rule=_SELECTOR)
     drafter_path: str | None = _help(None, "directory of a trained learned (eagle3) drafter")
     max_spec_batch: int | None = _help(None, "speculate only when at most this many sequences are live "
-                                             "(None = derive it from measured verify costs)")
+                                             "(None = derive it from measured verify costs)", rule=R.AT_LEAST_1)
     online_training: Literal["auto", True, False] = _help(
         "auto", "eagle3: train the drafter during the run on the rollouts' hidden states, on idle compute, "
                 "swapping new weights in between steps. auto: on an accelerator; off on a CPU target, where "
                 "decoding and the policy update already use every core (bench_out/trainer_overlap.json: "
                 "decoding at live batch <= 4 runs 1.12-1.29x faster on 2 threads than on 1), so a trainer "
-                "there only takes cycles from the rollout; the warm-started drafter is kept as it is")
-    draft_vocab_size: int = _help(4096, "eagle3: size of the drafter's vocabulary (the most frequent target tokens)")
+                "there only takes cycles from the rollout; the warm-started drafter is kept as it is",
+        rule=R.Rule("'auto', true or false", lambda v: v in ("auto", True, False)))
+    draft_vocab_size: int = _help(4096, "eagle3: size of the drafter's vocabulary (the most frequent target tokens)",
+                                  rule=R.AT_LEAST_1)
     online_trainer: Literal["auto", "process", "thread"] = _help(
         "auto", "eagle3: where online training runs. process: a process of its own (its own threads, lowest "
                 "CPU priority, fed through shared memory), so it only takes cycles decoding and the policy "
                 "update leave idle; thread: inside the rollout process, on a CUDA stream of its own on GPU; "
-                "auto: process on CPU or when trainer_device is another device, else thread")
+                "auto: process on CPU or when trainer_device is another device, else thread",
+        rule=R.Rule("one of 'auto', 'process', 'thread'", lambda v: v in ("auto", "process", "thread")))
     trainer_threads: int | None = _help(None, "eagle3, process trainer: its torch threads (None = half the cores, "
-                                              "at least 1)")
+                                              "at least 1)", rule=R.at_least(1, "or None"))
     trainer_device: str | None = _help(None, "eagle3, process trainer: its device, e.g. cuda:1 (None = the "
-                                             "target's device)")
+                                             "target's device)", rule=R.DEVICE)
     # ---- lossy modes (docs/lossy.md): off by default; each accepts text the policy would not sample ----
     verification: Literal["exact", "judge"] = _help(
         "exact", "exact: lossless rejection sampling (the default); judge: LOSSY, a draft token the exact test "
-                 "rejects is still kept when the judge accepts it (needs a drafter and accept_off_policy)")
+                 "rejects is still kept when the judge accepts it (needs a drafter and accept_off_policy)",
+        rule=R.one_of("exact", "judge"))
     judge: Literal["prob", "relative", "typical", "learned"] = _help(
         "prob", "verification=judge: prob: keep a draft token whose target probability >= judge_threshold; "
                 "relative: keep it when p(x) >= judge_threshold * max p (a near-tie with the target's choice); "
                 "typical: keep it when p(x) > min(eps, sqrt(eps) exp(-H(p))) with eps = judge_threshold (typical "
                 "acceptance); learned: a logistic head on the target's last hidden state at the draft token, "
-                "trained online (labels: docs/lossy.md#judge-labels), score >= judge_threshold")
+                "trained online (labels: docs/lossy.md#judge-labels), score >= judge_threshold",
+        rule=R.one_of("prob", "relative", "typical", "learned"))
     judge_threshold: float = _help(0.1, "verification=judge: the judge's threshold in (0, 1]; lower keeps more "
-                                        "draft tokens (faster, further from the policy)")
+                                        "draft tokens (faster, further from the policy)", rule=R.FRACTION)
     step_routing: Literal["off", "arbitrage"] = _help(
         "off", "arbitrage: LOSSY, a draft source writes a whole reasoning step, the target scores it in one "
                "forward and a router keeps it or has the target regenerate it with lossless speculation "
-               "(needs accept_off_policy)")
+               "(needs accept_off_policy)", rule=R.one_of("off", "arbitrage"))
     router: Literal["likelihood", "learned"] = _help(
         "likelihood", "step_routing: likelihood: keep a step when the mean over its tokens of log p(x) + H(p) "
                       "(the target's log-likelihood of the draft against its own entropy) >= route_threshold; "
                       "learned: a logistic head on the target's hidden states of the step, trained online "
-                      "(labels: docs/lossy.md#router-labels), probability >= route_threshold")
+                      "(labels: docs/lossy.md#router-labels), probability >= route_threshold",
+        rule=R.one_of("likelihood", "learned"))
     route_threshold: float = _help(-1.0, "step_routing: the router's threshold: nats per token for likelihood "
                                          "(<= 0; higher keeps fewer drafted steps), a probability in [0, 1] for "
-                                         "learned")
-    step_delimiter: str = _help("\n\n", "step_routing: the text that ends a reasoning step")
+                                         "learned", rule=R.FINITE)
+    step_delimiter: str = _help("\n\n", "step_routing: the text that ends a reasoning step",
+                                rule=R.Rule("a non-empty string (e.g. '\\n\\n')", lambda v: isinstance(v, str) and v != ""))
     step_source: str | None = _help(None, "step_routing: who writes a step: eagle3 or suffix (a drafter of this "
                                           "engine: drafter must be it or auto), draft_model=<local HF dir> (a "
-                                          "smaller model with the target's tokenizer), None = the drafter")
-    step_max_tokens: int = _help(48, "step_routing: most tokens drafted for one step")
+                                          "smaller model with the target's tokenizer), None = the drafter",
+                                     rule=R.Rule("eagle3, suffix, ngram or draft_model=<local dir>",
+                                                 lambda v: v in ("eagle3", "suffix", "ngram") or
+                                                 v.startswith("draft_model=")))
+    step_max_tokens: int = _help(48, "step_routing: most tokens drafted for one step", rule=R.AT_LEAST_1)
     accept_off_policy: bool = _help(False, "the opt-in every lossy mode needs: rollouts then hold tokens the "
                                            "policy would not have sampled, recorded per token (token_source, "
                                            "behaviour_logprobs) so TRL's importance-sampling correction sees them")
 
     def __post_init__(self) -> None:
-        from rlspec.rollout.registry import DRAFTERS, SELECTORS  # plain Python: no torch at config time
-
-        if self.drafter not in ("none", "auto"):
-            try:
-                DRAFTERS.check(self.drafter)
-            except ValueError as e:
-                raise ValueError(f"drafter: {e}; or 'none' / 'auto'") from None
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.tree_width < 1:
-            raise ValueError(f"tree_width must be >= 1, got {self.tree_width}")
-        if self.online_training not in ("auto", True, False):
-            raise ValueError(f"online_training must be 'auto', true or false, got {self.online_training!r}")
-        if self.online_trainer not in ("auto", "process", "thread"):
-            raise ValueError(f"online_trainer must be one of 'auto', 'process', 'thread', got {self.online_trainer!r}")
-        if self.trainer_threads is not None and self.trainer_threads < 1:
-            raise ValueError(f"trainer_threads must be >= 1 (or None), got {self.trainer_threads}")
-        try:
-            SELECTORS.check(self.selector)
-        except ValueError as e:
-            raise ValueError(f"selector: {e}") from None
+        R.check_fields(self)  # each field's rule; then what depends on several fields
         from rlspec.rollout.config_checks import check_lossy  # plain Python too
 
         check_lossy(self)

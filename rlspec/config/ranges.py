@@ -1,126 +1,16 @@
-"""What values each config field allows: one `Rule` per field, checked before torch is imported.
+"""What values each run-config field allows: the rules of rlspec.rollout.rules (one set for the Python API and the
+CLI config), plus what only the run config needs.
 
 A section declares a field's rule next to its default and help string (`_f(..., rule=AT_LEAST_1)` in
-sections.py); `check_fields` runs them from the section's `__post_init__`, and the loader runs the
-one rule of an overridden key so the error names the override. A value the loader's type check lets
-through but the run cannot use (a batch size of 0, a NaN learning rate, a top_p of 0) is thus refused
-in a fraction of a second, naming the key, the value and what is allowed, instead of failing after
-minutes of imports and model loading. A `None` passes every rule: whether a field may be null is its
-type's business, which the loader checks.
-
-Plain Python only (no torch): rlspec.config stays light.
+sections.py); `check_fields` runs them from the section's `__post_init__`, and the loader runs the one rule of an
+overridden key so the error names the override. Plain Python only (no torch): rlspec.config stays light.
 """
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import math
-import os
-import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from rlspec.rollout.rules import (  # noqa: F401  (re-exported: the config's sections and loader read them here)
+    AT_LEAST_0, AT_LEAST_1, DEVICE, DIRECTORY, FINITE, FRACTION, NON_EMPTY, NON_NEGATIVE, POSITIVE, SEED, SEED_MAX,
+    STEPS, UNIT, Rule, at_least, check_fields, closed, field_rule, names_list, registered, subset_of)
 
 # the embedded_math dataset's operators (trainers/data.py's _TEMPLATES, which imports `datasets`; a test keeps
 # the two equal)
 MATH_OPS = ("+", "-", "*")
-SEED_MAX = 2**32 - 1  # numpy's seeds (transformers.set_seed, datasets' shuffle) are 32-bit unsigned
-
-
-@dataclass(frozen=True)
-class Rule:
-    """A field's allowed values: `allowed` is what the error message says is allowed (a function when it
-    is read at check time, e.g. a registry's names)."""
-
-    allowed: str | Callable[[], str]
-    test: Callable[[Any], bool]
-    detail: Callable[[Any], str] | None = None  # what exactly is wrong with a refused value, if more is to say
-
-    def text(self) -> str:
-        return self.allowed() if callable(self.allowed) else self.allowed
-
-    def problem(self, value: Any) -> str | None:
-        """None when `value` is allowed, else 'must be <allowed>, got <value>'."""
-        if value is None:
-            return None
-        try:
-            ok = bool(self.test(value))
-        except (TypeError, ValueError, AttributeError):  # a value of the wrong type, built directly rather than loaded
-            ok = False
-        if ok:
-            return None
-        return f"must be {self.text()}, got {value!r}" + (f": {self.detail(value)}" if self.detail else "")
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def at_least(n: int, why: str = "") -> Rule:
-    return Rule(f">= {n}{f' ({why})' if why else ''}", lambda v: v >= n)
-
-
-def closed(lo: float, hi: float, why: str = "") -> Rule:
-    return Rule(f"in [{lo}, {hi}]{f' ({why})' if why else ''}", lambda v: _finite(v) and lo <= v <= hi)
-
-
-AT_LEAST_1 = at_least(1)
-AT_LEAST_0 = at_least(0)
-POSITIVE = Rule("a finite number > 0", lambda v: _finite(v) and v > 0)
-NON_NEGATIVE = Rule("a finite number >= 0", lambda v: _finite(v) and v >= 0)
-FINITE = Rule("a finite number", _finite)
-FRACTION = Rule("in (0, 1]", lambda v: _finite(v) and 0 < v <= 1)
-UNIT = closed(0, 1)
-STEPS = Rule("-1 (run num_train_epochs) or >= 1", lambda v: v == -1 or v >= 1)
-SEED = Rule(f"in [0, {SEED_MAX}]", lambda v: 0 <= v <= SEED_MAX)
-NON_EMPTY = Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
-DIRECTORY = Rule("an existing directory", lambda v: NON_EMPTY.test(v) and os.path.isdir(os.path.expanduser(v)))
-DEVICE = Rule("a torch device such as cpu, cuda or cuda:1", lambda v: re.fullmatch(r"[a-z]+(:\d+)?", v) is not None)
-
-
-def subset_of(choices: Iterable[str]) -> Rule:
-    """A non-empty list drawn from `choices`."""
-    names = tuple(choices)
-    return Rule(f"a non-empty list drawn from {list(names)}", lambda v: bool(v) and all(x in names for x in v))
-
-
-def registered(concept: str, names: Callable[[], Iterable[str]]) -> Rule:
-    """A name from a registry, read when checked (a plug-in registered by then counts)."""
-    return Rule(lambda: f"a registered {concept}: {', '.join(sorted(names()))}", lambda v: v in set(names()))
-
-
-def names_list(concept: str, names: Callable[[], Iterable[str]]) -> Rule:
-    """A non-empty list of distinct names from a registry read when checked; a refused list is explained
-    by its first wrong name and the nearest valid one."""
-    def ok(v: list) -> bool:
-        return bool(v) and len(set(v)) == len(v) and set(v) <= set(names())
-
-    def detail(v: list) -> str:
-        for i, name in enumerate(v):
-            if name not in set(names()):
-                close = difflib.get_close_matches(str(name), sorted(names()), n=1, cutoff=0.5)
-                return f"{name!r} is not one" + (f"; did you mean {close[0]!r}?" if close else "")
-            if name in v[:i]:
-                return f"{name!r} is named twice"
-        return "name at least one"
-
-    return Rule(lambda: f"a non-empty list of distinct {concept}: {', '.join(sorted(names()))}", ok, detail)
-
-
-def field_rule(cls: Any, name: str) -> Rule | None:
-    """The rule of field `name` of dataclass `cls`: its `rule` metadata, else the class's `RULES` entry
-    (rules a subclass adds to fields it inherits, e.g. DrafterSection over SpecConfig)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name and "rule" in f.metadata:
-            return f.metadata["rule"]
-    return getattr(cls, "RULES", {}).get(name)
-
-
-def check_fields(obj: Any) -> None:
-    """Raise ValueError('<field> must be <allowed>, got <value>') for the first field outside its rule;
-    the loader prefixes the section's name and the config's source."""
-    for f in dataclasses.fields(obj):
-        rule = field_rule(type(obj), f.name)
-        problem = rule.problem(getattr(obj, f.name)) if rule is not None else None
-        if problem:
-            raise ValueError(f"{f.name} {problem}")

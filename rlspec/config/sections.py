@@ -14,9 +14,7 @@ from typing import Any, ClassVar, Literal
 from rlspec.config.ranges import (
     AT_LEAST_0,
     AT_LEAST_1,
-    DEVICE,
     DIRECTORY,
-    FINITE,
     FRACTION,
     MATH_OPS,
     NON_EMPTY,
@@ -267,17 +265,9 @@ class DrafterSection(SpecConfig):
     warm_start_prompts: int = _f(64, "eagle3/auto: how many of the run's prompts the warm-up samples",
                                  rule=AT_LEAST_1)
 
-    # rules for the SpecConfig fields whose own checks (rollout/types.py) leave these values through
-    RULES: ClassVar[dict[str, Rule]] = dict(
-        drafter_path=DIRECTORY, max_spec_batch=AT_LEAST_1, draft_vocab_size=AT_LEAST_1, trainer_device=DEVICE,
-        route_threshold=FINITE,
-        step_source=Rule("eagle3, suffix, ngram or draft_model=<local dir>",
-                         lambda v: v in ("eagle3", "suffix", "ngram") or v.startswith("draft_model=")),
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_fields(self)
+    # the SpecConfig fields' rules are declared on SpecConfig (rollout/types.py) and checked by its __post_init__,
+    # for the Python API and this section alike; a run config's drafter comes from disk, so it must exist
+    RULES: ClassVar[dict[str, Rule]] = dict(drafter_path=DIRECTORY)
 
 
 @dataclass

@@ -4,43 +4,20 @@ cost(B, T): seconds of one target forward over B live sequences with T new token
 a short calibration (a few dummy forwards per batch bucket), then kept current by an exponential
 moving average of every real step. Acceptance is tracked per drafter as a geometric model:
 a = P(next draft accepted | the previous one was), the maximum-likelihood estimate from
-accepted counts and the number of verifies that stopped on a rejection.
+accepted counts and the number of verifies that stopped on a rejection. Both are kept in the speculation
+ledger (ledger.py), which alone writes them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
 from rlspec.rollout.runtime.device import DeviceTimer
+from rlspec.rollout.speculation.buckets import bucket, reachable_buckets
 
 EMA = 0.2  # weight of a new observation
 ACCEPT_DECAY = 0.98  # old acceptance evidence fades by this per observed verify
-
-
-def bucket(batch: int) -> int:
-    """Batch-size bucket: the next power of two (1, 2, 4, ...)."""
-    b = 1
-    while b < batch:
-        b *= 2
-    return b
-
-
-def buckets(max_batch: int) -> list[int]:
-    """The buckets 1, 2, 4, ... up to max_batch (what calibration times)."""
-    out, b = [], 1
-    while b <= max_batch:
-        out.append(b)
-        b *= 2
-    return out
-
-
-def reachable_buckets(rows: int) -> list[int]:
-    """The buckets live batches of 1..rows fall in: buckets(rows), and bucket(rows) when rows is no power of
-    two (60 rows reach bucket 64, whose costs calibration then times at 60 rows)."""
-    out = buckets(rows)
-    return out if bucket(rows) in out else out + [bucket(rows)]
 
 
 def step_width(drafted: list[int]) -> int:
@@ -49,11 +26,6 @@ def step_width(drafted: list[int]) -> int:
     model-free drafter finding fewer matches, none at all), making verifies look cheap and, with no drafts,
     leaving the plain-step cost the rewards divide by unrefreshed (docs/selectors.md)."""
     return 1 + max(drafted, default=0)
-
-
-def nearest_bucket(known, b: int) -> int:
-    """The bucket of `known` closest to b in log2 distance (an unmeasured bucket borrows its figures)."""
-    return min(known, key=lambda bb: abs(math.log2(bb) - math.log2(b)))
 
 
 @dataclass
@@ -103,7 +75,7 @@ class CostModel:
 
         Only anchors: the smallest and largest T and one in between; `cost` interpolates the
         rest along T, and real steps replace the guesses (EMA) as soon as an arm runs. Timing
-        every size of a bandit's arm set at every bucket took ~17 s per engine on 2 CPU cores. Returns the
+        every size of a bandit's arm set at every bucket was most of an engine's start. Returns the
         entries it timed. Each anchor is timed between two device synchronisations (runner.synchronize;
         runtime/device.py): a CUDA step returns when its replay is queued, so an unsynchronised timer measured
         the launch and charged each anchor with the previous shape's kernels."""
@@ -133,17 +105,6 @@ class AcceptanceTracker:
     accepts: float = 0.0
     rejects: float = 0.0
     drafted_share: float = 1.0  # EMA of the share of sequences that received a non-empty draft
-
-    def observe(self, drafted: list[int], accepted: list[int]) -> None:
-        # decay old evidence so the estimate follows a policy (and drafter) that keeps changing
-        self.accepts *= ACCEPT_DECAY
-        self.rejects *= ACCEPT_DECAY
-        for n, a in zip(drafted, accepted):
-            if n > 0:
-                self.accepts += a
-                self.rejects += 1 if a < n else 0
-        share = sum(1 for n in drafted if n > 0) / max(len(drafted), 1)
-        self.drafted_share = (1 - EMA) * self.drafted_share + EMA * share
 
     def state_dict(self) -> dict:
         return asdict(self)

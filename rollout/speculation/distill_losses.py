@@ -30,6 +30,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rlspec.rollout.registry import DRAFTER_LOSSES
+
 
 @dataclass
 class DraftTarget:
@@ -43,20 +45,13 @@ class DraftTarget:
 
 
 LossFn = Callable[[torch.Tensor, DraftTarget], tuple[torch.Tensor, torch.Tensor]]
-LOSSES: dict[str, LossFn] = {}
-
-
-def register(name: str):
-    def deco(fn: LossFn) -> LossFn:
-        LOSSES[name] = fn
-        return fn
-    return deco
+LOSSES = DRAFTER_LOSSES  # name -> LossFn, the one registry of drafter losses (rollout/registry.py)
+register = LOSSES.register
 
 
 def get_loss(name: str) -> LossFn:
-    if name not in LOSSES:
-        raise ValueError(f"unknown drafter loss {name!r}; choose one of {sorted(LOSSES)}")
-    return LOSSES[name]
+    """The loss registered as `name` (ValueError naming every registered loss otherwise)."""
+    return LOSSES.get(name)
 
 
 def draft_target(ids: torch.Tensor, probs: torch.Tensor, rest: torch.Tensor, has: torch.Tensor,

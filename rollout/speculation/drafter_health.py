@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlspec.rollout.speculation.ledger import Window
+
 log = logging.getLogger(__name__)
 
 # name -> (numel, sum, sum of squares, the tensor's dtype epsilon: how far rounding alone may move the sums)
@@ -82,7 +84,7 @@ class DrafterHealth:
         self.cfg, self.backend = cfg or HealthConfig(), backend
         self.on, self.reason, self.probing = True, None, False
         self._event = "the start"
-        self._window = [0, 0, 0]  # verifies, drafted, accepted since the last verdict or event
+        self._window = Window()  # the backend's verifies since the last verdict or event (the ledger's record type)
         self._rollouts_off = 0
         self._probe_due = False
         self.counts = {"turned_off": 0, "recovered": 0, "bad_pushes": 0, "probes": 0}
@@ -98,13 +100,13 @@ class DrafterHealth:
             self._turn_off(f"drafter v{version} was not received intact ({detail})")
             return False
         self._event = f"drafter push v{version}"
-        self._window = [0, 0, 0]
+        self._window = Window()
         self._probe_due = not self.on  # a fresh drafter: try it at the next rollout
         return True
 
     def synced(self, policy_version: int) -> None:
         self._event = f"policy sync v{policy_version}"
-        self._window = [0, 0, 0]
+        self._window = Window()
 
     def speculate(self) -> bool:
         """Whether the next rollout speculates (a probe while off; always, where the config does not enforce)."""
@@ -114,19 +116,19 @@ class DrafterHealth:
         if self._probe_due or self._rollouts_off % self.cfg.probe_every == 0:
             self._probe_due, self.probing = False, True
             self.counts["probes"] += 1
-            self._window = [0, 0, 0]
+            self._window = Window()
         return self.probing or not self.cfg.enforce
 
     def observe(self, verifies: int, drafted: int, accepted: int) -> None:
         """The last rollout's speculation: verifies, drafted tokens, accepted tokens."""
         w = self._window
-        w[0], w[1], w[2] = w[0] + verifies, w[1] + drafted, w[2] + accepted
-        if w[0] < self.cfg.min_verifies or w[1] == 0:
+        w.add(verifies, drafted, accepted)
+        if w.verifies < self.cfg.min_verifies or w.drafted == 0:
             return  # a probe too short to judge stays open for the next rollout
-        rate = w[2] / w[1]
+        rate = w.accepted / w.drafted
         self.last_accept = rate
-        n = w[0]
-        self._window = [0, 0, 0]
+        n = w.verifies
+        self._window = Window()
         if self.probing:
             self.probing = False
             if rate >= self.cfg.floor:

@@ -10,6 +10,11 @@ Hooks fan out: bookkeeping reaches every drafter, a proposal goes to the drafter
 names, and the learned drafter (at most one: it needs the target's hidden states and a KV layer of
 its own) also receives features and the call's sampling state.
 
+Whether a step speculates is decided in one place, `Decision` (decide.py): the forced arm, drafter health,
+max_spec_batch, the selector's pick, the loss guard and the gates, with the stage that settled each step counted
+as strategy/reason/<stage>. What steps cost and saved is the selector's ledger (ledger.py), which the rollout
+metrics (plain step time, drafting cost, acceptance per drafter, seconds saved) are read from.
+
 The selector hears what says whether the learned drafter can pay before it plays (`_feed_gate`,
 selectors/gate.py): its trainer's acceptance estimate of each published version, or, for weights that
 arrived from elsewhere (warm-start cache, a checkpoint's drafter), that they are trusted.
@@ -23,11 +28,13 @@ import torch
 
 from rlspec.rollout.speculation.calibration_cache import calibration_key, load_table, save_table
 from rlspec.rollout.speculation.checkpoint import mismatch
-from rlspec.rollout.speculation.cost_model import reachable_buckets
+from rlspec.rollout.speculation.buckets import reachable_buckets
+from rlspec.rollout.speculation.decide import Decision
 from rlspec.rollout.speculation.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
 from rlspec.rollout.registry import DRAFTERS, SELECTORS
+from rlspec.rollout.metrics import ledger_metrics
+from rlspec.rollout.speculation.selectors.always import AlwaysSelector
 from rlspec.rollout.speculation.selectors.base import OFF, Arm, Selector, arm_key, arm_of
-from rlspec.rollout.speculation.selectors.forced import ForcedSelector
 from rlspec.rollout.types import SpecConfig
 
 
@@ -35,13 +42,13 @@ from rlspec.rollout.types import SpecConfig
 # the online trainer (a few optimizer steps each) or a warm start before any speculation was
 # measured; the selector's change detector catches a version whose acceptance moved far. Dropping
 # all evidence at every version (the old rule) reset the drafter to the selector's a = 0.5 prior at
-# every RL step of a GRPO run (bench_out/grpo_auto_cached.json: expected speedups of 1.5-3.3x
-# while rollouts ran at 0.61x of plain decoding).
+# every RL step of a GRPO run (docs/selectors.md).
 UPDATE_KEEP = 0.5
 
 
 class Speculation:
-    def __init__(self, drafters: dict[str, Drafter], selector: Selector, trainer=None):
+    def __init__(self, drafters: dict[str, Drafter], selector: Selector, trainer=None,
+                 max_spec_batch: int | None = None):
         self.by_name = drafters
         self.selector = selector
         learned = [d for d in drafters.values() if isinstance(d, LearnedDrafter)]
@@ -54,7 +61,7 @@ class Speculation:
         self._seen_version = self.version()
         self._gate_version = self.version()  # the drafter version the selector's gate last heard of
         self._admitted = None  # the trainer's (version, estimate) last handed to the selector
-        self._forced: Arm | None = None  # see force()
+        self.decision = Decision(speculating=bool(drafters), max_spec_batch=max_spec_batch)
 
     def attach_trainer(self, trainer):
         """Make `trainer` (a DrafterTrainer of the learned drafter, or a ProcessTrainer running one in
@@ -87,7 +94,7 @@ class Speculation:
 
     @classmethod
     def off(cls) -> "Speculation":
-        return cls({}, ForcedSelector(OFF))
+        return cls({}, AlwaysSelector(OFF))
 
     # ---- what the set holds ------------------------------------------------------------------
     @property
@@ -113,7 +120,8 @@ class Speculation:
 
     @property
     def max_nodes(self) -> int:
-        return max(self.selector.max_nodes, self._forced.nodes if self._forced is not None else 0)
+        forced = self.decision.forced
+        return max(self.selector.max_nodes, forced.nodes if forced is not None else 0)
 
     def version(self) -> int:
         return self.learned.version if self.learned is not None else 0
@@ -132,18 +140,23 @@ class Speculation:
             d.begin(groups)
 
     def choose(self, batch: int) -> Arm:
-        return self._forced if self._forced is not None else self.selector.choose(batch)
+        """The arm of the next decode step of `batch` live rows (decide.py says why)."""
+        return self.decision.decide(self.selector, batch)
 
     def force(self, arm: Arm | None) -> None:
         """Use `arm` on every step from now on, whatever the selector would choose (OFF: decode plainly
         while a learned drafter still captures features, e.g. to collect training data); None hands
         the choice back. The selector keeps observing every step."""
-        self._forced = arm
+        self.decision.forced = arm
+
+    def set_healthy(self, healthy: bool) -> None:
+        """Drafter health's verdict (drafter_health.py): False decodes plainly until it is True again."""
+        self.decision.healthy = healthy
 
     @contextlib.contextmanager
     def forced(self, arm: Arm):
         """force(arm) for the duration of a `with` block."""
-        before = self._forced
+        before = self.decision.forced
         self.force(arm)
         try:
             yield
@@ -261,9 +274,15 @@ class Speculation:
             save_table(key, {**cached, **costs.calibrate(runner, rows, sizes, context=ctx, skip=skip)})
 
     def metrics(self, stats: dict[str, float], policy_version: int) -> dict[str, float]:
+        """The selector's strategy/* metrics, the decision's reason counts and the ledger's rollout figures since
+        the last call (plain step time, drafting cost and acceptance per drafter, seconds saved)."""
         out = dict(self.selector.metrics())
+        out.update(self.decision.metrics())
+        ledger = getattr(self.selector, "ledger", None)
+        if ledger is not None:
+            out.update(ledger_metrics(ledger.take_window()))
         if self.learned is not None:
-            out["drafter/accept_len"] = stats.get(f"rollout/accept_len/{self.learned.name}", 1.0)
+            out["drafter/accept_len"] = out.get(f"rollout/accept_len/{self.learned.name}", 1.0)
         if self.trainer is not None:
             out.update(self.trainer.metrics(policy_version))
         return out
@@ -287,7 +306,8 @@ class Speculation:
         trainer = self.trainer.state_dict() if self.trainer is not None else None
         return {"format": STATE_FORMAT, "drafters": {n: _state_of(d) for n, d in self.by_name.items()},
                 "selector": _state_of(self.selector), "trains": self.trainer is not None, "trainer": trainer,
-                "seen_version": self._seen_version, "forced": None if self._forced is None else arm_key(self._forced)}
+                "seen_version": self._seen_version,
+                "forced": None if self.decision.forced is None else arm_key(self.decision.forced)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from state_dict() of an engine built the same way: after it, generate() gives what
@@ -309,7 +329,7 @@ class Speculation:
         self._gate_version = self.version()
         estimate = getattr(self.trainer, "acceptance_estimate", None)
         self._admitted = estimate() if estimate is not None else None
-        self._forced = None if state["forced"] is None else arm_of(state["forced"])
+        self.decision.forced = None if state["forced"] is None else arm_of(state["forced"])
 
     def _misfits(self, state: dict) -> list[str]:
         """What differs between a saved state and this object's configuration, one line each."""
@@ -357,7 +377,8 @@ def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None) -
     # "auto" means choosing among drafters per batch: the fixed policy has one drafter, so auto is adaptive
     selector_name = "adaptive" if spec.drafter == "auto" and spec.selector == "fixed" else spec.selector
     learned_names = (learned.name,) if learned is not None else ()
-    return Speculation(drafters, SELECTORS.build(selector_name, spec, list(drafters), learned_names), trainer)
+    return Speculation(drafters, SELECTORS.build(selector_name, spec, list(drafters), learned_names), trainer,
+                       max_spec_batch=spec.max_spec_batch)
 
 
 def trains_online(spec: SpecConfig, target) -> bool:

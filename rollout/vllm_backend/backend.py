@@ -1,7 +1,7 @@
 """VLLMBackend: the RolloutBackend protocol on an in-process vLLM `LLM` (colocated, like TRL's colocate mode).
 
 What rlspec keeps when vLLM decodes (docs/vllm_backend.md):
-- the speculation policy: SpecConfig maps to vLLM's speculative_config (spec_map.py); the long-tail
+- the speculation policy: SpecConfig maps to vLLM's speculative_config (spec_map.py); the fixed
   selector becomes vLLM's per-batch-size depth table, from step costs (depth.py);
 - the learned drafter: the host (host.py) owns the network and its trainer, no copy of the policy; the
   trainer's own pass over vLLM's rollouts feeds it (drafter_intake, trainers/drafter_feed.py), the warm

@@ -1,6 +1,6 @@
-"""The long-tail selector's choice as vLLM's per-batch-size depth table, from step costs.
+"""The fixed selector's choice as vLLM's per-batch-size depth table, from step costs.
 
-rlspec's long-tail selector (docs/selectors.md#long-tail-selector) speculates at depth d when
+rlspec's fixed selector (docs/selectors.md#fixed-selector) speculates at depth d when
     gain(B, d) = E[tokens | d] / (cost(B, 1 + d) / cost(B, 1)),   E[tokens | d] = sum_{i=0..d} a^i,
 is largest and above 1.05 (its switch-on threshold). vLLM fixes a schedule when it starts, so the
 rule is evaluated once per batch-size bucket (spec_map.depth_table) instead of once per step.
@@ -18,7 +18,7 @@ from rlspec.rollout.vllm_backend.spec_map import DepthTable, depth_table
 # cost(batch, tokens per row) -> seconds of one target forward of `batch` rows with that many new tokens each
 CostFn = Callable[[int, int], float]
 
-SPECULATE_ABOVE = 1.05  # the long-tail selector's switch-on gain (selectors/longtail.py, 1 + HYSTERESIS)
+SPECULATE_ABOVE = 1.05  # the fixed selector's switch-on gain (selectors/fixed.py, 1 + HYSTERESIS)
 PRIOR_ACCEPTANCE = 0.5  # the selector's prior before any verify was measured (cost_model.AcceptanceTracker)
 
 

@@ -1,7 +1,7 @@
-"""SpecConfig -> vLLM's speculative_config, and the long-tail policy as vLLM's per-batch-size depth table.
+"""SpecConfig -> vLLM's speculative_config, and the fixed selector's policy as vLLM's per-batch-size depth table.
 
 Plain Python (no vLLM, no torch at import), so the mapping is checked in the main environment too.
-The maths of the table is the long-tail selector's (docs/selectors.md#long-tail-selector) evaluated
+The maths of the table is the fixed selector's (docs/selectors.md#fixed-selector) evaluated
 once per batch-size bucket instead of once per decode step (docs/vllm_backend.md#the-depth-table).
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def depth_table(choose, max_batch: int, max_spec_batch: int | None = None) -> De
     """The depth each batch-size bucket gets: choose(batch) -> depth at the bucket's largest batch, for
     buckets 1, 2, 4, ... (the cost model's own buckets, rollout/speculation/cost_model.py), merged where equal.
 
-    choose: e.g. `lambda b: selector.choose(b).depth` of a calibrated LongTailSelector. Above
+    choose: e.g. `lambda b: selector.choose(b).depth` of a calibrated FixedSelector. Above
     max_spec_batch (the user's cap) the depth is 0 whatever the costs say."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -83,7 +83,7 @@ def speculative_config(spec: SpecConfig, drafter_dir: str | None = None,
                        table: DepthTable | None = None) -> dict | None:
     """vLLM's speculative_config for `spec` (None: no speculation).
 
-    drafter_dir: the exported EAGLE-3 directory (eagle3 only). table: the long-tail depth table
+    drafter_dir: the exported EAGLE-3 directory (eagle3 only). table: the fixed selector's depth table
     (selector fixed); without it every step drafts num_draft_tokens (selector always)."""
     check_supported(spec)
     if not spec.enabled:

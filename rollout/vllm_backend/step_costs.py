@@ -16,14 +16,14 @@ steps = verify steps per request, from vLLM's draft counter (drafts / B) when d 
 
 Acceptance: vLLM counts accepted drafts per position; a = accepted at position 0 / drafts is the
 per-token acceptance of the geometric model the engine's selectors use (docs/selectors.md); the
-table for it is depth.py's (the long-tail selector's gain per batch bucket) over these costs.
+table for it is depth.py's (the fixed selector's gain per batch bucket) over these costs.
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 
-from rlspec.rollout.speculation.cost_model import buckets
+from rlspec.rollout.speculation.buckets import reachable_buckets
 from rlspec.rollout.vllm_backend.depth import PRIOR_ACCEPTANCE, depth_table_from_costs
 from rlspec.rollout.vllm_backend.spec_map import DepthTable
 from rlspec.rollout.vllm_backend.weights import spec_counters
@@ -76,7 +76,7 @@ def measure(llm, max_batch: int, depths: list[int], prompt: list[int], lengths: 
     depth in `depths` (0 included). See the module docstring."""
     from vllm import SamplingParams
 
-    batches = sorted(set(buckets(max_batch)) | {max_batch})
+    batches = sorted({b for b in reachable_buckets(max_batch) if b <= max_batch} | {max_batch})
     table: dict[tuple[int, int], float] = {}
     for depth in sorted(set(depths) | {0}):
         with forced_depth(llm, depth):

@@ -1,6 +1,7 @@
 """The workers' engine metrics merged into one dict with the engine's names (what trainers log).
 
-Counts add up across workers, peaks take the largest, and rates are averaged weighted by each
+Counts (decode steps, strategy/reason/<stage> steps, ...) and seconds saved add up across workers (each worker's
+rollout/spec_saved_s is its own decode time saved), peaks take the largest, and rates are averaged weighted by each
 worker's share of the samples (a worker that ran one short task should not weigh as much as one
 that ran ten). Throughput is the pool's: tokens of every worker over the wall time of the calls
 (rollout/time_s), with each worker's own busy time kept as rollout/worker_busy_s.
@@ -10,7 +11,8 @@ from __future__ import annotations
 import rlspec.rollout.metrics as M
 
 SUMMED = (M.GENERATED_TOKENS, M.NUM_SEQUENCES, M.DECODE_STEPS, M.PREEMPTIONS,
-          M.KV_SHARED_BLOCKS, "drafter/shipped_samples", "drafter/shipped_tokens")
+          M.KV_SHARED_BLOCKS, M.SPEC_SAVED_S, "drafter/shipped_samples", "drafter/shipped_tokens")
+SUMMED_PREFIXES = ("strategy/reason/",)  # steps each decision stage settled: counts
 PEAKS = (M.MAX_LEN, M.KV_BLOCKS_USED, M.KV_CACHE_MB, M.KV_BLOCKS_TOTAL,
          M.GRAPH_POOL_MB, M.POLICY_VERSION)
 
@@ -22,7 +24,7 @@ def merge_stats(per_worker: list[dict[str, float]], wall_s: float) -> dict[str, 
     out: dict[str, float] = {}
     for k in keys:
         vals = [(w[k], wt) for w, wt in zip(per_worker, weights) if k in w]
-        if k in SUMMED:
+        if k in SUMMED or k.startswith(SUMMED_PREFIXES):
             out[k] = sum(v for v, _ in vals)
         elif k in PEAKS:
             out[k] = max(v for v, _ in vals)

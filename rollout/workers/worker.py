@@ -92,9 +92,7 @@ class RolloutWorker:
 
     def set_speculation(self, on: bool) -> bool:
         """Speculate (the selector chooses) or decode plainly (drafter health turned speculation off)."""
-        from rlspec.rollout.speculation.selectors.base import OFF
-
-        self.engine.speculation.force(None if on else OFF)
+        self.engine.speculation.set_healthy(on)
         return on
 
     def spec_counts(self) -> list[int]:

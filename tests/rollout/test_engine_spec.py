@@ -21,7 +21,7 @@ def spec_engine(hf, drafter, width=1, k=4, **kw):
 
 
 def _arm(eng):
-    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.speculation.selectors.base import Arm
 
     return Arm("scripted", eng.spec.num_draft_tokens, eng.spec.tree_width)
 

@@ -119,7 +119,7 @@ def test_one_transfer_per_step_finite_check_included(monkeypatch):
 def test_penalty_adds_no_transfer(monkeypatch):
     """A repetition penalty under speculation (chains of scripted drafts, every step) still makes one
     transfer per prefill and per decode step: histories are marked and read on the device."""
-    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.speculation.selectors.base import Arm
     from tests.conftest import TINY_VOCAB
     from tests.rollout.spec_helpers import ScriptedDrafter
 

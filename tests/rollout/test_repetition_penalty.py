@@ -32,7 +32,7 @@ def engine(hf, drafter=None, width=1, **kw) -> RolloutEngine:
                                                    max_spec_batch=10_000)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], drafter=drafter, **kw)
     if drafter is not None:
-        from rlspec.rollout.speculation.selectors.longtail import Arm
+        from rlspec.rollout.speculation.selectors.base import Arm
 
         eng.speculation.force(Arm("scripted", 4, width))  # every step speculates
     return eng

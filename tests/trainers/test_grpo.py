@@ -87,7 +87,7 @@ def test_speculation_on_keeps_trl_importance_ratio_at_one(tiny_llama, char_token
     so rejections and residual resampling happen all the time), TRL's recomputed logprobs still
     equal ours, so its importance ratio stays 1 as with speculation off."""
     from rlspec.rollout.engine import RolloutEngine
-    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.speculation.selectors.base import Arm
     from rlspec.rollout.types import SpecConfig
     from tests.rollout.spec_helpers import ScriptedDrafter
 

@@ -17,7 +17,7 @@ def test_trl_importance_ratio_moves_exactly_on_lossy_tokens(tiny_llama, char_tok
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.lossy.judge import JUDGE, TARGET
     from rlspec.rollout.runtime.model import loader
-    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.speculation.selectors.base import Arm
     from rlspec.rollout.types import SpecConfig
     from tests.rollout.spec_helpers import ScriptedDrafter
 

@@ -27,7 +27,7 @@ def test_min_p_penalty_and_generation_kwargs_reach_the_engine(tiny_llama, char_t
     what TRL recomputes (docs/verification.md#logprobs)."""
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.runtime.model import loader
-    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.speculation.selectors.base import Arm
     from rlspec.rollout.types import SpecConfig
     from tests.rollout.spec_helpers import ScriptedDrafter
 

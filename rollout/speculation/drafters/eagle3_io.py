@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from rlspec.rollout.dtypes import as_dtype  # noqa: F401  (re-exported)
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -51,20 +52,6 @@ META_FILE = "rlspec_drafter.json"
 FORMAT_VERSION = 1
 # tensors a third-party EAGLE-3 checkpoint may carry that we neither need nor train
 IGNORED_TENSORS = ("embed_tokens.weight", "t2d")
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-
-
-def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch dtype from a torch dtype or a name ("bfloat16", "bf16", "float16", "float32", ...)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).removeprefix("torch.").lower()
-    if key not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
-    return DTYPES[key]
-
-
 def expected_shapes(c: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every floating-point tensor in the file (d2t is handled apart)."""
     H, I, q, kv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

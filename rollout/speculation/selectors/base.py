@@ -7,10 +7,13 @@ cost and how much was accepted. The maths of each selector is in docs/selectors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rlspec.rollout.speculation.cost_model import CostModel
 from rlspec.rollout.registry import SELECTORS  # noqa: F401  (re-exported for selector modules)
+
+if TYPE_CHECKING:
+    from rlspec.rollout.speculation.ledger import Ledger
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,13 @@ def check_selector_state(state: dict, kind: str, shape, shape_name: str) -> None
 
 class Selector(Protocol):
     """Everything the engine calls on a selector. Optional, called when present: `admit(drafter, rate)`
-    (evidence for a learned drafter's gate, selectors/gate.py) and `begin_call()` (a generate call
-    starts: per-call metrics such as strategy/regret restart)."""
+    (evidence for a learned drafter's gate, selectors/gate.py), `begin_call()` (a generate call starts:
+    per-call metrics such as strategy/regret restart), and for the decision pipeline (decide.py) `forced` (an
+    arm for every step), `guard` (a LossGuard over the selector's ledger), `gated()` (the gates leave no
+    speculative arm) and `overruled(arm)` (the pipeline played `arm` instead of the pick)."""
 
-    costs: CostModel  # measured forward costs per (batch bucket, tokens per row); the engine calibrates it
+    ledger: Ledger  # what steps cost and saved (ledger.py); `observe` records each step in it once
+    costs: CostModel  # the ledger's forward costs per (batch bucket, tokens per row); the engine calibrates it
 
     @property
     def max_nodes(self) -> int:
@@ -86,7 +92,8 @@ class Selector(Protocol):
 
     def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                 drafted: list[int], accepted: list[int]) -> None:
-        """What the step cost (verify forward, drafting) and what each row drafted and accepted."""
+        """What the step cost (verify forward, drafting) and what each row drafted and accepted: recorded in the
+        ledger (`self.ledger.record(...)`), then whatever the selector learns from it."""
 
     def reset_acceptance(self, drafter: str, keep: float = 0.0) -> None:
         """The drafter's weights changed: acceptance measured on the old weights is stale. keep: the

@@ -11,8 +11,8 @@ The gate keeps such a drafter out of the arm set until something says it can pay
 - weights from elsewhere (`SpecConfig.drafter_path`, the warm-start cache; `admit(None)`): trusted,
   judged by the selector's usual prior as before;
 - the engine's own measurements once it plays: after `GATE_TRIALS` measured per-token trials since
-  the last estimate, the tracker's rate (mostly measured by then) decides, so the gate closes again
-  when measured acceptance falls.
+  the last estimate (the ledger's count of the drafter's trials, less its count at the estimate), the
+  tracker's rate (mostly measured by then) decides, so the gate closes again when measured acceptance falls.
 
 With evidence, the gate is open while the drafter's best prior gain over the calibrated buckets
 exceeds 1 + GATE_MARGIN (computed by the selector: `best_gain(rate)`); a drafter with no evidence
@@ -21,12 +21,12 @@ not per step: the check evaluates every arm of the drafter at every calibrated b
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from rlspec.rollout.speculation.cost_model import AcceptanceTracker
 
-GATE_MARGIN = 0.05  # as the long-tail selector's hysteresis: break-even is no reason to draft
+GATE_MARGIN = 0.05  # as the fixed selector's hysteresis: break-even is no reason to draft
 GATE_TRIALS = 16.0  # measured per-token trials after which the engine's acceptance decides
 ESTIMATE_WEIGHT = 4.0  # the trainer's estimate counts as this many trials in the tracker's prior
 RECHECK_EVERY = 16  # selector steps between re-checks without new evidence
@@ -36,9 +36,23 @@ RECHECK_EVERY = 16  # selector steps between re-checks without new evidence
 class LearnedGate:
     trusted: bool = False  # weights from a trained directory or the warm-start cache
     estimate: float | None = None  # the trainer's estimated per-token acceptance of the current weights
-    measured: float = 0.0  # per-token trials the engine measured since the latest estimate
     open: bool = False
     checked_at: int = -RECHECK_EVERY  # selector step of the latest check
+    mark: float = 0.0  # the drafter's measured trials (the ledger's) when the latest estimate came
+    # the drafter's per-token trials measured so far: Ledger.trials, bound by the selector (bind)
+    trials: Callable[[], float] = field(default=lambda: 0.0, repr=False, compare=False)
+    _by_measure: bool = field(default=False, repr=False)  # measurements decided the latest check
+
+    def bind(self, ledger, drafter: str) -> "LearnedGate":
+        """Count the measured trials from `ledger`'s record of `drafter`."""
+        self.trials = lambda: ledger.trials.get(drafter, 0.0)
+        self.mark = self.trials()
+        return self
+
+    @property
+    def measured(self) -> float:
+        """Per-token trials the engine measured since the latest estimate."""
+        return self.trials() - self.mark
 
     @property
     def has_evidence(self) -> bool:
@@ -51,27 +65,22 @@ class LearnedGate:
             self.trusted, self.estimate = True, None
         else:
             self.estimate = min(max(float(rate), 0.0), 1.0)
-        self.measured = 0.0
+        self.mark = self.trials()
         self.checked_at = -RECHECK_EVERY  # check at the next step
         if tracker is not None:
             fresh = acceptance_tracker(self)
             tracker.prior_accepts, tracker.prior_rejects = fresh.prior_accepts, fresh.prior_rejects
 
-    def observed(self, trials: float) -> None:
-        """The engine measured `trials` per-token accepts + rejects of this drafter."""
-        before = self.measured
-        self.measured += trials
-        if before < GATE_TRIALS <= self.measured:
-            self.checked_at = -RECHECK_EVERY  # measurements take over now
-
     def check(self, step: int, best_gain: Callable[[], float]) -> bool:
-        """Re-decide when due; best_gain(): the drafter's highest prior gain over the calibrated buckets."""
-        if step - self.checked_at < RECHECK_EVERY:
+        """Re-decide when due (every RECHECK_EVERY steps, and at once when measurements take over);
+        best_gain(): the drafter's highest prior gain over the calibrated buckets."""
+        by_measure = self.measured >= GATE_TRIALS
+        if step - self.checked_at < RECHECK_EVERY and by_measure == self._by_measure:
             return self.open
-        self.checked_at = step
+        self.checked_at, self._by_measure = step, by_measure
         if not self.has_evidence:
             self.open = False
-        elif self.trusted and self.estimate is None and self.measured < GATE_TRIALS:
+        elif self.trusted and self.estimate is None and not by_measure:
             self.open = True  # a trained drafter: the selector's own prior and probes judge it, as before
         else:
             self.open = best_gain() > 1 + GATE_MARGIN
@@ -84,12 +93,15 @@ class LearnedGate:
         return ESTIMATE_WEIGHT * self.estimate, ESTIMATE_WEIGHT * (1 - self.estimate)
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        return {"trusted": self.trusted, "estimate": self.estimate, "measured": self.measured, "open": self.open,
+                "checked_at": self.checked_at}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore after the ledger it is bound to (the measured count is kept as an offset from its trials)."""
         self.trusted, self.open = bool(state["trusted"]), bool(state["open"])
         self.estimate = None if state["estimate"] is None else float(state["estimate"])
-        self.measured, self.checked_at = float(state["measured"]), int(state["checked_at"])
+        self.mark, self.checked_at = self.trials() - float(state["measured"]), int(state["checked_at"])
+        self._by_measure = self.measured >= GATE_TRIALS
 
 
 def acceptance_tracker(gate: LearnedGate | None) -> AcceptanceTracker:

@@ -12,7 +12,7 @@ import torch
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.speculation.calibration_cache import cache_file, calibration_key
-from rlspec.rollout.speculation.selectors.bandit import AdaptiveSelector
+from rlspec.rollout.speculation.selectors.adaptive import AdaptiveSelector
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.speculation.speculation import Speculation
 from rlspec.rollout.types import SamplingParams, SpecConfig

@@ -9,7 +9,7 @@ from rlspec.rollout.speculation.drafter_training import DrafterTrainer
 from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import kernels, loader
-from rlspec.rollout.speculation.selectors.longtail import Arm
+from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.law_helpers import one_thread  # noqa: F401  (fixture of the law tests)

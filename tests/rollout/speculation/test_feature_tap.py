@@ -15,7 +15,7 @@ from rlspec.rollout.speculation.feature_buffer import Dist
 from rlspec.rollout.padding import pad_rollouts
 from rlspec.rollout.speculation.feature_tap import FeatureTap, feed_pass, feed_results
 from rlspec.rollout.speculation.intake import TrainerIntake
-from rlspec.rollout.speculation.selectors.longtail import Arm
+from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import random_prompts
 

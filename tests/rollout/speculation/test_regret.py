@@ -8,7 +8,7 @@ import random
 import pytest
 
 from rlspec.rollout.speculation.selectors.base import OFF, Arm
-from rlspec.rollout.speculation.selectors.longtail import LongTailSelector
+from rlspec.rollout.speculation.selectors.fixed import FixedSelector
 from rlspec.rollout.speculation.selectors.regret import RegretLedger
 from tests.rollout.speculation.test_selector import World, calibrated, make
 
@@ -73,9 +73,9 @@ def test_a_selector_left_to_choose_has_little_regret():
     assert abs(sel.metrics()["strategy/regret"]) < 0.1, sel.metrics()["strategy/regret"]
 
 
-def test_the_long_tail_selector_reports_regret_too():
+def test_the_fixed_selector_reports_regret_too():
     world = World()
-    sel = LongTailSelector("suffix", 4)
+    sel = FixedSelector("suffix", 4)
     sel.costs = calibrated(world, [Arm("suffix", d) for d in sel.depths()])
     rng = random.Random(8)
     for _ in range(200):

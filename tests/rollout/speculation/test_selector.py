@@ -1,4 +1,5 @@
-"""AdaptiveSelector on a synthetic rollout (no model): known acceptance and costs, noisy measurements.
+"""AdaptiveSelector on a synthetic rollout (no model): known acceptance and costs, noisy measurements. Each step
+is decided as the engine decides it: through the decision pipeline (decide.py), which applies the loss guard.
 
 The world: a target forward over B sequences with T tokens each costs `base + slope * B * T`
 seconds (memory-bound at small B, compute-bound at large B), plus a Python overhead the calibration
@@ -13,11 +14,15 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rlspec.rollout.speculation.cost_model import AcceptanceTracker, CostModel, bucket
+from rlspec.rollout.speculation.buckets import bucket
+from rlspec.rollout.speculation.cost_model import AcceptanceTracker, CostModel
+from rlspec.rollout.speculation.decide import Decision
+from rlspec.rollout.speculation.ledger import Ledger
+from rlspec.rollout.speculation.selectors.adaptive import AdaptiveSelector
+from rlspec.rollout.speculation.selectors.always import AlwaysSelector
 from rlspec.rollout.speculation.selectors.arms import arm_name, default_arms, path_evidence
-from rlspec.rollout.speculation.selectors.bandit import AdaptiveSelector
-from rlspec.rollout.speculation.selectors.forced import ForcedSelector
-from rlspec.rollout.speculation.selectors.longtail import OFF, Arm, LongTailSelector
+from rlspec.rollout.speculation.selectors.base import OFF, Arm
+from rlspec.rollout.speculation.selectors.fixed import FixedSelector
 
 DRAFTERS = ["suffix", "ngram", "eagle3"]
 BATCHES = [1, 3, 12, 48]  # buckets 1, 4, 16, 64
@@ -56,7 +61,7 @@ class World:
         return max(arms, key=lambda a: self.true_speedup(a, B))
 
     def step(self, sel: AdaptiveSelector, B: int, rng: random.Random) -> Arm:
-        arm = sel.choose(B)
+        arm = decide(sel, B)
         jitter = lambda: max(0.2, rng.gauss(1.0, self.noise))  # noqa: E731
         drafted = [arm.nodes if arm.speculative else 0] * B
         accepted = [self._accepted(arm, rng) for _ in range(B)]
@@ -85,9 +90,18 @@ def calibrated(world: World, arms: list[Arm], max_batch: int = 64) -> CostModel:
     return costs
 
 
-def make(world: World, **kw) -> AdaptiveSelector:
+def make(world: World, max_spec_batch: int | None = None, **kw) -> AdaptiveSelector:
     arms = default_arms(DRAFTERS, max_depth=8)
-    return AdaptiveSelector(arms, costs=calibrated(world, arms), **kw)
+    sel = AdaptiveSelector(arms, ledger=Ledger(calibrated(world, arms)), **kw)
+    sel.decision = Decision(max_spec_batch=max_spec_batch)
+    return sel
+
+
+def decide(sel, B: int) -> Arm:
+    """The step's arm as the engine gets it (Speculation.choose): the selector's pick through the pipeline."""
+    if not hasattr(sel, "decision"):
+        sel.decision = Decision()
+    return sel.decision.decide(sel, B)
 
 
 def run(world: World, sel: AdaptiveSelector, steps: int, rng: random.Random, batches=BATCHES) -> dict:
@@ -183,7 +197,7 @@ def test_turns_speculation_off_where_verification_is_dear():
     """Compute-bound target: a verify of T tokens costs ~T plain steps, so no draft can pay."""
     world, rng = World(base=0.002, slope=0.001, accept={"suffix": 0.6, "ngram": 0.4, "eagle3": 0.3}), random.Random(6)
     sel = make(world)
-    assert sel.choose(48) == OFF  # the prior already says so
+    assert decide(sel, 48) == OFF  # the prior already says so
     picks = run(world, sel, 1500, rng, batches=[48])[64]
     assert Counter(picks[-300:])[OFF] >= 0.9 * 300
     assert sum(a != OFF for a in picks) <= 0.12 * len(picks)  # losing arms are barely tried
@@ -214,11 +228,11 @@ def test_probes_only_where_they_cost_little():
     which made a probe there under the old rule; at one row it costs 1.33."""
     world = World(base=0.002, slope=0.001)
     sel = make(world)
-    assert sel._relative(64, 2) > 1.6 and sel._relative(1, 2) < 1.6
+    assert sel.ledger.relative(64, 2) > 1.6 and sel.ledger.relative(1, 2) < 1.6
     assert max(sel._prior(a, 64, rate=1.0) for a in sel.arms if a.drafter == "suffix") > 1.0  # could win
     assert sel._probe_arm("suffix", 64, 1.0) is None
     arm = sel._probe_arm("suffix", 1, 1.0)
-    assert arm is not None and sel._steps_per_verify(arm, 1) <= 1.6
+    assert arm is not None and sel.ledger.steps_per_verify(arm, 1) <= 1.6
 
 
 def test_priors_pick_a_sensible_first_arm():
@@ -228,7 +242,7 @@ def test_priors_pick_a_sensible_first_arm():
     for name, a in world.accept.items():  # evidence as if measured earlier (e.g. a previous rollout)
         sel.acceptance[name] = AcceptanceTracker(accepts=200 * a, rejects=200 * (1 - a))
     for B in BATCHES:
-        first = sel.choose(B)
+        first = decide(sel, B)
         top = world.true_speedup(world.best(sel.arms, B), B)
         assert world.true_speedup(first, B) >= 0.85 * top, (B, arm_name(first), arm_name(world.best(sel.arms, B)))
 
@@ -236,8 +250,8 @@ def test_priors_pick_a_sensible_first_arm():
 def test_max_spec_batch_override_and_metrics():
     world = World()
     sel = make(world, max_spec_batch=8)
-    assert sel.choose(12) == OFF
-    arm = sel.choose(3)
+    assert decide(sel, 12) == OFF and sel.decision.reason == "max_spec_batch"
+    arm = decide(sel, 3)
     m = sel.metrics()
     assert sel.arms[int(m["strategy/arm"])] == arm
     assert 0.0 <= m["strategy/explore_share"] <= 1.0
@@ -287,11 +301,11 @@ def test_a_new_bucket_borrows_the_nearest_measured_drafting_cost():
     for b in (1, 8):
         costs.observe(b, 1, 0.05)
         costs.observe(b, 5, 0.06)
-    sel = AdaptiveSelector([arm], costs=costs)
-    assert sel._draft_relative(arm, 8) == 0.0  # never measured: free, so that it gets tried
+    sel = AdaptiveSelector([arm], ledger=Ledger(costs))
+    assert sel.ledger.draft_steps("eagle3", 8) == 0.0  # never measured: free, so that it gets tried
     free = sel._prior(arm, 8)
-    sel.draft_level[("eagle3", 1)] = 0.01  # seconds per draft level, measured at batch 1 only
-    assert abs(sel._draft_relative(arm, 8) - 0.01 * 4 / 0.05) < 1e-12
+    sel.ledger.draft_level[("eagle3", 1)] = 0.01  # seconds per draft level, measured at batch 1 only
+    assert abs(sel.ledger.draft_steps("eagle3", 8) * arm.depth - 0.01 * 4 / 0.05) < 1e-12
     assert sel._prior(arm, 8) < free
 
 
@@ -322,8 +336,8 @@ def test_online_updates_fade_acceptance_instead_of_restarting_from_the_prior():
 
 
 @pytest.mark.parametrize("make", [lambda: AdaptiveSelector([Arm("suffix", 4)]),
-                                  lambda: LongTailSelector("suffix", 4),
-                                  lambda: ForcedSelector(Arm("suffix", 4))], ids=["adaptive", "longtail", "forced"])
+                                  lambda: FixedSelector("suffix", 4),
+                                  lambda: AlwaysSelector(Arm("suffix", 4))], ids=["adaptive", "fixed", "always"])
 def test_a_steps_cost_is_filed_under_the_width_it_verified(make):
     """A k=4 arm whose drafts came short verified 3 tokens a row (2 drafted at most), and one with no draft
     at all ran a plain step: their seconds are the costs of T = 3 and T = 1, not of the arm's nominal 5."""
@@ -358,7 +372,7 @@ def _realized(world: World, sel: AdaptiveSelector, steps: int, B: int, rng: rand
     own costs: each step advances its rows by (accepted + 1) on average."""
     spent = plain = 0.0
     for _ in range(steps):
-        arm = sel.choose(B)
+        arm = decide(sel, B)
         drafted = [arm.nodes if arm.speculative else 0] * B
         accepted = [world._accepted(arm, rng) for _ in range(B)]
         seconds = world.forward(B, 1 + arm.nodes) + world.overhead
@@ -409,4 +423,5 @@ def test_the_loss_guard_state_survives_a_restore():
     run(world, sel, 300, rng, batches=[3])
     again = make(world)
     again.load_state_dict(sel.state_dict())
-    assert again.guard.state_dict() == sel.guard.state_dict() and sel.guard.plain_time > 0
+    assert again.guard.state_dict() == sel.guard.state_dict() and sel.ledger.plain_time > 0
+    assert (again.ledger.saved, again.ledger.plain_time) == (sel.ledger.saved, sel.ledger.plain_time)

@@ -11,9 +11,10 @@ import pytest
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.registry import SELECTORS
 from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.speculation.ledger import Ledger
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.speculation.selectors.gate import GATE_TRIALS, LearnedGate
-from rlspec.rollout.speculation.selectors.longtail import LongTailSelector
+from rlspec.rollout.speculation.selectors.fixed import FixedSelector
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.speculation.test_selector import DRAFTERS, World, calibrated, run
@@ -76,28 +77,36 @@ def test_trained_weights_from_a_directory_are_trusted_as_before():
     assert eagle3_share(picks) > 0.3
 
 
-def test_the_long_tail_selector_gates_a_learned_drafter_too():
+def test_the_fixed_selector_gates_a_learned_drafter_too():
     world = World(accept={"suffix": 0.3, "ngram": 0.2, "eagle3": 0.8})
     sel = SELECTORS.build("fixed", SpecConfig(drafter="eagle3", num_draft_tokens=4), ["eagle3"], ("eagle3",))
-    assert isinstance(sel, LongTailSelector) and sel.gate is not None
+    assert isinstance(sel, FixedSelector) and sel.gate is not None
     sel.costs = calibrated(world, [Arm("eagle3", d) for d in sel.depths()])
     rng = random.Random(4)
     assert {world.step(sel, 2, rng) for _ in range(200)} == {Arm("none")}
     sel.admit("eagle3", 0.8)
     assert sum(world.step(sel, 2, rng).speculative for _ in range(200)) > 150
     world.accept["eagle3"] = 0.0
-    for _ in range(200):
-        world.step(sel, 2, rng)
-    assert not sel.gate.open and not world.step(sel, 2, rng).speculative
+    for i in range(400):  # at live batches 1 and 2, where a one-level draft was closest to paying
+        world.step(sel, 1 + i % 2, rng)
+    assert sel.gate.measured >= GATE_TRIALS  # measurements decide
+    assert not sel.gate.open and not world.step(sel, 2, rng).speculative and not world.step(sel, 1, rng).speculative
 
 
-def test_gate_state_round_trips():
-    gate = LearnedGate(trusted=False)
+def test_gate_counts_the_ledgers_trials_and_its_state_round_trips():
+    """The gate's measured trials are the ledger's count of the drafter's since the latest estimate, not a count
+    of its own."""
+    ledger = Ledger()
+    gate = LearnedGate(trusted=False).bind(ledger, "eagle3")
+    ledger.record(Arm("eagle3", 4), 1, 0.01, 0.001, [4], [4])  # before the estimate: not counted
     gate.admit(0.4)
-    gate.observed(5.0)
-    back = LearnedGate()
+    ledger.record(Arm("eagle3", 4), 1, 0.01, 0.001, [4], [2])  # 2 accepted, then a rejection: 3 trials
+    assert gate.measured == 3.0 and ledger.trials["eagle3"] == 7.0
+    again = Ledger()
+    again.load_state_dict(ledger.state_dict())
+    back = LearnedGate().bind(again, "eagle3")
     back.load_state_dict(gate.state_dict())
-    assert back == gate
+    assert back == gate and back.measured == 3.0
 
 
 # ---- the engine ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.speculation.drafters.eagle3_io import load_eagle3
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config
-from rlspec.rollout.speculation.selectors.longtail import Arm
+from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.speculation.warm_start import cache_dir, cache_key, sample_positions, warm_start, weights_fingerprint
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts

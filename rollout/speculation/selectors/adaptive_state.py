@@ -1,28 +1,19 @@
 """The adaptive selector's state as plain Python values, for checkpoints (AdaptiveSelector.state_dict).
 
-Everything the bandit learned between generate() calls: the cost table, one acceptance tracker per
-drafter, per bucket the discounted arm statistics, benches and biases, the drafting costs, when
-each drafter was last seen, the change detector's recent evidence, the learned drafters' gates, the
-step counters and the last choice (for metrics). The regret ledger is per call and not saved. Arms become tuples (selectors.base.arm_key) and dicts become lists of pairs
-in insertion order, so that torch.load(weights_only=True) reads it back and a restored selector
-iterates exactly as the saved one did. The arm list itself is the state's "shape": a state only
-loads into a selector with the same arms (same drafters, num_draft_tokens, tree_width). The state's
-containers (AcceptanceBook, ArmStat, BucketState) live here, so the selector imports its state one way.
+Everything the bandit learned between generate() calls: its ledger (costs, acceptance, drafting, savings:
+ledger.py), per bucket the discounted arm statistics, benches and biases, when each drafter was last seen, the
+learned drafters' gates, the loss guard's settings, the step counters and the last choice (for metrics). The regret
+record is per call and not saved. Arms become tuples (selectors.base.arm_key) and dicts become lists of pairs in
+insertion order, so that torch.load(weights_only=True) reads it back and a restored selector iterates exactly as
+the saved one did. The arm list itself is the state's "shape": a state only loads into a selector with the same
+arms (same drafters, num_draft_tokens, tree_width).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlspec.rollout.speculation.cost_model import AcceptanceTracker
+from rlspec.rollout.speculation.ledger import legacy_ledger_state
 from rlspec.rollout.speculation.selectors.base import arm_key, arm_of, check_selector_state
-
-
-class AcceptanceBook(dict):
-    """drafter name -> AcceptanceTracker; an unknown drafter starts from the tracker's weak prior."""
-
-    def __missing__(self, name: str) -> AcceptanceTracker:
-        self[name] = AcceptanceTracker()
-        return self[name]
 
 
 @dataclass
@@ -43,42 +34,32 @@ class BucketState:
     bias: dict = field(default_factory=dict)  # (drafter, width) -> (discounted reward, prior sums)
 
 
-def bandit_state(sel) -> dict:
+def adaptive_state(sel) -> dict:
     """AdaptiveSelector -> a dict of lists, tuples, strings and numbers."""
     last = None
     if sel.last is not None:
         arm, b, batch, est = sel.last
         last = [arm_key(arm), b, batch, [[arm_key(a), v] for a, v in est.items()]]
-    return {"kind": "adaptive", "shape": [arm_key(a) for a in sel.arms], "costs": sel.costs.state_dict(),
-            "acceptance": [[name, tr.state_dict()] for name, tr in sel.acceptance.items()],
+    return {"kind": "adaptive", "shape": [arm_key(a) for a in sel.arms], "ledger": sel.ledger.state_dict(),
             "buckets": [[b, _bucket_state(st)] for b, st in sel.buckets.items()],
-            "draft_level": [[d, b, s] for (d, b), s in sel.draft_level.items()],
             "last_seen": [[d, step] for d, step in sel.last_seen.items()],
-            "fresh": [[d, acc, rej] for d, (acc, rej) in sel.fresh.items()],
             "gates": [[d, gate.state_dict()] for d, gate in sel.gates.items()],
             "steps": sel.steps, "explores": sel.explores, "last": last, "guard": sel.guard.state_dict()}
 
 
-def load_bandit_state(sel, state: dict) -> None:
-    """Restore bandit_state(...) into `sel`, an AdaptiveSelector with the same arms."""
+def load_adaptive_state(sel, state: dict) -> None:
+    """Restore adaptive_state(...) into `sel`, an AdaptiveSelector with the same arms."""
     check_selector_state(state, "adaptive", [arm_key(a) for a in sel.arms], "arms")
-    sel.costs.load_state_dict(state["costs"])
-    book = AcceptanceBook()
-    for name, tr in state["acceptance"]:
-        book[name] = AcceptanceTracker()
-        book[name].load_state_dict(tr)
-    sel._trackers = book  # not the `acceptance` setter: that forgets drafters, a restore must not
+    sel.ledger.load_state_dict(state["ledger"] if "ledger" in state else legacy_ledger_state(state))
     sel.buckets = {int(b): _load_bucket(BucketState(), st) for b, st in state["buckets"]}
-    sel.draft_level = {(d, int(b)): float(s) for d, b, s in state["draft_level"]}
     sel.last_seen = {d: int(step) for d, step in state["last_seen"]}
-    sel.fresh = {d: (float(acc), float(rej)) for d, acc, rej in state["fresh"]}
     for d, gate in state.get("gates", []):  # absent in states saved before the gates existed
         if d in sel.gates:
             sel.gates[d].load_state_dict(gate)
-    sel._playable = [a for a in sel.arms if a.drafter not in sel.gates or sel.gates[a.drafter].open]
+    sel.refresh_playable()
     sel.steps, sel.explores = int(state["steps"]), int(state["explores"])
     if "guard" in state:  # absent in states saved before the loss guard existed: it starts afresh
-        sel.guard.load_state_dict(state["guard"])
+        sel.guard.load_state_dict({"held": 0, **state["guard"]})
     sel.probe_checked = {}  # steps of this run's count: not carried over
     last = state["last"]
     sel.last = None if last is None else \
