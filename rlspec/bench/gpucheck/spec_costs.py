@@ -87,9 +87,9 @@ def draft_rows(hf, device, dtype, cfg: dict, left, graph_mode: str = "auto") -> 
         if left() <= 0:
             break
         call = timed_calls(engine, lambda: engine.generate(prompts[:b], params), device, 1)
-        stats = call["stats"]
+        stats = call["stats"]  # ignore_eos: the live batch stays b for the whole call
         rows.append(dict(batch=b, draft_level_ms=stats.get(f"{M.DRAFT_LEVEL_MS}/eagle3"),
-                         draft_cost=stats.get(f"{M.DRAFT_COST}/eagle3"),  # ignore_eos: the live batch stays b draft_ms_per_token=stats.get(f"{M.DRAFT_MS_PER_TOKEN}/eagle3"),
+                         draft_cost=stats.get(f"{M.DRAFT_COST}/eagle3"), draft_ms_per_token=stats.get(f"{M.DRAFT_MS_PER_TOKEN}/eagle3"),
                          plain_step_ms=stats.get(M.PLAIN_STEP_MS), rollout_s=call["seconds"],
                          timed_captures=call["timed_captures"]))
         print(f"  eagle3 batch {b}: a level {rows[-1]['draft_level_ms']} ms, {rows[-1]['draft_cost']} of a plain "
