@@ -18,6 +18,7 @@ step is prepared while the current one runs (docs/runtime.md#host-step-budget).
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 from rlspec.bench import harness
@@ -31,6 +32,8 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
 }
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1)
+COLUMNS = ["mode", "batch", "ms_per_step", "forward_ms", "host_ms", "cpu_ms_per_step", "cpu_forward_ms", "cpu_host_ms",
+           "steps", "spec_share"]
 INIT = 1.0  # weights drawn wide: peaked logits, so sampled rollouts repeat and the n-gram drafter drafts
 
 
@@ -66,49 +69,55 @@ def build(mode: str, batch: int, seed: int):
 
 
 class ForwardTimer:
-    """Wraps the engine's ModelRunner.step: seconds spent in target forwards of decode steps."""
+    """Wraps the engine's ModelRunner.step: wall and CPU seconds spent in target forwards of decode steps."""
 
     def __init__(self, engine):
-        self.seconds = 0.0
+        self.wall = self.cpu = 0.0
         runner, inner = engine.runner, engine.runner.step
 
         def step(*a, **kw):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = inner(*a, **kw)
-            self.seconds += time.perf_counter() - t0
+            self.wall += time.perf_counter() - t0
+            self.cpu += time.process_time() - c0
             return out
 
         runner.step = step
 
 
-def call(engine, timer: ForwardTimer, prompts, tokens: int, temperature: float, seed: int):
-    """(wall seconds, forward seconds, decode steps, share of steps that carried drafts) of one generate call."""
+def call(engine, timer: ForwardTimer, prompts, tokens: int, temperature: float, seed: int) -> dict:
+    """Wall and CPU seconds of one generate call and of its forwards, its decode steps, and the share of them
+    that carried drafts."""
     from rlspec.rollout.types import SamplingParams
 
     params = SamplingParams(temperature=temperature, max_new_tokens=tokens, ignore_eos=True, seed=seed)
     engine.batch_trace.clear()
-    f0 = timer.seconds
-    t0 = time.perf_counter()
+    fw, fc = timer.wall, timer.cpu
+    t0, c0 = time.perf_counter(), time.process_time()
     engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    steps = len(engine.batch_trace)
-    stats = engine.stats()
-    return wall, timer.seconds - f0, steps, stats.get("rollout/spec_step_share", 0.0)
+    out = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "fwd_wall": timer.wall - fw,
+           "fwd_cpu": timer.cpu - fc, "steps": len(engine.batch_trace)}
+    out["spec_share"] = engine.stats().get("rollout/spec_step_share", 0.0)
+    return out
 
 
 def measure(engine, timer, prompts, args, rep: int) -> dict:
-    """One repetition of a (mode, batch): per-step figures from the long call minus the short one."""
+    """One repetition of a (mode, batch): per-step figures from the long call minus the short one, in ms. The CPU
+    clock (one torch thread: every op runs in this thread) is what other processes on a shared machine disturb
+    least; the wall clock is what a device would wait."""
     short, long = (call(engine, timer, prompts, n, args.temperature, args.seed + rep) for n in args.tokens)
-    steps = long[2] - short[2]
+    steps = long["steps"] - short["steps"]
     if steps <= 0:
-        raise RuntimeError(f"the long call ran {long[2]} steps, the short one {short[2]}: raise --tokens")
-    total, fwd = (long[0] - short[0]) / steps * 1e3, (long[1] - short[1]) / steps * 1e3
-    return {"ms_per_step": total, "forward_ms": fwd, "host_ms": total - fwd, "steps": long[2],
-            "spec_share": long[3]}
+        raise RuntimeError(f"the long call ran {long['steps']} steps, the short one {short['steps']}: raise --tokens")
+    per = {k: (long[k] - short[k]) / steps * 1e3 for k in ("wall", "cpu", "fwd_wall", "fwd_cpu")}
+    return {"ms_per_step": per["wall"], "forward_ms": per["fwd_wall"], "host_ms": per["wall"] - per["fwd_wall"],
+            "cpu_ms_per_step": per["cpu"], "cpu_forward_ms": per["fwd_cpu"], "cpu_host_ms": per["cpu"] - per["fwd_cpu"],
+            "steps": long["steps"], "spec_share": long["spec_share"]}
 
 
-def floor_ms(batch: int, steps: int, seed: int, temperature: float) -> float:
-    """A bare loop of the target's forward over one token per row + drawing the next token: ms per step."""
+def floor_ms(batch: int, steps: int, seed: int, temperature: float) -> tuple[float, float]:
+    """A bare loop of the target's forward over one token per row + drawing the next token: (wall, CPU) ms per
+    step."""
     import torch
 
     from rlspec.rollout.runtime.runner import ModelRunner
@@ -124,16 +133,16 @@ def floor_ms(batch: int, steps: int, seed: int, temperature: float) -> float:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.full((batch, 1), 5, dtype=torch.long)
     start = torch.zeros(batch, dtype=torch.long)
-    t0 = None
+    t0 = c0 = 0.0
     with torch.inference_mode():
         for i in range(steps):
             if i == 4:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
             logits, _ = runner.step(tokens, start)
             drawn = sample_plain(logits[:, 0], params, gen)
             tokens = (drawn[0] if drawn is not None else logits[:, 0].argmax(-1))[:, None]
             start += 1
-    return (time.perf_counter() - t0) / (steps - 4) * 1e3
+    return (time.perf_counter() - t0) / (steps - 4) * 1e3, (time.process_time() - c0) / (steps - 4) * 1e3
 
 
 def prompts(batch: int, seed: int) -> list[list[int]]:
@@ -162,12 +171,12 @@ def run(args) -> dict:
                                   for m in args.modes}, args.reps)
         floor = floor_ms(batch, max(args.tokens), args.seed, args.temperature)
         for m in args.modes:
-            med = {k: harness.medians({k: [r[k] for r in runs[m]]})[k] for k in runs[m][0]}
-            rows.append({"mode": m, "batch": batch, "ms_per_step": med["ms_per_step"],
-                         "forward_ms": med["forward_ms"], "host_ms": med["host_ms"],
-                         "floor_ms": floor if m == "plain" else None, "steps": int(med["steps"]),
-                         "spec_share": med["spec_share"], "reps": [r["ms_per_step"] for r in runs[m]]})
-            print(f"[host] batch {batch} {m}: {med['ms_per_step']:.3f} ms/step "
-                  f"(forward {med['forward_ms']:.3f}, host {med['host_ms']:.3f})", flush=True)
+            med = {k: statistics.median([r[k] for r in runs[m]]) for k in runs[m][0]}
+            rows.append({"mode": m, "batch": batch, **{k: med[k] for k in COLUMNS[2:-2]}, "steps": int(med["steps"]),
+                         "spec_share": med["spec_share"], "floor_ms": floor[0] if m == "plain" else None,
+                         "cpu_floor_ms": floor[1] if m == "plain" else None,
+                         "reps_host_ms": [r["host_ms"] for r in runs[m]]})
+            print(f"[host] batch {batch} {m}: {med['ms_per_step']:.3f} ms/step (forward {med['forward_ms']:.3f}, "
+                  f"host {med['host_ms']:.3f}; CPU clock: host {med['cpu_host_ms']:.3f})", flush=True)
     return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "rows": rows,
-            "columns": ["mode", "batch", "ms_per_step", "forward_ms", "host_ms", "floor_ms", "steps", "spec_share"]}
+            "columns": COLUMNS + ["floor_ms", "cpu_floor_ms"]}
