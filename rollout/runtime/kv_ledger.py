@@ -48,6 +48,9 @@ class KVLedger:
     def make_room(self, on_evict: Callable[[Sequence], None] = lambda s: None) -> None:
         """Preempt the youngest until every live sequence's pending token has a block, then take those."""
         cache, sched = self.cache, self.sched
+        tables, bs = cache.alloc.tables, cache.block_size
+        if all(len(tables.get(id(s), ())) * bs > s.cache_len for s in sched.live):
+            return  # every pending position has its block already: most steps (a block holds block_size tokens)
         victims = sched.make_room()
         for victim, moves in victims:  # moves of successive removals: applied in order
             on_evict(victim)

@@ -28,8 +28,10 @@ from rlspec.rollout.registry import STRATEGIES
 from rlspec.rollout.speculation.draft_batch import DraftBatch
 from rlspec.rollout.speculation.drafters.base import Draft
 from rlspec.rollout.speculation.selectors.base import Arm
-from rlspec.rollout.speculation.verify import verify_chain, verify_tree
+from rlspec.rollout.speculation.verify import draw_plain, verify_chain, verify_tree
 from rlspec.rollout.types import SamplingParams
+
+NO_DRAFT = Draft()  # shared by every row of a step without drafts (drafts are read, never changed)
 
 # room(nodes per row) -> draft nodes each row may carry: within its token budget, the cache table and
 # the KV blocks the pool can give (the engine's; a proposer asks before drafting)
@@ -38,10 +40,11 @@ Room = Callable[[list[int]], list[int]]
 
 @dataclass
 class StepVerdict:
-    """A verifier's answer, on the device. A chain's path is 1..accepted, -1 after."""
+    """A verifier's answer, on the device. A chain's path is 1..accepted, -1 after; a plain step (no row drafted)
+    may leave path and accepted None (none accepted)."""
 
-    path: torch.Tensor  # [B, N] long: accepted node indices by depth, -1 after the last
-    accepted: torch.Tensor  # [B] long
+    path: torch.Tensor | None  # [B, N] long: accepted node indices by depth, -1 after the last
+    accepted: torch.Tensor | None  # [B] long
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     columns: tuple[torch.Tensor, ...] = ()  # [B, c] extras for the step's host transfer (provenance)
     logprob: torch.Tensor | None = None  # [B, N+1]: a kernel's draws came with their logprobs and finite flags
@@ -99,6 +102,8 @@ class SelectorProposer:
         pass
 
     def propose(self, live, arm: Arm, room: Room):
+        if not arm.speculative:  # no room to ask for: the pending token's block is the step's
+            return [NO_DRAFT] * len(live), None
         return self.speculation.propose(arm, live, room([arm.nodes] * len(live))), None
 
     def after_commit(self, live, before, routed, kept) -> None:
@@ -114,6 +119,9 @@ class ExactVerifier:
     hidden_layers: tuple[int, ...] = ()
 
     def verify(self, logits, hiddens, batch: DraftBatch, params, generator, routed=None) -> StepVerdict:
+        if batch.tokens.shape[1] == 1:  # no row drafted: verify_chain's draws, without a path
+            token, logprob, finite = draw_plain(logits[:, 0], params, generator)
+            return StepVerdict(None, None, token, (), None if logprob is None else logprob[:, None], finite)
         if batch.is_chain:
             v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, generator)
             return chain_verdict(v, batch.tokens.shape[1] - 1)

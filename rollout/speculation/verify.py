@@ -97,6 +97,17 @@ def verify_chain(
     return Verdict(accepted, sample(dist, generator), exact)
 
 
+def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = None):
+    """A step without drafts: the next token from logits [B, V] -> (token [B], logprob [B] or None, finite [B] or
+    None), the same draws as verify_chain with K = 0 (the CPU kernel's logprob and finite flag where it drew)."""
+    if params.greedy:
+        return logits.argmax(-1), None, None
+    drawn = sample_plain(logits, params, generator)
+    if drawn is not None:
+        return drawn
+    return sample(probs_from_logits(logits, params), generator), None, None
+
+
 def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:
     """verify_chain's rule as one CPU op (kernels/verify_chain.cpp), with the emitted tokens' logprobs and finite
     flags; None where it does not serve (sampling.kernel_draws). The same uniforms in the same order as below: u
