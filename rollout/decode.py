@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from rlspec.rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
+from rlspec.rollout.nonfinite import nonfinite_error
 from rlspec.rollout.runtime.draws import KeyedDraws, bound
 from rlspec.rollout.runtime.history import TokenHistory
 from rlspec.rollout.runtime.kv_ledger import KVLedger
 from rlspec.rollout.runtime.sampling import logprobs_of, penalise
 from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
-from rlspec.rollout.speculation.strategies import StepVerdict
+from rlspec.rollout.speculation.strategies import StepVerdict, chain_path
 from rlspec.rollout.step_layout import HostStep, StepLayout
 from rlspec.rollout.types import SamplingParams
 
@@ -68,7 +68,8 @@ class DecodeSteps:
                                        bound(ctx.draws, live), routed)
         step = self._fetch(logits, verdict, batch, ctx, live)  # logprobs from the raw logits (docs/verification.md)
         if self.speculation.learned is not None:  # before commit: features staged at the positions held now
-            path = verdict.path if verdict.path is not None else logits.new_zeros((len(live), 0), dtype=torch.long)
+            path = verdict.path if verdict.path is not None else \
+                chain_path(verdict.accepted if batch.N else logits.new_zeros(len(live), dtype=torch.long), batch.N)
             self.speculation.observe_verify(live, hiddens, path, step.accepted, logits)
         before = [len(s.completion_ids) for s in live]
         emitted = self._commit(live, step, batch.is_chain, ctx)
@@ -110,38 +111,39 @@ class DecodeSteps:
         """The step's ONE host transfer (StepLayout): the emitted tokens and their target logprobs, computed on the
         device, with each row's "logits finite" flag (NonFiniteLogitsError otherwise) and the verifier's own
         columns (a lossy mode's sources and behaviour logprobs)."""
-        layout, dev = StepLayout(batch.N), logits.device
+        tree, dev = not batch.is_chain, logits.device
+        layout = StepLayout(batch.N, tree)
         path = accepted = None
         if batch.N == 0:  # plain decoding: the drawn token
             emitted = verdict.next_token[:, None]
-        else:
+        else:  # the accepted drafts (node j+1 of a chain is draft j), then the next token at column `accepted`
             path, accepted = verdict.path, verdict.accepted
-            emitted = torch.cat([batch.tokens.gather(1, path.clamp(min=0)),
-                                 torch.zeros(len(live), 1, dtype=torch.long, device=dev)], 1)
+            drafts = batch.tokens.gather(1, path.clamp(min=0)) if tree else batch.tokens[:, 1:]
+            emitted = torch.cat([drafts, torch.zeros(len(live), 1, dtype=torch.long, device=dev)], 1)
             emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
         if verdict.logprob is not None and ctx.history is None:  # drawn by a kernel that gave both (un-penalised)
-            lps, flags = verdict.logprob, verdict.finite
+            lps, flags = verdict.logprob, layout.finite_from_flags(verdict.finite)
+        elif not tree:  # token j is predicted at node j: the logits as they are, the flag over nodes 0..accepted
+            lps = logprobs_of(logits, emitted, ctx.params)
+            flags = layout.finite(logits) if accepted is None else layout.chain_finite(logits, accepted)
         else:  # the flag covers every logit the step used: those at the accepted path's nodes and the last one
-            if path is None:  # predicted from node 0 (a view, no gather)
-                picked = logits[:, :1]
-            else:
-                at = torch.cat([torch.zeros(len(live), 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)
-                picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))  # the predicting nodes
-            lps, flags = logprobs_of(picked, emitted, ctx.params), finite_flags(picked)
+            at = torch.cat([torch.zeros(len(live), 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)
+            picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))  # the predicting nodes
+            lps, flags = logprobs_of(picked, emitted, ctx.params), layout.finite(picked)
         if ctx.history is not None:  # the emitted tokens join their rows' histories, on the device
             keep = None if accepted is None else \
                 torch.arange(emitted.shape[1], device=dev)[None, :] <= accepted[:, None]
             ctx.history.mark(torch.arange(len(live), device=dev), emitted, keep)
         rows = layout.send(self.runner.transfers, accepted, path, emitted, lps, flags, verdict.columns).rows()
-        self._check_finite(layout.flags(rows), live, ctx.steps, f"decode step {ctx.steps}")
+        self._check_finite(layout.bad_rows(rows), live, ctx.steps, f"decode step {ctx.steps}")
         step = layout.read(rows)
         if verdict.columns:
             step.provenance = self.verifier.provenance(layout.columns(rows), step.accepted, step.lps)
         return step
 
-    def _check_finite(self, flags: list[float], seqs: list[Sequence], step: int, where: str) -> None:
-        """Raise NonFiniteLogitsError when a row's flag (from the step's one host transfer) says non-finite."""
-        rows = bad_rows(flags)
+    def _check_finite(self, rows: list[int], seqs: list[Sequence], step: int, where: str) -> None:
+        """Raise NonFiniteLogitsError for these rows, whose flags (from the step's one host transfer) say
+        non-finite."""
         if rows:
             # the pool now holds the non-finite keys and values this step wrote; a later call would read them
             # at masked positions, where attention weighs them by 0, and 0 x NaN is NaN: start it afresh

@@ -20,7 +20,7 @@ from rlspec.rollout.decode import Call, DecodeSteps
 from rlspec.rollout.eos import resolve_eos
 from rlspec.rollout.limits import check_request
 from rlspec.rollout.metrics import RolloutMetrics
-from rlspec.rollout.nonfinite import finite_flags
+from rlspec.rollout.nonfinite import bad_rows, finite_flags
 from rlspec.rollout.partial import round_over, round_sequences
 from rlspec.rollout.registry import STRATEGIES
 from rlspec.rollout.runtime.draws import bound, call_draws
@@ -254,7 +254,8 @@ class RolloutEngine(DecodeSteps):
         if ctx.history is not None:
             ctx.history.mark(at, toks[:, None])
         host = self.runner.transfers.to_host(toks, logprobs_of(rows, toks, p), finite_flags(rows)).rows()
-        self._check_finite([r[-1] for r in host], seqs, ctx.steps, f"the prefill after {ctx.steps} decode steps")
+        self._check_finite(bad_rows([r[-1] for r in host]), seqs, ctx.steps,
+                           f"the prefill after {ctx.steps} decode steps")
         for s, (tok, lp, _) in zip(seqs, host):
             s.append_one(int(tok), lp, ctx.stop_ids)
         ctx.finished = True

@@ -6,6 +6,7 @@ and their KV (written past the sequence's length) is never shown again.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +55,8 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | None, start: lis
         packed = to_device([[p, 0, c] for p, c in zip(pending, starts)])
         return DraftBatch(packed[:, :1], packed[:, 1], True, start=packed[:, 2] if start is not None else None,
                           kv_len=kv_len)
-    sampled = _check_q(drafts)
-    chain = all(d.is_chain for d in drafts)
+    sampled = None if all(d.q is None for d in drafts) else _check_q(drafts)
+    chain = all(d.parents == _chain_parents(len(d)) for d in drafts)
     if chain:  # [pending, drafts (N), num, start]
         packed = to_device([[p, *d.tokens, *[0] * (N - len(d)), len(d), c] for p, d, c in zip(pending, drafts, starts)])
         batch = DraftBatch(packed[:, :N + 1], packed[:, N + 1], True)
@@ -70,6 +71,12 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | None, start: lis
     batch.start, batch.kv_len = (packed[:, -1] if start is not None else None), kv_len
     batch.q = _stack_q(drafts, sampled, B, N, chain, batch.num_drafts.device)
     return batch
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_parents(n: int) -> list[int]:
+    """A chain's parents, [-1, 0, .., n - 2] (Draft.is_chain without building the list per draft; never changed)."""
+    return list(range(-1, n - 1))
 
 
 def _tree_row(pending: int, d: Draft, start: int, N: int, W: int) -> list[int]:

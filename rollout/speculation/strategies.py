@@ -40,8 +40,9 @@ Room = Callable[[list[int]], list[int]]
 
 @dataclass
 class StepVerdict:
-    """A verifier's answer, on the device. A chain's path is 1..accepted, -1 after; a plain step (no row drafted)
-    may leave path and accepted None (none accepted)."""
+    """A verifier's answer, on the device. A chain's path is 1..accepted, -1 after, and may be left None (the
+    engine builds it where a drafter reads it: `chain_path`); a plain step (no row drafted) may leave path and
+    accepted None (none accepted)."""
 
     path: torch.Tensor | None  # [B, N] long: accepted node indices by depth, -1 after the last
     accepted: torch.Tensor | None  # [B] long
@@ -124,7 +125,7 @@ class ExactVerifier:
             return StepVerdict(None, None, token, (), None if logprob is None else logprob[:, None], finite)
         if batch.is_chain:
             v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, generator)
-            return chain_verdict(v, batch.tokens.shape[1] - 1)
+            return StepVerdict(None, v.accepted, v.next_token, (), v.logprob, v.finite)
         v = verify_tree(logits, batch.tokens, batch.children, params, batch.q, generator)
         return StepVerdict(v.path, v.accepted, v.next_token)
 
@@ -140,9 +141,13 @@ class ExactVerifier:
 
 def chain_verdict(v, N: int, columns: tuple[torch.Tensor, ...] = ()) -> StepVerdict:
     """A chain's Verdict (accepted, next_token) as a StepVerdict: its path is 1..accepted, -1 after."""
-    steps = torch.arange(1, N + 1, device=v.accepted.device)[None, :].expand(len(v.accepted), N)
-    return StepVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token, columns,
-                       v.logprob, v.finite)
+    return StepVerdict(chain_path(v.accepted, N), v.accepted, v.next_token, columns, v.logprob, v.finite)
+
+
+def chain_path(accepted: torch.Tensor, N: int) -> torch.Tensor:
+    """[B, N] node path of a chain that accepted [B] drafts: 1..accepted, -1 after."""
+    steps = torch.arange(1, N + 1, device=accepted.device)[None, :].expand(len(accepted), N)
+    return torch.where(steps <= accepted[:, None], steps, -1)
 
 
 @STRATEGIES.register("exact")
