@@ -12,34 +12,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
 import rlspec.rollout.metrics as M
+from rlspec.rollout.decode import Call, DecodeSteps
 from rlspec.rollout.eos import resolve_eos
 from rlspec.rollout.limits import check_request
 from rlspec.rollout.metrics import RolloutMetrics
-from rlspec.rollout.nonfinite import bad_rows, finite_flags, nonfinite_error
+from rlspec.rollout.nonfinite import bad_rows, finite_flags
 from rlspec.rollout.partial import round_over, round_sequences
 from rlspec.rollout.registry import STRATEGIES
-from rlspec.rollout.runtime.draws import KeyedDraws, bound, call_draws
+from rlspec.rollout.runtime.draws import bound, call_draws
 from rlspec.rollout.runtime.history import TokenHistory
 from rlspec.rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 from rlspec.rollout.runtime.kv_ledger import KVLedger
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.runtime.runner import KEEP_KV_FRACTION, ModelRunner
-from rlspec.rollout.runtime.sampling import greedy_tokens, logprobs_of, penalise, probs_from_logits, sample
+from rlspec.rollout.runtime.sampling import greedy_tokens, logprobs_of, probs_from_logits, sample
 from rlspec.rollout.runtime.scheduler import Scheduler
 from rlspec.rollout.runtime.sequence import Sequence
-from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
 from rlspec.rollout.speculation.drafters.base import Drafter
 from rlspec.rollout.speculation.speculation import Speculation, build_speculation
-from rlspec.rollout.speculation.strategies import Proposer, Provenance, StepVerdict, Verifier
+from rlspec.rollout.speculation.strategies import Proposer, Verifier
 from rlspec.rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfig
 
 
-class RolloutEngine:
+class RolloutEngine(DecodeSteps):
     supports_partial_rollouts = True  # generate(..., partial=PartialRound): stop a round and carry samples on
     supports_sample_keys = True  # generate(..., sample_keys=[...]): per-sample random keys (runtime/draws.py)
 
@@ -177,7 +176,8 @@ class RolloutEngine:
             groups, by_prompt = [seqs[i * params.n:(i + 1) * params.n] for i in range(len(prompt_token_ids))], None
         else:
             seqs, groups, by_prompt = round_sequences(prompt_token_ids, partial, params, self.max_model_len, stop_ids)
-        draws = call_draws(gen, sample_keys, seqs, params, self.runner.device)  # the target's; drafters keep gen
+        # the target's draws; drafters keep gen
+        draws = call_draws(gen, sample_keys, seqs, params, self.runner.device, self.runner.transfers.to_device)
         longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
         self.runner.refresh_weights()
         cache = self.runner.ensure_cache(min(len(seqs), self.max_num_seqs), longest + self._draft_slack(),
@@ -186,13 +186,14 @@ class RolloutEngine:
         cache.reset()  # an earlier call that raised may have left blocks held
         self.speculation.calibrate(self.runner, cache.rows, cache.length)
         # the repetition penalty's per-row token sets, on the device beside the KV table (only when asked for)
-        history = TokenHistory(cache.rows, self.model.cfg.vocab_size, self.runner.device) if params.penalised \
-            else None
+        to_device = self.runner.transfers.to_device
+        history = TokenHistory(cache.rows, self.model.cfg.vocab_size, self.runner.device, to_device) \
+            if params.penalised else None
         self.speculation.start(seqs, cache, params, gen, history)  # a learned drafter keeps per-call state
         self.proposer.start(seqs, params, gen)
         sched = Scheduler(groups, cache.rows, cache.alloc)
         ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table
-        ctx = _Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history)
+        ctx = Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history)
         while sched.has_work:
             groups = sched.admit()
             if groups:
@@ -224,7 +225,7 @@ class RolloutEngine:
         self.runner.release()
 
     # ---- the loop's stages --------------------------------------------------------------------
-    def _prefill(self, groups: list[list[Sequence]], ctx: "_Call") -> None:
+    def _prefill(self, groups: list[list[Sequence]], ctx: Call) -> None:
         """Admitted groups: recompute the KV of resumed (preempted) sequences; for fresh groups prefill each
         prompt once, share its full blocks with the group's other samples and sample every sequence's
         first token (one host transfer for all of them)."""
@@ -252,13 +253,15 @@ class RolloutEngine:
             else sample(probs_from_logits(rows, p, seen), bound(ctx.draws, seqs))
         if ctx.history is not None:
             ctx.history.mark(at, toks[:, None])
-        host = _to_host(toks, logprobs_of(rows, toks, p), finite_flags(rows))
-        self._check_finite([r[-1] for r in host], seqs, ctx.steps, f"the prefill after {ctx.steps} decode steps")
+        host = self.runner.transfers.to_host(toks, logprobs_of(rows, toks, p), finite_flags(rows)).rows()
+        self._check_finite(bad_rows([r[-1] for r in host]), seqs, ctx.steps,
+                           f"the prefill after {ctx.steps} decode steps")
         for s, (tok, lp, _) in zip(seqs, host):
-            s.append([int(tok)], [lp], ctx.stop_ids)
+            s.append_one(int(tok), lp, ctx.stop_ids)
+        ctx.finished = True
         self.speculation.begin(fresh)
 
-    def _resume(self, seqs: list[Sequence], ctx: "_Call") -> None:
+    def _resume(self, seqs: list[Sequence], ctx: Call) -> None:
         """Preempted sequences are back: a prefill of everything they hold but the pending token rebuilds
         their KV, and a learned drafter's staged features with it (they lived in the freed blocks; the drafter
         rebuilds its own layer from them at its next catch-up). No token is drawn: each continues exactly
@@ -272,121 +275,12 @@ class RolloutEngine:
         for s in seqs:
             s.resumed = False
 
-    def _decode_step(self, live: list[Sequence], ctx: "_Call") -> None:
-        """schedule -> propose -> one target forward -> verify -> one host transfer -> commit, for the whole
-        live batch at once; the proposer and the verifier are the config's strategies."""
-        arm = self.speculation.choose(len(live))
-        ctx.steps += 1
-        t0 = time.perf_counter()
-        drafts, routed = self.proposer.propose(live, arm, lambda nodes: ctx.kv.draft_room(live, self._draft_caps(live, nodes)))
-        t1 = time.perf_counter()
-        batch = build_draft_batch([s.pending for s in live], drafts)
-        start = torch.tensor([s.cache_len for s in live])
-        logits, hiddens = self.runner.step(batch.tokens, start, batch.depths, batch.tree_mask,
-                                           self.speculation.aux_layers + self.verifier.hidden_layers)
-        on_dev = batch.to(logits.device)
-        verdict = self.verifier.verify(self._penalised(logits, on_dev, ctx), hiddens, on_dev, ctx.params,
-                                       bound(ctx.draws, live), routed)
-        step = self._fetch(logits, verdict, batch, ctx, live)  # logprobs from the raw logits (docs/verification.md)
-        # before commit: the learned drafter stages features at the positions the sequences hold now
-        self.speculation.observe_verify(live, hiddens, verdict.path, step.accepted, logits)
-        before = [len(s.completion_ids) for s in live]
-        emitted = self._commit(live, step, batch.is_chain, ctx)
-        self.proposer.after_commit(live, before, routed, step.kept)
-        # rejected drafts hold no block past their step: keep what covers the next pending position
-        ctx.kv.trim(live)
-        self._observe_step(arm, live, drafts, routed, step.accepted, emitted, (t0, t1), ctx)
-
-    @staticmethod
-    def _penalised(logits: torch.Tensor, batch: DraftBatch, ctx: "_Call") -> torch.Tensor:
-        """The verify's logits after the repetition penalty, each node against its own history: the row's
-        tokens plus the drafts on the path to it (rollout/runtime/history.py); unchanged without a penalty.
-        The verifier applies temperature and truncation itself."""
-        if ctx.history is None:
-            return logits
-        return penalise(logits, ctx.history.at_nodes(batch.tokens, batch.tree_mask), ctx.params)
-
-    def _observe_step(self, arm, live, drafts, routed, accepted, emitted, times, ctx: "_Call") -> None:
-        """The selector's statistics (cost and acceptance of the arm), metrics, the idle signal."""
-        t0, t1 = times
-        t2 = time.perf_counter()
-        drafted = [len(d) for d in drafts]
-        if routed is not None and any(routed):
-            # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
-            drafted, accepted = [0 if r else n for n, r in zip(drafted, routed)], \
-                [0 if r else a for a, r in zip(accepted, routed)]
-        elif not self.runner.fresh:  # a step that compiled its shape first is no measure of its cost
-            self.speculation.observe_step(arm, len(live), t2 - t1, t1 - t0, drafted, accepted)
-        self._metrics.record_verify(arm.drafter, drafted, accepted, t1 - t0, None if self.runner.fresh else t2 - t1)
-        self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
-        self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
-
-    def _draft_caps(self, live: list[Sequence], nodes: list[int]) -> list[int]:
-        """Most draft nodes each row may carry: `nodes`, within its token budget and the cache table."""
-        room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the table
-        # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
-        return [max(0, min(n, s.remaining - 1, room - s.cache_len)) for s, n in zip(live, nodes)]
-
-    def _fetch(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: "_Call", live: list[Sequence]) -> "_Step":
-        """The step's ONE host transfer: the emitted tokens and their target logprobs, computed on the device,
-        with each row's "logits finite" flag (NonFiniteLogitsError otherwise) and the verifier's own columns
-        (a lossy mode's sources and behaviour logprobs): B x (3N + 4 + c) numbers."""
-        B, dev = verdict.accepted.shape[0], logits.device
-        path, accepted = verdict.path, verdict.accepted
-        if path.shape[1] == 0:  # plain decoding: the drawn token
-            emitted = verdict.next_token[:, None]
-        else:
-            emitted = torch.cat([batch.tokens.to(dev).gather(1, path.clamp(min=0)),
-                                 torch.zeros(B, 1, dtype=torch.long, device=dev)], 1)
-            emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
-        if verdict.logprob is not None and ctx.history is None:  # drawn by a kernel that gave both (un-penalised)
-            lps, flags = verdict.logprob, verdict.finite
-        else:  # the flag covers every logit the step used: those at the accepted path's nodes and the last one
-            if path.shape[1] == 0:  # predicted from node 0 (a view, no gather)
-                picked = logits[:, :1]
-            else:
-                at = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)
-                picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))  # the predicting nodes
-            lps, flags = logprobs_of(picked, emitted, ctx.params), finite_flags(picked)
-        if ctx.history is not None:  # the emitted tokens join their rows' histories, on the device
-            keep = torch.arange(emitted.shape[1], device=dev)[None, :] <= accepted[:, None]
-            ctx.history.mark(torch.arange(B, device=dev), emitted, keep)
-        host = _to_host(accepted[:, None], path, emitted, lps, flags, *verdict.columns)
-        N = path.shape[1]
-        self._check_finite([r[3 * N + 3] for r in host], live, ctx.steps, f"decode step {ctx.steps}")
-        step = _Step(*_unpack(host, N))
-        if verdict.columns:
-            step.provenance = self.verifier.provenance([r[3 * N + 4:] for r in host], step.accepted, step.lps)
-        return step
-
-    def _check_finite(self, flags: list[float], seqs: list[Sequence], step: int, where: str) -> None:
-        """Raise NonFiniteLogitsError when a row's flag (from the step's one host transfer) says non-finite."""
-        rows = bad_rows(flags)
-        if rows:
-            # the pool now holds the non-finite keys and values this step wrote; a later call would read them
-            # at masked positions, where attention weighs them by 0, and 0 x NaN is NaN: start it afresh
-            self.release_kv()
-            raise nonfinite_error(self.model, rows, step, where, seqs)
-
-    def _commit(self, live, step: "_Step", is_chain: bool, ctx: "_Call") -> int:
-        """Append each row's accepted drafts + the token after them, with their target logprobs and, from a
-        lossy verifier, sources and behaviour logprobs (lossless: drafts exact, the last token the target's);
-        move the KV of an accepted tree path to consecutive slots. Returns the number of tokens kept."""
-        kept, prov = 0, step.provenance
-        for i, s in enumerate(live):
-            a, path = step.accepted[i], step.path[i]
-            if not is_chain and path[:a] != list(range(1, a + 1)):
-                start = s.cache_len
-                self.runner.cache.gather_positions(s.row, [start + n for n in path[:a]],
-                                                   [start + 1 + j for j in range(a)])
-            src = [1] * a + [0] if prov is None else prov.sources[i]  # draft-exact..., target
-            kept += s.append(step.tokens[i][:a + 1], step.lps[i][:a + 1], ctx.stop_ids, src,
-                             None if prov is None else prov.behaviour[i])
-        return kept
-
-    def _retire(self, ctx: "_Call") -> None:
+    def _retire(self, ctx: Call) -> None:
         """Drop finished sequences (drafters, and a lossy mode's router, learn of them while they still hold
         their blocks) and refill their rows from the tail."""
+        if not ctx.finished:
+            return
+        ctx.finished = False
         finished = ctx.kv.retire(on_finish=self._finish)
         if ctx.bar is not None and finished:
             ctx.bar.update(len(finished))
@@ -481,55 +375,7 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="rollout", unit="seq", leave=False)
 
 
-@dataclass
-class _Call:
-    """What one generate call's stages share."""
-
-    params: SamplingParams
-    draws: torch.Generator | KeyedDraws | None  # where the target's uniforms come from
-    stop_ids: set[int]
-    bar: object
-    t0: float
-    kv: KVLedger  # the call's block bookkeeping
-    history: TokenHistory | None = None  # per-row token sets, when a repetition penalty is on
-    steps: int = 0  # decode steps run so far (errors name the step)
-
-
-@dataclass
-class _Step:
-    """A decode step's result on the host, per row: accepted drafts, their node path (-1 after), the emitted
-    tokens (accepted drafts + the one after) and their target logprobs; provenance from a lossy verifier."""
-
-    accepted: list[int]
-    path: list[list[int]]
-    tokens: list[list[int]]
-    lps: list[list[float]]
-    provenance: Provenance | None = None
-
-    @property
-    def kept(self) -> list[bool]:
-        """Rows whose whole drafted step a router kept."""
-        return self.provenance.kept if self.provenance is not None else [False] * len(self.accepted)
-
-
 def build_strategies(spec: SpecConfig, model, tokenizer, speculation: Speculation) -> tuple[Proposer, Verifier]:
     """The config's proposer and verifier (rollout/registry.py STRATEGIES): lossless speculation unless
     SpecConfig opts into a lossy mode (judge verification or step routing)."""
     return STRATEGIES.build("lossy" if spec.lossy else "exact", spec, model, tokenizer, speculation)
-
-
-def _to_host(*columns: torch.Tensor) -> list[list[float]]:
-    """The decode loop's one device-to-host transfer per step: small [B, *] columns (ids, counts,
-    logprobs) side by side as float64, which holds token ids and float32 logprobs exactly."""
-    cols = [c.reshape(c.shape[0], -1).to(torch.float64) for c in columns]
-    return torch.cat(cols, 1).tolist()
-
-
-def _unpack(rows: list[list[float]], N: int):
-    """Rows of [accepted, path (N), emitted (N+1), logprobs (N+1), finite flag, verifier columns] -> four
-    per-row lists."""
-    acc = [int(r[0]) for r in rows]
-    path = [[int(x) for x in r[1:1 + N]] for r in rows]
-    emitted = [[int(x) for x in r[1 + N:2 + 2 * N]] for r in rows]
-    lps = [r[2 + 2 * N:3 + 3 * N] for r in rows]
-    return acc, path, emitted, lps

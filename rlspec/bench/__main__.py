@@ -35,6 +35,7 @@ REGISTRY = {
     "trl-suite": "rlspec.bench.trl_suite",
     "gpu": "rlspec.bench.gpu",
     "kernel-checks": "rlspec.bench.kernel_checks",
+    "host": "rlspec.bench.host",
 }
 
 

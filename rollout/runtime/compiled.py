@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from rlspec.rollout.runtime.graphs import EagerRunner, bucket_for, pad_batch, pow2_buckets
+from rlspec.rollout.runtime.graphs import EagerRunner, bucket_for, pad_batch, pow2_buckets, start_top
 from rlspec.rollout.runtime.model import fused
 
 COMPILE_MODES = ("off", "on", "auto")
@@ -147,22 +147,23 @@ class CompiledRunner(EagerRunner):
                 start = torch.full((B,), min(128, (self.cache.length - t) // 2), dtype=torch.long)
                 self.run(torch.zeros(B, t, dtype=torch.long), start)
 
-    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
+    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=(), top=None):
         B, T = tokens.shape
-        if self.fusing and B * T <= fused.MAX_TOKENS and int(start.max()) + T <= self.cache.length:
+        top = start_top(start, top)
+        if self.fusing and B * T <= fused.MAX_TOKENS and top + T <= self.cache.length:
             self.counts["fused"] += 1
-            return super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=self.fused)
+            return super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=self.fused, top=top)
         t = bucket_for(T, self.t_buckets)
-        if int(start.max()) + (t or T) > self.cache.length or not self.compiles(B, t):
+        if top + (t or T) > self.cache.length or not self.compiles(B, t):
             self.counts["eager"] += 1
-            return super().run(tokens, start, depths, tree_mask, hidden_layers)
+            return super().run(tokens, start, depths, tree_mask, hidden_layers, top=top)
         if t != T:
             tokens, start, depths, tree_mask = pad_batch(tokens, start, depths, tree_mask, B, t)
         self.counts["compiled"] += 1
         key = (B > 1, t)
         call = self.layer_call if key in self.seen else _marking(self.layer_call, B > 1)
         self.seen.add(key)
-        logits, hiddens = super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=call)
+        logits, hiddens = super().run(tokens, start, depths, tree_mask, hidden_layers, layer_call=call, top=top)
         if t != T:
             logits, hiddens = logits[:, :T], {i: h[:, :T] for i, h in hiddens.items()}
         return logits, hiddens

@@ -75,6 +75,7 @@ class KeyedDraws:
         self.offset = 0  # added to every index: a tree's depth (`shifted`)
         self._used: set[tuple[int, int]] = set()
         self._words: dict[tuple[int, int, int], torch.Tensor] = {}  # (purpose, offset, n) -> the draw words
+        self.to_device = None  # the decode loop's funnel (runtime/transfers.py), given by the engine
 
     @property
     def rows(self) -> int:
@@ -83,7 +84,9 @@ class KeyedDraws:
     def bind(self, keys: list[int], positions: list[int]) -> "KeyedDraws":
         """The rows of the next draws: their keys (of this call's) and completion lengths, one small host-to-device
         copy."""
-        ids = torch.tensor([[self._index[k] for k in keys], positions], dtype=torch.int64, device=self.device)
+        rows = [[self._index[k] for k in keys], positions]
+        ids = self.to_device(rows) if self.to_device is not None else \
+            torch.tensor(rows, dtype=torch.int64, device=self.device)
         self.state, self.offset, self._used = row_state(self._keys[ids[0]], ids[1]), 0, set()
         return self
 
@@ -132,15 +135,20 @@ def check_sample_keys(keys, count: int) -> list[int]:
     return keys
 
 
-def call_draws(gen: torch.Generator | None, sample_keys, seqs, params, device):
+def call_draws(gen: torch.Generator | None, sample_keys, seqs, params, device, to_device=None):
     """Where a generate call's target draws come from: `gen` (seeded by params.seed) without sample_keys, else a
-    KeyedDraws, each sequence (in result order) holding its checked key. Greedy draws nothing: `gen`."""
+    KeyedDraws, each sequence (in result order) holding its checked key. Greedy draws nothing: `gen`.
+    to_device: the funnel a KeyedDraws binds its rows through (runtime/transfers.py)."""
     if sample_keys is None:
         return gen
     keys = check_sample_keys(sample_keys, len(seqs))
     for s, key in zip(seqs, keys):
         s.key = key
-    return gen if params.greedy else KeyedDraws(device, keys)
+    if params.greedy:
+        return gen
+    draws = KeyedDraws(device, keys)
+    draws.to_device = to_device
+    return draws
 
 
 def bound(draws, seqs):

@@ -126,6 +126,11 @@ def build_step_batch(tokens, start, cache: PagedKVCache, S: int, depths=None, tr
                         attn=step_mask(start, T, S, tree_mask, flex), slots=slots, blocks=blocks)
 
 
+def start_top(start: torch.Tensor, top: int | None) -> int:
+    """max(start): as the host knows it, else read from the tensor (a device-to-host sync on an accelerator)."""
+    return int(start.max()) if top is None else top
+
+
 def _to(x, device):
     return None if x is None else x.to(device)
 
@@ -140,13 +145,14 @@ class EagerRunner:
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.flex = use_flex(self.device)
 
-    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=(), layer_call=None):
+    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=(), layer_call=None, top=None):
         """T new tokens for live rows 0..B-1; tokens [B, T], start [B] long; depths [B, T] and
         tree_mask [B, T, T] for trees. Returns (logits [B, T, V] float32, {layer: hidden [B, T, H]}).
-        Dense attention reads max(start) + T positions (a host read of start); flex skips by block.
+        Dense attention reads max(start) + T positions: `top` = max(start) as the host knows it (None: read
+        from start, a device-to-host sync); flex skips by block.
         layer_call: how each layer runs (the model's forward; compiled.py passes its compiled call)."""
         dev = self.device
-        S = self.cache.length if self.flex else int(start.max()) + tokens.shape[1]
+        S = self.cache.length if self.flex else start_top(start, top) + tokens.shape[1]
         fb = build_step_batch(tokens.to(dev), start.to(dev), self.cache, S, _to(depths, dev), _to(tree_mask, dev),
                               self.flex)
         return self.model(fb, self.cache.k, self.cache.v, hidden_layers, layer_call=layer_call)
@@ -306,27 +312,27 @@ class GraphPool:
         to the next power of two. Graphs already captured stay valid (a key names its exact shape)."""
         self.t_buckets = verify_buckets(self.max_t, [*self.t_buckets, *sizes])
 
-    def key_for(self, tokens, start, hidden_layers=()) -> tuple | None:
+    def key_for(self, tokens, start, hidden_layers=(), top=None) -> tuple | None:
         """(b, t, hidden layers) of the graph that serves this step, or None to run eagerly."""
         B, T = tokens.shape
         b, t = bucket_for(B, self.batch_buckets), bucket_for(T, self.t_buckets)
         # padded nodes write up to start + t - 1, which must stay inside the cache
-        if b is None or t is None or int(start.max()) + t > self.cache.length:
+        if b is None or t is None or start_top(start, top) + t > self.cache.length:
             return None
         return b, t, tuple(sorted(hidden_layers))
 
-    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=()):
-        """EagerRunner.run's contract: tokens [B, T], start [B] on CPU -> (logits [B, T, V], {layer: [B, T, H]})."""
+    def run(self, tokens, start, depths=None, tree_mask=None, hidden_layers=(), top=None):
+        """EagerRunner.run's contract -> (logits [B, T, V], {layer: [B, T, H]})."""
         if self.stale():
             raise RuntimeError("the KV cache and RoPE tables were reallocated after these graphs were captured; "
                                "build a new GraphPool over the new cache (ModelRunner.ensure_cache should)")
         if self.cache.generation != self._generation:
             self._drop_graphs()
-        key = self.key_for(tokens, start, hidden_layers)
+        key = self.key_for(tokens, start, hidden_layers, top)
         self.fresh = False
         if key is None:
             self.counts["eager"] += 1
-            return self.eager.run(tokens, start, depths, tree_mask, hidden_layers)
+            return self.eager.run(tokens, start, depths, tree_mask, hidden_layers, top=top)
         b, t, _ = key
         self.static.load(b, t, pad_batch(tokens, start, depths, tree_mask, b, t))
         self.fresh = key not in self.graphs

@@ -16,8 +16,9 @@ import torch
 
 
 class TokenHistory:
-    def __init__(self, rows: int, vocab: int, device):
-        self.vocab = vocab
+    def __init__(self, rows: int, vocab: int, device, to_device=None):
+        """to_device: the decode loop's funnel (runtime/transfers.py) row moves go through."""
+        self.vocab, self.to_device = vocab, to_device
         # column V is a sink: masked-out writes go there, so scatter never races a True with a False, and
         # ids past the model's vocabulary (HF clamps them the same way) penalise nothing
         self.seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=device)
@@ -40,8 +41,9 @@ class TokenHistory:
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Compaction, exactly as the block table moves (kv_cache.PagedKVCache.move_rows)."""
         if src:
-            dev = self.seen.device
-            self.seen[torch.tensor(dst, device=dev)] = self.seen[torch.tensor(src, device=dev)]
+            idx = self.to_device([src, dst]) if self.to_device is not None else \
+                torch.tensor([src, dst], device=self.seen.device)
+            self.seen[idx[1]] = self.seen[idx[0]]
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, V] bool: the history of each of rows [R]."""

@@ -87,6 +87,7 @@ class PagedKVCache:
         self.alloc = BlockAllocator(num_blocks, block_size)
         self.generation = 0  # bumped when the pool's tensors are reallocated (growth)
         self._headroom: Callable[[], int] | None = None
+        self.to_device = None  # the decode loop's funnel (runtime/transfers.py), given by the runner
 
     @classmethod
     def for_rows(cls, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device,
@@ -236,9 +237,7 @@ class PagedKVCache:
     def assign(self, row: int, owner: Hashable) -> None:
         """Enter owner's whole block list in `row` (admission): one small host-to-device copy."""
         held = self.alloc.held(owner)
-        line = torch.zeros(self.table.shape[1], dtype=torch.long)
-        line[: len(held)] = torch.tensor(held, dtype=torch.long)
-        self.table[row] = line.to(self.table.device)
+        self.table[row] = self._dev(held + [TRASH] * (self.table.shape[1] - len(held)))
 
     def share_prompt(self, src_row: int, src: Hashable, dsts: list[tuple[int, Hashable]], prompt_len: int) -> None:
         """A prompt's siblings reference its full blocks (every position below the last prompt token,
@@ -265,8 +264,8 @@ class PagedKVCache:
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Compaction: table row src[i] now lives in row dst[i] (integers only; sources read first)."""
         if src:
-            s = torch.tensor(src, device=self.table.device)
-            self.table[torch.tensor(dst, device=self.table.device)] = self.table[s]
+            idx = self._dev([src, dst])
+            self.table[idx[1]] = self.table[idx[0]]
 
     def clear_rows(self, start: int) -> None:
         """Rows start.. hold no sequence: point them at the trash block (graph padding rows write there)."""
@@ -274,8 +273,7 @@ class PagedKVCache:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         if src:
-            s = torch.tensor(src, device=self.k.device)
-            d = torch.tensor(dst, device=self.k.device)
+            s, d = self._dev([src, dst])
             for buf in (self.k, self.v):
                 buf[:, d] = buf[:, s]
             for buf in self.side.values():
@@ -283,10 +281,9 @@ class PagedKVCache:
 
     def gather_positions(self, row: int, src: list[int], dst: list[int]) -> None:
         """After tree verification: move accepted nodes' entries (all layers) to consecutive positions."""
-        dev = self.table.device
-        rows = torch.tensor([row], device=dev)
-        s = self.slots(rows, torch.tensor([src], device=dev))[0]
-        d = self.slots(rows, torch.tensor([dst], device=dev))[0]
+        idx = self._dev([[row] * len(src), src, dst])
+        s = self.slots(idx[0], idx[1][:, None])[:, 0]
+        d = self.slots(idx[0], idx[2][:, None])[:, 0]
         for buf in (self.k, self.v):
             flat = buf.view(buf.shape[0], -1, *buf.shape[3:])
             flat[:, d] = flat[:, s]
@@ -320,8 +317,15 @@ class PagedKVCache:
 
     def _set(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:
         if rows:
-            idx = torch.tensor([rows, cols], device=self.table.device)
-            self.table[idx[0], idx[1]] = torch.tensor(blocks, device=self.table.device)
+            idx = self._dev([rows, cols, blocks])
+            self.table[idx[0], idx[1]] = idx[2]
+
+    def _dev(self, values: list) -> torch.Tensor:
+        """Host integers as a long tensor on the table's device: through the decode loop's funnel when the runner
+        gave one (to_device, runtime/transfers.py), else a plain copy."""
+        if self.to_device is not None:
+            return self.to_device(values)
+        return torch.tensor(values, dtype=torch.long, device=self.table.device)
 
 
 def _grown(buf: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ class KVLedger:
         """followers: per-row device state kept aligned with the block table (a TokenHistory): every
         row compaction applied to the table is applied to them too (`move_rows(src, dst)`)."""
         self.cache, self.sched, self.followers = cache, sched, tuple(followers)
+        self.grown: set[int] = set()  # owners draft_room gave blocks this step (trim looks at them only)
 
     def _move_rows(self, src: list[int], dst: list[int]) -> None:
         for t in (self.cache, *self.followers):
@@ -48,23 +49,38 @@ class KVLedger:
     def make_room(self, on_evict: Callable[[Sequence], None] = lambda s: None) -> None:
         """Preempt the youngest until every live sequence's pending token has a block, then take those."""
         cache, sched = self.cache, self.sched
+        tables, bs = cache.alloc.tables, cache.block_size
+        # the rows whose pending position has no block yet: a row crosses into a new block once in block_size steps
+        short = [s for s in sched.live if len(tables.get(id(s), ())) * bs <= s.cache_len]
+        if not short:
+            return
         victims = sched.make_room()
         for victim, moves in victims:  # moves of successive removals: applied in order
             on_evict(victim)
             self._move_rows([m[0] for m in moves], [m[1] for m in moves])
         if victims:
             cache.clear_rows(len(sched.live))
-        cache.grow([(s.row, id(s), s.cache_len + 1) for s in sched.live])
+        cache.grow([(s.row, id(s), s.cache_len + 1) for s in short if s.row >= 0])  # victims hold no row
 
     def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:
         """Blocks for each row's drafted positions while the pool lasts; returns the caps kept."""
         kept = draft_room(self.cache.alloc, live, caps)
-        self.cache.grow([(s.row, id(s), s.cache_len + 1 + k) for s, k in zip(live, kept)])
+        tables, bs = self.cache.alloc.tables, self.cache.block_size
+        grow = [(s.row, id(s), n) for s, k in zip(live, kept)
+                if len(tables.get(id(s), ())) * bs < (n := s.cache_len + 1 + k)]
+        if grow:
+            self.cache.grow(grow)
+            self.grown.update(owner for _, owner, _ in grow)
         return kept
 
     def trim(self, live: list[Sequence]) -> None:
         """After commit: hand back blocks past each unfinished sequence's pending position."""
-        self.cache.trim([(s.row, id(s), s.cache_len + 1) for s in live if not s.finished])
+        if not self.grown:  # only rows given draft blocks this step can hold one past their pending position
+            return
+        tables, bs, grown = self.cache.alloc.tables, self.cache.block_size, self.grown
+        self.cache.trim([(s.row, id(s), n) for s in live if id(s) in grown and not s.finished
+                         and len(tables.get(id(s), ())) * bs >= (n := s.cache_len + 1) + bs])  # a block past n
+        grown.clear()
 
     def retire(self, on_finish: Callable[[Sequence], None] = lambda s: None) -> list[Sequence]:
         """Finished sequences leave (on_finish runs while they still hold their blocks); survivors' rows

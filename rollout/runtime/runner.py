@@ -18,6 +18,7 @@ from rlspec.rollout.runtime.kv_cache import PagedKVCache, SideSpec, block_bytes,
 from rlspec.rollout.runtime.model.attention import BLOCK, causal_mask, use_flex
 from rlspec.rollout.runtime.model.linear import pack_linears, refresh_linears
 from rlspec.rollout.runtime.model.llama import ForwardBatch, LlamaForCausalLM
+from rlspec.rollout.runtime.transfers import Transfers
 
 
 KEEP_KV_FRACTION = 0.25  # a pool and its graphs up to this share of the device's memory stay across rollouts
@@ -46,6 +47,7 @@ class ModelRunner:
         self.keep_kv_fraction = keep_kv_fraction
         self.kept_bytes = 0  # what the last release kept on the device (pool + graphs): given up by the update
         self.reserves: dict[str, int] = {}
+        self.transfers = Transfers(self.device)  # every copy of the decode loop between host and device
 
     def ensure_cache(self, rows: int, length: int, extra_layers: int = 0, min_positions: int = 0,
                      side: SideSpec | None = None) -> PagedKVCache:
@@ -78,6 +80,7 @@ class ModelRunner:
         self.cache = PagedKVCache(self.model.cfg, rows, length, size.blocks, bs, self.dtype, self.device, extra_layers,
                                   side)
         self.cache.set_ceiling(size.max_blocks, budget.ceiling_headroom(self.device, reserve))
+        self.cache.to_device = self.transfers.to_device
         self.model.init_rope(self.cache.length)
         self.steps = self._step_runner()
         return self.cache
@@ -157,18 +160,20 @@ class ModelRunner:
                           slots=slots)
         return self.model(fb, self.cache.k, self.cache.v, hidden_layers, logits_index=lens - 1)
 
-    def step(self, tokens: torch.Tensor, start: torch.Tensor, depths=None, tree_mask=None, hidden_layers=()):
+    def step(self, tokens: torch.Tensor, start: torch.Tensor, depths=None, tree_mask=None, hidden_layers=(),
+             top: int | None = None):
         """T new tokens for each live row 0..B-1 whose cache holds `start[b]` entries.
 
         tokens [B, T] long; start [B] long. A chain by default; a tree passes depths [B, T]
-        (RoPE offsets) and tree_mask [B, T, T] bool (node t may see node s). Returns
+        (RoPE offsets) and tree_mask [B, T, T] bool (node t may see node s); top: max(start) as the host knows it
+        (None: read from start, which syncs an accelerator). Returns
         (logits [B, T, V] float32, hiddens). On CUDA a captured graph replays when one fits.
         Sets `fresh` when dynamo compiled (a shape's first use, a recompile: compiled layers, FlexAttention) or
         a CUDA graph was captured during the step: seconds that are no step's cost, which the selectors' cost
         model must not learn (rollout/engine.py).
         """
         frames = compiled_frames()
-        out = self.steps.run(tokens, start, depths, tree_mask, hidden_layers)
+        out = self.steps.run(tokens, start, depths, tree_mask, hidden_layers, top=top)
         self.fresh = self.steps.fresh or compiled_frames() != frames
         return out
 

@@ -149,12 +149,16 @@ def draft_room(alloc: BlockAllocator, live: list[Sequence], caps: list[int]) -> 
     what its blocks hold plus the free blocks (a growing pool grows for them first), handed out oldest
     sequence first. Where the pool runs short a draft is shortened (which changes speed, never the law).
     The caller takes the blocks."""
-    want = sum(max(0, alloc.blocks_for(s.cache_len + 1 + c) - len(alloc.held(id(s)))) for s, c in zip(live, caps))
+    bs, tables = alloc.block_size, alloc.tables
+    lens = [s.cache_len for s in live]
+    held = [len(tables.get(id(s), ())) for s in live]
+    need = [max(0, -(-(n + 1 + c) // bs) - h) for n, h, c in zip(lens, held, caps)]
+    want = sum(need)
+    if want == 0:  # every draft fits the blocks its row holds (most steps)
+        return caps
     free, kept = alloc.reserve(min(want, alloc.room)), list(caps)
     for i in sorted(range(len(live)), key=lambda i: live[i].admit_order):
-        s = live[i]
-        held = len(alloc.held(id(s)))
-        extra = min(max(0, alloc.blocks_for(s.cache_len + 1 + caps[i]) - held), free)
-        kept[i] = min(caps[i], (held + extra) * alloc.block_size - s.cache_len - 1)
+        extra = min(need[i], free)
+        kept[i] = min(caps[i], (held[i] + extra) * bs - lens[i] - 1)
         free -= extra
     return kept

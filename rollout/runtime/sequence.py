@@ -72,6 +72,18 @@ class Sequence:
                 break
         return kept
 
+    def append_one(self, tok: int, logprob: float, stop_ids: set[int]) -> int:
+        """append([tok], [logprob], stop_ids) for one token of the target's law, without its per-token lists."""
+        self.completion_ids.append(tok)
+        self.logprobs.append(logprob)
+        self.token_source.append(0)
+        self.behaviour_logprobs.append(logprob)
+        if tok in stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.completion_ids) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return 1
+
     def result(self, policy_version: int) -> RolloutResult:
         return RolloutResult(
             prompt_ids=list(self.prompt_ids),

@@ -6,6 +6,7 @@ and their KV (written past the sequence's length) is never shown again.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,46 +26,86 @@ class DraftBatch:
     # siblings drawn before it); chains [B, N, V], trees [B, N+1, V] (node 0 unused). None for
     # deterministic drafts. Padding rows and nodes hold zeros and are never reached.
     q: torch.Tensor | None = None
+    start: torch.Tensor | None = None  # [B] long: cache entries each row holds (when built with `start`)
+    kv_len: int = 0  # max(start) + N + 1: the cache positions the step's attention spans
+
+    @property
+    def N(self) -> int:
+        return self.tokens.shape[1] - 1
 
     def to(self, device) -> "DraftBatch":
         """The same batch with every tensor on `device` (verification runs where the logits are)."""
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
         return DraftBatch(move(self.tokens), move(self.num_drafts), self.is_chain, move(self.depths),
-                          move(self.tree_mask), move(self.children), move(self.q))
+                          move(self.tree_mask), move(self.children), move(self.q), move(self.start), self.kv_len)
 
 
-def build_draft_batch(pending: list[int], drafts: list[Draft]) -> DraftBatch:
-    B, N = len(drafts), max((len(d) for d in drafts), default=0)
-    tokens = torch.tensor([[p, *d.tokens] + [0] * (N - len(d)) for p, d in zip(pending, drafts)], dtype=torch.long)
-    num = torch.tensor([len(d) for d in drafts], dtype=torch.long)
-    sampled = _check_q(drafts)
-    chain = all(d.is_chain for d in drafts)
-    q = None
-    if sampled is not None and chain and all(len(d) == N for d in drafts):  # no padding: stacked (one row: as is)
-        q = drafts[0].q[None] if B == 1 else torch.stack([d.q for d in drafts])
-    elif sampled is not None:  # rows without a draft keep zeros: they are out of range in verify
-        q = sampled.new_zeros(B, N + (0 if chain else 1), sampled.shape[-1])
-        busy = [i for i, d in enumerate(drafts) if len(d)]
-        lens = num[busy]
-        row = torch.tensor(busy).repeat_interleave(lens)
-        col = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens).repeat_interleave(lens)
-        q[row, col + (0 if chain else 1)] = torch.cat([drafts[i].q for i in busy]).to(q.device)  # one copy
-    if chain:
-        return DraftBatch(tokens, num, True, q=q)
-    W = max(max((d.parents.count(p) for p in set(d.parents)), default=1) for d in drafts)
-    depths = torch.zeros(B, N + 1, dtype=torch.long)
-    mask = torch.eye(N + 1, dtype=torch.bool).repeat(B, 1, 1)
-    mask[:, :, 0] = True  # every node sees the pending token
-    children = torch.full((B, N + 1, W), -1, dtype=torch.long)
-    for i, d in enumerate(drafts):
-        fill = [0] * (N + 1)
-        for j, parent in enumerate(d.parents):
-            node, pnode = j + 1, parent + 1
-            depths[i, node] = depths[i, pnode] + 1
-            mask[i, node] |= mask[i, pnode]
-            children[i, pnode, fill[pnode]] = node  # siblings in token order: the order they were drawn
-            fill[pnode] += 1
-    return DraftBatch(tokens, num, False, depths, mask, children, q)
+def build_draft_batch(pending: list[int], drafts: list[Draft] | None, start: list[int] | None = None,
+                      to_device=None) -> DraftBatch:
+    """The verify batch of these rows: pending tokens, drafts (None: no row drafted), and, given `start` (each row's
+    cache length), the step's start positions. Every integer of it travels in one [B, *] long tensor (to_device:
+    the decode loop's funnel, runtime/transfers.py; default: a host tensor); a tree's mask travels as one bit
+    word per node (ancestors, the node itself included) and is expanded where it lands."""
+    to_device = to_device or torch.tensor
+    B = len(pending)
+    N = max((len(d) for d in drafts), default=0) if drafts is not None else 0
+    starts = start if start is not None else [0] * B
+    kv_len = max(starts, default=0) + N + 1
+    if N == 0:  # plain decoding: [pending, num (0), start]
+        packed = to_device([[p, 0, c] for p, c in zip(pending, starts)])
+        return DraftBatch(packed[:, :1], packed[:, 1], True, start=packed[:, 2] if start is not None else None,
+                          kv_len=kv_len)
+    sampled = None if all(d.q is None for d in drafts) else _check_q(drafts)
+    chain = all(d.parents == _chain_parents(len(d)) for d in drafts)
+    if chain:  # [pending, drafts (N), num, start]
+        packed = to_device([[p, *d.tokens, *[0] * (N - len(d)), len(d), c] for p, d, c in zip(pending, drafts, starts)])
+        batch = DraftBatch(packed[:, :N + 1], packed[:, N + 1], True)
+    else:
+        W = max(max((d.parents.count(p) for p in set(d.parents)), default=1) for d in drafts)
+        packed = to_device([_tree_row(p, d, c, N, W) for p, d, c in zip(pending, drafts, starts)])
+        N1 = N + 1
+        bits = packed[:, 2 * N1 + 1:3 * N1 + 1]
+        mask = (bits[:, :, None] >> torch.arange(N1, device=packed.device)) & 1 == 1  # [B, N+1, N+1]
+        batch = DraftBatch(packed[:, :N1], packed[:, N1], False, packed[:, N1 + 1:2 * N1 + 1], mask,
+                           packed[:, 3 * N1 + 1:3 * N1 + 1 + N1 * W].reshape(B, N1, W))
+    batch.start, batch.kv_len = (packed[:, -1] if start is not None else None), kv_len
+    batch.q = _stack_q(drafts, sampled, B, N, chain, batch.num_drafts.device)
+    return batch
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_parents(n: int) -> list[int]:
+    """A chain's parents, [-1, 0, .., n - 2] (Draft.is_chain without building the list per draft; never changed)."""
+    return list(range(-1, n - 1))
+
+
+def _tree_row(pending: int, d: Draft, start: int, N: int, W: int) -> list[int]:
+    """One row of a tree batch: [pending, drafts (N), num, depths (N+1), ancestor bits (N+1), children ((N+1) x W),
+    start]; every node sees the pending token and itself; padding nodes sit at depth 0 with no children."""
+    N1 = N + 1
+    depth, bits, kids = [0] * N1, [1 | 1 << n for n in range(N1)], [[] for _ in range(N1)]
+    for j, parent in enumerate(d.parents):
+        node, pnode = j + 1, parent + 1
+        depth[node] = depth[pnode] + 1
+        bits[node] |= bits[pnode]
+        kids[pnode].append(node)  # siblings in token order: the order they were drawn
+    flat = [c for k in kids for c in (k + [-1] * (W - len(k)))]
+    return [pending, *d.tokens, *[0] * (N - len(d)), len(d), *depth, *bits, *flat, start]
+
+
+def _stack_q(drafts: list[Draft], sampled, B: int, N: int, chain: bool, device):
+    """The drafts' q as one [B, N (+1 for trees), V] tensor (None for deterministic drafts)."""
+    if sampled is None:
+        return None
+    if chain and all(len(d) == N for d in drafts):  # no padding: stacked (one row: as is)
+        return drafts[0].q[None] if B == 1 else torch.stack([d.q for d in drafts])
+    q = sampled.new_zeros(B, N + (0 if chain else 1), sampled.shape[-1])  # rows without a draft keep zeros
+    busy = [i for i, d in enumerate(drafts) if len(d)]
+    lens = torch.tensor([len(drafts[i]) for i in busy])
+    row = torch.tensor(busy).repeat_interleave(lens)
+    col = torch.arange(int(lens.sum())) - (lens.cumsum(0) - lens).repeat_interleave(lens)
+    q[row, col + (0 if chain else 1)] = torch.cat([drafts[i].q for i in busy]).to(q.device)  # one copy
+    return q
 
 
 def _check_q(drafts: list[Draft]):

@@ -28,8 +28,10 @@ from rlspec.rollout.registry import STRATEGIES
 from rlspec.rollout.speculation.draft_batch import DraftBatch
 from rlspec.rollout.speculation.drafters.base import Draft
 from rlspec.rollout.speculation.selectors.base import Arm
-from rlspec.rollout.speculation.verify import verify_chain, verify_tree
+from rlspec.rollout.speculation.verify import draw_plain, verify_chain, verify_tree
 from rlspec.rollout.types import SamplingParams
+
+NO_DRAFT = Draft()  # shared by every row of a step without drafts (drafts are read, never changed)
 
 # room(nodes per row) -> draft nodes each row may carry: within its token budget, the cache table and
 # the KV blocks the pool can give (the engine's; a proposer asks before drafting)
@@ -38,10 +40,12 @@ Room = Callable[[list[int]], list[int]]
 
 @dataclass
 class StepVerdict:
-    """A verifier's answer, on the device. A chain's path is 1..accepted, -1 after."""
+    """A verifier's answer, on the device. A chain's path is 1..accepted, -1 after, and may be left None (the
+    engine builds it where a drafter reads it: `chain_path`); a plain step (no row drafted) may leave path and
+    accepted None (none accepted)."""
 
-    path: torch.Tensor  # [B, N] long: accepted node indices by depth, -1 after the last
-    accepted: torch.Tensor  # [B] long
+    path: torch.Tensor | None  # [B, N] long: accepted node indices by depth, -1 after the last
+    accepted: torch.Tensor | None  # [B] long
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     columns: tuple[torch.Tensor, ...] = ()  # [B, c] extras for the step's host transfer (provenance)
     logprob: torch.Tensor | None = None  # [B, N+1]: a kernel's draws came with their logprobs and finite flags
@@ -99,6 +103,8 @@ class SelectorProposer:
         pass
 
     def propose(self, live, arm: Arm, room: Room):
+        if not arm.speculative:  # no room to ask for: the pending token's block is the step's
+            return [NO_DRAFT] * len(live), None
         return self.speculation.propose(arm, live, room([arm.nodes] * len(live))), None
 
     def after_commit(self, live, before, routed, kept) -> None:
@@ -114,9 +120,12 @@ class ExactVerifier:
     hidden_layers: tuple[int, ...] = ()
 
     def verify(self, logits, hiddens, batch: DraftBatch, params, generator, routed=None) -> StepVerdict:
+        if batch.tokens.shape[1] == 1:  # no row drafted: verify_chain's draws, without a path
+            token, logprob, finite = draw_plain(logits[:, 0], params, generator)
+            return StepVerdict(None, None, token, (), None if logprob is None else logprob[:, None], finite)
         if batch.is_chain:
             v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, generator)
-            return chain_verdict(v, batch.tokens.shape[1] - 1)
+            return StepVerdict(None, v.accepted, v.next_token, (), v.logprob, v.finite)
         v = verify_tree(logits, batch.tokens, batch.children, params, batch.q, generator)
         return StepVerdict(v.path, v.accepted, v.next_token)
 
@@ -132,9 +141,13 @@ class ExactVerifier:
 
 def chain_verdict(v, N: int, columns: tuple[torch.Tensor, ...] = ()) -> StepVerdict:
     """A chain's Verdict (accepted, next_token) as a StepVerdict: its path is 1..accepted, -1 after."""
-    steps = torch.arange(1, N + 1, device=v.accepted.device)[None, :].expand(len(v.accepted), N)
-    return StepVerdict(torch.where(steps <= v.accepted[:, None], steps, -1), v.accepted, v.next_token, columns,
-                       v.logprob, v.finite)
+    return StepVerdict(chain_path(v.accepted, N), v.accepted, v.next_token, columns, v.logprob, v.finite)
+
+
+def chain_path(accepted: torch.Tensor, N: int) -> torch.Tensor:
+    """[B, N] node path of a chain that accepted [B] drafts: 1..accepted, -1 after."""
+    steps = torch.arange(1, N + 1, device=accepted.device)[None, :].expand(len(accepted), N)
+    return torch.where(steps <= accepted[:, None], steps, -1)
 
 
 @STRATEGIES.register("exact")

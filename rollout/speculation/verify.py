@@ -80,21 +80,35 @@ def verify_chain(
         return Verdict(accepted, target_top.gather(1, accepted[:, None]).squeeze(1), exact)
 
     p = probs_from_logits(target_logits, params) if p is None else p  # [B, K+1, V]
-    if draft_probs is None:
-        q_draft = torch.ones(B, K, device=p.device)  # one-hot q: q_i(x_i) = 1
-    else:
-        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     u = uniform(generator, (B, K), p.device, ACCEPT)
-    exact = _accept(u, p[:, :K], q_draft, draft_tokens)
+    if draft_probs is None:  # one-hot q: q_i(x_i) = 1, and u * 1 == u
+        exact = u < p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    else:
+        exact = _accept(u, p[:, :K], draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1), draft_tokens)
     accepted = _accepted(exact, kept, in_range)  # [B]
 
     # Distribution of the next token: residual at the first rejection, or p itself for the bonus.
     rows = torch.arange(B, device=p.device)
     p_next = p[rows, accepted]  # [B, V]
     rejected = accepted < num_drafts
-    q_next = _q_at(draft_probs, draft_tokens, accepted.clamp(max=max(K - 1, 0)), p_next)  # [B, V]
-    dist = torch.where(rejected[:, None], _residual(p_next, q_next), p_next)
+    at = accepted.clamp(max=max(K - 1, 0))
+    if draft_probs is None:  # the residual of a one-hot q: p without the drafted token (the same bits as _residual)
+        residual = _renormalised(p_next.scatter(-1, draft_tokens[rows, at][:, None], 0.0), p_next)
+    else:
+        residual = _residual(p_next, _q_at(draft_probs, draft_tokens, at, p_next))
+    dist = torch.where(rejected[:, None], residual, p_next)
     return Verdict(accepted, sample(dist, generator), exact)
+
+
+def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = None):
+    """A step without drafts: the next token from logits [B, V] -> (token [B], logprob [B] or None, finite [B] or
+    None), the same draws as verify_chain with K = 0 (the CPU kernel's logprob and finite flag where it drew)."""
+    if params.greedy:
+        return logits.argmax(-1), None, None
+    drawn = sample_plain(logits, params, generator)
+    if drawn is not None:
+        return drawn
+    return sample(probs_from_logits(logits, params), generator), None, None
 
 
 def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:
@@ -131,7 +145,11 @@ def _accept(u: torch.Tensor, p: torch.Tensor, q_x: torch.Tensor, x: torch.Tensor
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)) over the last dim. Its mass is 0 only where p == q on the support, where a
     rejection has probability 0; p stands in so the expression stays defined."""
-    r = (p - q).clamp(min=0)
+    return _renormalised((p - q).clamp(min=0), p)
+
+
+def _renormalised(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """r over its mass, or p where r has none."""
     mass = r.sum(-1, keepdim=True)
     return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
 

@@ -1,7 +1,8 @@
 """The decode loop keeps vocabulary-sized tensors on the engine's device.
 
 Two checks. Static (ast, nothing runs): in the engine's decode-loop stages, in verification and in
-sampling, no call moves a tensor to the host except `_to_host`'s one `.tolist()` per step. Dynamic:
+sampling, no call moves a tensor to the host except the funnel's one `.tolist()` per step
+(runtime/transfers.py `Pending.rows`). Dynamic:
 a speculative generate (sampled EAGLE-3 drafts, trees) with every host-transfer method of
 torch.Tensor wrapped, asserting that no transfer carries as many numbers as one vocabulary row.
 On CPU the "transfers" are no-ops, but the calls are the same ones a GPU would pay for.
@@ -21,10 +22,11 @@ from tests.conftest import make_tiny_hf, random_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_METHODS = {"cpu", "tolist", "item", "numpy"}
-DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_fetch", "_commit", "_retire", "_unpack"}
+DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_fetch", "_commit", "_retire", "_prefill", "read", "send"}
 # (file, function) -> host calls allowed there: the one packed transfer of each step
-ALLOWED = {("rollout/engine.py", "_to_host"): {"tolist"}}
-FILES = ["rollout/engine.py", "rollout/speculation/verify.py", "rollout/runtime/sampling.py", "rollout/speculation/draft_batch.py",
+ALLOWED = {("rollout/runtime/transfers.py", "rows"): {"tolist"}}
+FILES = ["rollout/engine.py", "rollout/decode.py", "rollout/step_layout.py", "rollout/runtime/transfers.py",
+         "rollout/speculation/verify.py", "rollout/runtime/sampling.py", "rollout/speculation/draft_batch.py",
          "rollout/speculation/strategies.py", "rollout/lossy/control.py", "rollout/lossy/judge.py", "rollout/lossy/law.py",
          "rollout/lossy/heads.py", "rollout/lossy/router.py", "rollout/runtime/history.py"]
 
@@ -44,14 +46,14 @@ def host_calls(path: str) -> list[tuple[str, int, str]]:
 
 @pytest.mark.parametrize("path", FILES)
 def test_no_host_transfers_in_the_decode_path(path):
-    checked = DECODE_STAGES | {"_to_host"} if path == "rollout/engine.py" else None
+    checked = DECODE_STAGES if path in ("rollout/engine.py", "rollout/decode.py", "rollout/step_layout.py") else None
     bad = [(fn, line, m) for fn, line, m in host_calls(path)
            if (checked is None or fn in checked) and m not in ALLOWED.get((path, fn), set())]
-    assert not bad, f"{path}: host transfers in the decode loop (use engine._to_host once per step): {bad}"
+    assert not bad, f"{path}: host transfers in the decode loop (use the runner's Transfers once per step): {bad}"
 
 
 def test_static_check_sees_the_one_allowed_transfer():
-    assert ("_to_host", "tolist") in {(fn, m) for fn, _, m in host_calls("rollout/engine.py")}
+    assert ("rows", "tolist") in {(fn, m) for fn, _, m in host_calls("rollout/runtime/transfers.py")}
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["plain", "repetition_penalty"])
@@ -96,7 +98,7 @@ def test_one_transfer_per_step_finite_check_included(monkeypatch):
     """Plain decoding makes exactly one transfer per prefill and per decode step: the per-row "logits
     finite" flag rides in it. With a NaN weight the error is raised from that same transfer (counted up to
     the moment the error is built; finding the culprit afterwards may cost what it likes)."""
-    import rlspec.rollout.engine as engine_module
+    import rlspec.rollout.decode as decode_module
     from rlspec.rollout.errors import NonFiniteLogitsError
 
     eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, eos_token_ids=[2])
@@ -109,8 +111,8 @@ def test_one_transfer_per_step_finite_check_included(monkeypatch):
     with torch.no_grad():
         eng.model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
     at_error: list[int] = []
-    real = engine_module.nonfinite_error
-    monkeypatch.setattr(engine_module, "nonfinite_error", lambda *a: at_error.append(len(calls)) or real(*a))
+    real = decode_module.nonfinite_error
+    monkeypatch.setattr(decode_module, "nonfinite_error", lambda *a: at_error.append(len(calls)) or real(*a))
     with pytest.raises(NonFiniteLogitsError):
         eng.generate(prompts, params)
     assert at_error == [1], "the prefill's one transfer must carry the check"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rlspec.rollout.decode as decode_mod
 import rlspec.rollout.engine as engine_mod
 import rlspec.rollout.runtime.draws as draws
 import rlspec.rollout.speculation.verify as verify
@@ -146,7 +147,8 @@ def test_keys_from_the_kv_row_fail_the_two_token_law(two_tokens, monkeypatch):
     def by_row(d, seqs):
         return d.bind([first.setdefault(s.row, s.key) for s in seqs], [len(s.completion_ids) for s in seqs])
 
-    monkeypatch.setattr(engine_mod, "bound", by_row)
+    monkeypatch.setattr(engine_mod, "bound", by_row)  # the prefill's draws
+    monkeypatch.setattr(decode_mod, "bound", by_row)  # the decode steps'
     assert engine_pvalue(*two_tokens) <= ALPHA
 
 

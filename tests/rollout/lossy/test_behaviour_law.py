@@ -23,10 +23,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from rlspec.rollout.engine import _to_host
 from rlspec.rollout.lossy.control import LossyControl
 from rlspec.rollout.lossy.judge import JUDGE, ROUTED
 from rlspec.rollout.runtime.sampling import logprobs_of
+from rlspec.rollout.runtime.transfers import host_rows
 from rlspec.rollout.speculation.draft_batch import DraftBatch
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.rollout.lossy.helpers import TinyTokenizer
@@ -95,7 +95,7 @@ def _run_lossy(ctl: LossyControl, x: torch.Tensor, q: torch.Tensor | None, hidde
     emitted.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
     lps = logprobs_of(logits, emitted, PARAMS).tolist()  # the engine's record: node j predicts token j
     accepted = verdict.accepted.tolist()
-    prov = ctl.provenance(_to_host(*verdict.columns), accepted, lps)  # the columns' host rows, as the engine's
+    prov = ctl.provenance(host_rows(*verdict.columns), accepted, lps)  # the columns' host rows, as the engine's
     sources, behaviour = prov.sources, prov.behaviour
     return emitted.numpy(), np.array(accepted), sources, behaviour
 

@@ -1,0 +1,182 @@
+"""Host work per decode step: what a GPU waits for when nothing overlaps.
+
+A tiny random Llama (1 layer, hidden 32, vocab 64) whose forward costs next to nothing, on the CPU, decoded through
+the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain and with an n-gram tree (selector
+"always"), at each batch size. Per (mode, batch):
+
+  * ms_per_step: (t(long call) - t(short call)) / (steps(long) - steps(short)), so prefill and call set-up cancel;
+  * forward_ms: the target forward (ModelRunner.step) per step, timed the same way; host_ms = the rest: scheduling,
+    drafting, verification, the host transfer and the commit;
+  * floor_ms: a bare loop of the same forward + sampling of the next token, no engine around it (plain rows only):
+    the least a step can cost on this model.
+
+Repetitions alternate the modes (medians). On a GPU the host part is what the device idles through unless the next
+step is prepared while the current one runs (docs/runtime.md#host-step-budget).
+
+    python -m rlspec.bench host                       # ~1 min on 2 cores
+    python -m rlspec.bench host --batch-sizes 8 --reps 5
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from rlspec.bench import harness
+
+NAME = "host"
+HELP = "host milliseconds per decode step on a negligible-compute model (plain, chain, tree; batch 1 / 8 / 64)"
+MODES = {  # name -> SpecConfig fields (None: plain decoding)
+    "plain": None,
+    "chain": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=1),
+    "tree": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=2),
+}
+MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1)
+COLUMNS = ["mode", "batch", "ms_per_step", "forward_ms", "host_ms", "cpu_ms_per_step", "cpu_forward_ms", "cpu_host_ms",
+           "steps", "spec_share"]
+INIT = 1.0  # weights drawn wide: peaked logits, so sampled rollouts repeat and the n-gram drafter drafts
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--tokens", type=int, nargs=2, default=[16, 112],
+                   help="max_new_tokens of the short and the long call (their difference is what is timed)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: the host's own cost, no pool wake-ups)")
+
+
+def tiny_model(seed: int = 0):
+    """The negligible-compute target: a 1-layer random Llama in the engine's runtime, float32."""
+    import torch
+    import transformers as tf
+
+    from rlspec.rollout.runtime.model import loader
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(**MODEL, max_position_embeddings=1024, initializer_range=INIT, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    return loader.from_hf_model(tf.LlamaForCausalLM(cfg).float().eval())
+
+
+def build(mode: str, batch: int, seed: int):
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.types import SpecConfig
+
+    spec = SpecConfig(**MODES[mode], online_training=False) if MODES[mode] else None
+    return RolloutEngine(tiny_model(seed), None, spec=spec, eos_token_ids=[2], max_num_seqs=max(batch, 1),
+                         max_model_len=512)
+
+
+class ForwardTimer:
+    """Wraps the engine's ModelRunner.step: wall and CPU seconds spent in target forwards of decode steps."""
+
+    def __init__(self, engine):
+        self.wall = self.cpu = 0.0
+        runner, inner = engine.runner, engine.runner.step
+
+        def step(*a, **kw):
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = inner(*a, **kw)
+            self.wall += time.perf_counter() - t0
+            self.cpu += time.process_time() - c0
+            return out
+
+        runner.step = step
+
+
+def call(engine, timer: ForwardTimer, prompts, tokens: int, temperature: float, seed: int) -> dict:
+    """Wall and CPU seconds of one generate call and of its forwards, its decode steps, and the share of them
+    that carried drafts."""
+    from rlspec.rollout.types import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_new_tokens=tokens, ignore_eos=True, seed=seed)
+    engine.batch_trace.clear()
+    fw, fc = timer.wall, timer.cpu
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.generate(prompts, params)
+    out = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "fwd_wall": timer.wall - fw,
+           "fwd_cpu": timer.cpu - fc, "steps": len(engine.batch_trace)}
+    out["spec_share"] = engine.stats().get("rollout/spec_step_share", 0.0)
+    return out
+
+
+def measure(engine, timer, prompts, args, rep: int) -> dict:
+    """One repetition of a (mode, batch): per-step figures from the long call minus the short one, in ms. The CPU
+    clock (one torch thread: every op runs in this thread) is what other processes on a shared machine disturb
+    least; the wall clock is what a device would wait."""
+    short, long = (call(engine, timer, prompts, n, args.temperature, args.seed + rep) for n in args.tokens)
+    steps = long["steps"] - short["steps"]
+    if steps <= 0:
+        raise RuntimeError(f"the long call ran {long['steps']} steps, the short one {short['steps']}: raise --tokens")
+    per = {k: (long[k] - short[k]) / steps * 1e3 for k in ("wall", "cpu", "fwd_wall", "fwd_cpu")}
+    return {"ms_per_step": per["wall"], "forward_ms": per["fwd_wall"], "host_ms": per["wall"] - per["fwd_wall"],
+            "cpu_ms_per_step": per["cpu"], "cpu_forward_ms": per["fwd_cpu"], "cpu_host_ms": per["cpu"] - per["fwd_cpu"],
+            "steps": long["steps"], "spec_share": long["spec_share"]}
+
+
+def floor_ms(batch: int, steps: int, seed: int, temperature: float) -> tuple[float, float]:
+    """A bare loop of the target's forward over one token per row + drawing the next token: (wall, CPU) ms per
+    step."""
+    import torch
+
+    from rlspec.rollout.runtime.runner import ModelRunner
+    from rlspec.rollout.runtime.sampling import sample_plain
+    from rlspec.rollout.types import SamplingParams
+
+    model = tiny_model(seed)
+    runner = ModelRunner(model, "cpu", torch.float32, "off", compile_mode="off")
+    cache = runner.ensure_cache(batch, steps + 16)
+    cache.reset()
+    cache.reserve_rows(batch, steps + 8)
+    params = SamplingParams(temperature=temperature, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.full((batch, 1), 5, dtype=torch.long)
+    start = torch.zeros(batch, dtype=torch.long)
+    t0 = c0 = 0.0
+    with torch.inference_mode():
+        for i in range(steps):
+            if i == 4:
+                t0, c0 = time.perf_counter(), time.process_time()
+            logits, _ = runner.step(tokens, start)
+            drawn = sample_plain(logits[:, 0], params, gen)
+            tokens = (drawn[0] if drawn is not None else logits[:, 0].argmax(-1))[:, None]
+            start += 1
+    return (time.perf_counter() - t0) / (steps - 4) * 1e3, (time.process_time() - c0) / (steps - 4) * 1e3
+
+
+def prompts(batch: int, seed: int) -> list[list[int]]:
+    """batch random prompts of 8-24 tokens over the model's vocabulary (ids 3.. : no special token)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(8, 25, (batch,), generator=g).tolist()
+    return [torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist() for n in lens]
+
+
+def run(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.batch_sizes, args.tokens, args.reps = [2], [4, 12], 1
+    rows = []
+    for batch in args.batch_sizes:
+        ps = prompts(batch, args.seed)
+        engines = {m: build(m, batch, args.seed) for m in args.modes}
+        timers = {m: ForwardTimer(e) for m, e in engines.items()}
+        for m, e in engines.items():  # warm: first calls allocate the pool and build the drafters' state
+            call(e, timers[m], ps, args.tokens[0], args.temperature, args.seed)
+        runs = harness.alternate({m: (lambda rep, m=m: measure(engines[m], timers[m], ps, args, rep))
+                                  for m in args.modes}, args.reps)
+        floor = floor_ms(batch, max(args.tokens), args.seed, args.temperature)
+        for m in args.modes:
+            med = {k: statistics.median([r[k] for r in runs[m]]) for k in runs[m][0]}
+            rows.append({"mode": m, "batch": batch, **{k: med[k] for k in COLUMNS[2:-2]}, "steps": int(med["steps"]),
+                         "spec_share": med["spec_share"], "floor_ms": floor[0] if m == "plain" else None,
+                         "cpu_floor_ms": floor[1] if m == "plain" else None,
+                         "reps_host_ms": [r["host_ms"] for r in runs[m]]})
+            print(f"[host] batch {batch} {m}: {med['ms_per_step']:.3f} ms/step (forward {med['forward_ms']:.3f}, "
+                  f"host {med['host_ms']:.3f}; CPU clock: host {med['cpu_host_ms']:.3f})", flush=True)
+    return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "rows": rows,
+            "columns": COLUMNS + ["floor_ms", "cpu_floor_ms"]}

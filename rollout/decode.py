@@ -1,0 +1,172 @@
+"""The decode step, for the whole live batch at once, the same in every mode:
+
+    schedule -> propose -> one target forward -> verify -> one host transfer -> commit
+
+`DecodeSteps` is the part of RolloutEngine (rollout/engine.py) that runs it; `Call` is what one generate call's
+stages share. Host work a step is kept to what the step needs: a plain step (no row drafted) asks for no draft room,
+sends [pending, start] to the device in one copy, draws without building a path and trims no blocks; every copy
+goes through the runner's funnel (runtime/transfers.py) and the transfer's columns are StepLayout's
+(rollout/step_layout.py). docs/runtime.md#host-step-budget.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlspec.rollout.nonfinite import nonfinite_error
+from rlspec.rollout.runtime.draws import KeyedDraws, bound
+from rlspec.rollout.runtime.history import TokenHistory
+from rlspec.rollout.runtime.kv_ledger import KVLedger
+from rlspec.rollout.runtime.sampling import logprobs_of, penalise
+from rlspec.rollout.runtime.sequence import Sequence
+from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
+from rlspec.rollout.speculation.strategies import StepVerdict, chain_path
+from rlspec.rollout.step_layout import HostStep, StepLayout
+from rlspec.rollout.types import SamplingParams
+
+
+@dataclass
+class Call:
+    """What one generate call's stages share."""
+
+    params: SamplingParams
+    draws: torch.Generator | KeyedDraws | None  # where the target's uniforms come from
+    stop_ids: set[int]
+    bar: object
+    t0: float
+    kv: KVLedger  # the call's block bookkeeping
+    history: TokenHistory | None = None  # per-row token sets, when a repetition penalty is on
+    steps: int = 0  # decode steps run so far (errors name the step)
+    finished: bool = False  # a sample finished since the last retire
+
+
+class DecodeSteps:
+    """RolloutEngine's decode step (needs its runner, speculation, proposer, verifier and metrics)."""
+
+    def _decode_step(self, live: list[Sequence], ctx: Call) -> None:
+        """schedule -> propose -> one target forward -> verify -> one host transfer -> commit."""
+        arm = self.speculation.choose(len(live))
+        ctx.steps += 1
+        roomy = []  # whether the proposer took draft room (blocks past the pending token) this step
+
+        def room(nodes: list[int]) -> list[int]:
+            roomy.append(True)
+            return ctx.kv.draft_room(live, self._draft_caps(live, nodes))
+
+        t0 = time.perf_counter()
+        drafts, routed = self.proposer.propose(live, arm, room)
+        t1 = time.perf_counter()
+        drafted = [len(d) for d in drafts]
+        batch = build_draft_batch([s.pending for s in live], drafts if any(drafted) else None,
+                                  [s.cache_len for s in live], self.runner.transfers.to_device)
+        logits, hiddens = self.runner.step(batch.tokens, batch.start, batch.depths, batch.tree_mask,
+                                           self.speculation.aux_layers + self.verifier.hidden_layers,
+                                           top=batch.kv_len - batch.N - 1)
+        verdict = self.verifier.verify(self._penalised(logits, batch, ctx), hiddens, batch, ctx.params,
+                                       bound(ctx.draws, live), routed)
+        step = self._fetch(logits, verdict, batch, ctx, live)  # logprobs from the raw logits (docs/verification.md)
+        if self.speculation.learned is not None:  # before commit: features staged at the positions held now
+            path = verdict.path if verdict.path is not None else \
+                chain_path(verdict.accepted if batch.N else logits.new_zeros(len(live), dtype=torch.long), batch.N)
+            self.speculation.observe_verify(live, hiddens, path, step.accepted, logits)
+        before = [len(s.completion_ids) for s in live]
+        emitted = self._commit(live, step, batch.is_chain, ctx)
+        self.proposer.after_commit(live, before, routed, step.kept)
+        if roomy:  # rejected drafts (and room a short draft left) hold no block past their step
+            ctx.kv.trim(live)
+        self._observe_step(arm, live, drafted, routed, step.accepted, emitted, (t0, t1), ctx)
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, batch: DraftBatch, ctx: Call) -> torch.Tensor:
+        """The verify's logits after the repetition penalty, each node against its own history: the row's
+        tokens plus the drafts on the path to it (rollout/runtime/history.py); unchanged without a penalty.
+        The verifier applies temperature and truncation itself."""
+        if ctx.history is None:
+            return logits
+        return penalise(logits, ctx.history.at_nodes(batch.tokens, batch.tree_mask), ctx.params)
+
+    def _observe_step(self, arm, live, drafted, routed, accepted, emitted, times, ctx: Call) -> None:
+        """The selector's statistics (cost and acceptance of the arm), metrics, the idle signal."""
+        t0, t1 = times
+        t2 = time.perf_counter()
+        if routed is not None and any(routed):
+            # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
+            drafted, accepted = [0 if r else n for n, r in zip(drafted, routed)], \
+                [0 if r else a for a, r in zip(accepted, routed)]
+        elif not self.runner.fresh:  # a step that compiled its shape first is no measure of its cost
+            self.speculation.observe_step(arm, len(live), t2 - t1, t1 - t0, drafted, accepted)
+        self._metrics.record_verify(arm.drafter, drafted, accepted, t1 - t0, None if self.runner.fresh else t2 - t1)
+        self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
+        self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
+
+    def _draft_caps(self, live: list[Sequence], nodes: list[int]) -> list[int]:
+        """Most draft nodes each row may carry: `nodes`, within its token budget and the cache table."""
+        room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the table
+        # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
+        return [max(0, min(n, s.remaining - 1, room - s.cache_len)) for s, n in zip(live, nodes)]
+
+    def _fetch(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: Call, live: list[Sequence]) -> HostStep:
+        """The step's ONE host transfer (StepLayout): the emitted tokens and their target logprobs, computed on the
+        device, with each row's "logits finite" flag (NonFiniteLogitsError otherwise) and the verifier's own
+        columns (a lossy mode's sources and behaviour logprobs)."""
+        tree, dev = not batch.is_chain, logits.device
+        layout = StepLayout(batch.N, tree)
+        path = accepted = None
+        if batch.N == 0:  # plain decoding: the drawn token
+            emitted = verdict.next_token[:, None]
+        else:  # the accepted drafts (node j+1 of a chain is draft j), then the next token at column `accepted`
+            path, accepted = verdict.path, verdict.accepted
+            drafts = batch.tokens.gather(1, path.clamp(min=0)) if tree else batch.tokens[:, 1:]
+            emitted = torch.cat([drafts, torch.zeros(len(live), 1, dtype=torch.long, device=dev)], 1)
+            emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
+        if verdict.logprob is not None and ctx.history is None:  # drawn by a kernel that gave both (un-penalised)
+            lps, flags = verdict.logprob, layout.finite_from_flags(verdict.finite)
+        elif not tree:  # token j is predicted at node j: the logits as they are, the flag over nodes 0..accepted
+            lps = logprobs_of(logits, emitted, ctx.params)
+            flags = layout.finite(logits) if accepted is None else layout.chain_finite(logits, accepted)
+        else:  # the flag covers every logit the step used: those at the accepted path's nodes and the last one
+            at = torch.cat([torch.zeros(len(live), 1, dtype=torch.long, device=dev), path.clamp(min=0)], 1)
+            picked = logits.gather(1, at[..., None].expand(-1, -1, logits.shape[-1]))  # the predicting nodes
+            lps, flags = logprobs_of(picked, emitted, ctx.params), layout.finite(picked)
+        if ctx.history is not None:  # the emitted tokens join their rows' histories, on the device
+            keep = None if accepted is None else \
+                torch.arange(emitted.shape[1], device=dev)[None, :] <= accepted[:, None]
+            ctx.history.mark(torch.arange(len(live), device=dev), emitted, keep)
+        rows = layout.send(self.runner.transfers, accepted, path, emitted, lps, flags, verdict.columns).rows()
+        self._check_finite(layout.bad_rows(rows), live, ctx.steps, f"decode step {ctx.steps}")
+        step = layout.read(rows)
+        if verdict.columns:
+            step.provenance = self.verifier.provenance(layout.columns(rows), step.accepted, step.lps)
+        return step
+
+    def _check_finite(self, rows: list[int], seqs: list[Sequence], step: int, where: str) -> None:
+        """Raise NonFiniteLogitsError for these rows, whose flags (from the step's one host transfer) say
+        non-finite."""
+        if rows:
+            # the pool now holds the non-finite keys and values this step wrote; a later call would read them
+            # at masked positions, where attention weighs them by 0, and 0 x NaN is NaN: start it afresh
+            self.release_kv()
+            raise nonfinite_error(self.model, rows, step, where, seqs)
+
+    def _commit(self, live, step: HostStep, is_chain: bool, ctx: Call) -> int:
+        """Append each row's accepted drafts + the token after them, with their target logprobs and, from a
+        lossy verifier, sources and behaviour logprobs (lossless: drafts exact, the last token the target's);
+        move the KV of an accepted tree path to consecutive slots. Returns the number of tokens kept."""
+        kept, prov, stop = 0, step.provenance, ctx.stop_ids
+        for i, s in enumerate(live):
+            a = step.accepted[i]
+            if a == 0 and prov is None:  # one token, the target's
+                kept += s.append_one(step.tokens[i][0], step.lps[i][0], stop)
+                continue
+            path = step.path[i]
+            if not is_chain and path[:a] != list(range(1, a + 1)):
+                start = s.cache_len
+                self.runner.cache.gather_positions(s.row, [start + n for n in path[:a]],
+                                                   [start + 1 + j for j in range(a)])
+            src = [1] * a + [0] if prov is None else prov.sources[i]  # draft-exact..., target
+            kept += s.append(step.tokens[i][:a + 1], step.lps[i][:a + 1], stop, src,
+                             None if prov is None else prov.behaviour[i])
+        ctx.finished = ctx.finished or any(s.finish_reason is not None for s in live)
+        return kept
