@@ -74,8 +74,11 @@ def _key(w: torch.Tensor) -> tuple:
 
 
 def packable(model: nn.Module) -> bool:
+    """A CPU bf16 model on a CPU whose oneDNN has a bf16 path (AVX512-BF16 or AMX): elsewhere oneDNN refuses to
+    reorder a bf16 weight, and F.linear is the path."""
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return (p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def pack_linears(model: nn.Module, blocked: bool = False) -> int:
