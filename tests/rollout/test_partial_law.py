@@ -19,7 +19,8 @@ from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.types import Carried, PartialRound, SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf
-from tests.rollout.law_helpers import ALPHA, chi2_pvalue, make_law_model, one_thread, sequence_pvalue  # noqa: F401
+from tests.rollout.law_helpers import (ALPHA, _check_margins, chi2_pvalue, hf_warpers, make_law_model,  # noqa: F401
+                                       one_thread, sequence_pvalue)
 
 V, N, PROMPT = 6, 12000, [1, 3, 4]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,11 +30,12 @@ def policies():
     return make_law_model(vocab=V, seed=0, std=0.4), make_law_model(vocab=V, seed=1, std=0.4)
 
 
-def two_rounds(spec_second: SpecConfig | None):
-    """(samples [N, 4], recorded logprobs [N, 4], the second round's engine stats)."""
+def two_rounds(spec_second: SpecConfig | None, **sampling):
+    """(samples [N, 4], recorded logprobs [N, 4], the second round's engine stats). sampling: SamplingParams'
+    temperature, top_k, top_p (default: temperature 1, no truncation)."""
     a, b = policies()
     first = RolloutEngine(loader.from_hf_model(a), None, eos_token_ids=[], max_num_seqs=N)
-    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
+    params = SamplingParams(**{"temperature": 1.0, **sampling}, max_new_tokens=4, seed=3)
     out = first.generate([PROMPT], params, partial=PartialRound([[None] * N], stop_after_groups=0, min_decode_steps=1))
     assert all(r.finish_reason == "partial" and len(r.completion_ids) == 2 for r in out)
     if spec_second is None:  # the trainer's way: the same engine takes the new weights
@@ -50,25 +52,34 @@ def two_rounds(spec_second: SpecConfig | None):
             second.stats())
 
 
-def exact_law(a, b):
-    """Every 4-token sequence and its probability: two tokens from a, then two from b (HF forwards)."""
+def exact_law(a, b, params=None):
+    """Every 4-token sequence and its probability: two tokens from a, then two from b (HF forwards, with HF's own
+    temperature / top-k / top-p warpers when `params` asks for them; no truncation boundary near a tie)."""
     seqs, probs = torch.zeros(1, 0, dtype=torch.long), torch.ones(1, dtype=torch.float64)
+    warpers = hf_warpers(params) if params is not None else None
     for model in (a, a, b, b):
         ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
         with torch.no_grad():
-            p = torch.softmax(model(ids).logits[:, -1].double(), -1)
+            logits = model(ids).logits[:, -1].float()
+            if warpers is None:
+                p = torch.softmax(logits.double(), -1)
+            else:
+                _check_margins(logits, params, 1e-4)
+                p = torch.softmax(warpers(ids, logits.clone()), -1).double()
         parent, tok = torch.arange(len(seqs)).repeat_interleave(V), torch.arange(V).repeat(len(seqs))
-        seqs, probs = torch.cat([seqs[parent], tok[:, None]], 1), probs[parent] * p[parent, tok]
+        keep = p[parent, tok] > 0
+        seqs, probs = torch.cat([seqs[parent], tok[:, None]], 1)[keep], (probs[parent] * p[parent, tok])[keep]
     return seqs, probs
 
 
-def token_logprobs(models, samples: torch.Tensor) -> torch.Tensor:
-    """[N, 4] log p(x_t | prompt, x_<t) under models[t] (the policy that drew position t)."""
+def token_logprobs(models, samples: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[N, 4] log p(x_t | prompt, x_<t) under models[t] (the policy that drew position t), at `temperature`
+    before any truncation (what the engine records: docs/verification.md#logprobs)."""
     ids = torch.cat([torch.tensor(PROMPT).expand(len(samples), -1), samples], 1)
     out = []
     for t, model in enumerate(models):
         with torch.no_grad():
-            logits = model(ids[:, :len(PROMPT) + t]).logits[:, -1].double()
+            logits = model(ids[:, :len(PROMPT) + t]).logits[:, -1].double() / temperature
         out.append(torch.log_softmax(logits, -1).gather(1, samples[:, t:t + 1])[:, 0])
     return torch.stack(out, 1)
 
@@ -103,6 +114,23 @@ def test_carried_samples_keep_the_law_of_the_policies_that_drew_them(second):
     flawed = torch.cat([token_logprobs((b, b), samples[:, :2]), recorded[:, 2:].double()], 1)
     assert not torch.allclose(flawed, truth, atol=1e-4)
     assert claimed_law_pvalue(samples, flawed) < ALPHA
+
+
+def test_carried_samples_keep_the_truncated_law_at_temperature_07_with_top_k_and_top_p():
+    """T = 0.7, top-k 4, top-p 0.9: the samples fit the law of HF's warpers, two tokens from each policy; every
+    recorded logprob is the drawing policy's at T = 0.7 before truncation; a prefix recorded with the newer
+    policy's logprobs is caught."""
+    sampling = dict(temperature=0.7, top_k=4, top_p=0.9)
+    samples, recorded, _ = two_rounds(None, **sampling)
+    a, b = policies()
+    seqs, probs = exact_law(a, b, SamplingParams(**sampling))
+    assert len(seqs) < V ** 4  # the truncation removed sequences: the test exercises it
+    assert sequence_pvalue(samples, seqs, probs) > ALPHA
+    assert sequence_pvalue(samples, *exact_law(b, b, SamplingParams(**sampling))) < ALPHA  # the newer policy's law
+    truth = token_logprobs((a, a, b, b), samples, 0.7)
+    assert torch.allclose(recorded.double(), truth, atol=1e-4), (recorded.double() - truth).abs().max()
+    flawed = torch.cat([token_logprobs((b, b), samples[:, :2], 0.7), recorded[:, 2:].double()], 1)
+    assert not torch.allclose(flawed, truth, atol=1e-4)
 
 
 @pytest.mark.parametrize("spec", [None, SpecConfig(drafter="suffix", selector="always")], ids=["plain", "suffix"])
