@@ -164,8 +164,7 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         raise
     except (Exception, KeyboardInterrupt) as exc:
         status, error = "crashed", f"{type(exc).__name__}: {exc}"
-        print(f"rlspec.train: training stopped by {error}; saving the current policy to {out / 'crash'}",
-              file=sys.stderr)
+        print(f"rlspec.train: training stopped by {error}", file=sys.stderr)
         traceback.print_exc()
         _save_crash(trainer, out, main, save_crash_model)
         raise
@@ -205,6 +204,9 @@ def _save_crash(trainer, out: Path, main: bool, save_crash_model) -> None:
         print(f"rlspec.train: {out / 'crash'} is not rlspec's: no crash copy written (the newest checkpoint "
               "stands in for it)", file=sys.stderr)
         return
+    if main:
+        print(f"rlspec.train: saving the policy after step {trainer.state.global_step} to {out / 'crash'}",
+              file=sys.stderr)
     save_crash_model(trainer, out / "crash")
 
 

@@ -152,7 +152,8 @@ def test_ppo_cli_end_to_end_on_a_tiny_model(tiny_run, tmp_path, capsys):
 
 
 def test_crash_keeps_checkpoints_and_saves_the_policy(tiny_run, tmp_path, monkeypatch):
-    """A failure in step 2 re-raises, keeps checkpoint-1, saves <output_dir>/crash and a summary."""
+    """A failure in step 4 re-raises, keeps checkpoint-2, saves the policy after step 3 to <output_dir>/crash
+    (no checkpoint holds it) and a summary."""
     import rlspec.trainers.rewards as rewards
     from rlspec.train import main
 
@@ -160,15 +161,15 @@ def test_crash_keeps_checkpoints_and_saves_the_policy(tiny_run, tmp_path, monkey
 
     def failing_on_second_call(completions, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 4:
             raise RuntimeError("reward server went away")
         return [0.0] * len(completions)
 
     monkeypatch.setitem(rewards.REWARD_FUNCS, "accuracy", failing_on_second_call)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="reward server went away"):
-        main(tiny_run + ["grpo.max_steps=3"])
-    assert (out / "checkpoint-1").is_dir()
+        main(tiny_run + ["grpo.max_steps=5", "grpo.save_steps=2"])
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-3").exists()
     assert (out / "crash" / "model.safetensors").is_file()
     assert not (out / "final").exists()
     summary = json.loads((out / "summary.json").read_text())
