@@ -34,8 +34,8 @@ def clock(monkeypatch):
     absolute time."""
     ticks = iter(range(1, 1 << 40))
     fake = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 2.0 ** -10, sleep=time.sleep)
-    for module in (rollout.engine, rollout.runtime.device, rollout.speculation.drafter_training,
-                   rollout.speculation.drafters.eagle3):
+    for module in (rlspec.rollout.engine, rlspec.rollout.runtime.device, rlspec.rollout.speculation.drafter_training,
+                   rlspec.rollout.speculation.drafters.eagle3):
         monkeypatch.setattr(module, "time", fake)
 
 
