@@ -7,13 +7,10 @@ cost and how much was accepted. The maths of each selector is in docs/selectors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from rlspec.rollout.speculation.cost_model import CostModel
 from rlspec.rollout.registry import SELECTORS  # noqa: F401  (re-exported for selector modules)
-
-if TYPE_CHECKING:
-    from rlspec.rollout.speculation.ledger import Ledger
 
 
 @dataclass(frozen=True)
@@ -76,7 +73,9 @@ class Selector(Protocol):
     arm for every step), `guard` (a LossGuard over the selector's ledger), `gated()` (the gates leave no
     speculative arm) and `overruled(arm)` (the pipeline played `arm` instead of the pick)."""
 
-    ledger: Ledger  # what steps cost and saved (ledger.py); `observe` records each step in it once
+    # the selector's record of what steps cost and saved (ledger.py, which imports this module); `observe` writes
+    # each step into it once
+    ledger: "Ledger"  # noqa: F821
     costs: CostModel  # the ledger's forward costs per (batch bucket, tokens per row); the engine calibrates it
 
     @property
