@@ -85,7 +85,7 @@ def curve(args) -> dict:
 
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.speculation.drafter_training import DrafterTrainer
-    from rlspec.rollout.speculation.selectors.longtail import Arm
+    from rlspec.rollout.speculation.selectors.base import Arm
     from rlspec.rollout.types import SamplingParams, SpecConfig
 
     torch.manual_seed(args.seed)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from rlspec.rollout.speculation.checkpoint import cpu_clone
 from rlspec.rollout.speculation.distill_losses import draft_target, get_loss
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Model, draft_vocab_from_counts
-from rlspec.rollout.speculation.feature_buffer import Batch, Dist, FeatureBuffer  # noqa: F401 (FeatureBuffer re-exported)
+from rlspec.rollout.speculation.feature_buffer import Batch, Dist, FeatureBuffer  # noqa: F401 (Batch, FeatureBuffer re-exported)
 
 log = logging.getLogger(__name__)
 

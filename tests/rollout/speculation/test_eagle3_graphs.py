@@ -8,7 +8,7 @@ from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rlspec.rollout.speculation.drafters.eagle3_graphs import pow2_at_least, row_bucket
-from rlspec.rollout.speculation.selectors.longtail import Arm
+from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
