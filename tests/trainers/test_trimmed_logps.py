@@ -56,7 +56,7 @@ def test_trimmed_pass_equals_trls_padded_pass(trainer, cut, monkeypatch):
         monkeypatch.setattr(tl, "max", lambda *a, **k: builtins.max(*a, **k) - 1, raising=False)
     model, lengths = trainer.model, [300, 20, 40, 10, 280, 30]
     ids, mask = batch(model.config.vocab_size, lengths)
-    parent = super(SpecGRPOTrainer, trainer)._get_per_token_logps_and_entropies
+    parent = trl.GRPOTrainer._get_per_token_logps_and_entropies.__get__(trainer)  # TRL's own padded pass
     want, want_ent, _ = parent(model, ids, mask, 300, compute_entropy=True)
     got, got_ent, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, 300, compute_entropy=True)
     real = mask[:, 6:].bool()
