@@ -1,12 +1,14 @@
-"""RolloutEngine: the loop admit -> make room -> decode step -> retire, and the decode step
+"""RolloutEngine: construction, the public surface and the call loop admit -> make room -> decode step -> retire.
+
+The decode step itself (rollout/decode.py) is the same in every mode:
 
     schedule -> propose -> one target forward -> verify -> one host transfer -> commit
 
-the same in every mode: the proposer and the verifier are strategies the config picks
-(rollout/speculation/strategies.py: lossless speculation, or a lossy mode's pair from rollout/lossy/).
-Bookkeeping (sequences, rows, stop rules) is plain Python; tensors live in the runner, sampling
-and verification. Without a drafter every step is plain autoregressive decoding: a verify of zero
-drafts, so there is one code path and speculation can only change speed, never the law sampled.
+the proposer and the verifier are strategies the config picks (rollout/speculation/strategies.py: lossless
+speculation, or a lossy mode's pair from rollout/lossy/). Bookkeeping (sequences, rows, stop rules) is plain Python;
+tensors live in the runner, sampling and verification, and every copy between them and the host goes through the
+runner's funnel (rollout/runtime/transfers.py). Without a drafter every step is plain autoregressive decoding: a
+verify of zero drafts, so there is one code path and speculation can only change speed, never the law sampled.
 """
 from __future__ import annotations
 
