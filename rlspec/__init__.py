@@ -19,7 +19,7 @@ _EXPORTS = {
     "fetch_model": "rlspec.rollout.runtime.model.fetch",
     "SpecGRPOTrainer": "rlspec.trainers.grpo",
     "SpecRLOOTrainer": "rlspec.trainers.rloo",
-    "PPOTrainer": "rlspec.trainers.ppo",
+    "PPOTrainer": "rlspec.trainers.ppo.trainer",
     "export_drafter": "rlspec.export",
 }
 

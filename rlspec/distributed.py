@@ -73,7 +73,7 @@ class DrafterCheckpointCallback(TrainerCallback):
 
     Set `engine` (the trainer's rollout backend) once the trainer exists; without a learned drafter, or
     with drafter.export off, it does nothing. The trainer calls `write_checkpoint` while the checkpoint is
-    still under its temporary name (trainers/checkpoint.py), so the export is part of the atomic checkpoint.
+    still under its temporary name (trainers/run/checkpoint.py), so the export is part of the atomic checkpoint.
     """
 
     def __init__(self, export: bool):

@@ -3,11 +3,11 @@
 `python -m rlspec.train ... resume=auto` continues from the newest complete checkpoint in output_dir
 (or starts at step 0 when there is none, so one command both starts and restarts a preemptible job);
 `resume=<checkpoint dir>` continues from that one (an older one than the newest is a rollback: the newer
-checkpoints are set aside, trainers/resume_point.py). Without resume, an output_dir that already holds
+checkpoints are set aside, trainers/run/resume_point.py). Without resume, an output_dir that already holds
 anything is refused unless `overwrite_output_dir=true`, which deletes only what rlspec wrote there (its
-manifest, trainers/run_files.py). output_dir itself must be a directory of the run's own: empty, `/`, the
+manifest, trainers/run/run_files.py). output_dir itself must be a directory of the run's own: empty, `/`, the
 home directory and the current directory's parents are refused. One process per output_dir
-(trainers/run_lock.py). All of it reads directory listings and small JSON files only: no torch, no model
+(trainers/run/run_lock.py). All of it reads directory listings and small JSON files only: no torch, no model
 fetch.
 
 The W&B run continues too: a checkpoint's completion marker names the run it logged to, and the
@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 
 from rlspec.config import Config, ConfigError
-from rlspec.trainers import checkpoint_dirs as dirs
-from rlspec.trainers import run_files, run_lock
-from rlspec.trainers.resume_point import explicit_checkpoint, roll_back
+from rlspec.trainers.run import checkpoint_dirs as dirs
+from rlspec.trainers.run import run_files, run_lock
+from rlspec.trainers.run.resume_point import explicit_checkpoint, roll_back
 
 # what a run writes in output_dir besides checkpoints and final/: each is recorded in the manifest just before
 # the run writes it (run_files.claim), and one of the user's already there is left alone, never claimed (W&B's

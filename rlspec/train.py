@@ -5,7 +5,7 @@ second. Then: W&B environment, model fetch, data, rewards, the trainer (`trainer
 SpecGRPOTrainer, `trainer: rloo` -> SpecRLOOTrainer, `trainer: ppo` -> PPOTrainer, all rolling out through the same
 engine), train.
 Checkpoints are written by the Trainer every <grpo|ppo>.save_steps, atomically, with everything a step
-depends on (trainers/checkpoint.py; the learned drafter in checkpoint-N/drafter); `resume=auto` continues
+depends on (trainers/run/checkpoint.py; the learned drafter in checkpoint-N/drafter); `resume=auto` continues
 from the newest complete one, and an output_dir holding a run is refused without resume or
 overwrite_output_dir (rlspec/resume.py, docs/resume.md). SIGTERM/SIGINT finish the step, write a
 checkpoint and the drafter, and exit 143/130; NaN/inf logits follow `on_nonfinite` (exit 1 on stop). The
@@ -86,7 +86,7 @@ def parse_args(argv: list[str]) -> Config:
 def run(cfg: Config) -> dict[str, Any]:
     """Train as configured; returns the summary (also written to <output_dir>/summary.json). output_dir must be
     a directory of the run's own, and one process at a time writes it: the run holds <output_dir>/rlspec.lock
-    from before it touches the directory until it returns (rlspec/resume.py, trainers/run_lock.py)."""
+    from before it touches the directory until it returns (rlspec/resume.py, trainers/run/run_lock.py)."""
     from rlspec.resume import output_dir_lock, resolve_output_dir
 
     out = resolve_output_dir(cfg.output_dir)
@@ -141,8 +141,8 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
     trainer, summary_cb = build_trainer(cfg, out)
     from rlspec.distributed import is_main_process, main_process_first, save_crash_model
     from rlspec.rollout.errors import NonFiniteLogitsError, RolloutBackendLost
-    from rlspec.trainers.checkpoint import GeometryChanged
-    from rlspec.trainers.interrupts import TrainingInterrupted
+    from rlspec.trainers.run.checkpoint import GeometryChanged
+    from rlspec.trainers.run.interrupts import TrainingInterrupted
 
     main = is_main_process(trainer)
     start, status, error, warm = time.time(), "finished", None, None
@@ -191,8 +191,8 @@ def _close_engine(trainer) -> None:
 def _save_crash(trainer, out: Path, main: bool, save_crash_model) -> None:
     """The crash path's copy of the policy in <output_dir>/crash, unless a complete checkpoint of this very step
     holds it already (no second full copy on a disk that may be full) or a `crash` of the user's is there."""
-    from rlspec.trainers import checkpoint_dirs as dirs
-    from rlspec.trainers import run_files
+    from rlspec.trainers.run import checkpoint_dirs as dirs
+    from rlspec.trainers.run import run_files
 
     saved = out / dirs.checkpoint_name(trainer.state.global_step)
     if dirs.is_complete(saved):
@@ -273,7 +273,7 @@ def _partial_rollouts(cfg: Config) -> dict:
 
 def _trainer_class(name: str):
     if name == "ppo":
-        from rlspec.trainers.ppo import PPOTrainer
+        from rlspec.trainers.ppo.trainer import PPOTrainer
 
         return PPOTrainer
     if name == "rloo":
@@ -360,7 +360,7 @@ def _summarize(cfg: Config, out: Path, rows: list[dict], log_history: list[dict]
     }
     print(format_summary_table(rows))
     print(_digest(summary))
-    from rlspec.trainers import run_files
+    from rlspec.trainers.run import run_files
 
     if run_files.claim(out, "summary.json"):
         write_new_file(out / "summary.json", json.dumps(summary, indent=2, default=str))
@@ -409,7 +409,7 @@ def export_byproduct_drafter(cfg: Config, trainer, out: Path, main: bool = True)
     engine.close()
     if not cfg.drafter.export or not main:
         return None
-    from rlspec.trainers import run_files
+    from rlspec.trainers.run import run_files
 
     if not run_files.claim(out, "drafter"):
         print(f"rlspec.train: {out / 'drafter'} is not rlspec's: the drafter is not exported there (each "

@@ -16,7 +16,7 @@ from rlspec.config import Config, ConfigError
 def build_trainer_args(cfg: Config, out: Path):
     """trl.GRPOConfig (trainer: grpo), trl.RLOOConfig (trainer: rloo) or trainers.ppo_config.PPOConfig (trainer: ppo)."""
     if cfg.trainer == "ppo":
-        from rlspec.trainers.ppo_config import PPOConfig
+        from rlspec.trainers.ppo.config import PPOConfig
 
         return _build(cfg, out, PPOConfig)
     import trl

@@ -17,7 +17,7 @@ from rlspec.rollout.types import RolloutResult, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from rlspec.rollout.speculation.warm_start import WarmStartResult
+    from rlspec.rollout.speculation.training.warm_start import WarmStartResult
     from rlspec.rollout.types import SpecConfig
 
 
@@ -55,7 +55,7 @@ class RolloutBackend(Protocol):
 
 
 def drafter_intake(backend):
-    """The backend's optional `drafter_intake()` (rollout/speculation/intake.py): where a trainer that runs the
+    """The backend's optional `drafter_intake()` (rollout/speculation/training/intake.py): where a trainer that runs the
     policy over every rollout anyway sends the learned drafter's training samples (trainers/drafter_feed.py).
     None when the backend has none (a Ray pool: its engines keep banking their own) or nothing trains a drafter."""
     get = getattr(backend, "drafter_intake", None)

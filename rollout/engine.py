@@ -311,17 +311,17 @@ class RolloutEngine(DecodeSteps):
     def warm_start_drafter(self, prompts: list[list[int]], *, budget_s: float, group: int, max_new_tokens: int,
                            temperature: float):
         """Train the learned drafter on this engine's own rollouts of `prompts` before RL starts, or load
-        the cached result for these weights (rollout/speculation/warm_start.py)."""
-        from rlspec.rollout.speculation.warm_start import warm_start
+        the cached result for these weights (rollout/speculation/training/warm_start.py)."""
+        from rlspec.rollout.speculation.training.warm_start import warm_start
 
         return warm_start(self, prompts, budget_s=budget_s, group=group, max_new_tokens=max_new_tokens,
                           temperature=temperature)
 
     def drafter_intake(self):
         """Where a caller that computes drafter training samples itself (a trainer's forward pass,
-        rollout/speculation/feature_tap.py) hands them: a DrafterIntake over the online trainer, whose
+        rollout/speculation/training/feature_tap.py) hands them: a DrafterIntake over the online trainer, whose
         claim() stops this engine banking its own finished samples; None without online training."""
-        from rlspec.rollout.speculation.intake import TrainerIntake
+        from rlspec.rollout.speculation.training.intake import TrainerIntake
 
         spec = self.speculation
         if spec.learned is None or spec.trainer is None:

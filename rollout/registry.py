@@ -90,7 +90,7 @@ STRATEGIES = Registry("strategy", {"exact": "rlspec.rollout.speculation.strategi
 # each imports its module, and Ray or vLLM, only when built)
 BACKENDS = Registry("rollout backend", dict.fromkeys(("engine", "ray", "vllm"), "rlspec.rollout.backend"), unique=True,
                     hint="rollout.backend")
-_LOSSES = "rlspec.rollout.speculation.distill_losses"
+_LOSSES = "rlspec.rollout.speculation.training.distill_losses"
 # fn(drafter logits, DraftTarget) -> (per-position loss, per-position weight) (distill_losses.py)
 DRAFTER_LOSSES = Registry("drafter loss", dict.fromkeys(("ce", "kl", "tv", "tv_kl"), _LOSSES), unique=True,
                           hint="DrafterTrainer(loss=...)")

@@ -7,11 +7,13 @@ rloo.py         SpecRLOOTrainer, a drop-in subclass of trl.RLOOTrainer
 trl_compat.py   what keeps it a drop-in: TRL's generation for a model the engine cannot run, VLM refusal,
                 the importance-sampling settings, rollout_func outputs
 peft_sync.py    PEFT (LoRA) policies: the merged weights the engine is built from and synced with
-ppo.py          PPOTrainer (TRL has none any more): actor-critic PPO, rollouts through the same engine
-ppo_config.py   PPOConfig, TrainingArguments + the former trl.PPOConfig's fields
-ppo_math.py     GAE, whitening, clipped policy/value losses, KL estimators, IS weights (pure functions)
-ppo_model.py    the policy + value head (or separate critic) module and its checkpoint file
-ppo_batch.py    engine results -> padded tensors; ppo_update.py: the epochs x minibatches update loop
+ppo/            PPOTrainer (TRL has none any more): trainer.py, config.py (PPOConfig), maths.py (GAE, whitening,
+                clipped losses, KL estimators, IS weights: pure functions), model.py (policy + value head or
+                critic), batch.py (engine results -> padded tensors), update.py (epochs x minibatches)
+run/            a run's files: checkpoint.py (atomic, durable, finite checkpoints and exact resume),
+                checkpoint_dirs.py, checkpoint_verify.py, resume_point.py, run_files.py (the manifest),
+                run_lock.py (the output_dir lease), interrupts.py (signals, non-finite logits)
+partial_*.py    partial rollouts for GRPO (docs/partial_rollouts.md)
 data.py         the embedded arithmetic dataset and hub datasets mapped to prompt/answer columns
 rewards.py      reward functions (TRL signature) and their registry
 weight_sync.py  pushing the policy's weights into the engine after each optimizer step

@@ -4,8 +4,8 @@ Every RL step the trainer runs the policy over prompt + completion of every roll
 for the old logprobs (GRPO: TRL's `_get_per_token_logps_and_entropies` for the importance-sampling
 correction, which SpecGRPOTrainer always turns on; PPO: `_experience`). That pass holds every hidden
 state the EAGLE-3 drafter trains on, whichever backend sampled: a FeatureTap
-(rollout/speculation/feature_tap.py) hooks it, and the samples go to the backend's drafter intake
-(rollout/speculation/intake.py), the same DrafterTrainer loop the engine feeds when it runs alone.
+(rollout/speculation/training/feature_tap.py) hooks it, and the samples go to the backend's drafter intake
+(rollout/speculation/training/intake.py), the same DrafterTrainer loop the engine feeds when it runs alone.
 So the vLLM backend's drafter learns from vLLM's rollouts without a second copy of the policy.
 
 The switch: a feed exists when the backend offers an intake (a learned drafter trained online). It
@@ -20,13 +20,13 @@ import contextlib
 import torch
 
 from rlspec.rollout.backend import drafter_intake
-from rlspec.rollout.speculation.feature_tap import FeatureTap, RowFeeder
+from rlspec.rollout.speculation.training.feature_tap import FeatureTap, RowFeeder
 from rlspec.rollout.types import SamplingParams
 
 
 class DrafterFeed:
     """policy: the module the trainer's pass runs (a bare HF causal LM, or a PEFT model over one);
-    intake: a DrafterIntake (rollout/speculation/intake.py)."""
+    intake: a DrafterIntake (rollout/speculation/training/intake.py)."""
 
     def __init__(self, policy: torch.nn.Module, intake):
         self.intake = intake

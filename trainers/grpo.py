@@ -49,7 +49,7 @@ class SpecGRPOTrainer(TrlEngineMixin, GRPOTrainer):
         (CUDA graphs: "auto", "off", "lazy" or "eager_start"; default "auto").
     on_nonfinite: "stop" (default: on NaN/inf logits write a checkpoint of the state before the failing step,
         then raise NonFiniteLogitsError) or "skip_batch" (skip that step's batch, count it in
-        rollout/nonfinite_skipped, go on). Checkpoints, resume and signals: trainers/checkpoint.py.
+        rollout/nonfinite_skipped, go on). Checkpoints, resume and signals: trainers/run/checkpoint.py.
     drop_long_prompts: every prompt of train_dataset is checked against the rollout context at construction
         (trainers/preflight.py); False (default) raises PromptTooLongError naming the rows that do not fit,
         True drops them with a warning (`dropped_long_prompts` says how many).

@@ -137,7 +137,7 @@ class RolloutSource:
 
         policy: the module whose parameters go to the engine when `step` differs from the synced step.
         Raises rollout.errors.NonFiniteLogitsError when the policy's logits are NaN/inf; the trainer's
-        on_nonfinite policy handles it (trainers/checkpoint.py).
+        on_nonfinite policy handles it (trainers/run/checkpoint.py).
         partial: a round of partial rollouts (rollout/types.py PartialRound; n is then ignored): the results are
         its samples, prompt by prompt, the unfinished ones with finish_reason "partial".
         sample_keys: one per result (trainers/sample_keys.py): each sample's draws come from its key alone; ignored

@@ -16,7 +16,7 @@ that does not depend on the algorithm:
   from its own key (trainers/sample_keys.py), the engine's metrics in TRL's metric store;
 - the passes over the rollouts without the completions' padding (trainers/trimmed_logps.py), the learned drafter fed
   from the first one (trainers/drafter_feed.py);
-- checkpoints: TRL's micro-step counter and buffered generation batch (trainers/checkpoint.py), the on_nonfinite policy.
+- checkpoints: TRL's micro-step counter and buffered generation batch (trainers/run/checkpoint.py), the on_nonfinite policy.
 
 What each algorithm adds lives in its class: GRPO's importance-sampling correction, tool loops, rollout_func and
 partial rollouts (trainers/grpo.py); RLOO's own signature of `_generate_single_turn` (trainers/rloo.py).
@@ -29,7 +29,7 @@ from rlspec.rollout.limits import fits
 from rlspec.rollout.runtime.model.loader import body_tensor
 from rlspec.trainers import rollout_source, trl_compat
 from rlspec.trainers.callbacks import attach_summary_callback
-from rlspec.trainers.checkpoint import CheckpointMixin
+from rlspec.trainers.run.checkpoint import CheckpointMixin
 from rlspec.trainers.sample_keys import sample_keys
 from rlspec.trainers.sampling_args import trl_sampling
 from rlspec.trainers.trimmed_logps import trimmed

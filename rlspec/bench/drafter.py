@@ -84,7 +84,7 @@ def curve(args) -> dict:
     import torch
 
     from rlspec.rollout.engine import RolloutEngine
-    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
     from rlspec.rollout.speculation.selectors.base import Arm
     from rlspec.rollout.types import SamplingParams, SpecConfig
 

@@ -98,7 +98,7 @@ def trained_drafter(args) -> str:
     if args.drafter_path:
         return args.drafter_path
     from rlspec.rollout.engine import RolloutEngine
-    from rlspec.rollout.speculation.warm_start import warm_start
+    from rlspec.rollout.speculation.training.warm_start import warm_start
     from rlspec.rollout.types import SpecConfig
 
     engine = RolloutEngine.from_pretrained(args.model, spec=SpecConfig(drafter="eagle3", online_training=False),

@@ -371,7 +371,7 @@ def build_speculation(spec: SpecConfig, target, custom: Drafter | None = None) -
     trainer = None
     learned = next((d for d in drafters.values() if isinstance(d, LearnedDrafter)), None)
     if learned is not None and trains_online(spec, learned.target):
-        from rlspec.rollout.speculation.trainer_process import make_trainer
+        from rlspec.rollout.speculation.training.trainer_process import make_trainer
 
         trainer = make_trainer(learned, spec)  # a thread or a process of its own, as spec.online_trainer says
     # "auto" means choosing among drafters per batch: the fixed policy has one drafter, so auto is adaptive

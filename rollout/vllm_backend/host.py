@@ -3,7 +3,7 @@
 vLLM decodes the rollouts and speculates with the drafter's EAGLE-3 export. The host owns
 - the drafter network (loaded from drafter_path, or created cold) and its version;
 - its online trainer (SpecConfig.online_training / online_trainer, as the engine builds it), fed through
-  the intake (rollout/speculation/intake.py) by the trainer's own no-grad pass over vLLM's rollouts
+  the intake (rollout/speculation/training/intake.py) by the trainer's own no-grad pass over vLLM's rollouts
   (trainers/drafter_feed.py): vLLM shows no hidden states, the policy's pass has them all;
 - the warm start: vLLM samples, one no-grad pass of the policy through the same tap feeds the buffer;
 - the export, and the tensors the backend pushes into vLLM's draft model.
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rlspec.rollout.speculation.intake import TrainerIntake
+from rlspec.rollout.speculation.training.intake import TrainerIntake
 from rlspec.rollout.types import SpecConfig
 
 
@@ -26,7 +26,7 @@ def target_view(policy: torch.nn.Module):
     """The policy as a drafter trainer sees it (trainer_child.TargetView), over its own tensors."""
     from rlspec.rollout.runtime.model.config import ModelConfig
     from rlspec.rollout.runtime.model.families import family_of_model
-    from rlspec.rollout.speculation.trainer_child import TargetView
+    from rlspec.rollout.speculation.training.trainer_child import TargetView
 
     lm = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     embed, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
@@ -47,7 +47,7 @@ class DrafterHost:
             return None
         from rlspec.rollout.speculation.drafters.base import make_drafter
         from rlspec.rollout.speculation.speculation import trains_online
-        from rlspec.rollout.speculation.trainer_process import make_trainer
+        from rlspec.rollout.speculation.training.trainer_process import make_trainer
 
         target = target_view(policy)
         drafter = make_drafter("eagle3", target=target, spec=spec)
@@ -94,11 +94,11 @@ class DrafterHost:
                    steps_per_round: int = 50, root=None, use_tqdm: bool = True, **trainer_kwargs):
         """Rounds of (generate: the backend's sampler; one no-grad pass of `policy` over the samples through
         the tap into the trainer; train) until budget_s (or max_steps optimizer steps) is spent, then cache
-        the drafter, as the engine's warm start does (rollout/speculation/warm_start.py; cached per policy
+        the drafter, as the engine's warm start does (rollout/speculation/training/warm_start.py; cached per policy
         weights). With online training the online trainer keeps the data; otherwise a
         DrafterTrainer(**trainer_kwargs) lives for the warm-up only."""
-        from rlspec.rollout.speculation.feature_tap import feed_results
-        from rlspec.rollout.speculation.warm_start import WarmStartResult, cache_dir, cache_key, train_rounds
+        from rlspec.rollout.speculation.training.feature_tap import feed_results
+        from rlspec.rollout.speculation.training.warm_start import WarmStartResult, cache_dir, cache_key, train_rounds
 
         key = cache_key(policy, self.drafter.model.cfg, tag="hf")  # an HF model's names: not the engine's key
         out = cache_dir(root) / key
@@ -119,7 +119,7 @@ class DrafterHost:
         return result
 
     def _own_trainer(self, **kwargs):
-        from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+        from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 
         return DrafterTrainer(self.drafter, **{"publish_every": 10**9, **kwargs})  # publishes once, at the end
 
@@ -133,7 +133,7 @@ class DrafterHost:
 
     def _load(self, path: Path) -> bool:
         """Install a cached drafter (the online trainer too, which publishes it); False if unreadable."""
-        from rlspec.rollout.speculation.warm_start import install_drafter
+        from rlspec.rollout.speculation.training.warm_start import install_drafter
 
         if not install_drafter(self.drafter, self.trainer, path):
             return False

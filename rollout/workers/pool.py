@@ -169,7 +169,7 @@ class RayPool:
     def warm_start_drafter(self, prompts: list[list[int]], *, budget_s: float, group: int, max_new_tokens: int,
                            temperature: float):
         """Warm the drafter on one worker (or load the cache there), then make it every worker's and the hub's."""
-        from rlspec.rollout.speculation.warm_start import WarmStartResult
+        from rlspec.rollout.speculation.training.warm_start import WarmStartResult
 
         first = next(iter(self.workers.values()))
         result, state = self._get(first.warm_start.remote(prompts, budget_s=budget_s, group=group,

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from rlspec.rollout.speculation.feature_buffer import Dist
+from rlspec.rollout.speculation.training.feature_buffer import Dist
 
 
 class SpotLink:
@@ -74,7 +74,7 @@ class DrafterHub:
     """The run's one drafter trainer (made a Ray actor by the pool)."""
 
     def __init__(self, recipe, initial_state: dict, mode: str):
-        from rlspec.rollout.speculation.trainer_child import build
+        from rlspec.rollout.speculation.training.trainer_child import build
 
         torch.set_num_threads(max(1, recipe.threads))
         if mode == "spot" and recipe.device == "cpu":

@@ -106,10 +106,10 @@ class RolloutWorker:
     # ---- the learned drafter ----------------------------------------------------------------------
     def drafter_recipe(self, trainer_kwargs: dict, threads: int, device: str | None):
         """What the DrafterHub needs to rebuild this drafter and the target's embedding/head (no layers)."""
-        from rlspec.rollout.speculation.trainer_process import _recipe
+        from rlspec.rollout.speculation.training.trainer_process import _recipe
 
         learned = self.engine.speculation.learned
-        return _recipe(learned, "rlspec.rollout.speculation.drafter_training:DrafterTrainer", trainer_kwargs, threads, device, 0), \
+        return _recipe(learned, "rlspec.rollout.speculation.training.drafter_training:DrafterTrainer", trainer_kwargs, threads, device, 0), \
             {k: v.detach().float().cpu() for k, v in learned.network().state_dict().items()}
 
     def drafter_network(self) -> torch.nn.Module:
@@ -122,7 +122,7 @@ class RolloutWorker:
         return {k: v.detach().float().cpu() for k, v in self.engine.speculation.learned.network().state_dict().items()}
 
     def warm_start(self, prompts, **kwargs) -> tuple[dict, dict]:
-        """The engine's own warm start (rollout/speculation/warm_start.py) with the spot link set aside; returns
+        """The engine's own warm start (rollout/speculation/training/warm_start.py) with the spot link set aside; returns
         (the WarmStartResult as a dict, the drafter's weights) for the pool to hand to the hub."""
         from dataclasses import asdict
 

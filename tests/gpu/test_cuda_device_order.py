@@ -12,7 +12,7 @@ from rlspec.rollout.runtime.graphs import EagerRunner, GraphPool
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.runtime.runner import compiled_frames
 from rlspec.rollout.speculation.cost_model import CostModel
-from rlspec.rollout.speculation.feature_buffer import FeatureBuffer
+from rlspec.rollout.speculation.training.feature_buffer import FeatureBuffer
 from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.runtime.test_graphs import _cuda_setup, _tokens
@@ -110,7 +110,7 @@ def test_a_growing_pool_leaves_the_steps_reserve_free():
 
 def test_an_out_of_memory_drafter_step_backs_off_on_cuda():
     from tests.rollout.speculation.test_drafter_oom import _oom_while_batch_above, _run_until
-    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
     from tests.rollout.speculation.test_eagle3 import eagle_engine
 
     eng = eagle_engine(make_tiny_hf("llama", seed=10).cuda())

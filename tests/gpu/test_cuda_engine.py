@@ -156,7 +156,7 @@ def test_seeded_sampling_has_the_target_law():
 
 
 def test_eagle3_drafter_trains_on_cuda_and_stays_exact():
-    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
     from tests.rollout.speculation.test_eagle3 import eagle_engine, plain
 
     hf = make_tiny_hf("llama", seed=9).cuda()

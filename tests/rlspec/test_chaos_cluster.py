@@ -114,7 +114,7 @@ def test_a_users_drafter_dir_survives_resume_auto_and_a_later_overwrite(tiny, tm
     """output_dir holds the user's drafter/ (and nothing else): resume=auto starts at step 0, does not claim it
     (not in the manifest, not exported over); overwrite_output_dir then deletes the run's files and not it."""
     import rlspec.train as train
-    from rlspec.trainers import run_files
+    from rlspec.trainers.run import run_files
 
     _, args = tiny
     out = tmp_path / "out"
@@ -131,7 +131,7 @@ def test_a_users_drafter_dir_survives_resume_auto_and_a_later_overwrite(tiny, tm
 
 
 def test_a_symlinked_manifest_is_never_written_through(tmp_path):
-    from rlspec.trainers import run_files
+    from rlspec.trainers.run import run_files
 
     target = tmp_path / "elsewhere.txt"
     target.write_text("mine\n")
@@ -212,7 +212,7 @@ def test_the_crash_path_writes_no_second_copy_of_a_checkpointed_step(tmp_path, c
     from types import SimpleNamespace
 
     from rlspec.train import _save_crash
-    from rlspec.trainers import checkpoint_dirs as dirs
+    from rlspec.trainers.run import checkpoint_dirs as dirs
 
     out = tmp_path / "out"
     (out / "checkpoint-3").mkdir(parents=True)
@@ -254,8 +254,8 @@ def test_without_flock_the_cli_takes_a_stale_lock_and_refuses_a_fresh_one_with_e
     import time
 
     from rlspec.train import main
-    from rlspec.trainers import run_lock
-    from rlspec.trainers.run_files import LOCK
+    from rlspec.trainers.run import run_lock
+    from rlspec.trainers.run.run_files import LOCK
 
     def flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

@@ -14,9 +14,9 @@ import pytest
 
 from rlspec.config import ConfigError, load_config
 from rlspec.resume import prepare_output_dir, resolve_output_dir
-from rlspec.trainers import checkpoint_dirs as dirs
-from rlspec.trainers import run_files
-from rlspec.trainers.run_files import LOCK
+from rlspec.trainers.run import checkpoint_dirs as dirs
+from rlspec.trainers.run import run_files
+from rlspec.trainers.run.run_files import LOCK
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -139,7 +139,7 @@ def test_a_second_sigint_aborts_at_once(tiny, tmp_path, monkeypatch):
 
     _, args = tiny
     # a process started in the background by a non-interactive shell inherits SIGINT ignored: the run must
-    # abort there too (trainers/interrupts.py), and put back whatever disposition it found
+    # abort there too (trainers/run/interrupts.py), and put back whatever disposition it found
     before = signal.getsignal(signal.SIGINT)
     _signal_at_step(monkeypatch, train, 1, [signal.SIGINT, signal.SIGINT])
     with pytest.raises(KeyboardInterrupt):
@@ -174,7 +174,7 @@ def test_a_used_output_dir_is_refused_before_torch_then_overwritten_on_request(t
     (out / "checkpoint-3").mkdir(parents=True)
     (out / "summary.json").write_text("{}")
     (out / "notes.txt").write_text("mine")
-    from rlspec.trainers import run_files
+    from rlspec.trainers.run import run_files
 
     run_files.record(out, "checkpoint-3", "summary.json")  # a previous run's (overwrite deletes only those)
     code = (f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom rlspec.train import main\n"

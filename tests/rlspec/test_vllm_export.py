@@ -54,7 +54,7 @@ def trained_drafter(smollm2_dir, prompts, tmp_path_factory):
     """rlspec's warm-started drafter for SmolLM2 (cached), re-exported through rlspec.export."""
     from rlspec.export import export_drafter
     from rlspec.rollout.engine import RolloutEngine
-    from rlspec.rollout.speculation.warm_start import warm_start
+    from rlspec.rollout.speculation.training.warm_start import warm_start
     from rlspec.rollout.types import SpecConfig
 
     engine = RolloutEngine.from_pretrained(smollm2_dir, spec=SpecConfig(drafter="eagle3", online_training=False),

@@ -10,7 +10,7 @@ import torch
 from rlspec.rollout.errors import RolloutBackendLost
 from tests.trainers.conftest import build_tiny_llama
 from tests.trainers.test_nonfinite import _grpo
-from rlspec.trainers import checkpoint_dirs as dirs
+from rlspec.trainers.run import checkpoint_dirs as dirs
 
 
 def _lose_backend_on_call(trainer, call: int) -> None:

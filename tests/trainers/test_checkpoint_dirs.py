@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from rlspec.trainers import checkpoint_dirs as dirs
-from rlspec.trainers import run_files
+from rlspec.trainers.run import checkpoint_dirs as dirs
+from rlspec.trainers.run import run_files
 
 
 def _checkpoint(root, step: int, complete: bool = True, mtime: float | None = None):

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlspec.trainers import checkpoint_dirs as dirs
-from rlspec.trainers.checkpoint_verify import checkpoint_problems
-from rlspec.trainers.resume_point import explicit_checkpoint, roll_back
+from rlspec.trainers.run import checkpoint_dirs as dirs
+from rlspec.trainers.run.checkpoint_verify import checkpoint_problems
+from rlspec.trainers.run.resume_point import explicit_checkpoint, roll_back
 
 
 def _plain_checkpoint(root, step: int):

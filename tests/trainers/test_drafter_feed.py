@@ -13,8 +13,8 @@ from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.trainers.test_grpo import distinct_chars_reward
 from rlspec.trainers.data import make_math_dataset, prompt_token_ids
 from rlspec.trainers.grpo import SpecGRPOTrainer
-from rlspec.trainers.ppo import PPOTrainer
-from rlspec.trainers.ppo_config import PPOConfig
+from rlspec.trainers.ppo.trainer import PPOTrainer
+from rlspec.trainers.ppo.config import PPOConfig
 
 SPEC = SpecConfig(drafter="eagle3", num_draft_tokens=3, selector="always", online_training=True,
                   online_trainer="thread")

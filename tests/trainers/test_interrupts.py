@@ -1,4 +1,4 @@
-"""trainers/interrupts.py: a second signal aborts without a checkpoint even when the signal it re-delivers
+"""trainers/run/interrupts.py: a second signal aborts without a checkpoint even when the signal it re-delivers
 ends nothing (SIGINT ignored: a process started in the background by a non-interactive shell) or its
 KeyboardInterrupt is lost (a finalizer or a library's broad except swallows it)."""
 import os
@@ -7,7 +7,7 @@ import signal
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from rlspec.trainers.interrupts import StopOnSignal, stop_on_signals
+from rlspec.trainers.run.interrupts import StopOnSignal, stop_on_signals
 
 
 def test_a_swallowed_abort_still_stops_before_the_checkpoint(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""The trainers' on_nonfinite policy (trainers/checkpoint.py): NaN/inf logits during a rollout either stop the
+"""The trainers' on_nonfinite policy (trainers/run/checkpoint.py): NaN/inf logits during a rollout either stop the
 run with a checkpoint of the state before the failing step (stop) or skip that step's batch (skip_batch).
 
 Two ways in: a real NaN written into one MLP weight of the tiny policy before step 2 (the engine finds the
@@ -14,11 +14,11 @@ import trl
 from transformers import TrainerCallback
 
 from rlspec.rollout.errors import NonFiniteLogitsError
-from rlspec.trainers import checkpoint_dirs as dirs
+from rlspec.trainers.run import checkpoint_dirs as dirs
 from rlspec.trainers.data import make_math_dataset
 from rlspec.trainers.grpo import SpecGRPOTrainer
-from rlspec.trainers.ppo import PPOTrainer
-from rlspec.trainers.ppo_config import PPOConfig
+from rlspec.trainers.ppo.trainer import PPOTrainer
+from rlspec.trainers.ppo.config import PPOConfig
 
 
 def spread(completions, **kwargs):

@@ -1,4 +1,4 @@
-"""rlspec.trainers.ppo: PPOTrainer end to end on a tiny random Llama (CPU, float32).
+"""rlspec.trainers.ppo.trainer: PPOTrainer end to end on a tiny random Llama (CPU, float32).
 
 Two PPO steps run with metrics present and finite; the rollouts are on-policy (the trainer's
 recomputed logprobs equal the engine's, so the importance ratio is 1 in float32); the value model is
@@ -14,9 +14,9 @@ import torch
 
 from tests.trainers.conftest import assert_two_steps_synced_once
 from rlspec.trainers.data import make_math_dataset
-from rlspec.trainers.ppo import PPOTrainer
-from rlspec.trainers.ppo_config import PPOConfig
-from rlspec.trainers.ppo_model import VALUE_FILE
+from rlspec.trainers.ppo.trainer import PPOTrainer
+from rlspec.trainers.ppo.config import PPOConfig
+from rlspec.trainers.ppo.model import VALUE_FILE
 
 
 def distinct_chars_reward(completions, **kwargs):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rlspec.trainers import ppo_math
+from rlspec.trainers.ppo import maths as ppo_math
 
 T = torch.tensor
 

@@ -83,8 +83,8 @@ def test_both_trainers_refuse_a_long_prompt_at_construction_or_drop_it(tiny_llam
     import trl
 
     from rlspec.trainers.grpo import SpecGRPOTrainer
-    from rlspec.trainers.ppo import PPOTrainer
-    from rlspec.trainers.ppo_config import PPOConfig
+    from rlspec.trainers.ppo.trainer import PPOTrainer
+    from rlspec.trainers.ppo.config import PPOConfig
 
     reward = [lambda completions, **kw: [0.0] * len(completions)]
     engine_kwargs = dict(max_model_len=MAX_LEN, max_num_seqs=8)

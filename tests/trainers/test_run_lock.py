@@ -1,4 +1,4 @@
-"""rlspec.trainers.run_lock: one process per output_dir. Planted locks (a dead pid, a live pid, another host) and a real
+"""rlspec.trainers.run.run_lock: one process per output_dir. Planted locks (a dead pid, a live pid, another host) and a real
 holder process killed with SIGKILL."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rlspec.trainers import run_lock
-from rlspec.trainers.run_files import LOCK
+from rlspec.trainers.run import run_lock
+from rlspec.trainers.run.run_files import LOCK
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def test_another_hosts_lock_is_never_taken_over(tmp_path):
 def test_a_running_holder_excludes_others_until_it_is_killed(tmp_path):
     """A real second process holds the lock (flock and file): refused while it lives, taken over after kill -9;
     the lock is re-entrant within one process."""
-    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from rlspec.trainers import run_lock\n"
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from rlspec.trainers.run import run_lock\n"
             f"with run_lock.hold({str(tmp_path)!r}):\n    print('held', flush=True); time.sleep(60)\n")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

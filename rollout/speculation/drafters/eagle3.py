@@ -37,7 +37,7 @@ from rlspec.rollout.runtime.model import kernels
 from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
 from rlspec.rollout.runtime.model.linear import fast_linear
 from rlspec.rollout.runtime.model.attention import attend_dense
-from rlspec.rollout.speculation.feature_buffer import Dist, law_top_k
+from rlspec.rollout.speculation.training.feature_buffer import Dist, law_top_k
 from rlspec.rollout.runtime.sequence import Sequence
 
 
@@ -76,7 +76,7 @@ class Eagle3Drafter(ChainDraws):
         self.aux_layers = tuple(model.cfg.aux_layer_ids)
         self.version = 0
         self.trainer = None  # a DrafterTrainer: takes finished samples (add), publishes weights (latest)
-        # False once a trainer's own forward pass feeds the trainer (rollout/speculation/intake.py): the
+        # False once a trainer's own forward pass feeds the trainer (rollout/speculation/training/intake.py): the
         # engine then stages features for drafting only, and banks nothing (no sample counted twice)
         self.bank_samples = True
         self.target_cache = None  # the engine's PagedKVCache, given at each start()
@@ -225,7 +225,7 @@ class Eagle3Drafter(ChainDraws):
 
     def finish(self, seq: Sequence) -> None:
         """Bank a finished sample's staged features (read now: the engine frees its blocks next), unless a
-        trainer's own pass feeds the trainer (bank_samples False, rollout/speculation/intake.py)."""
+        trainer's own pass feeds the trainer (bank_samples False, rollout/speculation/training/intake.py)."""
         known = self.valid.pop(id(seq), None) is not None
         self.committed.pop(id(seq), None)
         if known and self.trainer is not None and self.bank_samples and seq.cache_len > 2:

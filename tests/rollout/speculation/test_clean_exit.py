@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent('''
     import time
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.runtime.model import loader
-    from rlspec.rollout.speculation.trainer_process import ProcessTrainer
+    from rlspec.rollout.speculation.training.trainer_process import ProcessTrainer
     from rlspec.rollout.types import SamplingParams, SpecConfig
     from tests.conftest import make_tiny_hf, random_prompts
 

@@ -3,9 +3,9 @@ position, the buffer keeps it, and each loss is the divergence it claims to be."
 import pytest
 import torch
 
-from rlspec.rollout.speculation.distill_losses import LOSSES, draft_target, get_loss
-from rlspec.rollout.speculation.drafter_training import DrafterTrainer
-from rlspec.rollout.speculation.feature_buffer import Dist, FeatureBuffer
+from rlspec.rollout.speculation.training.distill_losses import LOSSES, draft_target, get_loss
+from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
+from rlspec.rollout.speculation.training.feature_buffer import Dist, FeatureBuffer
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.speculation.test_eagle3 import eagle_engine
 

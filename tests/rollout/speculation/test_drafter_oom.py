@@ -4,8 +4,8 @@ import time
 
 import torch
 
-from rlspec.rollout.speculation import drafter_training
-from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+from rlspec.rollout.speculation.training import drafter_training
+from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.speculation.test_eagle3 import eagle_engine

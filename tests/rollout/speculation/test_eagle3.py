@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import kernels, loader

@@ -4,7 +4,7 @@ event logs the order of record and wait; the CUDA run is tests/gpu/test_cuda_dev
 import torch
 
 from rlspec.rollout.runtime.device import StreamFence
-from rlspec.rollout.speculation.feature_buffer import FeatureBuffer
+from rlspec.rollout.speculation.training.feature_buffer import FeatureBuffer
 
 WIDTH = 6
 

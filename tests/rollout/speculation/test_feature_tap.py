@@ -11,10 +11,10 @@ import torch
 
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
-from rlspec.rollout.speculation.feature_buffer import Dist
+from rlspec.rollout.speculation.training.feature_buffer import Dist
 from rlspec.rollout.padding import pad_rollouts
-from rlspec.rollout.speculation.feature_tap import FeatureTap, feed_pass, feed_results
-from rlspec.rollout.speculation.intake import TrainerIntake
+from rlspec.rollout.speculation.training.feature_tap import FeatureTap, feed_pass, feed_results
+from rlspec.rollout.speculation.training.intake import TrainerIntake
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import random_prompts

@@ -143,7 +143,7 @@ def test_auto_with_an_untrained_eagle3_never_drafts_with_it():
 def test_the_trainers_estimate_reaches_the_gate_and_tracks_training():
     """DrafterTrainer.acceptance_estimate (1 - TV on buffered rollouts, no verify spent) is handed to the
     selector at the next call; an untrained drafter's is low and training raises it."""
-    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 
     eng = auto_engine(make_tiny_hf("llama", seed=23))
     spec = eng.speculation
@@ -166,7 +166,7 @@ def test_the_trainers_estimate_reaches_the_gate_and_tracks_training():
 
 
 def test_the_process_trainer_passes_the_estimate_through_its_metrics_snapshot():
-    from rlspec.rollout.speculation.trainer_process import ProcessTrainer
+    from rlspec.rollout.speculation.training.trainer_process import ProcessTrainer
 
     proxy = object.__new__(ProcessTrainer)  # only the snapshot reader is exercised: no child process
     proxy._snapshot = lambda: {"drafter/est_accept_version": 0.0, "drafter/est_accept": float("nan")}

@@ -16,7 +16,7 @@ import torch
 import rlspec.rollout.decode
 import rlspec.rollout.engine
 import rlspec.rollout.runtime.device
-import rlspec.rollout.speculation.drafter_training
+import rlspec.rollout.speculation.training.drafter_training
 import rlspec.rollout.speculation.drafters.eagle3
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
@@ -36,7 +36,7 @@ def clock(monkeypatch):
     ticks = iter(range(1, 1 << 40))
     fake = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 2.0 ** -10, sleep=time.sleep)
     for module in (rlspec.rollout.engine, rlspec.rollout.decode, rlspec.rollout.runtime.device,
-                   rlspec.rollout.speculation.drafter_training, rlspec.rollout.speculation.drafters.eagle3):
+                   rlspec.rollout.speculation.training.drafter_training, rlspec.rollout.speculation.drafters.eagle3):
         monkeypatch.setattr(module, "time", fake)
 
 
@@ -205,7 +205,7 @@ def test_a_state_taken_while_the_thread_trains_is_consistent():
 
 
 def test_process_trainer_state_round_trips_through_the_child(tmp_path):
-    from rlspec.rollout.speculation.trainer_process import ProcessTrainer
+    from rlspec.rollout.speculation.training.trainer_process import ProcessTrainer
 
     hf = make_tiny_hf("llama", seed=4)
     prompts = random_prompts(4, 4, 10, seed=4)
@@ -248,7 +248,7 @@ def test_process_trainer_state_round_trips_through_the_child(tmp_path):
 
 def test_process_trainer_state_loads_into_a_thread_trainer(tmp_path):
     """A run may resume on other hardware, where online_trainer="auto" picks a thread: same state."""
-    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 
     hf = make_tiny_hf("llama", seed=4)
     a, ta = thread_trained_engine(hf)

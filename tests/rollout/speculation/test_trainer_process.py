@@ -12,8 +12,8 @@ import pytest
 
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
-from rlspec.rollout.speculation.drafter_training import DrafterTrainer
-from rlspec.rollout.speculation.trainer_process import ProcessTrainer
+from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
+from rlspec.rollout.speculation.training.trainer_process import ProcessTrainer
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.speculation.test_eagle3 import eagle_engine, plain
@@ -133,7 +133,7 @@ def test_sigterm_to_the_group_leaves_the_child_to_the_parent_and_a_stuck_child_t
     """Slurm signals the whole job: the child ignores SIGTERM (as SIGINT), so the parent still gets its state
     for the checkpoint; a child alive but stopped answers no request, which fails with a clear error in time
     (and state_dict, the checkpoint's call, gives None with a warning rather than hanging)."""
-    from rlspec.rollout.speculation.trainer_process import DrafterTrainerTimeout
+    from rlspec.rollout.speculation.training.trainer_process import DrafterTrainerTimeout
 
     hf = make_tiny_hf("llama", seed=11)
     eng = eagle_engine(hf)

@@ -8,7 +8,7 @@ from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.speculation.drafters.eagle3_io import load_eagle3
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config
 from rlspec.rollout.speculation.selectors.base import Arm
-from rlspec.rollout.speculation.warm_start import cache_dir, cache_key, sample_positions, warm_start, weights_fingerprint
+from rlspec.rollout.speculation.training.warm_start import cache_dir, cache_key, sample_positions, warm_start, weights_fingerprint
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
@@ -126,7 +126,7 @@ def test_warm_start_trains_through_an_out_of_process_trainer(tmp_path):
     prompts = random_prompts(8, 4, 10, seed=7)
     eng = engine(hf, online=True)
     try:
-        from rlspec.rollout.speculation.trainer_process import ProcessTrainer
+        from rlspec.rollout.speculation.training.trainer_process import ProcessTrainer
 
         assert isinstance(eng.speculation.trainer, ProcessTrainer)  # CPU + "auto": a process
         initial = {k: v.clone() for k, v in eng.speculation.learned.model.state_dict().items()}

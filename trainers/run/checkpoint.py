@@ -19,12 +19,12 @@ saving), callbacks with a `write_checkpoint(checkpoint_dir, trainer)` method add
 completion marker goes in last, then one rename makes it checkpoint-N. Nothing is published from non-finite
 weights (checked on the trainer's device first: the save is skipped with a line, so rotation never pushes a
 finite checkpoint out); files are fsynced before the marker, which lists their sizes and the batch geometry
-(a resume with another geometry is refused, GeometryChanged). Rotation (trainers/checkpoint_dirs.py)
+(a resume with another geometry is refused, GeometryChanged). Rotation (trainers/run/checkpoint_dirs.py)
 never deletes the newest complete checkpoint. `train(resume_from_checkpoint=True)` resumes from the newest
 complete checkpoint, reporting half-written ones it passes over; a named older checkpoint is a rollback
-(trainers/resume_point.py). Every name written in output_dir is recorded first (trainers/run_files.py), TRL's
+(trainers/run/resume_point.py). Every name written in output_dir is recorded first (trainers/run/run_files.py), TRL's
 model card goes into the checkpoint rather than output_dir/README.md, train() holds output_dir's lock
-(trainers/run_lock.py), and save_final_model writes the final model through a temporary directory.
+(trainers/run/run_lock.py), and save_final_model writes the final model through a temporary directory.
 """
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ import torch
 from transformers import TrainerCallback
 
 from rlspec.rollout.errors import NonFiniteLogitsError, RolloutBackendLost
-from rlspec.trainers import checkpoint_dirs as dirs
-from rlspec.trainers import run_files, run_lock
-from rlspec.trainers.interrupts import (NonFiniteWeightsError, StopOnSignal, TrainingInterrupted, check_on_nonfinite,
+from rlspec.trainers.run import checkpoint_dirs as dirs
+from rlspec.trainers.run import run_files, run_lock
+from rlspec.trainers.run.interrupts import (NonFiniteWeightsError, StopOnSignal, TrainingInterrupted, check_on_nonfinite,
                                         first_nonfinite_parameter, nonfinite_message, stop_on_signals, weights_finite)
-from rlspec.trainers.resume_point import explicit_checkpoint, roll_back
+from rlspec.trainers.run.resume_point import explicit_checkpoint, roll_back
 
 STATE_FORMAT = 1
 # the batch geometry a checkpoint is tied to (those of these the trainer's args have)
@@ -111,7 +111,7 @@ class CheckpointMixin:
     def _resolve_resume(self, resume) -> str | None:
         """True -> the newest complete checkpoint of output_dir; a path must be a complete checkpoint, or one
         without rlspec's marker whose files verify. A path older than output_dir's newest checkpoint is a
-        rollback: the newer ones are set aside (trainers/resume_point.py)."""
+        rollback: the newer ones are set aside (trainers/run/resume_point.py)."""
         self._resumed_from = None
         if resume is None or resume is False:
             return None

@@ -5,7 +5,7 @@ tokens, top-k next-token laws, policy version, temperature; docs/drafter_trainin
 - the engine alone (scripts, warm start, a run without a trainer): Eagle3Drafter.finish banks every
   finished sample from the features it staged while decoding;
 - a trainer, which runs the policy over every rollout anyway (its no-grad old-logprob forward):
-  hooks on that pass (rollout/speculation/feature_tap.py) give the same features and laws, whatever
+  hooks on that pass (rollout/speculation/training/feature_tap.py) give the same features and laws, whatever
   backend sampled, vLLM included.
 One loop trains on either. A trainer that feeds the drafter calls `claim()` before its first rollout:
 from then on the backend's own banking is off, so no sample reaches the buffer twice.

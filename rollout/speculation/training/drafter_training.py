@@ -19,7 +19,7 @@ step (the GPU is shared with the rollout, its graphs and the policy update) back
 the thread waits and retries, and the batch doubles back after OOM_RECOVER_STEPS good steps
 (docs/drafter_training.md#memory). Any other exception in the thread is logged and stops training; the
 engine keeps the last good drafter. The same class
-also runs in a process of its own behind rollout/speculation/trainer_process.py (SpecConfig.trainer).
+also runs in a process of its own behind rollout/speculation/training/trainer_process.py (SpecConfig.trainer).
 
 On CUDA the trainer works on a stream of its own, so its kernels overlap the engine's instead of
 queueing behind them; events order the shared buffer (the engine writes samples on its stream, the
@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from rlspec.rollout.speculation.checkpoint import cpu_clone
-from rlspec.rollout.speculation.distill_losses import draft_target, get_loss
+from rlspec.rollout.speculation.training.distill_losses import draft_target, get_loss
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Model, draft_vocab_from_counts
-from rlspec.rollout.speculation.feature_buffer import Batch, Dist, FeatureBuffer  # noqa: F401 (Batch, FeatureBuffer re-exported)
+from rlspec.rollout.speculation.training.feature_buffer import Batch, Dist, FeatureBuffer  # noqa: F401 (Batch, FeatureBuffer re-exported)
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from rlspec.trainers import ppo_math
-from rlspec.trainers.ppo_batch import Experience, token_logprobs
+from rlspec.trainers.ppo import maths as ppo_math
+from rlspec.trainers.ppo.batch import Experience, token_logprobs
 
 
 class PPOUpdateMixin:

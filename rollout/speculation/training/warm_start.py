@@ -134,7 +134,7 @@ def warm_start(engine, prompts: list[list[int]], budget_s: float | None = 600.0,
 
     trainer, own_trainer = spec.trainer, spec.trainer is None
     if own_trainer:
-        from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+        from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 
         trainer = spec.attach_trainer(DrafterTrainer(spec.learned, publish_every=10**9, **trainer_kwargs))
     from rlspec.rollout.speculation.selectors.base import OFF

@@ -49,12 +49,12 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing as mp
 
-from rlspec.rollout.speculation.drafter_training import DEFAULT_LOSS, DEFAULT_TOPK
-from rlspec.rollout.speculation.trainer_child import FAILED, STATS_BYTES, Recipe, _child_main, network_from_state
+from rlspec.rollout.speculation.training.drafter_training import DEFAULT_LOSS, DEFAULT_TOPK
+from rlspec.rollout.speculation.training.trainer_child import FAILED, STATS_BYTES, Recipe, _child_main, network_from_state
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FACTORY = "rlspec.rollout.speculation.drafter_training:DrafterTrainer"
+DEFAULT_FACTORY = "rlspec.rollout.speculation.training.drafter_training:DrafterTrainer"
 
 
 class ProcessTrainer:
@@ -292,7 +292,7 @@ def make_trainer(drafter, spec):
         mode = "process" if target_dev.type == "cpu" or elsewhere else "thread"
     if mode == "process":
         return ProcessTrainer(drafter, threads=spec.trainer_threads, device=spec.trainer_device)
-    from rlspec.rollout.speculation.drafter_training import DrafterTrainer
+    from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 
     trainer = DrafterTrainer(drafter)
     trainer.start()

@@ -4,7 +4,7 @@
 
 A name is recorded *before* the entry is created, so an entry left by a crash mid-write is recorded too.
 `overwrite_output_dir=true` deletes the recorded entries only (rlspec/resume.py), and rotation deletes a
-half-written checkpoint only when it is recorded (trainers/checkpoint_dirs.py): a user's README.md,
+half-written checkpoint only when it is recorded (trainers/run/checkpoint_dirs.py): a user's README.md,
 notes/ or checkpoint-notes/ in the same directory is never touched. A name is recorded only when rlspec is about
 to write it (claim()): a `drafter/` or `summary.json` of the user's already there is never claimed, so never
 overwritten or deleted. The manifest is never written through a symlink. Plain files, no torch.
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 MANIFEST = "rlspec-manifest.txt"
-LOCK = "rlspec.lock"  # trainers/run_lock.py; named here so every listing of output_dir can leave both out
+LOCK = "rlspec.lock"  # trainers/run/run_lock.py; named here so every listing of output_dir can leave both out
 BOOKKEEPING = (MANIFEST, LOCK)
 
 

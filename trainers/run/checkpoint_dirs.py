@@ -1,7 +1,7 @@
 """The checkpoint directories of a run's output_dir: names, completeness, the newest complete one, rotation.
 
 Plain files and names, no torch: the CLI reads these before any heavy import (resume=auto, the refusal
-to start into a used output_dir). What a checkpoint holds and how it is written is trainers/checkpoint.py.
+to start into a used output_dir). What a checkpoint holds and how it is written is trainers/run/checkpoint.py.
 
     checkpoint-N/               a checkpoint; complete only when it holds rlspec_complete.json
     checkpoint-N/rlspec_complete.json   written last: {"step", "time", "wandb_run_id", "finite", "files",
@@ -20,7 +20,7 @@ data it acknowledged (a power loss on a cache that lies), so the scan trusts a m
 lists match the files and its checksum matches: a torn checkpoint is skipped and reported like a
 half-written one. scan() first finishes or undoes a publish() that a crash cut short (recover()). Rotation deletes complete
 checkpoints (the marker is rlspec's) and half-written directories the run recorded in its manifest
-(trainers/run_files.py), never an entry of the user's.
+(trainers/run/run_files.py), never an entry of the user's.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlspec.trainers import run_files
+from rlspec.trainers.run import run_files
 
 PREFIX = "checkpoint"
 TMP_PREFIX = "tmp-checkpoint-"

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from rlspec.trainers.run_files import LOCK
+from rlspec.trainers.run.run_files import LOCK
 
 try:
     import fcntl

@@ -1,7 +1,7 @@
 """PPOTrainer: actor-critic PPO for language models, rollouts through the speculative engine.
 
-A `transformers.Trainer` subclass in TRL's conventions (config in trainers/ppo_config.py, the maths
-in trainers/ppo_math.py and docs/ppo.md). One training step = one rollout and its PPO epochs:
+A `transformers.Trainer` subclass in TRL's conventions (config in trainers/ppo/config.py, the maths
+in trainers/ppo/maths.py and docs/ppo.md). One training step = one rollout and its PPO epochs:
 
 1. rollout: the batch's prompts, each sampled num_generations times through the shared
    `RolloutSource` (the same engine, speculation, weight sync and rollout metrics as SpecGRPOTrainer);
@@ -31,14 +31,15 @@ from trl.models import prepare_deepspeed, prepare_fsdp
 
 from rlspec.rollout.eos import resolve_eos
 from rlspec.rollout.types import SpecConfig
-from rlspec.trainers import ppo_math, rollout_source
+from rlspec.trainers.ppo import maths as ppo_math
+from rlspec.trainers import rollout_source
 from rlspec.trainers.callbacks import attach_summary_callback
-from rlspec.trainers.checkpoint import CheckpointMixin
+from rlspec.trainers.run.checkpoint import CheckpointMixin
 from rlspec.trainers.data import prompt_token_ids
-from rlspec.trainers.ppo_batch import Experience, RolloutBatch, pad_results, token_logprobs
-from rlspec.trainers.ppo_config import PPOConfig
-from rlspec.trainers.ppo_model import VALUE_FILE, PolicyAndValue, completion_logits
-from rlspec.trainers.ppo_update import PPOUpdateMixin
+from rlspec.trainers.ppo.batch import Experience, RolloutBatch, pad_results, token_logprobs
+from rlspec.trainers.ppo.config import PPOConfig
+from rlspec.trainers.ppo.model import VALUE_FILE, PolicyAndValue, completion_logits
+from rlspec.trainers.ppo.update import PPOUpdateMixin
 from rlspec.trainers.rewards import score_completions
 from rlspec.trainers.weight_sync import unwrap_model
 
@@ -55,7 +56,7 @@ class PPOTrainer(CheckpointMixin, PPOUpdateMixin, Trainer):
     reward_funcs: a function or a list, GRPO's signature: f(prompts, completions, **columns) -> list[float].
     spec_config / engine / engine_kwargs: as SpecGRPOTrainer (how the engine speculates, an existing
         engine, or RolloutEngine.from_hf_model overrides: max_model_len, max_num_seqs, dtype, graph_mode).
-    on_nonfinite: as SpecGRPOTrainer ("stop" or "skip_batch"); checkpoints and resume: trainers/checkpoint.py.
+    on_nonfinite: as SpecGRPOTrainer ("stop" or "skip_batch"); checkpoints and resume: trainers/run/checkpoint.py.
     drop_long_prompts: as SpecGRPOTrainer (prompts too long for the rollout context: refused, or dropped).
     """
 

@@ -4,11 +4,11 @@ Shared by the CLI (rlspec/resume.py, before any heavy import) and CheckpointMixi
 
 - `explicit_checkpoint(path)`: a checkpoint named by the operator (`resume=<dir>`,
   `train(resume_from_checkpoint=<dir>)`) is taken when it holds rlspec's completion marker, or, without
-  one (an older rlspec, a plain HF/TRL checkpoint), when its files verify (trainers/checkpoint_verify.py);
+  one (an older rlspec, a plain HF/TRL checkpoint), when its files verify (trainers/run/checkpoint_verify.py);
   otherwise a ValueError says what is missing and which checkpoint would do.
 - `roll_back(output_dir, checkpoint)`: resuming from a checkpoint older than the newest one in output_dir is a
   rollback; the newer checkpoints are another branch. They are moved into abandoned-<date>-from-<step>/
-  (trainers/checkpoint_dirs.py), which resume=auto and rotation never look into, so a later resume=auto
+  (trainers/run/checkpoint_dirs.py), which resume=auto and rotation never look into, so a later resume=auto
   (after a preemption) continues the rolled-back branch and rotation cannot delete its starting point.
 Plain files, no torch.
 """
@@ -18,8 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from rlspec.trainers import checkpoint_dirs as dirs
-from rlspec.trainers.checkpoint_verify import checkpoint_problems
+from rlspec.trainers.run import checkpoint_dirs as dirs
+from rlspec.trainers.run.checkpoint_verify import checkpoint_problems
 
 
 def explicit_checkpoint(given: str | os.PathLike) -> Path:

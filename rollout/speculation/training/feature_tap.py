@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlspec.rollout.speculation.feature_buffer import Dist, law_top_k
+from rlspec.rollout.speculation.training.feature_buffer import Dist, law_top_k
 from rlspec.rollout.padding import pad_rollouts
 from rlspec.rollout.types import RolloutResult, SamplingParams
 

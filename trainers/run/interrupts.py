@@ -7,7 +7,7 @@ save a checkpoint and stop. `train()` then raises `TrainingInterrupted` (exit co
 
 Non-finite logits (`rlspec.rollout.errors.NonFiniteLogitsError`, raised by the engine's generate) follow the
 trainer's `on_nonfinite` policy: "stop" (default) or "skip_batch" (ON_NONFINITE below; the stop path's
-checkpoint is written by trainers/checkpoint.py).
+checkpoint is written by trainers/run/checkpoint.py).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def _help(text: str) -> dict:
 
 @dataclass
 class PPOConfig(TrainingArguments):
-    """Configuration for `rlspec.trainers.ppo.PPOTrainer` (every field below is read by the trainer)."""
+    """Configuration for `rlspec.trainers.ppo.trainer.PPOTrainer` (every field below is read by the trainer)."""
 
     model_init_kwargs: dict | None = field(default=None, metadata=_help(
         "keyword arguments of AutoModelForCausalLM.from_pretrained when the model is given by name "
