@@ -26,7 +26,7 @@ KV_CACHE_MB = "rollout/kv_cache_mb"  # the KV pool's size
 KV_BLOCKS_TOTAL = "rollout/kv_blocks_total"  # the KV pool's blocks at the end of the call
 GRAPH_POOL_MB = "rollout/graph_pool_mb"  # CUDA graph memory
 WALL_S = "rollout/wall_s"  # a trainer's rollout, weight sync included
-PLAIN_STEP_MS = "rollout/plain_step_ms"  # mean time of a decode step that carried no drafts (forward to commit)
+PLAIN_STEP_MS = "rollout/plain_step_ms"  # mean time of a decode step no row drafted in (forward to commit)
 DRAFT_MS_PER_TOKEN = "rollout/draft_ms_per_token"  # /<drafter>: proposing time per drafted token (rows summed)
 DRAFT_LEVEL_MS = "rollout/draft_level_ms"  # /<drafter>: one draft level for the whole live batch
 # /<drafter>: one draft level for the whole live batch over a plain step at that live batch (mean over levels):

@@ -4,9 +4,10 @@ Each step `Decision.decide(selector, batch)` returns the arm and names the stage
 order; the first that settles the step is its reason, counted as the metric strategy/reason/<reason>:
 
     off             no drafter is configured: plain decoding
+    health          drafter health turned speculation off (a backend pushing drafters to workers: drafter_health.py):
+                    a drafter that failed its checks never drafts, not even under a forced arm
     forced          an arm set by Speculation.force (tests, benchmarks, warm start's plain collection) or the
                     "always" selector's arm: played whatever it costs
-    health          drafter health turned speculation off (a backend pushing drafters to workers: drafter_health.py)
     max_spec_batch  more rows live than SpecConfig.max_spec_batch: plain decoding
     --              the selector picks an arm (it sees every step the stages above let through: its clock)
     guard           the pick is speculative and could take the run's savings below the loss guard's floor
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from rlspec.rollout.speculation.buckets import bucket
 from rlspec.rollout.speculation.selectors.base import OFF, Arm
 
-REASONS = ("off", "forced", "health", "max_spec_batch", "guard", "gate", "selector")
+REASONS = ("off", "health", "forced", "max_spec_batch", "guard", "gate", "selector")
 
 
 @dataclass
@@ -46,11 +47,11 @@ class Decision:
     def _decide(self, selector, batch: int) -> tuple[Arm, str]:
         if not self.speculating:
             return OFF, "off"
+        if not self.healthy:  # before a forced arm: a drafter that fails its checks never drafts
+            return OFF, "health"
         forced = self.forced if self.forced is not None else getattr(selector, "forced", None)
         if forced is not None:
             return forced, "forced"
-        if not self.healthy:
-            return OFF, "health"
         if self.max_spec_batch is not None and batch > self.max_spec_batch:
             return OFF, "max_spec_batch"
         pick = selector.choose(batch)

@@ -106,8 +106,9 @@ class Ledger:
             old = self.plain_settled.get(b)
             self.plain_settled[b] = spent if old is None else old + PLAIN_EMA * (spent - old)
             self.plain_time += spent
+        if not any(drafted):  # the metric's plain step: no row carried a draft (forward to commit)
             self.window_plain[0] += 1
-            self.window_plain[1] += spent
+            self.window_plain[1] += seconds
         self.costs.observe(batch, step_width(drafted), seconds)
 
     def _drafter(self, arm: Arm, b: int, draft_seconds: float, drafted: list[int], accepted: list[int],

@@ -141,6 +141,9 @@ CASES: dict[str, tuple[Any, ...]] = {
     "wandb.run_name": ("r", ""),
     "wandb.dir": ("/tmp/wandb", ""),
 }
+# the rloo section shares the grpo section's fields (TRLSection) and their rules
+CASES.update({f"rloo.{k.removeprefix('grpo.')}": v for k, v in list(CASES.items()) if k.startswith("grpo.")})
+CASES["rloo.normalize_advantages"] = (True, "maybe")
 
 
 def leaf_keys(cls: Any = Config, prefix: str = "") -> list[str]:

@@ -30,7 +30,7 @@ def test_lazy_names_are_the_defining_objects():
 
 def test_all_and_dir_list_the_public_names():
     expected = {"RolloutEngine", "SamplingParams", "SpecConfig", "RolloutResult", "fetch_model",
-                "SpecGRPOTrainer", "PPOTrainer", "export_drafter"}
+                "SpecGRPOTrainer", "SpecRLOOTrainer", "PPOTrainer", "export_drafter"}
     assert set(rlspec.__all__) == expected
     assert expected <= set(dir(rlspec))
 

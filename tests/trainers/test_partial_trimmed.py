@@ -4,6 +4,7 @@ within bf16 rounding; a chunk one token short (the planted flaw) is caught."""
 from __future__ import annotations
 
 import builtins
+import functools
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ def loss_and_grads(trainer, inputs, padded: bool):
     model = trainer.model
     model.zero_grad()
     if padded:
-        parent = super(SpecGRPOTrainer, trainer)._get_per_token_logps_and_entropies
+        parent = functools.partial(trl.GRPOTrainer._get_per_token_logps_and_entropies, trainer)  # TRL's padded pass
         trainer._get_per_token_logps_and_entropies = parent
     try:
         loss = trainer._compute_loss(model, inputs)
@@ -66,7 +67,7 @@ def test_a_partial_batch_trains_alike_through_the_trimmed_and_the_padded_pass_in
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     width, real = inputs["completion_ids"].shape[1], inputs["completion_mask"].bool()
     with torch.no_grad():
-        parent = super(SpecGRPOTrainer, trainer)._get_per_token_logps_and_entropies
+        parent = functools.partial(trl.GRPOTrainer._get_per_token_logps_and_entropies, trainer)  # TRL's padded pass
         lp, ent, _ = parent(model, ids, mask, width, compute_entropy=True)
         got_lp, got_ent, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, width, compute_entropy=True)
     worst = max(float((got_lp - lp)[real].abs().max()), float((got_ent - ent)[real].abs().max()))

@@ -21,7 +21,13 @@ def _args(**kw):
     return types.SimpleNamespace(**{"bf16": False, "fp16": False, **kw})
 
 
-def test_the_compute_dtype_wins_over_the_storage_dtype(tiny_llama):
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """A CPU with native bf16 (the rule under test; a CPU without it samples in float32, tested below)."""
+    monkeypatch.setattr(sd, "cpu_supports", lambda dtype: True)
+
+def test_the_compute_dtype_wins_over_the_storage_dtype(tiny_llama, native_bf16):
     assert tiny_llama.dtype == torch.float32
     cpu = torch.device("cpu")
     assert sd.sampling_dtype(_args(bf16=True), tiny_llama, device=cpu) == torch.bfloat16
@@ -61,7 +67,7 @@ def _trainer(model, tokenizer, tmp_path, **args):
                            engine_kwargs=dict(max_model_len=128, max_num_seqs=4))
 
 
-def test_the_drop_in_samples_a_float32_model_in_bf16_under_bf16_mixed_precision(tiny_llama, char_tokenizer,
+def test_the_drop_in_samples_a_float32_model_in_bf16_under_bf16_mixed_precision(tiny_llama, char_tokenizer, native_bf16,
                                                                                   tmp_path):
     trainer = _trainer(tiny_llama, char_tokenizer, tmp_path, bf16=True)
     engine_dtype = next(trainer.engine.runner.model.parameters()).dtype
@@ -102,7 +108,7 @@ def test_masked_fractions_count_what_trls_correction_zeroed():
     assert masked_fractions(tok, "token_truncate")["sampling/is_masked_token_frac"] == 0.0
 
 
-def test_cast_lm_head_to_fp32_keeps_a_float32_head_over_the_bf16_body(char_tokenizer, tmp_path):
+def test_cast_lm_head_to_fp32_keeps_a_float32_head_over_the_bf16_body(char_tokenizer, tmp_path, native_bf16):
     model = build_tiny_llama(len(char_tokenizer), char_tokenizer.eos_token_id, char_tokenizer.pad_token_id)
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 3)  # untied, sharp

@@ -1,4 +1,4 @@
-"""rlspec.trainers.trl_compat: what plain trl.GRPOTrainer accepts, SpecGRPOTrainer runs (issue 28).
+"""rlspec.trainers.trl_compat: what plain trl.GRPOTrainer accepts, SpecGRPOTrainer runs.
 
 A model the engine cannot run trains on TRL's own generation (with a warning, rollout/engine = 0, checkpoints
 and resume included); every loss_type and importance-sampling mode runs on the engine (rollout/engine = 1);

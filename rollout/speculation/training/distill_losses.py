@@ -13,7 +13,7 @@ target is a DraftTarget: the target's top-k mapped to draft ids. Target tokens o
 vocabulary can never be proposed, so their mass joins the leftover.
 
   ce       cross-entropy of the token the target sampled: a one-sample estimate of the forward-KL
-           gradient (the loss before issue 10). Positions whose token is outside the draft
+           gradient (the first loss the drafter trained with). Positions whose token is outside the draft
            vocabulary do not count.
   kl       forward KL(p || q) between the two distributions coarsened to (the top-k ids, "the rest"):
            sum_i p_i log(p_i / q_i) + r log(r / q_rest). The exact gradient of what "ce" estimates.

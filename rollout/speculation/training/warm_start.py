@@ -1,5 +1,5 @@
 """Warm start: train the EAGLE-3 drafter on the target's own rollouts before the first RL step,
-and cache the result so later runs of the same target start warm (issue 10, item 3).
+and cache the result so later runs of the same target start warm.
 
 A cold drafter is accepted ~1.0 tokens per verify until online training catches up. `warm_start`
 gives it a bounded head start: rounds of (sample the given prompts with the target, plain decoding,

@@ -1,4 +1,4 @@
-"""The recorded behaviour logprob is the law the whole pipeline emits a token with (issue 25), by frequency.
+"""The recorded behaviour logprob is the law the whole pipeline emits a token with, by frequency.
 
 Each test draws many seeded rollouts of the same one or two positions at once (one verify call over
 ROWS identical rows: fixed target p and draft q, drafts drawn by the test), counts the emitted tokens

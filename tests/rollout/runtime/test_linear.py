@@ -10,7 +10,8 @@ from rlspec.rollout.runtime.model.linear import Linear, pack_linears, packable, 
 from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+pytestmark = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                                reason="needs oneDNN with a bf16 path (AVX512-BF16/AMX): elsewhere nothing is packed")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

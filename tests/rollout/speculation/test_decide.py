@@ -47,15 +47,22 @@ def test_no_drafter_means_off():
 @pytest.mark.parametrize("how", ["force", "always"])
 def test_a_forced_arm_plays_whatever_the_stages_after_it_say(how):
     arm = Arm("suffix", 2)
-    d = Decision(healthy=False, max_spec_batch=0)
+    d = Decision(max_spec_batch=0)
     sel = AlwaysSelector(arm) if how == "always" else paying()
     if how == "force":
         d.forced = arm
     assert decided(d, sel, batch=8) == (arm, "forced")
 
 
-def test_unhealthy_drafters_decode_plainly():
-    assert decided(Decision(healthy=False), paying()) == (OFF, "health")
+@pytest.mark.parametrize("how", ["selector", "force", "always"])
+def test_unhealthy_drafters_decode_plainly_even_under_a_forced_arm(how):
+    """A pool's worker whose pushed drafter failed its checks decodes plainly whatever its selector is."""
+    arm = Arm("suffix", 2)
+    d = Decision(healthy=False)
+    sel = AlwaysSelector(arm) if how == "always" else paying()
+    if how == "force":
+        d.forced = arm
+    assert decided(d, sel) == (OFF, "health")
 
 
 def test_max_spec_batch_caps_the_live_batch_that_may_speculate():
