@@ -97,7 +97,7 @@ class DecodeSteps:
                 [0 if r else a for a, r in zip(accepted, routed)]
         elif not self.runner.fresh:  # a step that compiled its shape first is no measure of its cost
             self.speculation.observe_step(arm, len(live), t2 - t1, t1 - t0, drafted, accepted)
-        self._metrics.record_verify(arm.drafter, drafted, accepted, t1 - t0, None if self.runner.fresh else t2 - t1)
+        self._metrics.record_verify(arm.drafter, drafted, accepted)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 

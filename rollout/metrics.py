@@ -65,10 +65,9 @@ class RolloutMetrics:
         self.generated_tokens += sum(len(s.completion_ids) - s.carried for s in seqs)
         self.completion_lens.extend(len(s.completion_ids) for s in seqs)
 
-    def record_verify(self, drafter: str, drafted: list[int], accepted: list[int], draft_s: float = 0.0,
-                      step_s: float | None = 0.0) -> None:
-        """One decode step: its drafts and their acceptance per row (the seconds, draft_s and step_s, are the
-        ledger's to keep: rollout/speculation/ledger.py)."""
+    def record_verify(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
+        """One decode step: its drafts and their acceptance per row (its seconds are the ledger's to keep:
+        rollout/speculation/ledger.py)."""
         self.steps += 1
         if sum(drafted) == 0:
             return
