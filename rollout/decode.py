@@ -74,7 +74,7 @@ class DecodeSteps:
         before = [len(s.completion_ids) for s in live]
         emitted = self._commit(live, step, batch.is_chain, ctx)
         self.proposer.after_commit(live, before, routed, step.kept)
-        if roomy:  # rejected drafts (and room a short draft left) hold no block past their step
+        if roomy:  # rejected drafts (and room a short draft left) keep at most a spare block
             ctx.kv.trim(live)
         self._observe_step(arm, live, drafted, routed, step.accepted, emitted, (t0, t1), ctx)
 
@@ -112,7 +112,7 @@ class DecodeSteps:
         device, with each row's "logits finite" flag (NonFiniteLogitsError otherwise) and the verifier's own
         columns (a lossy mode's sources and behaviour logprobs)."""
         tree, dev = not batch.is_chain, logits.device
-        layout = StepLayout(batch.N, tree)
+        layout = StepLayout.of(batch.N, tree)
         path = accepted = None
         if batch.N == 0:  # plain decoding: the drawn token
             emitted = verdict.next_token[:, None]
@@ -121,8 +121,8 @@ class DecodeSteps:
             drafts = batch.tokens.gather(1, path.clamp(min=0)) if tree else batch.tokens[:, 1:]
             emitted = torch.cat([drafts, torch.zeros(len(live), 1, dtype=torch.long, device=dev)], 1)
             emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
-        if verdict.logprob is not None and ctx.history is None:  # drawn by a kernel that gave both (un-penalised)
-            lps, flags = verdict.logprob, layout.finite_from_flags(verdict.finite)
+        if verdict.logprob is not None and ctx.history is None:  # the draw gave both (un-penalised)
+            lps, flags = verdict.logprob, verdict.finite
         elif not tree:  # token j is predicted at node j: the logits as they are, the flag over nodes 0..accepted
             lps = logprobs_of(logits, emitted, ctx.params)
             flags = layout.finite(logits) if accepted is None else layout.chain_finite(logits, accepted)

@@ -13,6 +13,7 @@ back (its token sources and behaviour logprobs, rollout/speculation/strategies.p
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -40,7 +41,13 @@ class HostStep:
 
 
 class StepLayout:
-    """The transfer layout of a step of N draft nodes per row (module docstring)."""
+    """The transfer layout of a step of N draft nodes per row (module docstring); `of(N, tree)` gives the one
+    instance per shape."""
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def of(N: int, tree: bool = False) -> "StepLayout":
+        return StepLayout(N, tree)
 
     def __init__(self, N: int, tree: bool = False):
         self.N, self.P = N, N if tree else 0  # P: path columns sent (a tree's only)
@@ -66,11 +73,6 @@ class StepLayout:
         """The finite column of a chain step from its logits [B, N+1, V]: nodes 0..accepted, the ones it used."""
         return logits.sum(-1, dtype=torch.float64).cumsum(-1).gather(1, accepted[:, None])
 
-    @staticmethod
-    def finite_from_flags(flags: torch.Tensor) -> torch.Tensor:
-        """The finite column from [B] bool flags (a kernel's): 0 where finite, -inf where not."""
-        return flags.to(torch.float64).log()
-
     def bad_rows(self, rows: list[list[float]]) -> list[int]:
         """Rows whose finite column says a logit was NaN or inf."""
         col, isfinite = self.flag, math.isfinite
@@ -84,7 +86,8 @@ class StepLayout:
         """Host rows -> accepted, path, emitted tokens and logprobs per row."""
         N, P = self.N, self.P
         if N == 0:
-            return HostStep([0] * len(rows), [[] for _ in rows], [[int(r[0])] for r in rows], [[r[1]] for r in rows])
+            B = len(rows)
+            return HostStep([0] * B, [[]] * B, [[int(r[0])] for r in rows], [[r[1]] for r in rows])  # paths unread
         accepted = [int(r[0]) for r in rows]
         path = [[int(x) for x in r[1:1 + P]] for r in rows] if P else [list(range(1, a + 1)) for a in accepted]
         return HostStep(accepted, path, [[int(x) for x in r[1 + P:2 + N + P]] for r in rows],

@@ -11,7 +11,7 @@ The order of one call, as the engine runs it:
         -> blocks for resumed sequences -> re-prefill
   step  -> make_room (preempt the youngest until every live pending token has a block)
         -> draft_room (blocks for drafted positions while they last) -> forward, verify, commit
-        -> trim (rejected drafts hold nothing past their step) -> retire (free, compact rows)
+        -> trim (rejected drafts hold at most a spare block past their step) -> retire (free, compact rows)
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class KVLedger:
         row compaction applied to the table is applied to them too (`move_rows(src, dst)`)."""
         self.cache, self.sched, self.followers = cache, sched, tuple(followers)
         self.grown: set[int] = set()  # owners draft_room gave blocks this step (trim looks at them only)
+        self.spares: set[int] = set()  # owners trim left a spare block (make_room takes it back under pressure)
 
     def _move_rows(self, src: list[int], dst: list[int]) -> None:
         for t in (self.cache, *self.followers):
@@ -54,6 +55,8 @@ class KVLedger:
         short = [s for s in sched.live if len(tables.get(id(s), ())) * bs <= s.cache_len]
         if not short:
             return
+        if self.spares and not sched.fits(sum(cache.alloc.needed(id(s), s.cache_len + 1) for s in short)):
+            self._trim(sched.live, 0)  # spare blocks go back before anyone is preempted
         victims = sched.make_room()
         for victim, moves in victims:  # moves of successive removals: applied in order
             on_evict(victim)
@@ -74,13 +77,23 @@ class KVLedger:
         return kept
 
     def trim(self, live: list[Sequence]) -> None:
-        """After commit: hand back blocks past each unfinished sequence's pending position."""
+        """After commit: hand back blocks past each unfinished sequence's pending position, but one: the block its
+        next positions enter stays with it (a spare), so a row drafting across a block boundary does not take and
+        hand back the same block step after step. Spares go back before make_room preempts anyone."""
         if not self.grown:  # only rows given draft blocks this step can hold one past their pending position
             return
-        tables, bs, grown = self.cache.alloc.tables, self.cache.block_size, self.grown
-        self.cache.trim([(s.row, id(s), n) for s in live if id(s) in grown and not s.finished
-                         and len(tables.get(id(s), ())) * bs >= (n := s.cache_len + 1) + bs])  # a block past n
-        grown.clear()
+        grown = {id(s) for s in live if id(s) in self.grown and not s.finished}
+        self.grown.clear()
+        self._trim([s for s in live if id(s) in grown], self.cache.block_size)
+        self.spares |= grown
+
+    def _trim(self, seqs: list[Sequence], spare: int) -> None:
+        """Blocks past each sequence's pending position + `spare` positions go back."""
+        tables, bs = self.cache.alloc.tables, self.cache.block_size
+        self.cache.trim([(s.row, id(s), n) for s in seqs
+                         if len(tables.get(id(s), ())) * bs >= (n := s.cache_len + 1 + spare) + bs])  # a block past n
+        if spare == 0:
+            self.spares.clear()
 
     def retire(self, on_finish: Callable[[Sequence], None] = lambda s: None) -> list[Sequence]:
         """Finished sequences leave (on_finish runs while they still hold their blocks); survivors' rows

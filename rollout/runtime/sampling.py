@@ -132,7 +132,7 @@ def kernel_draws(logits: torch.Tensor, params: SamplingParams) -> bool:
 
 def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws):
     """A plain step's draw from probs_from_logits(logits, params), with its logprob (logprobs_of) and each row's
-    finite flag (nonfinite.finite_flags), as one op (kernels/sample.cpp) -> (tokens [B], logprobs [B], finite [B]);
+    finite column (`finite_column`), as one op (kernels/sample.cpp) -> (tokens [B], logprobs [B], finite [B]);
     None where it does not serve (`kernel_draws`; with a repetition penalty the caller reads the logprob
     elsewhere). The same uniforms from the generator as sample().
 
@@ -141,7 +141,14 @@ def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws)
     if not kernel_draws(logits, params):
         return None
     r = uniform(generator, (logits.shape[0],), logits.device, FINAL)  # the op draws at 1 - r, in (0, 1], as sample()
-    return torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
+    token, logprob, flags = torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
+    return token, logprob, finite_column(flags)
+
+
+def finite_column(flags: torch.Tensor) -> torch.Tensor:
+    """A kernel's [B] bool finite flags as the step transfer's finite column (rollout/step_layout.py): [B] float64,
+    0 where finite, -inf where not."""
+    return flags.to(torch.float64).log()
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None):

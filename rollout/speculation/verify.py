@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from rlspec.rollout.runtime.draws import ACCEPT, FINAL, TREE
-from rlspec.rollout.runtime.sampling import Draws, kernel_draws, probs_from_logits, sample, sample_plain, shifted, uniform
+from rlspec.rollout.runtime.sampling import (Draws, finite_column, kernel_draws, probs_from_logits, sample, sample_plain,
+                                             shifted, truncates, uniform)
 from rlspec.rollout.types import SamplingParams
 
 
@@ -38,9 +39,9 @@ class Verdict:
     accepted: torch.Tensor  # [B] long: drafts accepted per sequence (0..num_drafts[b])
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     exact: torch.Tensor | None = None  # [B, K] bool: the exact test's verdict at each draft position
-    # a step drawn by a CPU kernel (sampling.sample_plain, _chain_op): [B, K+1] log p of each token emitted (the
-    # accepted drafts, then the next token) under the logits given, and each row's finite flag, which came with the
-    # draws (None otherwise: the engine computes them)
+    # where the draws came with them (a CPU kernel: sampling.sample_plain, _chain_op; an untruncated plain draw):
+    # [B, K+1] log p of each token emitted (the accepted drafts, then the next token) under the logits given, and
+    # each row's finite column (step_layout.py; None otherwise: the engine computes them)
     logprob: torch.Tensor | None = None
     finite: torch.Tensor | None = None
 
@@ -101,14 +102,23 @@ def verify_chain(
 
 
 def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = None):
-    """A step without drafts: the next token from logits [B, V] -> (token [B], logprob [B] or None, finite [B] or
-    None), the same draws as verify_chain with K = 0 (the CPU kernel's logprob and finite flag where it drew)."""
+    """A step without drafts: the next token from logits [B, V] -> (token [B], logprob [B] or None, finite column
+    [B] float64 or None), the same draws as verify_chain with K = 0.
+
+    Untruncated (no top-k, top-p or min-p) the distribution drawn from is softmax(logits / T), the one logprobs_of
+    reads: the token's logprob is the log of its probability and the finite column the row's float64 sum, so a
+    plain step needs no second pass over the vocabulary (a log-softmax) after the draw. A caller with a repetition
+    penalty passes penalised logits and reads the logprob of the raw ones itself."""
     if params.greedy:
         return logits.argmax(-1), None, None
     drawn = sample_plain(logits, params, generator)
     if drawn is not None:
         return drawn
-    return sample(probs_from_logits(logits, params), generator), None, None
+    probs = probs_from_logits(logits, params)
+    token = sample(probs, generator)
+    if truncates(params, logits.shape[-1]):
+        return token, None, None
+    return token, probs.gather(-1, token[:, None]).log().squeeze(-1), logits.sum(-1, dtype=torch.float64)
 
 
 def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:
@@ -125,7 +135,7 @@ def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, gene
     q = target_logits.new_empty(0) if draft_probs is None else draft_probs.float()  # a no-op for float32 q
     accepted, token, logprob, finite = torch.ops.rlspec_kernels.verify_chain_rows(
         target_logits, draft_tokens, num_drafts, q, u, r, float(params.temperature))
-    return Verdict(accepted, token, None, logprob, finite)
+    return Verdict(accepted, token, None, logprob, finite_column(finite))
 
 
 def _accepted(exact: torch.Tensor, kept: torch.Tensor | None, in_range: torch.Tensor) -> torch.Tensor:
