@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rlspec.bench import harness
 from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, completion_tokens, hf_model, math_prompts, rollout_seconds, \
-    timed_generate, train_run
+    smoke_model, timed_generate, train_run
 
 NAME = "workers"
 HELP = "Ray rollout workers vs one engine on the long tail, spot drafter training, projection to 8 and 64 GPUs"
@@ -58,6 +58,7 @@ def run(args) -> dict:
     if args.smoke:
         args.prompts, args.group, args.max_new_tokens, args.reps, args.spot_steps = 2, 2, 8, 1, 1
         args.groups_per_task, args.grpo_steps, args.dtype = 1, 0, SMOKE_DTYPE
+        args.model = smoke_model(args.model, args.out)
     connect(num_cpus=2)  # a loopback-only local cluster, no dashboard
     try:
         tok, hf = hf_model(args.model, "float32")
