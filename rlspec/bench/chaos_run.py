@@ -74,9 +74,9 @@ class Run:
             env.pop(var, None)
         self.log = out.parent / f"{out.name}.log"
         self.start = self.log.stat().st_size if self.log.exists() else 0  # a resumed run appends: read its part
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlspec.bench.chaos", "--child", *BASE, *OVERRIDES, f"output_dir={out}", *self.extra],
-            cwd=ROOT, env=env, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
+        argv = [*BASE, *OVERRIDES, f"output_dir={out}", *self.extra]
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlspec.bench.chaos", "--child", *argv], cwd=ROOT, env=env,
+                                     stdout=self.log.open("a"), stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 900) -> int:
         return self.proc.wait(timeout=timeout)
