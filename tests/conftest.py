@@ -87,6 +87,17 @@ def smollm2_dir():
 
 
 @pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Code a test runs in this process may change torch's thread count (a benchmark's 2-thread arm): the tests
+    after it on this xdist worker get the count back, since two workers of two threads each oversubscribe the two
+    cores and every later step then takes many times as long."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _isolate_wandb():
     """W&B keeps process-wide state (its settings singleton, WANDB_* variables set by our CLI):
     restore both after every test so one test's offline run directory never captures the next's."""

@@ -3,7 +3,7 @@
 xdist's worksteal scheduler hands worker i the i-th contiguous slice of the collected tests (the first N//2 to
 one worker, the rest to the other) and lets an idle worker steal from the end of the other's queue. In file order
 the slow tests bunched together: one worker ran 100 s tests at the end while the other had nothing left. Here
-the slow units (rough seconds below, from `pytest --durations=0` runs of 2026-11-28) are dealt longest first to
+the slow units (rough seconds below, from `pytest --durations=0` runs) are dealt longest first to
 the worker with the least so far, each at the head of its slice, and the remaining tests fill the slices in file
 order; stealing then evens out the quick tail. A unit stays whole on one worker: the tests that start a local Ray
 cluster (two clusters side by side overfill a 2-core machine, and each pool fixture is built once) and the
@@ -17,8 +17,8 @@ UNITS = {
     "ray": (230, (f"{SMOKE}[workers]", "tests/rollout/workers/test_faults.py", "tests/rollout/workers/test_pool.py",
                   "tests/rollout/workers/test_drafter_health_pool.py")),
     **{f"smoke-{name}": (secs, (f"{SMOKE}[{name}]",)) for name, secs in (
-        ("chaos", 45), ("trl-suite", 35), ("grpo", 30), ("partial", 30), ("drafter", 21), ("ppo", 18), ("step", 14),
-        ("rollout-longtail", 13), ("vllm", 9), ("lossy", 9), ("rollout", 7))},
+        ("trl-suite", 35), ("chaos", 28), ("grpo", 10), ("passes", 9), ("lossy", 5), ("partial", 4), ("vllm", 4),
+        ("ppo", 4), ("step", 3), ("drafter", 2), ("rollout-longtail", 1), ("rollout", 1))},
     **{path: (secs, (path,)) for path, secs in (
         ("tests/distributed/test_accelerate.py", 62), ("tests/rollout/speculation/test_trainer_process.py", 60),
         ("tests/test_bench_gpu.py", 45), ("tests/rollout/runtime/test_compiled.py", 40),

@@ -21,8 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from rlspec.bench import chaos_run
 from rlspec.bench.chaos_faults import FAULTS
 from rlspec.bench.chaos_run import BASE, Run, child, history, max_weight_diff
+from rlspec.bench.common import EMBEDDED, smoke_model
 
 NAME = "chaos"
 HELP = "every fault rlspec handles (kill -9, signals, NaN, bad input), injected into real runs, then resumed"
@@ -35,8 +37,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> dict:
-    if args.smoke:  # a refusal before step 1 and a one-step run: no straight run
+    if args.smoke:  # a refusal before step 1 and a one-step run of a tiny model: no straight run
         args.only, args.workdir = "long_prompt", str(Path(args.out).with_suffix("")) + "_runs"
+    chaos_run.OVERRIDES[:] = ([f"model={smoke_model(EMBEDDED, args.workdir)}", "grpo.max_completion_length=8"]
+                              if args.smoke else [])
     names = [n for n in args.only.split(",") if n] or list(FAULTS)
     unknown = sorted(set(names) - set(FAULTS))
     if unknown:

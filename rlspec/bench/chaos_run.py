@@ -15,6 +15,8 @@ STEPS, SAVE_STEPS = 4, 2
 BASE = ["config=grpo_math.yaml", "dtype=float32", f"grpo.max_steps={STEPS}", f"grpo.save_steps={SAVE_STEPS}",
         "grpo.save_total_limit=2", "grpo.max_completion_length=48", "grpo.learning_rate=1e-4",
         "data.num_examples=64", "drafter.drafter=suffix", "drafter.selector=always", "wandb.mode=offline"]
+# key=value every Run adds after BASE: a smoke run's tiny model and short completions (set by chaos.run)
+OVERRIDES: list[str] = []
 NAN_PARAM = "model.layers.3.mlp.down_proj.weight"  # any weight; one NaN in it makes every logit NaN
 
 
@@ -72,8 +74,9 @@ class Run:
             env.pop(var, None)
         self.log = out.parent / f"{out.name}.log"
         self.start = self.log.stat().st_size if self.log.exists() else 0  # a resumed run appends: read its part
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlspec.bench.chaos", "--child", *BASE, f"output_dir={out}", *self.extra],
-                                     cwd=ROOT, env=env, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
+        argv = [*BASE, *OVERRIDES, f"output_dir={out}", *self.extra]
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlspec.bench.chaos", "--child", *argv], cwd=ROOT, env=env,
+                                     stdout=self.log.open("a"), stderr=subprocess.STDOUT)
 
     def wait(self, timeout: float = 900) -> int:
         return self.proc.wait(timeout=timeout)

@@ -105,9 +105,59 @@ def summary_of(out: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-# A smoke run of a training benchmark: one step of the embedded model, eager (float32), short completions
+# A smoke run of a training benchmark: one step, eager (float32), short completions (smoke_train adds the model)
 SMOKE_TRAIN = ["dtype=float32", "grpo.max_completion_length=8", "grpo.save_steps=1000", "data.num_examples=16",
                "wandb.mode=disabled"]
+
+
+def tiny_model(path: str):
+    """A random-weight model of the checkpoint at `path`'s architecture and vocabulary, 2 layers of width 64: a
+    smoke run's model. The pipeline (engine, drafters, the trainer's step) is the same as with the real weights; a
+    step costs milliseconds instead of the seconds a 135M model's forward and backward take on a CPU."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16))
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:2]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def smoke_model(model: str, beside) -> str:
+    """--smoke: `model`, unless it is the embedded default: then a directory tiny-smollm2 beside the path `beside`
+    (the report, a run directory) holding tiny_model of it with the real tokenizer, chat template and generation
+    config (prompts, EOS ids and rewards stay real), written once. A model the user named is kept."""
+    import os
+    import shutil
+    import tempfile
+
+    from rlspec.rollout.runtime.model.fetch import fetch_model
+
+    if model != EMBEDDED:
+        return model
+    src, dest = Path(fetch_model(EMBEDDED)), Path(beside).parent / "tiny-smollm2"
+    if not (dest / "config.json").is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".tiny-smollm2-") as tmp:
+            tiny_model(str(src)).save_pretrained(tmp)
+            for f in src.iterdir():  # after save_pretrained: the real generation config replaces the one it derived
+                if f.is_file() and f.name not in ("config.json", "model.safetensors", "rlspec_fetch.json"):
+                    shutil.copy2(f, Path(tmp) / f.name)
+            try:  # whole or not at all: a smoke run beside this one may have written it meanwhile
+                os.rename(tmp, dest)
+            except OSError:
+                if not (dest / "config.json").is_file():
+                    raise
+    return str(dest)
+
+
+def smoke_train(beside, section: str = "grpo") -> list[str]:
+    """A smoke run's `rlspec.train` overrides: SMOKE_TRAIN (its keys in the trainer's `section`) and smoke_model's
+    tiny model."""
+    return [*(o.replace("grpo.", f"{section}.") for o in SMOKE_TRAIN), f"model={smoke_model(EMBEDDED, beside)}"]
 
 
 def train_run(tag: str, out: Path, config: str, steps: int, overrides: list[str], in_process: bool = False) -> dict:

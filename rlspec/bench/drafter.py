@@ -15,7 +15,7 @@ model-free drafters propose.
 from __future__ import annotations
 
 from rlspec.bench import harness
-from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, math_prompts, timed_generate
+from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, math_prompts, smoke_model, timed_generate
 
 NAME = "drafter"
 HELP = "online EAGLE-3 learning curve and tail speed-up (--part curve), model-free proposal speed (--part speed)"
@@ -48,6 +48,7 @@ def run(args) -> dict:
     if args.smoke:
         args.dtype, args.rounds, args.collect_prompts, args.train_steps = SMOKE_DTYPE, 1, 2, 2
         args.eval_prompts, args.max_new_tokens, args.reps = 2, 8, 1
+        args.model = smoke_model(args.model, args.out)
     return curve(args)
 
 

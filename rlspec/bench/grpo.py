@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlspec.bench import harness
-from rlspec.bench.common import SMOKE_TRAIN, rollout_seconds, summary_of, train_run
+from rlspec.bench.common import rollout_seconds, smoke_train, summary_of, train_run
 
 NAME = "grpo"
 HELP = "end-to-end GRPO runs per drafter (time, reward, acceptance per step); --lossy: lossy vs lossless training"
@@ -49,7 +49,7 @@ def train(label: str, overrides: list[str], args) -> dict:
     if done is not None and done.get("status") == "finished":
         print(f"[bench grpo] reusing the finished run in {out}", flush=True)
         return done
-    smoke = SMOKE_TRAIN if args.smoke else []
+    smoke = smoke_train(args.workdir) if args.smoke else []
     return train_run("bench grpo", out, args.config, args.steps, ["grpo.save_steps=1000", *smoke, *args.overrides,
                                                                   *overrides], in_process=args.smoke)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 
 from rlspec.bench import harness
-from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE
+from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, smoke_model
 
 NAME = "lossy"
 HELP = "lossy verification (judge rules, step routing): rollout speed vs lossless and accuracy vs the target alone"
@@ -59,6 +59,7 @@ def run(args) -> dict:
     if args.smoke:
         args.dtype, args.prompts, args.samples, args.max_new_tokens, args.warmup = SMOKE_DTYPE, 2, 2, 8, 0
         args.judge_thresholds, args.route_thresholds, args.judges = [0.1], [-1.0], []
+        args.model = smoke_model(args.model, args.out)
     runs = run_all(args)
     rows = [{"setting": n, "accuracy": r["accuracy"], "diff_pts": 100 * r["vs_target"]["diff"],
              "ci95_pts": 100 * (r["vs_target"]["ci95"][1] - r["vs_target"]["diff"]), "tok_s": r["tokens_per_s"],

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from rlspec.bench import harness
-from rlspec.bench.common import EMBEDDED
+from rlspec.bench.common import EMBEDDED, tiny_model
 from rlspec.bench.dropin import PhaseClock
 
 NAME = "partial"
@@ -195,22 +195,6 @@ def child(spec: dict) -> dict:
     result = dict(arm=spec["arm"], wall_s=wall, phases=phases, heldout_accuracy=accuracy,
                   **run_metrics(trainer.state.log_history))
     return result
-
-
-def tiny_model(path: str):
-    """--smoke: a random-weight model of the checkpoint's architecture and vocabulary (its tokenizer stays real),
-    2 layers of width 64. dropin's cut to the first 2 real layers still trains a 49152 x 576 embedding, which
-    doubles a smoke run of four arms; the pipeline (engine, partial rounds, TRL's step) is the same either way."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
-    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16))
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:2]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
 
 
 def run_metrics(history: list[dict]) -> dict:

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from rlspec.bench import harness
-from rlspec.bench.common import EMBEDDED
+from rlspec.bench.common import EMBEDDED, smoke_model
 
 NAME = "passes"
 HELP = "GRPO training passes on a long-tail batch: TRL's padded pass vs the trimmed one (seconds, tokens computed)"
@@ -39,7 +39,7 @@ def run(args) -> dict:
     from rlspec.trainers.grpo import SpecGRPOTrainer
 
     lengths = [max(1, n // 16) for n in args.lengths] if args.smoke else args.lengths
-    path = fetch_model(args.model)
+    path = fetch_model(smoke_model(args.model, args.out) if args.smoke else args.model)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as out:

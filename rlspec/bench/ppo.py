@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from rlspec.bench import harness
-from rlspec.bench.common import SMOKE_TRAIN, rollout_seconds, summary_of, train_run
+from rlspec.bench.common import rollout_seconds, smoke_train, summary_of, train_run
 
 NAME = "ppo"
 HELP = "end-to-end PPO with speculation on vs off: time, reward, value loss, the critic's out-of-sample error"
@@ -111,7 +111,7 @@ def train(label: str, drafter: str, args) -> dict:
     if done is not None and done.get("status") == "finished":
         print(f"[bench ppo] reusing the finished run in {out}", flush=True)
         return done
-    smoke = [o.replace("grpo.", "ppo.") for o in SMOKE_TRAIN] if args.smoke else []
+    smoke = smoke_train(args.workdir, "ppo") if args.smoke else []
     # train_run also sets grpo.max_steps, which a ppo run ignores: the ppo keys go here
     return train_run("bench ppo", out, args.config, args.steps, [f"ppo.max_steps={args.steps}", "ppo.save_steps=1000",
                                                                  f"drafter.drafter={drafter}", *smoke,

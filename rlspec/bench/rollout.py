@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from rlspec.bench import harness
-from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, completion_tokens, hf_model, math_prompts, timed_on
+from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, completion_tokens, hf_model, math_prompts, smoke_model, timed_on
 
 NAME = "rollout"
 HELP = "engine vs transformers generate: fixed-length batches and the GRPO-shaped long tail (--old: A/B checkouts)"
@@ -57,7 +57,7 @@ def add_arguments(p) -> None:
 def run(args) -> dict:
     if args.smoke:
         args.dtype, args.batch_sizes, args.max_new_tokens, args.warmup_tokens = SMOKE_DTYPE, [1, 2], 4, 2
-        args.prompts, args.group, args.reps = 2, 2, 1
+        args.prompts, args.group, args.reps, args.model = 2, 2, 1, smoke_model(args.model, args.out)
         if args.workload in ("longtail", "repeat"):
             args.configs = ["hf", "engine", "suffix"]
     if args.old is not None:

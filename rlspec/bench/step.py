@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from rlspec.bench import harness
-from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, hf_model, math_prompts
+from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, hf_model, math_prompts, smoke_model
 from rlspec.bench.step_verify import VERIFY_ARMS, draft_costs, fused_steps, verify_rows
 
 NAME = "step"
@@ -131,7 +131,7 @@ def run(args) -> dict:
     if args.smoke:
         args.dtype, args.batch_sizes, args.steps, args.ctx, args.reps = SMOKE_DTYPE, [1], 2, 8, 1
         args.verify_tokens, args.verify_ctx, args.drafters, args.draft_tokens = [2], [16], ["ngram"], 6
-        args.bandwidth_gib = 1 / 64
+        args.bandwidth_gib, args.model = 1 / 64, smoke_model(args.model, args.out)
     bw = bandwidth_gbs(args.bandwidth_gib)
     rows, nbytes = plain_rows(args) if not args.skip_plain else ([], None)
     verify = verify_rows(args) if args.verify_tokens else []

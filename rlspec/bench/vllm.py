@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, hf_model, math_prompts, timed_generate
+from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, hf_model, math_prompts, smoke_model, timed_generate
 
 NAME = "vllm"
 HELP = "engine vs the vLLM backend on the long tail, with and without speculation; --part online: GRPO on vLLM"
@@ -67,6 +67,7 @@ def run(args) -> dict:
         has_vllm = importlib.util.find_spec("vllm") is not None
         args.configs = ["engine", "engine-ngram", *(["vllm"] if has_vllm else [])]
         args.dtype, args.prompts, args.group, args.max_new_tokens, args.reps = SMOKE_DTYPE, 2, 2, 8, 1
+        args.model = smoke_model(args.model, args.out)
     if args.one:
         return {"rows": [run_one(args)]}
     needs_drafter = any(CONFIGS[c][1] == "eagle3" for c in args.configs)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rlspec.bench import harness
 from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, completion_tokens, hf_model, math_prompts, rollout_seconds, \
-    timed_generate, train_run
+    smoke_model, timed_generate, train_run
 
 NAME = "workers"
 HELP = "Ray rollout workers vs one engine on the long tail, spot drafter training, projection to 8 and 64 GPUs"
@@ -51,6 +51,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> dict:
     import ray
+    import torch
 
     from rlspec.rollout.types import SamplingParams
     from rlspec.rollout.workers.cluster import connect
@@ -58,7 +59,9 @@ def run(args) -> dict:
     if args.smoke:
         args.prompts, args.group, args.max_new_tokens, args.reps, args.spot_steps = 2, 2, 8, 1, 1
         args.groups_per_task, args.grpo_steps, args.dtype = 1, 0, SMOKE_DTYPE
+        args.model = smoke_model(args.model, args.out)
     connect(num_cpus=2)  # a loopback-only local cluster, no dashboard
+    threads = torch.get_num_threads()  # longtail's engine arm sets 2: a caller in this process gets its own back
     try:
         tok, hf = hf_model(args.model, "float32")
         params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group, seed=args.seed)
@@ -67,6 +70,7 @@ def run(args) -> dict:
         report["projection"] = project(report["longtail"], args)
     finally:
         ray.shutdown()
+        torch.set_num_threads(threads)
     report["grpo"] = grpo(args) if args.grpo_steps > 0 else {}
     print(json.dumps(report["projection"], indent=1))
     return {**report, "rows": report["longtail"]["rows"], "columns": ["config", "wall_s", "tokens", "tokens_per_s",
