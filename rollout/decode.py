@@ -10,6 +10,7 @@ goes through the runner's funnel (runtime/transfers.py) and the transfer's colum
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -22,7 +23,8 @@ from rlspec.rollout.runtime.kv_ledger import KVLedger
 from rlspec.rollout.runtime.sampling import logprobs_of, penalise
 from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
-from rlspec.rollout.speculation.strategies import StepVerdict, chain_path
+from rlspec.rollout.speculation.strategies import ExactVerifier, SelectorProposer, StepVerdict, chain_path
+from rlspec.rollout.speculation.verify import draw_plain
 from rlspec.rollout.step_layout import HostStep, StepLayout
 from rlspec.rollout.types import SamplingParams
 
@@ -40,6 +42,15 @@ class Call:
     history: TokenHistory | None = None  # per-row token sets, when a repetition penalty is on
     steps: int = 0  # decode steps run so far (errors name the step)
     finished: bool = False  # a sample finished since the last retire
+    lean: bool = False  # plain steps may take DecodeSteps._plain_step (`lean_plain`)
+
+
+def lean_plain(proposer, verifier, speculation, history) -> bool:
+    """Whether a plain step is read by nothing but its draw: no proposer that drafts whole steps (a router), no
+    verifier with columns of its own (a lossy mode), no learned drafter taking the step's features, no repetition
+    penalty's history."""
+    return (type(proposer) is SelectorProposer and type(verifier) is ExactVerifier and speculation.learned is None
+            and history is None)
 
 
 class DecodeSteps:
@@ -49,6 +60,8 @@ class DecodeSteps:
         """schedule -> propose -> one target forward -> verify -> one host transfer -> commit."""
         arm = self.speculation.choose(len(live))
         ctx.steps += 1
+        if ctx.lean and not arm.speculative:
+            return self._plain_step(live, arm, ctx)
         roomy = []  # whether the proposer took draft room (blocks past the pending token) this step
 
         def room(nodes: list[int]) -> list[int]:
@@ -77,6 +90,29 @@ class DecodeSteps:
         if roomy:  # rejected drafts (and room a short draft left) keep at most a spare block
             ctx.kv.trim(live)
         self._observe_step(arm, live, drafted, routed, step.accepted, emitted, (t0, t1), ctx)
+
+    def _plain_step(self, live: list[Sequence], arm, ctx: Call) -> None:
+        """A step no row drafts in, where nothing but the draw reads it (`lean_plain`): the same forward, draws,
+        transfer and commit as the general step, without its drafting, path and layout objects (what a plain step
+        costs the host is what the device waits for between steps: docs/runtime.md#host-step-budget)."""
+        t0 = time.perf_counter()
+        packed = self.runner.transfers.to_device([[s.pending, s.cache_len] for s in live])
+        logits, _ = self.runner.step(packed[:, :1], packed[:, 1], top=max(s.cache_len for s in live))
+        token, lps, flags = draw_plain(logits[:, 0], ctx.params, bound(ctx.draws, live))
+        if lps is None:  # greedy, or a truncated law: the logprob of the raw logits (docs/verification.md)
+            lps, flags = logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits)
+        rows = self.runner.transfers.to_host(token, lps, flags).rows()
+        self._check_finite([i for i, r in enumerate(rows) if not math.isfinite(r[2])], live, ctx.steps,
+                           f"decode step {ctx.steps}")
+        stop = ctx.stop_ids
+        emitted = sum(s.append_one(int(r[0]), r[1], stop) for s, r in zip(live, rows))
+        ctx.finished = ctx.finished or any(s.finish_reason is not None for s in live)
+        none = [0] * len(live)
+        if not self.runner.fresh:
+            self.speculation.observe_step(arm, len(live), time.perf_counter() - t0, 0.0, none, none)
+        self._metrics.record_verify(arm.drafter, none, none)
+        self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, False))
+        self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
     @staticmethod
     def _penalised(logits: torch.Tensor, batch: DraftBatch, ctx: Call) -> torch.Tensor:

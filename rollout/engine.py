@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 import rlspec.rollout.metrics as M
-from rlspec.rollout.decode import Call, DecodeSteps
+from rlspec.rollout.decode import Call, DecodeSteps, lean_plain
 from rlspec.rollout.eos import resolve_eos
 from rlspec.rollout.limits import check_request
 from rlspec.rollout.metrics import RolloutMetrics
@@ -195,7 +195,8 @@ class RolloutEngine(DecodeSteps):
         self.proposer.start(seqs, params, gen)
         sched = Scheduler(groups, cache.rows, cache.alloc)
         ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table
-        ctx = Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history)
+        ctx = Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history,
+                   lean=lean_plain(self.proposer, self.verifier, self.speculation, history))
         # no op of the loop records autograd history: inference mode spares each of them the autograd dispatch
         # (a quarter of a plain step's host time on a small model); state that outlives the call is made outside it
         with torch.inference_mode():
