@@ -155,8 +155,8 @@ class DecodeSteps:
         else:  # the accepted drafts (node j+1 of a chain is draft j), then the next token at column `accepted`
             path, accepted = verdict.path, verdict.accepted
             drafts = batch.tokens.gather(1, path.clamp(min=0)) if tree else batch.tokens[:, 1:]
-            emitted = torch.cat([drafts, torch.zeros(len(live), 1, dtype=torch.long, device=dev)], 1)
-            emitted.scatter_(1, accepted[:, None], verdict.next_token[:, None])
+            nxt = verdict.next_token[:, None]
+            emitted = torch.cat([drafts, nxt], 1).scatter_(1, accepted[:, None], nxt)  # columns past it: unread
         if verdict.logprob is not None and ctx.history is None:  # the draw gave both (un-penalised)
             lps, flags = verdict.logprob, verdict.finite
         elif not tree:  # token j is predicted at node j: the logits as they are, the flag over nodes 0..accepted

@@ -89,12 +89,11 @@ def verify_chain(
     accepted = _accepted(exact, kept, in_range)  # [B]
 
     # Distribution of the next token: residual at the first rejection, or p itself for the bonus.
-    rows = torch.arange(B, device=p.device)
-    p_next = p[rows, accepted]  # [B, V]
+    p_next = p.gather(1, accepted[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)  # [B, V]: p at `accepted`
     rejected = accepted < num_drafts
     at = accepted.clamp(max=max(K - 1, 0))
     if draft_probs is None:  # the residual of a one-hot q: p without the drafted token (the same bits as _residual)
-        residual = _renormalised(p_next.scatter(-1, draft_tokens[rows, at][:, None], 0.0), p_next)
+        residual = _renormalised(p_next.scatter(-1, draft_tokens.gather(1, at[:, None]), 0.0), p_next)
     else:
         residual = _residual(p_next, _q_at(draft_probs, draft_tokens, at, p_next))
     dist = torch.where(rejected[:, None], residual, p_next)
