@@ -43,6 +43,7 @@ from rlspec.trainers.run import run_files, run_lock
 from rlspec.trainers.run.interrupts import (NonFiniteWeightsError, StopOnSignal, TrainingInterrupted, check_on_nonfinite,
                                         first_nonfinite_parameter, nonfinite_message, stop_on_signals, weights_finite)
 from rlspec.trainers.run.resume_point import explicit_checkpoint, roll_back
+from rlspec.trainers.run.save_agreement import CheckpointSaveFailed, agree, run_part
 
 STATE_FORMAT = 1
 # the batch geometry a checkpoint is tied to (those of these the trainer's args have)
@@ -221,23 +222,37 @@ class CheckpointMixin:
         if problem is not None:  # never published: it would push finite checkpoints out of the rotation
             print(f"rlspec: {problem}", file=sys.stderr, flush=True)
             return
+        # each barrier of the save is an agreement: a rank whose part failed (a full disk) tells the others at once
+        self._agree(run_part(self._prepare_staging, run_dir, staging, name), step, staging)
+        self._staging_run_dir = str(staging)
+        try:
+            error = run_part(self._write_parts, model, trial, staging / name)
+        finally:
+            self._staging_run_dir = None
+        self._agree(error, step, staging)
+        self._agree(run_part(self._publish, staging, name, run_dir) if self.args.should_save else None, step, staging)
+
+    def _prepare_staging(self, run_dir: Path, staging: Path, name: str) -> None:
         if self.args.should_save:
             run_files.record(run_dir, staging.name, name)  # before they exist: overwrite and rotation may delete them
             shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while writing this step
-        self.accelerator.wait_for_everyone()
-        self._staging_run_dir = str(staging)
+
+    def _write_parts(self, model, trial, checkpoint_dir: Path) -> None:
+        super()._save_checkpoint(model, trial)
+        self._write_rlspec_state(checkpoint_dir)
+        for cb in self.callback_handler.callbacks:
+            if hasattr(cb, "write_checkpoint"):
+                cb.write_checkpoint(str(checkpoint_dir), self)
+
+    def _agree(self, error: BaseException | None, step: int, staging: Path) -> None:
+        """A collective in place of a barrier: CheckpointSaveFailed on every rank when any rank's part failed."""
         try:
-            super()._save_checkpoint(model, trial)
-            self._write_rlspec_state(staging / name)
-            for cb in self.callback_handler.callbacks:
-                if hasattr(cb, "write_checkpoint"):
-                    cb.write_checkpoint(str(staging / name), self)
-        finally:
-            self._staging_run_dir = None
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            self._publish(staging, name, run_dir)
-        self.accelerator.wait_for_everyone()
+            agree(error, self.args.world_size, f"checkpoint-{step}",
+                  lambda: dirs.find_resumable_checkpoint(self._run_dir())[0])
+        except CheckpointSaveFailed:
+            if self.args.should_save:
+                shutil.rmtree(staging, ignore_errors=True)  # give back the space the partial copy took
+            raise
 
     def nonfinite_weights(self, what: str) -> str | None:
         """None when every weight of the policy is finite; else a message saying that `what` (a checkpoint, the
