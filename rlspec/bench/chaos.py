@@ -26,7 +26,7 @@ from rlspec.bench.chaos_run import BASE, Run, child, history, max_weight_diff
 
 NAME = "chaos"
 HELP = "every fault rlspec handles (kill -9, signals, NaN, bad input), injected into real runs, then resumed"
-NO_STRAIGHT = ("long_prompt", "unsupported_model", "nan_skip_batch")  # faults that compare with no straight run
+NO_STRAIGHT = ("long_prompt", "unsupported_model", "nan_skip_batch", "bad_rows")  # faults that compare with no straight run
 
 
 def add_arguments(p) -> None:
@@ -54,8 +54,8 @@ def run(args) -> dict:
     rows = [one_fault(name, work, straight) for name in names]
     return {"config": BASE, "straight_rewards": history(straight), "policy_moved_steps_3_4_max_abs": moved,
             "faults": rows, "rows": rows, "wall_s": round(time.time() - t0, 1),
-            "columns": ["name", "injected", "exit_code", "lost", "resumed_equals_straight"],
-            "ok": all(r.get("resumed_equals_straight") is not False for r in rows)}
+            "columns": ["name", "injected", "exit_code", "lost", "handled", "resumed_equals_straight"],
+            "ok": all(r.get("resumed_equals_straight") is not False and r.get("handled") is not False for r in rows)}
 
 
 def one_fault(name: str, work: Path, straight: Path) -> dict:
