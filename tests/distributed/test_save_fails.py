@@ -1,4 +1,5 @@
-"""A full disk on one of two processes during a checkpoint: every rank fails at once with the error named.
+"""A full disk on one of two processes during a checkpoint: every rank fails at once with the error named (and
+with one process: a clear stop, nothing published).
 
 Two ranks forked from this process (torch and transformers already imported, so they start in a moment), each a
 CheckpointMixin trainer on a one-layer model under torch.distributed (gloo, a 60 s collective timeout), three
@@ -27,8 +28,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(out: Path, rank: int, port: int, report: Path) -> None:
-    """One rank (a forked child): train, and write what it raised to report."""
+def _rank(out: Path, rank: int, port: int, report: Path, world: int = 2) -> None:
+    """One rank (a forked child) of `world`, the last one's disk full: train, and write what it raised to report."""
     import torch
     from accelerate.state import AcceleratorState, PartialState
     from transformers import Trainer, TrainingArguments
@@ -36,8 +37,9 @@ def _rank(out: Path, rank: int, port: int, report: Path) -> None:
     from rlspec.train import _planned_exit_code
     from rlspec.trainers.run.checkpoint import CheckpointMixin
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     AcceleratorState._reset_state(True)  # the parent's single-process state came along with the fork
     PartialState._reset_state()
     torch.set_num_threads(1)
@@ -58,12 +60,12 @@ def _rank(out: Path, rank: int, port: int, report: Path) -> None:
             super().__init__(**kwargs)
 
     args = TrainingArguments(output_dir=str(out), max_steps=3, save_steps=1, per_device_train_batch_size=2,
-                             use_cpu=True, ddp_backend="gloo", ddp_timeout=TIMEOUT_S, report_to=[],
-                             disable_tqdm=True, logging_strategy="no", seed=0)
+                             use_cpu=True, ddp_backend="gloo" if world > 1 else None, ddp_timeout=TIMEOUT_S,
+                             report_to=[], disable_tqdm=True, logging_strategy="no", seed=0)
     torch.manual_seed(0)
     trainer = Tiny(model=Line(), args=args, train_dataset=[{"x": torch.randn(2), "labels": torch.randn(())}
                                                             for _ in range(16)])
-    if rank == 1:
+    if rank == world - 1:
         save = torch.save
 
         def full_disk(obj, f, *a, **kw):
@@ -81,24 +83,27 @@ def _rank(out: Path, rank: int, port: int, report: Path) -> None:
     report.write_text(json.dumps(outcome))
 
 
-def _run_rank(*args) -> None:
+def _run_rank(out, rank, port, report, world) -> None:
     try:
-        _rank(*args)
+        _rank(out, rank, port, report, world)
+    except BaseException:  # noqa: BLE001 - the harness broke: the test shows why
+        import traceback
+
+        report.write_text(json.dumps({"rank": rank, "error": "harness", "message": traceback.format_exc()}))
     finally:
         os._exit(0)  # no atexit of the parent's (pytest's) in a forked child
 
 
-def test_enospc_on_one_rank_fails_every_rank_at_once_naming_it(tmp_path):
+def _forked_ranks(out: Path, tmp_path: Path, world: int) -> list[Path]:
     # imported before the fork, so the ranks start at once
     from transformers import Trainer, TrainingArguments  # noqa: F401
 
     import rlspec.train  # noqa: F401
     from rlspec.trainers.run.checkpoint import CheckpointMixin  # noqa: F401
 
-    out, port, fork = tmp_path / "out", _free_port(), multiprocessing.get_context("fork")
-    reports = [tmp_path / f"rank{r}.json" for r in (0, 1)]
-    procs = [fork.Process(target=_run_rank, args=(out, r, port, reports[r])) for r in (0, 1)]
-    start = time.time()
+    port, fork = _free_port(), multiprocessing.get_context("fork")
+    reports = [tmp_path / f"rank{r}.json" for r in range(world)]
+    procs = [fork.Process(target=_run_rank, args=(out, r, port, reports[r], world)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -107,7 +112,12 @@ def test_enospc_on_one_rank_fails_every_rank_at_once_naming_it(tmp_path):
     finally:
         for p in procs:
             p.kill() if p.is_alive() else None
-    for report in reports:
+    return reports
+
+
+def test_enospc_on_one_rank_fails_every_rank_at_once_naming_it(tmp_path):
+    out, start = tmp_path / "out", time.time()
+    for report in _forked_ranks(out, tmp_path, 2):
         assert report.is_file(), f"{report.name} missing: the rank died or hung"
         r = json.loads(report.read_text())
         assert r["error"] == "CheckpointSaveFailed", r
@@ -117,3 +127,13 @@ def test_enospc_on_one_rank_fails_every_rank_at_once_naming_it(tmp_path):
         assert r["seconds"] < TIMEOUT_S / 2, r  # told at once, not at the collective timeout
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
     assert time.time() - start < TIMEOUT_S
+
+
+def test_enospc_with_one_process_is_a_clear_stop_with_nothing_published(tmp_path):
+    out = tmp_path / "out"
+    (report,) = _forked_ranks(out, tmp_path, 1)
+    r = json.loads(report.read_text())
+    assert r["error"] == "CheckpointSaveFailed" and r["exit_code"] == 1, r
+    assert r["message"].startswith("checkpoint-2 could not be written (OSError (ENOSPC): [Errno 28] No space left"), r
+    assert "free space on the output_dir's disk" in r["message"], r
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
