@@ -19,7 +19,9 @@ saving), callbacks with a `write_checkpoint(checkpoint_dir, trainer)` method add
 completion marker goes in last, then one rename makes it checkpoint-N. Nothing is published from non-finite
 weights (checked on the trainer's device first: the save is skipped with a line, so rotation never pushes a
 finite checkpoint out); files are fsynced before the marker, which lists their sizes and the batch geometry
-(a resume with another geometry is refused, GeometryChanged). Rotation (trainers/run/checkpoint_dirs.py)
+(a resume with another geometry is refused, GeometryChanged). With several processes each barrier of the save
+is an agreement (trainers/run/save_agreement.py): a rank whose part fails (a full disk) makes every rank raise
+CheckpointSaveFailed at once rather than leave them at the barrier until the collective timeout. Rotation (trainers/run/checkpoint_dirs.py)
 never deletes the newest complete checkpoint. `train(resume_from_checkpoint=True)` resumes from the newest
 complete checkpoint, reporting half-written ones it passes over; a named older checkpoint is a rollback
 (trainers/run/resume_point.py). Every name written in output_dir is recorded first (trainers/run/run_files.py), TRL's
@@ -226,7 +228,12 @@ class CheckpointMixin:
         self._agree(run_part(self._prepare_staging, run_dir, staging, name), step, staging)
         self._staging_run_dir = str(staging)
         try:
-            error = run_part(self._write_parts, model, trial, staging / name)
+            error = run_part(super()._save_checkpoint, model, trial)
+            if error is not None and self.args.world_size > 1 and self._sharded_save():
+                # it failed inside a collective the others are still in: agreeing would hang this rank with them;
+                # its exit ends them instead (torchrun)
+                raise error
+            error = error or run_part(self._write_own_parts, staging / name)
         finally:
             self._staging_run_dir = None
         self._agree(error, step, staging)
@@ -237,8 +244,11 @@ class CheckpointMixin:
             run_files.record(run_dir, staging.name, name)  # before they exist: overwrite and rotation may delete them
             shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while writing this step
 
-    def _write_parts(self, model, trial, checkpoint_dir: Path) -> None:
-        super()._save_checkpoint(model, trial)
+    def _sharded_save(self) -> bool:
+        """The Trainer's save is a collective (DeepSpeed's engine save, FSDP's sharded state dict)."""
+        return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False))
+
+    def _write_own_parts(self, checkpoint_dir: Path) -> None:
         self._write_rlspec_state(checkpoint_dir)
         for cb in self.callback_handler.callbacks:
             if hasattr(cb, "write_checkpoint"):
