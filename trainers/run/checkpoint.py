@@ -21,8 +21,8 @@ weights (checked on the trainer's device first: the save is skipped with a line,
 finite checkpoint out); files are fsynced before the marker, which lists their sizes and the batch geometry
 (a resume with another geometry is refused, GeometryChanged). With several processes each barrier of the save
 is an agreement (trainers/run/save_agreement.py): a rank whose part fails (a full disk) makes every rank raise
-CheckpointSaveFailed at once rather than leave them at the barrier until the collective timeout. Rotation (trainers/run/checkpoint_dirs.py)
-never deletes the newest complete checkpoint. `train(resume_from_checkpoint=True)` resumes from the newest
+CheckpointSaveFailed at once rather than leave them at the barrier until the collective timeout. Rotation
+(trainers/run/checkpoint_dirs.py) never deletes the newest complete checkpoint. `train(resume_from_checkpoint=True)` resumes from the newest
 complete checkpoint, reporting half-written ones it passes over; a named older checkpoint is a rollback
 (trainers/run/resume_point.py). Every name written in output_dir is recorded first (trainers/run/run_files.py), TRL's
 model card goes into the checkpoint rather than output_dir/README.md, train() holds output_dir's lock
