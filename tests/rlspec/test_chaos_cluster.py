@@ -1,6 +1,8 @@
 """Faults of long runs on clusters, injected for real through the CLI on the tiny float32 model (docs/resume.md,
 "Faults and what happens"): a NaN written into the policy at a save step, a shard torn after its marker, a
-user's drafter/ in output_dir."""
+user's drafter/ in output_dir, a symlinked manifest, another batch geometry on resume, SIGTERM to the process group
+with a learned drafter's trainer in a child (the resumed run bit-identical to an uninterrupted one), the crash
+path next to a checkpoint of its step, no flock."""
 from __future__ import annotations
 
 import json
@@ -167,8 +169,9 @@ def test_sigterm_to_the_process_group_with_a_learned_drafter_in_a_child_resumes_
     process left behind; resume=auto restores that state and ends bit-identical to an uninterrupted run (the same
     rewards at every step, final weights equal).
 
-    drafter=auto with selector=always: the learned (eagle3) drafter captures features and trains in its child
-    process, while every step drafts with the suffix drafter (auto's first). A learned drafter that drafts cannot
+    drafter=auto with selector=always: the learned (eagle3) drafter captures the rollouts' features into its child
+    process, which trains whenever the engine idles and whose state the checkpoint carries, while every step
+    drafts with the suffix drafter (auto's first). A learned drafter that drafts cannot
     end bit-identical, not even two uninterrupted runs: its child trains whenever the engine idles, so which
     weights draft which step depends on timing, and the drafts decide which random numbers sample which token
     (rollout/types.py, SamplingParams.seed)."""
