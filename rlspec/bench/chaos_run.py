@@ -113,7 +113,7 @@ class Run:
         self.proc = subprocess.Popen([sys.executable, "-m", "rlspec.bench.chaos", "--child", *BASE, f"output_dir={out}", *self.extra],
                                      cwd=ROOT, env=env, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
 
-    def wait(self, timeout: float = 900) -> int:
+    def wait(self, timeout: float = 3600) -> int:  # a hang detector: a run of 4 steps on a busy 2-core CPU took 30 min
         return self.proc.wait(timeout=timeout)
 
     def wait_for(self, path: Path, timeout: float = 600, poll: float = 0.02) -> None:
