@@ -61,14 +61,16 @@ def _planned_exit_code(exc: Exception) -> int | None:
     """The exit code of a stop the run planned for, printed as a message rather than a traceback: 2 for input
     refused before step 1 (a prompt too long for the context, a model feature the runtime does not compute,
     an output_dir another process holds: OutputDirLocked), 128 + signal for a signal stop (TrainingInterrupted),
-    1 for on_nonfinite=stop and a lost rollout backend (both wrote a checkpoint first); None otherwise."""
+    1 for on_nonfinite=stop and a lost rollout backend (both wrote a checkpoint first) and a checkpoint some
+    process could not write (CheckpointSaveFailed, on every process); None otherwise."""
     from rlspec.rollout.errors import NonFiniteLogitsError, PromptTooLongError, RolloutBackendLost, UnsupportedModelError
 
     if isinstance(exc, (PromptTooLongError, UnsupportedModelError)):
         return 2
     if isinstance(exc, (NonFiniteLogitsError, RolloutBackendLost)):
         return 1
-    planned = ("TrainingInterrupted", "OutputDirLocked", "StoppedBySignal", "DatasetRowError", "GeometryChanged")
+    planned = ("TrainingInterrupted", "OutputDirLocked", "StoppedBySignal", "DatasetRowError", "GeometryChanged",
+               "CheckpointSaveFailed")
     return getattr(exc, "exit_code", None) if type(exc).__name__ in planned else None
 
 
@@ -143,6 +145,7 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
     from rlspec.rollout.errors import NonFiniteLogitsError, RolloutBackendLost
     from rlspec.trainers.run.checkpoint import GeometryChanged
     from rlspec.trainers.run.interrupts import TrainingInterrupted
+    from rlspec.trainers.run.save_agreement import CheckpointSaveFailed
 
     main = is_main_process(trainer)
     start, status, error, warm = time.time(), "finished", None, None
@@ -157,9 +160,11 @@ def _run(cfg: Config, out: Path) -> dict[str, Any]:
         status = "refused"
         _close_engine(trainer)
         raise
-    except (TrainingInterrupted, StoppedBySignal, NonFiniteLogitsError, RolloutBackendLost) as exc:  # planned
+    except (TrainingInterrupted, StoppedBySignal, NonFiniteLogitsError, RolloutBackendLost,
+            CheckpointSaveFailed) as exc:  # planned; a failed save writes no crash copy (its disk refused one)
         status = "interrupted" if isinstance(exc, (TrainingInterrupted, StoppedBySignal)) else \
-            "nonfinite" if isinstance(exc, NonFiniteLogitsError) else "backend_lost"
+            "nonfinite" if isinstance(exc, NonFiniteLogitsError) else \
+            "save_failed" if isinstance(exc, CheckpointSaveFailed) else "backend_lost"
         error = f"{type(exc).__name__}: {exc}"
         raise
     except (Exception, KeyboardInterrupt) as exc:

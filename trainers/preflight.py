@@ -55,7 +55,7 @@ def prompt_ids(dataset, tokenizer, *, column: str = "prompt", chat_template: str
     prompts = list(dataset[column])
     empty = [i for i, p in enumerate(prompts) if _empty(p)]
     if empty:
-        raise DatasetRowError(f"{_rows(empty, len(prompts))} of the train dataset {'has' if len(empty) == 1 else 'have'} "
+        raise DatasetRowError(f"{_rows(empty, len(prompts), dataset)} of the train dataset {'has' if len(empty) == 1 else 'have'} "
                               f"an empty or missing {column!r} (None, blank text, or messages without content): no "
                               "rollout can start from it. Remove or fill these rows before training.")
     ids: list[list[int]] = []
@@ -82,9 +82,25 @@ def _empty(prompt) -> bool:
     return False
 
 
-def _rows(rows: list[int], total: int) -> str:
+def _rows(rows: list[int], total: int, dataset=None) -> str:
     shown = ", ".join(map(str, rows[:SHOWN])) + (f", ... ({len(rows)} of {total})" if len(rows) > SHOWN else "")
-    return f"row{'s' if len(rows) > 1 else ''} {shown}"
+    source = _source_rows(dataset, rows[:SHOWN])
+    where = f" (row{'s' if len(rows) > 1 else ''} {', '.join(map(str, source))} of the data as loaded, before " \
+            "the run's seeded shuffle and selection)" if source is not None and source != rows[:SHOWN] else ""
+    return f"row{'s' if len(rows) > 1 else ''} {shown}{where}"
+
+
+def _source_rows(dataset, rows: list[int]) -> list[int] | None:
+    """The rows of the data as loaded that a shuffled or selected datasets.Dataset's rows come from (its indices
+    mapping), so a message names the row of the user's file; None for data without one."""
+    indices = getattr(dataset, "_indices", None)
+    if indices is None:
+        return None
+    try:
+        column = indices.column(0)
+        return [int(column[i].as_py()) for i in rows]
+    except Exception:  # noqa: BLE001 - a private mapping of another datasets version: name the rows as they are
+        return None
 
 
 def check_rows(dataset, ids: list[list[int]], *, vocab_size: int | None = None, reward_funcs=(),
@@ -93,21 +109,21 @@ def check_rows(dataset, ids: list[list[int]], *, vocab_size: int | None = None, 
     in a dataset column a reward function takes by name."""
     empty = [i for i, x in enumerate(ids) if not x]
     if empty:
-        raise DatasetRowError(f"{_rows(empty, len(ids))} of the train dataset tokenize to no token at all: fill the "
+        raise DatasetRowError(f"{_rows(empty, len(ids), dataset)} of the train dataset tokenize to no token at all: fill the "
                               f"{column!r} of these rows or remove them.")
     if vocab_size is not None:
         out = [(i, t) for i, x in enumerate(ids) for t in (max(x), min(x)) if t >= vocab_size or t < 0]
         if out:
             rows = list(dict.fromkeys(i for i, _ in out))
             raise DatasetRowError(
-                f"{_rows(rows, len(ids))} of the train dataset hold token id {out[0][1]} (row {out[0][0]}), outside "
+                f"{_rows(rows, len(ids), dataset)} of the train dataset hold token id {out[0][1]} (row {out[0][0]}), outside "
                 f"the model's vocabulary of {vocab_size} ids: the tokenizer has tokens the model has no embedding "
                 "for (tokens added after the model was built?). Use the model's own tokenizer, resize the model's "
                 "embeddings (model.resize_token_embeddings), or remove these rows.")
     for column_name in reward_columns(reward_funcs, dataset.column_names):
         nones = [i for i, v in enumerate(dataset[column_name]) if v is None]
         if nones:
-            raise DatasetRowError(f"{_rows(nones, len(dataset))} of the train dataset have None in {column_name!r}, "
+            raise DatasetRowError(f"{_rows(nones, len(dataset), dataset)} of the train dataset have None in {column_name!r}, "
                                   f"which a reward function takes: fill or remove these rows before training.")
 
 

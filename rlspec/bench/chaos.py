@@ -10,6 +10,7 @@ or a user sends them; the only hooks inside the run (`python -m rlspec.bench.cha
 
     python -m rlspec.bench chaos                      # every fault, ~30 min on 2 CPU cores
     python -m rlspec.bench chaos --only kill9_mid_step,nan_stop
+    python -m rlspec.bench chaos --only nan_at_save_step --straight outputs/chaos/straight   # reuse a straight run
 
 The report: per fault, when it was injected, what the user saw (exit code, the message), what was lost, and
 whether the continued run equals the straight one. The faults: rlspec/bench/chaos_faults.py.
@@ -28,12 +29,14 @@ from rlspec.bench.common import EMBEDDED, smoke_model
 
 NAME = "chaos"
 HELP = "every fault rlspec handles (kill -9, signals, NaN, bad input), injected into real runs, then resumed"
-NO_STRAIGHT = ("long_prompt", "unsupported_model", "nan_skip_batch")  # faults that compare with no straight run
+NO_STRAIGHT = ("long_prompt", "unsupported_model", "nan_skip_batch", "bad_rows")  # faults that compare with no straight run
 
 
 def add_arguments(p) -> None:
     p.add_argument("--only", default="", help=f"comma-separated faults (default: all of {','.join(FAULTS)})")
     p.add_argument("--workdir", default="outputs/chaos")
+    p.add_argument("--straight", default="", help="the directory of a finished straight run of this config to "
+                   "compare with (copied into the workdir) instead of running one")
 
 
 def run(args) -> dict:
@@ -51,15 +54,16 @@ def run(args) -> dict:
     t0 = time.time()
     straight, moved = work / "straight", None
     if any(n not in NO_STRAIGHT for n in names):
-        rc = Run(straight).wait()
-        if rc != 0:
-            raise SystemExit(f"the straight run failed (rc {rc}); see {straight}.log")
+        if args.straight:
+            shutil.copytree(Path(args.straight).resolve(), straight)
+        elif Run(straight).wait() != 0:
+            raise SystemExit(f"the straight run failed; see {straight}.log")
         moved = max_weight_diff(straight / "final", straight / "checkpoint-2")
     rows = [one_fault(name, work, straight) for name in names]
     return {"config": BASE, "straight_rewards": history(straight), "policy_moved_steps_3_4_max_abs": moved,
             "faults": rows, "rows": rows, "wall_s": round(time.time() - t0, 1),
-            "columns": ["name", "injected", "exit_code", "lost", "resumed_equals_straight"],
-            "ok": all(r.get("resumed_equals_straight") is not False for r in rows)}
+            "columns": ["name", "injected", "exit_code", "lost", "handled", "resumed_equals_straight"],
+            "ok": all(r.get("resumed_equals_straight") is not False and r.get("handled") is not False for r in rows)}
 
 
 def one_fault(name: str, work: Path, straight: Path) -> dict:

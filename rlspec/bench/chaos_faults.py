@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from rlspec.bench.chaos_run import NAN_PARAM, STEPS, Run, complete_checkpoints, history, resume, summary_of
+from rlspec.bench.chaos_run import NAN_PARAM, STEPS, Run, compare, complete_checkpoints, history, resume, summary_of
 
 def fault_kill9_mid_step(work: Path, straight: Path) -> dict:
     out = work / "kill9_mid_step"
@@ -161,9 +161,84 @@ def fault_stale_lock_other_host(work: Path, straight: Path) -> dict:
             "lost": "nothing (taken over with a line saying so)", **row}
 
 
+def _from_checkpoint_2(work: Path, name: str, straight: Path) -> Path:
+    """A run stopped after checkpoint-2: the straight run's directory without checkpoint-4 and the final model."""
+    out = work / name
+    shutil.copytree(straight, out, ignore=shutil.ignore_patterns("wandb", "final", f"checkpoint-{STEPS}"))
+    return out
+
+
+def fault_nan_at_save_step(work: Path, straight: Path) -> dict:
+    """A NaN written into the policy at the end of a save step, with save_total_limit 1: the one finite
+    checkpoint must stay and resume=auto continue from it."""
+    out = _from_checkpoint_2(work, "nan_at_save", straight)
+    limit = ["grpo.save_total_limit=1"]
+    run = Run(out, ["resume=auto", *limit], env={"CHAOS_NAN_AT_STEP_END": str(STEPS)})
+    rc = run.wait()
+    kept = complete_checkpoints(out)
+    return {"fault": f"NaN in {NAN_PARAM} at a save step", "injected": f"end of step {STEPS}, before checkpoint-"
+            f"{STEPS} (save_total_limit=1; continued from checkpoint-2)", "exit_code": rc, "user_saw": run.said(),
+            "checkpoints_after_fault": kept, "handled": rc == 1 and kept == ["checkpoint-2"],
+            "lost": f"steps 3-{STEPS} (rerun from checkpoint-2, the last finite one)", **resume(out, straight, 2, limit)}
+
+
+def fault_enospc_at_save(work: Path, straight: Path) -> dict:
+    """The disk fills up while checkpoint-4 is written: a clear stop, no crash copy, nothing published."""
+    out = _from_checkpoint_2(work, "enospc", straight)
+    run = Run(out, ["resume=auto"], env={"CHAOS_ENOSPC_AT_STEP": str(STEPS)})
+    rc = run.wait()
+    kept, said = complete_checkpoints(out), run.said()
+    return {"fault": "disk full (ENOSPC) at a save", "injected": f"torch.save raises ENOSPC in checkpoint-{STEPS} "
+            "(continued from checkpoint-2)", "exit_code": rc, "user_saw": said, "checkpoints_after_fault": kept,
+            "crash_copy_written": (out / "crash").exists(),
+            "handled": rc == 1 and "ENOSPC" in said and kept == ["checkpoint-2"] and not (out / "crash").exists()
+            and not (out / f"tmp-checkpoint-{STEPS}").exists(),
+            "lost": f"steps 3-{STEPS} (rerun from checkpoint-2 once there is space)", **resume(out, straight, 2)}
+
+
+def fault_enolck(work: Path, straight: Path) -> dict:
+    """No flock() on output_dir's file system (NFSv3 without lockd, Lustre noflock): resume=auto must run."""
+    out = _from_checkpoint_2(work, "enolck", straight)
+    run = Run(out, ["resume=auto"], env={"CHAOS_ENOLCK": "1"})
+    rc = run.wait()
+    row = compare(straight, out, 2)
+    return {"fault": "no flock() (ENOLCK)", "injected": "flock raises ENOLCK (continued from checkpoint-2)",
+            "exit_code": rc, "user_saw": run.said(), "handled": rc == 0,
+            "lost": "nothing (an O_EXCL lock file with the same lease)", "resume_exit_code": rc, **row}
+
+
+def fault_geometry_changed(work: Path, straight: Path) -> dict:
+    """resume=auto with another per-device batch size: refused before step 1; then the checkpoint's values."""
+    out = _from_checkpoint_2(work, "geometry", straight)
+    run = Run(out, ["resume=auto", "grpo.per_device_train_batch_size=4"])
+    rc = run.wait()
+    said = run.said()
+    return {"fault": "a resume with another batch geometry", "injected": "resume=auto with "
+            "grpo.per_device_train_batch_size=4 (checkpoint-2 has 8)", "exit_code": rc, "user_saw": said,
+            "handled": rc == 2 and "per_device_train_batch_size: 8 in the checkpoint, 4 now" in said,
+            "lost": "nothing (refused before step 1)", **resume(out, straight, 2)}
+
+
+def fault_bad_rows(work: Path, straight: Path) -> dict:
+    """A dataset with an empty prompt: refused before step 1, naming the row."""
+    data = work / "bad_rows_data"
+    data.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": f"What is {a} + {a + 1}?", "answer": str(2 * a + 1)} for a in range(16)]
+    rows[5]["prompt"] = ""
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = work / "bad_rows"
+    run = Run(out, [f"data.name={data}", "data.num_examples=null", "grpo.max_steps=1"])
+    rc = run.wait()
+    said, started = run.said(), (out.parent / f"{out.name}.step-1").exists()
+    return {"fault": "an empty prompt in the data", "injected": "row 5 of a 16-row dataset", "exit_code": rc,
+            "user_saw": said, "reached_step_1": started, "handled": rc == 2 and "row 5 of the data as loaded" in said and not started,
+            "lost": "nothing (refused before step 1)", "resumed_equals_straight": None}
+
+
 FAULTS = {f.__name__[len("fault_"):]: f for f in (
     fault_kill9_mid_step, fault_kill9_mid_save, fault_sigterm, fault_sigint, fault_rerun_without_resume,
     fault_nan_stop, fault_nan_skip_batch, fault_long_prompt, fault_unsupported_model, fault_torn_checkpoint,
-    fault_stale_lock_other_host)}
+    fault_stale_lock_other_host, fault_nan_at_save_step, fault_enospc_at_save, fault_enolck, fault_geometry_changed,
+    fault_bad_rows)}
 
 

@@ -25,11 +25,16 @@ NAN_PARAM = "model.layers.3.mlp.down_proj.weight"  # any weight; one NaN in it m
 def child(argv: list[str]) -> int:
     """rlspec.train.main(argv) plus the hooks: <output_dir>.step-<k> is written when step k begins;
     CHAOS_NAN_AT_STEP=k puts a NaN into NAN_PARAM when step k begins (CHAOS_NAN_HEAL=1 restores it
-    when the step ends: a transient fault)."""
+    when the step ends: a transient fault); CHAOS_NAN_AT_STEP_END=k when step k ends (before its save);
+    CHAOS_ENOSPC_AT_STEP=k: the disk is full from step k's checkpoint on; CHAOS_ENOLCK=1: no flock()."""
     import rlspec.train as train
     from transformers import TrainerCallback
 
     nan_at, heal = int(os.environ.get("CHAOS_NAN_AT_STEP", 0)), os.environ.get("CHAOS_NAN_HEAL") == "1"
+    nan_at_end = int(os.environ.get("CHAOS_NAN_AT_STEP_END", 0))
+    full_at = int(os.environ.get("CHAOS_ENOSPC_AT_STEP", 0))
+    if os.environ.get("CHAOS_ENOLCK") == "1":
+        _no_flock()
 
     class Hooks(TrainerCallback):
         saved = None
@@ -45,6 +50,9 @@ def child(argv: list[str]) -> int:
                     param.view(-1)[0] = float("nan")
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == nan_at_end:  # after the optimizer, before the Trainer's save of this step
+                with __import__("torch").no_grad():
+                    dict(model.named_parameters())[NAN_PARAM].view(-1)[0] = float("nan")
             if heal and self.saved is not None:
                 with __import__("torch").no_grad():
                     dict(model.named_parameters())[NAN_PARAM].copy_(self.saved)
@@ -55,10 +63,40 @@ def child(argv: list[str]) -> int:
     def build_with_hooks(cfg, out):
         trainer, summary_cb = build(cfg, out)
         trainer.add_callback(Hooks())
+        if full_at:
+            _full_disk_at(trainer, full_at)
         return trainer, summary_cb
 
     train.build_trainer = build_with_hooks
     return train.main(argv)
+
+
+def _full_disk_at(trainer, step: int) -> None:
+    """torch.save (the optimizer, RNG and rlspec state of a checkpoint) raises ENOSPC from step `step` on."""
+    import errno
+
+    import torch
+
+    save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if trainer.state.global_step >= step:
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = full_disk
+
+
+def _no_flock() -> None:
+    """flock() fails with ENOLCK, as on NFSv3 without lockd or Lustre mounted noflock."""
+    import errno
+
+    from rlspec.trainers.run import run_lock
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    run_lock.fcntl.flock = flock
 
 
 # -- the parent: start, inject, continue, compare --------------------------------------------------------
@@ -78,7 +116,7 @@ class Run:
         self.proc = subprocess.Popen([sys.executable, "-m", "rlspec.bench.chaos", "--child", *argv], cwd=ROOT, env=env,
                                      stdout=self.log.open("a"), stderr=subprocess.STDOUT)
 
-    def wait(self, timeout: float = 900) -> int:
+    def wait(self, timeout: float = 3600) -> int:  # a hang detector: a run of 4 steps on a busy 2-core CPU took 30 min
         return self.proc.wait(timeout=timeout)
 
     def wait_for(self, path: Path, timeout: float = 600, poll: float = 0.02) -> None:

@@ -19,6 +19,9 @@ One task in flight per worker: a worker is handed its next task the moment its l
     is dropped and killed like a dead one and its task re-run elsewhere, the same Task (the same sample
     keys), so the same samples;
   - a dropped worker is replaced when the caller can (`replace`), so the pool keeps its size.
+The calls every worker answers between rollouts (a policy sync, a drafter broadcast, stats: `call_all`) have
+the same deadline: a worker still in one past it is dropped as stuck and replaced, and the call made on the
+replacement.
 No worker left: RolloutBackendLost listing what each one died of. While waiting, `check()` runs
 every `poll_s` (the pool's ClusterWatch: a lost Ray head raises instead of hanging). docs/workers.md#failures.
 """
@@ -38,7 +41,8 @@ from rlspec.rollout.workers.tasks import Task
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DispatchStats", "RolloutWorkerError", "TaskDeadline", "WorkerStuck", "drop_worker", "kill_actor", "kill_and_wait", "run_tasks"]
+__all__ = ["DispatchStats", "RolloutWorkerError", "TaskDeadline", "WorkerStuck", "call_all", "drop_worker", "kill_actor",
+           "kill_and_wait", "run_tasks"]
 
 
 @dataclass
@@ -149,6 +153,49 @@ def run_tasks(workers: dict[int, object], tasks: list[Task], submit: Callable[[i
             stats.tail_s += time.perf_counter() - t_idle
             on_idle(False)
     return results
+
+
+def call_all(workers: dict[int, object], method: str, args: tuple = (), *, stats: DispatchStats,
+             deadline: TaskDeadline | None = None, replace: Callable[[], int | None] | None = None,
+             check: Callable[[], None] = lambda: None, poll_s: float = 1.0) -> dict[int, object]:
+    """method(*args) on every worker, each answer waited for; returns rank -> answer.
+
+    A dead worker is dropped (killed, its error kept in stats.errors). One still in the call past the deadline
+    (deadline.limit_s() from when the call went out: the rollout tasks' own measure) is dropped as stuck; with
+    replace() a new worker takes its place (holding the current policy: replace's job) and is asked the same, once:
+    stuck again, it is dropped too. An exception the method raises in a live worker is raised here. check() runs
+    every poll_s while waiting (a lost Ray head raises instead of hanging). No worker left: RolloutBackendLost."""
+    # ref -> (rank, whether it is a replacement, when the call went out): t0 last, as run_tasks keeps its tasks
+    pending = {getattr(w, method).remote(*args): (r, False, time.monotonic()) for r, w in workers.items()}
+    out: dict[int, object] = {}
+    while pending:
+        wait = poll_s if deadline is None else min(poll_s, max(_next_due(pending, deadline), 0.01))
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait)
+        for ref in ready:
+            rank, _, _ = pending.pop(ref)
+            try:
+                out[rank] = ray.get(ref)
+            except RayActorError as err:
+                stats.errors.append(f"rollout worker {rank} failed on {method}:\n{err}")
+                drop_worker(workers, rank, stats, stats.errors[-1])
+        for ref in _overdue(pending, deadline):
+            rank, replaced, t0 = pending.pop(ref)
+            stats.errors.append(f"rollout worker {rank} did not answer {method} within {time.monotonic() - t0:.0f} s, "
+                                f"past its deadline of {deadline.limit_s():.0f} s ({deadline.multiple:g} x the slowest "
+                                f"recent task, at least {deadline.floor_s:g} s): the worker is stuck")
+            stats.stuck_workers.append(rank)
+            drop_worker(workers, rank, stats, stats.errors[-1])
+            new = replace() if replace is not None and not replaced else None
+            if new is not None:
+                stats.replaced_workers += 1
+                log.warning("worker %d replaces the dropped worker %d", new, rank)
+                pending[getattr(workers[new], method).remote(*args)] = (new, True, time.monotonic())
+        if pending:
+            check()
+    if not workers:
+        raise RolloutBackendLost(f"no rollout worker is left (while calling {method}); what they died of:\n"
+                                 + "\n".join(stats.errors[-4:]))
+    return out
 
 
 def _next_due(inflight: dict, deadline: TaskDeadline) -> float:

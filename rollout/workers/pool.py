@@ -26,7 +26,7 @@ from rlspec.rollout.eos import resolve_eos
 from rlspec.rollout.runtime.model.families import family_of_model
 from rlspec.rollout.types import RolloutResult, SamplingParams, SpecConfig
 from rlspec.rollout.workers import cluster
-from rlspec.rollout.workers.dispatch import DispatchStats, TaskDeadline, drop_worker, kill_and_wait, run_tasks
+from rlspec.rollout.workers.dispatch import DispatchStats, TaskDeadline, call_all, kill_and_wait, run_tasks
 from rlspec.rollout.speculation.drafter_health import HealthConfig
 from rlspec.rollout.workers.health import PoolHealth
 from rlspec.rollout.errors import RolloutBackendLost, RolloutWorkerError
@@ -256,10 +256,11 @@ class RayPool:
         worker = self._new_worker(rank)
         try:
             info = _started([worker.info.remote()], "a replacement rollout worker", timeout_s=self.deadline.first_s)[0]
+            limit = self.deadline.first_s  # a replacement stuck too must not hang the call that replaces
             if info.get("learned") and self.hub is not None:
-                ray.get(worker.attach_hub.remote(self.hub, self._hub_topk))
+                ray.get(worker.attach_hub.remote(self.hub, self._hub_topk), timeout=limit)
             if self._weights_ref is not None:
-                ray.get(worker.load_weights.remote(self._weights_ref, self.policy_version))
+                ray.get(worker.load_weights.remote(self._weights_ref, self.policy_version), timeout=limit)
         except Exception as err:  # noqa: BLE001 - the pool goes on with the workers it has
             log.warning("could not start a replacement rollout worker: %s", err)
             kill_and_wait([worker])
@@ -301,20 +302,11 @@ class RayPool:
                 self.health.broadcast(self._call_all)
 
     def _call_all(self, method: str, *args) -> dict[int, object]:
-        """method(*args) on every worker; a dead worker is dropped (killed, logged with its error), the rest answer."""
+        """method(*args) on every worker; a dead worker is dropped, a stuck one (past the task deadline) dropped and
+        replaced (dispatch.call_all); the rest answer."""
         self.watch.check()
-        refs = {r: getattr(w, method).remote(*args) for r, w in self.workers.items()}
-        out = {}
-        for r, ref in refs.items():
-            try:
-                out[r] = self._get(ref)
-            except ray.exceptions.RayActorError as err:
-                self._dispatch.errors.append(f"rollout worker {r} failed on {method}:\n{err}")
-                drop_worker(self.workers, r, self._dispatch, self._dispatch.errors[-1])
-        if not self.workers:
-            raise RolloutBackendLost(f"no rollout worker is left (while calling {method}); what they died of:\n"
-                                     + "\n".join(self._dispatch.errors[-4:]))
-        return out
+        return call_all(self.workers, method, args, stats=self._dispatch, deadline=self.deadline,
+                        replace=self._replace_worker, check=self.watch.check)
 
     def _start_hub(self, spec: SpecConfig, mode: str, gpus: float, trainer_kwargs: dict) -> None:
         """The run's one drafter trainer, built from worker 0's drafter; every worker ships it samples."""

@@ -1,6 +1,8 @@
 """Faults of long runs on clusters, injected for real through the CLI on the tiny float32 model (docs/resume.md,
 "Faults and what happens"): a NaN written into the policy at a save step, a shard torn after its marker, a
-user's drafter/ in output_dir."""
+user's drafter/ in output_dir, a symlinked manifest, another batch geometry on resume, SIGTERM to the process group
+with a learned drafter's trainer in a child (the resumed run bit-identical to an uninterrupted one), the crash
+path next to a checkpoint of its step, no flock."""
 from __future__ import annotations
 
 import json
@@ -161,12 +163,18 @@ def test_a_resume_with_another_batch_geometry_is_refused_naming_the_keys(tiny, t
     assert (out / "summary.json").read_text() == summary and not (out / "crash").exists()
 
 
-def test_sigterm_to_the_process_group_with_a_learned_drafter_in_a_child_checkpoints_its_state(tiny, tmp_path):
+def test_sigterm_to_the_process_group_with_a_learned_drafter_in_a_child_resumes_bit_identical(tiny, tmp_path):
     """Slurm's scancel signals every process of the job: the run and its drafter trainer's child. The child
     ignores it, the run finishes step 2, checkpoints the child's training state with it and exits 143 with no
-    process left behind; resume=auto restores that state and finishes. (The final weights are not compared with
-    an uninterrupted run's: the child trains whenever the engine idles, so its drafts, and with them which random
-    numbers sample which token, depend on timing: rollout/types.py, SamplingParams.seed.)"""
+    process left behind; resume=auto restores that state and ends bit-identical to an uninterrupted run (the same
+    rewards at every step, final weights equal).
+
+    drafter=auto with selector=always: the learned (eagle3) drafter captures the rollouts' features into its child
+    process, which trains whenever the engine idles and whose state the checkpoint carries, while every step
+    drafts with the suffix drafter (auto's first). A learned drafter that drafts cannot
+    end bit-identical, not even two uninterrupted runs: its child trains whenever the engine idles, so which
+    weights draft which step depends on timing, and the drafts decide which random numbers sample which token
+    (rollout/types.py, SamplingParams.seed)."""
     import os
     import signal
     import subprocess
@@ -178,8 +186,8 @@ def test_sigterm_to_the_process_group_with_a_learned_drafter_in_a_child_checkpoi
     import rlspec.train as train
 
     model_dir, args = tiny
-    out = tmp_path / "out"
-    drafter = ["drafter.drafter=eagle3", "drafter.warm_start_s=0", "drafter.online_trainer=process",
+    out, straight = tmp_path / "out", tmp_path / "straight"
+    drafter = ["drafter.drafter=auto", "drafter.warm_start_s=0", "drafter.online_trainer=process",
                "drafter.online_training=true", "drafter.draft_vocab_size=32", "drafter.selector=always",
                "grpo.save_steps=100", "grpo.max_steps=3"]
     env = {**os.environ, "RLSPEC_TEST_PAUSE_AT_STEP": "2", "PYTHONPATH": str(driver.REPO)}
@@ -202,7 +210,19 @@ def test_sigterm_to_the_process_group_with_a_learned_drafter_in_a_child_checkpoi
     assert state["engine"]["speculation"]["trainer"] is not None  # the child's training state is in it
     (out / "paused").unlink()
     assert train.main(args + drafter + [f"output_dir={out}", "resume=auto"]) == 0
-    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    assert train.main(args + drafter + [f"output_dir={straight}"]) == 0  # the uninterrupted run
+    rewards = [[h["reward"] for h in json.loads((d / "summary.json").read_text())["history"] if "reward" in h]
+               for d in (straight, out)]
+    assert len(rewards[0]) == 3 and rewards[0] == rewards[1]
+    a, b = (_weights(d / "final") for d in (straight, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], w) for k, w in _weights(model_dir).items() if k in a)  # the policy moved
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
 
 
 def test_the_crash_path_writes_no_second_copy_of_a_checkpointed_step(tmp_path, capsys):

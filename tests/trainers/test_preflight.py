@@ -127,6 +127,18 @@ def test_an_empty_prompt_is_refused_naming_the_row(char_tokenizer, prompt):
         check_dataset_prompts(plain, char_tokenizer, MAX_LEN)
 
 
+def test_a_shuffled_datasets_bad_row_is_also_named_as_the_row_of_the_data_as_loaded(char_tokenizer):
+    """load_dataset_by_name shuffles (seeded) and selects: the message also names the row of the user's file."""
+    from rlspec.trainers.preflight import DatasetRowError
+
+    loaded = datasets.Dataset.from_dict({"prompt": [f"{a} + 1 =" if a != 5 else "" for a in range(16)]})
+    ds = loaded.shuffle(seed=0).select(range(12))
+    row = ds["prompt"].index("")
+    assert row != 5  # the shuffle moved it, or the test would not tell the two apart
+    with pytest.raises(DatasetRowError, match=rf"row {row} \(row 5 of the data as loaded, before the run's seeded "):
+        check_dataset_prompts(ds, char_tokenizer, MAX_LEN)
+
+
 def test_a_token_id_beyond_the_models_vocabulary_and_a_none_a_reward_reads_are_refused(char_tokenizer):
     from rlspec.trainers.preflight import DatasetRowError
 

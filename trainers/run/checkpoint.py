@@ -19,8 +19,10 @@ saving), callbacks with a `write_checkpoint(checkpoint_dir, trainer)` method add
 completion marker goes in last, then one rename makes it checkpoint-N. Nothing is published from non-finite
 weights (checked on the trainer's device first: the save is skipped with a line, so rotation never pushes a
 finite checkpoint out); files are fsynced before the marker, which lists their sizes and the batch geometry
-(a resume with another geometry is refused, GeometryChanged). Rotation (trainers/run/checkpoint_dirs.py)
-never deletes the newest complete checkpoint. `train(resume_from_checkpoint=True)` resumes from the newest
+(a resume with another geometry is refused, GeometryChanged). With several processes each barrier of the save
+is an agreement (trainers/run/save_agreement.py): a rank whose part fails (a full disk) makes every rank raise
+CheckpointSaveFailed at once rather than leave them at the barrier until the collective timeout. Rotation
+(trainers/run/checkpoint_dirs.py) never deletes the newest complete checkpoint. `train(resume_from_checkpoint=True)` resumes from the newest
 complete checkpoint, reporting half-written ones it passes over; a named older checkpoint is a rollback
 (trainers/run/resume_point.py). Every name written in output_dir is recorded first (trainers/run/run_files.py), TRL's
 model card goes into the checkpoint rather than output_dir/README.md, train() holds output_dir's lock
@@ -43,6 +45,7 @@ from rlspec.trainers.run import run_files, run_lock
 from rlspec.trainers.run.interrupts import (NonFiniteWeightsError, StopOnSignal, TrainingInterrupted, check_on_nonfinite,
                                         first_nonfinite_parameter, nonfinite_message, stop_on_signals, weights_finite)
 from rlspec.trainers.run.resume_point import explicit_checkpoint, roll_back
+from rlspec.trainers.run.save_agreement import CheckpointSaveFailed, agree, run_part
 
 STATE_FORMAT = 1
 # the batch geometry a checkpoint is tied to (those of these the trainer's args have)
@@ -221,23 +224,45 @@ class CheckpointMixin:
         if problem is not None:  # never published: it would push finite checkpoints out of the rotation
             print(f"rlspec: {problem}", file=sys.stderr, flush=True)
             return
+        # each barrier of the save is an agreement: a rank whose part failed (a full disk) tells the others at once
+        self._agree(run_part(self._prepare_staging, run_dir, staging, name), step, staging)
+        self._staging_run_dir = str(staging)
+        try:
+            error = run_part(super()._save_checkpoint, model, trial)
+            if error is not None and self.args.world_size > 1 and self._sharded_save():
+                # it failed inside a collective the others are still in: agreeing would hang this rank with them;
+                # its exit ends them instead (torchrun)
+                raise error
+            error = error or run_part(self._write_own_parts, staging / name)
+        finally:
+            self._staging_run_dir = None
+        self._agree(error, step, staging)
+        self._agree(run_part(self._publish, staging, name, run_dir) if self.args.should_save else None, step, staging)
+
+    def _prepare_staging(self, run_dir: Path, staging: Path, name: str) -> None:
         if self.args.should_save:
             run_files.record(run_dir, staging.name, name)  # before they exist: overwrite and rotation may delete them
             shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed while writing this step
-        self.accelerator.wait_for_everyone()
-        self._staging_run_dir = str(staging)
+
+    def _sharded_save(self) -> bool:
+        """The Trainer's save is a collective (DeepSpeed's engine save, FSDP's sharded state dict)."""
+        return bool(getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False))
+
+    def _write_own_parts(self, checkpoint_dir: Path) -> None:
+        self._write_rlspec_state(checkpoint_dir)
+        for cb in self.callback_handler.callbacks:
+            if hasattr(cb, "write_checkpoint"):
+                cb.write_checkpoint(str(checkpoint_dir), self)
+
+    def _agree(self, error: BaseException | None, step: int, staging: Path) -> None:
+        """A collective in place of a barrier: CheckpointSaveFailed on every rank when any rank's part failed."""
         try:
-            super()._save_checkpoint(model, trial)
-            self._write_rlspec_state(staging / name)
-            for cb in self.callback_handler.callbacks:
-                if hasattr(cb, "write_checkpoint"):
-                    cb.write_checkpoint(str(staging / name), self)
-        finally:
-            self._staging_run_dir = None
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            self._publish(staging, name, run_dir)
-        self.accelerator.wait_for_everyone()
+            agree(error, self.args.world_size, f"checkpoint-{step}",
+                  lambda: dirs.find_resumable_checkpoint(self._run_dir())[0])
+        except CheckpointSaveFailed:
+            if self.args.should_save:
+                shutil.rmtree(staging, ignore_errors=True)  # give back the space the partial copy took
+            raise
 
     def nonfinite_weights(self, what: str) -> str | None:
         """None when every weight of the policy is finite; else a message saying that `what` (a checkpoint, the

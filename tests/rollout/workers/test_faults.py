@@ -55,6 +55,16 @@ class Toy:
     def ping(self) -> str:
         return "pong"
 
+    def info(self) -> dict:
+        return {"learned": False}
+
+    def load_weights(self, weights, version: int) -> int:
+        if self.mode == "sleep_in_sync":
+            import time
+
+            time.sleep(60)  # alive, stuck in the policy sync (long enough: a regression fails in a minute)
+        return version
+
 
 def toys(*modes):
     actor = ray.remote(Toy).options(num_cpus=0)
@@ -132,6 +142,40 @@ def test_a_stuck_worker_is_dropped_at_its_deadline_replaced_and_its_task_rerun(l
     with pytest.raises(ray.exceptions.RayActorError):  # killed, not left holding its CPU
         ray.get(stuck.ping.remote(), timeout=30)
     assert deadline.limit_s() == max(3.0, 3.0 * max(deadline.recent)) and len(deadline.recent) == 4
+
+
+def test_a_worker_stuck_in_a_weight_sync_is_dropped_at_the_deadline_and_replaced(local_ray):
+    """The calls the pool makes on every worker (load_weights, set_drafter, stats: RayPool._call_all) have the
+    tasks' deadline: worker 0 sleeps in load_weights; at the deadline it is killed, a new worker takes its place
+    and answers, and the call ends in seconds. The pool's own path around stand-in workers instead of engines
+    (the weights are a plain object here: a worker that unpickles tensors imports torch first, seconds of CPU)."""
+    import time
+
+    from rlspec.rollout.workers.pool import RayPool
+
+    actor = ray.remote(Toy).options(num_cpus=0)
+    pool = RayPool.__new__(RayPool)
+    pool.workers = {0: actor.remote("sleep_in_sync"), 1: actor.remote("ok")}
+    stuck = pool.workers[0]
+    ray.get([w.ping.remote() for w in pool.workers.values()])
+    pool._new_worker = lambda rank: actor.remote("ok")
+    # the rollout tasks took 0.1 s: the limit is the 3 s floor (first_s bounds the replacement's start)
+    pool._dispatch, pool.deadline = DispatchStats(), TaskDeadline(multiple=3.0, floor_s=3.0, first_s=60.0)
+    pool.deadline.measured(0.1)
+    pool.policy_version, pool._weights_ref, pool._held, pool.hub = 1, None, {0: 0, 1: 0}, None
+    pool.watch = cluster.ClusterWatch()
+    try:
+        t0 = time.monotonic()
+        held = pool._call_all("load_weights", "the weights", 1)
+        assert time.monotonic() - t0 < 30  # not the 60 s of the sleep
+    finally:
+        pool.watch.close()
+    assert held == {1: 1, 2: 1} and sorted(pool.workers) == [1, 2]
+    d = pool._dispatch
+    assert d.stuck_workers == [0] and d.lost_workers == [0] and d.replaced_workers == 1
+    assert "did not answer load_weights" in d.errors[0] and "past its deadline of 3 s" in d.errors[0]
+    with pytest.raises(ray.exceptions.RayActorError):  # killed, not left holding its CPU
+        ray.get(stuck.ping.remote(), timeout=30)
 
 
 def test_the_deadline_is_a_multiple_of_the_slowest_recent_task_with_a_floor():
