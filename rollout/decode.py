@@ -61,7 +61,7 @@ class DecodeSteps:
         arm = self.speculation.choose(len(live))
         ctx.steps += 1
         if ctx.lean and not arm.speculative:
-            return self._plain_step(live, arm, ctx)
+            return self._plain_step(live, arm, ctx, time.perf_counter())
         roomy = []  # whether the proposer took draft room (blocks past the pending token) this step
 
         def room(nodes: list[int]) -> list[int]:
@@ -91,11 +91,12 @@ class DecodeSteps:
             ctx.kv.trim(live)
         self._observe_step(arm, live, drafted, routed, step.accepted, emitted, (t0, t1), ctx)
 
-    def _plain_step(self, live: list[Sequence], arm, ctx: Call) -> None:
+    def _plain_step(self, live: list[Sequence], arm, ctx: Call, t0: float) -> None:
         """A step no row drafts in, where nothing but the draw reads it (`lean_plain`): the same forward, draws,
         transfer and commit as the general step, without its drafting, path and layout objects (what a plain step
-        costs the host is what the device waits for between steps: docs/runtime.md#host-step-budget)."""
-        t0 = time.perf_counter()
+        costs the host is what the device waits for between steps: docs/runtime.md#host-step-budget). The ledger
+        gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its step."""
+        t1 = time.perf_counter()
         packed = self.runner.transfers.to_device([[s.pending, s.cache_len] for s in live])
         logits, _ = self.runner.step(packed[:, :1], packed[:, 1], top=max(s.cache_len for s in live))
         token, lps, flags = draw_plain(logits[:, 0], ctx.params, bound(ctx.draws, live))
@@ -109,7 +110,7 @@ class DecodeSteps:
         ctx.finished = ctx.finished or any(s.finish_reason is not None for s in live)
         none = [0] * len(live)
         if not self.runner.fresh:
-            self.speculation.observe_step(arm, len(live), time.perf_counter() - t0, 0.0, none, none)
+            self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, none, none)
         self._metrics.record_verify(arm.drafter, none, none)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, False))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
