@@ -108,10 +108,10 @@ class DecodeSteps:
         stop = ctx.stop_ids
         emitted = sum(s.append_one(int(r[0]), r[1], stop) for s, r in zip(live, rows))
         ctx.finished = ctx.finished or any(s.finish_reason is not None for s in live)
-        none = [0] * len(live)
+        zeros = [0] * len(live)  # drafted and accepted per row
         if not self.runner.fresh:
-            self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, none, none)
-        self._metrics.record_verify(arm.drafter, none, none)
+            self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, zeros, zeros)
+        self._metrics.record_verify(arm.drafter, zeros, zeros)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, False))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
