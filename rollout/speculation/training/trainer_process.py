@@ -374,30 +374,27 @@ def _tensors(obj):
             yield from _tensors(x)
 
 
+def _map_tensors(obj, fn):
+    """obj with every tensor t (in records, lists, tuples and dicts) replaced by fn(t)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if _is_record(obj):
+        return dataclasses.replace(obj, **_map_tensors(_fields(obj), fn))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
 def _cpu_copy(obj):
     """obj with every tensor replaced by a private copy (received ones live in shared memory)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if _is_record(obj):
-        return dataclasses.replace(obj, **_cpu_copy(_fields(obj)))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    return obj
+    return _map_tensors(obj, torch.Tensor.clone)
 
 
 def _share(obj):
     """obj with every tensor replaced by a shared-memory copy (views of engine buffers never leave)."""
-    if isinstance(obj, torch.Tensor):
-        return _shared_copy(obj.detach())
-    if _is_record(obj):
-        return dataclasses.replace(obj, **_share(_fields(obj)))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_share(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _share(v) for k, v in obj.items()}
-    return obj
+    return _map_tensors(obj, lambda t: _shared_copy(t.detach()))
 
 
 @contextlib.contextmanager
