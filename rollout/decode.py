@@ -103,10 +103,13 @@ class DecodeSteps:
         if lps is None:  # greedy, or a truncated law: the logprob of the raw logits (docs/verification.md)
             lps, flags = logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits)
         rows = self.runner.transfers.to_host(token, lps, flags).rows()
-        self._check_finite([i for i, r in enumerate(rows) if not math.isfinite(r[2])], live, ctx.steps,
-                           f"decode step {ctx.steps}")
+        if not all(math.isfinite(r[2]) for r in rows):
+            self._check_finite([i for i, r in enumerate(rows) if not math.isfinite(r[2])], live, ctx.steps,
+                               f"decode step {ctx.steps}")
         stop = ctx.stop_ids
-        emitted = sum(s.append_one(int(r[0]), r[1], stop) for s, r in zip(live, rows))
+        for s, r in zip(live, rows):
+            s.append_one(int(r[0]), r[1], stop)
+        emitted = len(live)  # one token a row
         ctx.finished = ctx.finished or any(s.finish_reason is not None for s in live)
         zeros = [0] * len(live)  # drafted and accepted per row
         if not self.runner.fresh:

@@ -117,9 +117,14 @@ def sample(probs: torch.Tensor, generator: Draws) -> torch.Tensor:
     (0, total]) and on CPU over 20x faster for a 49k vocabulary, where multinomial was the largest
     cost of a batch-8 decode step (7 ms against 0.3 ms).
     """
+    return drawn_column(probs, generator).squeeze(-1)
+
+
+def drawn_column(probs: torch.Tensor, generator: Draws) -> torch.Tensor:
+    """sample()'s tokens as a column [..., 1], the index a gather of their probabilities takes as it is."""
     cdf = probs.cumsum(-1)
     u = (1 - uniform(generator, probs.shape[:-1] + (1,), probs.device, FINAL)) * cdf[..., -1:]
-    return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, u).clamp_(max=probs.shape[-1] - 1)
 
 
 def kernel_draws(logits: torch.Tensor, params: SamplingParams) -> bool:

@@ -93,8 +93,8 @@ class Ledger:
         there is of the drafter."""
         b = bucket(batch)
         spent = seconds + draft_seconds
-        advanced = sum(a + 1 for a in accepted) / max(len(accepted), 1)  # positions the rows moved on average
         if arm.speculative:
+            advanced = sum(a + 1 for a in accepted) / max(len(accepted), 1)  # positions the rows moved on average
             plain = self.plain_seconds(b)
             if plain is None:  # nothing to compare with yet: the step counts as breaking even
                 plain = spent / max(advanced, 1e-9)

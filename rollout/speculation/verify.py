@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from rlspec.rollout.runtime.draws import ACCEPT, FINAL, TREE
-from rlspec.rollout.runtime.sampling import (Draws, finite_column, kernel_draws, probs_from_logits, sample, sample_plain,
-                                             shifted, truncates, uniform)
+from rlspec.rollout.runtime.sampling import (Draws, drawn_column, finite_column, kernel_draws, probs_from_logits, sample,
+                                             sample_plain, shifted, truncates, uniform)
 from rlspec.rollout.types import SamplingParams
 
 
@@ -110,14 +110,15 @@ def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = 
     penalty passes penalised logits and reads the logprob of the raw ones itself."""
     if params.greedy:
         return logits.argmax(-1), None, None
+    if truncates(params, logits.shape[-1]):
+        return sample(probs_from_logits(logits, params), generator), None, None
     drawn = sample_plain(logits, params, generator)
     if drawn is not None:
         return drawn
-    probs = probs_from_logits(logits, params)
-    token = sample(probs, generator)
-    if truncates(params, logits.shape[-1]):
-        return token, None, None
-    return token, probs.gather(-1, token[:, None]).log().squeeze(-1), logits.sum(-1, dtype=torch.float64)
+    # probs_from_logits and sample() inline: this runs once a decode step, and their calls were a third of its cost
+    probs = torch.softmax(logits if params.temperature == 1.0 else logits / params.temperature, dim=-1)
+    column = drawn_column(probs, generator)
+    return column.squeeze(1), probs.gather(1, column).log_().squeeze(1), logits.sum(-1, dtype=torch.float64)
 
 
 def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:
