@@ -220,7 +220,11 @@ class RayPool:
             self._kill_all()
 
     def _kill_all(self) -> None:
-        kill_and_wait([a for a in (self.hub, *self.workers.values()) if a is not None])
+        # a kill goes through the head: with the head unreachable it cannot be confirmed, and waiting for it would
+        # only spend the time Ray leaves the trainer for its checkpoint
+        down = self.watch.down_since
+        wait_s = 0.0 if down is not None and time.monotonic() - down >= self.watch.lost_after_s else 10.0
+        kill_and_wait([a for a in (self.hub, *self.workers.values()) if a is not None], timeout_s=wait_s)
         self.hub, self.workers = None, {}
         self.watch.close()
 

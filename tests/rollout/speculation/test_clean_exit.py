@@ -28,11 +28,14 @@ SCRIPT = textwrap.dedent('''
 
     MODE = {mode!r}
     hf = make_tiny_hf("llama", seed=1)
-    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=SpecConfig(drafter="auto", online_training=True, online_trainer=MODE),
-                        eos_token_ids=[2])
+    # a process trainer takes its settings when its child starts: the engine starts none (a child spawned only to
+    # be stopped) and the script attaches one with its own, as the engine would have (Speculation.attach_trainer)
+    spec = SpecConfig(drafter="auto", online_training=MODE == "thread", online_trainer=MODE)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2])
     if MODE == "thread":
         eng.speculation.trainer.min_tokens = 16
-    else:  # the child takes its settings when it starts: replace the default one (which is stopped)
+    else:
+        assert eng.speculation.trainer is None
         eng.speculation.attach_trainer(ProcessTrainer(eng.speculation.learned, min_tokens=16))
     eng.generate(random_prompts(4, 3, 10, seed=1), SamplingParams(temperature=1.0, max_new_tokens=48, n=4, seed=0))
     trainer = eng.speculation.trainer
