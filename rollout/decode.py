@@ -10,7 +10,6 @@ goes through the runner's funnel (runtime/transfers.py) and the transfer's colum
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -103,9 +102,7 @@ class DecodeSteps:
         if lps is None:  # greedy, or a truncated law: the logprob of the raw logits (docs/verification.md)
             lps, flags = logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits)
         rows = self.runner.transfers.to_host(token, lps, flags).rows()
-        if not all(math.isfinite(r[2]) for r in rows):
-            self._check_finite([i for i, r in enumerate(rows) if not math.isfinite(r[2])], live, ctx.steps,
-                               f"decode step {ctx.steps}")
+        self._check_finite(StepLayout.of(0, False).bad_rows(rows), live, ctx.steps, f"decode step {ctx.steps}")
         stop = ctx.stop_ids
         for s, r in zip(live, rows):
             s.append_one(int(r[0]), r[1], stop)

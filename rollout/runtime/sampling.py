@@ -76,7 +76,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.
     scores = penalise(logits, seen, params)
     if params.temperature != 1.0:  # x / 1 == x: at T = 1 (RL's usual setting) skip a pass over [rows, V]
         scores = scores / params.temperature
-    if not truncates(params, scores.shape[-1]):  # sample_plain draws from exactly this (keep the two in step)
+    if not truncates(params, scores.shape[-1]):  # sample_plain and draw_plain draw from exactly this (keep in step)
         return torch.softmax(scores, dim=-1)
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
