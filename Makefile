@@ -59,9 +59,15 @@ venv: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# pip byte-compiles what it installs one file at a time; compileall does it on every core and skips the packages'
+# own test folders (3k of 19k modules, never imported): the install went 185 -> 108 s on a 2-core machine. The
+# bytecode must exist: with PYTHONDONTWRITEBYTECODE set, as on many CI images, every test process would otherwise
+# recompile torch, transformers and TRL on import (12 s -> 34 s each). As pip does, files that are not valid for
+# this Python (torch ships a 3.12-only module) are left uncompiled.
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --disable-pip-version-check "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
-	$(PY) -m pip install --disable-pip-version-check -e ".[dev,ray,deepspeed]"
+	$(PY) -m pip install --disable-pip-version-check --no-compile "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+	$(PY) -m pip install --disable-pip-version-check --no-compile -e ".[dev,ray,deepspeed]"
+	$(PY) -m compileall -q -j 0 -x /tests/ "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	@$(PY) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(None if v == '$(TORCH_VERSION)' else \
 	  f'ERROR: pip replaced torch $(TORCH_VERSION) with {torch.__version__} (a dependency asked for another torch). \
 	  Pin it back: $(PY) -m pip install torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)')"

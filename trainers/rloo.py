@@ -6,7 +6,7 @@ uses too, trainers/trl_engine.py): the engine samples each prompt's num_generati
 options, in the sampling dtype (trainers/sampling_dtype.py), each sample from its own key. Everything RLOO computes
 stays TRL's own code: the rewards, the KL penalty folded into them, the leave-one-out baseline, the clipped
 sequence-level loss over the trainer's own logprobs of the samples (its no-grad pass, run without the completions'
-padding, is also what feeds a learned drafter).
+padding, is also what feeds a learned drafter, or else runs as the loss's forward: trainers/loss_forward.py).
 
 What RLOO does not have, SpecRLOOTrainer does not add: TRL's RLOO runs no importance-sampling correction (its vLLM
 path, too, samples in the 16-bit dtype and trains on the samples as drawn), so a lossy mode, whose tokens come from

@@ -15,7 +15,8 @@ that does not depend on the algorithm:
 - `_engine_completions`: one generation batch through the engine, each prompt's prefill shared, each sample drawn
   from its own key (trainers/sample_keys.py), the engine's metrics in TRL's metric store;
 - the passes over the rollouts without the completions' padding (trainers/trimmed_logps.py), the learned drafter fed
-  from the first one (trainers/drafter_feed.py);
+  from the first one (trainers/drafter_feed.py), or that first one run as the loss's forward
+  (trainers/loss_forward.py);
 - checkpoints: TRL's micro-step counter and buffered generation batch (trainers/run/checkpoint.py), the on_nonfinite policy.
 
 What each algorithm adds lives in its class: GRPO's importance-sampling correction, tool loops, rollout_func and
@@ -27,7 +28,7 @@ import torch
 
 from rlspec.rollout.limits import fits
 from rlspec.rollout.runtime.model.loader import body_tensor
-from rlspec.trainers import rollout_source, trl_compat
+from rlspec.trainers import loss_forward, rollout_source, trl_compat
 from rlspec.trainers.callbacks import attach_summary_callback
 from rlspec.trainers.run.checkpoint import CheckpointMixin
 from rlspec.trainers.sample_keys import sample_keys
@@ -102,8 +103,12 @@ class TrlEngineMixin(CheckpointMixin):
 
     # ---- steps and checkpoints --------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """TRL's step, under the on_nonfinite policy (CheckpointMixin.guarded_step)."""
-        return self.guarded_step(super().training_step, model, inputs, num_items_in_batch)
+        """TRL's step, under the on_nonfinite policy (CheckpointMixin.guarded_step). A first pass's graph kept for
+        the loss (trainers/loss_forward.py) never outlives its step."""
+        try:
+            return self.guarded_step(super().training_step, model, inputs, num_items_in_batch)
+        finally:
+            self._loss_forward = None
 
     def rlspec_trainer_state(self) -> dict:
         """TRL's micro-step counter and, when a checkpoint falls inside a generation batch that later
@@ -163,25 +168,35 @@ class TrlEngineMixin(CheckpointMixin):
 
     def _generate_and_score_completions(self, inputs):
         """TRL's; its first no-grad pass of the policy over the rollouts (the old logprobs) also feeds the
-        learned drafter (trainers/drafter_feed.py)."""
-        self._feed_drafter = getattr(self, "rollouts", None) is not None
+        learned drafter (trainers/drafter_feed.py) or runs as the loss's forward (trainers/loss_forward.py)."""
+        self._first_pass = getattr(self, "rollouts", None) is not None
         try:
             return super()._generate_and_score_completions(inputs)
         finally:
-            self._feed_drafter = False
+            self._first_pass = False
 
     # ---- the passes over the rollouts ---------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """TRL's, without the completions' padding (_trimmed_logps), and with the drafter's tap around the
-        old-logprob pass when a learned drafter feeds on it: the first no-grad pass of the policy in
-        _generate_and_score_completions, run at TRL's shapes. Only that one: TRL's reference pass comes after it,
-        and for a PEFT policy it runs through the very same layers with the adapter off."""
-        if getattr(self, "_feed_drafter", False) and model is self.model and not torch.is_grad_enabled():
-            self._feed_drafter = False
+        """TRL's, without the completions' padding (_trimmed_logps). The first no-grad pass of the policy in
+        _generate_and_score_completions (only that one: TRL's reference pass comes after it, and for a PEFT policy
+        it runs through the very same layers with the adapter off) feeds a learned drafter, at TRL's shapes, or else
+        runs as the loss's forward, which then takes its graph (trainers/loss_forward.py)."""
+        if getattr(self, "_first_pass", False) and model is self.model and not torch.is_grad_enabled():
+            self._first_pass = False
             if self.rollouts.feeds_drafter:  # the drafter's hooks read TRL's padded shapes
                 with self.rollouts.drafter_pass(input_ids, attention_mask, logits_to_keep):
                     return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask,
                                                                        logits_to_keep, *args, **kwargs)
+            if len(args) <= 1 and loss_forward.reusable(self, kwargs):  # args: RLOO passes batch_size by position
+                return loss_forward.first_pass(self, lambda: self._trimmed_logps(
+                    model, input_ids, attention_mask, logits_to_keep, compute_entropy=True), model, input_ids,
+                    attention_mask, logits_to_keep)
+        kept = getattr(self, "_loss_forward", None)
+        if kept is not None and torch.is_grad_enabled() and not args:  # the loss's forward: taken once
+            self._loss_forward = None
+            outputs = kept.outputs_for(model, input_ids, attention_mask, logits_to_keep, kwargs)
+            if outputs is not None:
+                return outputs
         return self._trimmed_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
     def _trimmed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):

@@ -10,6 +10,7 @@ import torch
 import trl
 
 from tests.trainers.conftest import build_tiny_llama
+from rlspec.trainers import loss_forward
 from rlspec.trainers.data import make_math_dataset
 from rlspec.trainers.grpo import SpecGRPOTrainer
 from rlspec.trainers.trimmed_logps import CHUNK_OVERHEAD_TOKENS, plan_chunks
@@ -77,9 +78,12 @@ def test_trimmed_pass_equals_trls_padded_pass(trainer, cut, monkeypatch):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
 
 
-def test_a_step_trims_the_old_logprob_pass_and_the_loss_pass(trainer, monkeypatch):
-    """Both of TRL's passes of a plain run skip the padding; only a pass a learned drafter taps keeps TRL's shapes
-    (none here: no drafter feed)."""
+@pytest.mark.parametrize("one_forward", [False, True])
+def test_a_step_trims_the_old_logprob_pass_and_the_loss_pass(trainer, monkeypatch, one_forward):
+    """Both of TRL's passes of a plain run skip the padding, or the one pass that serves both
+    (trainers/loss_forward.py); only a pass a learned drafter taps keeps TRL's shapes (none here: no drafter feed)."""
+    if not one_forward:
+        monkeypatch.setattr(loss_forward, "reusable", lambda trainer, kwargs: False)
     grads = []
     real = SpecGRPOTrainer._trimmed_logps
 
@@ -90,5 +94,6 @@ def test_a_step_trims_the_old_logprob_pass_and_the_loss_pass(trainer, monkeypatc
     monkeypatch.setattr(SpecGRPOTrainer, "_trimmed_logps", spy)
     trainer.args.logging_steps = 1
     trainer.train()
-    assert False in grads and True in grads, grads  # the no-grad old-logprob pass and the loss's forward
+    # the no-grad old-logprob pass and the loss's forward, or the old-logprob pass run as the loss's forward
+    assert grads == ([True] if one_forward else [False, True]), grads
     assert not trainer.rollouts.feeds_drafter
