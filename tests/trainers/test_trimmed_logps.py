@@ -78,12 +78,11 @@ def test_trimmed_pass_equals_trls_padded_pass(trainer, cut, monkeypatch):
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("one_forward", [False, True])
-def test_a_step_trims_the_old_logprob_pass_and_the_loss_pass(trainer, monkeypatch, one_forward):
-    """Both of TRL's passes of a plain run skip the padding, or the one pass that serves both
-    (trainers/loss_forward.py); only a pass a learned drafter taps keeps TRL's shapes (none here: no drafter feed)."""
-    if not one_forward:
-        monkeypatch.setattr(loss_forward, "reusable", lambda trainer, kwargs: False)
+def test_a_step_trims_the_old_logprob_pass_and_the_loss_pass(trainer, monkeypatch):
+    """Both of TRL's passes of a plain run skip the padding (here as two passes: the one pass that serves both,
+    trainers/loss_forward.py, goes through the same method, tests/trainers/test_loss_forward.py); only a pass a
+    learned drafter taps keeps TRL's shapes (none here: no drafter feed)."""
+    monkeypatch.setattr(loss_forward, "reusable", lambda trainer, kwargs: False)
     grads = []
     real = SpecGRPOTrainer._trimmed_logps
 
@@ -94,6 +93,5 @@ def test_a_step_trims_the_old_logprob_pass_and_the_loss_pass(trainer, monkeypatc
     monkeypatch.setattr(SpecGRPOTrainer, "_trimmed_logps", spy)
     trainer.args.logging_steps = 1
     trainer.train()
-    # the no-grad old-logprob pass and the loss's forward, or the old-logprob pass run as the loss's forward
-    assert grads == ([True] if one_forward else [False, True]), grads
+    assert grads == [False, True], grads  # the no-grad old-logprob pass and the loss's forward
     assert not trainer.rollouts.feeds_drafter
