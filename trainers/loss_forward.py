@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlspec.trainers.trimmed_logps import text_only
+
 PASS_ARGS = ("batch_size", "num_images", "num_tiles")  # what TRL's first pass passes besides the model's inputs
 
 
@@ -35,8 +37,7 @@ def reusable(trainer, pass_kwargs: dict) -> bool:
             and trainer.accelerator.num_processes == 1
             and not trainer.is_deepspeed_enabled and not trainer.is_fsdp_enabled
             and not getattr(trainer, "aux_loss_enabled", False) and not getattr(args, "use_liger_kernel", False)
-            and all(v is None for k, v in pass_kwargs.items() if k not in PASS_ARGS)
-            and not has_dropout(trainer.model))
+            and text_only(pass_kwargs, PASS_ARGS) and not has_dropout(trainer.model))
 
 
 def has_dropout(model: torch.nn.Module) -> bool:
@@ -78,8 +79,7 @@ class LossForward:
 
     def outputs_for(self, model, input_ids, attention_mask, logits_to_keep, kwargs: dict):
         """(logps, entropies, None) for the loss's call, rows in its order, or None when the call is another one."""
-        if model is not self.model or logits_to_keep != self.logits_to_keep or kwargs.get("compute_aux_loss") \
-                or any(v is not None for k, v in kwargs.items() if k not in ("compute_entropy", "compute_aux_loss")):
+        if model is not self.model or logits_to_keep != self.logits_to_keep or not text_only(kwargs):
             return None
         order = match_rows(self.keys, row_keys(input_ids, attention_mask))
         if order is None:

@@ -12,6 +12,13 @@ from __future__ import annotations
 import torch
 
 CHUNK_OVERHEAD_TOKENS = 256  # one more forward call's fixed cost, in tokens of work: split only when it saves more
+PASS_FLAGS = ("compute_entropy", "compute_aux_loss")  # TRL's pass options that are not the model's inputs
+
+
+def text_only(kwargs: dict, ignore: tuple = PASS_FLAGS) -> bool:
+    """Whether a call of TRL's pass carries only text: every keyword argument not in `ignore` None (no pixel values,
+    image grids, token types...), and no MoE auxiliary loss asked for."""
+    return not kwargs.get("compute_aux_loss") and all(v is None for k, v in kwargs.items() if k not in ignore)
 
 
 def plan_chunks(lengths: list[int], prompt_len: int, max_rows: int | None = None) -> list[list[int]]:

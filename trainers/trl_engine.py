@@ -33,7 +33,7 @@ from rlspec.trainers.callbacks import attach_summary_callback
 from rlspec.trainers.run.checkpoint import CheckpointMixin
 from rlspec.trainers.sample_keys import sample_keys
 from rlspec.trainers.sampling_args import trl_sampling
-from rlspec.trainers.trimmed_logps import trimmed
+from rlspec.trainers.trimmed_logps import text_only, trimmed
 from rlspec.trainers.weight_sync import unwrap_model
 
 
@@ -204,8 +204,7 @@ class TrlEngineMixin(CheckpointMixin):
         the padded tokens it computed is logged as train/logps_token_frac. Multimodal inputs and MoE aux losses
         take TRL's padded pass."""
         parent = super()._get_per_token_logps_and_entropies
-        flags = ("compute_entropy", "compute_aux_loss")
-        if kwargs.get("compute_aux_loss") or any(v is not None for k, v in kwargs.items() if k not in flags):
+        if not text_only(kwargs):
             return parent(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
         out, frac = trimmed(lambda *a, **kw: parent(model, *a, **kw), input_ids, attention_mask, logits_to_keep,
                             batch_size, **kwargs)
