@@ -106,3 +106,24 @@ def test_embedded_model_is_a_loadable_hf_dir():
     out = model.generate(**ids, max_new_tokens=24, do_sample=False)
     answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "12" in answer, answer
+
+
+def test_a_gguf_is_parsed_once_while_converting(tmp_path):
+    """transformers opens the GGUF for the tokenizer, the config and the weights: within the conversion the three
+    share one parse of the file; outside it every open parses again."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", np.arange(6, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real = gguf.GGUFReader
+    with fetch._one_gguf_parse():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and gguf.GGUFReader(tmp_path / "." / "tiny.gguf") is first
+        assert first.tensors[0].name == "w"
+    assert gguf.GGUFReader is real and real(path) is not first
