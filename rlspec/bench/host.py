@@ -8,7 +8,11 @@ the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain an
   * forward_ms: the target forward (ModelRunner.step) per step, timed the same way; host_ms = the rest: scheduling,
     drafting, verification, the host transfer and the commit;
   * floor_ms: a bare loop of the same forward + sampling of the next token, no engine around it (plain rows only):
-    the least a step can cost on this model.
+    the least a step can cost on this model;
+  * host_ops, host_calls: torch ops dispatched and Python calls made per step outside the target forward, counted
+    in one more pair of calls after the timed ones (untimed: counting slows them). Unlike the clocks they do not
+    move with the machine's load, so a change to the host path reads as a change of these counts on any machine;
+    on a GPU each host op is a launch or a copy the device waits for.
 
 Repetitions alternate the modes (medians). On a GPU the host part is what the device idles through unless the next
 step is prepared while the current one runs (docs/runtime.md#host-step-budget).
@@ -33,7 +37,7 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1)
 COLUMNS = ["mode", "batch", "ms_per_step", "forward_ms", "host_ms", "cpu_ms_per_step", "cpu_forward_ms", "cpu_host_ms",
-           "steps", "spec_share"]
+           "host_ops", "host_calls", "steps", "spec_share"]
 INIT = 1.0  # weights drawn wide: peaked logits, so sampled rollouts repeat and the n-gram drafter drafts
 
 
@@ -88,9 +92,7 @@ class ForwardTimer:
 def call(engine, timer: ForwardTimer, prompts, tokens: int, temperature: float, seed: int) -> dict:
     """Wall and CPU seconds of one generate call and of its forwards, its decode steps, and the share of them
     that carried drafts."""
-    from rlspec.rollout.types import SamplingParams
-
-    params = SamplingParams(temperature=temperature, max_new_tokens=tokens, ignore_eos=True, seed=seed)
+    params = _params(tokens, temperature, seed)
     engine.batch_trace.clear()
     fw, fc = timer.wall, timer.cpu
     t0, c0 = time.perf_counter(), time.process_time()
@@ -113,6 +115,68 @@ def measure(engine, timer, prompts, args, rep: int) -> dict:
     return {"ms_per_step": per["wall"], "forward_ms": per["fwd_wall"], "host_ms": per["wall"] - per["fwd_wall"],
             "cpu_ms_per_step": per["cpu"], "cpu_forward_ms": per["fwd_cpu"], "cpu_host_ms": per["cpu"] - per["fwd_cpu"],
             "steps": long["steps"], "spec_share": long["spec_share"]}
+
+
+def host_counts(engine, prompts, args) -> dict:
+    """Torch ops dispatched and Python calls made per decode step outside the target forward (ModelRunner.step):
+    the long call's counts minus the short one's over their difference in steps, as the clocks are taken."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    inside = [0]  # > 0 while the target forward runs
+    seen = {"ops": 0, "calls": 0}
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0]:
+                seen["ops"] += 1
+            return func(*args, **(kwargs or {}))
+
+    def profile(frame, event, arg):
+        if not inside[0] and event in ("call", "c_call"):
+            seen["calls"] += 1
+
+    runner, inner = engine.runner, engine.runner.step
+
+    def step(*a, **kw):
+        inside[0] += 1
+        try:
+            return inner(*a, **kw)
+        finally:
+            inside[0] -= 1
+
+    def count(n: int, what: str) -> tuple[int, int]:
+        """(decode steps, ops or calls) of one call of n tokens; each counted in a pass of its own (the op
+        counter's own Python calls are not the engine's)."""
+        seen[what] = 0
+        engine.batch_trace.clear()
+        if what == "ops":
+            with Ops():
+                engine.generate(prompts, _params(n, args.temperature, args.seed))
+        else:
+            sys.setprofile(profile)
+            try:
+                engine.generate(prompts, _params(n, args.temperature, args.seed))
+            finally:
+                sys.setprofile(None)
+        return len(engine.batch_trace), seen[what]
+
+    runner.step = step
+    try:
+        out = {}
+        for what in ("ops", "calls"):
+            (s0, c0), (s1, c1) = (count(n, what) for n in args.tokens)
+            out[f"host_{what}"] = (c1 - c0) / (s1 - s0)
+    finally:
+        runner.step = inner
+    return out
+
+
+def _params(tokens: int, temperature: float, seed: int):
+    from rlspec.rollout.types import SamplingParams
+
+    return SamplingParams(temperature=temperature, max_new_tokens=tokens, ignore_eos=True, seed=seed)
 
 
 def floor_ms(batch: int, steps: int, seed: int, temperature: float) -> tuple[float, float]:
@@ -172,11 +236,13 @@ def run(args) -> dict:
         floor = floor_ms(batch, max(args.tokens), args.seed, args.temperature)
         for m in args.modes:
             med = {k: statistics.median([r[k] for r in runs[m]]) for k in runs[m][0]}
+            med.update(host_counts(engines[m], ps, args))
             rows.append({"mode": m, "batch": batch, **{k: med[k] for k in COLUMNS[2:-2]}, "steps": int(med["steps"]),
                          "spec_share": med["spec_share"], "floor_ms": floor[0] if m == "plain" else None,
                          "cpu_floor_ms": floor[1] if m == "plain" else None,
                          "reps_host_ms": [r["host_ms"] for r in runs[m]]})
             print(f"[host] batch {batch} {m}: {med['ms_per_step']:.3f} ms/step (forward {med['forward_ms']:.3f}, "
-                  f"host {med['host_ms']:.3f}; CPU clock: host {med['cpu_host_ms']:.3f})", flush=True)
+                  f"host {med['host_ms']:.3f}; CPU clock: host {med['cpu_host_ms']:.3f}; host ops {med['host_ops']:.1f}, "
+                  f"Python calls {med['host_calls']:.0f})", flush=True)
     return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "rows": rows,
             "columns": COLUMNS + ["floor_ms", "cpu_floor_ms"]}

@@ -55,14 +55,17 @@ class KVLedger:
         short = [s for s in sched.live if len(tables.get(id(s), ())) * bs <= s.cache_len]
         if not short:
             return
-        if self.spares and not sched.fits(sum(cache.alloc.needed(id(s), s.cache_len + 1) for s in short)):
-            self._trim(sched.live, 0)  # spare blocks go back before anyone is preempted
-        victims = sched.make_room()
-        for victim, moves in victims:  # moves of successive removals: applied in order
-            on_evict(victim)
-            self._move_rows([m[0] for m in moves], [m[1] for m in moves])
-        if victims:
-            cache.clear_rows(len(sched.live))
+        # only the short rows need blocks, so when theirs fit, Scheduler.make_room would preempt no one: the
+        # usual case, checked without its pass over every live row
+        if not sched.fits(sum(cache.alloc.needed(id(s), s.cache_len + 1) for s in short)):
+            if self.spares:
+                self._trim(sched.live, 0)  # spare blocks go back before anyone is preempted
+            victims = sched.make_room()
+            for victim, moves in victims:  # moves of successive removals: applied in order
+                on_evict(victim)
+                self._move_rows([m[0] for m in moves], [m[1] for m in moves])
+            if victims:
+                cache.clear_rows(len(sched.live))
         cache.grow([(s.row, id(s), s.cache_len + 1) for s in short if s.row >= 0])  # victims hold no row
 
     def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:

@@ -28,6 +28,7 @@ class DraftBatch:
     q: torch.Tensor | None = None
     start: torch.Tensor | None = None  # [B] long: cache entries each row holds (when built with `start`)
     kv_len: int = 0  # max(start) + N + 1: the cache positions the step's attention spans
+    depth: int | None = None  # trees: the deepest draft node of any row (verification walks no further)
 
     @property
     def N(self) -> int:
@@ -37,7 +38,8 @@ class DraftBatch:
         """The same batch with every tensor on `device` (verification runs where the logits are)."""
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
         return DraftBatch(move(self.tokens), move(self.num_drafts), self.is_chain, move(self.depths),
-                          move(self.tree_mask), move(self.children), move(self.q), move(self.start), self.kv_len)
+                          move(self.tree_mask), move(self.children), move(self.q), move(self.start), self.kv_len,
+                          self.depth)
 
 
 def build_draft_batch(pending: list[int], drafts: list[Draft] | None, start: list[int] | None = None,
@@ -62,12 +64,14 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | None, start: lis
         batch = DraftBatch(packed[:, :N + 1], packed[:, N + 1], True)
     else:
         W = max(max((d.parents.count(p) for p in set(d.parents)), default=1) for d in drafts)
-        packed = to_device([_tree_row(p, d, c, N, W) for p, d, c in zip(pending, drafts, starts)])
         N1 = N + 1
+        rows = [_tree_row(p, d, c, N, W) for p, d, c in zip(pending, drafts, starts)]
+        packed = to_device(rows)
         bits = packed[:, 2 * N1 + 1:3 * N1 + 1]
         mask = (bits[:, :, None] >> torch.arange(N1, device=packed.device)) & 1 == 1  # [B, N+1, N+1]
         batch = DraftBatch(packed[:, :N1], packed[:, N1], False, packed[:, N1 + 1:2 * N1 + 1], mask,
-                           packed[:, 3 * N1 + 1:3 * N1 + 1 + N1 * W].reshape(B, N1, W))
+                           packed[:, 3 * N1 + 1:3 * N1 + 1 + N1 * W].reshape(B, N1, W),
+                           depth=max(max(r[N1 + 1:2 * N1 + 1]) for r in rows))  # the rows' depth columns
     batch.start, batch.kv_len = (packed[:, -1] if start is not None else None), kv_len
     batch.q = _stack_q(drafts, sampled, B, N, chain, batch.num_drafts.device)
     return batch

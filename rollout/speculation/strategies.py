@@ -126,7 +126,7 @@ class ExactVerifier:
         if batch.is_chain:
             v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, generator)
             return StepVerdict(None, v.accepted, v.next_token, (), v.logprob, v.finite)
-        v = verify_tree(logits, batch.tokens, batch.children, params, batch.q, generator)
+        v = verify_tree(logits, batch.tokens, batch.children, params, batch.q, generator, batch.depth)
         return StepVerdict(v.path, v.accepted, v.next_token)
 
     def provenance(self, columns, accepted, lps) -> Provenance:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlspec.rollout.runtime.draws import ACCEPT, FINAL, TREE
+from rlspec.rollout.runtime.draws import ACCEPT, FINAL, TREE, KeyedDraws
 from rlspec.rollout.runtime.sampling import (Draws, drawn_column, finite_column, kernel_draws, probs_from_logits, sample,
                                              sample_plain, shifted, truncates, uniform)
 from rlspec.rollout.types import SamplingParams
@@ -189,6 +189,7 @@ def verify_tree(
     params: SamplingParams,
     draft_probs: torch.Tensor | None = None,  # [B, N+1, V]: q_j of each node (node 0 unused); None = deterministic
     generator: Draws = None,
+    depth: int | None = None,  # the deepest node of any row, as the host knows it (None: N, the most it can be)
 ) -> TreeVerdict:
     """Walk the tree from the root; at each node try its children with `_recursive_reject`.
 
@@ -198,7 +199,10 @@ def verify_tree(
     distribution restarts at the target's p; where every child is rejected (or at a leaf) the next
     token is drawn from the last running distribution.
     Greedy: descend into the first child equal to argmax p, emit argmax p where none matches.
-    The loop runs a fixed N times over W children (no data-dependent exit, so no host sync).
+    The loop runs a fixed N times over W children (no data-dependent exit, so no host sync). Past `depth` no row
+    has a child to try, so those rounds only draw their uniforms from a shared generator, as a full round would
+    (the tokens stay the same bit for bit), and cost one op instead of ~50 (a width-2 tree of 4 levels holds up to
+    11 nodes: over half its rounds).
     """
     B, N1, W = children.shape
     _check_q(draft_probs, (B, N1), target_logits.shape[-1], "verify_tree")
@@ -211,7 +215,12 @@ def verify_tree(
     top = target_logits.argmax(-1) if greedy else None  # [B, N+1]
     p = None if greedy else probs_from_logits(target_logits, params)  # [B, N+1, V]
     final = None if greedy else p[:, 0]  # [B, V]: where a row's next token comes from once it stops
-    for depth in range(N1 - 1):
+    reach = N1 - 1 if depth is None else min(depth, N1 - 1)
+    for level in range(N1 - 1):
+        if level >= reach:  # nothing left to try: the round's draws only, where they advance a generator
+            if not greedy and not isinstance(generator, KeyedDraws):
+                uniform(generator, (B, W), p.device, TREE)
+            continue
         kids = children[rows, cur]  # [B, W]
         valid = alive[:, None] & (kids >= 0)
         xs = node_tokens.gather(1, kids.clamp(min=0))  # [B, W]
@@ -221,11 +230,11 @@ def verify_tree(
         else:
             qs = None if draft_probs is None else draft_probs[rows[:, None], kids.clamp(min=0)]  # [B, W, V]
             # keyed draws: depth d's children take indices d*W .. d*W+W-1 (every row at every depth: no subsets)
-            slot, rest = _recursive_reject(p[rows, cur], xs, qs, valid, shifted(generator, depth * W))
+            slot, rest = _recursive_reject(p[rows, cur], xs, qs, valid, shifted(generator, level * W))
             final = torch.where((alive & (slot < 0))[:, None], rest, final)
         moved = slot >= 0
         cur = torch.where(moved, kids.gather(1, slot.clamp(min=0)[:, None]).squeeze(1), cur)
-        path[:, depth] = torch.where(moved, cur, path[:, depth])
+        path[:, level] = torch.where(moved, cur, path[:, level])
         alive &= moved
         accepted += moved.long()
     if greedy:

@@ -26,6 +26,8 @@ def test_q_is_placed_per_node_and_padding_is_zero():
     assert not b.is_chain and b.q.shape == (2, 4, V)
     assert torch.equal(b.q[0, 1:], tree.q) and b.q[0, 0].abs().sum() == 0  # node j+1 holds token j's q
     assert b.children[0, 0].tolist() == [1, 2]  # siblings in the order they were drawn
+    assert b.depth == 2  # its deepest node (the first child's child): verify_tree walks no further
+    assert build_draft_batch([0], [Draft([4, 5, 6], [-1, -1, -1])]).depth == 1  # three root children
 
 
 @pytest.mark.parametrize("chain", [True, False])

@@ -110,3 +110,37 @@ def test_q_of_the_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="draft_probs has shape"):
         verify.verify_tree(torch.zeros(2, 4, V), torch.zeros(2, 4, dtype=torch.long),
                            torch.full((2, 4, 1), -1), params, torch.rand(2, 3, V))
+
+
+@pytest.mark.parametrize("draws", ["generator", "keyed"])
+def test_a_tree_walk_told_its_depth_skips_the_rounds_past_it_with_the_same_draws(draws):
+    """A binary tree two levels deep holds six nodes, so the walk's six rounds include four in which no row has a
+    child to try. Told the depth, verify_tree skips their work: the same paths and tokens as the full walk, and a
+    shared generator advanced by the same uniforms (its next draw agrees), for sampled and greedy verification."""
+    from rlspec.rollout.runtime.draws import KeyedDraws
+
+    rows, n = 64, 6
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, V, (rows, n + 1), generator=g)
+    parent = [-1, 0, 0, 1, 1, 2, 2]  # node -> parent node: root -> 1, 2; 1 -> 3, 4; 2 -> 5, 6
+    children = torch.tensor([[1, 2], [3, 4], [5, 6], [-1, -1], [-1, -1], [-1, -1], [-1, -1]]).expand(rows, n + 1, 2)
+    logits = torch.randn(rows, n + 1, V, generator=g) * 0.3
+    for node in range(1, n + 1):  # each parent favours its children's tokens: walks often reach depth 2
+        logits[torch.arange(rows), parent[node], tokens[:, node]] += 1.0
+
+    def walk(params, depth):
+        if draws == "keyed":
+            source = KeyedDraws("cpu", list(range(rows))).bind(list(range(rows)), [7] * rows)
+        else:
+            source = torch.Generator().manual_seed(11)
+        v = verify.verify_tree(logits, tokens, children, params, None, source, depth)
+        after = None if draws == "keyed" else torch.rand(4, generator=source)  # where the stream stands
+        return v.path, v.accepted, v.next_token, after
+
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0)):
+        full, cut = walk(params, None), walk(params, 2)
+        for a, b in zip(full, cut):
+            assert a is None and b is None or torch.equal(a, b)
+        assert (full[1] == 2).sum() >= 5  # walks to the deepest level occurred
+        if not params.greedy:  # and sampled ones that stopped before it
+            assert (full[1] < 2).sum() >= 5
