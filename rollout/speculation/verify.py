@@ -201,8 +201,8 @@ def verify_tree(
     Greedy: descend into the first child equal to argmax p, emit argmax p where none matches.
     The loop runs a fixed N times over W children (no data-dependent exit, so no host sync). Past `depth` no row
     has a child to try, so those rounds only draw their uniforms from a shared generator, as a full round would
-    (the tokens stay the same bit for bit), and cost one op instead of ~50 (a width-2 tree of 4 levels holds up to
-    11 nodes: over half its rounds).
+    (the tokens stay the same bit for bit), and cost one op instead of ~50 (a binary tree two levels deep holds six
+    nodes: four of its six rounds).
     """
     B, N1, W = children.shape
     _check_q(draft_probs, (B, N1), target_logits.shape[-1], "verify_tree")
