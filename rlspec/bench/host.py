@@ -73,18 +73,24 @@ def build(mode: str, batch: int, seed: int):
 
 
 class ForwardTimer:
-    """Wraps the engine's ModelRunner.step: wall and CPU seconds spent in target forwards of decode steps."""
+    """Wraps the engine's ModelRunner.step: wall and CPU seconds spent in target forwards of decode steps; `inside`
+    is > 0 while one runs (what host_counts leaves out)."""
 
     def __init__(self, engine):
         self.wall = self.cpu = 0.0
+        self.inside = 0
         runner, inner = engine.runner, engine.runner.step
 
         def step(*a, **kw):
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = inner(*a, **kw)
-            self.wall += time.perf_counter() - t0
-            self.cpu += time.process_time() - c0
-            return out
+            self.inside += 1
+            try:
+                t0, c0 = time.perf_counter(), time.process_time()
+                out = inner(*a, **kw)
+                self.wall += time.perf_counter() - t0
+                self.cpu += time.process_time() - c0
+                return out
+            finally:
+                self.inside -= 1
 
         runner.step = step
 
@@ -117,34 +123,25 @@ def measure(engine, timer, prompts, args, rep: int) -> dict:
             "steps": long["steps"], "spec_share": long["spec_share"]}
 
 
-def host_counts(engine, prompts, args) -> dict:
-    """Torch ops dispatched and Python calls made per decode step outside the target forward (ModelRunner.step):
-    the long call's counts minus the short one's over their difference in steps, as the clocks are taken."""
+def host_counts(engine, timer: ForwardTimer, prompts, args) -> dict:
+    """Torch ops dispatched and Python calls made per decode step outside the target forward (ModelRunner.step, as
+    the timer sees it): the long call's counts minus the short one's over their difference in steps, as the clocks
+    are taken."""
     import sys
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    inside = [0]  # > 0 while the target forward runs
     seen = {"ops": 0, "calls": 0}
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside[0]:
+            if not timer.inside:
                 seen["ops"] += 1
             return func(*args, **(kwargs or {}))
 
     def profile(frame, event, arg):
-        if not inside[0] and event in ("call", "c_call"):
+        if not timer.inside and event in ("call", "c_call"):
             seen["calls"] += 1
-
-    runner, inner = engine.runner, engine.runner.step
-
-    def step(*a, **kw):
-        inside[0] += 1
-        try:
-            return inner(*a, **kw)
-        finally:
-            inside[0] -= 1
 
     def count(n: int, what: str) -> tuple[int, int]:
         """(decode steps, ops or calls) of one call of n tokens; each counted in a pass of its own (the op
@@ -162,14 +159,10 @@ def host_counts(engine, prompts, args) -> dict:
                 sys.setprofile(None)
         return len(engine.batch_trace), seen[what]
 
-    runner.step = step
-    try:
-        out = {}
-        for what in ("ops", "calls"):
-            (s0, c0), (s1, c1) = (count(n, what) for n in args.tokens)
-            out[f"host_{what}"] = (c1 - c0) / (s1 - s0)
-    finally:
-        runner.step = inner
+    out = {}
+    for what in ("ops", "calls"):
+        (s0, c0), (s1, c1) = (count(n, what) for n in args.tokens)
+        out[f"host_{what}"] = (c1 - c0) / (s1 - s0)
     return out
 
 
@@ -236,7 +229,7 @@ def run(args) -> dict:
         floor = floor_ms(batch, max(args.tokens), args.seed, args.temperature)
         for m in args.modes:
             med = {k: statistics.median([r[k] for r in runs[m]]) for k in runs[m][0]}
-            med.update(host_counts(engines[m], ps, args))
+            med.update(host_counts(engines[m], timers[m], ps, args))
             rows.append({"mode": m, "batch": batch, **{k: med[k] for k in COLUMNS[2:-2]}, "steps": int(med["steps"]),
                          "spec_share": med["spec_share"], "floor_ms": floor[0] if m == "plain" else None,
                          "cpu_floor_ms": floor[1] if m == "plain" else None,
