@@ -20,6 +20,7 @@ from rlspec.bench import harness
 REGISTRY = {
     "rollout": "rlspec.bench.rollout",
     "step": "rlspec.bench.step",
+    "linear": "rlspec.bench.linear",
     "drafter": "rlspec.bench.drafter",
     "grpo": "rlspec.bench.grpo",
     "ppo": "rlspec.bench.ppo",

@@ -76,6 +76,8 @@ SMOKE = {
                          == ["hf", "engine", "suffix"] and r["rows"][2]["speedup_vs_engine"] > 0),
     "step": ([], lambda r: r["rows"][0]["fused_ms"] > 0 and r["verify_steps"][1]["tokens"] == 2
              and r["draft_costs"][0]["drafter"] == "ngram" and r["roofline_ms"] > 0),
+    "linear": ([], lambda r: [x["rows"] for x in r["rows"]] == [1, 8] and r["rows"][1]["speedup"] > 0
+               and r["steps"][0]["f_linear_step_ms"] > 0 and r["steps"][0]["engine_step_ms"] > 0),
     "drafter": ([], lambda r: [c["round"] for c in r["curve"]] == [0, 1] and r["curve"][1]["train_steps"] == 2
                 and len(r["rows"]) == 3),
     "drafter-speed": (["--part", "speed"],
