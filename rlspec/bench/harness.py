@@ -62,7 +62,8 @@ def child_env(extra: dict | None = None, path: list[str] | None = None) -> dict:
 
 def source_state() -> dict:
     """{"commit", "dirty"} of the tree rlspec is imported from, where that is a git checkout's root and git is
-    installed; {"commit": "unknown", "dirty": None} otherwise (an installed wheel, a copied tree)."""
+    installed; {"commit": "unknown", "dirty": None} otherwise (an installed wheel, a copied tree). Changed figures
+    under bench_out/ (what benchmarks write) do not make the tree dirty: the code is what a figure is dated by."""
     def git(*cmd: str) -> str | None:
         try:
             proc = subprocess.run(["git", "-C", str(ROOT), *cmd], capture_output=True, text=True, timeout=10)
@@ -73,7 +74,7 @@ def source_state() -> dict:
     top = git("rev-parse", "--show-toplevel")
     if not top or Path(top).resolve() != ROOT:  # site-packages inside some repository is not its source
         return {"commit": UNKNOWN, "dirty": None}
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench_out")
     return {"commit": git("rev-parse", "--short", "HEAD") or UNKNOWN, "dirty": None if status is None else bool(status)}
 
 

@@ -7,6 +7,25 @@ import subprocess
 from rlspec.bench import harness
 
 
+def test_changed_figures_leave_the_tree_clean_changed_code_does_not(tmp_path, monkeypatch):
+    def git(*cmd):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *cmd], check=True,
+                       capture_output=True)
+
+    (tmp_path / "bench_out").mkdir()
+    (tmp_path / "bench_out" / "x.json").write_text("1")
+    (tmp_path / "code.py").write_text("a = 1")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "c")
+    monkeypatch.setattr(harness, "ROOT", tmp_path.resolve())
+    assert harness.source_state()["dirty"] is False
+    (tmp_path / "bench_out" / "x.json").write_text("2")  # a benchmark rewrote its figure
+    assert harness.source_state()["dirty"] is False
+    (tmp_path / "code.py").write_text("a = 2")
+    assert harness.source_state()["dirty"] is True
+
+
 def test_reports_go_under_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = argparse.Namespace(out=None, smoke=False)
