@@ -21,7 +21,8 @@ layout on every call; two ways around it (`python -m rlspec.bench step` measures
     decode step from memory at ~3 GB/s at 2-16 rows; weight-major, the same products run 1.2-2.9x faster at 2-128
     rows, and the float32 decode step at batch 8 1.6x (`python -m rlspec.bench linear`). It is the same product
     summed in another order: a few ulps off F.linear, as another BLAS would be. A single row keeps F.linear (MKL's
-    gemv), and so do 256 rows and more (prefill), where torch's layout is as fast or faster.
+    gemv), and so do 256 rows and more (prefill), where torch's layout is as fast or faster, and weights under
+    1 MiB, which stay in cache.
 Both copies follow the weight: the eager path checks its key at every call; compiled steps cannot (a check
 there would be a guard), so the runner refreshes every copy at the start of each generate call
 (`refresh_linears`), and the blocked copy is rewritten in place (compiled steps hold it).
@@ -79,14 +80,17 @@ class Linear(nn.Linear):
 
 
 WEIGHT_MAJOR_ROWS = (2, 128)  # from 256 rows on, torch's layout is as fast or faster (bench linear)
+WEIGHT_MAJOR_MIN = 1 << 18  # elements (1 MiB): a smaller weight stays in cache, and the layout's two extra ops cost more
+_MKL = torch.backends.mkl.is_available()
 
 
 def weight_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ W^T is taken as W @ x^T (module docstring): a float32 CPU product of 2-128 rows, outside
-    autograd, where MKL computes it."""
+    """Whether x @ W^T is taken as W @ x^T (module docstring): a float32 CPU product of 2-128 rows with a weight of
+    1 MiB or more, outside autograd, where MKL computes it."""
     lo, hi = WEIGHT_MAJOR_ROWS
-    return (x.device.type == "cpu" and weight.dtype == torch.float32 and x.dtype == torch.float32
-            and lo <= x.shape[:-1].numel() <= hi and not torch.is_grad_enabled() and torch.backends.mkl.is_available())
+    return (_MKL and weight.dtype == torch.float32 and weight.numel() >= WEIGHT_MAJOR_MIN
+            and x.device.type == "cpu" and x.dtype == torch.float32 and lo <= x.shape[:-1].numel() <= hi
+            and not torch.is_grad_enabled())
 
 
 def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

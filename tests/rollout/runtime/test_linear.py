@@ -73,15 +73,15 @@ def test_bf16_engine_on_packed_weights_decodes_as_unpacked_after_a_sync():
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_few_row_products_are_weight_major_and_f_linear_s_product(bias, monkeypatch):
     """2-128 rows outside autograd go weight-major (the route is spied on) and agree with F.linear to float32
-    rounding, laid out row-major; one row, 129 rows, a product under autograd and an unpacked model keep F.linear
-    bit for bit."""
+    rounding, laid out row-major; one row, 129 rows, a weight under 1 MiB, a product under autograd and an unpacked
+    model keep F.linear bit for bit."""
     taken = []
     spy = linear.weight_major_linear
     monkeypatch.setattr(linear, "weight_major_linear", lambda *a: taken.append(a[0].shape) or spy(*a))
     torch.manual_seed(0)
-    lin = Linear(96, 160, bias=bias)
+    lin = Linear(512, 520, bias=bias)  # 1.02 MiB
     for rows, routed in ((1, False), (2, True), (8, True), (128, True), (129, False)):
-        x = torch.randn(rows, 1, 96)
+        x = torch.randn(rows, 1, 512)
         ref = F.linear(x, lin.weight, lin.bias)
         taken.clear()
         with torch.inference_mode():
@@ -91,8 +91,11 @@ def test_float32_few_row_products_are_weight_major_and_f_linear_s_product(bias, 
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
         if not routed:
             assert torch.equal(y, ref)
-    x = torch.randn(8, 96)
+    small = Linear(512, 510, bias=False)  # 0.996 MiB: stays in cache
+    x = torch.randn(8, 512)
     taken.clear()
+    with torch.inference_mode():
+        assert torch.equal(small(x), F.linear(x, small.weight)) and not taken
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias)) and not taken  # grad enabled: F.linear
     unpack_linears(lin)
     with torch.inference_mode():
