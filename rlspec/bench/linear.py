@@ -7,7 +7,7 @@
   * steps: the engine's plain float32 decode step through the public API (`generate`, EOS ignored) at each
     --batch-sizes, with its Linears as they are and with F.linear alone (`unpack_linears`); arms alternated.
 
-    python -m rlspec.bench linear                       # the embedded model, ~3 min on 2 cores
+    python -m rlspec.bench linear                       # the embedded model, ~5 min on 2 cores
 """
 from __future__ import annotations
 

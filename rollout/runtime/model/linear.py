@@ -18,11 +18,11 @@ layout on every call; two ways around it (`python -m rlspec.bench step` measures
     `fast_linear` gives a plain nn.Linear (the learned drafter's) the same kernel outside autograd.
   * float32 weights, 2-128 rows, eager (where no other path serves: MKL's sgemm): the product taken weight-major,
     `W @ x^T`, then laid out row-major again. In torch's own layout (`x @ W^T`) MKL streams the weights of a
-    decode step from memory at ~3 GB/s at 2-16 rows; weight-major, the same products run 1.2-2.9x faster at 2-128
-    rows, and the float32 decode step at batch 8 1.6x (`python -m rlspec.bench linear`). It is the same product
-    summed in another order: a few ulps off F.linear, as another BLAS would be. A single row keeps F.linear (MKL's
-    gemv), and so do 256 rows and more (prefill), where torch's layout is as fast or faster, and weights under
-    1 MiB, which stay in cache.
+    decode step from memory at ~2-3 GB/s at 2-16 rows; weight-major, the same products run 1.1-2.9x faster at
+    2-128 rows, and the float32 decode step at batch 8 1.6x (`python -m rlspec.bench linear`). It is the same
+    product summed in another order: a few ulps off F.linear, as another BLAS would be. A single row keeps F.linear
+    (MKL's gemv), and so do products of more than 128 rows (a long prompt's prefill), where torch's layout is as
+    fast or faster, and weights under 1 MiB, which stay in cache (docs/runtime.md#float32-products-of-a-few-rows).
 Both copies follow the weight: the eager path checks its key at every call; compiled steps cannot (a check
 there would be a guard), so the runner refreshes every copy at the start of each generate call
 (`refresh_linears`), and the blocked copy is rewritten in place (compiled steps hold it).
@@ -80,7 +80,7 @@ class Linear(nn.Linear):
 
 
 WEIGHT_MAJOR_ROWS = (2, 128)  # from 256 rows on, torch's layout is as fast or faster (bench linear)
-WEIGHT_MAJOR_MIN = 1 << 18  # elements (1 MiB): a smaller weight stays in cache, and the layout's two extra ops cost more
+WEIGHT_MAJOR_MIN = 1 << 18  # elements (1 MiB): a smaller weight stays in cache, where the two extra ops cost more
 _MKL = torch.backends.mkl.is_available()
 
 
