@@ -54,7 +54,7 @@ def product_rows(model, rows: list[int], reps: int) -> list[dict]:
         out.append({"rows": n, "f_linear_ms": med["f_linear"], "weight_major_ms": med["weight_major"],
                     "f_linear_gbs": nbytes / med["f_linear"] / 1e6,
                     "weight_major_gbs": nbytes / med["weight_major"] / 1e6,
-                    "speedup": sorted(harness.ratios(runs, "weight_major")["f_linear"])[reps // 2], "runs": runs})
+                    "speedup": harness.medians(harness.ratios(runs, "weight_major"))["f_linear"], "runs": runs})
         print(f"[linear] {n} rows: F.linear {med['f_linear']:.1f} ms, weight-major {med['weight_major']:.1f} ms",
               flush=True)
     return out
@@ -79,7 +79,7 @@ def step_rows(path: str, batch_sizes: list[int], steps: int, reps: int) -> list[
                                                                      flush=True))
         med = harness.medians(runs)
         out.append({"batch": b, "f_linear_step_ms": med["f_linear"], "engine_step_ms": med["engine"],
-                    "speedup": sorted(harness.ratios(runs, "engine")["f_linear"])[reps // 2], "runs": runs})
+                    "speedup": harness.medians(harness.ratios(runs, "engine"))["f_linear"], "runs": runs})
     return out
 
 
