@@ -103,14 +103,15 @@ def pad_batch(tokens, start, depths, tree_mask, rows: int, T: int):
 
 
 def build_step_batch(tokens, start, cache: PagedKVCache, S: int, depths=None, tree_mask=None,
-                     flex: bool = False) -> ForwardBatch:
+                     flex: bool = False, group: int = 1) -> ForwardBatch:
     """ModelRunner.step's ForwardBatch for rows 0..B-1, built on tokens' device with no host sync (so it
     can be captured).
 
     tokens [B, T], start [B] (cache entries each row holds), depths [B, T] RoPE offsets or None (chain),
     tree_mask [B, T, T] (node t may see node u) or None (chain); S >= max(start) + T: cache positions
     the attention spans, rounded up to whole blocks (the gather reads blocks); flex: FlexAttention's
-    block mask (reads only live blocks) instead of a dense one.
+    block mask (reads only live blocks) instead of a dense one; group: the model's query heads per KV head, which
+    the flex mask folds into its query axis (attention._flex_mask).
     """
     B, T = tokens.shape
     steps = torch.arange(T, device=tokens.device)
@@ -118,12 +119,17 @@ def build_step_batch(tokens, start, cache: PagedKVCache, S: int, depths=None, tr
     write = start[:, None] + steps
     slots = cache.slots(torch.arange(B, device=tokens.device), write)
     if flex and T <= BLOCK and cache.block_size == BLOCK:  # paged FlexAttention: no gather at all
-        attn = step_mask(start, T, S, tree_mask, True, cache.table[:B], cache.k.shape[1] * BLOCK)
+        attn = step_mask(start, T, S, tree_mask, True, cache.table[:B], cache.k.shape[1] * BLOCK, group)
         return ForwardBatch(tokens, start[:, None] + offs, write, attn, slots)
     blocks = cache.blocks(B, S)
     S = blocks.shape[1] * cache.block_size
     return ForwardBatch(input_ids=tokens, positions=start[:, None] + offs, write_index=write,
-                        attn=step_mask(start, T, S, tree_mask, flex), slots=slots, blocks=blocks)
+                        attn=step_mask(start, T, S, tree_mask, flex, group=group), slots=slots, blocks=blocks)
+
+
+def head_group(model) -> int:
+    """Query heads per KV head: what the flex step mask folds into its query axis."""
+    return model.cfg.num_heads // model.cfg.num_kv_heads
 
 
 def start_top(start: torch.Tensor, top: int | None) -> int:
@@ -154,7 +160,7 @@ class EagerRunner:
         dev = self.device
         S = self.cache.length if self.flex else start_top(start, top) + tokens.shape[1]
         fb = build_step_batch(tokens.to(dev), start.to(dev), self.cache, S, _to(depths, dev), _to(tree_mask, dev),
-                              self.flex)
+                              self.flex, head_group(self.model))
         return self.model(fb, self.cache.k, self.cache.v, hidden_layers, layer_call=layer_call)
 
     def memory_bytes(self) -> int:
@@ -387,7 +393,7 @@ class GraphPool:
 
         def forward():  # reads and writes only static buffers, the cache and the weights
             with torch.inference_mode():
-                fb = build_step_batch(tokens, start, cache, cache.length, depths, tree, flex)
+                fb = build_step_batch(tokens, start, cache, cache.length, depths, tree, flex, head_group(model))
                 logits, hiddens = model(fb, cache.k, cache.v, hl, layer_call=layer_call)
                 logits_out.copy_(logits)
                 for i in hl:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlspec.rollout.engine import RolloutEngine
-from rlspec.rollout.runtime.graphs import EagerRunner, GraphPool, build_step_batch
+from rlspec.rollout.runtime.graphs import EagerRunner, GraphPool, build_step_batch, head_group
 from rlspec.rollout.runtime.model import attention, loader
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
@@ -28,7 +28,8 @@ def test_paged_flex_equals_gathered_dense_eager_and_in_graphs(shape):
     dense.flex = False  # the reference: each row's blocks gathered, dense masks
     ref, _ = dense.run(tokens, lens, depths, tree)
     fb = build_step_batch(tokens.cuda(), lens.cuda(), cache, cache.length, None if depths is None else depths.cuda(),
-                          None if tree is None else tree.cuda(), flex=True)
+                          None if tree is None else tree.cuda(), flex=True, group=head_group(model))
+    assert fb.attn.group == model.cfg.num_heads // model.cfg.num_kv_heads
     assert fb.blocks is None and fb.attn.table is not None  # the paged kernel, no gather
     got, _ = model(fb, cache.k, cache.v)
     assert attention.flex_error() is None, attention.flex_error()

@@ -61,6 +61,7 @@ class AttnMask:
     dense [B, 1, T, S] bool (True = may attend) on the dense path; block: the BlockMask on the flex path.
     table [B, max_blocks] long: the rows' block tables on the paged flex path, whose BlockMask indexes
       the pool's physical blocks (keys/values are the whole pool, attend_flex's fallback gathers).
+    group: query heads per KV head that the flex block mask folds into its query axis (attend_flex).
     """
 
     causal: bool = False
@@ -71,6 +72,7 @@ class AttnMask:
     block: object | None = None
     table: torch.Tensor | None = None
     captured: tuple = ()  # other [B, ...] tensors mask_mod reads (marked dynamic in batch like the rest)
+    group: int = 1
 
 
 def causal_mask() -> AttnMask:
@@ -97,18 +99,18 @@ def flex_error() -> str | None:
 
 
 def step_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor | None = None,
-              flex: bool = False, table: torch.Tensor | None = None, pool_len: int = 0) -> AttnMask:
+              flex: bool = False, table: torch.Tensor | None = None, pool_len: int = 0, group: int = 1) -> AttnMask:
     """The mask of a step; no host sync, so it can be built inside a CUDA graph.
 
     start [B] long on the target device; T new tokens per row; S >= max(start) + T positions read;
     tree [B, T, T] bool or None (a chain). flex: build a BlockMask (reads only live blocks); with
     table [B, max_blocks] (blocks of BLOCK positions) it indexes the physical blocks of a paged pool of
-    pool_len positions.
+    pool_len positions; group: the model's query heads per KV head (the flex mask's query axis holds them all).
     """
     if flex and T <= BLOCK:
         if tree is None:
             tree = torch.ones(T, T, dtype=torch.bool, device=start.device).tril().repeat(start.shape[0], 1, 1)
-        return _flex_mask(start, T, S, tree, table, pool_len)
+        return _flex_mask(start, T, S, tree, table, pool_len, group)
     return AttnMask(kv_len=S, start=start, tree=tree, dense=dense_step_mask(start, T, S, tree))
 
 
@@ -154,9 +156,15 @@ def dense_step_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor | No
 
 
 def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor, table: torch.Tensor | None = None,
-               pool_len: int = 0) -> AttnMask:
+               pool_len: int = 0, group: int = 1) -> AttnMask:
     """BlockMask over the whole cache row (KV_LEN = S), queries padded to t = next power of two so
     that few shapes compile. Blocks 0 .. start//BLOCK - 1 are full; the partial ones follow.
+
+    Grouped heads (group > 1): the query axis holds the group's heads one after another (group * t queries per
+    KV head; query q is new token q % t), so one program reads a KV block once for all the heads that share it.
+    With torch's own GQA every query head reads the whole context: a 7B step at 8k positions and batch 32 read
+    its KV 7 times (the `contexts` rows of bench_out/gpu/). Every query of a row sees the same KV blocks, so
+    each query block gets the same block lists.
 
     Paged (table given): the same logical blocks, mapped through each row's table to physical blocks
     of the pool (KV_LEN = the pool's positions), as torch's PagedAttention does. mask_mod gets
@@ -166,6 +174,8 @@ def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor, table: t
 
     B, dev = start.shape[0], start.device
     t = 1 << (T - 1).bit_length()
+    Q = group * t
+    q_blocks = -(-Q // BLOCK)
     tree = tree.contiguous()
     if t != T:  # padding queries see the context only; their outputs are dropped
         tree = F.pad(tree, (0, t - T, 0, t - T))
@@ -178,13 +188,16 @@ def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor, table: t
 
     def mask_mod(b, h, q, kv):
         rel = kv - start[b]
-        return (rel < 0) | ((rel < t) & tree[b, q, rel.clamp(0, t - 1)])
+        return (rel < 0) | ((rel < t) & tree[b, q % t, rel.clamp(0, t - 1)])
+
+    def per_q_block(x):  # [B, ...] -> [B, 1, q_blocks, ...]: the same lists for every query block
+        return x[:, None, None].expand(B, 1, q_blocks, *x.shape[1:]).contiguous()
 
     if table is None:
         block = BlockMask.from_kv_blocks(
-            (end - full).int()[:, None, None], partial_idx[:, None, None].contiguous(),
-            full.int()[:, None, None], full_idx[:, None, None].contiguous(), BLOCK, mask_mod, (t, S))
-        return AttnMask(kv_len=S, start=start, tree=tree, block=block)
+            per_q_block((end - full).int()), per_q_block(partial_idx), per_q_block(full.int()),
+            per_q_block(full_idx), BLOCK, mask_mod, (Q, S))
+        return AttnMask(kv_len=S, start=start, tree=tree, block=block, group=group)
     width = table.shape[1]
     first = table.gather(1, full.clamp(max=width - 1)[:, None])[:, 0]  # physical block of logical `full`
 
@@ -199,12 +212,12 @@ def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor, table: t
     pad = max(0, pool_len // BLOCK - n_blocks)
 
     def indices(logical):
-        return F.pad(phys.gather(1, logical.long()).int(), (0, pad))[:, None, None].contiguous()
+        return per_q_block(F.pad(phys.gather(1, logical.long()).int(), (0, pad)))
 
-    block = BlockMask.from_kv_blocks((end - full).int()[:, None, None], indices(partial_idx),
-                                     full.int()[:, None, None], indices(full_idx), BLOCK, paged_mask_mod,
-                                     (t, pool_len), compute_q_blocks=False)
-    return AttnMask(kv_len=S, start=start, tree=tree, block=block, table=table, captured=(first, full))
+    block = BlockMask.from_kv_blocks(per_q_block((end - full).int()), indices(partial_idx),
+                                     per_q_block(full.int()), indices(full_idx), BLOCK, paged_mask_mod,
+                                     (Q, pool_len), compute_q_blocks=False)
+    return AttnMask(kv_len=S, start=start, tree=tree, block=block, table=table, captured=(first, full), group=group)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, scale: float | None = None,
@@ -271,16 +284,22 @@ def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask,
                 scale: float | None = None) -> torch.Tensor:
-    """FlexAttention over mask.block; q [B, H, T, D] is padded to the block mask's t queries. On a
+    """FlexAttention over mask.block; q [B, H, T, D] is padded to the block mask's t queries, and a mask of
+    group G takes the G query heads of each KV head as G * t queries of one head (_flex_mask). On a
     failure (a kernel this torch/GPU cannot compile) warn once and go dense from then on."""
-    T, t = q.shape[2], mask.tree.shape[-1]
+    (B, H, T, D), KV, t = q.shape, k.shape[1], mask.tree.shape[-1]
+    if H != KV * mask.group and mask.group != 1:
+        raise ValueError(f"a flex mask folding {mask.group} query heads per KV head got {H} query heads over {KV} "
+                         "KV heads: build the step mask with this model's group (num_heads // num_kv_heads)")
     if t != T:
         q = F.pad(q, (0, 0, 0, t - T))
-    if k.shape[0] != q.shape[0]:  # the paged pool: one batch row for all, as a stride-0 view (no copy)
-        k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
+    if mask.group != 1:
+        q = q.reshape(B, KV, mask.group * t, D)  # head h = kv * G + g -> queries g * t .. g * t + t - 1 of kv
+    if k.shape[0] != B:  # the paged pool: one batch row for all, as a stride-0 view (no copy)
+        k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
     try:
         _mark_shapes(q, k, v, mask)
-        out = _compiled_flex()(q, k, v, block_mask=mask.block, enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+        out = _compiled_flex()(q, k, v, block_mask=mask.block, enable_gqa=q.shape[1] != KV, scale=scale)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - any compile/runtime failure: the dense path is exact
@@ -291,8 +310,8 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMas
         if mask.table is not None:  # k, v are the whole paged pool: gather the rows' blocks
             k, v = (gather_blocks(x[0].transpose(0, 1).reshape(-1, BLOCK, *x.shape[1::2]),
                                   mask.table[:, : mask.kv_len // BLOCK]) for x in (k, v))
-        return attend_dense(q[:, :, :T], k, v, dense, scale)
-    return out[:, :, :T]
+        return attend_dense(q.reshape(B, H, t, D)[:, :, :T], k, v, dense, scale)
+    return out.reshape(B, H, t, D)[:, :, :T]
 
 
 def _mark_shapes(q, k, v, mask: AttnMask) -> None:

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from rlspec.rollout.runtime.graphs import EagerRunner, build_step_batch
+from rlspec.rollout.runtime.graphs import EagerRunner, build_step_batch, head_group
 from rlspec.rollout.runtime.model import attention
 from rlspec.rollout.runtime.model.attention import (attend_causal, attend_dense, attend_flex, dense_step_mask, step_mask)
 from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
@@ -60,27 +60,38 @@ def test_causal_prefill_equals_masked_attention_for_real_tokens():
             assert torch.allclose(got[b, :, :n], ref[b, :, :n], atol=1e-5, rtol=0)
 
 
-def _qkv(B, T, S, seed):
+def _qkv(B, T, S, seed, heads=H, kv=KV):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, H, T, D, generator=g), torch.randn(B, KV, S, D, generator=g), \
-        torch.randn(B, KV, S, D, generator=g)
+    return torch.randn(B, heads, T, D, generator=g), torch.randn(B, kv, S, D, generator=g), \
+        torch.randn(B, kv, S, D, generator=g)
 
 
 @needs_compiler
-@pytest.mark.parametrize("T,tree", [(1, False), (3, False), (4, True)])
-def test_flex_equals_dense_across_block_boundaries(T, tree):
+@pytest.mark.parametrize("T,tree,heads,group", [(1, False, H, H // KV), (3, False, H, H // KV), (4, True, H, H // KV),
+                                                (4, True, H, 1), (32, True, 8 * KV, 8)])
+def test_flex_equals_dense_across_block_boundaries(T, tree, heads, group):
     """Rows whose new tokens start inside a block, at a block boundary, straddle two blocks, or sit in
-    the first block; S = 300 is not a multiple of the 128-position block; T = 3 is padded to 4."""
+    the first block; S = 300 is not a multiple of the 128-position block; T = 3 is padded to 4. The model's
+    path folds each KV head's query heads into the query axis (group = heads // KV); group 1 is torch's own
+    grouped attention; 8 heads a group of 32 tokens fill two 128-query blocks."""
     start = torch.tensor([5, 128, 126, 250, 40])
     S, B = 300, len(start)
     trees = _tree_rows(B, T, seed=T) if tree else None
-    q, k, v = _qkv(B, T, S, seed=T)
+    q, k, v = _qkv(B, T, S, seed=T, heads=heads)
     ref = attend_dense(q, k, v, dense_step_mask(start, T, S, trees))
-    mask = step_mask(start, T, S, trees, flex=True)
-    assert mask.block is not None and mask.dense is None
+    mask = step_mask(start, T, S, trees, flex=True, group=group)
+    assert mask.block is not None and mask.dense is None and mask.group == group
+    assert mask.block.shape[-2] == group * (1 << (T - 1).bit_length())  # the folded query axis
     got = attend_flex(q, k, v, mask)
     assert attention.flex_error() is None, attention.flex_error()
     assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+
+
+def test_a_flex_mask_of_another_group_is_refused():
+    start = torch.tensor([5, 40])
+    q, k, v = _qkv(2, 1, 256, seed=0, heads=3 * KV)
+    with pytest.raises(ValueError, match="num_heads // num_kv_heads"):
+        attend_flex(q, k, v, step_mask(start, 1, 256, flex=True, group=2))
 
 
 @needs_compiler
@@ -93,7 +104,9 @@ def test_model_step_through_flex_equals_dense(shape):
     depths, tree = _tree(5) if shape == "tree" else (None, None)
     tokens = _tokens(5, T, seed=7)
     ref, ref_h = EagerRunner(runner.model, runner.cache, "cpu").run(tokens, lens, depths, tree, hidden_layers=(1,))
-    fb = build_step_batch(tokens, lens, runner.cache, runner.cache.length, depths, tree, flex=True)
+    fb = build_step_batch(tokens, lens, runner.cache, runner.cache.length, depths, tree, flex=True,
+                          group=head_group(runner.model))
+    assert fb.attn.group == 2
     got, got_h = runner.model(fb, runner.cache.k, runner.cache.v, (1,))
     assert attention.flex_error() is None, attention.flex_error()
     assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
@@ -145,8 +158,8 @@ def test_paged_flex_reads_the_pool_through_the_block_table(shape, compiled):
     depths, tree = _tree(5) if shape == "tree" else (None, None)
     tokens = _tokens(5, T, seed=3)
     ref, ref_h = EagerRunner(runner.model, cache, "cpu").run(tokens, lens, depths, tree, hidden_layers=(1,))
-    fb = build_step_batch(tokens, lens, cache, cache.length, depths, tree, flex=True)
-    assert fb.blocks is None and fb.attn.table is not None and fb.attn.block is not None
+    fb = build_step_batch(tokens, lens, cache, cache.length, depths, tree, flex=True, group=head_group(runner.model))
+    assert fb.blocks is None and fb.attn.table is not None and fb.attn.block is not None and fb.attn.group == 2
     got, got_h = runner.model(fb, cache.k, cache.v, (1,), layer_call=compiled_layer_call() if compiled else None)
     assert attention.flex_error() is None, attention.flex_error()
     assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
@@ -158,7 +171,7 @@ def test_paged_flex_failure_falls_back_to_gathered_dense(monkeypatch):
     cache = runner.cache
     tokens = _tokens(5, 1, seed=4)
     ref, _ = EagerRunner(runner.model, cache, "cpu").run(tokens, lens)
-    fb = build_step_batch(tokens, lens, cache, cache.length, flex=True)
+    fb = build_step_batch(tokens, lens, cache, cache.length, flex=True, group=head_group(runner.model))
 
     def broken():
         raise RuntimeError("no kernel here")

@@ -10,7 +10,7 @@ import torch
 import transformers as tf
 
 from rlspec.rollout.errors import UnsupportedModelError
-from rlspec.rollout.runtime.graphs import EagerRunner, build_step_batch
+from rlspec.rollout.runtime.graphs import EagerRunner, build_step_batch, head_group
 from rlspec.rollout.runtime.kv_cache import PagedKVCache
 from rlspec.rollout.runtime.model import attention, loader
 from rlspec.rollout.runtime.model.config import ModelConfig
@@ -181,7 +181,7 @@ def test_paged_flex_step_of_windowed_and_softcapped_layers_goes_dense(shape):
     model, cache, lens = _paged(hf)
     tokens, depths, tree = _step(shape)
     ref, _ = EagerRunner(model, cache, "cpu").run(tokens, lens, depths, tree)
-    fb = build_step_batch(tokens, lens, cache, cache.length, depths, tree, flex=True)
+    fb = build_step_batch(tokens, lens, cache, cache.length, depths, tree, flex=True, group=head_group(model))
     assert fb.blocks is None and fb.attn.block is not None
     assert all(m.dense is not None and m.block is None for m in model.layer_masks(fb))
     got, _ = model(fb, cache.k, cache.v)
@@ -198,7 +198,7 @@ def test_paged_flex_full_layers_take_the_query_scale():
     model, cache, lens = _paged(tf.Gemma3ForCausalLM(config).eval())
     tokens, _, _ = _step("decode")
     ref, _ = EagerRunner(model, cache, "cpu").run(tokens, lens)
-    fb = build_step_batch(tokens, lens, cache, cache.length, flex=True)
+    fb = build_step_batch(tokens, lens, cache, cache.length, flex=True, group=head_group(model))
     assert [m.block is not None for m in model.layer_masks(fb)] == [False, True, False]
     got, _ = model(fb, cache.k, cache.v)
     assert attention.flex_error() is None, attention.flex_error()
