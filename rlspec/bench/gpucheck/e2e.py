@@ -9,13 +9,14 @@ tokenizer's vocabulary (no hub there), the embedded arithmetic task. Arms, each 
   spec         SpecGRPOTrainer, plain decoding in the engine
   spec-oracle  SpecGRPOTrainer with `SuccessorOracle` drafting k tokens every step at per-token acceptance a
 
-Per arm: seconds per step and per phase (rollout, weight sync, old logprobs, rewards, loss forward, backward,
+Per arm: seconds per step (the median after the first, which holds the arm's warm-up) and per phase (rollout, weight sync, old logprobs, rewards, loss forward, backward,
 optimizer: bench/dropin.py's PhaseClock), and the engine's tokens per verify. A machine without TRL (the GPU
 machine's python3 has none unless carried, docs/gpu.md#the-device-check-make-gpu-check) records the section as
 skipped, and why."""
 from __future__ import annotations
 
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -112,9 +113,13 @@ def one_arm(arm: str, cfg: dict, tok, device, dtype) -> dict:
         engine = getattr(trainer, "engine", None)
         if engine is not None:
             engine.close()
-    phases = {p: sum(v) / max(len(v), 1) for p, v in clock.per_step(cfg["steps"]).items()}
-    return dict(arm=arm, steps=cfg["steps"], wall_s=wall, step_s=wall / cfg["steps"],
-                rollout_s=phases["rollout"], phases_s_per_step=phases,
+    # the first step of each arm holds its warm-up (TRL's first generate, our graph captures and draft calibration):
+    # a step's cost is the median of the later ones, the first reported beside it
+    step_times = [log["step_time"] for log in trainer.state.log_history if "step_time" in log] or [wall / cfg["steps"]]
+    steady = step_times[1:] or step_times
+    phases = {p: statistics.mean(v[1:] or v) if v else 0.0 for p, v in clock.per_step(cfg["steps"]).items()}
+    return dict(arm=arm, steps=cfg["steps"], wall_s=wall, step_s=statistics.median(steady), first_step_s=step_times[0],
+                step_times_s=step_times, rollout_s=phases["rollout"], phases_s_per_step=phases,
                 accept_len=sum(accept) / len(accept) if accept else None)
 
 

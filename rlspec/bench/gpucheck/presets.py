@@ -2,9 +2,9 @@
 (--smoke), and the summary it prints. Stdlib only.
 
 Limits: the core (the CUDA smoke subset, plain, spec_costs) adds up to 300 s and everything to 600 s (one device
-call). Each is sized from the H200 run's section times (bench_out/gpu/: tests 24 in ~170 s, plain 97 s,
-spec_costs 84 s, oracle 63 s, grpo 34 s) after the work each section was cut to (docs/gpu.md#the-device-check);
-a section stops starting measurements at 0.8 of its limit, so what it measured comes back either way."""
+call). Each is sized from the H200 run's section times (bench_out/gpu/report.json: the smoke subset's 16 tests
+112 s, plain 58 s, spec_costs' verify rows 72 s, profile 24 s, contexts 16 s, oracle 56 s, e2e's two first arms
+~40 s); a section stops starting measurements at 0.8 of its limit, so what it measured comes back either way."""
 from __future__ import annotations
 
 import importlib
@@ -27,8 +27,8 @@ CORE_TESTS = [
 GPU = {
     "plain": dict(shapes=["smollm2-135m", "qwen2.5-7b"], batches=[1, 8, 32, 128], prompt_len=64,
                   new_tokens={"smollm2-135m": 64, "qwen2.5-7b": 32}, iters=10, repeats=3, hf_batches=[1, 32]),
-    "spec_costs": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], verify_tokens=[2, 3, 4, 5, 6, 7, 8],
-                       tree_tokens=[5, 7], ctx=256, iters=6, repeats=3, draft_batches=[1, 8, 32],
+    "spec_costs": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], verify_tokens=[2, 3, 4, 5, 8],
+                       tree_tokens=[5], ctx=256, iters=6, repeats=3, draft_batches=[1, 8, 32],
                        draft_new_tokens=24, prompt_len=64),
     "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12),
     "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3),
@@ -51,8 +51,8 @@ SMOKE = {
     "e2e": dict(shape="tiny", steps=1, batch=4, generations=2, max_completion_length=8, accept=0.7,
                 num_draft_tokens=4, arms=["trl", "spec", "spec-oracle"], temperature=0.25),
 }
-# seconds per section; the core's add up to 300, all to 600
-GPU_LIMITS = dict(tests=120, plain=90, spec_costs=90, profile=40, contexts=50, oracle=80, e2e=70, tests_rest=60)
+# seconds per section; the core's add up to 300, all to 600 (sized from bench_out/gpu/report.json's seconds)
+GPU_LIMITS = dict(tests=140, plain=65, spec_costs=95, profile=30, contexts=30, oracle=65, e2e=100, tests_rest=75)
 SMOKE_LIMITS = dict(tests=120, plain=120, spec_costs=120, profile=120, contexts=120, oracle=120, e2e=200,
                     tests_rest=120)
 # what a device's memory reads at (bytes/s), for the bandwidth limit beside each plain step (by device name)
