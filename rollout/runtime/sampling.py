@@ -130,9 +130,10 @@ def drawn_column(probs: torch.Tensor, generator: Draws) -> torch.Tensor:
 def kernel_draws(logits: torch.Tensor, params: SamplingParams) -> bool:
     """Whether the CPU kernels draw this step (kernels/sample.cpp, verify_chain.cpp): sampling with no top-k, top-p
     or min-p (a repetition penalty is the caller's: it passes the penalised logits), float32 logits on the CPU, the
-    kernels built. Their law is probs_from_logits' there; their bits are not (their softmax is their own)."""
+    kernels built (kernels.draws_available). Their law is probs_from_logits' there; their bits are not (their softmax
+    is their own)."""
     return not (params.greedy or truncates(params, logits.shape[-1]) or logits.device.type != "cpu"
-                or logits.dtype != torch.float32) and kernels.available()
+                or logits.dtype != torch.float32) and kernels.draws_available()
 
 
 def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws):

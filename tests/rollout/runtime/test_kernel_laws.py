@@ -14,7 +14,7 @@ import torch
 from rlspec.rollout.runtime.model import kernels
 from tests.rollout.law_helpers import ALPHA, chi2_pvalue
 
-needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no AVX-512 BF16 CPU or no C++ toolchain")
+needs_kernel = pytest.mark.skipif(not kernels.draws_available(), reason="no C++ toolchain")
 V, N = 1000, 40000
 
 
@@ -46,7 +46,7 @@ def test_sample_rows_draws_the_softmax_with_its_logprob(temperature):
     probability 0 fails), the logprob of each drawn token, and rows with a NaN or an inf flagged."""
     x, r, law = _row_case(temperature)
     tok, lp, fin = _sample(x, r, temperature)
-    assert tok.dtype == torch.long and fin.all() and kernels.ready
+    assert tok.dtype == torch.long and fin.all()
     assert not (tok % 7 == 0).any()
     assert chi2_pvalue(torch.bincount(tok, minlength=V), law) > ALPHA
     torch.testing.assert_close(lp.double(), torch.log_softmax(x.double() / temperature, -1)[tok], atol=2e-5, rtol=0)

@@ -6,7 +6,8 @@
     and value once for all the queries of its KV head (docs/runtime.md#attention-on-the-cpu);
   * each decoder layer of a step as one op (decoder_layer.cpp, model/fused.py);
   * a plain step's draw, logprob and finite check (sample.cpp, `sample_rows`: runtime/sampling.py), and a chain's
-    verification with them (verify_chain.cpp, `verify_chain_rows`: speculation/verify.py);
+    verification with them (verify_chain.cpp, `verify_chain_rows`: speculation/verify.py); these two are also
+    built portably, on their own, where the rest cannot be (`draws_available`);
   * a learned drafter's chain after its catch-up: draft steps, head and draws (draft_chain.cpp,
     speculation/drafters/eagle3_fused.py).
 
@@ -20,8 +21,10 @@ kernel read the cache at ~5 GB/s and once per query: half of a long rollout's st
 Built once per machine with torch's extension builder (about 30 s; ninja and a C++ compiler) under
 $RLSPEC_CACHE/kernels/<source hash>, and loaded from there afterwards (build.py: a killed build never blocks a
 later one; a cache directory that other users can write is not loaded from). Only where the CPU has AVX-512 BF16
-(`available`); anywhere else, when the build fails (one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes:
-steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them from a
+(`available`); anywhere else the draws alone (`draws_available`: with no -m flags, ~15 s to build), which took a
+chain's verification from ~25 small torch ops to one: on a GPU every such op is a launch the device waits for, and
+on the CPU they were a fifth of a speculative step's host time (`python -m rlspec.bench host`). When a build fails
+(one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes: steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them from a
 compiled step like any extern kernel and fuses everything around them.
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 SOURCES = [Path(__file__).with_name(n) for n in ("small_gemm.cpp", "paged_attention.cpp", "decoder_layer.cpp",
                                                  "sample.cpp", "draft_chain.cpp", "verify_chain.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "ops.h")]  # included by the sources: part of the hash
+DRAW_SOURCES = [Path(__file__).with_name(n) for n in ("sample.cpp", "verify_chain.cpp")]  # no intrinsics needed
 MAX_ROWS = 16  # products of more rows are compute-bound in this kernel; oneDNN's blocked GEMM wins there
 ENV = "RLSPEC_CPU_KERNELS"
 ready = False  # set by available() once the op is loaded; read inside compiled code, which must not build it
@@ -71,13 +75,48 @@ def available() -> bool:
 
 
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+def _draw_flags() -> list[str]:
+    """Portable flags, with AVX2 and FMA where this CPU has them (the build is per machine: the cache directory's
+    name holds the flags)."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags.split()) else [])
 
 
-def source_digest() -> str:
+DRAW_FLAGS = _draw_flags()
+
+
+def source_digest(sources: list[Path] = SOURCES, flags: list[str] = FLAGS) -> str:
     """The build's identity: the sources, headers, flags and torch version (a build directory's name, and part of
     the calibration cache's key: a changed kernel is timed again)."""
-    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS) + f"{torch.__version__} {FLAGS}".encode()
+    text = b"".join(p.read_bytes() for p in sources + HEADERS) + f"{torch.__version__} {flags}".encode()
     return hashlib.sha256(text).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def draws_available() -> bool:
+    """Whether torch.ops.rlspec_kernels.sample_rows and verify_chain_rows can be called: from the full library where
+    it is `available`, else from a portable build of those two alone (the same op names: one of the two is ever
+    loaded in a process)."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    if available():
+        return True
+    if platform.system() != "Linux":  # the extension builder's toolchain is only relied on here
+        return False
+    from rlspec.rollout.runtime.model.fetch import cache_root
+    from rlspec.rollout.runtime.model.kernels.build import load_library
+
+    digest = source_digest(DRAW_SOURCES, DRAW_FLAGS)
+    try:
+        load_library(f"rlspec_draws_{digest}", DRAW_SOURCES, DRAW_FLAGS, ["-fopenmp"], cache_root() / "kernels" / digest)
+    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: keep the torch path
+        warnings.warn(f"rlspec: CPU sampling kernels unavailable ({type(exc).__name__}: {exc}); steps draw with torch "
+                      f"ops as before. Set {ENV}=0 to silence this.", stacklevel=2)
+        return False
+    return True
 
 
 def _build() -> None:

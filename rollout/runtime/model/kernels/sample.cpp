@@ -12,24 +12,33 @@
 // Why (docs/verification.md#plain-steps-on-the-cpu): torch took five passes over each row's 49k logits (softmax,
 // cumsum, log_softmax, a sum for the finite check, the CDF search) and ~35 small ops around them, ~0.75 ms of a
 // ~11 ms batch-1 step; here three passes in one call.
+//
+// Built two ways (kernels/__init__.py): with AVX-512 inside the full library, and portable (no -m flags) in a
+// library of the draws alone where the CPU lacks AVX-512 BF16, so that every CPU draws in one op. The two differ
+// only in softmax_row's exponential: the same polynomial, 16 lanes at a time or in a loop the compiler vectorises.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include "ops.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
 #include "simd.h"
+#endif
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
 
 namespace rlspec_kernels {
 
-using namespace rlspec_simd;
-
 constexpr int64_t W = kDrawLanes;  // lanes: the exponentials' partial sums are kept per block of 16 tokens
+
+#if defined(__AVX512F__)
+using namespace rlspec_simd;
 
 Softmax softmax_row(const float* x, int64_t V, float temperature, float* e, float* block) {
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -58,6 +67,96 @@ Softmax softmax_row(const float* x, int64_t V, float temperature, float* e, floa
   }
   return {m, total, true};
 }
+#else
+// GCC/Clang vector extensions: W lanes in whatever registers the compiler targets (SSE, AVX2), so the loops below
+// are vector code by construction rather than by the auto-vectoriser's leave (which keeps a running maximum or sum
+// scalar without fast-math).
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// exp(x) for x <= 0 as simd.h's exp_nonpos computes it: 2^n * 2^f, f's degree-7 Taylor polynomial, 0 below -87.
+// n rounds by the 1.5 * 2^23 trick and 2^n is built in the exponent field (n >= -126: a normal float).
+inline vf exp_nonpos_v(vf x) {
+  const vf lo = vf{} - 87.f;
+  const vf t = (x > lo ? x : lo) * 1.44269504088896341f;
+  const vf n = (t + 12582912.f) - 12582912.f;
+  const vf f = (t - n) * 0.69314718055994531f;
+  vf p = f * (1.f / 5040) + 1.f / 720;
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  vi out;
+  const vf r = p * scale;
+  std::memcpy(&out, &r, sizeof out);
+  out &= (x >= lo);  // lanes below -87 (masked: -inf) give 0
+  vf res;
+  std::memcpy(&res, &out, sizeof res);
+  return res;
+}
+
+Softmax softmax_row(const float* x, int64_t V, float temperature, float* e, float* block) {
+  const int64_t whole = V / W * W;
+  // pass 1: the scaled maximum; any NaN or inf among the raw logits (x - x is 0 exactly when x is finite)
+  vf vmax = vf{} - std::numeric_limits<float>::infinity(), vbad = vf{};
+  for (int64_t i = 0; i < whole; i += W) {
+    const vf v = load(x + i);
+    vbad += v - v;  // NaN in a lane as soon as one of its logits is NaN or inf
+    const vf s = v / temperature;
+    vmax = s > vmax ? s : vmax;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  bool bad = false;
+  for (int64_t l = 0; l < W; l++) {
+    bad |= !(vbad[l] == 0.f);
+    m = std::max(m, vmax[l]);
+  }
+  for (int64_t i = whole; i < V; i++) {
+    bad |= !(x[i] - x[i] == 0.f);
+    m = std::max(m, x[i] / temperature);
+  }
+  if (bad) return {0.f, 0.f, false};
+  // pass 2: exp(x / T - max), kept (0 past V, up to the block's end), with each block's sum and the total
+  float total = 0.f, tail[W] = {};
+  for (int64_t i = 0, k = 0; i < V; i += W, k++) {
+    const bool full = i + W <= V;
+    if (!full)
+      for (int64_t l = 0; i + l < V; l++) tail[l] = x[i + l];
+    const vf p = exp_nonpos_v(load(full ? x + i : tail) / temperature - m);
+    std::memcpy(e + i, &p, sizeof p);
+    if (!full)
+      for (int64_t l = V - i; l < W; l++) e[i + l] = 0.f;
+    // the block's sum by halves (a running sum would chain 16 dependent additions a block)
+    const vf q = load(e + i);
+    v8 h8;
+    std::memcpy(&h8, &q, sizeof h8);
+    h8 += load8(reinterpret_cast<const float*>(&q) + 8);
+    const float sum = ((h8[0] + h8[4]) + (h8[1] + h8[5])) + ((h8[2] + h8[6]) + (h8[3] + h8[7]));
+    block[k] = sum;
+    total += sum;
+  }
+  return {m, total, true};
+}
+#endif
 
 int64_t search_row(const float* e, const float* block, int64_t V, float target) {
   float c = 0.f;
