@@ -2,7 +2,8 @@
 
 Admission: prompt groups (a prompt's n samples, which share one prefill and the prompt's full KV
 blocks) are admitted whole while table rows and KV blocks last (`group_blocks` is what a group
-costs, plus a block of headroom per live sequence); when nothing is live and the first group still
+costs, plus the blocks each live sequence grows into over its next HEADROOM_TOKENS tokens: one block
+of 16 positions, none of 128 for a row that stays inside its block); when nothing is live and the first group still
 does not fit, as many of its samples as fit are admitted (the rest wait as a smaller group with a
 prefill of its own), so a pool that holds one sequence always makes progress.
 
@@ -25,6 +26,12 @@ from collections import deque
 from rlspec.rollout.runtime.blocks import BlockAllocator
 from rlspec.rollout.runtime.sequence import Sequence
 
+# positions of growth kept free per live sequence at admission (a block's worth where blocks are smaller):
+# admitting into the last free blocks would only preempt someone a few steps later. Counted in positions, not blocks: with FlexAttention's 128-position blocks
+# (CUDA) a block of headroom per row halved the rows a pool of one block a row admits (bench_out/gpu/: 7B, 128 rows of
+# 96 positions ran as two waves of 64)
+HEADROOM_TOKENS = 16
+
 
 class Scheduler:
     def __init__(self, groups: list[list[Sequence]], rows: int, alloc: BlockAllocator):
@@ -33,7 +40,6 @@ class Scheduler:
         self.rows, self.alloc = rows, alloc
         self.admitted = 0  # first-admission counter: a sequence's age
         self.preemptions = 0
-        self.headroom = 1  # free blocks kept per live sequence at admission (see admit)
 
     @property
     def has_work(self) -> bool:
@@ -57,11 +63,10 @@ class Scheduler:
         groups, promised = [], 0  # blocks the groups admitted so far will take
         while self.waiting:
             g = self.waiting[0]
-            # headroom: one block per live sequence after admission, what they grow by in block_size
-            # steps; admitting into the last free blocks would only preempt someone a step later. An empty
-            # engine takes what fits without it: it must make progress
+            # headroom: the blocks every live sequence grows into over its next HEADROOM_TOKENS tokens (see
+            # there). An empty engine takes what fits without it: it must make progress
             empty = not self.live and not groups
-            cost = self.group_blocks(g) + (0 if empty else self.headroom * (len(self.live) + len(g)))
+            cost = self.group_blocks(g) + (0 if empty else sum(map(self._growth, self.live + g)))
             if len(self.live) + len(g) <= self.rows and self.fits(promised + cost):
                 self.waiting.popleft()
             elif empty and len(g) > 1:
@@ -77,6 +82,13 @@ class Scheduler:
                 self.live.append(s)
             groups.append(g)
         return groups
+
+    def _growth(self, s: Sequence) -> int:
+        """Blocks s takes beyond those it holds (its cache and pending position; a fresh one's prompt and first
+        position) to hold its next HEADROOM_TOKENS tokens, or a block's worth where blocks are smaller: 1 with blocks
+        of up to 16 positions (as it always was), 0 or 1 with 128-position ones."""
+        held, a = max(s.cache_len, len(s.prompt_ids)) + 1, self.alloc
+        return a.blocks_for(held + min(a.block_size, HEADROOM_TOKENS)) - a.blocks_for(held)
 
     def fits(self, blocks: int) -> bool:
         """Whether `blocks` blocks can be free: within the pool's room, growing it if needed (and possible)."""

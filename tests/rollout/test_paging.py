@@ -224,3 +224,21 @@ def test_pool_released_between_rollouts_when_asked():
     assert kept.runner.cache is not None
     eng.release_kv()
     assert eng.runner.cache is None
+
+
+@pytest.mark.parametrize("block_size,prompt,admitted", [(128, 64, 8), (128, 120, 4), (16, 64, 6)])
+def test_admission_keeps_headroom_in_positions_not_blocks(block_size, prompt, admitted):
+    """The headroom kept per live sequence at admission is what it grows into over its next HEADROOM_TOKENS
+    tokens. Rows of 64 prompt tokens in 128-position blocks (FlexAttention's, on CUDA) stay inside their block:
+    a pool of one block a row admits every row (a block of headroom per row admitted half: gpu-check's 7B rows
+    at batch 128 ran as two waves). Rows that will cross into a second block soon (120 + 16 > 128), and
+    16-position blocks (each row's next block), keep one block each."""
+    from rlspec.rollout.runtime.blocks import BlockAllocator
+    from rlspec.rollout.runtime.scheduler import HEADROOM_TOKENS, Scheduler
+    from rlspec.rollout.runtime.sequence import Sequence
+
+    assert HEADROOM_TOKENS == 16
+    groups = [[Sequence(i, 0, list(range(prompt)), max_new_tokens=32)] for i in range(8)]
+    per_row = -(-(prompt + 1) // block_size)  # the blocks a fresh row takes: its prompt and first position
+    sched = Scheduler(groups, rows=8, alloc=BlockAllocator(8 * per_row + 1, block_size))
+    assert sum(len(g) for g in sched.admit()) == admitted
