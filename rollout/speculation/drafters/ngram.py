@@ -24,6 +24,7 @@ from rlspec.rollout.runtime.sequence import Sequence
 
 _SHIFT = 24  # an address is doc_id << _SHIFT | position: documents up to 16M tokens
 _MASK = (1 << _SHIFT) - 1
+_NONE = array("q", [-1])  # a prev slot with no earlier occurrence
 
 
 class _Doc:
@@ -73,16 +74,18 @@ class NgramIndex:
         old = len(toks)
         toks.extend(tokens)
         self.num_tokens += len(toks) - old
-        base = doc_id << _SHIFT
-        for ai, a in enumerate(self.anchors):
-            head, prev = self.head[ai], doc.prev[ai]
-            lo = max(old, doc.start, a)
-            prev.extend([-1] * (lo - len(prev)))
+        base, n = doc_id << _SHIFT, len(toks)
+        for head, prev, a in zip(self.head, doc.prev, self.anchors):
+            lo = old if old > doc.start else doc.start
+            lo = lo if lo > a else a
+            if len(prev) < (lo if lo > n else n):  # one slot per position (-1: none before), filled below
+                prev.extend(_NONE * ((lo if lo > n else n) - len(prev)))
             # position p is indexed once token p exists: the n-gram ending at the document's last
-            # token has no continuation yet, so a sequence never matches itself at its own end
-            for p in range(lo, len(toks)):
+            # token has no continuation yet, so a sequence never matches itself at its own end. (Operators
+            # rather than calls in this loop: it runs per token and anchor, every decode step, for every row.)
+            for p in range(lo, n):
                 key = hash(tuple(toks[p - a:p]))
-                prev.append(head.get(key, -1))
+                prev[p] = head[key] if key in head else -1
                 head[key] = base | p
 
     def remove(self, doc_id: int) -> None:
