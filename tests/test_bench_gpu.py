@@ -175,6 +175,20 @@ def test_the_oracle_model_picks_its_greedy_token_by_a_margin_rounding_cannot_fli
     assert len(set(pairs.values())) == len(pairs)  # a permutation: distinct tokens, distinct successors
 
 
+def test_the_compiled_extra_times_both_layer_modes_in_process(tmp_path):
+    """`--sections compiled` (an extra, outside the check's budget): eager and compiled layers, each row timed both
+    ways with its first compiled step and the logits' largest difference (the tiny shape: float32 on the CPU)."""
+    proc = subprocess.run([sys.executable, "-m", "rlspec.bench.gpu", "--smoke", "--sections", "compiled", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert proc.returncode == 0 and report["compiled"]["status"] == "ok", proc.stdout[-3000:]
+    rows = report["compiled"]["rows"]
+    assert [r["batch"] for r in rows] == presets.SMOKE["compiled"]["batches"]
+    assert all(r["step_ms_on"] > 0 and r["step_ms_off"] > 0 and r["first_step_s_on"] > 0 for r in rows)
+    assert all(r["max_logit_diff"] < 1e-3 for r in rows)  # the same model both ways
+    assert "compiled" not in gpu.SECTIONS  # never part of the check's 600 s
+
+
 def test_section_limits_fit_the_budget():
     """The core (CUDA smoke subset, plain, spec_costs) within 5 minutes, everything within 10."""
     limits = presets.GPU_LIMITS

@@ -17,6 +17,7 @@ Sections, in order; the core (tests, plain, spec_costs) is limited to 300 s, the
   e2e         GRPO steps, SpecGRPOTrainer (plain; oracle drafter at a = 0.7) against trl.GRPOTrainer: seconds
               per step and per phase (skipped, and why, where TRL is not importable)
   tests_rest  every other CUDA test
+An extra, run only when named (--sections compiled): the plain step with eager and with compiled layers (7B).
 Every section but the tests runs in a child process with a timeout (a hung CUDA call cannot take the report
 down; the rehearsal runs its measuring sections in one child); every CUDA test's outcome is a row of report.json.
 
@@ -53,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="report folder (default bench_out/gpu; with --smoke bench_out/gpu_rehearsal); a path "
                              "X.json names the report itself, the logs going to the folder X")
-    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS, help="sections to run")
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS + presets.EXTRAS,
+                        help=f"sections to run (default: the check; extras: {', '.join(presets.EXTRAS)})")
     parser.add_argument("--tokenizer", default=None,
                         help=f"tokenizer directory for the e2e section (default {CARRY}/tokenizer, "
                              "else the embedded model's in the rlspec cache)")
@@ -224,7 +226,7 @@ def test_section(name: str, args, limit: float, folder: Path) -> dict:
 
 def failed(report: dict) -> list[str]:
     """Sections that did not complete (a skipped one did what it could: it says why)."""
-    return [s for s in SECTIONS if s in report and report[s]["status"] not in ("ok", "skipped")]
+    return [s for s in SECTIONS + presets.EXTRAS if s in report and report[s]["status"] not in ("ok", "skipped")]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 
-SECTIONS = ("tests", "plain", "spec_costs", "profile", "contexts", "oracle", "e2e", "tests_rest")
+SECTIONS = ("tests", "plain", "spec_costs", "profile", "contexts", "oracle", "e2e", "tests_rest")  # the check
+EXTRAS = ("compiled",)  # run only when asked (--sections compiled): questions for a device call of their own
 CORE = ("tests", "plain", "spec_costs")
 TEST_SECTIONS = ("tests", "tests_rest")
 TEST_TARGETS = ["tests/gpu", "tests/rollout/runtime/test_graphs.py"]  # run under `-m gpu`
@@ -34,6 +35,7 @@ GPU = {
     "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3),
     "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
                    prompt_len=64, new_tokens=48, repeats=3),
+    "compiled": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], context=256, iters=6, repeats=3),
     "e2e": dict(shape="smollm2-135m-untied", steps=3, batch=8, generations=4, max_completion_length=64, accept=0.7,
                 num_draft_tokens=4, arms=["trl", "spec", "spec-oracle"], temperature=1.0),
 }
@@ -46,6 +48,7 @@ SMOKE = {
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
                    new_tokens=16, repeats=3),
+    "compiled": dict(shape="tiny", batches=[1, 2], context=16, iters=2, repeats=3),
     # temperature: the tiny shape's greedy margin (~sqrt(hidden) = 8 logits) against a 49k vocabulary is sampled
     # away at T = 1; at 0.25 the sampled continuation is the greedy one, as SmolLM2's (24 logits) at T = 1
     "e2e": dict(shape="tiny", steps=1, batch=4, generations=2, max_completion_length=8, accept=0.7,
@@ -53,6 +56,7 @@ SMOKE = {
 }
 # seconds per section; the core's add up to 300, all to 600 (sized from bench_out/gpu/report.json's seconds)
 GPU_LIMITS = dict(tests=140, plain=65, spec_costs=95, profile=30, contexts=30, oracle=65, e2e=100, tests_rest=75)
+EXTRA_LIMITS = dict(compiled=180)
 SMOKE_LIMITS = dict(tests=120, plain=120, spec_costs=120, profile=120, contexts=120, oracle=120, e2e=200,
                     tests_rest=120)
 # what a device's memory reads at (bytes/s), for the bandwidth limit beside each plain step (by device name)
@@ -68,7 +72,7 @@ def config(name: str, smoke: bool, tokenizer: str | None = None) -> dict:
 
 def timeouts(smoke: bool, overrides: list[str] | None = None) -> dict[str, float]:
     """Each section's limit in seconds; overrides: ["oracle=200", ...]."""
-    limits = dict(SMOKE_LIMITS if smoke else GPU_LIMITS)
+    limits = {**(SMOKE_LIMITS if smoke else GPU_LIMITS), **EXTRA_LIMITS}
     for item in overrides or []:
         name, _, value = item.partition("=")
         if name not in limits or not value:
@@ -94,7 +98,7 @@ def print_summary(report: dict) -> None:
     """One line per section, then the rows that answer its question."""
     print(f"\n{report['device']} (torch {report['torch']}), {report.get('elapsed_s', 0):.0f} s, "
           f"commit {report.get('commit')}{' (dirty)' if report.get('dirty') else ''}")
-    for name in SECTIONS:
+    for name in SECTIONS + EXTRAS:
         sec = report.get(name)
         if sec is None:
             continue
@@ -110,5 +114,7 @@ def print_summary(report: dict) -> None:
         predicted = f", predicted x{r['predicted_speedup']:.2f}" if "predicted_speedup" in r else ""
         print(f"  oracle batch {r['batch']:>3} a={r['accept']}: x{r['speedup']:.2f} plain{predicted}, accept_len "
               f"{r['accept_len']} (expected {r['expected_accept_len']:.2f}), steps {r['decode_steps']}")
+    for r in report.get("compiled", {}).get("rows", []):
+        print(f"  compiled batch {r['batch']:>3}: {r['step_ms_off']:.2f} -> {r['step_ms_on']:.2f} ms (x{r['speedup']:.2f})")
     for r in report.get("e2e", {}).get("rows", []):
         print(f"  e2e {r['arm']:<12} {r['step_s']:.2f} s a step (rollout {r['rollout_s']:.2f} s)")
