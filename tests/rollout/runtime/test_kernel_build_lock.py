@@ -134,3 +134,22 @@ def test_the_real_kernels_load_past_a_build_lock_left_by_a_killed_build(tmp_path
     code = "from rlspec.rollout.runtime.model import kernels; assert kernels.available()"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120,
                    env=dict(os.environ, PYTHONPATH=str(ROOT), RLSPEC_CACHE=str(tmp_path)))
+
+
+def test_a_cache_reached_through_a_link_loads_the_library_built_there(tmp_path, monkeypatch):
+    """A trusted cache directory reached through a symbolic link (tests/conftest.py's fresh caches link to the
+    machine's kernels) loads the library already built behind it: no build. Comparing the resolved path with the
+    link's made every such process build privately again (~20 s each: the distributed tests' warm starts ran out
+    of their budget before a step)."""
+    import rlspec.rollout.runtime.model.kernels.build as build
+
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    load_library("rlspec_linked_once", [_tiny(tmp_path, "rlspec_linked_once")], [], [], real)  # the machine's build
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    compiled = []
+    monkeypatch.setattr(build, "_compile_into", lambda *a: compiled.append(a))
+    assert load_library("rlspec_linked_once", [tmp_path / "rlspec_linked_once.cpp"], [], [], link) == \
+        real / "rlspec_linked_once.so"
+    assert compiled == [] and _works("rlspec_linked_once")

@@ -47,7 +47,9 @@ def load_library(name: str, sources: list[Path], cflags: list[str], ldflags: lis
     returns the path it was loaded from."""
     where = private_dir(directory, "the CPU kernels' library")
     lib = where / f"{name}.so"
-    if where != directory:  # a directory others can write: build just for this process, leave nothing behind
+    # private_dir returns the trusted path resolved (a cache reached through a link, as tests/conftest.py's, is the
+    # directory the link names) or a fresh private one: only the latter builds just for this process
+    if where != Path(os.path.realpath(directory)):  # others can write there: build for this process, leave nothing
         try:
             _compile_into(where, lib, name, sources, cflags, ldflags)
         finally:
