@@ -3,9 +3,9 @@
 Admission: prompt groups (a prompt's n samples, which share one prefill and the prompt's full KV
 blocks) are admitted whole while table rows and KV blocks last (`group_blocks` is what a group
 costs, plus the blocks each live sequence grows into over its next HEADROOM_TOKENS tokens: one block
-of 16 positions, none of 128 for a row that stays inside its block); when nothing is live and the first group still
-does not fit, as many of its samples as fit are admitted (the rest wait as a smaller group with a
-prefill of its own), so a pool that holds one sequence always makes progress.
+of 16 positions, none of 128 for a row that stays inside its block); when nothing is live and the
+first group still does not fit, as many of its samples as fit are admitted (the rest wait as a
+smaller group with a prefill of its own), so a pool that holds one sequence always makes progress.
 
 Growth: every decision asks `fits` (or `alloc.reserve`), which grows a growing pool (the default
 budget) before saying no, so the decisions are those of a pool allocated at its ceiling.
@@ -27,9 +27,9 @@ from rlspec.rollout.runtime.blocks import BlockAllocator
 from rlspec.rollout.runtime.sequence import Sequence
 
 # positions of growth kept free per live sequence at admission (a block's worth where blocks are smaller):
-# admitting into the last free blocks would only preempt someone a few steps later. Counted in positions, not blocks: with FlexAttention's 128-position blocks
-# (CUDA) a block of headroom per row halved the rows a pool of one block a row admits (bench_out/gpu/: 7B, 128 rows of
-# 96 positions ran as two waves of 64)
+# admitting into the last free blocks would only preempt someone a few steps later. Counted in positions, not
+# blocks: with FlexAttention's 128-position blocks (CUDA) a block of headroom per row halved the rows that a pool of
+# one block a row admits (bench_out/gpu/: 7B, 128 rows of 96 positions ran as two waves of 64)
 HEADROOM_TOKENS = 16
 
 

@@ -115,6 +115,7 @@ def print_summary(report: dict) -> None:
         print(f"  oracle batch {r['batch']:>3} a={r['accept']}: x{r['speedup']:.2f} plain{predicted}, accept_len "
               f"{r['accept_len']} (expected {r['expected_accept_len']:.2f}), steps {r['decode_steps']}")
     for r in report.get("compiled", {}).get("rows", []):
-        print(f"  compiled batch {r['batch']:>3}: {r['step_ms_off']:.2f} -> {r['step_ms_on']:.2f} ms (x{r['speedup']:.2f})")
+        print(f"  compiled batch {r['batch']:>3}: {r['step_ms_off']:.2f} -> {r['step_ms_on']:.2f} ms "
+              f"(x{r['speedup']:.2f})")
     for r in report.get("e2e", {}).get("rows", []):
         print(f"  e2e {r['arm']:<12} {r['step_s']:.2f} s a step (rollout {r['rollout_s']:.2f} s)")

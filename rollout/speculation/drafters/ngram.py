@@ -76,10 +76,10 @@ class NgramIndex:
         self.num_tokens += len(toks) - old
         base, n = doc_id << _SHIFT, len(toks)
         for head, prev, a in zip(self.head, doc.prev, self.anchors):
-            lo = old if old > doc.start else doc.start
-            lo = lo if lo > a else a
-            if len(prev) < (lo if lo > n else n):  # one slot per position (-1: none before), filled below
-                prev.extend(_NONE * ((lo if lo > n else n) - len(prev)))
+            lo = max(old, doc.start, a)
+            end = max(lo, n)
+            if len(prev) < end:  # one slot per position (-1: no earlier occurrence), filled below
+                prev.extend(_NONE * (end - len(prev)))
             # position p is indexed once token p exists: the n-gram ending at the document's last
             # token has no continuation yet, so a sequence never matches itself at its own end. (Operators
             # rather than calls in this loop: it runs per token and anchor, every decode step, for every row.)

@@ -21,10 +21,10 @@ kernel read the cache at ~5 GB/s and once per query: half of a long rollout's st
 Built once per machine with torch's extension builder (about 30 s; ninja and a C++ compiler) under
 $RLSPEC_CACHE/kernels/<source hash>, and loaded from there afterwards (build.py: a killed build never blocks a
 later one; a cache directory that other users can write is not loaded from). Only where the CPU has AVX-512 BF16
-(`available`); anywhere else the draws alone (`draws_available`: with no -m flags, ~15 s to build), which took a
-chain's verification from ~25 small torch ops to one: on a GPU every such op is a launch the device waits for, and
-on the CPU they were a fifth of a speculative step's host time (`python -m rlspec.bench host`). When a build fails
-(one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes: steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them from a
+(`available`); anywhere else the draws alone (`draws_available`: portable flags, ~20 s to build), which take a
+chain's verification from ~25 small torch ops to one (on the CPU those ops were half of a chain step's host time:
+`python -m rlspec.bench host`). When a build fails (one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes:
+steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them from a
 compiled step like any extern kernel and fuses everything around them.
 """
 from __future__ import annotations
@@ -75,6 +75,8 @@ def available() -> bool:
 
 
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+
+
 def _draw_flags() -> list[str]:
     """Portable flags, with AVX2 and FMA where this CPU has them (the build is per machine: the cache directory's
     name holds the flags)."""
@@ -111,7 +113,8 @@ def draws_available() -> bool:
 
     digest = source_digest(DRAW_SOURCES, DRAW_FLAGS)
     try:
-        load_library(f"rlspec_draws_{digest}", DRAW_SOURCES, DRAW_FLAGS, ["-fopenmp"], cache_root() / "kernels" / digest)
+        load_library(f"rlspec_draws_{digest}", DRAW_SOURCES, DRAW_FLAGS, ["-fopenmp"],
+                     cache_root() / "kernels" / digest)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: keep the torch path
         warnings.warn(f"rlspec: CPU sampling kernels unavailable ({type(exc).__name__}: {exc}); steps draw with torch "
                       f"ops as before. Set {ENV}=0 to silence this.", stacklevel=2)
