@@ -9,10 +9,10 @@ tokenizer's vocabulary (no hub there), the embedded arithmetic task. Arms, each 
   spec         SpecGRPOTrainer, plain decoding in the engine
   spec-oracle  SpecGRPOTrainer with `SuccessorOracle` drafting k tokens every step at per-token acceptance a
 
-Per arm: seconds per step (the median after the first, which holds the arm's warm-up) and per phase (rollout, weight sync, old logprobs, rewards, loss forward, backward,
-optimizer: bench/dropin.py's PhaseClock), and the engine's tokens per verify. A machine without TRL (the GPU
-machine's python3 has none unless carried, docs/gpu.md#the-device-check-make-gpu-check) records the section as
-skipped, and why."""
+Per arm: seconds per step (the median after the first, which holds the arm's warm-up) and per phase (rollout,
+weight sync, old logprobs, rewards, loss forward, backward, optimizer: bench/dropin.py's PhaseClock), and the
+engine's tokens per verify. A machine without TRL (the GPU machine's python3 has none unless carried,
+docs/gpu.md#the-device-check-make-gpu-check) records the section as skipped, and why."""
 from __future__ import annotations
 
 import random

@@ -74,7 +74,8 @@ Softmax softmax_row(const float* x, int64_t V, float temperature, float* e, floa
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));  // half a block: its sum below assumes W = 16
+static_assert(W == 16, "softmax_row sums a block as two halves of 8 lanes");
 
 inline v8 load8(const float* p) {
   v8 v;
@@ -146,10 +147,7 @@ Softmax softmax_row(const float* x, int64_t V, float temperature, float* e, floa
     if (!full)
       for (int64_t l = V - i; l < W; l++) e[i + l] = 0.f;
     // the block's sum by halves (a running sum would chain 16 dependent additions a block)
-    const vf q = load(e + i);
-    v8 h8;
-    std::memcpy(&h8, &q, sizeof h8);
-    h8 += load8(reinterpret_cast<const float*>(&q) + 8);
+    const v8 h8 = load8(e + i) + load8(e + i + 8);
     const float sum = ((h8[0] + h8[4]) + (h8[1] + h8[5])) + ((h8[2] + h8[6]) + (h8[3] + h8[7]));
     block[k] = sum;
     total += sum;
