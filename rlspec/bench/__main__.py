@@ -37,6 +37,7 @@ REGISTRY = {
     "gpu": "rlspec.bench.gpu",
     "kernel-checks": "rlspec.bench.kernel_checks",
     "host": "rlspec.bench.host",
+    "kernels": "rlspec.bench.kernels",
 }
 
 

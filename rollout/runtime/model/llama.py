@@ -39,10 +39,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if torch.is_grad_enabled() and x.requires_grad:  # a drafter's training: out= has no gradient
+            return self.weight * (x32 * r).to(x.dtype)
+        # HF's (x32 * r).to(dtype) in one kernel: the float32 product rounded to x's dtype as it is stored
+        return self.weight * torch.mul(x32, r, out=torch.empty_like(x))
 
 
 @dataclass
@@ -66,9 +68,16 @@ class ForwardBatch:
     blocks: torch.Tensor | None = None
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+    """HF's rotation x * cos + rotate_half(x) * sin of the first `heads` heads of x [B, T, heads+, D] (all: None),
+    bit for bit, given the signed sin of our tables (`rope_table`: its first half negated). rotate_half(x) * sin
+    is then roll(x, D/2) * sin, since a negation is exact and commutes with the product's rounding: 4 kernels
+    where HF's rotation takes 5, and as the q and k heads of the fused q|k|v product are adjacent, one rotation
+    serves both (10 kernels before; each is a node of every CUDA graph, docs/gpu.md#where-a-step-goes)."""
+    rolled = torch.roll(x, x.shape[-1] // 2, -1)  # x contiguous: one kernel (roll copies a strided input first)
+    if heads is not None:
+        x, rolled = x[:, :, :heads], rolled[:, :, :heads]
+    return x * cos + rolled * sin
 
 
 def norm_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -89,15 +98,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, fb: ForwardBatch, attn: AttnMask) -> torch.Tensor:
         """attn: fb.attn, or the layer's own view of it (a sliding window, a dense mask: LlamaForCausalLM)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        q = q.view(B, T, self.nh, self.hd)
-        k = k.view(B, T, self.nkv, self.hd)
-        v = v.view(B, T, self.nkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # cos/sin: [B, T, 1, hd]; rotation as in HF (q * cos + rotate_half(q) * sin).
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd)
+        v = qkv[:, :, self.nh + self.nkv:]
+        # cos/sin [B, T, 1, hd], sin signed: HF's rotation (`rope`)
+        if self.q_norm is None:  # q and k rotate together
+            q, k = rope(qkv, cos, sin, self.nh + self.nkv).split([self.nh, self.nkv], 2)
+        else:
+            q, k = rope(self.q_norm(qkv[:, :, :self.nh]), cos, sin), rope(self.k_norm(qkv[:, :, self.nh:-self.nkv]),
+                                                                          cos, sin)
         write_slots(k_cache, fb.slots, k)
         write_slots(v_cache, fb.slots, v)
         q, out = q.transpose(1, 2), None  # q [B, nh, T, hd]
@@ -179,11 +187,11 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_cos: torch.Tensor | None = None  # [max_len, hd] float32, built by init_rope
-        self.rope_sin: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None  # signed: its first half negated (`rope`)
         self.rope_extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # other layer types' tables (Gemma 3)
 
     def init_rope(self, max_len: int) -> None:
-        """Precompute cos/sin tables in float32 exactly as HF computes them per position. Tables only
+        """Precompute cos/sin tables in float32 exactly as HF computes them per position (sin signed, `rope`). Tables only
         grow: engines (or a drafter trainer) sharing one model must never shrink another's."""
         if self.rope_cos is not None and self.rope_cos.shape[0] >= max_len:
             return
@@ -252,11 +260,14 @@ def _head(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def rope_table(cfg: ModelConfig, max_len: int, device, layer_type: str | None = None):
-    """(cos, sin) [max_len, hd] float32 for one layer type's RoPE (None: the main one), as HF per position."""
+    """(cos, signed sin) [max_len, hd] float32 for one layer type's RoPE (None: the main one), as HF per position,
+    the sin's first half negated: what `rope` multiplies the rolled heads by."""
     inv_freq, scaling = rope_inv_freq(cfg, layer_type)
     freqs = torch.arange(max_len, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)[None]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
+    sin = emb.sin() * scaling
+    sin[:, :freqs.shape[1]].neg_()
+    return emb.cos() * scaling, sin
 
 
 def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:

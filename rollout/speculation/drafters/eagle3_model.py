@@ -23,7 +23,7 @@ from torch import nn
 
 from rlspec.rollout.runtime.model.config import ModelConfig
 from rlspec.rollout.runtime.model.linear import fast_linear
-from rlspec.rollout.runtime.model.llama import RMSNorm, rotate_half
+from rlspec.rollout.runtime.model.llama import RMSNorm, rope
 
 
 @dataclass
@@ -109,7 +109,7 @@ class Eagle3Model(nn.Module):
 
     def forward(self, hidden, embeds, cos, sin, attend) -> torch.Tensor:
         """hidden [B, T, 3H] target features (or [B, T, H] the drafter's previous output), embeds
-        [B, T, H], cos/sin [B, T, 1, hd]; attend(q [B,nh,T,hd], k, v [B,nkv,T,hd]) -> [B, nh, T, hd].
+        [B, T, H], cos/sin [B, T, 1, hd] (the target's tables: sin signed, llama.rope); attend(q [B,nh,T,hd], k, v [B,nkv,T,hd]) -> [B, nh, T, hd].
         Returns the pre-norm output [B, T, H] (the next draft step's `hidden`)."""
         c, m = self.cfg, self.midlayer
         if hidden.shape[-1] != c.hidden_size:
@@ -119,8 +119,7 @@ class Eagle3Model(nn.Module):
         q = fast_linear(m.self_attn.q_proj, x).view(B, T, c.num_heads, c.head_dim)
         k = fast_linear(m.self_attn.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
         v = fast_linear(m.self_attn.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
-        q = (q * cos + rotate_half(q) * sin).transpose(1, 2)
-        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)
+        q, k = rope(q, cos, sin).transpose(1, 2), rope(k, cos, sin).transpose(1, 2)
         out = attend(q, k, v.transpose(1, 2))
         h = hidden + fast_linear(m.self_attn.o_proj, out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
         y = m.post_attention_layernorm(h)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from rlspec.rollout.speculation.drafters.eagle3_io import load_eagle3, save_eagle3
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rlspec.rollout.runtime.model.config import ModelConfig
-from rlspec.rollout.runtime.model.llama import rope_inv_freq
+from rlspec.rollout.runtime.model.llama import rope_table
 from tests.conftest import make_tiny_hf
 
 H, I, NH, NKV, HD, V, VD = 64, 128, 4, 2, 16, 96, 48
@@ -60,11 +60,7 @@ def run_forward(model: Eagle3Model, cfg: ModelConfig, seed: int = 1) -> torch.Te
     """Two draft steps (target features, then the drafter's own output) with causal attention."""
     g = torch.Generator().manual_seed(seed)
     B, T = 2, 7
-    inv_freq, scale = rope_inv_freq(cfg)  # the table LlamaForCausalLM.init_rope builds
-    freqs = torch.arange(T, dtype=torch.float32)[:, None] * inv_freq[None]
-    emb = torch.cat((freqs, freqs), -1)
-    cos = (emb.cos() * scale)[None, :, None].expand(B, T, 1, HD)
-    sin = (emb.sin() * scale)[None, :, None].expand(B, T, 1, HD)
+    cos, sin = (t[None, :, None].expand(B, T, 1, HD) for t in rope_table(cfg, T, "cpu"))  # init_rope's tables
     feats, embeds = torch.randn(B, T, 3 * H, generator=g), torch.randn(B, T, H, generator=g)
     out = model(feats, embeds, cos, sin, attend)
     out2 = model(out, embeds, cos, sin, attend)

@@ -12,7 +12,7 @@
 // The products are packed_linear's (weights in `pack`'s blocked layout), attention is paged_attention's; every
 // other op is done here in float32 and rounded to bf16 where the eager layer (llama.py) rounds: RMSNorm as HF's
 // (x * rsqrt(mean(x^2) + eps) rounded, times the weight, rounded), RoPE as q * cos + rotate_half(q) * sin with each
-// product and the sum rounded, silu(gate) rounded before it multiplies up, each residual sum rounded. The new keys
+// product and the sum rounded (sin signed, as the model's tables hold it: llama.rope), silu(gate) rounded before it multiplies up, each residual sum rounded. The new keys
 // and values are written to their pool slots before attention reads the pool, as the eager layer does.
 //
 // Why (docs/runtime.md#the-fused-cpu-step): a batch-1 step spends about as long around its kernels as in them. A
@@ -51,11 +51,12 @@ void rms_norm(const bf16* x, const bf16* w, bf16* y, int64_t M, int64_t H, float
   }
 }
 
-// out = x * cos + rotate_half(x) * sin for one head of D, as the eager bf16 ops round it.
+// out = x * cos + rotate_half(x) * sin for one head of D, as the eager bf16 ops round it; s is the signed sin
+// (first half negated), which the half-rotated x multiplies (llama.rope).
 void rope(const bf16* x, const bf16* c, const bf16* s, bf16* out, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < D; d++) {
-    const float rot = d < half ? -f(x[d + half]) : f(x[d - half]);
+    const float rot = f(x[d < half ? d + half : d - half]);
     out[d] = store_bf16(rnd(f(x[d]) * f(c[d])) + rnd(rot * f(s[d])));
   }
 }

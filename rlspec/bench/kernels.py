@@ -1,0 +1,189 @@
+"""Device kernels per decode step: what each CUDA graph replays, counted on the CPU.
+
+A step's graph replays one kernel per tensor op of the step's forward, and on a GPU each small kernel costs ~2 us
+of device time plus its share of the graph's launch on the host (docs/gpu.md#where-a-step-goes: at batch 1 the
+Qwen2.5-7B step spent ~2 ms of 6.3 in ~900 small elementwise kernels). The count depends on the model's ops, not
+on the device, so it is measured here, exactly, on any machine: a dispatch mode counts the ops that produce data
+(views and allocations are not kernels; a dtype conversion that copies is), with attention counted as one kernel
+(FlexAttention's on CUDA; the CPU's dense path takes several ops that a GPU step never runs).
+
+Rows, for a Qwen2.5-7B-shaped model scaled down (the same ops: grouped heads, q|k|v bias, SwiGLU; a layer's
+count does not depend on its sizes), in bfloat16 (what GPUs run) and float32, at T = 1 (decode) and T = 5 (a
+4-token chain's verify):
+  * layer: kernels of one decoder layer, and by op;
+  * head: the final norm, the LM head and the logits' conversion;
+  * eagle3_level: one EAGLE-3 draft level (the drafter's layer and its draft-vocabulary logits).
+
+    python -m rlspec.bench kernels          # a few seconds
+"""
+from __future__ import annotations
+
+import collections
+
+NAME = "kernels"
+HELP = "device kernels per decode step: one decoder layer, the head and an EAGLE-3 level, by op (CPU, exact)"
+COLUMNS = ["dtype", "tokens", "layer", "head", "eagle3_level", "layer_ops"]
+SHAPE = dict(vocab_size=512, hidden_size=112, intermediate_size=296, num_hidden_layers=2, num_attention_heads=28,
+             num_key_value_heads=4)  # Qwen2.5-7B's heads (28 of 4 groups) with head_dim 4; its widths / 32
+ALLOCATIONS = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias"}
+RENAMED = {"_to_copy": "to"}  # outside inference mode a conversion dispatches as the copy itself
+
+
+class DeviceOps:
+    """A context that counts, by name, the ops dispatched inside it that would each launch a device kernel."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()
+        self.paused = False  # ops inside a call counted as one kernel (`as_one`)
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = RENAMED.get(func.overloadpacket.__name__, func.overloadpacket.__name__)
+                if not ops.paused and name not in ALLOCATIONS and (not func.is_view or _copied(out, args)):
+                    ops.counts[name] += 1
+                return out
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+    def as_one(self, name: str | None, fn, *args, **kwargs):
+        """fn(*args, **kwargs) counted as one kernel `name` (None: as none), whatever ops it runs."""
+        self.paused = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.paused = False
+            if name is not None:
+                self.counts[name] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _copied(out, args) -> bool:
+    """A view op that made new data: `to` a dtype (HF's casts) dispatches as a view but copies."""
+    import torch
+
+    first = args[0] if args else None
+    return isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor) and \
+        out.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 5])
+
+
+def target(dtype):
+    """The scaled-down Qwen2.5-7B shape in the engine's runtime, random weights."""
+    import torch
+    import transformers as tf
+
+    from rlspec.rollout.runtime.model import loader
+
+    torch.manual_seed(0)
+    hf = tf.Qwen2ForCausalLM(tf.Qwen2Config(**SHAPE, max_position_embeddings=256))
+    return loader.from_hf_model(hf.to(dtype).eval())
+
+
+def layer_counts(model, dtype, batch: int, tokens: int) -> tuple[DeviceOps, DeviceOps]:
+    """(first decoder layer, head) kernels of one step of `tokens` new tokens per row over `batch` rows, attention
+    counted as one kernel."""
+    import torch
+
+    from rlspec.rollout.runtime.model import llama
+    from rlspec.rollout.runtime.runner import ModelRunner
+
+    runner = ModelRunner(model, "cpu", dtype, "off", compile_mode="off")
+    cache = runner.ensure_cache(batch, 64)
+    cache.reset()
+    cache.reserve_rows(batch, 48)
+    layer, head = DeviceOps(), DeviceOps()
+    counting = {"on": None}
+    first = model.model.layers[0]
+
+    def call(fn, *args):
+        ops = layer if fn is first else head if fn is llama._head else None
+        if ops is None:
+            return fn(*args)
+        counting["on"] = ops
+        try:
+            with ops:
+                return fn(*args)
+        finally:
+            counting["on"] = None
+
+    attend, gather = llama.attend, llama.gather_blocks
+
+    def one_kernel(*a, **kw):  # FlexAttention's kernel on CUDA; not the CPU's dense ops
+        ops = counting["on"]
+        return attend(*a, **kw) if ops is None else ops.as_one("attention", attend, *a, **kw)
+
+    def no_kernel(*a):  # the dense path's gather of the rows' blocks: FlexAttention reads the pool in place
+        ops = counting["on"]
+        if ops is None:
+            return gather(*a)
+        return ops.as_one(None, gather, *a)
+
+    llama.attend, llama.gather_blocks = one_kernel, no_kernel
+    try:
+        with torch.inference_mode():
+            tok = torch.full((batch, tokens), 5)
+            start = torch.full((batch,), 9)
+            runner.steps.run(tok, start, layer_call=call)
+    finally:
+        llama.attend, llama.gather_blocks = attend, gather
+    return layer, head
+
+
+def eagle3_counts(model, dtype, batch: int) -> DeviceOps:
+    """Kernels of one EAGLE-3 draft level over `batch` rows: the drafter's layer on its previous output and the
+    drafted token's embedding, then its draft-vocabulary logits (attention as one kernel)."""
+    import torch
+
+    from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+
+    drafter = Eagle3Model(Eagle3Config.for_target(model.cfg, draft_vocab_size=128)).to(dtype)
+    model.init_rope(64)
+    pos = torch.full((batch, 1), 9)
+    cos, sin = model.rope_cos[pos].to(dtype)[:, :, None], model.rope_sin[pos].to(dtype)[:, :, None]
+    h = torch.randn(batch, 1, model.cfg.hidden_size, dtype=dtype)
+    embeds = model.model.embed_tokens(torch.full((batch, 1), 7))
+    ops = DeviceOps()
+
+    def attend(q, k, v):
+        ops.counts["attention"] += 1
+        return q  # the level's shapes, without the CPU's attention ops
+    with torch.inference_mode(), ops:
+        drafter.logits(drafter(h, embeds, cos, sin, attend))
+    return ops
+
+
+def run(args) -> dict:
+    import torch
+
+    rows = []
+    for name in ("bfloat16", "float32"):
+        dtype = getattr(torch, name)
+        model = target(dtype)
+        level = eagle3_counts(model, dtype, args.batch)
+        for t in args.tokens:
+            layer, head = layer_counts(model, dtype, args.batch, t)
+            rows.append({"dtype": name, "tokens": t, "layer": layer.total, "head": head.total,
+                         "eagle3_level": level.total, "layer_ops": dict(sorted(layer.counts.items())),
+                         "head_ops": dict(sorted(head.counts.items())),
+                         "eagle3_ops": dict(sorted(level.counts.items()))})
+            print(f"[kernels] {name} T={t}: layer {layer.total}, head {head.total}, EAGLE-3 level {level.total}",
+                  flush=True)
+    return {"shape": SHAPE, "batch": args.batch, "rows": rows, "columns": COLUMNS}
