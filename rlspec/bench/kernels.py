@@ -12,7 +12,11 @@ count does not depend on its sizes), in bfloat16 (what GPUs run) and float32, at
 4-token chain's verify):
   * layer: kernels of one decoder layer, and by op;
   * head: the final norm, the LM head and the logits' conversion;
-  * eagle3_level: one EAGLE-3 draft level (the drafter's layer and its draft-vocabulary logits).
+  * eagle3_level: one EAGLE-3 draft level (the drafter's layer and its draft-vocabulary logits);
+  * launches_per_level: the kernels a sampled EAGLE-3 proposal (depth 4, batch --batch, a 1-layer target) launches
+    from Python per level after the first, outside any graph: with its levels eager (graph_mode "off") and
+    replayed from graphs (bookkeeping emulated on the CPU: the ops a CUDA graph replays are not counted). On a GPU
+    each is a launch the host makes while the device waits for the next level.
 
     python -m rlspec.bench kernels          # a few seconds
 """
@@ -23,6 +27,7 @@ import collections
 NAME = "kernels"
 HELP = "device kernels per decode step: one decoder layer, the head and an EAGLE-3 level, by op (CPU, exact)"
 COLUMNS = ["dtype", "tokens", "layer", "head", "eagle3_level", "layer_ops"]
+LEVEL_COLUMNS = ["graph_mode", "proposals", "launches_per_level", "launches_per_proposal"]
 SHAPE = dict(vocab_size=512, hidden_size=112, intermediate_size=296, num_hidden_layers=2, num_attention_heads=28,
              num_key_value_heads=4)  # Qwen2.5-7B's heads (28 of 4 groups) with head_dim 4; its widths / 32
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias"}
@@ -170,6 +175,42 @@ def eagle3_counts(model, dtype, batch: int) -> DeviceOps:
     return ops
 
 
+def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
+    """Kernels launched outside graphs by the EAGLE-3 drafter's proposals (`_draft`) of one sampled rollout."""
+    import torch
+
+    from rlspec.bench.host import prompts, tiny_model
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.graphs import GraphSet
+    from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+    from rlspec.rollout.speculation.selectors.base import Arm
+    from rlspec.rollout.types import SamplingParams, SpecConfig
+
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=depth, online_training=False)
+    engine = RolloutEngine(tiny_model(), None, spec=spec, eos_token_ids=[2], max_num_seqs=batch, max_model_len=256)
+    engine.speculation.learned.graph_mode = graph_mode
+    engine.speculation.force(Arm("eagle3", depth, 1))
+    ops, seen = DeviceOps(), []
+    draft, replay = Eagle3Drafter._draft, GraphSet.replay
+
+    def counted_draft(self, seqs, h, d, w):
+        seen.append(d - 1)
+        with ops:
+            return draft(self, seqs, h, d, w)
+
+    def uncounted_replay(self, key, fn):  # a CUDA graph's kernels are one launch, counted as such
+        return ops.as_one("graph", replay, self, key, fn)
+
+    Eagle3Drafter._draft, GraphSet.replay = counted_draft, uncounted_replay
+    try:
+        engine.generate(prompts(batch, 0), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=0))
+    finally:
+        Eagle3Drafter._draft, GraphSet.replay = draft, replay
+    levels = sum(seen)
+    return {"graph_mode": graph_mode, "proposals": len(seen), "launches_per_level": ops.total / max(levels, 1),
+            "launches_per_proposal": ops.total / max(len(seen), 1), "ops": dict(sorted(ops.counts.items()))}
+
+
 def run(args) -> dict:
     import torch
 
@@ -186,4 +227,9 @@ def run(args) -> dict:
                          "eagle3_ops": dict(sorted(level.counts.items()))})
             print(f"[kernels] {name} T={t}: layer {layer.total}, head {head.total}, EAGLE-3 level {level.total}",
                   flush=True)
-    return {"shape": SHAPE, "batch": args.batch, "rows": rows, "columns": COLUMNS}
+    levels = [level_launches(args.batch, mode) for mode in ("off", "emulate")]
+    for r in levels:
+        print(f"[kernels] EAGLE-3 proposals, levels {r['graph_mode']}: {r['launches_per_level']:.1f} launches a level "
+              f"after the first ({r['launches_per_proposal']:.1f} a proposal)", flush=True)
+    return {"shape": SHAPE, "batch": args.batch, "rows": rows, "columns": COLUMNS, "levels": levels,
+            "level_columns": LEVEL_COLUMNS}

@@ -122,9 +122,14 @@ def sample(probs: torch.Tensor, generator: Draws) -> torch.Tensor:
 
 def drawn_column(probs: torch.Tensor, generator: Draws) -> torch.Tensor:
     """sample()'s tokens as a column [..., 1], the index a gather of their probabilities takes as it is."""
+    return inverse_cdf(probs, uniform(generator, probs.shape[:-1] + (1,), probs.device, FINAL))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """drawn_column's tokens [..., 1] for its uniforms u [..., 1] in [0, 1), drawn beforehand (a graph reads them
+    from a buffer: drafters/eagle3_graphs.py)."""
     cdf = probs.cumsum(-1)
-    u = (1 - uniform(generator, probs.shape[:-1] + (1,), probs.device, FINAL)) * cdf[..., -1:]
-    return torch.searchsorted(cdf, u).clamp_(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, (1 - u) * cdf[..., -1:]).clamp_(max=probs.shape[-1] - 1)
 
 
 def kernel_draws(logits: torch.Tensor, params: SamplingParams) -> bool:

@@ -50,3 +50,32 @@ def test_cuda_graph_levels_give_the_eager_drafts_and_stay_exact(width, monkeypat
     assert graphs is not None and graphs.graphs.backend == "cuda"
     assert graphs.counts["captures"] == len(graphs.graphs.graphs) > 0
     assert graphs.counts["replays"] == sum(d - 1 for d in compared) > graphs.counts["captures"]
+
+
+def test_cuda_sampled_graph_levels_draw_the_eager_drafts(monkeypatch):
+    """Sampled proposals (top-p, a repetition penalty, the max_conf stop rule) drafted twice from the same CUDA
+    generator state, eagerly and through the level graphs, whose draws run inside them: the same tokens from the
+    same uniforms, q to rounding (the graphs attend over padded context buckets), the same kept nodes."""
+    hf = make_tiny_hf("llama", seed=6).cuda()
+    prompts = random_prompts(5, 3, 20, seed=4)
+    eng = _engine(hf, 1, "auto")
+    eng.speculation.force(Arm("eagle3", 4, 1, "max_conf"))
+    draft, compared = Eagle3Drafter._draft, []
+
+    def both(self, seqs, h, depth, w):
+        graphs, state = self._graphs, self.generator.get_state()
+        self._graphs, self.graph_mode = None, "off"
+        eager = draft(self, seqs, h, depth, w)
+        self._graphs, self.graph_mode = graphs, "auto"
+        self.generator.set_state(state)
+        got = draft(self, seqs, h, depth, w)
+        assert torch.equal(got[0], eager[0]) and got[2] == eager[2]
+        torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-6)
+        compared.append(depth)
+        return got
+
+    monkeypatch.setattr(Eagle3Drafter, "_draft", both)
+    eng.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, max_new_tokens=16,
+                                         ignore_eos=True, seed=1))
+    graphs = eng.speculation.learned.level_graphs()
+    assert len(compared) > 3 and graphs.counts["replays"] > graphs.counts["captures"] > 0

@@ -11,8 +11,11 @@ A proposal draws `depth` tokens below each row's catch-up output, `width` branch
   Python (`_draw_steps` over `_fused_steps`);
 - trees, and anywhere else: the network's steps, attending over the cached context plus the branch's own keys
   held apart (`_DraftAttention`), never written, so branches sharing a row cannot clobber each other; on a CUDA
-  device each of those levels is replayed from a graph per row bucket and level (`_level_steps`,
-  eagle3_graphs.py), eager elsewhere.
+  device each level after the first, the layer with its draw, is replayed from a graph per row bucket and level
+  (`_graph_draws`, eagle3_graphs.py), eager elsewhere (`_draw_steps` over `_level_steps`).
+Every level after the first draws from uniforms taken for all of them at once, after the first level's draw (the
+same numbers, in the same order, that a draw per level takes from a CPU generator), so a graph reads them from a
+buffer and the eager and graph levels draw alike.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import torch
 from torch import nn
 
 from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
-from rlspec.rollout.runtime.sampling import penalise, probs_from_logits, sample, sample_without_replacement, truncates
+from rlspec.rollout.runtime.draws import FINAL
+from rlspec.rollout.runtime.sampling import (inverse_cdf, penalise, probs_from_logits, sample,
+                                             sample_without_replacement, truncates, uniform)
 from rlspec.rollout.speculation.drafters.base import Draft
 
 MAX_CONF = 0.4  # max-confidence stop rule: end the draft below this top-1 drafter probability
@@ -38,7 +43,8 @@ class ChainDraws:
         entropy = -(probs * torch.log(probs.clamp(min=1e-12))).sum(-1)
         return torch.sqrt(0.15 * entropy) <= SVIP_BOUND
 
-    def _pick(self, h: torch.Tensor, k: int, ids: torch.Tensor, seen: torch.Tensor | None = None):
+    def _pick(self, h: torch.Tensor, k: int, ids: torch.Tensor, seen: torch.Tensor | None = None,
+              u: torch.Tensor | None = None):
         """Next tokens from drafter outputs h [R, H]: k per row -> (target ids [R, k], q [R, k, Vd] or None,
         confident [R], None without a stop rule); ids [Vd]: the draft vocabulary's target ids
         (`Eagle3Model.draft_vocab`). Greedy: the top k. Sampling
@@ -47,7 +53,8 @@ class ChainDraws:
         draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution draw j came
         from given the earlier ones, which is what verification needs. seen [R, V]: the history the drafted
         token follows (repetition penalty; None = off), the same as the target's node there, so q stays close
-        to p."""
+        to p. u [R, 1]: one draw's uniforms, taken beforehand (`_level_uniforms`; None: drawn here).
+        """
         logits = self.model.logits(h) if self.fused is None or len(h) > FUSED_MAX_TOKENS else self.fused.logits(h)
         ok = None if self.stop_rule == "none" else self._confident(logits)
         seen = None if seen is None else seen[:, ids]
@@ -59,7 +66,7 @@ class ChainDraws:
             return ids[tok], qs, ok
         if k > 1:
             q = q.repeat_interleave(k, 0)  # [R*k, Vd]
-        tok = sample(q, self.generator)
+        tok = sample(q, self.generator) if u is None else inverse_cdf(q, u)[:, 0]
         return ids[tok].view(len(h), k), q.view(len(h), k, -1), ok
 
     def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
@@ -84,7 +91,9 @@ class ChainDraws:
             else:
                 cache, L = self.target_cache, self.target.cfg.num_layers
                 ctx = cache.gather(L, rows, max(lens))
-                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth))
+                graphs = self.level_graphs() if depth > 1 else None
+                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth)) \
+                    if graphs is None else self._graph_draws(graphs, h, depth, width, vocab, seen, ctx, lens)
         ids = ids.view(B, width, depth).cpu()
         # trees: every branch to the shortest
         keep = [depth * width] * B if kept is None else \
@@ -121,23 +130,32 @@ class ChainDraws:
         ok = finite if self.stop_rule == "none" else finite & self._confident(logits)
         return ids, None if greedy else q, ok.long().cumprod(1).sum(1)
 
+    def _first_level(self, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen):
+        """The first draw below each row of h [B, H], `width` of them, and what the later levels start from:
+        (first tokens [B * w], their q [B * w, Vd] or None, sure [B * w] by the stop rule or None without one, the
+        history [B * w, V] with them or None, h repeated [B * w, H], the later levels' uniforms [depth - 1, B * w, 1]
+        or None when greedy)."""
+        first, q_first, ok = self._pick(h, width, vocab, seen)  # [B, w]
+        tok = first.reshape(-1)  # [B*w]
+        if seen is not None:
+            seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
+        greedy = self.params is None or self.params.greedy
+        us = None if greedy or depth < 2 else uniform(self.generator, (depth - 1, len(tok), 1), h.device, FINAL)
+        return (tok, None if q_first is None else q_first.reshape(len(tok), -1),
+                None if ok is None else ok.repeat_interleave(width), seen, h.repeat_interleave(width, 0), us)
+
     def _draw_steps(self, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen, step_fn):
         """Chains drawn one token at a time, `width` of them below each row of h [B, H], each draft step through
         step_fn(h, embeds, j) -> (target ids [B * width, depth], q [B * width, depth, Vd] or None when greedy,
         nodes to keep [B * width] by the stop rule or None without one)."""
-        first, q_first, ok = self._pick(h, width, vocab, seen)  # [B, w]
+        tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen)
         # a stop rule's bookkeeping only where one is on: without, every chain keeps its depth
-        alive = None if ok is None else ok.repeat_interleave(width)
-        kept = None if ok is None else alive.long()
-        tok = first.reshape(-1)  # [B*w]
-        if seen is not None:
-            seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
-        qs = None if q_first is None else [q_first.reshape(len(tok), -1)]
+        kept = None if alive is None else alive.long()
+        qs = None if q_first is None else [q_first]
         out = [tok]
-        h = h.repeat_interleave(width, 0)
         for step in range(1, depth):
             h = step_fn(h[:, None], self._embed(tok[:, None]), step - 1)[:, 0]
-            nxt, q, ok = self._pick(h, 1, vocab, seen)
+            nxt, q, ok = self._pick(h, 1, vocab, seen, None if us is None else us[step - 1])
             if ok is not None:
                 alive &= ok
                 kept += alive.long()
@@ -150,14 +168,32 @@ class ChainDraws:
         return torch.stack(out, 1), None if qs is None else torch.stack(qs, 1), kept
 
     def _level_steps(self, ctx: tuple, lens: list[int], depth: int):
-        """Draft steps over the rows' cached context ctx = (keys, values) [R, KV, S, D]: replayed from graphs
-        where the drafter has them (eagle3_graphs.py), else eager through `_DraftAttention`; the same math."""
-        lens_t = torch.tensor(lens, device=ctx[0].device)
-        graphs = self.level_graphs() if depth > 1 else None
-        if graphs is None:
-            return self._eager_steps(_DraftAttention(*ctx, lens_t), lens, depth)
+        """Eager draft steps over the rows' cached context ctx = (keys, values) [R, KV, S, D], attending through
+        `_DraftAttention`: step(h, embeds, j), j = 0 .. depth-2 for draft steps 1 .. depth-1."""
+        attend = _DraftAttention(*ctx, torch.tensor(lens, device=ctx[0].device))
         cos, sin = self._step_rope(lens, depth)
-        return graphs.steps(*ctx, lens_t, cos, sin)
+        return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
+
+    def _graph_draws(self, graphs, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen, ctx: tuple,
+                     lens: list[int]):
+        """`_draw_steps`' chains with every level after the first, the drafter's layer, its head and the draw,
+        replayed from a graph (eagle3_graphs.py): the same math on the same uniforms, so the same drafts."""
+        tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen)
+        cos, sin = self._step_rope(lens, depth)
+        lens_t = torch.tensor(lens, device=ctx[0].device)
+        sig = (None if self.params is None else (self.params.greedy, self.params.temperature, self.params.top_k,
+               self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule)
+
+        def pick(hj, ids, seen_j, u):  # one level's draw, inside the graph: one token per branch
+            nxt, q, ok = self._pick(hj, 1, ids, seen_j, None if us is None else u)
+            return nxt[:, 0], None if q is None else q[:, 0], ok
+
+        ids, qs, oks = graphs.draws(*ctx, lens_t, cos, sin, h, self._embed(tok[:, None]), seen, us, vocab, pick,
+                                    self._embed, sig)
+        out = torch.cat([tok[:, None], ids], 1)
+        q = None if q_first is None else torch.cat([q_first[:, None], qs], 1)
+        kept = None if alive is None else torch.cat([alive[:, None], oks], 1).long().cumprod(1).sum(1)
+        return out, q, kept
 
     def _step_rope(self, lens: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of draft steps 1..depth-1 (step j stands at position lens + j - 1), gathered for all of them at
@@ -166,12 +202,6 @@ class ChainDraws:
         pos = torch.tensor([[min(n + j, top) for n in lens] for j in range(depth - 1)], dtype=torch.long)
         cos, sin = self._rope(pos)
         return cos[:, :, None], sin[:, :, None]
-
-    def _eager_steps(self, attend, lens: list[int], depth: int):
-        """Draft steps through the network, attending with `attend` (_DraftAttention): step(h, embeds, j), j =
-        0 .. depth-2 for draft steps 1 .. depth-1."""
-        cos, sin = self._step_rope(lens, depth)
-        return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
 
     def _chain_inputs(self, owners: list[int], rows: torch.Tensor, lens: list[int], depth: int) -> tuple:
         """What the fused draft steps of chains differ in, made for all of them at once (not ~15 small ops a step

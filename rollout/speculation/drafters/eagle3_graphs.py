@@ -1,18 +1,26 @@
 """EAGLE-3's draft levels replayed from graphs: each level after the first (one drafter layer over the rows' last
-outputs) is one graph launch instead of ~40 kernel launches, per row bucket, context bucket and level.
+outputs, its draft-vocabulary head and the draw of the next token) is one graph launch instead of ~70 kernel
+launches, per row bucket, context bucket, level and way of drawing.
 
 Why: a draft level is a single small decoder layer; launched eagerly from Python it costs about as much as a
-target step replayed from its graph at small batches (docs/gpu.md#the-step-budget). The target's graphs come from
-the same mechanism (runtime/graphs.py, `GraphSet`).
+target step replayed from its graph at small batches (docs/gpu.md#the-step-budget), and a level whose layer alone
+was a graph still launched its head and its draw, ~25 kernels, from Python. The target's graphs come from the same
+mechanism (runtime/graphs.py, `GraphSet`).
 
 What a level's graph reads and writes (a `_Frame` of static buffers, per (row bucket r, context bucket s, local
 capacity c)):
   * the rows' cached context, keys and values in float32 [r, KV, s, D], and its mask bias [r, 1, 1, s]
     (positions at or past each row's length hidden), copied in once per proposal;
-  * the level's inputs: the previous output h [r, 1, H], the drafted token's embedding, RoPE cos/sin;
+  * the level's inputs: the previous output h [r, 1, H] and the drafted token's embedding, which each level
+    writes for the next; every level's RoPE cos/sin [c, r, 1, 1, D] and uniforms [c, r, 1], copied in once per
+    proposal, with the draft vocabulary's target ids and the branches' histories (a repetition penalty's);
   * the branch's own draft keys [r, KV, c, D] in float32: level j writes its key at index j and attends indices
     0..j, as `_DraftAttention` holds them in a list, so chains and tree branches sharing a row never clobber each
-    other and the paged cache is never written.
+    other and the paged cache is never written;
+  * what each level drew: target ids [r, c], their distributions q [r, c, Vd] (sampling) and the stop rule's
+    verdicts [r, c].
+How a level draws (greedy or sampling, the processing, the stop rule) is part of its graph's key: the pick is
+ChainDraws._pick, the eager levels' own.
 The math is `_DraftAttention`'s, on the same inputs; rows past the live ones (padding to the bucket) run stale,
 finite values and are dropped. Nothing a graph holds points into the KV pool, so a pool that grows or is
 reallocated leaves the graphs valid; weights change in place (load_state_dict), which the graphs see.
@@ -41,18 +49,43 @@ def pow2_at_least(n: int) -> int:
 class _Frame:
     """Static buffers of one (r, s, c) key; see the module docstring."""
 
-    def __init__(self, r: int, s: int, c: int, kv: int, d: int, hidden: int, dtype, device):
+    def __init__(self, r: int, s: int, c: int, kv: int, d: int, cfg, dtype, device):
         with torch.inference_mode(False):  # copies into them must work in and outside inference mode
             f32 = dict(dtype=torch.float32, device=device)
             self.ctx_k, self.ctx_v = torch.zeros(r, kv, s, d, **f32), torch.zeros(r, kv, s, d, **f32)
             self.bias = torch.zeros(r, 1, 1, s, **f32)
             self.local_k, self.local_v = torch.zeros(r, kv, c, d, **f32), torch.zeros(r, kv, c, d, **f32)
-            self.h = torch.zeros(r, 1, hidden, dtype=dtype, device=device)
-            self.embeds = torch.zeros(r, 1, hidden, dtype=dtype, device=device)
-            self.cos = torch.zeros(r, 1, 1, d, dtype=dtype, device=device)
-            self.sin = torch.zeros(r, 1, 1, d, dtype=dtype, device=device)
-            self.out = torch.zeros(r, 1, hidden, dtype=dtype, device=device)
+            self.h = torch.zeros(r, 1, cfg.hidden_size, dtype=dtype, device=device)
+            self.embeds = torch.zeros(r, 1, cfg.hidden_size, dtype=dtype, device=device)
+            self.cos = torch.zeros(c, r, 1, 1, d, dtype=dtype, device=device)
+            self.sin = torch.zeros(c, r, 1, 1, d, dtype=dtype, device=device)
+            self.out = torch.zeros(r, 1, cfg.hidden_size, dtype=dtype, device=device)
+            self.u = torch.full((c, r, 1), 0.5, **f32)
+            self.vocab = torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=device)
+            self.ids = torch.zeros(r, c, dtype=torch.long, device=device)
+            self.ok = torch.ones(r, c, dtype=torch.bool, device=device)
+        self.q = self.seen = None  # [r, c, Vd] and [r, V]: made when a proposal samples or penalises
+        self.shape = (r, c, cfg.draft_vocab_size, cfg.vocab_size)
         self.positions = torch.arange(s, device=device)
+
+    def load(self, h, embeds, cos, sin, us, vocab, seen) -> None:
+        """A proposal's inputs for rows 0..R-1 (see DraftLevelGraphs.draws)."""
+        R, S = h.shape[0], cos.shape[0]
+        r, c, vd, v = self.shape
+        self.h[:R].copy_(h[:, None])
+        self.embeds[:R].copy_(embeds)
+        self.cos[:S, :R].copy_(cos)
+        self.sin[:S, :R].copy_(sin)
+        self.vocab.copy_(vocab)
+        with torch.inference_mode(False):
+            if us is not None:
+                self.u[:S, :R].copy_(us)
+                if self.q is None:
+                    self.q = torch.zeros(r, c, vd, dtype=torch.float32, device=h.device)
+            if seen is not None:
+                if self.seen is None:
+                    self.seen = torch.zeros(r, v, dtype=torch.bool, device=h.device)
+                self.seen[:R].copy_(seen)
 
     def load_context(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, lens: torch.Tensor) -> None:
         """ctx_k, ctx_v [R, KV, S, D] (S <= s), lens [R]: rows 0..R-1's context and mask."""
@@ -62,8 +95,24 @@ class _Frame:
         hidden = self.positions[None, :] >= lens[:, None]
         self.bias[:R].copy_(torch.zeros(hidden.shape, device=lens.device).masked_fill(hidden, float("-inf"))[:, None, None])
 
+    def draw_level(self, model, j: int, pick, embed, sampling: bool, penalised: bool) -> None:
+        """Draft level j + 1 and its draw, from the static inputs into the static outputs (what a graph captures):
+        the layer's output becomes the next level's h, the drawn token's embedding its embeds."""
+        self.level(model, j)
+        tok, q, ok = pick(self.out[:, 0], self.vocab, self.seen if penalised else None, self.u[j])
+        with torch.inference_mode():
+            self.ids[:, j].copy_(tok)
+            if sampling:
+                self.q[:, j].copy_(q)
+            if ok is not None:
+                self.ok[:, j].copy_(ok)
+            self.h.copy_(self.out)
+            self.embeds.copy_(embed(tok[:, None]))
+            if penalised:
+                self.seen.scatter_(1, tok[:, None], True)
+
     def level(self, model, j: int) -> None:
-        """Draft level j + 1 from the static inputs into `out` (what a graph captures)."""
+        """Draft level j + 1's layer from the static inputs into `out`."""
         def attend(q, k, v):
             self.local_k[:, :, j:j + 1].copy_(k)
             self.local_v[:, :, j:j + 1].copy_(v)
@@ -77,7 +126,7 @@ class _Frame:
             return out.reshape(R, H, T, D).to(q.dtype)
 
         with torch.inference_mode():
-            self.out.copy_(model(self.h, self.embeds, self.cos, self.sin, attend))
+            self.out.copy_(model(self.h, self.embeds, self.cos[j], self.sin[j], attend))
 
 
 class DraftLevelGraphs:
@@ -101,13 +150,32 @@ class DraftLevelGraphs:
         self.capacity = max(self.capacity, pow2_at_least(max(levels, 1)))
         return row_bucket(rows), pow2_at_least(context), self.capacity
 
-    def steps(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor):
-        """step(h, embeds, j) for one proposal, as ChainDraws' eager steps: ctx_k, ctx_v [R, KV, S, D] the rows'
-        cached context, lens [R] their lengths, cos and sin [depth - 1, R, 1, 1, D] the levels' RoPE. h and
-        embeds [R, 1, H] -> the level's output [R, 1, H]."""
+    def draws(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor, h: torch.Tensor, embeds: torch.Tensor, seen, us, vocab: torch.Tensor, pick, embed,
+              sig: tuple):
+        """One proposal's levels after the first, each replayed from its graph: ctx_k, ctx_v [R, KV, S, D] the
+        rows' cached context, lens [R] their lengths, cos and sin [depth - 1, R, 1, 1, D] the levels' RoPE, h [R, H]
+        the first level's output and embeds [R, 1, H] its drawn tokens' embedding, seen [R, V] bool their history
+        or None, us [depth - 1, R, 1] the levels' uniforms or None (greedy), vocab [Vd] the draft vocabulary's
+        target ids; pick(h, vocab, seen, u) -> (tokens [r], q [r, Vd] or None, sure [r] or None) draws a level
+        (ChainDraws), embed(tokens [r, 1]) -> [r, 1, H]; sig: how pick draws (part of each graph's key).
+        -> (target ids [R, depth - 1], q [R, depth - 1, Vd] or None, sure [R, depth - 1]: all True without a stop
+        rule)."""
         R, KV, S, D = ctx_k.shape
-        r, s, c = self.key(R, S, cos.shape[0])
+        levels = cos.shape[0]
+        r, s, c = self.key(R, S, levels)
+        frame = self._frame(r, s, c, KV, D)
+        frame.load_context(ctx_k, ctx_v, lens)
+        frame.load(h, embeds, cos, sin, us, vocab, seen)
+        sampling, penalised = us is not None, seen is not None
+        for j in range(levels):
+            self.graphs.replay((r, s, c, j, sig), lambda j=j: frame.draw_level(self.model, j, pick, embed, sampling,
+                                                                               penalised))
+        return (frame.ids[:R, :levels].clone(), frame.q[:R, :levels].clone() if sampling else None,
+                frame.ok[:R, :levels].clone())
+
+    def _frame(self, r: int, s: int, c: int, kv: int, d: int) -> _Frame:
+        """The frame of key (r, s, c), made when missing; it becomes the most recently used."""
         frame = self.frames.pop((r, s, c), None)
         if frame is None:
             if len(self.frames) >= MAX_FRAMES:  # the least recently used frame and its levels' graphs go
@@ -116,20 +184,6 @@ class DraftLevelGraphs:
                 for key in [k for k in self.graphs.graphs if k[:3] == old]:
                     del self.graphs.graphs[key]
             p = self.model.lm_head.weight
-            frame = _Frame(r, s, c, KV, D, h_size(self.model), p.dtype, p.device)
+            frame = _Frame(r, s, c, kv, d, self.model.cfg, p.dtype, p.device)
         self.frames[(r, s, c)] = frame  # most recently used last
-        frame.load_context(ctx_k, ctx_v, lens)
-
-        def step(h, embeds, j: int):
-            frame.h[:R].copy_(h)
-            frame.embeds[:R].copy_(embeds)
-            frame.cos[:R].copy_(cos[j])
-            frame.sin[:R].copy_(sin[j])
-            self.graphs.replay((r, s, c, j), lambda: frame.level(self.model, j))
-            return frame.out[:R].clone()  # the next replay overwrites it
-
-        return step
-
-
-def h_size(model) -> int:
-    return model.cfg.hidden_size
+        return frame

@@ -13,13 +13,13 @@ from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 
-def _engine(hf, width: int, graph_mode: str, k: int = 4):
+def _engine(hf, width: int, graph_mode: str, k: int = 4, stop: str = "none", sharpen: float = 8.0):
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2])
     eng.speculation.learned.graph_mode = graph_mode
     with torch.no_grad():  # a sharper head: drafts that differ between rows and levels
-        eng.speculation.learned.model.lm_head.weight.mul_(8.0)
-    eng.speculation.force(Arm("eagle3", k, width))
+        eng.speculation.learned.model.lm_head.weight.mul_(sharpen)
+    eng.speculation.force(Arm("eagle3", k, width, stop))
     return eng
 
 
@@ -64,6 +64,48 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
     assert {k[2] for k in keys} == {4}  # proposals capped near the end reuse the full depth's frames
 
 
+SAMPLED = {  # how the levels draw: each a different graph (its key's `sig`) and a different part of _pick
+    "plain": (dict(temperature=1.0), "none"),
+    "processed": (dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02), "max_conf"),
+    "penalised": (dict(temperature=1.3, repetition_penalty=1.4), "entropy"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLED))
+@pytest.mark.parametrize("width", [1, 2])
+def test_sampled_graph_levels_draw_the_eager_drafts(case, width, monkeypatch):
+    """Sampled proposals drafted twice from the same generator state, eagerly and through the emulated graphs:
+    the same tokens from the same uniforms, the same distributions q (the law verification divides by) to
+    rounding and the same kept nodes under a stop rule; so the graphs draw from the law the eager levels draw
+    from, which the law tests check (tests/rollout/speculation/test_eagle3.py)."""
+    kw, stop = SAMPLED[case]
+    hf = make_tiny_hf("llama", seed=6)
+    prompts = random_prompts(5, 3, 20, seed=4)
+    eng = _engine(hf, width, "emulate", stop=stop, sharpen=2.0)
+    draft, compared = Eagle3Drafter._draft, []
+
+    def both(self, seqs, h, depth, w):
+        graphs, state = self._graphs, self.generator.get_state()
+        self._graphs, self.graph_mode = None, "off"
+        eager = draft(self, seqs, h, depth, w)
+        self._graphs, self.graph_mode = graphs, "emulate"
+        self.generator.set_state(state)
+        got = draft(self, seqs, h, depth, w)
+        assert torch.equal(got[0], eager[0]) and got[2] == eager[2]
+        # q to rounding: a graph attends over its frame's context bucket, padded past the rows' context with
+        # masked positions, which changes the order of the sums (the greedy drafts above are equal)
+        torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-6)
+        compared.append((len(seqs), depth, got[2]))
+        return got
+
+    monkeypatch.setattr(Eagle3Drafter, "_draft", both)
+    for n in (5, 2):
+        eng.generate(prompts[:n], SamplingParams(max_new_tokens=16, ignore_eos=True, seed=n, **kw))
+    assert len(compared) >= 10 and eng.speculation.learned.level_graphs().counts["replays"] > 0
+    if stop != "none":  # the stop rule cut some drafts short, so its verdicts came from the graphs
+        assert any(min(kept) < depth * width for _, depth, kept in compared)
+
+
 def test_graph_levels_keep_greedy_exactness():
     """The rollout through the emulated graph levels equals plain decoding (chains and trees)."""
     hf = make_tiny_hf("llama", seed=8)
@@ -96,10 +138,16 @@ def test_least_recently_used_frames_go_with_their_graphs(monkeypatch):
     def propose(rows, ctx):
         k = torch.randn(rows, KV, ctx, D)
         cos = torch.ones(2, rows, 1, 1, D)
-        step = graphs.steps(k, k, torch.full((rows,), ctx), cos, cos * 0)
-        return step(torch.randn(rows, 1, H), torch.randn(rows, 1, H), 0)
+        vocab = torch.arange(32)
+
+        def pick(h, ids, seen, u):
+            return ids[h[:, :32].argmax(-1)], None, None
+
+        return graphs.draws(k, k, torch.full((rows,), ctx), cos, cos * 0, torch.randn(rows, H),
+                            torch.randn(rows, 1, H), None, None, vocab, pick, lambda t: torch.randn(len(t), 1, H),
+                            ("greedy",))[0]
 
     for rows, ctx in ((1, 16), (3, 16), (1, 16), (9, 32)):
-        assert propose(rows, ctx).shape == (rows, 1, H)
+        assert propose(rows, ctx).shape == (rows, 2)
     assert list(graphs.frames) == [(1, 16, 2), (16, 32, 2)]  # (4, 16) was the least recently used
     assert {k[:3] for k in graphs.graphs.graphs} == {(1, 16, 2), (16, 32, 2)}

@@ -98,8 +98,8 @@ def test_eagle3_sampled_chains_keep_the_law(hf, monkeypatch):
         drafts.append([])
         return real_draft(self, *a)
 
-    def spy_pick(self, h, k, ids, seen=None):
-        out = real_pick(self, h, k, ids, seen)
+    def spy_pick(self, h, k, ids, seen=None, u=None):
+        out = real_pick(self, h, k, ids, seen, u)
         drafts[-1].append((seen.clone(), out[0].clone()))
         return out
 
