@@ -7,11 +7,17 @@ stages share. Host work a step is kept to what the step needs: a plain step (no 
 sends [pending, start] to the device in one copy, draws without building a path and trims no blocks; every copy
 goes through the runner's funnel (runtime/transfers.py) and the transfer's columns are StepLayout's
 (rollout/step_layout.py). docs/runtime.md#host-step-budget.
+
+Plain steps look ahead where the device runs them while the host works (CUDA: `Call.ahead`): a plain step's
+successor is launched on the step's tokens, still on the device, before the host reads the step, so the device
+runs step n + 1 while the host commits step n. The host learns of a finished row a step late and drops what the
+step after its end made for it; every other row's next token is the one the step-by-step loop draws (greedy, or
+keyed draws: each row's uniforms are its key's at its position, whatever else the step held).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +27,7 @@ from rlspec.rollout.runtime.history import TokenHistory
 from rlspec.rollout.runtime.kv_ledger import KVLedger
 from rlspec.rollout.runtime.sampling import logprobs_of, penalise
 from rlspec.rollout.runtime.sequence import Sequence
+from rlspec.rollout.runtime.transfers import Pending
 from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
 from rlspec.rollout.speculation.strategies import ExactVerifier, SelectorProposer, StepVerdict, chain_path
 from rlspec.rollout.speculation.verify import draw_plain
@@ -42,6 +49,18 @@ class Call:
     steps: int = 0  # decode steps run so far (errors name the step)
     finished: bool = False  # a sample finished since the last retire
     lean: bool = False  # plain steps may take DecodeSteps._plain_step (`lean_plain`)
+    ahead: bool = False  # lean plain steps launch their successor before the host reads them (module docstring)
+    chosen: tuple = ()  # (live rows, arm) chosen for the next step by a look-ahead that did not launch it
+
+
+@dataclass
+class PlainLaunch:
+    """A plain step in flight: its drawn tokens [B] on the device and its one host transfer."""
+
+    token: torch.Tensor
+    rows: Pending
+    fresh: bool  # it captured or compiled its graph first: no measure of a step's cost
+    at: list = field(default_factory=list)  # when the host launched it (perf_counter), for its step time
 
 
 def lean_plain(proposer, verifier, speculation, history) -> bool:
@@ -57,7 +76,8 @@ class DecodeSteps:
 
     def _decode_step(self, live: list[Sequence], ctx: Call) -> None:
         """schedule -> propose -> one target forward -> verify -> one host transfer -> commit."""
-        arm = self.speculation.choose(len(live))
+        arm = ctx.chosen[1] if ctx.chosen and ctx.chosen[0] == len(live) else self.speculation.choose(len(live))
+        ctx.chosen = ()
         ctx.steps += 1
         if ctx.lean and not arm.speculative:
             return self._plain_step(live, arm, ctx, time.perf_counter())
@@ -91,29 +111,70 @@ class DecodeSteps:
         self._observe_step(arm, live, drafted, routed, step.accepted, emitted, (t0, t1), ctx)
 
     def _plain_step(self, live: list[Sequence], arm, ctx: Call, t0: float) -> None:
-        """A step no row drafts in, where nothing but the draw reads it (`lean_plain`): the same forward, draws,
+        """Steps no row drafts in, where nothing but the draw reads them (`lean_plain`): the same forward, draws,
         transfer and commit as the general step, without its drafting, path and layout objects (what a plain step
-        costs the host is what the device waits for between steps: docs/runtime.md#host-step-budget). The ledger
-        gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its step."""
+        costs the host is what the device waits for between steps: docs/runtime.md#host-step-budget). With
+        ctx.ahead, each step's successor is launched before the host reads it (`_look_ahead`), for as long as
+        no row ends and the selector keeps choosing plain steps. The ledger gets the general step's figures:
+        from t0 to t1 its (empty) drafting, from t1 to the commit its step."""
         t1 = time.perf_counter()
         packed = self.runner.transfers.to_device([[s.pending, s.cache_len] for s in live])
-        logits, _ = self.runner.step(packed[:, :1], packed[:, 1], top=max(s.cache_len for s in live))
-        token, lps, flags = draw_plain(logits[:, 0], ctx.params, bound(ctx.draws, live))
+        start, top = packed[:, 1], max(s.cache_len for s in live)
+        step = self._launch_plain(packed[:, :1], start, top, live, ctx, 0)
+        while True:
+            ahead = self._look_ahead(live, ctx)
+            nxt = None if ahead is None else self._launch_plain(step.token[:, None], start + 1, top + 1, live, ctx, 1)
+            t1 = self._commit_plain(step, live, arm, ctx, t0, t1)
+            if nxt is None:
+                break
+            ctx.steps += 1
+            step, start, top, arm, t0 = nxt, start + 1, top + 1, ahead, t1
+            if ctx.finished:  # the rows still going take their next token; the loop retires the others
+                self._commit_plain(step, live, arm, ctx, t0, t1)
+                break
+        ctx.kv.trim(live)  # the look-aheads' blocks are the rows' own now: this only forgets it gave them
+
+    def _launch_plain(self, tokens, start, top: int, live: list[Sequence], ctx: Call, ahead: int) -> PlainLaunch:
+        """One plain step's forward, draw and host transfer, launched (nothing waits for the device); `ahead`:
+        steps launched before it that the host has not read (their tokens are its input, still on the device)."""
+        at = time.perf_counter()
+        logits, _ = self.runner.step(tokens, start, top=top)
+        token, lps, flags = draw_plain(logits[:, 0], ctx.params, bound(ctx.draws, live, ahead))
         if lps is None:  # greedy, or a truncated law: the logprob of the raw logits (docs/verification.md)
             lps, flags = logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits)
-        rows = self.runner.transfers.to_host(token, lps, flags).rows()
-        self._check_finite(StepLayout.of(0, False).bad_rows(rows), live, ctx.steps, f"decode step {ctx.steps}")
+        return PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh, [at])
+
+    def _look_ahead(self, live: list[Sequence], ctx: Call):
+        """The arm of the step after the one in flight when that step may be launched now (None otherwise): a
+        look-ahead call, every row with a token after this one to draw (rows that end by length now all end
+        together), the selector choosing a plain step, and a block for each row's next position."""
+        if not ctx.ahead or min(s.remaining for s in live) < 2:
+            return None
+        arm = self.speculation.choose(len(live))
+        if arm.speculative or min(ctx.kv.draft_room(live, [1] * len(live))) < 1:
+            ctx.chosen = (len(live), arm)  # the next step's arm, as the loop would have chosen it
+            return None
+        return arm
+
+    def _commit_plain(self, step: PlainLaunch, live: list[Sequence], arm, ctx: Call, t0: float, t1: float) -> float:
+        """Read a plain step (waiting for it), append each unfinished row's token, record the step; returns when
+        the host had it."""
+        rows = step.rows.rows()
+        read = time.perf_counter()
+        going = [i for i, s in enumerate(live) if not s.finished]  # a row that ended a step ago drops its token
+        bad = StepLayout.of(0, False).bad_rows(rows)
+        self._check_finite([i for i in bad if i in going], live, ctx.steps, f"decode step {ctx.steps}")
         stop = ctx.stop_ids
-        for s, r in zip(live, rows):
-            s.append_one(int(r[0]), r[1], stop)
-        emitted = len(live)  # one token a row
+        for i in going:
+            live[i].append_one(int(rows[i][0]), rows[i][1], stop)
         ctx.finished = ctx.finished or any(s.finish_reason is not None for s in live)
         zeros = [0] * len(live)  # drafted and accepted per row
-        if not self.runner.fresh:
-            self.speculation.observe_step(arm, len(live), time.perf_counter() - t1, t1 - t0, zeros, zeros)
+        if not step.fresh:
+            self.speculation.observe_step(arm, len(live), read - t1, t1 - t0, zeros, zeros)
         self._metrics.record_verify(arm.drafter, zeros, zeros)
-        self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, False))
+        self._metrics.batch_trace.append((read - ctx.t0, len(live), len(going), False))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
+        return read
 
     @staticmethod
     def _penalised(logits: torch.Tensor, batch: DraftBatch, ctx: Call) -> torch.Tensor:

@@ -25,7 +25,7 @@ from rlspec.rollout.metrics import RolloutMetrics
 from rlspec.rollout.nonfinite import bad_rows, finite_flags
 from rlspec.rollout.partial import round_over, round_sequences
 from rlspec.rollout.registry import STRATEGIES
-from rlspec.rollout.runtime.draws import bound, call_draws
+from rlspec.rollout.runtime.draws import KeyedDraws, bound, call_draws
 from rlspec.rollout.runtime.history import TokenHistory
 from rlspec.rollout.runtime.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 from rlspec.rollout.runtime.kv_ledger import KVLedger
@@ -82,6 +82,9 @@ class RolloutEngine(DecodeSteps):
         self.free_kv_between_rollouts = p.device.type == "cuda" if free_kv_between_rollouts is None \
             else free_kv_between_rollouts
         self._pool: tuple[float, float] | None = None  # (MiB, blocks) of the last call's KV pool
+        # plain steps launch their successor before the host reads them (rollout/decode.py) where the device runs
+        # steps while the host works; on a CPU the host is the device and a step looked ahead only costs it
+        self.look_ahead = p.device.type == "cuda"
         self._sync: loader.WriteLedger | None = None  # an open load_weights(..., complete=False) sync
 
     # ---- construction -------------------------------------------------------------------------
@@ -195,8 +198,10 @@ class RolloutEngine(DecodeSteps):
         self.proposer.start(seqs, params, gen)
         sched = Scheduler(groups, cache.rows, cache.alloc)
         ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table
+        lean = lean_plain(self.proposer, self.verifier, self.speculation, history)
         ctx = Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history,
-                   lean=lean_plain(self.proposer, self.verifier, self.speculation, history))
+                   lean=lean, ahead=lean and self.look_ahead and partial is None and (
+                       params.greedy or isinstance(draws, KeyedDraws)))
         # no op of the loop records autograd history: inference mode spares each of them the autograd dispatch
         # (a quarter of a plain step's host time on a small model); state that outlives the call is made outside it
         with torch.inference_mode():

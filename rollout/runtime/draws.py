@@ -151,9 +151,10 @@ def call_draws(gen: torch.Generator | None, sample_keys, seqs, params, device, t
     return draws
 
 
-def bound(draws, seqs):
+def bound(draws, seqs, ahead: int = 0):
     """The uniforms of one draw over these rows: keyed ones bound to the sequences' keys and completion lengths
-    (the position: 0 for the prefill's first token), or the call's generator as it is."""
+    (the position: 0 for the prefill's first token; plus `ahead` for a step launched before the host has read the
+    `ahead` steps in front of it), or the call's generator as it is."""
     if not isinstance(draws, KeyedDraws):
         return draws
-    return draws.bind([s.key for s in seqs], [len(s.completion_ids) for s in seqs])
+    return draws.bind([s.key for s in seqs], [len(s.completion_ids) + ahead for s in seqs])

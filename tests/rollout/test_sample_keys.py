@@ -144,8 +144,8 @@ def test_keys_from_the_kv_row_fail_the_two_token_law(two_tokens, monkeypatch):
     samples a row serves in turn repeat."""
     first: dict[int, int] = {}
 
-    def by_row(d, seqs):
-        return d.bind([first.setdefault(s.row, s.key) for s in seqs], [len(s.completion_ids) for s in seqs])
+    def by_row(d, seqs, ahead=0):
+        return d.bind([first.setdefault(s.row, s.key) for s in seqs], [len(s.completion_ids) + ahead for s in seqs])
 
     monkeypatch.setattr(engine_mod, "bound", by_row)  # the prefill's draws
     monkeypatch.setattr(decode_mod, "bound", by_row)  # the decode steps'
