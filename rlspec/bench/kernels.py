@@ -4,12 +4,13 @@ A step's graph replays one kernel per tensor op of the step's forward, and on a 
 of device time plus its share of the graph's launch on the host (docs/gpu.md#where-a-step-goes: at batch 1 the
 Qwen2.5-7B step spent ~2 ms of 6.3 in ~900 small elementwise kernels). The count depends on the model's ops, not
 on the device, so it is measured here, exactly, on any machine: a dispatch mode counts the ops that produce data
-(views and allocations are not kernels; a dtype conversion that copies is), with attention counted as one kernel
-(FlexAttention's on CUDA; the CPU's dense path takes several ops that a GPU step never runs).
+(views and allocations are not kernels; a dtype conversion that copies is), with the ops CUDA runs as one kernel
+counted as one (`CudaChoices`: FlexAttention; torch's fused RMSNorm), where the CPU runs several.
 
 Rows, for a Qwen2.5-7B-shaped model scaled down (the same ops: grouped heads, q|k|v bias, SwiGLU; a layer's
 count does not depend on its sizes), in bfloat16 (what GPUs run) and float32, at T = 1 (decode) and T = 5 (a
-4-token chain's verify):
+4-token chain's verify), with each RMSNorm as torch's fused kernel (norm "fused", what CUDA runs:
+llama.fused_norm) and as HF's arithmetic (norm "hf", the CPU's):
   * layer: kernels of one decoder layer, and by op;
   * head: the final norm, the LM head and the logits' conversion;
   * eagle3_level: one EAGLE-3 draft level (the drafter's layer and its draft-vocabulary logits);
@@ -26,7 +27,7 @@ import collections
 
 NAME = "kernels"
 HELP = "device kernels per decode step: one decoder layer, the head and an EAGLE-3 level, by op (CPU, exact)"
-COLUMNS = ["dtype", "tokens", "layer", "head", "eagle3_level", "layer_ops"]
+COLUMNS = ["dtype", "norm", "tokens", "layer", "head", "eagle3_level", "layer_ops"]
 LEVEL_COLUMNS = ["graph_mode", "proposals", "launches_per_level", "launches_per_proposal"]
 SHAPE = dict(vocab_size=512, hidden_size=112, intermediate_size=296, num_hidden_layers=2, num_attention_heads=28,
              num_key_value_heads=4)  # Qwen2.5-7B's heads (28 of 4 groups) with head_dim 4; its widths / 32
@@ -102,9 +103,42 @@ def target(dtype):
     return loader.from_hf_model(hf.to(dtype).eval())
 
 
-def layer_counts(model, dtype, batch: int, tokens: int) -> tuple[DeviceOps, DeviceOps]:
-    """(first decoder layer, head) kernels of one step of `tokens` new tokens per row over `batch` rows, attention
-    counted as one kernel."""
+class CudaChoices:
+    """While open, the model's ops run as they do on CUDA where that changes their kernels, each counted as one
+    kernel into `ops` (None: uncounted): attention as FlexAttention's kernel (no gather of the rows' blocks first:
+    it reads the pool in place) and, with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm)."""
+
+    def __init__(self, fused_norm: bool):
+        self.fused_norm, self.ops = fused_norm, None
+
+    def __enter__(self):
+        import torch.nn.functional as F
+
+        from rlspec.rollout.runtime.model import llama
+
+        self.saved = llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm
+        attend, gather, _, rms_norm = self.saved
+
+        def counted(name, fn):
+            return lambda *a, **kw: fn(*a, **kw) if self.ops is None else self.ops.as_one(name, fn, *a, **kw)
+
+        llama.attend, llama.gather_blocks = counted("attention", attend), counted(None, gather)
+        if self.fused_norm:
+            llama.fused_norm = lambda x, weight: x.dtype == weight.dtype
+            F.rms_norm = counted("rms_norm", rms_norm)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        from rlspec.rollout.runtime.model import llama
+
+        llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm = self.saved
+
+
+def layer_counts(model, dtype, batch: int, tokens: int, fused_norm: bool = True) -> tuple[DeviceOps, DeviceOps]:
+    """(first decoder layer, head) kernels of one step of `tokens` new tokens per row over `batch` rows, as CUDA
+    runs them (`CudaChoices`; fused_norm False: HF's norm arithmetic, the CPU's)."""
     import torch
 
     from rlspec.rollout.runtime.model import llama
@@ -115,46 +149,26 @@ def layer_counts(model, dtype, batch: int, tokens: int) -> tuple[DeviceOps, Devi
     cache.reset()
     cache.reserve_rows(batch, 48)
     layer, head = DeviceOps(), DeviceOps()
-    counting = {"on": None}
     first = model.model.layers[0]
-
-    def call(fn, *args):
-        ops = layer if fn is first else head if fn is llama._head else None
-        if ops is None:
-            return fn(*args)
-        counting["on"] = ops
-        try:
-            with ops:
+    with CudaChoices(fused_norm) as cuda:
+        def call(fn, *args):
+            cuda.ops = layer if fn is first else head if fn is llama._head else None
+            if cuda.ops is None:
                 return fn(*args)
-        finally:
-            counting["on"] = None
+            try:
+                with cuda.ops:
+                    return fn(*args)
+            finally:
+                cuda.ops = None
 
-    attend, gather = llama.attend, llama.gather_blocks
-
-    def one_kernel(*a, **kw):  # FlexAttention's kernel on CUDA; not the CPU's dense ops
-        ops = counting["on"]
-        return attend(*a, **kw) if ops is None else ops.as_one("attention", attend, *a, **kw)
-
-    def no_kernel(*a):  # the dense path's gather of the rows' blocks: FlexAttention reads the pool in place
-        ops = counting["on"]
-        if ops is None:
-            return gather(*a)
-        return ops.as_one(None, gather, *a)
-
-    llama.attend, llama.gather_blocks = one_kernel, no_kernel
-    try:
         with torch.inference_mode():
-            tok = torch.full((batch, tokens), 5)
-            start = torch.full((batch,), 9)
-            runner.steps.run(tok, start, layer_call=call)
-    finally:
-        llama.attend, llama.gather_blocks = attend, gather
+            runner.steps.run(torch.full((batch, tokens), 5), torch.full((batch,), 9), layer_call=call)
     return layer, head
 
 
-def eagle3_counts(model, dtype, batch: int) -> DeviceOps:
+def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True) -> DeviceOps:
     """Kernels of one EAGLE-3 draft level over `batch` rows: the drafter's layer on its previous output and the
-    drafted token's embedding, then its draft-vocabulary logits (attention as one kernel)."""
+    drafted token's embedding, then its draft-vocabulary logits, as CUDA runs them (`CudaChoices`)."""
     import torch
 
     from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
@@ -170,7 +184,9 @@ def eagle3_counts(model, dtype, batch: int) -> DeviceOps:
     def attend(q, k, v):
         ops.counts["attention"] += 1
         return q  # the level's shapes, without the CPU's attention ops
-    with torch.inference_mode(), ops:
+
+    with CudaChoices(fused_norm) as cuda, torch.inference_mode(), ops:
+        cuda.ops = ops
         drafter.logits(drafter(h, embeds, cos, sin, attend))
     return ops
 
@@ -218,15 +234,16 @@ def run(args) -> dict:
     for name in ("bfloat16", "float32"):
         dtype = getattr(torch, name)
         model = target(dtype)
-        level = eagle3_counts(model, dtype, args.batch)
-        for t in args.tokens:
-            layer, head = layer_counts(model, dtype, args.batch, t)
-            rows.append({"dtype": name, "tokens": t, "layer": layer.total, "head": head.total,
-                         "eagle3_level": level.total, "layer_ops": dict(sorted(layer.counts.items())),
-                         "head_ops": dict(sorted(head.counts.items())),
-                         "eagle3_ops": dict(sorted(level.counts.items()))})
-            print(f"[kernels] {name} T={t}: layer {layer.total}, head {head.total}, EAGLE-3 level {level.total}",
-                  flush=True)
+        for norm, fused in (("fused", True), ("hf", False)):
+            level = eagle3_counts(model, dtype, args.batch, fused)
+            for t in args.tokens:
+                layer, head = layer_counts(model, dtype, args.batch, t, fused)
+                rows.append({"dtype": name, "norm": norm, "tokens": t, "layer": layer.total, "head": head.total,
+                             "eagle3_level": level.total, "layer_ops": dict(sorted(layer.counts.items())),
+                             "head_ops": dict(sorted(head.counts.items())),
+                             "eagle3_ops": dict(sorted(level.counts.items()))})
+                print(f"[kernels] {name}, {norm} norms, T={t}: layer {layer.total}, head {head.total}, EAGLE-3 level "
+                      f"{level.total}", flush=True)
     levels = [level_launches(args.batch, mode) for mode in ("off", "emulate")]
     for r in levels:
         print(f"[kernels] EAGLE-3 proposals, levels {r['graph_mode']}: {r['launches_per_level']:.1f} launches a level "

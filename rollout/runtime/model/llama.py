@@ -31,7 +31,8 @@ from rlspec.rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_
 
 
 class RMSNorm(nn.Module):
-    """Same arithmetic as HF's LlamaRMSNorm (float32 statistics), so bf16 outputs match bit for bit."""
+    """HF's LlamaRMSNorm: the same arithmetic (float32 statistics), so bf16 outputs match bit for bit, except where
+    torch's fused kernel serves (`fused_norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -39,12 +40,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_norm(x, self.weight):
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if torch.is_grad_enabled() and x.requires_grad:  # a drafter's training: out= has no gradient
             return self.weight * (x32 * r).to(x.dtype)
         # HF's (x32 * r).to(dtype) in one kernel: the float32 product rounded to x's dtype as it is stored
         return self.weight * torch.mul(x32, r, out=torch.empty_like(x))
+
+
+def fused_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's fused RMSNorm kernel normalises x: on CUDA, outside autograd, x in the weight's dtype. There it
+    is one kernel where HF's arithmetic takes seven (each a node of every CUDA graph, ~2 us a step each:
+    docs/gpu.md#where-a-step-goes). It multiplies by the weight before rounding to x's dtype, where HF also rounds
+    before the weight, so in bf16 a norm can differ from HF's in its last bit (in float32 only by the order of its
+    sum); the CUDA parity tests hold in float32 (atol 1e-4, greedy tokens equal transformers')."""
+    return x.is_cuda and x.dtype == weight.dtype and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 @dataclass

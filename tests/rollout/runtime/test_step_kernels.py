@@ -1,6 +1,7 @@
-"""The decoder layer in few kernels, with HF's arithmetic: the rotation through a roll and the signed sin table,
-the norm's product rounded as it is stored (llama.py), each bit for bit against transformers; and the kernel
-counts that `python -m rlspec.bench kernels` reports, held to their budget (each kernel is a CUDA graph node)."""
+"""The decoder layer in few kernels: the rotation through a roll and the signed sin table and, off CUDA, the norm's
+product rounded as it is stored (llama.py), each bit for bit against transformers; on CUDA torch's fused norm
+(llama.fused_norm, whose numerics the CUDA tests hold); and the kernel counts that `python -m rlspec.bench kernels`
+reports, held to their budget (each kernel is a CUDA graph node)."""
 from __future__ import annotations
 
 import pytest
@@ -56,20 +57,26 @@ def test_rmsnorm_is_hf_bit_for_bit(dtype, grad):
 
 
 def test_decoder_layer_and_drafter_level_keep_their_kernel_budget():
-    """A bf16 decode step's layer in 29 kernels (37 before the rotation and norm were fused: each is a graph node
-    replayed 28 times a Qwen2.5-7B step), its head in 9, an EAGLE-3 level in 51; by op, so that a change that
-    brings back HF's rotate_half (neg and cat) or a norm's separate cast fails here by name."""
+    """A bf16 decode step's layer as CUDA replays it in 17 kernels (37 before: q and k rotated apart through HF's
+    rotate_half, each norm seven kernels), its head in 3, an EAGLE-3 level in 27; with HF's norm arithmetic (the
+    CPU's) 29, 9 and 51. By op, so that a change that brings back rotate_half (neg and cat), a norm's separate cast
+    or an unfused norm on CUDA fails here by name."""
     model = bench.target(torch.bfloat16)
     layer, head = bench.layer_counts(model, torch.bfloat16, batch=4, tokens=1)
     ops = layer.counts
     assert ops["linear"] == 4 and ops["attention"] == 1 and ops["index_put_"] == 2  # it counted the layer
     assert ops["roll"] == 1 and ops["neg"] == 0 and ops["cat"] == 0  # q and k rotate once, with no rotate_half
-    assert ops["to"] == 2  # the norms' float32 upcast; their downcast is inside the product
-    assert layer.total <= 29, dict(ops)
-    assert head.total <= 9, dict(head.counts)
+    assert ops["rms_norm"] == 2 and ops["to"] == 0 and ops["mean"] == 0  # torch's fused norm, once a norm
+    assert layer.total <= 17, dict(ops)
+    assert head.total <= 3, dict(head.counts)
     level = bench.eagle3_counts(model, torch.bfloat16, batch=4)
-    assert level.counts["roll"] == 2 and level.counts["neg"] == 0
-    assert level.total <= 51, dict(level.counts)
+    assert level.counts["roll"] == 2 and level.counts["neg"] == 0 and level.counts["rms_norm"] == 4
+    assert level.total <= 27, dict(level.counts)
+
+    hf_layer, hf_head = bench.layer_counts(model, torch.bfloat16, batch=4, tokens=1, fused_norm=False)
+    assert hf_layer.counts["to"] == 2  # the norms' float32 upcast; their downcast is inside the product
+    assert hf_layer.total <= 29 and hf_head.total <= 9, (dict(hf_layer.counts), dict(hf_head.counts))
+    assert bench.eagle3_counts(model, torch.bfloat16, batch=4, fused_norm=False).total <= 51
 
 
 def test_the_counter_counts_copies_not_views():
@@ -82,3 +89,23 @@ def test_the_counter_counts_copies_not_views():
         z = x.float()
         z.mul(2)
     assert dict(ops.counts) == {"to": 1, "mul": 1}
+
+
+def test_the_fused_norm_serves_cuda_inference_only_and_is_hf_to_a_last_bit():
+    """llama.fused_norm picks torch's fused RMSNorm on CUDA outside autograd only; what it computes (one rounding,
+    after the weight) is HF's norm to one bf16 ulp, and to float32 rounding in float32 (CPU here: the same law;
+    tests/gpu/test_cuda_norm.py holds it on CUDA)."""
+    import torch.nn.functional as F
+
+    from rlspec.rollout.runtime.model.llama import fused_norm
+
+    w = torch.ones(8, dtype=torch.bfloat16)
+    assert not fused_norm(torch.ones(2, 8, dtype=torch.bfloat16), w)  # a CPU tensor
+    g = torch.Generator().manual_seed(2)
+    for dtype, rtol in ((torch.bfloat16, 2**-7), (torch.float32, 1e-6)):
+        x = (torch.randn(64, 96, generator=g) * 4).to(dtype)
+        norm = hf_qwen2.Qwen2RMSNorm(96, 1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_((1 + torch.randn(96, generator=g) * 0.3).to(dtype))
+            fused, hf = F.rms_norm(x, (96,), norm.weight, 1e-6), norm(x)
+        torch.testing.assert_close(fused.float(), hf.float(), rtol=rtol, atol=0)
