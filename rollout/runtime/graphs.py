@@ -394,8 +394,8 @@ class GraphPool:
         def forward():  # reads and writes only static buffers, the cache and the weights
             with torch.inference_mode():
                 fb = build_step_batch(tokens, start, cache, cache.length, depths, tree, flex, head_group(model))
-                logits, hiddens = model(fb, cache.k, cache.v, hl, layer_call=layer_call)
-                logits_out.copy_(logits)
+                logits, hiddens = model(fb, cache.k, cache.v, hl, layer_call=layer_call, float_logits=False)
+                logits_out.copy_(logits)  # float32 as it is copied
                 for i in hl:
                     hidden_out[i].copy_(hiddens[i])
 

@@ -213,14 +213,16 @@ class LlamaForCausalLM(nn.Module):
                            for t in sorted({t for t in self.cfg.layer_rope if t is not None})}
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, k_cache, v_cache, hidden_layers=(), logits_index=None, layer_call=None):
+    def forward(self, fb: ForwardBatch, k_cache, v_cache, hidden_layers=(), logits_index=None, layer_call=None,
+                float_logits: bool = True):
         """Run B x T new tokens; k_cache/v_cache: the paged pools [L, num_blocks, block_size, kv_heads, head_dim].
 
         Returns (logits, hiddens): logits [B, T, V] float32, or [B, V] when logits_index [B] picks
         one position per row (prefill); hiddens: {HF hidden_states index: [B, T, H]} for the layers
         asked for (index 0 = embeddings, i = output of layer i-1, for i <= L; L is before the final norm).
         layer_call(layer, *args): how each layer runs (runtime/compiled.py passes its compiled call, or
-        fused.FusedLayers, which runs each layer as one C++ op).
+        fused.FusedLayers, which runs each layer as one C++ op). float_logits False: the logits in the head's
+        dtype (a caller that converts them as it copies them: graphs.py).
         """
         x = self.model.embed_tokens(fb.input_ids)
         dtype = x.dtype
@@ -238,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
             hiddens[len(self.model.layers)] = x
         if logits_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_index]
-        return (layer_call or _call)(_head, self.model.norm, self.lm_head, x, self.cfg.final_softcap), hiddens
+        head = _head if float_logits else _head_in_dtype
+        return (layer_call or _call)(head, self.model.norm, self.lm_head, x, self.cfg.final_softcap), hiddens
 
     def layer_masks(self, fb: ForwardBatch) -> list[AttnMask]:
         """Each layer's mask, built once per forward: fb.attn, or for sliding layers fb.attn with the window
@@ -265,10 +268,16 @@ def _head(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.Tensor:
     that the compiled step compiles it too (its single-row product is the step's largest, compiled.py).
     A float32 head over a 16-bit body (TRL's cast_lm_head_to_fp32, loader.cast_head) takes the normed hidden
     state in float32, as TRL's patched head does."""
+    return _head_in_dtype(norm, lm_head, x, cap).float()
+
+
+def _head_in_dtype(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """_head's logits in the head's dtype (forward's float_logits=False): a CUDA graph's copy into its float32
+    buffer converts them as it copies (graphs.py), where a float32 copy of the full logits came between."""
     logits = lm_head(norm(x).to(lm_head.weight.dtype))
     if cap is not None:
         logits = softcap(logits, cap)
-    return logits.float()
+    return logits
 
 
 def rope_table(cfg: ModelConfig, max_len: int, device, layer_type: str | None = None):
