@@ -10,6 +10,7 @@ from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
+from tests.rollout.speculation.test_eagle3_graphs import drafted_both_ways
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -60,21 +61,7 @@ def test_cuda_sampled_graph_levels_draw_the_eager_drafts(monkeypatch):
     prompts = random_prompts(5, 3, 20, seed=4)
     eng = _engine(hf, 1, "auto")
     eng.speculation.force(Arm("eagle3", 4, 1, "max_conf"))
-    draft, compared = Eagle3Drafter._draft, []
-
-    def both(self, seqs, h, depth, w):
-        graphs, state = self._graphs, self.generator.get_state()
-        self._graphs, self.graph_mode = None, "off"
-        eager = draft(self, seqs, h, depth, w)
-        self._graphs, self.graph_mode = graphs, "auto"
-        self.generator.set_state(state)
-        got = draft(self, seqs, h, depth, w)
-        assert torch.equal(got[0], eager[0]) and got[2] == eager[2]
-        torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-6)
-        compared.append(depth)
-        return got
-
-    monkeypatch.setattr(Eagle3Drafter, "_draft", both)
+    compared = drafted_both_ways(monkeypatch, "auto")
     eng.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, max_new_tokens=16,
                                          ignore_eos=True, seed=1))
     graphs = eng.speculation.learned.level_graphs()

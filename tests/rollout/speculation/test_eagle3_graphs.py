@@ -64,6 +64,29 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
     assert {k[2] for k in keys} == {4}  # proposals capped near the end reuse the full depth's frames
 
 
+def drafted_both_ways(monkeypatch, graph_mode: str) -> list:
+    """Make every sampled proposal draft twice from the same generator state, eagerly and through the level graphs
+    (`graph_mode`), and assert the same tokens and kept nodes, and q to rounding: a graph attends over its frame's
+    context bucket, padded past the rows' context with masked positions, which changes the order of the sums.
+    Returns the list the proposals' (rows, depth, kept) go to."""
+    draft, compared = Eagle3Drafter._draft, []
+
+    def both(self, seqs, h, depth, w):
+        graphs, state = self._graphs, self.generator.get_state()
+        self._graphs, self.graph_mode = None, "off"
+        eager = draft(self, seqs, h, depth, w)
+        self._graphs, self.graph_mode = graphs, graph_mode
+        self.generator.set_state(state)
+        got = draft(self, seqs, h, depth, w)
+        assert torch.equal(got[0], eager[0]) and got[2] == eager[2]
+        torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-6)
+        compared.append((len(seqs), depth, got[2]))
+        return got
+
+    monkeypatch.setattr(Eagle3Drafter, "_draft", both)
+    return compared
+
+
 SAMPLED = {  # how the levels draw: each a different graph (its key's `sig`) and a different part of _pick
     "plain": (dict(temperature=1.0), "none"),
     "processed": (dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02), "max_conf"),
@@ -82,23 +105,7 @@ def test_sampled_graph_levels_draw_the_eager_drafts(case, width, monkeypatch):
     hf = make_tiny_hf("llama", seed=6)
     prompts = random_prompts(5, 3, 20, seed=4)
     eng = _engine(hf, width, "emulate", stop=stop, sharpen=2.0)
-    draft, compared = Eagle3Drafter._draft, []
-
-    def both(self, seqs, h, depth, w):
-        graphs, state = self._graphs, self.generator.get_state()
-        self._graphs, self.graph_mode = None, "off"
-        eager = draft(self, seqs, h, depth, w)
-        self._graphs, self.graph_mode = graphs, "emulate"
-        self.generator.set_state(state)
-        got = draft(self, seqs, h, depth, w)
-        assert torch.equal(got[0], eager[0]) and got[2] == eager[2]
-        # q to rounding: a graph attends over its frame's context bucket, padded past the rows' context with
-        # masked positions, which changes the order of the sums (the greedy drafts above are equal)
-        torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-6)
-        compared.append((len(seqs), depth, got[2]))
-        return got
-
-    monkeypatch.setattr(Eagle3Drafter, "_draft", both)
+    compared = drafted_both_ways(monkeypatch, "emulate")
     for n in (5, 2):
         eng.generate(prompts[:n], SamplingParams(max_new_tokens=16, ignore_eos=True, seed=n, **kw))
     assert len(compared) >= 10 and eng.speculation.learned.level_graphs().counts["replays"] > 0
