@@ -193,8 +193,6 @@ def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True) -> DeviceOp
 
 def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
     """Kernels launched outside graphs by the EAGLE-3 drafter's proposals (`_draft`) of one sampled rollout."""
-    import torch
-
     from rlspec.bench.host import prompts, tiny_model
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.runtime.graphs import GraphSet
