@@ -17,7 +17,7 @@ keyed draws: each row's uniforms are its key's at its position, whatever else th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +60,6 @@ class PlainLaunch:
     token: torch.Tensor
     rows: Pending
     fresh: bool  # it captured or compiled its graph first: no measure of a step's cost
-    at: list = field(default_factory=list)  # when the host launched it (perf_counter), for its step time
 
 
 def lean_plain(proposer, verifier, speculation, history) -> bool:
@@ -137,12 +136,11 @@ class DecodeSteps:
     def _launch_plain(self, tokens, start, top: int, live: list[Sequence], ctx: Call, ahead: int) -> PlainLaunch:
         """One plain step's forward, draw and host transfer, launched (nothing waits for the device); `ahead`:
         steps launched before it that the host has not read (their tokens are its input, still on the device)."""
-        at = time.perf_counter()
         logits, _ = self.runner.step(tokens, start, top=top)
         token, lps, flags = draw_plain(logits[:, 0], ctx.params, bound(ctx.draws, live, ahead))
         if lps is None:  # greedy, or a truncated law: the logprob of the raw logits (docs/verification.md)
             lps, flags = logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits)
-        return PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh, [at])
+        return PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh)
 
     def _look_ahead(self, live: list[Sequence], ctx: Call):
         """The arm of the step after the one in flight when that step may be launched now (None otherwise): a
