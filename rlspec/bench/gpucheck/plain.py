@@ -7,6 +7,8 @@ and replayed from the graph pool (median of three timings); the step's bandwidth
 device's memory bandwidth) beside it; transformers' tok/s at a few batches. A shape that would not fit says why."""
 from __future__ import annotations
 
+import statistics
+
 from rlspec.bench.gpucheck.common import (build_hf, engine_over, fits, median_time, random_prompts, release,
                                          time_steps, timed, timed_calls)
 
@@ -82,14 +84,19 @@ def engine_rows(engine, prompts, batches: list[int], new: int, device, cfg: dict
         eager = EagerRunner(runner.model, runner.cache, device)
         eager_s = time_steps(lambda: eager.run(tokens, start), max(cfg["iters"] // 4, 2), device, warmup=1)
         bound = limit(runner.model, b, ctx + 1, device)
+        # the engine's step: the call over its decode steps (its prefill included), against the graph step alone:
+        # what the device waits for between steps (plain steps look ahead on CUDA: rollout/decode.py)
+        engine_ms = call["seconds"] / statistics.median(call["decode_steps"]) * 1e3
         rows.append(dict(batch=b, context=ctx, engine_tok_s=b * new / call["seconds"], call_s=call["seconds_all"],
+                         engine_step_ms=engine_ms, host_gap_ms=engine_ms - graph_s * 1e3,
                          decode_steps=call["decode_steps"], captures=call["captures"],
                          timed_captures=call["timed_captures"], step_graph_ms=graph_s * 1e3,
                          step_graph_ms_all=[t * 1e3 for t in graph_all], step_eager_ms=eager_s * 1e3,
                          graph_speedup=eager_s / graph_s, achieved_gbs=bound["bytes_moved"] / graph_s / 1e9,
                          **bound, of_limit=bound["limit_ms"] / (graph_s * 1e3) if bound["limit_ms"] else None))
-        print(f"  batch {b}: engine {rows[-1]['engine_tok_s']:.0f} tok/s, graph step {graph_s * 1e3:.2f} ms, "
-              f"eager {eager_s * 1e3:.2f} ms, captures in timed calls {call['timed_captures']}", flush=True)
+        print(f"  batch {b}: engine {rows[-1]['engine_tok_s']:.0f} tok/s ({engine_ms:.2f} ms a step), graph step "
+              f"{graph_s * 1e3:.2f} ms, eager {eager_s * 1e3:.2f} ms, captures in timed calls "
+              f"{call['timed_captures']}", flush=True)
     return rows
 
 
