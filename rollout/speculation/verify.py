@@ -266,12 +266,18 @@ def _recursive_reject(
     u = uniform(generator, (B, W), p.device, TREE)
     for j in range(W):
         x = xs[:, j]
-        q = qs[:, j] if qs is not None else torch.zeros_like(p).scatter_(-1, x[:, None], 1.0)
-        q_x = q.gather(-1, x[:, None]).squeeze(-1)
-        tried = valid[:, j] & (slot < 0) & (q_x > 0)
-        ok = tried & _accept(u[:, j], running, q_x, x)
+        if qs is None:  # q one-hot at x: q(x) = 1, and max(0, p - q) is p with x's entry 0, bit for bit
+            tried = valid[:, j] & (slot < 0)
+            ok = tried & (u[:, j] < running.gather(-1, x[:, None]).squeeze(-1))
+            residual = _renormalised(running.scatter(-1, x[:, None], 0.0), running)
+        else:
+            q = qs[:, j]
+            q_x = q.gather(-1, x[:, None]).squeeze(-1)
+            tried = valid[:, j] & (slot < 0) & (q_x > 0)
+            ok = tried & _accept(u[:, j], running, q_x, x)
+            residual = _residual(running, q)
         slot = torch.where(ok, j, slot)
-        running = torch.where((tried & ~ok)[:, None], _residual(running, q), running)
+        running = torch.where((tried & ~ok)[:, None], residual, running)
     return slot, running
 
 
