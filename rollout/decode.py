@@ -144,8 +144,8 @@ class DecodeSteps:
 
     def _look_ahead(self, live: list[Sequence], ctx: Call):
         """The arm of the step after the one in flight when that step may be launched now (None otherwise): a
-        look-ahead call, every row with a token after this one to draw (rows that end by length now all end
-        together), the selector choosing a plain step, and a block for each row's next position."""
+        look-ahead call, every row with a token to draw after this one (no step past a row's length), the selector
+        choosing a plain step, and a block for each row's next position."""
         if not ctx.ahead or min(s.remaining for s in live) < 2:
             return None
         arm = self.speculation.choose(len(live))
