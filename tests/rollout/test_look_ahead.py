@@ -104,18 +104,29 @@ def test_look_ahead_under_forced_preemption_equals_transformers(monkeypatch):
 
 
 def test_look_ahead_between_speculative_steps_keeps_greedy_exactness(hf, monkeypatch):
-    """With an n-gram drafter the adaptive selector picks, step by step, plain steps (looked ahead) or speculative
-    ones (a look-ahead that meets one hands the loop the arm it chose): greedy rollouts stay transformers' own."""
+    """The selector's choices scripted: three plain steps, then two 3-token n-gram chains, over and over. Each
+    run of plain steps is looked ahead until the look-ahead meets a chain, whose arm it hands to the loop (chosen
+    once, not twice); greedy rollouts stay transformers' own."""
+    from rlspec.rollout.speculation.selectors.base import OFF, Arm
+    from rlspec.rollout.speculation.speculation import Speculation
     from rlspec.rollout.types import SpecConfig
     from tests.rollout.test_engine_ar import hf_greedy
 
+    script, chosen = [OFF, OFF, OFF, Arm("ngram", 3, 1), Arm("ngram", 3, 1)], []
+
+    def choose(self, batch):
+        chosen.append(script[len(chosen) % len(script)])
+        return chosen[-1]
+
+    monkeypatch.setattr(Speculation, "choose", choose)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9, 3], [4, 8, 15, 16]]
-    spec = SpecConfig(drafter="ngram", selector="adaptive", num_draft_tokens=3, online_training=False)
+    spec = SpecConfig(drafter="ngram", num_draft_tokens=3, online_training=False)
     engine = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2])
     engine.look_ahead = True
     seen = launches(monkeypatch)
-    got = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24))
+    got = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
     for p, r in zip(prompts, got):
-        ref = hf_greedy(hf, p, 24, eos=2)
-        assert r.completion_ids == (ref[: ref.index(2) + 1] if 2 in ref else ref)
-    assert sum(seen) > 0 and engine.stats()["rollout/spec_step_share"] > 0  # both kinds of step ran
+        assert r.completion_ids == hf_greedy(hf, p, 24, eos=None)
+    steps = len(engine.batch_trace)
+    assert len(chosen) == steps  # one choice a step: a look-ahead's refused arm is the next step's
+    assert sum(seen) > 0 and 0 < engine.stats()["rollout/spec_step_share"] < 1  # both kinds of step ran
