@@ -212,10 +212,10 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
         with ops:
             return draft(self, seqs, h, d, w)
 
-    def uncounted_replay(self, key, fn):  # a CUDA graph's kernels are one launch, counted as such
+    def one_launch(self, key, fn):  # a CUDA graph's kernels are one launch, counted as such
         return ops.as_one("graph", replay, self, key, fn)
 
-    Eagle3Drafter._draft, GraphSet.replay = counted_draft, uncounted_replay
+    Eagle3Drafter._draft, GraphSet.replay = counted_draft, one_launch
     try:
         engine.generate(prompts(batch, 0), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=0))
     finally:

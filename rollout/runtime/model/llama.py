@@ -203,8 +203,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope_extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # other layer types' tables (Gemma 3)
 
     def init_rope(self, max_len: int) -> None:
-        """Precompute cos/sin tables in float32 exactly as HF computes them per position (sin signed, `rope`). Tables only
-        grow: engines (or a drafter trainer) sharing one model must never shrink another's."""
+        """Precompute cos/sin tables in float32 exactly as HF computes them per position (sin signed, `rope`).
+        Tables only grow: engines (or a drafter trainer) sharing one model must never shrink another's."""
         if self.rope_cos is not None and self.rope_cos.shape[0] >= max_len:
             return
         device = self.lm_head.weight.device

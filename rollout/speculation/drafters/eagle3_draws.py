@@ -53,7 +53,7 @@ class ChainDraws:
         draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution draw j came
         from given the earlier ones, which is what verification needs. seen [R, V]: the history the drafted
         token follows (repetition penalty; None = off), the same as the target's node there, so q stays close
-        to p. u [R, 1]: one draw's uniforms, taken beforehand (`_level_uniforms`; None: drawn here).
+        to p. u [R, 1]: one draw's uniforms, taken beforehand (`_first_level`; None: drawn here).
         """
         logits = self.model.logits(h) if self.fused is None or len(h) > FUSED_MAX_TOKENS else self.fused.logits(h)
         ok = None if self.stop_rule == "none" else self._confident(logits)
@@ -184,8 +184,8 @@ class ChainDraws:
         sig = (None if self.params is None else (self.params.greedy, self.params.temperature, self.params.top_k,
                self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule)
 
-        def pick(hj, ids, seen_j, u):  # one level's draw, inside the graph: one token per branch
-            nxt, q, ok = self._pick(hj, 1, ids, seen_j, None if us is None else u)
+        def pick(hj, ids, seen_j, u):  # one level's draw, inside the graph: one token per branch (greedy reads no u)
+            nxt, q, ok = self._pick(hj, 1, ids, seen_j, u)
             return nxt[:, 0], None if q is None else q[:, 0], ok
 
         ids, qs, oks = graphs.draws(*ctx, lens_t, cos, sin, h, self._embed(tok[:, None]), seen, us, vocab, pick,

@@ -109,7 +109,8 @@ class Eagle3Model(nn.Module):
 
     def forward(self, hidden, embeds, cos, sin, attend) -> torch.Tensor:
         """hidden [B, T, 3H] target features (or [B, T, H] the drafter's previous output), embeds
-        [B, T, H], cos/sin [B, T, 1, hd] (the target's tables: sin signed, llama.rope); attend(q [B,nh,T,hd], k, v [B,nkv,T,hd]) -> [B, nh, T, hd].
+        [B, T, H], cos/sin [B, T, 1, hd] (the target's tables: sin signed, llama.rope);
+        attend(q [B,nh,T,hd], k, v [B,nkv,T,hd]) -> [B, nh, T, hd].
         Returns the pre-norm output [B, T, H] (the next draft step's `hidden`)."""
         c, m = self.cfg, self.midlayer
         if hidden.shape[-1] != c.hidden_size:

@@ -12,8 +12,9 @@
 // The products are packed_linear's (weights in `pack`'s blocked layout), attention is paged_attention's; every
 // other op is done here in float32 and rounded to bf16 where the eager layer (llama.py) rounds: RMSNorm as HF's
 // (x * rsqrt(mean(x^2) + eps) rounded, times the weight, rounded), RoPE as q * cos + rotate_half(q) * sin with each
-// product and the sum rounded (sin signed, as the model's tables hold it: llama.rope), silu(gate) rounded before it multiplies up, each residual sum rounded. The new keys
-// and values are written to their pool slots before attention reads the pool, as the eager layer does.
+// product and the sum rounded (sin signed, as the model's tables hold it: llama.rope), silu(gate) rounded before it
+// multiplies up, each residual sum rounded. The new keys and values are written to their pool slots before
+// attention reads the pool, as the eager layer does.
 //
 // Why (docs/runtime.md#the-fused-cpu-step): a batch-1 step spends about as long around its kernels as in them. A
 // compiled layer is a Python call into dynamo's and inductor's wrappers (guards, size asserts, allocations, five
