@@ -40,8 +40,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> dict:
-    if args.smoke:  # a refusal before step 1 and a one-step run of a tiny model: no straight run
-        args.only, args.workdir = "long_prompt", str(Path(args.out).with_suffix("")) + "_runs"
+    if args.smoke:  # one run of a tiny model, refused before step 1: no straight run
+        args.only, args.workdir = "bad_rows", str(Path(args.out).with_suffix("")) + "_runs"
     chaos_run.OVERRIDES[:] = ([f"model={smoke_model(EMBEDDED, args.workdir)}", "grpo.max_completion_length=8"]
                               if args.smoke else [])
     names = [n for n in args.only.split(",") if n] or list(FAULTS)

@@ -91,8 +91,8 @@ SMOKE = {
              and r["rows"][0]["tokens_per_s"] > 0),
     "workers": ([], lambda r: [x["config"] for x in r["rows"]] == ["pool 2x1", "engine 1x2"]
                 and "N=64" in r["projection"] and [s["step"] for s in r["spot"]["on"]] == [0]),
-    "chaos": ([], lambda r: r["ok"] and r["faults"][0]["name"] == "long_prompt" and r["faults"][0]["exit_code"] == 2
-              and not r["faults"][0]["reached_step_1"] and r["faults"][0]["with_drop_long_prompts"]["exit_code"] == 0),
+    "chaos": ([], lambda r: r["ok"] and r["faults"][0]["name"] == "bad_rows" and r["faults"][0]["exit_code"] == 2
+              and not r["faults"][0]["reached_step_1"] and r["faults"][0]["handled"]),
     "trl-suite": ([], lambda r: r["summary"]["plain"]["passed"] == r["summary"]["spec"]["passed"] == 1
                   and r["summary"]["spec"]["skipped"] == 1 and "tiny-VisionOnly" in str(r["unbuilt"])),
     "passes": ([], lambda r: [x["pass_"] for x in r["rows"]] == ["trl_padded", "trimmed"]

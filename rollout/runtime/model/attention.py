@@ -229,18 +229,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, sc
     if mask.causal:
         return attend_causal(q, k, v, scale, softcap)
     if torch.compiler.is_compiling():
-        return _flex_outside_graph(q, k, v, mask, scale)
+        return _flex_outside_graph()(q, k, v, mask, scale)
     return attend_flex(q, k, v, mask, scale)
 
 
-@torch.compiler.disable
-def _flex_outside_graph(q, k, v, mask: AttnMask, scale: float | None) -> torch.Tensor:
+@functools.cache
+def _flex_outside_graph():
     """attend_flex from inside a compiled layer (runtime/compiled.py), behind a graph break. Traced into the
     layer, FlexAttention's block mask carries the paged pool's length as Python ints, which the layer graph
     (compiled with static shapes) specialised on: every new pool size compiled each captured shape again (3-8
     s each on an H100; docs/gpu.md). Out here flex compiles on its own, once per query
-    bucket and dtype, its KV length dynamic from the second size on, and the layer's graphs take any pool size."""
-    return attend_flex(q, k, v, mask, scale)
+    bucket and dtype, its KV length dynamic from the second size on, and the layer's graphs take any pool size.
+    Made on first use: torch.compiler.disable imports dynamo (~2 s), which a process that never compiles (the
+    drafter trainer's child, a CPU rollout) need not pay."""
+    return torch.compiler.disable(attend_flex)
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

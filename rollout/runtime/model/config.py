@@ -13,6 +13,8 @@ costs the others nothing (no extra op is added for it).
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +29,31 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # llama.MLP computes these exactly as transformers' ACT2FN
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 _USE_TRL = "use trl.GRPOTrainer's own generation (or vLLM) for this model"
+
+
+class DeferredConfig:
+    """A transformers config that crosses to another process as its class and dict. There a field of the dict is
+    read from it; anything else (a method, a field the dict leaves out) rebuilds the config first. Unpickling
+    the config itself imports transformers (~2 s), which the drafter trainer's child needs only for the RoPE
+    variants computed through transformers."""
+
+    def __init__(self, config: Any):
+        self._cls = (type(config).__module__, type(config).__qualname__)
+        self._dict = config.to_dict()
+        self._config = config
+
+    def __getstate__(self) -> dict:
+        return {"_cls": self._cls, "_dict": self._dict, "_config": None}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # not yet set while unpickling (and never the config's)
+            raise AttributeError(name)
+        if self._config is None and name in self._dict:
+            return self._dict[name]
+        if self._config is None:
+            module, qualname = self._cls
+            self._config = getattr(importlib.import_module(module), qualname).from_dict(self._dict)
+        return getattr(self._config, name)
 
 
 @dataclass
@@ -62,6 +89,11 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+
+    def portable(self) -> "ModelConfig":
+        """This config for another process: its transformers config deferred (DeferredConfig)."""
+        hf = self.hf_config
+        return self if hf is None or not hasattr(hf, "to_dict") else dataclasses.replace(self, hf_config=DeferredConfig(hf))
 
     @classmethod
     def from_hf(cls, hf: Any, family: str | None = None) -> "ModelConfig":

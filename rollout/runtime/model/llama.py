@@ -301,7 +301,7 @@ def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torc
         params = params[kind]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        theta = params["rope_theta"] if "rope_theta" in params else getattr(hf, "rope_theta", 10000.0)
         dim = cfg.head_dim
         return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

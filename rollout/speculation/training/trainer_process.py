@@ -339,7 +339,7 @@ def _recipe(drafter, factory, kwargs, threads, device, nice) -> Recipe:
     if threads is None:
         threads = max(1, len(os.sched_getaffinity(0)) // 2)
     net = drafter.network()
-    return Recipe(factory, dict(kwargs), threads, nice, str(device or p.device), p.dtype, target.cfg,
+    return Recipe(factory, dict(kwargs), threads, nice, str(device or p.device), p.dtype, target.cfg.portable(),
                   cpu(target.model.embed_tokens.weight), cpu(target.model.norm.weight),
                   None if tied else cpu(target.lm_head.weight), rope, type(net), net.cfg, drafter.name,
                   tuple(drafter.aux_layers))

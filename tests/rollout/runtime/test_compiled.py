@@ -92,11 +92,12 @@ def test_a_step_that_compiles_is_marked_fresh():
 def test_the_selector_never_learns_a_compiling_steps_time(monkeypatch):
     """A step that compiled is no measure of its cost: a 1000x outlier that the cost model's average would
     carry for dozens of steps, keeping a good arm off. The engine does not feed such a step to the selector
-    (steps marked fresh here, and made to take as long as a compile)."""
+    (steps marked fresh here, and made to take as long as a compile: eager steps, since the compiles themselves,
+    seconds of CPU, would prove nothing more)."""
     import time
 
     eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama")), None, eos_token_ids=[2],
-                        spec=SpecConfig(drafter="suffix", num_draft_tokens=3), compile_mode="on")
+                        spec=SpecConfig(drafter="suffix", num_draft_tokens=3))
     prompts = random_prompts(4, 3, 12, seed=1)
     eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))  # calibration happens here
     eng.stats()

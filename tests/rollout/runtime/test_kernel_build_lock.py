@@ -5,10 +5,12 @@ torch's extension builder waits with no timeout on a lock file that a killed bui
 kill -9 mid-build used to hang every later process on the machine in `kernels.available()`, silently. These
 tests inject the faults for real: a build process SIGKILLed mid-compile, a planted lock of a dead process
 next to a torn library, a lock held by a live process, a cache directory writable by group and others. The
-builds are of a one-op library (a few seconds), each with a namespace of its own, since a torch library
-namespace registers once per process."""
+builds are of a one-function library: torch's headers where a build must last long enough to be killed (a few
+seconds), plain C elsewhere (under a second); each with a name of its own, since a torch library namespace
+registers once per process."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -33,6 +35,8 @@ at::Tensor twice(const at::Tensor& x) { return x.mul(2); }
 TORCH_LIBRARY(NS, m) { m.def("twice(Tensor x) -> Tensor", twice); }
 """
 
+PLAIN = 'extern "C" int NS_twice(int x) { return 2 * x; }\n'
+
 CHILD = """
 import sys
 from pathlib import Path
@@ -41,14 +45,17 @@ load_library(sys.argv[1], [Path(sys.argv[2])], [], [], Path(sys.argv[3]))
 """
 
 
-def _tiny(tmp_path: Path, ns: str) -> Path:
+def _tiny(tmp_path: Path, ns: str, source: str = PLAIN) -> Path:
     src = tmp_path / f"{ns}.cpp"
-    src.write_text(TINY.replace("NS", ns))
+    src.write_text(source.replace("NS", ns))
     return src
 
 
-def _works(ns: str) -> bool:
-    return torch.equal(getattr(torch.ops, ns).twice(torch.ones(3)), torch.full((3,), 2.0))
+def _works(ns: str, lib: Path | None = None) -> bool:
+    """The torch op (TINY), or with lib the plain C function (PLAIN), doubles."""
+    if lib is None:
+        return torch.equal(getattr(torch.ops, ns).twice(torch.ones(3)), torch.full((3,), 2.0))
+    return getattr(ctypes.CDLL(str(lib)), f"{ns}_twice")(21) == 42
 
 
 def _dead_pid() -> int:
@@ -59,7 +66,7 @@ def _dead_pid() -> int:
 
 def test_a_build_killed_mid_compile_frees_the_next_one_at_once(tmp_path, monkeypatch, capsys):
     ns, cache = "rlspec_test_killed", tmp_path / "cache"
-    src = _tiny(tmp_path, ns)
+    src = _tiny(tmp_path, ns, TINY)  # torch's headers: a compile long enough to be killed in
     child = subprocess.Popen([sys.executable, "-c", CHILD, ns, str(src), str(cache)], cwd=ROOT,
                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
     deadline = time.monotonic() + 120
@@ -86,7 +93,7 @@ def test_a_dead_process_s_lock_and_a_torn_library_are_rebuilt_without_waiting(tm
     (cache / f"{ns}.so").write_bytes(b"\x7fELF torn off mid-link")
     with pytest.warns(UserWarning, match="does not load"):
         lib = load_library(ns, [src], [], [], cache)
-    assert _works(ns) and lib.read_bytes()[:4] == b"\x7fELF" and lib.stat().st_size > 1000
+    assert _works(ns, lib) and lib.read_bytes()[:4] == b"\x7fELF" and lib.stat().st_size > 1000
     assert "waiting" not in capsys.readouterr().out
 
 
@@ -111,7 +118,7 @@ def test_a_cache_others_can_write_is_not_loaded_from(tmp_path):
     planted.write_bytes(b"someone else's code")
     with pytest.warns(UserWarning, match="writable by group and others"):
         lib = load_library(ns, [_tiny(tmp_path, ns)], [], [], shared)
-    assert _works(ns) and not lib.is_relative_to(shared)  # built privately for this process
+    assert _works(ns, lib) and not lib.is_relative_to(shared)  # built privately for this process
     assert planted.read_bytes() == b"someone else's code" and not lib.parent.exists()  # nothing left behind
 
 
@@ -152,4 +159,4 @@ def test_a_cache_reached_through_a_link_loads_the_library_built_there(tmp_path, 
     monkeypatch.setattr(build, "_compile_into", lambda *a: compiled.append(a))
     assert load_library("rlspec_linked_once", [tmp_path / "rlspec_linked_once.cpp"], [], [], link) == \
         real / "rlspec_linked_once.so"
-    assert compiled == [] and _works("rlspec_linked_once")
+    assert compiled == [] and _works("rlspec_linked_once", real / "rlspec_linked_once.so")
