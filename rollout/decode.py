@@ -117,8 +117,9 @@ class DecodeSteps:
         no row ends and the selector keeps choosing plain steps. The ledger gets the general step's figures:
         from t0 to t1 its (empty) drafting, from t1 to the commit its step."""
         t1 = time.perf_counter()
-        packed = self.runner.transfers.to_device([[s.pending, s.cache_len] for s in live])
-        start, top = packed[:, 1], max(s.cache_len for s in live)
+        lens = [s.cache_len for s in live]
+        packed = self.runner.transfers.to_device([[s.pending, n] for s, n in zip(live, lens)])
+        start, top = packed[:, 1], max(lens)
         step = self._launch_plain(packed[:, :1], start, top, live, ctx, 0)
         while True:
             ahead = self._look_ahead(live, ctx)
@@ -159,13 +160,16 @@ class DecodeSteps:
         the host had it."""
         rows = step.rows.rows()
         read = time.perf_counter()
-        going = [i for i, s in enumerate(live) if not s.finished]  # a row that ended a step ago drops its token
+        going = [i for i, s in enumerate(live) if s.finish_reason is None]  # a row ended a step ago drops its token
         bad = StepLayout.of(0, False).bad_rows(rows)
-        self._check_finite([i for i in bad if i in going], live, ctx.steps, f"decode step {ctx.steps}")
+        if bad:
+            self._check_finite([i for i in bad if i in going], live, ctx.steps, f"decode step {ctx.steps}")
         stop = ctx.stop_ids
         for i in going:
-            live[i].append_one(int(rows[i][0]), rows[i][1], stop)
-        ctx.finished = ctx.finished or any(s.finish_reason is not None for s in live)
+            s, row = live[i], rows[i]
+            s.append_one(int(row[0]), row[1], stop)
+            ctx.finished = ctx.finished or s.finish_reason is not None
+        ctx.finished = ctx.finished or len(going) < len(live)  # or a row that ended a step ago
         zeros = [0] * len(live)  # drafted and accepted per row
         if not step.fresh:
             self.speculation.observe_step(arm, len(live), read - t1, t1 - t0, zeros, zeros)

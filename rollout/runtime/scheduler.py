@@ -60,6 +60,8 @@ class Scheduler:
         """Pop the waiting groups that fit the free rows and blocks; give their sequences rows B, B+1, ...
         Blocks are not taken here: the engine takes them as it prefills (kv_cache.grow / share_prompt).
         A growing pool grows to hold what is admitted (`fits`): admission is that of a pool at its ceiling."""
+        if not self.waiting:  # every decode step asks: the usual answer, without the headroom's pass over the batch
+            return []
         groups, promised = [], 0  # blocks the groups admitted so far will take
         # headroom: the blocks every live sequence grows into over its next HEADROOM_TOKENS tokens (see there),
         # summed once and then kept as groups join (a sum over the live batch for each group was quadratic: 72

@@ -58,10 +58,14 @@ class Transfers:
 
     def to_host(self, *columns: torch.Tensor) -> Pending:
         """The step's one device-to-host transfer: [B, *] columns side by side as float64 [B, C], in flight."""
-        cols = [c if c.dim() == 2 else c.reshape(c.shape[0], -1) for c in columns]
-        if torch.float64 not in [c.dtype for c in cols]:  # cat promotes to its widest input: make that float64
+        cols = list(columns)
+        if torch.float64 not in [c.dtype for c in cols]:  # cat and stack promote to the widest input: make it float64
             cols[0] = cols[0].to(torch.float64)
-        packed = torch.cat(cols, 1) if len(cols) > 1 else cols[0]
+        if len(cols) > 1 and all(c.dim() == 1 for c in cols):  # a plain step's [B] columns: one op
+            packed = torch.stack(cols, 1)
+        else:
+            cols = [c if c.dim() == 2 else c.reshape(c.shape[0], -1) for c in cols]
+            packed = torch.cat(cols, 1) if len(cols) > 1 else cols[0]
         self.counts["d2h"] += 1
         if packed.device.type != "cuda":
             return Pending(packed)
