@@ -59,6 +59,19 @@ def fused_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == weight.dtype and not (torch.is_grad_enabled() and x.requires_grad)
 
 
+def plus_product(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
+                 product=nn.Linear.__call__) -> torch.Tensor:
+    """residual + product(linear, x): a layer's residual sum with the product that ends its attention or MLP. Where
+    the norms are fused (`fused_norm`: CUDA inference) and the product has no bias, it is one GEMM that adds the
+    residual as it stores (addmm, beta 1): one kernel where the product and the sum take two, two a decoder layer
+    (docs/gpu.md#where-a-step-goes). The sum is then rounded once, where HF rounds the product first, so in bf16 it
+    can differ from HF's in its last bit (in float32 only by the order of the product's sums)."""
+    if linear.bias is None and fused_norm(x, linear.weight):
+        H = residual.shape[-1]
+        return torch.addmm(residual.reshape(-1, H), x.reshape(-1, x.shape[-1]), linear.weight.t()).view(residual.shape)
+    return residual + product(linear, x)
+
+
 @dataclass
 class ForwardBatch:
     """Tensors for one forward over B sequences with T new tokens each.
@@ -107,8 +120,10 @@ class Attention(nn.Module):
         self.k_norm = norm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap  # None for all but Gemma 2/3
 
-    def forward(self, x, cos, sin, k_cache, v_cache, fb: ForwardBatch, attn: AttnMask) -> torch.Tensor:
-        """attn: fb.attn, or the layer's own view of it (a sliding window, a dense mask: LlamaForCausalLM)."""
+    def forward(self, x, cos, sin, k_cache, v_cache, fb: ForwardBatch, attn: AttnMask,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """attn: fb.attn, or the layer's own view of it (a sliding window, a dense mask: LlamaForCausalLM);
+        residual: added to the output (`plus_product`)."""
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd)
         v = qkv[:, :, self.nh + self.nkv:]
@@ -135,7 +150,8 @@ class Attention(nn.Module):
             keys, values = gather_blocks(k_cache, attn.table), gather_blocks(v_cache, attn.table)
         if out is None:
             out = attend(q, keys, values, attn, self.scale, self.softcap)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        out = out.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        return self.o_proj(out) if residual is None else plus_product(residual, out, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -146,9 +162,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: added to the output (`plus_product`)."""
         gate, up = self.gate_up_proj(x).split(self.inter, -1)
-        return self.down_proj(self.act(gate) * up)
+        h = self.act(gate) * up
+        return self.down_proj(h) if residual is None else plus_product(residual, h, self.down_proj)
 
 
 # transformers' ACT2FN entries for config.ACTIVATIONS: F.silu, and GELUTanh's gelu(approximate="tanh")
@@ -175,7 +193,9 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache,
                                                                  fb, attn))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, fb, attn)
+        x = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, fb, attn, residual=x)
+        if isinstance(self.mlp, MLP):
+            return self.mlp(self.post_attention_layernorm(x), residual=x)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

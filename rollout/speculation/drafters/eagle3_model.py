@@ -23,7 +23,7 @@ from torch import nn
 
 from rlspec.rollout.runtime.model.config import ModelConfig
 from rlspec.rollout.runtime.model.linear import fast_linear
-from rlspec.rollout.runtime.model.llama import RMSNorm, rope
+from rlspec.rollout.runtime.model.llama import RMSNorm, plus_product, rope
 
 
 @dataclass
@@ -122,9 +122,11 @@ class Eagle3Model(nn.Module):
         v = fast_linear(m.self_attn.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
         q, k = rope(q, cos, sin).transpose(1, 2), rope(k, cos, sin).transpose(1, 2)
         out = attend(q, k, v.transpose(1, 2))
-        h = hidden + fast_linear(m.self_attn.o_proj, out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+        h = plus_product(hidden, out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim), m.self_attn.o_proj,
+                         fast_linear)
         y = m.post_attention_layernorm(h)
-        return h + fast_linear(m.mlp.down_proj, F.silu(fast_linear(m.mlp.gate_proj, y)) * fast_linear(m.mlp.up_proj, y))
+        return plus_product(h, F.silu(fast_linear(m.mlp.gate_proj, y)) * fast_linear(m.mlp.up_proj, y), m.mlp.down_proj,
+                            fast_linear)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., Vd] float32 from the pre-norm output."""
