@@ -48,7 +48,7 @@ SMOKE = {
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
                    new_tokens=16, repeats=3),
-    "compiled": dict(shape="tiny", batches=[1, 2], context=16, iters=2, repeats=3),
+    "compiled": dict(shape="tiny", batches=[2], context=16, iters=2, repeats=3),  # one graph family: C++ compiles
     # temperature: the tiny shape's greedy margin (~sqrt(hidden) = 8 logits) against a 49k vocabulary is sampled
     # away at T = 1; at 0.25 the sampled continuation is the greedy one, as SmolLM2's (24 logits) at T = 1
     "e2e": dict(shape="tiny", steps=1, batch=4, generations=2, max_completion_length=8, accept=0.7,
