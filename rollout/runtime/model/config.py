@@ -93,7 +93,9 @@ class ModelConfig:
     def portable(self) -> "ModelConfig":
         """This config for another process: its transformers config deferred (DeferredConfig)."""
         hf = self.hf_config
-        return self if hf is None or not hasattr(hf, "to_dict") else dataclasses.replace(self, hf_config=DeferredConfig(hf))
+        if hf is None or not hasattr(hf, "to_dict"):
+            return self
+        return dataclasses.replace(self, hf_config=DeferredConfig(hf))
 
     @classmethod
     def from_hf(cls, hf: Any, family: str | None = None) -> "ModelConfig":
