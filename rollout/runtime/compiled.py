@@ -139,7 +139,13 @@ class CompiledRunner(EagerRunner):
         one-token steps, use, with one dummy step each, before a rollout's first step needs them: a graph first met
         mid-rollout cost that rollout 0.7 s (loaded) to 7 s (compiled), an exploring selector meeting several.
         Batched verify graphs (several rows of several tokens) compile on first use, which keeps a call's start as
-        costly as before they compiled. The dummy KV lands in the trash block (no row holds a block yet)."""
+        costly as before they compiled. The dummy KV lands in the trash block (no row holds a block yet). In
+        inference mode, as the decode loop runs: dynamo guards on it, and a graph compiled outside it serves no step
+        (every warmed graph compiled a second time at the first step)."""
+        with torch.inference_mode():
+            self._warm(Ts, rows)
+
+    def _warm(self, Ts: list[int], rows: int) -> None:
         for t in sorted({bucket_for(T, self.t_buckets) for T in Ts} - {None}):
             for B in (1, 2) if rows > 1 and t == 1 else (1,):  # batched verify graphs compile on first use
                 if (B > 1, t) in self.seen or not self.compiles(B, t) or t + 1 >= self.cache.length or self.fusing:
