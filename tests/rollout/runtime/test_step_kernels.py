@@ -113,7 +113,7 @@ def test_the_fused_norm_serves_cuda_inference_only_and_is_hf_to_a_last_bit():
         torch.testing.assert_close(fused.float(), hf.float(), rtol=rtol, atol=0)
 
 
-def test_the_residual_sum_joins_its_product_in_cuda_inference_only():
+def test_the_residual_sum_joins_its_product_in_cuda_inference_only(monkeypatch):
     """llama.plus_product: residual + linear(x), as one addmm where the norms are fused (CUDA inference, no bias),
     to one rounding of the separate sum in bf16 and to float32 rounding in float32; elsewhere it is the separate
     sum itself, bit for bit (CPU here with fused_norm forced; tests/gpu/test_cuda_norm.py holds it on CUDA)."""
@@ -126,13 +126,10 @@ def test_the_residual_sum_joins_its_product_in_cuda_inference_only():
         with torch.inference_mode():
             separate = res + lin(x)
             assert torch.equal(llama.plus_product(res, x, lin), separate)  # a CPU tensor: the separate sum
-            fused = llama.fused_norm
-            llama.fused_norm = lambda x, weight: x.dtype == weight.dtype  # as on CUDA
-            try:
+            with monkeypatch.context() as m:
+                m.setattr(llama, "fused_norm", lambda x, weight: x.dtype == weight.dtype)  # as on CUDA
                 joined = llama.plus_product(res, x, lin)
                 biased = torch.nn.Linear(48, 32).to(dtype)
                 assert torch.equal(llama.plus_product(res, x, biased), res + biased(x))  # a bias: separate
-            finally:
-                llama.fused_norm = fused
         assert joined.shape == separate.shape
         torch.testing.assert_close(joined.float(), separate.float(), rtol=rtol, atol=rtol)
