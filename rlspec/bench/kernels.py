@@ -114,10 +114,11 @@ class CudaChoices:
     def __enter__(self):
         import torch.nn.functional as F
 
-        from rlspec.rollout.runtime.model import llama
+        from rlspec.rollout.runtime.model import kernels, llama
 
-        self.saved = llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm
-        attend, gather, _, rms_norm = self.saved
+        self.saved = llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready
+        attend, gather, _, rms_norm, _ = self.saved
+        kernels.ready = False  # no CPU kernel serves a CUDA step (model/kernels: AVX-512 bf16 machines)
 
         def counted(name, fn):
             return lambda *a, **kw: fn(*a, **kw) if self.ops is None else self.ops.as_one(name, fn, *a, **kw)
@@ -131,9 +132,9 @@ class CudaChoices:
     def __exit__(self, *exc):
         import torch.nn.functional as F
 
-        from rlspec.rollout.runtime.model import llama
+        from rlspec.rollout.runtime.model import kernels, llama
 
-        llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm = self.saved
+        llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready = self.saved
 
 
 def layer_counts(model, dtype, batch: int, tokens: int, fused_norm: bool = True) -> tuple[DeviceOps, DeviceOps]:
@@ -142,9 +143,11 @@ def layer_counts(model, dtype, batch: int, tokens: int, fused_norm: bool = True)
     import torch
 
     from rlspec.rollout.runtime.model import llama
+    from rlspec.rollout.runtime.model.linear import unpack_linears
     from rlspec.rollout.runtime.runner import ModelRunner
 
     runner = ModelRunner(model, "cpu", dtype, "off", compile_mode="off")
+    unpack_linears(model)  # F.linear, as on CUDA: not the CPU's packed bf16 copies (model/linear.py)
     cache = runner.ensure_cache(batch, 64)
     cache.reset()
     cache.reserve_rows(batch, 48)

@@ -195,7 +195,8 @@ def test_warm_compiles_every_graph_the_steps_will_use():
     assert {(False, 1), (True, 1), (False, 4), (False, 8)} <= runner.steps.seen
     frames = compiled_frames()
     for B, T in [(1, 1), (1, 3), (1, 4), (1, 5), (3, 1), (4, 1)]:  # T buckets 1, 4, 8
-        runner.step(_tokens(B, T), lens[:B])
+        with torch.inference_mode():  # as the decode loop steps (engine.py): dynamo guards on the mode
+            runner.step(_tokens(B, T), lens[:B])
         assert not runner.fresh, (B, T)
     assert compiled_frames() == frames
 

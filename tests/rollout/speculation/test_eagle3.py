@@ -352,7 +352,8 @@ def test_chain_op_draws_each_token_from_the_networks_law(temperature):
     h0 = torch.randn(1, H, generator=g).to(torch.bfloat16)
     k_pool, v_pool = (torch.randn(1, 16, 1, D, generator=g).to(torch.bfloat16) for _ in range(2))
     theta = ctx / 10000 ** (torch.arange(0, D, 2) / D)
-    cos, sin = (f(torch.cat([theta, theta])).to(torch.bfloat16).view(1, 1, 1, 1, D) for f in (torch.cos, torch.sin))
+    cos, sin = (t.to(torch.bfloat16).view(1, 1, 1, 1, D) for t in (torch.cat([theta, theta]).cos(),
+                                                                    torch.cat([-theta, theta]).sin()))  # signed
     mask = (torch.arange(16) <= ctx).view(1, 1, 1, 1, 16)
     ids = model.draft_vocab()
     layer = FusedDraftLayer(model).prepare()
