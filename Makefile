@@ -52,7 +52,7 @@ help:
 	@echo "make gpu-rehearsal  the same check at tiny shapes on the CPU (~2 min) -> bench_out/gpu_rehearsal/"
 	@echo "make vllm-venv  create $(VLLM_VENV): $(VLLM_PACKAGE) + rlspec (editable) for rollout.backend=vllm"
 	@echo "make test-vllm  vllm-venv + embedded model + the vLLM backend's tests (tests/vllm, the EAGLE-3 export check)"
-	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[dev,ray,deepspeed])"
+	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[$(EXTRAS)])"
 	@echo "make model      fetch/convert $(MODEL) into the cache (\$$RLSPEC_CACHE, default ~/.cache/rlspec)"
 	@echo "make clean      remove caches and outputs of tests/benchmarks; distclean also removes $(VENV)"
 
@@ -71,13 +71,17 @@ $(PY):
 # at once. PYTHONDONTWRITEBYTECODE, set on many CI images, would make every process recompile what compileall
 # skipped, so make's targets clear it.
 INSTALLER ?= uv
+# the extras installed; on a machine without an NVIDIA GPU also `interpret` (Triton, whose interpreter runs the
+# GPU's Triton kernels in the tests; a CUDA torch brings its own Triton, whose version it pins)
+EXTRAS ?= dev,ray,deepspeed$(if $(shell command -v nvidia-smi 2>/dev/null),,$(comma)interpret)
+comma := ,
 NEVER_IMPORTED := /tests?/|/transformers/models/|/ray/(rllib|data|train|tune|llm|serve)/|/fontTools/|/pygments/|/deepspeed/inference/
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --disable-pip-version-check --no-compile "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
 	if [ "$(INSTALLER)" = uv ] && $(PY) -m pip install --disable-pip-version-check --no-compile -q uv; then \
-	  $(VENV)/bin/uv pip install --python $(PY) "torch==$(TORCH_VERSION)" -e ".[dev,ray,deepspeed]"; \
+	  $(VENV)/bin/uv pip install --python $(PY) "torch==$(TORCH_VERSION)" -e ".[$(EXTRAS)]"; \
 	else \
-	  $(PY) -m pip install --disable-pip-version-check --no-compile -e ".[dev,ray,deepspeed]"; \
+	  $(PY) -m pip install --disable-pip-version-check --no-compile -e ".[$(EXTRAS)]"; \
 	fi
 	$(PY) -m compileall -q -j 0 -x "$(NEVER_IMPORTED)" "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	@$(PY) -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(None if v == '$(TORCH_VERSION)' else \

@@ -13,6 +13,11 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU, Triton's kernels (model/paged_decode.py) run on CPU tensors through its interpreter, which must
+# be on before triton is first imported (torch does not import it on a CPU).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # every engine times its own calibration: a table cached by an earlier test (or run) would make a test's

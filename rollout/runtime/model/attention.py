@@ -22,6 +22,10 @@ Kernels for a step, picked by `use_flex` when the step's mask is built (`step_ma
   * paged (CPU, bf16, where our kernel is built): a step's keys and values read in place from the layer's pool
     through the block table, the dense mask deciding what each query sees (model/kernels/paged_attention.cpp).
     It needs the pool, not gathered keys, so llama.Attention calls it before any gather; `attend` serves the rest.
+  * paged decode (CUDA, where Triton is installed): our Triton kernel (paged_decode.py) reads the pool in place
+    through the rows' block tables, each row's context split into chunks that fill the GPU (flash-decoding), from
+    the mask's start, tree and table alone (no BlockMask). It is the default for paged steps on CUDA; FlexAttention
+    serves them where it is switched off (`paged_kernel`, RLSPEC_PAGED_ATTENTION=flex) or failed once here.
 `attend_dense` is the reference; tests compare `attend_flex` with it (on CPU through torch.compile's
 CPU backend, which also runs FlexAttention).
 
@@ -35,6 +39,7 @@ scores must be capped before the softmax, which SDPA and the flex call here do n
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -47,6 +52,9 @@ BLOCK = 128  # FlexAttention's sparse block: KV is read or skipped 128 positions
 FEW_QUERIES = 32  # at most this many queries per row, the CPU's grouped matmuls beat SDPA
 RECOMPILE_LIMIT = 64  # one compile per (query bucket, batch 1 or dynamic, dtype, cache length)
 _flex_error: list[str] = []  # the first FlexAttention failure in this process: later steps go dense
+# which kernel serves paged steps on CUDA: "triton" (paged_decode.py) or "flex"; benchmarks switch it to compare
+paged_kernel = os.environ.get("RLSPEC_PAGED_ATTENTION", "triton")
+_paged_error: list[str] = []  # the first failure of the Triton kernel here: later steps' masks are flex ones
 
 
 @dataclass
@@ -62,6 +70,7 @@ class AttnMask:
     table [B, max_blocks] long: the rows' block tables on the paged flex path, whose BlockMask indexes
       the pool's physical blocks (keys/values are the whole pool, attend_flex's fallback gathers).
     group: query heads per KV head that the flex block mask folds into its query axis (attend_flex).
+    paged: the Triton kernel serves the step (`attend_paged`) from start, tree (None: a chain) and table.
     """
 
     causal: bool = False
@@ -73,6 +82,7 @@ class AttnMask:
     table: torch.Tensor | None = None
     captured: tuple = ()  # other [B, ...] tensors mask_mod reads (marked dynamic in batch like the rest)
     group: int = 1
+    paged: bool = False
 
 
 def causal_mask() -> AttnMask:
@@ -82,6 +92,22 @@ def causal_mask() -> AttnMask:
 def use_flex(device) -> bool:
     """The one device dispatch: FlexAttention on CUDA (unless it failed once here), dense elsewhere."""
     return torch.device(device).type == "cuda" and not _flex_error and _flex_available()
+
+
+def use_paged_decode(device) -> bool:
+    """Whether the Triton kernel serves paged steps here: CUDA, Triton installed, chosen (`paged_kernel`), and
+    it has not failed in this process."""
+    return (torch.device(device).type == "cuda" and paged_kernel == "triton" and not _paged_error
+            and _triton_available())
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,6 +133,8 @@ def step_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor | None = N
     table [B, max_blocks] (blocks of BLOCK positions) it indexes the physical blocks of a paged pool of
     pool_len positions; group: the model's query heads per KV head (the flex mask's query axis holds them all).
     """
+    if flex and T <= BLOCK and table is not None and use_paged_decode(start.device):
+        return AttnMask(kv_len=S, start=start, tree=tree, table=table, group=group, paged=True)
     if flex and T <= BLOCK:
         if tree is None:
             tree = torch.ones(T, T, dtype=torch.bool, device=start.device).tril().repeat(start.shape[0], 1, 1)
@@ -243,6 +271,33 @@ def _flex_outside_graph():
     Made on first use: torch.compiler.disable imports dynamo (~2 s), which a process that never compiles (the
     drafter trainer's child, a CPU rollout) need not pay."""
     return torch.compiler.disable(attend_flex)
+
+
+def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: AttnMask,
+                 scale: float | None = None) -> torch.Tensor:
+    """A paged step (mask.paged) through the Triton kernel: q [B, H, T, D] over one layer's pools
+    [num_blocks, BLOCK, KV, D], read in place through mask.table. On a failure (a kernel this GPU or Triton
+    cannot compile) warn once, attend densely over the gathered blocks, and build flex masks from then on."""
+    try:
+        return _paged_decode()(q, k_pool, v_pool, mask.table, mask.start, mask.tree, scale)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any compile/launch failure: the dense path is exact
+        _paged_error.append(f"{type(exc).__name__}: {exc}")
+        warnings.warn(f"the Triton paged decode kernel failed ({_paged_error[0][:300]}); paged steps attend "
+                      "through FlexAttention from now on", RuntimeWarning, stacklevel=2)
+        T, S = q.shape[2], mask.kv_len
+        k, v = (gather_blocks(x, mask.table[:, : S // x.shape[1]]) for x in (k_pool, v_pool))
+        return attend_dense(q, k, v, dense_step_mask(mask.start, T, S, mask.tree), scale)
+
+
+@functools.cache
+def _paged_decode():
+    """paged_decode.paged_decode, behind a graph break inside a compiled layer (runtime/compiled.py): the kernel
+    launches as it is, as FlexAttention does (_flex_outside_graph)."""
+    from rlspec.rollout.runtime.model.paged_decode import paged_decode
+
+    return torch.compiler.disable(paged_decode)
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

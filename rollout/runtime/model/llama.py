@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlspec.rollout.runtime.model.attention import AttnMask, attend, dense_view
+from rlspec.rollout.runtime.model.attention import AttnMask, attend, attend_paged, dense_view
 from rlspec.rollout.runtime.model.config import ModelConfig, main_rope_type
 from rlspec.rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
 from rlspec.rollout.runtime.model import kernels
@@ -144,6 +144,8 @@ class Attention(nn.Module):
                                           self.hd ** -0.5 if self.scale is None else self.scale)
         elif fb.blocks is not None:  # one gather of the rows' blocks: [B, KV, kv_len, hd]
             keys, values = gather_blocks(k_cache, fb.blocks), gather_blocks(v_cache, fb.blocks)
+        elif attn.paged:  # CUDA: the Triton kernel reads the pool in place through the rows' block tables
+            out = attend_paged(q, k_cache, v_cache, attn, self.scale)
         elif attn.block is not None:  # paged FlexAttention reads the pool itself, through its block mask
             keys, values = pool_sequence(k_cache), pool_sequence(v_cache)
         else:  # a dense view of a paged flex step (a sliding layer): gather through the rows' block table
@@ -271,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
         cfg, L = self.cfg, self.cfg.num_layers
         window = cfg.sliding_window if cfg.windows and cfg.sliding_window < self.rope_cos.shape[0] else None
         full = fb.attn
-        if cfg.attn_softcap is not None and full.block is not None:
+        if cfg.attn_softcap is not None and (full.block is not None or full.paged):
             full = dense_view(full, fb.positions)
         if window is None:
             return [full] * L
