@@ -1,6 +1,8 @@
 """The `contexts` section: the plain decode step at long contexts (7B shape: 256, 2k and 8k cached positions,
 batch 1/8/32), replayed from the graph pool, with the weights-plus-KV bandwidth limit beside each row: what the
-paged decode attention reads at long contexts against what the memory allows."""
+paged decode attention reads at long contexts against what the memory allows. Each row names the kernel that
+attended (`paged_kernel`: Triton's paged decode, FlexAttention, or dense off CUDA); `compare` times a few rows
+again with the other kernel, for the choice of default (docs/gpu.md#paged-decode-attention)."""
 from __future__ import annotations
 
 from rlspec.bench.gpucheck.common import build_hf, fits, median_time, release
@@ -8,11 +10,8 @@ from rlspec.bench.gpucheck.plain import limit
 
 
 def run(cfg: dict, device, dtype, left, save) -> dict:
-    """cfg: shape, batches, contexts, iters, repeats."""
-    import torch
-
-    from rlspec.rollout.runtime.model import loader
-    from rlspec.rollout.runtime.runner import ModelRunner
+    """cfg: shape, batches, contexts, iters, repeats; compare: kernel, batches, contexts (optional)."""
+    from rlspec.rollout.runtime.model import attention, loader
 
     out = {"shape": cfg["shape"], "rows": []}
     B, top = max(cfg["batches"]), max(cfg["contexts"])
@@ -21,21 +20,50 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
         return {**out, "skipped": why}
     model = loader.from_hf_model(build_hf(cfg["shape"], dtype, device), dtype, device)
     release(device)
+    passes = [(attention.paged_kernel, cfg["contexts"], cfg["batches"])]
+    if cfg.get("compare"):
+        other = cfg["compare"]
+        passes.append((other["kernel"], other["contexts"], other["batches"]))
+    default = attention.paged_kernel
+    try:
+        for kernel, contexts, batches in passes:
+            attention.paged_kernel = kernel
+            if not _time_rows(model, kernel, contexts, batches, cfg, device, dtype, out, left, save):
+                break
+    finally:
+        attention.paged_kernel = default
+    save(out)
+    return out
+
+
+def _time_rows(model, kernel, contexts, batches, cfg, device, dtype, out, left, save) -> bool:
+    """One runner (its graphs attend with `kernel`) over contexts x batches; False once the time is up."""
+    import torch
+
+    from rlspec.rollout.runtime.model import attention
+    from rlspec.rollout.runtime.runner import ModelRunner
+
+    served = ("triton" if attention.use_paged_decode(device) else "flex" if attention.use_flex(device)
+              else "dense")
+    B, top = max(batches), max(contexts)
     runner = ModelRunner(model, device, dtype, graph_mode="lazy", max_graph_t=1, compile_mode="off")
     cache = runner.ensure_cache(B, top + 16)
     cache.grow([(b, ("contexts", b), top + 1) for b in range(B)])
     g = torch.Generator().manual_seed(0)
-    for ctx in cfg["contexts"]:
-        for b in cfg["batches"]:
-            if left() <= 0:
-                save(out)
-                return out
-            tokens, start = torch.randint(3, model.cfg.vocab_size, (b, 1), generator=g), torch.full((b,), ctx)
-            secs, all_s = median_time(lambda: runner.step(tokens, start), cfg["iters"], device, cfg["repeats"])
-            bound = limit(model, b, ctx + 1, device)
-            out["rows"].append(dict(context=ctx, batch=b, step_ms=secs * 1e3, step_ms_all=[t * 1e3 for t in all_s],
-                                    **bound, over_limit=secs * 1e3 / bound["limit_ms"] if bound["limit_ms"] else None))
-            print(f"  context {ctx} batch {b}: {secs * 1e3:.2f} ms (limit {bound['limit_ms']})", flush=True)
-        save(out)
-    runner.release()
-    return out
+    try:
+        for ctx in contexts:
+            for b in batches:
+                if left() <= 0:
+                    return False
+                tokens, start = torch.randint(3, model.cfg.vocab_size, (b, 1), generator=g), torch.full((b,), ctx)
+                secs, all_s = median_time(lambda: runner.step(tokens, start), cfg["iters"], device, cfg["repeats"])
+                bound = limit(model, b, ctx + 1, device)
+                out["rows"].append(dict(kernel=served, context=ctx, batch=b, step_ms=secs * 1e3,
+                                        step_ms_all=[t * 1e3 for t in all_s], **bound,
+                                        over_limit=secs * 1e3 / bound["limit_ms"] if bound["limit_ms"] else None))
+                print(f"  {served} context {ctx} batch {b}: {secs * 1e3:.2f} ms (limit {bound['limit_ms']})",
+                      flush=True)
+            save(out)
+    finally:
+        runner.release()
+    return True

@@ -22,6 +22,7 @@ CORE_TESTS = [
     "tests/gpu/test_cuda_engine.py::test_seeded_sampling_has_the_target_law",
     "tests/rollout/runtime/test_graphs.py::test_cuda_graph_replay_equals_eager",
     "tests/gpu/test_cuda_paging.py",
+    "tests/gpu/test_cuda_paged_decode.py",
     "tests/gpu/test_cuda_eagle3_graphs.py",
 ]
 
@@ -32,7 +33,8 @@ GPU = {
                        tree_tokens=[5], ctx=256, iters=6, repeats=3, draft_batches=[1, 8, 32],
                        draft_new_tokens=24, prompt_len=64),
     "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12),
-    "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3),
+    "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3,
+                     compare=dict(kernel="flex", batches=[1, 32], contexts=[8192])),
     "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
                    prompt_len=64, new_tokens=48, repeats=3),
     "compiled": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], context=256, iters=6, repeats=3),
@@ -45,7 +47,8 @@ SMOKE = {
     "spec_costs": dict(shape="tiny", batches=[1, 2], verify_tokens=[2, 5], tree_tokens=[4], ctx=16, iters=2,
                        repeats=3, draft_batches=[1, 2], draft_new_tokens=8, prompt_len=8),
     "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
-    "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3),
+    "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3,
+                     compare=dict(kernel="flex", batches=[2], contexts=[64])),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
                    new_tokens=16, repeats=3),
     "compiled": dict(shape="tiny", batches=[2], context=16, iters=2, repeats=3),  # one graph family: C++ compiles
