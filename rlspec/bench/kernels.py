@@ -105,8 +105,9 @@ def target(dtype):
 
 class CudaChoices:
     """While open, the model's ops run as they do on CUDA where that changes their kernels, each counted as one
-    kernel into `ops` (None: uncounted): attention as FlexAttention's kernel (no gather of the rows' blocks first:
-    it reads the pool in place) and, with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm)."""
+    kernel into `ops` (None: uncounted): attention as one kernel (no gather of the rows' blocks first: it reads the
+    pool in place) and, with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and a step's
+    rotation and KV writes as Triton's one (llama.step_rotation); no CPU kernel serves (model/kernels)."""
 
     def __init__(self, fused_norm: bool):
         self.fused_norm, self.ops = fused_norm, None
@@ -116,9 +117,10 @@ class CudaChoices:
 
         from rlspec.rollout.runtime.model import kernels, llama
 
-        self.saved = llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready
-        attend, gather, _, rms_norm, _ = self.saved
-        kernels.ready = False  # no CPU kernel serves a CUDA step (model/kernels: AVX-512 bf16 machines)
+        self.saved = (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
+                      llama.step_rotation)
+        attend, gather, _, rms_norm, _, _ = self.saved
+        kernels.ready = False  # the CPU kernels (AVX-512 BF16 machines) serve no CUDA step
 
         def counted(name, fn):
             return lambda *a, **kw: fn(*a, **kw) if self.ops is None else self.ops.as_one(name, fn, *a, **kw)
@@ -127,6 +129,8 @@ class CudaChoices:
         if self.fused_norm:
             llama.fused_norm = lambda x, weight: x.dtype == weight.dtype
             F.rms_norm = counted("rms_norm", rms_norm)
+            rotation = counted("rope_write", llama.rotate_and_write)  # Triton's one kernel (model/rope_write.py)
+            llama.step_rotation = lambda qkv: rotation
         return self
 
     def __exit__(self, *exc):
@@ -134,7 +138,8 @@ class CudaChoices:
 
         from rlspec.rollout.runtime.model import kernels, llama
 
-        llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready = self.saved
+        (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
+         llama.step_rotation) = self.saved
 
 
 def layer_counts(model, dtype, batch: int, tokens: int, fused_norm: bool = True) -> tuple[DeviceOps, DeviceOps]:

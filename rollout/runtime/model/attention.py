@@ -98,11 +98,11 @@ def use_paged_decode(device) -> bool:
     """Whether the Triton kernel serves paged steps here: CUDA, Triton installed, chosen (`paged_kernel`), and
     it has not failed in this process."""
     return (torch.device(device).type == "cuda" and paged_kernel == "triton" and not _paged_error
-            and _triton_available())
+            and triton_available())
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

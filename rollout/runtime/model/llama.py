@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlspec.rollout.runtime.model.attention import AttnMask, attend, attend_paged, dense_view
+from rlspec.rollout.runtime.model.attention import AttnMask, attend, attend_paged, dense_view, triton_available
 from rlspec.rollout.runtime.model.config import ModelConfig, main_rope_type
 from rlspec.rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
 from rlspec.rollout.runtime.model import kernels
@@ -105,6 +105,34 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int | Non
     return x * cos + rolled * sin
 
 
+def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
+    """A step's q and k heads of the fused q|k|v product rotated together (`rope`), k and v written to the pools at
+    their slots -> q [B, T, nh, hd]. The torch ops: six kernels, one where `step_rotation` picks the fused one."""
+    q, k = rope(qkv, cos, sin, nh + nkv).split([nh, nkv], 2)
+    write_slots(k_cache, slots, k)
+    write_slots(v_cache, slots, qkv[:, :, nh + nkv:])
+    return q
+
+
+def step_rotation(qkv: torch.Tensor):
+    """What does a step's `rotate_and_write`: on CUDA in 16 bits outside autograd and compiled code, with Triton
+    installed, one Triton kernel (rope_write.py) where the torch ops take six (a roll, two products, a sum, two
+    scatters), each a node of every CUDA graph; the same bits. Elsewhere the torch ops (a compiled layer's Inductor
+    fuses them itself)."""
+    if (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and triton_available()):
+        return _fused_rotation()
+    return rotate_and_write
+
+
+@functools.cache
+def _fused_rotation():
+    from rlspec.rollout.runtime.model.rope_write import rotate_and_write as fused
+
+    return fused
+
+
 def norm_class(cfg: ModelConfig) -> type[nn.Module]:
     return GemmaRMSNorm if cfg.gemma_norm else RMSNorm
 
@@ -126,15 +154,18 @@ class Attention(nn.Module):
         residual: added to the output (`plus_product`)."""
         B, T, _ = x.shape
         qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd)
-        v = qkv[:, :, self.nh + self.nkv:]
         # cos/sin [B, T, 1, hd], sin signed: HF's rotation (`rope`)
-        if self.q_norm is None:  # q and k rotate together
-            q, k = rope(qkv, cos, sin, self.nh + self.nkv).split([self.nh, self.nkv], 2)
+        if self.q_norm is None and not attn.causal:  # a step: k and v are read back from the pool
+            q = step_rotation(qkv)(qkv, cos, sin, k_cache, v_cache, fb.slots, self.nh, self.nkv)
         else:
-            q, k = rope(self.q_norm(qkv[:, :, :self.nh]), cos, sin), rope(self.k_norm(qkv[:, :, self.nh:-self.nkv]),
-                                                                          cos, sin)
-        write_slots(k_cache, fb.slots, k)
-        write_slots(v_cache, fb.slots, v)
+            v = qkv[:, :, self.nh + self.nkv:]
+            if self.q_norm is None:  # q and k rotate together
+                q, k = rope(qkv, cos, sin, self.nh + self.nkv).split([self.nh, self.nkv], 2)
+            else:
+                q, k = rope(self.q_norm(qkv[:, :, :self.nh]), cos, sin), rope(
+                    self.k_norm(qkv[:, :, self.nh:-self.nkv]), cos, sin)
+            write_slots(k_cache, fb.slots, k)
+            write_slots(v_cache, fb.slots, v)
         q, out = q.transpose(1, 2), None  # q [B, nh, T, hd]
         if attn.causal:  # fresh prompts see only each other
             keys, values = k.transpose(1, 2), v.transpose(1, 2)

@@ -1,11 +1,13 @@
-"""The Triton paged decode attention compiled for the GPU (model/paged_decode.py): equal to the dense reference at
-Qwen2.5-7B's heads over the pool's 128-position blocks, in bf16 and float32, decode and tree verify, at contexts
-that split into many chunks; and replayed from a CUDA graph captured at one context, at others (each row's chunks
-follow its live length inside the kernel)."""
+"""Our Triton kernels compiled for the GPU. The paged decode attention (model/paged_decode.py): equal to the dense
+reference at Qwen2.5-7B's heads over the pool's 128-position blocks, in bf16 and float32, decode and tree verify,
+at contexts that split into many chunks; and replayed from a CUDA graph captured at one context, at others (each
+row's chunks follow its live length inside the kernel). The rotation with the KV writes (model/rope_write.py):
+the torch ops' bits, and the engine's steps take it."""
 import pytest
 import torch
 
 from tests.rollout.runtime import test_paged_decode as cpu_cases
+from tests.rollout.runtime import test_rope_write as rope_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 paged_decode = pytest.importorskip("rlspec.rollout.runtime.model.paged_decode", reason="needs triton")
@@ -42,3 +44,17 @@ def test_cuda_graph_replay_follows_the_live_lengths():
         graph.replay()
         torch.testing.assert_close(out, paged_decode.paged_decode(q, k_pool, v_pool, table, live, None),
                                    atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_rotation_and_writes_are_the_torch_ops_bit_for_bit(dtype):
+    from rlspec.rollout.runtime.model import llama
+
+    qkv, cos, sin, k_pool, v_pool, slots = rope_cases._step(dtype, 28, 4, 128, B=8, T=3)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    q_ref = llama.rotate_and_write(qkv, cos, sin, k_ref, v_ref, slots, 28, 4)
+    with torch.inference_mode():
+        fused = llama.step_rotation(qkv)
+    assert fused is not llama.rotate_and_write  # what a CUDA step takes
+    q = fused(qkv, cos, sin, k_pool, v_pool, slots, 28, 4)
+    assert torch.equal(q, q_ref) and torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)

@@ -1,0 +1,69 @@
+"""The rotation of a step's q and k heads and the writes of its keys and values to the KV pool, as one Triton
+kernel on CUDA (16-bit models): what llama.rope and two kv_cache.write_slots do in six kernels (a roll, two
+products and a sum, two scatters), bit for bit (each product and the sum rounded to the model's dtype, as torch's
+16-bit ops round them; docs/gpu.md#where-a-step-goes).
+
+The same kernel runs on CPU tensors through Triton's interpreter (tests/rollout/runtime/test_rope_write.py); the
+engine calls it on CUDA only (llama.step_rotation)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(f, dtype: tl.constexpr, BF16: tl.constexpr):
+    """float32 f rounded to dtype, to nearest even as torch rounds; bf16 through its bits (Triton's interpreter
+    truncates a bf16 conversion), NaN kept NaN."""
+    if BF16:
+        bits = f.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(f != f, f.to(tl.bfloat16), out)
+    return f.to(dtype)
+
+
+@triton.jit
+def _rope_write(QKV, Cos, Sin, Slots, Kp, Vp, Q, s_x, s_xh, s_c, s_s, s_q, s_qh, s_ks, s_kh, s_vs, s_vh,
+                NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr):
+    """One (token, head) of the fused q|k|v product: a q head rotated into Q, a k head rotated into its pool slot,
+    a v head copied into its pool slot."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, DP)
+    ok = d < D
+    x = tl.load(QKV + t * s_x + h * s_xh + d, mask=ok, other=0.0)
+    if h >= NH + NKV:
+        slot = tl.load(Slots + t)
+        tl.store(Vp + slot * s_vs + (h - NH - NKV) * s_vh + d, x, mask=ok)
+    else:
+        rolled = tl.load(QKV + t * s_x + h * s_xh + (d + D // 2) % D, mask=ok, other=0.0)  # torch.roll by D/2
+        cos = tl.load(Cos + t * s_c + d, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + t * s_s + d, mask=ok, other=0.0).to(tl.float32)  # signed: its first half negated
+        a = _round(x.to(tl.float32) * cos, x.dtype, BF16).to(tl.float32)
+        b = _round(rolled.to(tl.float32) * sin, x.dtype, BF16).to(tl.float32)
+        y = _round(a + b, x.dtype, BF16)
+        if h < NH:
+            tl.store(Q + t * s_q + h * s_qh + d, y, mask=ok)
+        else:
+            slot = tl.load(Slots + t)
+            tl.store(Kp + slot * s_ks + (h - NH) * s_kh + d, y, mask=ok)
+
+
+def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
+                     v_pool: torch.Tensor, slots: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
+    """qkv [B, T, nh + 2 nkv, D] (the fused product), cos/sin [B, T, 1, D] (sin signed: llama.rope_table), pools
+    [num_blocks, block_size, nkv, D], slots [B, T] flat pool slots -> q [B, T, nh, D] rotated; k rotated and v
+    written to the pools at the slots."""
+    B, T, heads, D = qkv.shape
+    x, c, s = qkv.reshape(B * T, heads, D), cos.reshape(B * T, D), sin.reshape(B * T, D)
+    if x.stride(2) != 1 or c.stride(1) != 1 or s.stride(1) != 1:
+        x, c, s = x.contiguous(), c.contiguous(), s.contiguous()
+    slot = slots.reshape(-1)
+    kf, vf = k_pool.view(-1, nkv, D), v_pool.view(-1, nkv, D)  # the pools by flat slot
+    q = torch.empty(B, T, nh, D, dtype=qkv.dtype, device=qkv.device)
+    _rope_write[(B * T, heads)](x, c, s, slot, kf, vf, q, x.stride(0), x.stride(1), c.stride(0), s.stride(0),
+                              q.stride(1), q.stride(2), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+                              NH=nh, NKV=nkv, D=D, DP=triton.next_power_of_2(D), BF16=qkv.dtype == torch.bfloat16)
+    return q

@@ -1,0 +1,80 @@
+"""The rotation and KV writes of a step as one Triton kernel (model/rope_write.py), against the torch ops it
+replaces (llama.rotate_and_write: HF's rotation, bit for bit, and two scatters): every bit of q, of the pools
+(slots shuffled, the rest untouched) in bf16 and fp16, a head size that is not a power of two, a NaN kept NaN;
+and a model's step through it equals the unfused step. On CUDA compiled; elsewhere through Triton's interpreter
+(TRITON_INTERPRET, tests/conftest.py)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.model.llama import rope_table, rotate_and_write
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 before triton is imported)", allow_module_level=True)
+rope_write = pytest.importorskip("rlspec.rollout.runtime.model.rope_write", reason="needs triton")
+
+
+def _step(dtype, nh, nkv, D, B=3, T=2, seed=0):
+    import transformers as tf
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = ModelConfig.from_hf(tf.Qwen2Config(hidden_size=nh * D, num_attention_heads=nh, num_key_value_heads=nkv,
+                                             head_dim=D, rope_theta=1e6))
+    qkv = (torch.randn(B, T, nh + 2 * nkv, D, generator=g) * 3).to(dtype)
+    pos = torch.randint(0, 4000, (B, T), generator=g)
+    cos_t, sin_t = rope_table(cfg, 4000, "cpu")
+    cos, sin = cos_t[pos].to(dtype)[:, :, None], sin_t[pos].to(dtype)[:, :, None]
+    blocks = -(-(B * T + 4) // 4)  # blocks of 4 slots, a few left unwritten
+    pools = torch.randn(2, blocks, 4, nkv, D, generator=g).to(dtype)
+    slots = torch.randperm(blocks * 4, generator=g)[: B * T].view(B, T)
+    return [x.to(DEVICE) for x in (qkv, cos, sin, pools[0], pools[1], slots)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nh,nkv,D", [(7, 1, 64), (4, 2, 80)])
+def test_one_kernel_is_the_torch_ops_bit_for_bit(dtype, nh, nkv, D):
+    qkv, cos, sin, k_pool, v_pool, slots = _step(dtype, nh, nkv, D)
+    qkv[0, 0, 0, 3] = float("nan")  # a NaN stays NaN through the rounding
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    q_ref = rotate_and_write(qkv, cos, sin, k_ref, v_ref, slots, nh, nkv)
+    q = rope_write.rotate_and_write(qkv, cos, sin, k_pool, v_pool, slots, nh, nkv)
+    assert q.shape == q_ref.shape and torch.isnan(q[0, 0, 0]).any()
+    assert torch.equal(q.nan_to_num(), q_ref.nan_to_num()) and torch.equal(q.isnan(), q_ref.isnan())
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+    assert not torch.equal(q, qkv[:, :, :nh])  # it rotated
+
+
+@pytest.mark.parametrize("shape", ["decode", "tree"])
+def test_a_model_step_through_the_kernel_is_the_unfused_step(monkeypatch, shape):
+    """A bf16 step of a tiny model with llama.step_rotation choosing the kernel (as on CUDA) gives the unfused
+    step's logits and cache, every bit."""
+    from rlspec.rollout.runtime.graphs import EagerRunner
+    from rlspec.rollout.runtime.model import llama
+    from tests.rollout.runtime.test_graphs import _runner, _tokens, _tree
+
+    runner, lens = _runner(dtype=torch.bfloat16, compile_mode="off")
+    T = 1 if shape == "decode" else 4
+    depths, tree = _tree(5) if T > 1 else (None, None)
+    tokens = _tokens(5, T, seed=2)
+    cache, step = runner.cache, EagerRunner(runner.model, runner.cache, "cpu")
+    with torch.inference_mode():
+        k0, v0 = cache.k.clone(), cache.v.clone()
+        ref, _ = step.run(tokens, lens, depths, tree)
+        k_ref, v_ref = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(k0)  # as before the step: the fused one must write the step's keys and values itself
+        cache.v.copy_(v0)
+        calls = []
+
+        def fused(*args):
+            calls.append(1)
+            return rope_write.rotate_and_write(*args)
+
+        monkeypatch.setattr(llama, "step_rotation", lambda qkv: fused)
+        got, _ = step.run(tokens, lens, depths, tree)
+    assert len(calls) == runner.model.cfg.num_layers and not torch.equal(k_ref, k0)
+    assert torch.equal(got, ref) and torch.equal(cache.k, k_ref) and torch.equal(cache.v, v_ref)
