@@ -129,8 +129,9 @@ class CudaChoices:
         if self.fused_norm:
             llama.fused_norm = lambda x, weight: x.dtype == weight.dtype
             F.rms_norm = counted("rms_norm", rms_norm)
-            rotation = counted("rope_write", llama.rotate_and_write)  # Triton's one kernel (model/rope_write.py)
-            llama.step_rotation = lambda qkv: rotation
+            # Triton's one kernel (model/rope_write.py) in 16 bits, as llama.step_rotation picks it on CUDA
+            rotation = counted("rope_write", llama.rotate_and_write)
+            llama.step_rotation = lambda qkv: rotation if qkv.element_size() == 2 else llama.rotate_and_write
         return self
 
     def __exit__(self, *exc):
