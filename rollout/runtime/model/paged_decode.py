@@ -29,6 +29,7 @@ MAX_ROWS = 64  # queries (G heads x T tokens) per program at most: the accumulat
 MAX_SPLITS = 64
 
 
+@triton.jit
 def _split(Q, K, V, Table, Start, Tree, Out, Lse,
            sq_b, sq_h, sq_t, sk_blk, sk_pos, sk_h, sv_blk, sv_pos, sv_h, st_b, str_b, str_q,
            so_b, so_s, so_t, so_h, sl_b, sl_s, sl_t, scale,
@@ -53,7 +54,7 @@ def _split(Q, K, V, Table, Start, Tree, Out, Lse,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if F32:
         q = q.to(tl.float32)
-    start = tl.load(Start + b)
+    start = tl.load(Start + b).to(tl.int32)  # positions, and the loop over them, in 32 bits
     live = start + T
     chunk = tl.cdiv(tl.cdiv(live, NS), N) * N  # a whole number of tiles, so tiles stay inside pool blocks
     lo = tl.program_id(2) * chunk
@@ -100,6 +101,7 @@ def _split(Q, K, V, Table, Start, Tree, Out, Lse,
         tl.store(Lse + b * sl_b + tl.program_id(2) * sl_s + qt * sl_t + h, lse, mask=row_ok)
 
 
+@triton.jit
 def _combine(Part, Lse, Out, sp_b, sp_s, sp_t, sp_h, sl_b, sl_s, sl_t, so_b, so_t, so_h,
              H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NS, NSP: tl.constexpr):
     """One (row b, token t x head h): the splits' partial outputs weighted by exp(their lse - the largest)."""
@@ -114,13 +116,6 @@ def _combine(Part, Lse, Out, sp_b, sp_s, sp_t, sp_h, sl_b, sl_s, sl_t, so_b, so_
                    mask=(s < NS)[:, None] & (d < D)[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(Out + b * so_b + t * so_t + h * so_h + d, out.to(Out.dtype.element_ty), mask=d < D)
-
-
-@functools.cache
-def _kernels():
-    """(split, combine): compiled for the GPU, or, under TRITON_INTERPRET=1 (set before triton is imported:
-    tests/conftest.py on machines without CUDA), interpreted on CPU tensors."""
-    return triton.jit(_split), triton.jit(_combine)
 
 
 @functools.cache
@@ -155,7 +150,6 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     QT = -(-G * T // M)
     DP = max(16, triton.next_power_of_2(D))
     NS = splits(B, KV * QT, table.shape[1] * BS, q.device)
-    split, combine = _kernels()
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if NS == 1:
         part, lse = out.unsqueeze(1), out  # lse unused (DIRECT)
@@ -164,7 +158,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         lse = torch.empty(B, NS, T, H, dtype=torch.float32, device=q.device)
     tree_u8 = tree.view(torch.uint8) if tree is not None else start  # a placeholder pointer without a tree
     tree_strides = tree_u8.stride()[:2] if tree is not None else (0, 0)
-    split[(B, KV * QT, NS)](
+    _split[(B, KV * QT, NS)](
         q, k_pool, v_pool, table, start, tree_u8, part, lse,
         q.stride(0), q.stride(1), q.stride(2), *k_pool.stride()[:3], *v_pool.stride()[:3], table.stride(0),
         *tree_strides, *part.stride()[:4], *(lse.stride()[:3] if NS > 1 else (0, 0, 0)),
@@ -172,6 +166,6 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         T=T, G=G, D=D, DP=DP, BS=BS, N=TILE_KEYS, M=M, QT=QT, NS=NS, TREE=tree is not None, DIRECT=NS == 1,
         F32=q.dtype == torch.float32 or q.device.type != "cuda")
     if NS > 1:
-        combine[(B, T * H)](part, lse, out, *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
+        _combine[(B, T * H)](part, lse, out, *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
                             H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS))
     return out.transpose(1, 2)

@@ -1,0 +1,50 @@
+"""Compile our Triton kernels for NVIDIA GPUs without one (Triton's own ptxas, no device): the variants the engine
+launches, for Ampere (sm_80) and Hopper (sm_90), or the architectures given (`python triton_aot.py 90`). What the interpreter cannot catch (a construct the GPU compiler
+refuses, a type it cannot lower) fails here. Run by test_triton_aot.py in a process of its own (TRITON_INTERPRET
+must be off when triton is imported); prints one line per kernel compiled."""
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") in ("0", ""), "the interpreter must be off"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from rlspec.rollout.runtime.model import paged_decode, rope_write  # noqa: E402
+
+
+def compile_one(fn, pointers: dict, constexprs: dict, target, floats=()) -> None:
+    signature = {n: pointers.get(n, "fp32" if n in floats else "constexpr" if n in constexprs else "i32")
+                 for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    kernel = triton.compile(src, target=target)
+    print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared", flush=True)
+
+
+def main(archs: list[int]) -> None:
+    for arch in archs:
+        target = GPUTarget("cuda", arch, 32)
+        for dtype, tree, T, direct in (("bf16", False, 1, False), ("bf16", True, 5, True), ("fp32", True, 3, False)):
+            f32 = dtype == "fp32"
+            G = 7
+            M = max(16, min(triton.next_power_of_2(G * T), paged_decode.MAX_ROWS))
+            pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Table="*i64", Start="*i64",
+                            Tree="*u8" if tree else "*i64", Out=f"*{dtype}" if direct else "*fp32", Lse="*fp32")
+            compile_one(paged_decode._split, pointers,
+                        dict(T=T, G=G, D=128, DP=128, BS=128, N=paged_decode.TILE_KEYS, M=M, QT=-(-G * T // M),
+                             TREE=tree, DIRECT=direct, F32=f32), target, floats=("scale",))
+        compile_one(paged_decode._combine, dict(Part="*fp32", Lse="*fp32", Out="*bf16"),
+                    dict(H=28, D=128, DP=128, NSP=64), target)
+        for dtype in ("bf16", "fp16"):
+            pointers = dict(QKV=f"*{dtype}", Cos=f"*{dtype}", Sin=f"*{dtype}", Slots="*i64", Kp=f"*{dtype}",
+                            Vp=f"*{dtype}", Q=f"*{dtype}")
+            compile_one(rope_write._rope_write, pointers, dict(NH=28, NKV=4, D=128, DP=128, BF16=dtype == "bf16"),
+                        target)
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [80, 90])
