@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_KEYS = 64  # keys per loop iteration; divides the pool's block size, so a tile never crosses blocks
+TILE_KEYS = 32  # keys per loop iteration; divides the pool's block size, so a tile never crosses blocks
 MAX_ROWS = 64  # queries (G heads x T tokens) per program at most: the accumulator is MAX_ROWS x head dim
 MAX_SPLITS = 64
 
@@ -126,6 +126,12 @@ def _programs_wanted(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def warps(M: int) -> int:
+    """Warps a program of M queries runs on: 4, or 8 from 32 queries on (a tree verify; the accumulator and scores
+    of 64 queries spill from 4 warps' registers on sm_90: tests/rollout/runtime/triton_aot.py prints the usage)."""
+    return 4 if M <= 16 else 8
+
+
 def splits(rows: int, programs: int, positions: int, device: torch.device) -> int:
     """Chunks per (row, KV head, query tile): enough programs to fill the device, at most one per tile of the
     longest context the cache holds (`positions`) and MAX_SPLITS. Fixed by shapes alone (a CUDA graph's grid)."""
@@ -164,7 +170,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         *tree_strides, *part.stride()[:4], *(lse.stride()[:3] if NS > 1 else (0, 0, 0)),
         D ** -0.5 if scale is None else scale,
         T=T, G=G, D=D, DP=DP, BS=BS, N=TILE_KEYS, M=M, QT=QT, NS=NS, TREE=tree is not None, DIRECT=NS == 1,
-        F32=q.dtype == torch.float32 or q.device.type != "cuda")
+        F32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps(M))
     if NS > 1:
         _combine[(B, T * H)](part, lse, out, *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
                             H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS))

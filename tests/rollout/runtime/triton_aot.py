@@ -1,11 +1,14 @@
 """Compile our Triton kernels for NVIDIA GPUs without one (Triton's own ptxas, no device): the variants the engine
 launches, for Ampere (sm_80) and Hopper (sm_90), or the architectures given (`python triton_aot.py 90`). What the interpreter cannot catch (a construct the GPU compiler
 refuses, a type it cannot lower) fails here. Run by test_triton_aot.py in a process of its own (TRITON_INTERPRET
-must be off when triton is imported); prints one line per kernel compiled."""
+must be off when triton is imported); prints one line per kernel compiled, with its registers and spills (STACK) per thread."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET", "0") in ("0", ""), "the interpreter must be off"
 
@@ -16,13 +19,23 @@ from triton.compiler import ASTSource  # noqa: E402
 from rlspec.rollout.runtime.model import paged_decode, rope_write  # noqa: E402
 
 
-def compile_one(fn, pointers: dict, constexprs: dict, target, floats=()) -> None:
+def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4) -> None:
     signature = {n: pointers.get(n, "fp32" if n in floats else "constexpr" if n in constexprs else "i32")
                  for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    kernel = triton.compile(src, target=target)
-    print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared", flush=True)
+    kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps))
+    print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared, {usage(kernel)}", flush=True)
+
+
+def usage(kernel) -> str:
+    """The cubin's registers and stack (spills) per thread, as cuobjdump (shipped with Triton) reads them."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
+    return next((line.strip().split(" SHARED")[0] for line in out.stdout.splitlines() if "REG:" in line), "?")
 
 
 def main(archs: list[int]) -> None:
@@ -36,7 +49,8 @@ def main(archs: list[int]) -> None:
                             Tree="*u8" if tree else "*i64", Out=f"*{dtype}" if direct else "*fp32", Lse="*fp32")
             compile_one(paged_decode._split, pointers,
                         dict(T=T, G=G, D=128, DP=128, BS=128, N=paged_decode.TILE_KEYS, M=M, QT=-(-G * T // M),
-                             TREE=tree, DIRECT=direct, F32=f32), target, floats=("scale",))
+                             TREE=tree, DIRECT=direct, F32=f32), target, floats=("scale",),
+                        num_warps=paged_decode.warps(M))
         compile_one(paged_decode._combine, dict(Part="*fp32", Lse="*fp32", Out="*bf16"),
                     dict(H=28, D=128, DP=128, NSP=64), target)
         for dtype in ("bf16", "fp16"):
