@@ -126,10 +126,11 @@ def _programs_wanted(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def warps(M: int) -> int:
-    """Warps a program of M queries runs on: 4, or 8 from 32 queries on (a tree verify; the accumulator and scores
-    of 64 queries spill from 4 warps' registers on sm_90: tests/rollout/runtime/triton_aot.py prints the usage)."""
-    return 4 if M <= 16 else 8
+def warps(M: int, DP: int) -> int:
+    """Warps a program of M queries of (padded) head size DP runs on: 4 up to 16 x 128, else 8 (a tree verify's 64
+    queries spilled registers from 4 warps on sm_90; 16 of Gemma's 256 took all 255: tests/rollout/runtime/
+    triton_aot.py prints each variant's usage)."""
+    return 4 if M * DP <= 2048 else 8
 
 
 def splits(rows: int, programs: int, positions: int, device: torch.device) -> int:
@@ -170,7 +171,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         *tree_strides, *part.stride()[:4], *(lse.stride()[:3] if NS > 1 else (0, 0, 0)),
         D ** -0.5 if scale is None else scale,
         T=T, G=G, D=D, DP=DP, BS=BS, N=TILE_KEYS, M=M, QT=QT, NS=NS, TREE=tree is not None, DIRECT=NS == 1,
-        F32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps(M))
+        F32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps(M, DP))
     if NS > 1:
         _combine[(B, T * H)](part, lse, out, *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
                             H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS))

@@ -41,16 +41,19 @@ def usage(kernel) -> str:
 def main(archs: list[int]) -> None:
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
-        for dtype, tree, T, direct in (("bf16", False, 1, False), ("bf16", True, 5, True), ("fp32", True, 3, False)):
+        # (dtype, tree, T, direct, query heads per KV head, head size): Qwen2.5-7B's decode, tree verify and a
+        # float32 chain; SmolLM2's and Gemma 3's heads
+        for dtype, tree, T, direct, G, D in (("bf16", False, 1, False, 7, 128), ("bf16", True, 5, True, 7, 128),
+                                             ("fp32", True, 3, False, 7, 128), ("bf16", False, 1, False, 3, 64),
+                                             ("bf16", True, 4, False, 2, 256)):
             f32 = dtype == "fp32"
-            G = 7
             M = max(16, min(triton.next_power_of_2(G * T), paged_decode.MAX_ROWS))
             pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Table="*i64", Start="*i64",
                             Tree="*u8" if tree else "*i64", Out=f"*{dtype}" if direct else "*fp32", Lse="*fp32")
             compile_one(paged_decode._split, pointers,
-                        dict(T=T, G=G, D=128, DP=128, BS=128, N=paged_decode.TILE_KEYS, M=M, QT=-(-G * T // M),
+                        dict(T=T, G=G, D=D, DP=D, BS=128, N=paged_decode.TILE_KEYS, M=M, QT=-(-G * T // M),
                              TREE=tree, DIRECT=direct, F32=f32), target, floats=("scale",),
-                        num_warps=paged_decode.warps(M))
+                        num_warps=paged_decode.warps(M, D))
         compile_one(paged_decode._combine, dict(Part="*fp32", Lse="*fp32", Out="*bf16"),
                     dict(H=28, D=128, DP=128, NSP=64), target)
         for dtype in ("bf16", "fp16"):
