@@ -148,6 +148,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     view of a [B, T, H, D] tensor (what the o_proj product reads without a copy)."""
     B, H, T, D = q.shape
     NB, BS, KV, Dk = k_pool.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     if Dk != D or H % KV or BS % TILE_KEYS or T < 1:
         raise ValueError(f"paged_decode: queries [B, H, T, D] = {list(q.shape)} over pools {list(k_pool.shape)}: "
                          f"needs the same head size, H a multiple of the KV heads and a block size that is a "
@@ -163,6 +165,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     else:
         part = torch.empty(B, NS, T, H, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, NS, T, H, dtype=torch.float32, device=q.device)
+    if tree is not None and tree.stride(-1) != 1:
+        tree = tree.contiguous()  # the kernel reads a tree row's entries side by side
     tree_u8 = tree.view(torch.uint8) if tree is not None else start  # a placeholder pointer without a tree
     tree_strides = tree_u8.stride()[:2] if tree is not None else (0, 0)
     _split[(B, KV * QT, NS)](
