@@ -35,7 +35,7 @@ UNITS = {
         ("tests/rollout/runtime/test_graphs.py", 10), ("tests/test_wheel.py", 8), ("tests/rlspec/test_export.py", 8),
         ("tests/rlspec/test_vllm_export.py", 5), ("tests/rlspec/test_chaos_cluster.py", 70),
         ("tests/trainers/test_partial_resume.py", 12), ("tests/trainers/test_rloo_cli.py", 10),
-        ("tests/rollout/runtime/test_paged_decode.py", 25))},
+        ("tests/rollout/runtime/test_paged_decode.py", 15))},
 }
 
 

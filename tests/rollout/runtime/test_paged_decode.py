@@ -53,10 +53,10 @@ CASES = [
     (28, 4, 128, 1, False, torch.float32),  # Qwen2.5-7B's heads: 7 per KV head
     (8, 2, 32, 5, True, torch.float32),  # a tree verify
     (6, 6, 32, 3, False, torch.float32),  # a chain verify, no grouping
-    (14, 2, 80, 12, True, torch.float32),  # 84 queries a KV head: two query tiles; head size 80 padded to 128
+    (7, 1, 48, 10, True, torch.float32),  # 70 queries a KV head: two query tiles; head size 48 padded to 64
     (9, 3, 64, 4, True, torch.bfloat16),  # SmolLM2's heads in bf16
 ]
-STARTS = [5, 63, 64, 127, 130, 200]  # inside, at and across the edges of 64-position blocks
+STARTS = [5, 63, 64, 130, 200]  # inside, at and across the edges of 64-position blocks
 
 
 @pytest.mark.parametrize("H,KV,D,T,tree,dtype", CASES)
@@ -105,18 +105,17 @@ def _paged_step(monkeypatch, T):
     return runner, fb, ref, ref_h[1]
 
 
-@pytest.mark.parametrize("T,compiled", [(1, False), (4, False), (1, True)], ids=["decode", "tree", "compiled-layer"])
-def test_a_model_step_through_the_kernel_equals_the_dense_step(monkeypatch, T, compiled):
+@pytest.mark.parametrize("T", [1, 4], ids=["decode", "tree"])
+def test_a_model_step_through_the_kernel_equals_the_dense_step(monkeypatch, T):
     """CUDA's paged step: the kernel over the pool (rows' blocks interleaved) through the mask's table, start and
-    tree, no BlockMask built, equals the dense step over each row's gathered blocks: logits and hidden states; also
-    from inside a compiled layer (runtime/compiled.py), where the kernel sits behind a graph break."""
-    from rlspec.rollout.runtime.compiled import compiled_layer_call
+    tree, no BlockMask built, equals the dense step over each row's gathered blocks: logits and hidden states. (In
+    a compiled layer it sits behind a graph break as FlexAttention does: `python -m rlspec.bench.gpu --sections
+    compiled` runs it there on CUDA.)"""
     from rlspec.rollout.runtime.model import attention
 
     runner, fb, ref, ref_h = _paged_step(monkeypatch, T)
     assert fb.attn.paged and fb.attn.block is None and fb.blocks is None and fb.attn.table is not None
-    got, got_h = runner.model(fb, runner.cache.k, runner.cache.v, (1,),
-                              layer_call=compiled_layer_call() if compiled else None)
+    got, got_h = runner.model(fb, runner.cache.k, runner.cache.v, (1,))
     assert not attention._paged_error, attention._paged_error
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(got_h[1], ref_h, atol=1e-5, rtol=0)
