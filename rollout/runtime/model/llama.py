@@ -254,6 +254,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos: torch.Tensor | None = None  # [max_len, hd] float32, built by init_rope
         self.rope_sin: torch.Tensor | None = None  # signed: its first half negated (`rope`)
         self.rope_extra: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # other layer types' tables (Gemma 3)
+        self._rope_in_dtype: tuple = (None, None, {})  # (rope_cos it was made from, dtype, tables): `rope_tables`
 
     def init_rope(self, max_len: int) -> None:
         """Precompute cos/sin tables in float32 exactly as HF computes them per position (sin signed, `rope`).
@@ -264,6 +265,18 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos, self.rope_sin = rope_table(self.cfg, max_len, device)
         self.rope_extra = {t: rope_table(self.cfg, max_len, device, t)
                            for t in sorted({t for t in self.cfg.layer_rope if t is not None})}
+
+    def rope_tables(self, dtype) -> dict:
+        """{layer type: (cos, signed sin) [max_len, hd]} in the model's dtype, converted once per table (init_rope)
+        where every step converted the rows it gathered: two kernels a step fewer (each a node of every CUDA graph),
+        the same values (a conversion commutes with a gather)."""
+        made_from, made_in, tables = self._rope_in_dtype
+        if made_from is not self.rope_cos or made_in != dtype:
+            with torch.inference_mode(False):  # ordinary tensors, whichever mode reads them
+                tables = {t: (c.to(dtype), s.to(dtype))
+                          for t, (c, s) in {None: (self.rope_cos, self.rope_sin), **self.rope_extra}.items()}
+            self._rope_in_dtype = (self.rope_cos, dtype, tables)
+        return tables
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, k_cache, v_cache, hidden_layers=(), logits_index=None, layer_call=None,
@@ -278,10 +291,8 @@ class LlamaForCausalLM(nn.Module):
         dtype (a caller that converts them as it copies them: graphs.py).
         """
         x = self.model.embed_tokens(fb.input_ids)
-        dtype = x.dtype
-        ropes = {None: (self.rope_cos, self.rope_sin), **self.rope_extra}
-        ropes = {t: (c[fb.positions].to(dtype).unsqueeze(2), s[fb.positions].to(dtype).unsqueeze(2))
-                 for t, (c, s) in ropes.items()}
+        ropes = {t: (c[fb.positions].unsqueeze(2), s[fb.positions].unsqueeze(2))
+                 for t, (c, s) in self.rope_tables(x.dtype).items()}
         masks = self.layer_masks(fb)
         hiddens = {}
         for i, layer in enumerate(self.model.layers):
