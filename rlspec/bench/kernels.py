@@ -27,7 +27,7 @@ import collections
 
 NAME = "kernels"
 HELP = "device kernels per decode step: one decoder layer, the head and an EAGLE-3 level, by op (CPU, exact)"
-COLUMNS = ["dtype", "norm", "tokens", "layer", "head", "eagle3_level", "layer_ops"]
+COLUMNS = ["dtype", "norm", "tokens", "layer", "head", "step_rest", "eagle3_level", "layer_ops"]
 LEVEL_COLUMNS = ["graph_mode", "proposals", "launches_per_level", "launches_per_proposal"]
 SHAPE = dict(vocab_size=512, hidden_size=112, intermediate_size=296, num_hidden_layers=2, num_attention_heads=28,
              num_key_value_heads=4)  # Qwen2.5-7B's heads (28 of 4 groups) with head_dim 4; its widths / 32
@@ -105,9 +105,11 @@ def target(dtype):
 
 class CudaChoices:
     """While open, the model's ops run as they do on CUDA where that changes their kernels, each counted as one
-    kernel into `ops` (None: uncounted): attention as one kernel (no gather of the rows' blocks first: it reads the
-    pool in place) and, with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and a step's
-    rotation and KV writes as Triton's one (llama.step_rotation); no CPU kernel serves (model/kernels)."""
+    kernel into `ops` (None: uncounted): a step's cache in 128-position blocks and its attention paged, as Triton's
+    kernel reads the pool in place (no block mask, no gather: attention.attend_paged, computed densely here) and,
+    with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and a step's rotation and KV writes
+    as Triton's one (llama.step_rotation); no CPU kernel serves (model/kernels). Open it before the runner is
+    made (its cache takes CUDA's block size)."""
 
     def __init__(self, fused_norm: bool):
         self.fused_norm, self.ops = fused_norm, None
@@ -115,17 +117,21 @@ class CudaChoices:
     def __enter__(self):
         import torch.nn.functional as F
 
-        from rlspec.rollout.runtime.model import kernels, llama
+        from rlspec.rollout.runtime import graphs, runner
+        from rlspec.rollout.runtime.model import attention, kernels, llama
 
         self.saved = (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
-                      llama.step_rotation)
-        attend, gather, _, rms_norm, _, _ = self.saved
+                      llama.step_rotation, llama.attend_paged, attention.use_paged_decode, graphs.use_flex,
+                      runner.use_flex)
+        attend, gather, _, rms_norm = self.saved[:4]
         kernels.ready = False  # the CPU kernels (AVX-512 BF16 machines) serve no CUDA step
+        attention.use_paged_decode = graphs.use_flex = runner.use_flex = lambda device: True
 
         def counted(name, fn):
             return lambda *a, **kw: fn(*a, **kw) if self.ops is None else self.ops.as_one(name, fn, *a, **kw)
 
         llama.attend, llama.gather_blocks = counted("attention", attend), counted(None, gather)
+        llama.attend_paged = counted("attention", attention.attend_paged_dense)
         if self.fused_norm:
             llama.fused_norm = lambda x, weight: x.dtype == weight.dtype
             F.rms_norm = counted("rms_norm", rms_norm)
@@ -137,42 +143,48 @@ class CudaChoices:
     def __exit__(self, *exc):
         import torch.nn.functional as F
 
-        from rlspec.rollout.runtime.model import kernels, llama
+        from rlspec.rollout.runtime import graphs, runner
+        from rlspec.rollout.runtime.model import attention, kernels, llama
 
-        (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
-         llama.step_rotation) = self.saved
+        (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready, llama.step_rotation,
+         llama.attend_paged, attention.use_paged_decode, graphs.use_flex, runner.use_flex) = self.saved
 
 
-def layer_counts(model, dtype, batch: int, tokens: int, fused_norm: bool = True) -> tuple[DeviceOps, DeviceOps]:
-    """(first decoder layer, head) kernels of one step of `tokens` new tokens per row over `batch` rows, as CUDA
-    runs them (`CudaChoices`; fused_norm False: HF's norm arithmetic, the CPU's)."""
+def layer_counts(model, dtype, batch: int, tokens: int,
+                 fused_norm: bool = True) -> tuple[DeviceOps, DeviceOps, DeviceOps]:
+    """(first decoder layer, head, the rest of the step) kernels of one step of `tokens` new tokens per row over
+    `batch` rows, as CUDA runs them (`CudaChoices`; fused_norm False: HF's norm arithmetic, the CPU's). The rest:
+    what a step launches outside its layers and head (the embedding, the rows' slots, the RoPE rows)."""
     import torch
 
     from rlspec.rollout.runtime.model import llama
     from rlspec.rollout.runtime.model.linear import unpack_linears
     from rlspec.rollout.runtime.runner import ModelRunner
 
-    runner = ModelRunner(model, "cpu", dtype, "off", compile_mode="off")
-    unpack_linears(model)  # F.linear, as on CUDA: not the CPU's packed bf16 copies (model/linear.py)
-    cache = runner.ensure_cache(batch, 64)
-    cache.reset()
-    cache.reserve_rows(batch, 48)
-    layer, head = DeviceOps(), DeviceOps()
+    layer, head, rest = DeviceOps(), DeviceOps(), DeviceOps()
     first = model.model.layers[0]
     with CudaChoices(fused_norm) as cuda:
+        runner = ModelRunner(model, "cpu", dtype, "off", compile_mode="off")
+        unpack_linears(model)  # F.linear, as on CUDA: not the CPU's packed bf16 copies (model/linear.py)
+        cache = runner.ensure_cache(batch, 256)
+        cache.reset()
+        cache.reserve_rows(batch, 48)
+        with torch.inference_mode():
+            model.rope_tables(dtype)  # made once per table, not a step's work
+
         def call(fn, *args):
             cuda.ops = layer if fn is first else head if fn is llama._head else None
             if cuda.ops is None:
-                return fn(*args)
+                return rest.as_one(None, fn, *args)
             try:
                 with cuda.ops:
-                    return fn(*args)
+                    return rest.as_one(None, fn, *args)
             finally:
                 cuda.ops = None
 
-        with torch.inference_mode():
+        with torch.inference_mode(), rest:
             runner.steps.run(torch.full((batch, tokens), 5), torch.full((batch,), 9), layer_call=call)
-    return layer, head
+    return layer, head, rest
 
 
 def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True) -> DeviceOps:
@@ -244,13 +256,15 @@ def run(args) -> dict:
         for norm, fused in (("fused", True), ("hf", False)):
             level = eagle3_counts(model, dtype, args.batch, fused)
             for t in args.tokens:
-                layer, head = layer_counts(model, dtype, args.batch, t, fused)
+                layer, head, rest = layer_counts(model, dtype, args.batch, t, fused)
                 rows.append({"dtype": name, "norm": norm, "tokens": t, "layer": layer.total, "head": head.total,
-                             "eagle3_level": level.total, "layer_ops": dict(sorted(layer.counts.items())),
+                             "step_rest": rest.total, "eagle3_level": level.total,
+                             "layer_ops": dict(sorted(layer.counts.items())),
                              "head_ops": dict(sorted(head.counts.items())),
+                             "rest_ops": dict(sorted(rest.counts.items())),
                              "eagle3_ops": dict(sorted(level.counts.items()))})
-                print(f"[kernels] {name}, {norm} norms, T={t}: layer {layer.total}, head {head.total}, EAGLE-3 level "
-                      f"{level.total}", flush=True)
+                print(f"[kernels] {name}, {norm} norms, T={t}: layer {layer.total}, head {head.total}, rest of the "
+                      f"step {rest.total}, EAGLE-3 level {level.total}", flush=True)
     levels = [level_launches(args.batch, mode) for mode in ("off", "emulate")]
     for r in levels:
         print(f"[kernels] EAGLE-3 proposals, levels {r['graph_mode']}: {r['launches_per_level']:.1f} launches a level "

@@ -286,9 +286,16 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ma
         _paged_error.append(f"{type(exc).__name__}: {exc}")
         warnings.warn(f"the Triton paged decode kernel failed ({_paged_error[0][:300]}); paged steps attend "
                       "through FlexAttention from now on", RuntimeWarning, stacklevel=2)
-        T, S = q.shape[2], mask.kv_len
-        k, v = (gather_blocks(x, mask.table[:, : S // x.shape[1]]) for x in (k_pool, v_pool))
-        return attend_dense(q, k, v, dense_step_mask(mask.start, T, S, mask.tree), scale)
+        return attend_paged_dense(q, k_pool, v_pool, mask, scale)
+
+
+def attend_paged_dense(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: AttnMask,
+                       scale: float | None = None) -> torch.Tensor:
+    """What attend_paged computes, densely over the rows' gathered blocks (its fallback, and the kernel counts'
+    stand-in for it: rlspec/bench/kernels.py)."""
+    T, S = q.shape[2], mask.kv_len
+    k, v = (gather_blocks(x, mask.table[:, : S // x.shape[1]]) for x in (k_pool, v_pool))
+    return attend_dense(q, k, v, dense_step_mask(mask.start, T, S, mask.tree), scale)
 
 
 @functools.cache
