@@ -34,7 +34,7 @@ GPU = {
                        draft_new_tokens=24, prompt_len=64),
     "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12),
     "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3,
-                     compare=dict(kernel="flex", batches=[1, 32], contexts=[8192])),
+                     compare=dict(kernel="flex", rows=[[256, 1], [8192, 1], [8192, 32]])),
     "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
                    prompt_len=64, new_tokens=48, repeats=3),
     "compiled": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], context=256, iters=6, repeats=3),
@@ -48,7 +48,7 @@ SMOKE = {
                        repeats=3, draft_batches=[1, 2], draft_new_tokens=8, prompt_len=8),
     "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3,
-                     compare=dict(kernel="flex", batches=[2], contexts=[64])),
+                     compare=dict(kernel="flex", rows=[[64, 2]])),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
                    new_tokens=16, repeats=3),
     "compiled": dict(shape="tiny", batches=[2], context=16, iters=2, repeats=3),  # one graph family: C++ compiles

@@ -15,6 +15,7 @@ Llama runs exactly the ops it always ran.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -119,18 +120,34 @@ def step_rotation(qkv: torch.Tensor):
     """What does a step's `rotate_and_write`: on CUDA in 16 bits outside autograd and compiled code, with Triton
     installed, one Triton kernel (rope_write.py) where the torch ops take six (a roll, two products, a sum, two
     scatters), each a node of every CUDA graph; the same bits. Elsewhere the torch ops (a compiled layer's Inductor
-    fuses them itself)."""
+    fuses them itself). A kernel that fails here (a Triton that cannot compile it) warns once and the torch ops
+    serve the process from then on."""
     if (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and triton_available()):
-        return _fused_rotation()
+            and not torch.compiler.is_compiling() and not _rotation_error and triton_available()):
+        return _fused_rotation
     return rotate_and_write
 
 
-@functools.cache
-def _fused_rotation():
-    from rlspec.rollout.runtime.model.rope_write import rotate_and_write as fused
+_rotation_error: list[str] = []  # the fused rotation's first failure in this process
 
-    return fused
+
+def _fused_rotation(qkv, cos, sin, k_cache, v_cache, slots, nh: int, nkv: int) -> torch.Tensor:
+    try:
+        return _rope_write()(qkv, cos, sin, k_cache, v_cache, slots, nh, nkv)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a compile/launch failure: the torch ops compute the same bits
+        _rotation_error.append(f"{type(exc).__name__}: {exc}")
+        warnings.warn(f"the Triton rotation kernel failed ({_rotation_error[0][:300]}); steps rotate with torch's "
+                      "ops from now on", RuntimeWarning, stacklevel=2)
+        return rotate_and_write(qkv, cos, sin, k_cache, v_cache, slots, nh, nkv)
+
+
+@functools.cache
+def _rope_write():
+    from rlspec.rollout.runtime.model.rope_write import rotate_and_write
+
+    return rotate_and_write
 
 
 def norm_class(cfg: ModelConfig) -> type[nn.Module]:
