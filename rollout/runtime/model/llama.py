@@ -117,11 +117,11 @@ def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
 
 
 def step_rotation(qkv: torch.Tensor):
-    """What does a step's `rotate_and_write`: on CUDA in 16 bits outside autograd and compiled code, with Triton
-    installed, one Triton kernel (rope_write.py) where the torch ops take six (a roll, two products, a sum, two
-    scatters), each a node of every CUDA graph; the same bits. Elsewhere the torch ops (a compiled layer's Inductor
-    fuses them itself). A kernel that fails here (a Triton that cannot compile it) warns once and the torch ops
-    serve the process from then on."""
+    """The function that does a step's `rotate_and_write`: on CUDA in 16 bits, outside autograd and compiled code,
+    with Triton installed, one Triton kernel (rope_write.py) where the torch ops take six (a roll, two products, a
+    sum, two scatters), each a node of every CUDA graph, computing the same bits. Elsewhere the torch ops (a compiled
+    layer's Inductor fuses them itself). A kernel that fails (a Triton that cannot compile it) warns once, and the
+    torch ops serve the process from then on."""
     if (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and not _rotation_error and triton_available()):
         return _fused_rotation
