@@ -39,6 +39,7 @@ scores must be capped before the softmax, which SDPA and the flex call here do n
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -101,19 +102,18 @@ def use_paged_decode(device) -> bool:
             and triton_available())
 
 
-@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _importable("triton")
 
 
-@functools.lru_cache(maxsize=None)
 def _flex_available() -> bool:
+    return _importable("torch.nn.attention.flex_attention")
+
+
+@functools.cache
+def _importable(module: str) -> bool:
     try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True
