@@ -119,6 +119,13 @@ def _importable(module: str) -> bool:
     return True
 
 
+def kernel_failed(errors: list[str], exc: Exception, kernel: str, then: str) -> None:
+    """Record a kernel's failure in `errors` (the process's record, which its dispatch reads) and warn, naming the
+    first failure and what serves from then on."""
+    errors.append(f"{type(exc).__name__}: {exc}")
+    warnings.warn(f"{kernel} failed ({errors[0][:300]}); {then}", RuntimeWarning, stacklevel=3)
+
+
 def flex_error() -> str | None:
     """Why FlexAttention was given up in this process (None while it works or was never tried)."""
     return _flex_error[0] if _flex_error else None
@@ -283,9 +290,8 @@ def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ma
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - any compile/launch failure: the dense path is exact
-        _paged_error.append(f"{type(exc).__name__}: {exc}")
-        warnings.warn(f"the Triton paged decode kernel failed ({_paged_error[0][:300]}); paged steps attend "
-                      "through FlexAttention from now on", RuntimeWarning, stacklevel=2)
+        kernel_failed(_paged_error, exc, "the Triton paged decode kernel", "paged steps attend through FlexAttention "
+                      "from now on")
         return attend_paged_dense(q, k_pool, v_pool, mask, scale)
 
 
@@ -367,9 +373,8 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMas
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - any compile/runtime failure: the dense path is exact
-        _flex_error.append(f"{type(exc).__name__}: {exc}")
-        warnings.warn(f"FlexAttention failed ({_flex_error[0][:300]}); attention falls back to dense masks, "
-                      "which read every cache position", RuntimeWarning, stacklevel=2)
+        kernel_failed(_flex_error, exc, "FlexAttention", "attention falls back to dense masks, which read every cache "
+                      "position")
         dense = dense_step_mask(mask.start, T, mask.kv_len, mask.tree)
         if mask.table is not None:  # k, v are the whole paged pool: gather the rows' blocks
             k, v = (gather_blocks(x[0].transpose(0, 1).reshape(-1, BLOCK, *x.shape[1::2]),

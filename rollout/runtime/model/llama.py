@@ -15,14 +15,14 @@ Llama runs exactly the ops it always ran.
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlspec.rollout.runtime.model.attention import AttnMask, attend, attend_paged, dense_view, triton_available
+from rlspec.rollout.runtime.model.attention import (AttnMask, attend, attend_paged, dense_view, kernel_failed,
+                                                    triton_available)
 from rlspec.rollout.runtime.model.config import ModelConfig, main_rope_type
 from rlspec.rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
 from rlspec.rollout.runtime.model import kernels
@@ -137,9 +137,7 @@ def _fused_rotation(qkv, cos, sin, k_cache, v_cache, slots, nh: int, nkv: int) -
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a compile/launch failure: the torch ops compute the same bits
-        _rotation_error.append(f"{type(exc).__name__}: {exc}")
-        warnings.warn(f"the Triton rotation kernel failed ({_rotation_error[0][:300]}); steps rotate with torch's "
-                      "ops from now on", RuntimeWarning, stacklevel=2)
+        kernel_failed(_rotation_error, exc, "the Triton rotation kernel", "steps rotate with torch's ops from now on")
         return rotate_and_write(qkv, cos, sin, k_cache, v_cache, slots, nh, nkv)
 
 
