@@ -107,9 +107,9 @@ class CudaChoices:
     """While open, the model's ops run as they do on CUDA where that changes their kernels, each counted as one
     kernel into `ops` (None: uncounted): a step's cache in 128-position blocks and its attention paged, as Triton's
     kernel reads the pool in place (no block mask, no gather: attention.attend_paged, computed densely here) and,
-    with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and a step's rotation and KV writes
-    as Triton's one (llama.step_rotation); no CPU kernel serves (model/kernels). Open it before the runner is
-    made (its cache takes CUDA's block size)."""
+    with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and, in 16 bits, a step's rotation
+    and KV writes and each MLP's silu(gate) * up as our Triton kernels (llama.triton_serves); no CPU kernel serves
+    (model/kernels). Open it before the runner is made (its cache takes CUDA's block size)."""
 
     def __init__(self, fused_norm: bool):
         self.fused_norm, self.ops = fused_norm, None
@@ -121,8 +121,8 @@ class CudaChoices:
         from rlspec.rollout.runtime.model import attention, kernels, llama
 
         self.saved = (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
-                      llama.step_rotation, llama.attend_paged, attention.use_paged_decode, graphs.use_flex,
-                      runner.use_flex)
+                      llama.triton_serves, llama._fused_rotation, llama._fused_silu_mul, llama.attend_paged,
+                      attention.use_paged_decode, graphs.use_flex, runner.use_flex)
         attend, gather, _, rms_norm = self.saved[:4]
         kernels.ready = False  # the CPU kernels (AVX-512 BF16 machines) serve no CUDA step
         attention.use_paged_decode = graphs.use_flex = runner.use_flex = lambda device: True
@@ -135,9 +135,10 @@ class CudaChoices:
         if self.fused_norm:
             llama.fused_norm = lambda x, weight: x.dtype == weight.dtype
             F.rms_norm = counted("rms_norm", rms_norm)
-            # Triton's one kernel (model/rope_write.py) in 16 bits, as llama.step_rotation picks it on CUDA
-            rotation = counted("rope_write", llama.rotate_and_write)
-            llama.step_rotation = lambda qkv: rotation if qkv.element_size() == 2 else llama.rotate_and_write
+            # our Triton kernels (model/rope_write.py, silu_mul.py) where llama.triton_serves picks them on CUDA
+            llama.triton_serves = lambda x, errors: x.element_size() == 2
+            llama._fused_rotation = counted("rope_write", llama.rotate_and_write)
+            llama._fused_silu_mul = counted("silu_mul", llama.silu_times)
         return self
 
     def __exit__(self, *exc):
@@ -146,8 +147,9 @@ class CudaChoices:
         from rlspec.rollout.runtime import graphs, runner
         from rlspec.rollout.runtime.model import attention, kernels, llama
 
-        (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready, llama.step_rotation,
-         llama.attend_paged, attention.use_paged_decode, graphs.use_flex, runner.use_flex) = self.saved
+        (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready, llama.triton_serves,
+         llama._fused_rotation, llama._fused_silu_mul, llama.attend_paged, attention.use_paged_decode,
+         graphs.use_flex, runner.use_flex) = self.saved
 
 
 def layer_counts(model, dtype, batch: int, tokens: int,

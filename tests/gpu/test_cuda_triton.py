@@ -2,12 +2,14 @@
 reference at Qwen2.5-7B's heads over the pool's 128-position blocks, in bf16 and float32, decode and tree verify,
 at contexts that split into many chunks; and replayed from a CUDA graph captured at one context, at others (each
 row's chunks follow its live length inside the kernel). The rotation with the KV writes (model/rope_write.py):
-the torch ops' bits, and the engine's steps take it."""
+the torch ops' bits, and the engine's steps take it. SiLU times up (model/silu_mul.py): torch's two ops to a last
+bit, and the MLPs of 16-bit CUDA steps take it."""
 import pytest
 import torch
 
 from tests.rollout.runtime import test_paged_decode as cpu_cases
 from tests.rollout.runtime import test_rope_write as rope_cases
+from tests.rollout.runtime import test_silu_mul as silu_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 paged_decode = pytest.importorskip("rlspec.rollout.runtime.model.paged_decode", reason="needs triton")
@@ -58,3 +60,12 @@ def test_cuda_rotation_and_writes_are_the_torch_ops_bit_for_bit(dtype):
     assert fused is not llama.rotate_and_write  # what a CUDA step takes
     q = fused(qkv, cos, sin, k_pool, v_pool, slots, 28, 4)
     assert torch.equal(q, q_ref) and torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_silu_times_up_is_torchs_two_ops_to_a_last_bit(dtype):
+    from rlspec.rollout.runtime.model import llama
+
+    silu_cases.test_one_kernel_is_torchs_two_to_a_last_bit(dtype, 18944)  # Qwen2.5-7B's intermediate width
+    with torch.inference_mode():
+        assert llama.triton_serves(silu_cases._gate_up(dtype, rows=2), llama._silu_error)  # what a CUDA MLP takes

@@ -117,35 +117,61 @@ def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
 
 
 def step_rotation(qkv: torch.Tensor):
-    """The function that does a step's `rotate_and_write`: on CUDA in 16 bits, outside autograd and compiled code,
-    with Triton installed, one Triton kernel (rope_write.py) where the torch ops take six (a roll, two products, a
-    sum, two scatters), each a node of every CUDA graph, computing the same bits. Elsewhere the torch ops (a compiled
-    layer's Inductor fuses them itself). A kernel that fails (a Triton that cannot compile it) warns once, and the
-    torch ops serve the process from then on."""
-    if (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and not _rotation_error and triton_available()):
-        return _fused_rotation
-    return rotate_and_write
+    """The function that does a step's `rotate_and_write`: where `triton_serves`, one Triton kernel (rope_write.py)
+    where the torch ops take six (a roll, two products, a sum, two scatters), each a node of every CUDA graph,
+    computing the same bits; elsewhere the torch ops."""
+    return _fused_rotation if triton_serves(qkv, _rotation_error) else rotate_and_write
 
 
-_rotation_error: list[str] = []  # the fused rotation's first failure in this process
+def silu_times(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up of the fused gate|up product [..., 2 inter]: the torch ops (two kernels)."""
+    gate, up = gate_up.split(inter, -1)
+    return F.silu(gate) * up
 
 
-def _fused_rotation(qkv, cos, sin, k_cache, v_cache, slots, nh: int, nkv: int) -> torch.Tensor:
-    try:
-        return _rope_write()(qkv, cos, sin, k_cache, v_cache, slots, nh, nkv)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a compile/launch failure: the torch ops compute the same bits
-        kernel_failed(_rotation_error, exc, "the Triton rotation kernel", "steps rotate with torch's ops from now on")
-        return rotate_and_write(qkv, cos, sin, k_cache, v_cache, slots, nh, nkv)
+def triton_serves(x: torch.Tensor, errors: list[str]) -> bool:
+    """Whether one of our Triton kernels does x's op (rope_write.py, silu_mul.py): on CUDA in 16 bits, outside
+    autograd and compiled code (a compiled layer's Inductor fuses the same ops itself), with Triton installed, and
+    the kernel not failed in this process (`errors`)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not errors and triton_available())
+
+
+def _triton_or(load, reference, errors: list[str], kernel: str, then: str):
+    """A call of our Triton kernel (load(): the kernel's function, imported on first use) that, where the kernel
+    fails (a Triton that cannot compile it), warns once and returns the reference's result; `triton_serves` then
+    answers no for the rest of the process."""
+    def call(*args):
+        try:
+            return load()(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compile/launch failure: the reference computes the same
+            kernel_failed(errors, exc, kernel, then)
+            return reference(*args)
+    return call
 
 
 @functools.cache
 def _rope_write():
-    from rlspec.rollout.runtime.model.rope_write import rotate_and_write
+    from rlspec.rollout.runtime.model.rope_write import rotate_and_write as kernel
 
-    return rotate_and_write
+    return kernel
+
+
+@functools.cache
+def _silu_mul():
+    from rlspec.rollout.runtime.model.silu_mul import silu_mul as kernel
+
+    return kernel
+
+
+_rotation_error: list[str] = []  # each fused kernel's first failure in this process
+_silu_error: list[str] = []
+_fused_rotation = _triton_or(lambda: _rope_write(), rotate_and_write, _rotation_error, "the Triton rotation kernel",
+                             "steps rotate with torch's ops from now on")
+_fused_silu_mul = _triton_or(lambda: _silu_mul(), silu_times, _silu_error, "the Triton SiLU kernel",
+                             "MLPs take torch's ops from now on")
 
 
 def norm_class(cfg: ModelConfig) -> type[nn.Module]:
@@ -212,8 +238,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: added to the output (`plus_product`)."""
-        gate, up = self.gate_up_proj(x).split(self.inter, -1)
-        h = self.act(gate) * up
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and triton_serves(gate_up, _silu_error):  # CUDA: one kernel where torch takes two
+            h = _fused_silu_mul(gate_up, self.inter)
+        else:
+            gate, up = gate_up.split(self.inter, -1)
+            h = self.act(gate) * up
         return self.down_proj(h) if residual is None else plus_product(residual, h, self.down_proj)
 
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _round(f, dtype: tl.constexpr, BF16: tl.constexpr):
+def round_to(f, dtype: tl.constexpr, BF16: tl.constexpr):
     """float32 f rounded to dtype, to nearest even as torch rounds; bf16 through its bits (Triton's interpreter
     truncates a bf16 conversion), NaN kept NaN."""
     if BF16:
@@ -41,9 +41,9 @@ def _rope_write(QKV, Cos, Sin, Slots, Kp, Vp, Q, s_x, s_xh, s_c, s_s, s_q, s_qh,
         rolled = tl.load(QKV + t * s_x + h * s_xh + (d + D // 2) % D, mask=ok, other=0.0)  # torch.roll by D/2
         cos = tl.load(Cos + t * s_c + d, mask=ok, other=0.0).to(tl.float32)
         sin = tl.load(Sin + t * s_s + d, mask=ok, other=0.0).to(tl.float32)  # signed: its first half negated
-        a = _round(x.to(tl.float32) * cos, x.dtype, BF16).to(tl.float32)
-        b = _round(rolled.to(tl.float32) * sin, x.dtype, BF16).to(tl.float32)
-        y = _round(a + b, x.dtype, BF16)
+        a = round_to(x.to(tl.float32) * cos, x.dtype, BF16).to(tl.float32)
+        b = round_to(rolled.to(tl.float32) * sin, x.dtype, BF16).to(tl.float32)
+        y = round_to(a + b, x.dtype, BF16)
         if h < NH:
             tl.store(Q + t * s_q + h * s_qh + d, y, mask=ok)
         else:

@@ -80,7 +80,7 @@ def test_a_model_step_through_the_kernel_is_the_unfused_step(monkeypatch, shape)
     assert torch.equal(got, ref) and torch.equal(cache.k, k_ref) and torch.equal(cache.v, v_ref)
 
 
-def test_a_failing_kernel_warns_once_and_the_torch_ops_serve_from_then_on(monkeypatch):
+def test_a_failing_kernel_warns_once_and_the_torch_ops_serve_from_then_on(monkeypatch, request):
     """A Triton that cannot compile the kernel: the step that met it rotates with the torch ops (the same bits),
     and CUDA steps choose the torch ops from then on (llama.step_rotation reads the recorded failure)."""
     from rlspec.rollout.runtime.model import llama
@@ -90,12 +90,13 @@ def test_a_failing_kernel_warns_once_and_the_torch_ops_serve_from_then_on(monkey
             raise RuntimeError("no kernel here")
         return fail
 
-    monkeypatch.setattr(llama, "_rotation_error", [])
     monkeypatch.setattr(llama, "_rope_write", broken)
+    assert not llama._rotation_error
+    request.addfinalizer(llama._rotation_error.clear)  # the process's record, empty again for the tests after
     qkv, cos, sin, k_pool, v_pool, slots = _step(torch.bfloat16, 4, 2, 32)
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     q_ref = rotate_and_write(qkv, cos, sin, k_ref, v_ref, slots, 4, 2)
-    with pytest.warns(RuntimeWarning, match="steps rotate with torch's ops from now on"):
+    with pytest.warns(RuntimeWarning, match="the Triton rotation kernel failed .*steps rotate with torch's ops"):
         q = llama._fused_rotation(qkv, cos, sin, k_pool, v_pool, slots, 4, 2)
     assert torch.equal(q, q_ref) and torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
     assert llama._rotation_error and "no kernel here" in llama._rotation_error[0]

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rlspec.rollout.runtime.model import paged_decode, rope_write  # noqa: E402
+from rlspec.rollout.runtime.model import paged_decode, rope_write, silu_mul  # noqa: E402
 
 
 def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4) -> None:
@@ -61,6 +61,8 @@ def main(archs: list[int]) -> None:
                             Vp=f"*{dtype}", Q=f"*{dtype}")
             compile_one(rope_write._rope_write, pointers, dict(NH=28, NKV=4, D=128, DP=128, BF16=dtype == "bf16"),
                         target)
+            compile_one(silu_mul._silu_mul, dict(GU=f"*{dtype}", Out=f"*{dtype}"),
+                        dict(BF16=dtype == "bf16", BLOCK=silu_mul.BLOCK), target)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""SiLU of the gate times the up projection, silu(gate) * up, as one Triton kernel on CUDA (16-bit models): what
+torch does in two kernels (the activation, then the product), each a node of every CUDA graph
+(docs/gpu.md#where-a-step-goes). Each result is rounded to the model's dtype as torch rounds it (the activation in
+float32, then the product). The exponential is Triton's, not CUDA's expf, so a bf16 result can differ from
+torch's in its last bit, as the fused norm's (llama.fused_norm) can.
+
+The same kernel runs on CPU tensors through Triton's interpreter (tests/rollout/runtime/test_silu_mul.py); the
+engine calls it on CUDA only (llama.gated_activation)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlspec.rollout.runtime.model.rope_write import round_to
+
+BLOCK = 1024  # columns of the intermediate width a program takes
+
+
+@triton.jit
+def _silu_mul(GU, Out, s_gu, s_out, inter, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's BLOCK columns: gate = GU[row, col], up = GU[row, inter + col] -> Out[row, col]."""
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = col < inter
+    gate = tl.load(GU + row * s_gu + col, mask=ok, other=0.0)
+    up = tl.load(GU + row * s_gu + inter + col, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    act = round_to(g / (1.0 + tl.exp(-g)), gate.dtype, BF16).to(tl.float32)
+    tl.store(Out + row * s_out + col, round_to(act * up.to(tl.float32), gate.dtype, BF16), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """gate_up [..., 2 inter] (the fused gate|up product) -> silu(gate) * up [..., inter]."""
+    rows = gate_up.reshape(-1, 2 * inter)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul[(rows.shape[0], triton.cdiv(inter, BLOCK))](rows, out, rows.stride(0), out.stride(0), inter,
+                                                          BF16=gate_up.dtype == torch.bfloat16, BLOCK=BLOCK)
+    return out.view(*gate_up.shape[:-1], inter)
