@@ -22,8 +22,8 @@ CORE_TESTS = [
     "tests/gpu/test_cuda_engine.py::test_seeded_sampling_has_the_target_law",
     "tests/rollout/runtime/test_graphs.py::test_cuda_graph_replay_equals_eager",
     "tests/gpu/test_cuda_paging.py",
-    "tests/gpu/test_cuda_triton.py",
     "tests/gpu/test_cuda_eagle3_graphs.py",
+    "tests/gpu/test_cuda_triton.py",  # last: its kernels' compiles must not starve the others of the limit
 ]
 
 GPU = {
