@@ -108,7 +108,8 @@ class CudaChoices:
     kernel into `ops` (None: uncounted): a step's cache in 128-position blocks and its attention paged, as Triton's
     kernel reads the pool in place (no block mask, no gather: attention.attend_paged, computed densely here) and,
     with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and, in 16 bits, a step's rotation
-    and KV writes and each MLP's silu(gate) * up as our Triton kernels (llama.triton_serves); no CPU kernel serves
+    and KV writes (a drafter's q and k rotation) and each MLP's silu(gate) * up as our Triton kernels
+    (llama.triton_serves); no CPU kernel serves
     (model/kernels). Open it before the runner is made (its cache takes CUDA's block size)."""
 
     def __init__(self, fused_norm: bool):
@@ -121,7 +122,8 @@ class CudaChoices:
         from rlspec.rollout.runtime.model import attention, kernels, llama
 
         self.saved = (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
-                      llama.triton_serves, llama._fused_rotation, llama._fused_silu_mul, llama.attend_paged,
+                      llama.triton_serves, llama._fused_rotation, llama._fused_silu_mul, llama._fused_pair,
+                      llama.attend_paged,
                       attention.use_paged_decode, graphs.use_flex, runner.use_flex)
         attend, gather, _, rms_norm = self.saved[:4]
         kernels.ready = False  # the CPU kernels (AVX-512 BF16 machines) serve no CUDA step
@@ -139,6 +141,7 @@ class CudaChoices:
             llama.triton_serves = lambda x, errors: x.element_size() == 2
             llama._fused_rotation = counted("rope_write", llama.rotate_and_write)
             llama._fused_silu_mul = counted("silu_mul", llama.silu_times)
+            llama._fused_pair = counted("rope_pair", llama.rope_pair)
         return self
 
     def __exit__(self, *exc):
@@ -148,8 +151,8 @@ class CudaChoices:
         from rlspec.rollout.runtime.model import attention, kernels, llama
 
         (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready, llama.triton_serves,
-         llama._fused_rotation, llama._fused_silu_mul, llama.attend_paged, attention.use_paged_decode,
-         graphs.use_flex, runner.use_flex) = self.saved
+         llama._fused_rotation, llama._fused_silu_mul, llama._fused_pair, llama.attend_paged,
+         attention.use_paged_decode, graphs.use_flex, runner.use_flex) = self.saved
 
 
 def layer_counts(model, dtype, batch: int, tokens: int,

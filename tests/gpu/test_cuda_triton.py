@@ -2,7 +2,7 @@
 reference at Qwen2.5-7B's heads over the pool's 128-position blocks, in bf16 and float32, decode and tree verify,
 at contexts that split into many chunks; and replayed from a CUDA graph captured at one context, at others (each
 row's chunks follow its live length inside the kernel). The rotation with the KV writes (model/rope_write.py):
-the torch ops' bits, and the engine's steps take it. SiLU times up (model/silu_mul.py): torch's two ops to a last
+the torch ops' bits, and the engine's steps take it (and a drafter's q and k rotation). SiLU times up (model/silu_mul.py): torch's two ops to a last
 bit, and the MLPs of 16-bit CUDA steps take it."""
 import pytest
 import torch
@@ -60,6 +60,11 @@ def test_cuda_rotation_and_writes_are_the_torch_ops_bit_for_bit(dtype):
     assert fused is not llama.rotate_and_write  # what a CUDA step takes
     q = fused(qkv, cos, sin, k_pool, v_pool, slots, 28, 4)
     assert torch.equal(q, q_ref) and torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+    q, k = qkv[:, :, :28].contiguous(), qkv[:, :, 28:32].contiguous()  # a drafter's separate products
+    with torch.inference_mode():
+        assert llama.triton_serves(q, llama._pair_error)  # what a drafter's level takes on CUDA
+        got = llama.rotate_pair(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, llama.rope_pair(q, k, cos, sin)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp16 on any machine: tests/rollout/runtime/test_silu_mul.py

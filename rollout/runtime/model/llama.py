@@ -123,6 +123,18 @@ def step_rotation(qkv: torch.Tensor):
     return _fused_rotation if triton_serves(qkv, _rotation_error) else rotate_and_write
 
 
+def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [B, T, nh, hd] and k [B, T, nkv, hd] of separate products (a learned drafter's layer) rotated (`rope`):
+    one Triton kernel where `triton_serves` (rope_write.py, the same bits), else torch's eight."""
+    if triton_serves(q, _pair_error):
+        return _fused_pair(q, k, cos, sin)
+    return rope_pair(q, k, cos, sin)
+
+
+def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
 def silu_times(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     """silu(gate) * up of the fused gate|up product [..., 2 inter]: the torch ops (two kernels)."""
     gate, up = gate_up.split(inter, -1)
@@ -160,6 +172,13 @@ def _rope_write():
 
 
 @functools.cache
+def _rope_pair():
+    from rlspec.rollout.runtime.model.rope_write import rotate_pair as kernel
+
+    return kernel
+
+
+@functools.cache
 def _silu_mul():
     from rlspec.rollout.runtime.model.silu_mul import silu_mul as kernel
 
@@ -168,8 +187,11 @@ def _silu_mul():
 
 _rotation_error: list[str] = []  # each fused kernel's first failure in this process
 _silu_error: list[str] = []
+_pair_error: list[str] = []
 _fused_rotation = _triton_or(lambda: _rope_write(), rotate_and_write, _rotation_error, "the Triton rotation kernel",
                              "steps rotate with torch's ops from now on")
+_fused_pair = _triton_or(lambda: _rope_pair(), rope_pair, _pair_error, "the Triton rotation kernel",
+                         "drafter layers rotate with torch's ops from now on")
 _fused_silu_mul = _triton_or(lambda: _silu_mul(), silu_times, _silu_error, "the Triton SiLU kernel",
                              "MLPs take torch's ops from now on")
 

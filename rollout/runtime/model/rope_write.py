@@ -3,8 +3,10 @@ kernel on CUDA (16-bit models): what llama.rope and two kv_cache.write_slots do 
 products and a sum, two scatters), bit for bit (each product and the sum rounded to the model's dtype, as torch's
 16-bit ops round them; docs/gpu.md#where-a-step-goes).
 
-The same kernel runs on CPU tensors through Triton's interpreter (tests/rollout/runtime/test_rope_write.py); the
-engine calls it on CUDA only (llama.step_rotation)."""
+A learned drafter's layer, whose q and k come from separate products, rotates both in one kernel too
+(`rotate_pair`, eight kernels before). The same kernels run on CPU tensors through Triton's interpreter
+(tests/rollout/runtime/test_rope_write.py); the engine calls them on CUDA only (llama.step_rotation,
+llama.rotate_pair)."""
 from __future__ import annotations
 
 import torch
@@ -49,6 +51,48 @@ def _rope_write(QKV, Cos, Sin, Slots, Kp, Vp, Q, s_x, s_xh, s_c, s_s, s_q, s_qh,
         else:
             slot = tl.load(Slots + t)
             tl.store(Kp + slot * s_ks + (h - NH) * s_kh + d, y, mask=ok)
+
+
+@triton.jit
+def _rope_pair(Q, K, Cos, Sin, QO, KO, s_q, s_qh, s_k, s_kh, s_c, s_s, s_qo, s_qoh, s_ko, s_koh,
+               NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr):
+    """One (token, head) of separate q and k products (a drafter's layer): the head rotated into QO or KO."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, DP)
+    ok = d < D
+    cos = tl.load(Cos + t * s_c + d, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(Sin + t * s_s + d, mask=ok, other=0.0).to(tl.float32)
+    if h < NH:
+        x = tl.load(Q + t * s_q + h * s_qh + d, mask=ok, other=0.0)
+        rolled = tl.load(Q + t * s_q + h * s_qh + (d + D // 2) % D, mask=ok, other=0.0)
+    else:
+        x = tl.load(K + t * s_k + (h - NH) * s_kh + d, mask=ok, other=0.0)
+        rolled = tl.load(K + t * s_k + (h - NH) * s_kh + (d + D // 2) % D, mask=ok, other=0.0)
+    a = round_to(x.to(tl.float32) * cos, x.dtype, BF16).to(tl.float32)
+    b = round_to(rolled.to(tl.float32) * sin, x.dtype, BF16).to(tl.float32)
+    y = round_to(a + b, x.dtype, BF16)
+    if h < NH:
+        tl.store(QO + t * s_qo + h * s_qoh + d, y, mask=ok)
+    else:
+        tl.store(KO + t * s_ko + (h - NH) * s_koh + d, y, mask=ok)
+
+
+def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [B, T, nh, D] and k [B, T, nkv, D] rotated (llama.rope of each), cos/sin [B, T, 1, D] -> (q, k), new
+    tensors: what a learned drafter's layer does in eight kernels (two rotations of four)."""
+    B, T, nh, D = q.shape
+    nkv = k.shape[2]
+    qi, ki = q.reshape(B * T, nh, D), k.reshape(B * T, nkv, D)
+    c, s = cos.reshape(B * T, D), sin.reshape(B * T, D)
+    if qi.stride(2) != 1 or ki.stride(2) != 1 or c.stride(1) != 1 or s.stride(1) != 1:
+        qi, ki, c, s = qi.contiguous(), ki.contiguous(), c.contiguous(), s.contiguous()
+    qo, ko = torch.empty(B * T, nh, D, dtype=q.dtype, device=q.device), torch.empty(B * T, nkv, D, dtype=k.dtype,
+                                                                                      device=k.device)
+    _rope_pair[(B * T, nh + nkv)](qi, ki, c, s, qo, ko, qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1),
+                                  c.stride(0), s.stride(0), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
+                                  NH=nh, D=D, DP=triton.next_power_of_2(D), BF16=q.dtype == torch.bfloat16)
+    return qo.view(B, T, nh, D), ko.view(B, T, nkv, D)
 
 
 def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,

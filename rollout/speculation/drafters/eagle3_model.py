@@ -23,7 +23,7 @@ from torch import nn
 
 from rlspec.rollout.runtime.model.config import ModelConfig
 from rlspec.rollout.runtime.model.linear import fast_linear
-from rlspec.rollout.runtime.model.llama import RMSNorm, plus_product, rope
+from rlspec.rollout.runtime.model.llama import RMSNorm, plus_product, rotate_pair
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Eagle3Model(nn.Module):
         q = fast_linear(m.self_attn.q_proj, x).view(B, T, c.num_heads, c.head_dim)
         k = fast_linear(m.self_attn.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
         v = fast_linear(m.self_attn.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
-        q, k = rope(q, cos, sin).transpose(1, 2), rope(k, cos, sin).transpose(1, 2)
+        q, k = (x.transpose(1, 2) for x in rotate_pair(q, k, cos, sin))
         out = attend(q, k, v.transpose(1, 2))
         h = plus_product(hidden, out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim), m.self_attn.o_proj,
                          fast_linear)

@@ -100,3 +100,16 @@ def test_a_failing_kernel_warns_once_and_the_torch_ops_serve_from_then_on(monkey
         q = llama._fused_rotation(qkv, cos, sin, k_pool, v_pool, slots, 4, 2)
     assert torch.equal(q, q_ref) and torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
     assert llama._rotation_error and "no kernel here" in llama._rotation_error[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_drafters_q_and_k_rotate_in_one_kernel_bit_for_bit(dtype):
+    """A learned drafter's layer, whose q and k come from separate products: both rotated by one kernel, every bit
+    of llama.rope's on each (a head size that is not a power of two too)."""
+    from rlspec.rollout.runtime.model.llama import rope_pair
+
+    for nh, nkv, D in ((7, 1, 64), (4, 2, 80)):
+        qkv, cos, sin, *_ = _step(dtype, nh, nkv, D)
+        q, k = qkv[:, :, :nh].contiguous(), qkv[:, :, nh:nh + nkv].contiguous()
+        got, ref = rope_write.rotate_pair(q, k, cos, sin), rope_pair(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)) and not torch.equal(got[1], k)

@@ -61,6 +61,9 @@ def main(archs: list[int]) -> None:
                             Vp=f"*{dtype}", Q=f"*{dtype}")
             compile_one(rope_write._rope_write, pointers, dict(NH=28, NKV=4, D=128, DP=128, BF16=dtype == "bf16"),
                         target)
+            compile_one(rope_write._rope_pair, dict(Q=f"*{dtype}", K=f"*{dtype}", Cos=f"*{dtype}", Sin=f"*{dtype}",
+                                                    QO=f"*{dtype}", KO=f"*{dtype}"),
+                        dict(NH=28, D=128, DP=128, BF16=dtype == "bf16"), target)
             compile_one(silu_mul._silu_mul, dict(GU=f"*{dtype}", Out=f"*{dtype}"),
                         dict(BF16=dtype == "bf16", BLOCK=silu_mul.BLOCK), target)
 
