@@ -109,7 +109,7 @@ class CudaChoices:
     kernel reads the pool in place (no block mask, no gather: attention.attend_paged, computed densely here) and,
     with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and, in 16 bits, a step's rotation
     and KV writes (a drafter's q and k rotation) and each MLP's silu(gate) * up as our Triton kernels
-    (llama.triton_serves); no CPU kernel serves
+    (fused_ops.triton_serves); no CPU kernel serves
     (model/kernels). Open it before the runner is made (its cache takes CUDA's block size)."""
 
     def __init__(self, fused_norm: bool):
@@ -119,12 +119,12 @@ class CudaChoices:
         import torch.nn.functional as F
 
         from rlspec.rollout.runtime import graphs, runner
-        from rlspec.rollout.runtime.model import attention, kernels, llama
+        from rlspec.rollout.runtime.model import attention, fused_ops, kernels, llama
 
         self.saved = (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
-                      llama.triton_serves, llama._fused_rotation, llama._fused_silu_mul, llama._fused_pair,
-                      llama.attend_paged,
-                      attention.use_paged_decode, graphs.use_flex, runner.use_flex)
+                      fused_ops.triton_serves, fused_ops._fused_rotation, fused_ops._fused_silu_mul,
+                      fused_ops._fused_pair, llama.attend_paged, attention.use_paged_decode, graphs.use_flex,
+                      runner.use_flex)
         attend, gather, _, rms_norm = self.saved[:4]
         kernels.ready = False  # the CPU kernels (AVX-512 BF16 machines) serve no CUDA step
         attention.use_paged_decode = graphs.use_flex = runner.use_flex = lambda device: True
@@ -137,21 +137,22 @@ class CudaChoices:
         if self.fused_norm:
             llama.fused_norm = lambda x, weight: x.dtype == weight.dtype
             F.rms_norm = counted("rms_norm", rms_norm)
-            # our Triton kernels (model/rope_write.py, silu_mul.py) where llama.triton_serves picks them on CUDA
-            llama.triton_serves = lambda x, errors: x.element_size() == 2
-            llama._fused_rotation = counted("rope_write", llama.rotate_and_write)
-            llama._fused_silu_mul = counted("silu_mul", llama.silu_times)
-            llama._fused_pair = counted("rope_pair", llama.rope_pair)
+            # our Triton kernels (model/rope_write.py, silu_mul.py) where fused_ops.triton_serves picks
+            # them on CUDA
+            fused_ops.triton_serves = lambda x, errors: x.element_size() == 2
+            fused_ops._fused_rotation = counted("rope_write", fused_ops.rotate_and_write)
+            fused_ops._fused_silu_mul = counted("silu_mul", fused_ops.silu_times)
+            fused_ops._fused_pair = counted("rope_pair", fused_ops.rope_pair)
         return self
 
     def __exit__(self, *exc):
         import torch.nn.functional as F
 
         from rlspec.rollout.runtime import graphs, runner
-        from rlspec.rollout.runtime.model import attention, kernels, llama
+        from rlspec.rollout.runtime.model import attention, fused_ops, kernels, llama
 
-        (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready, llama.triton_serves,
-         llama._fused_rotation, llama._fused_silu_mul, llama._fused_pair, llama.attend_paged,
+        (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready, fused_ops.triton_serves,
+         fused_ops._fused_rotation, fused_ops._fused_silu_mul, fused_ops._fused_pair, llama.attend_paged,
          attention.use_paged_decode, graphs.use_flex, runner.use_flex) = self.saved
 
 

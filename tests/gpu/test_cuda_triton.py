@@ -50,27 +50,27 @@ def test_cuda_graph_replay_follows_the_live_lengths():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp16 on any machine: tests/rollout/runtime/test_rope_write.py
 def test_cuda_rotation_and_writes_are_the_torch_ops_bit_for_bit(dtype):
-    from rlspec.rollout.runtime.model import llama
+    from rlspec.rollout.runtime.model import fused_ops
 
     qkv, cos, sin, k_pool, v_pool, slots = rope_cases._step(dtype, 28, 4, 128, B=8, T=3)
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
-    q_ref = llama.rotate_and_write(qkv, cos, sin, k_ref, v_ref, slots, 28, 4)
+    q_ref = fused_ops.rotate_and_write(qkv, cos, sin, k_ref, v_ref, slots, 28, 4)
     with torch.inference_mode():
-        fused = llama.step_rotation(qkv)
-    assert fused is not llama.rotate_and_write  # what a CUDA step takes
+        fused = fused_ops.step_rotation(qkv)
+    assert fused is not fused_ops.rotate_and_write  # what a CUDA step takes
     q = fused(qkv, cos, sin, k_pool, v_pool, slots, 28, 4)
     assert torch.equal(q, q_ref) and torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
     q, k = qkv[:, :, :28].contiguous(), qkv[:, :, 28:32].contiguous()  # a drafter's separate products
     with torch.inference_mode():
-        assert llama.triton_serves(q, llama._pair_error)  # what a drafter's level takes on CUDA
-        got = llama.rotate_pair(q, k, cos, sin)
-    assert all(torch.equal(a, b) for a, b in zip(got, llama.rope_pair(q, k, cos, sin)))
+        assert fused_ops.triton_serves(q, fused_ops._pair_error)  # what a drafter's level takes on CUDA
+        got = fused_ops.rotate_pair(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, fused_ops.rope_pair(q, k, cos, sin)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp16 on any machine: tests/rollout/runtime/test_silu_mul.py
 def test_cuda_silu_times_up_is_torchs_two_ops_to_a_last_bit(dtype):
-    from rlspec.rollout.runtime.model import llama
+    from rlspec.rollout.runtime.model import fused_ops
 
     silu_cases.test_one_kernel_is_torchs_two_to_a_last_bit(dtype, 18944)  # Qwen2.5-7B's intermediate width
     with torch.inference_mode():
-        assert llama.triton_serves(silu_cases._gate_up(dtype, rows=2), llama._silu_error)  # what a CUDA MLP takes
+        assert fused_ops.triton_serves(silu_cases._gate_up(dtype, rows=2), fused_ops._silu_error)  # what a CUDA MLP takes

@@ -23,7 +23,7 @@ from rlspec.rollout.errors import UnsupportedModelError
 from rlspec.rollout.runtime.model.families import FAMILIES, family_of_config
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-# RoPE variants whose frequencies are fixed at load (llama.rope_inv_freq computes them as transformers
+# RoPE variants whose frequencies are fixed at load (rotary.rope_inv_freq computes them as transformers
 # does). "dynamic" and "longrope" change frequencies with the sequence length inside the forward: refused.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # llama.MLP computes these exactly as transformers' ACT2FN

@@ -21,13 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlspec.rollout.runtime.model.attention import (AttnMask, attend, attend_paged, dense_view, kernel_failed,
-                                                    triton_available)
-from rlspec.rollout.runtime.model.config import ModelConfig, main_rope_type
+from rlspec.rollout.runtime.model.attention import AttnMask, attend, attend_paged, dense_view
+from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.model.fused_ops import activation_product, step_rotation
 from rlspec.rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
 from rlspec.rollout.runtime.model import kernels
 from rlspec.rollout.runtime.model.linear import Linear
 from rlspec.rollout.runtime.model.moe import SparseMoE
+from rlspec.rollout.runtime.model.rotary import rope, rope_table
 from rlspec.rollout.runtime.kv_cache import gather_blocks, pool_sequence, write_slots
 
 
@@ -94,108 +95,6 @@ class ForwardBatch:
     blocks: torch.Tensor | None = None
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int | None = None) -> torch.Tensor:
-    """HF's rotation x * cos + rotate_half(x) * sin of the first `heads` heads of x [B, T, heads+, D] (all: None),
-    bit for bit, given the signed sin of our tables (`rope_table`: its first half negated). rotate_half(x) * sin
-    is then roll(x, D/2) * sin, since a negation is exact and commutes with the product's rounding: 4 kernels
-    where HF's rotation takes 5, and as the q and k heads of the fused q|k|v product are adjacent, one rotation
-    serves both (10 kernels before; each is a node of every CUDA graph, docs/gpu.md#where-a-step-goes)."""
-    rolled = torch.roll(x, x.shape[-1] // 2, -1)  # x contiguous: one kernel (roll copies a strided input first)
-    if heads is not None:
-        x, rolled = x[:, :, :heads], rolled[:, :, :heads]
-    return x * cos + rolled * sin
-
-
-def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
-    """A step's q and k heads of the fused q|k|v product rotated together (`rope`), k and v written to the pools at
-    their slots -> q [B, T, nh, hd]. The torch ops: six kernels, one where `step_rotation` picks the fused one."""
-    q, k = rope(qkv, cos, sin, nh + nkv).split([nh, nkv], 2)
-    write_slots(k_cache, slots, k)
-    write_slots(v_cache, slots, qkv[:, :, nh + nkv:])
-    return q
-
-
-def step_rotation(qkv: torch.Tensor):
-    """The function that does a step's `rotate_and_write`: where `triton_serves`, one Triton kernel (rope_write.py)
-    where the torch ops take six (a roll, two products, a sum, two scatters), each a node of every CUDA graph,
-    computing the same bits; elsewhere the torch ops."""
-    return _fused_rotation if triton_serves(qkv, _rotation_error) else rotate_and_write
-
-
-def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [B, T, nh, hd] and k [B, T, nkv, hd] of separate products (a learned drafter's layer) rotated (`rope`):
-    one Triton kernel where `triton_serves` (rope_write.py, the same bits), else torch's eight."""
-    if triton_serves(q, _pair_error):
-        return _fused_pair(q, k, cos, sin)
-    return rope_pair(q, k, cos, sin)
-
-
-def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    return rope(q, cos, sin), rope(k, cos, sin)
-
-
-def silu_times(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """silu(gate) * up of the fused gate|up product [..., 2 inter]: the torch ops (two kernels)."""
-    gate, up = gate_up.split(inter, -1)
-    return F.silu(gate) * up
-
-
-def triton_serves(x: torch.Tensor, errors: list[str]) -> bool:
-    """Whether one of our Triton kernels does x's op (rope_write.py, silu_mul.py): on CUDA in 16 bits, outside
-    autograd and compiled code (a compiled layer's Inductor fuses the same ops itself), with Triton installed, and
-    the kernel not failed in this process (`errors`)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and not errors and triton_available())
-
-
-def _triton_or(load, reference, errors: list[str], kernel: str, then: str):
-    """A call of our Triton kernel (load(): the kernel's function, imported on first use) that, where the kernel
-    fails (a Triton that cannot compile it), warns once and returns the reference's result; `triton_serves` then
-    answers no for the rest of the process."""
-    def call(*args):
-        try:
-            return load()(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a compile/launch failure: the reference computes the same
-            kernel_failed(errors, exc, kernel, then)
-            return reference(*args)
-    return call
-
-
-@functools.cache
-def _rope_write():
-    from rlspec.rollout.runtime.model.rope_write import rotate_and_write as kernel
-
-    return kernel
-
-
-@functools.cache
-def _rope_pair():
-    from rlspec.rollout.runtime.model.rope_write import rotate_pair as kernel
-
-    return kernel
-
-
-@functools.cache
-def _silu_mul():
-    from rlspec.rollout.runtime.model.silu_mul import silu_mul as kernel
-
-    return kernel
-
-
-_rotation_error: list[str] = []  # each fused kernel's first failure in this process
-_silu_error: list[str] = []
-_pair_error: list[str] = []
-_fused_rotation = _triton_or(lambda: _rope_write(), rotate_and_write, _rotation_error, "the Triton rotation kernel",
-                             "steps rotate with torch's ops from now on")
-_fused_pair = _triton_or(lambda: _rope_pair(), rope_pair, _pair_error, "the Triton rotation kernel",
-                         "drafter layers rotate with torch's ops from now on")
-_fused_silu_mul = _triton_or(lambda: _silu_mul(), silu_times, _silu_error, "the Triton SiLU kernel",
-                             "MLPs take torch's ops from now on")
-
-
 def norm_class(cfg: ModelConfig) -> type[nn.Module]:
     return GemmaRMSNorm if cfg.gemma_norm else RMSNorm
 
@@ -260,12 +159,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: added to the output (`plus_product`)."""
-        gate_up = self.gate_up_proj(x)
-        if self.act is F.silu and triton_serves(gate_up, _silu_error):  # CUDA: one kernel where torch takes two
-            h = _fused_silu_mul(gate_up, self.inter)
-        else:
-            gate, up = gate_up.split(self.inter, -1)
-            h = self.act(gate) * up
+        h = activation_product(self.act, self.gate_up_proj(x), self.inter)  # CUDA: SiLU's in one kernel
         return self.down_proj(h) if residual is None else plus_product(residual, h, self.down_proj)
 
 
@@ -409,34 +303,3 @@ def _head_in_dtype(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.T
     if cap is not None:
         logits = softcap(logits, cap)
     return logits
-
-
-def rope_table(cfg: ModelConfig, max_len: int, device, layer_type: str | None = None):
-    """(cos, signed sin) [max_len, hd] float32 for one layer type's RoPE (None: the main one), as HF per position,
-    the sin's first half negated: what `rope` multiplies the rolled heads by."""
-    inv_freq, scaling = rope_inv_freq(cfg, layer_type)
-    freqs = torch.arange(max_len, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)[None]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin() * scaling
-    sin[:, :freqs.shape[1]].neg_()
-    return emb.cos() * scaling, sin
-
-
-def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling; non-default RoPE types go through transformers. With RoPE
-    parameters per layer type (Gemma 3), layer_type None is the main type (config.main_rope_type)."""
-    hf = cfg.hf_config
-    params = getattr(hf, "rope_parameters", None) or {}
-    kind = layer_type or main_rope_type(hf)
-    if kind is not None and isinstance(params.get(kind), dict):
-        params = params[kind]
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        theta = params["rope_theta"] if "rope_theta" in params else getattr(hf, "rope_theta", 10000.0)
-        dim = cfg.head_dim
-        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    extra = {"layer_type": kind} if kind is not None else {}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **extra)
-    return inv_freq.float(), float(scaling)

@@ -1,12 +1,12 @@
 """The rotation of a step's q and k heads and the writes of its keys and values to the KV pool, as one Triton
-kernel on CUDA (16-bit models): what llama.rope and two kv_cache.write_slots do in six kernels (a roll, two
+kernel on CUDA (16-bit models): what rotary.rope and two kv_cache.write_slots do in six kernels (a roll, two
 products and a sum, two scatters), bit for bit (each product and the sum rounded to the model's dtype, as torch's
 16-bit ops round them; docs/gpu.md#where-a-step-goes).
 
 A learned drafter's layer, whose q and k come from separate products, rotates both in one kernel too
 (`rotate_pair`, eight kernels before). The same kernels run on CPU tensors through Triton's interpreter
-(tests/rollout/runtime/test_rope_write.py); the engine calls them on CUDA only (llama.step_rotation,
-llama.rotate_pair)."""
+(tests/rollout/runtime/test_rope_write.py); the engine calls them on CUDA only (fused_ops.step_rotation,
+fused_ops.rotate_pair)."""
 from __future__ import annotations
 
 import torch
@@ -27,6 +27,17 @@ def round_to(f, dtype: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def rotated(head, d, ok, cos, sin, D: tl.constexpr, BF16: tl.constexpr):
+    """The head at `head` rotated, HF's x * cos + rotate_half(x) * sin as torch's 16-bit ops round it (each
+    product, then the sum); rotate_half(x) * sin is roll(x, D/2) times the signed sin (llama.rope)."""
+    x = tl.load(head + d, mask=ok, other=0.0)
+    rolled = tl.load(head + (d + D // 2) % D, mask=ok, other=0.0)
+    a = round_to(x.to(tl.float32) * cos, x.dtype, BF16).to(tl.float32)
+    b = round_to(rolled.to(tl.float32) * sin, x.dtype, BF16).to(tl.float32)
+    return round_to(a + b, x.dtype, BF16)
+
+
+@triton.jit
 def _rope_write(QKV, Cos, Sin, Slots, Kp, Vp, Q, s_x, s_xh, s_c, s_s, s_q, s_qh, s_ks, s_kh, s_vs, s_vh,
                 NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr):
     """One (token, head) of the fused q|k|v product: a q head rotated into Q, a k head rotated into its pool slot,
@@ -35,17 +46,13 @@ def _rope_write(QKV, Cos, Sin, Slots, Kp, Vp, Q, s_x, s_xh, s_c, s_s, s_q, s_qh,
     h = tl.program_id(1)
     d = tl.arange(0, DP)
     ok = d < D
-    x = tl.load(QKV + t * s_x + h * s_xh + d, mask=ok, other=0.0)
     if h >= NH + NKV:
         slot = tl.load(Slots + t)
-        tl.store(Vp + slot * s_vs + (h - NH - NKV) * s_vh + d, x, mask=ok)
+        tl.store(Vp + slot * s_vs + (h - NH - NKV) * s_vh + d, tl.load(QKV + t * s_x + h * s_xh + d, mask=ok), mask=ok)
     else:
-        rolled = tl.load(QKV + t * s_x + h * s_xh + (d + D // 2) % D, mask=ok, other=0.0)  # torch.roll by D/2
         cos = tl.load(Cos + t * s_c + d, mask=ok, other=0.0).to(tl.float32)
         sin = tl.load(Sin + t * s_s + d, mask=ok, other=0.0).to(tl.float32)  # signed: its first half negated
-        a = round_to(x.to(tl.float32) * cos, x.dtype, BF16).to(tl.float32)
-        b = round_to(rolled.to(tl.float32) * sin, x.dtype, BF16).to(tl.float32)
-        y = round_to(a + b, x.dtype, BF16)
+        y = rotated(QKV + t * s_x + h * s_xh, d, ok, cos, sin, D, BF16)
         if h < NH:
             tl.store(Q + t * s_q + h * s_qh + d, y, mask=ok)
         else:
@@ -64,22 +71,14 @@ def _rope_pair(Q, K, Cos, Sin, QO, KO, s_q, s_qh, s_k, s_kh, s_c, s_s, s_qo, s_q
     cos = tl.load(Cos + t * s_c + d, mask=ok, other=0.0).to(tl.float32)
     sin = tl.load(Sin + t * s_s + d, mask=ok, other=0.0).to(tl.float32)
     if h < NH:
-        x = tl.load(Q + t * s_q + h * s_qh + d, mask=ok, other=0.0)
-        rolled = tl.load(Q + t * s_q + h * s_qh + (d + D // 2) % D, mask=ok, other=0.0)
+        tl.store(QO + t * s_qo + h * s_qoh + d, rotated(Q + t * s_q + h * s_qh, d, ok, cos, sin, D, BF16), mask=ok)
     else:
-        x = tl.load(K + t * s_k + (h - NH) * s_kh + d, mask=ok, other=0.0)
-        rolled = tl.load(K + t * s_k + (h - NH) * s_kh + (d + D // 2) % D, mask=ok, other=0.0)
-    a = round_to(x.to(tl.float32) * cos, x.dtype, BF16).to(tl.float32)
-    b = round_to(rolled.to(tl.float32) * sin, x.dtype, BF16).to(tl.float32)
-    y = round_to(a + b, x.dtype, BF16)
-    if h < NH:
-        tl.store(QO + t * s_qo + h * s_qoh + d, y, mask=ok)
-    else:
+        y = rotated(K + t * s_k + (h - NH) * s_kh, d, ok, cos, sin, D, BF16)
         tl.store(KO + t * s_ko + (h - NH) * s_koh + d, y, mask=ok)
 
 
 def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [B, T, nh, D] and k [B, T, nkv, D] rotated (llama.rope of each), cos/sin [B, T, 1, D] -> (q, k), new
+    """q [B, T, nh, D] and k [B, T, nkv, D] rotated (rotary.rope of each), cos/sin [B, T, 1, D] -> (q, k), new
     tensors: what a learned drafter's layer does in eight kernels (two rotations of four)."""
     B, T, nh, D = q.shape
     nkv = k.shape[2]
@@ -97,7 +96,7 @@ def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor,
                      v_pool: torch.Tensor, slots: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
-    """qkv [B, T, nh + 2 nkv, D] (the fused product), cos/sin [B, T, 1, D] (sin signed: llama.rope_table), pools
+    """qkv [B, T, nh + 2 nkv, D] (the fused product), cos/sin [B, T, 1, D] (sin signed: rotary.rope_table), pools
     [num_blocks, block_size, nkv, D], slots [B, T] flat pool slots -> q [B, T, nh, D] rotated; k rotated and v
     written to the pools at the slots."""
     B, T, heads, D = qkv.shape

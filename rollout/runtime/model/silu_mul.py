@@ -5,7 +5,7 @@ float32, then the product). The exponential is Triton's, not CUDA's expf, so a b
 torch's in its last bit, as the fused norm's (llama.fused_norm) can.
 
 The same kernel runs on CPU tensors through Triton's interpreter (tests/rollout/runtime/test_silu_mul.py); the
-engine calls it on CUDA only (llama.gated_activation)."""
+engine calls it on CUDA only (fused_ops.activation_product)."""
 from __future__ import annotations
 
 import torch

@@ -23,7 +23,8 @@ from torch import nn
 
 from rlspec.rollout.runtime.model.config import ModelConfig
 from rlspec.rollout.runtime.model.linear import fast_linear
-from rlspec.rollout.runtime.model.llama import RMSNorm, plus_product, rotate_pair
+from rlspec.rollout.runtime.model.fused_ops import rotate_pair
+from rlspec.rollout.runtime.model.llama import RMSNorm, plus_product
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Eagle3Model(nn.Module):
 
     def forward(self, hidden, embeds, cos, sin, attend) -> torch.Tensor:
         """hidden [B, T, 3H] target features (or [B, T, H] the drafter's previous output), embeds
-        [B, T, H], cos/sin [B, T, 1, hd] (the target's tables: sin signed, llama.rope);
+        [B, T, H], cos/sin [B, T, 1, hd] (the target's tables: sin signed, rotary.rope);
         attend(q [B,nh,T,hd], k, v [B,nkv,T,hd]) -> [B, nh, T, hd].
         Returns the pre-norm output [B, T, H] (the next draft step's `hidden`)."""
         c, m = self.cfg, self.midlayer

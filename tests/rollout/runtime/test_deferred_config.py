@@ -11,7 +11,7 @@ import torch
 
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.runtime.model.config import DeferredConfig
-from rlspec.rollout.runtime.model.llama import rope_table
+from rlspec.rollout.runtime.model.rotary import rope_table
 from tests.conftest import make_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHILD = """
 import pickle, sys
 cfg = pickle.loads(sys.stdin.buffer.read())
-from rlspec.rollout.runtime.model.llama import rope_table
+from rlspec.rollout.runtime.model.rotary import rope_table
 cos, sin = rope_table(cfg, 16, "cpu")
 assert "transformers" not in sys.modules, "a RoPE table of a field read from the dict imported transformers"
 assert cfg.hf_config.get_text_config().vocab_size == cfg.vocab_size  # a method: the config rebuilt

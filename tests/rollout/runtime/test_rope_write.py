@@ -1,5 +1,5 @@
 """The rotation and KV writes of a step as one Triton kernel (model/rope_write.py), against the torch ops it
-replaces (llama.rotate_and_write: HF's rotation, bit for bit, and two scatters): every bit of q, of the pools
+replaces (fused_ops.rotate_and_write: HF's rotation, bit for bit, and two scatters): every bit of q, of the pools
 (slots shuffled, the rest untouched) in bf16 and fp16, a head size that is not a power of two, a NaN kept NaN;
 and a model's step through it equals the unfused step. On CUDA compiled; elsewhere through Triton's interpreter
 (TRITON_INTERPRET, tests/conftest.py)."""
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from rlspec.rollout.runtime.model.config import ModelConfig
-from rlspec.rollout.runtime.model.llama import rope_table, rotate_and_write
+from rlspec.rollout.runtime.model import fused_ops
+from rlspec.rollout.runtime.model.fused_ops import rotate_and_write
+from rlspec.rollout.runtime.model.rotary import rope_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -51,7 +53,7 @@ def test_one_kernel_is_the_torch_ops_bit_for_bit(dtype, nh, nkv, D):
 
 @pytest.mark.parametrize("shape", ["decode", "tree"])
 def test_a_model_step_through_the_kernel_is_the_unfused_step(monkeypatch, shape):
-    """A bf16 step of a tiny model with llama.step_rotation choosing the kernel (as on CUDA) gives the unfused
+    """A bf16 step of a tiny model with step_rotation choosing the kernel (as on CUDA) gives the unfused
     step's logits and cache, every bit."""
     from rlspec.rollout.runtime.graphs import EagerRunner
     from rlspec.rollout.runtime.model import llama
@@ -82,34 +84,31 @@ def test_a_model_step_through_the_kernel_is_the_unfused_step(monkeypatch, shape)
 
 def test_a_failing_kernel_warns_once_and_the_torch_ops_serve_from_then_on(monkeypatch, request):
     """A Triton that cannot compile the kernel: the step that met it rotates with the torch ops (the same bits),
-    and CUDA steps choose the torch ops from then on (llama.step_rotation reads the recorded failure)."""
-    from rlspec.rollout.runtime.model import llama
-
+    and CUDA steps choose the torch ops from then on (fused_ops.step_rotation reads the recorded failure)."""
     def broken():
         def fail(*args):
             raise RuntimeError("no kernel here")
         return fail
 
-    monkeypatch.setattr(llama, "_rope_write", broken)
-    assert not llama._rotation_error
-    request.addfinalizer(llama._rotation_error.clear)  # the process's record, empty again for the tests after
+    monkeypatch.setattr(fused_ops, "_rope_write", broken)
+    assert not fused_ops._rotation_error
+    request.addfinalizer(fused_ops._rotation_error.clear)  # the process's record, empty again for the tests after
     qkv, cos, sin, k_pool, v_pool, slots = _step(torch.bfloat16, 4, 2, 32)
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     q_ref = rotate_and_write(qkv, cos, sin, k_ref, v_ref, slots, 4, 2)
     with pytest.warns(RuntimeWarning, match="the Triton rotation kernel failed .*steps rotate with torch's ops"):
-        q = llama._fused_rotation(qkv, cos, sin, k_pool, v_pool, slots, 4, 2)
+        q = fused_ops._fused_rotation(qkv, cos, sin, k_pool, v_pool, slots, 4, 2)
     assert torch.equal(q, q_ref) and torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
-    assert llama._rotation_error and "no kernel here" in llama._rotation_error[0]
+    assert fused_ops._rotation_error and "no kernel here" in fused_ops._rotation_error[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_drafters_q_and_k_rotate_in_one_kernel_bit_for_bit(dtype):
     """A learned drafter's layer, whose q and k come from separate products: both rotated by one kernel, every bit
-    of llama.rope's on each (a head size that is not a power of two too)."""
-    from rlspec.rollout.runtime.model.llama import rope_pair
+    of rotary.rope's on each (a head size that is not a power of two too)."""
 
     for nh, nkv, D in ((7, 1, 64), (4, 2, 80)):
         qkv, cos, sin, *_ = _step(dtype, nh, nkv, D)
         q, k = qkv[:, :, :nh].contiguous(), qkv[:, :, nh:nh + nkv].contiguous()
-        got, ref = rope_write.rotate_pair(q, k, cos, sin), rope_pair(q, k, cos, sin)
+        got, ref = rope_write.rotate_pair(q, k, cos, sin), fused_ops.rope_pair(q, k, cos, sin)
         assert all(torch.equal(a, b) for a, b in zip(got, ref)) and not torch.equal(got[1], k)

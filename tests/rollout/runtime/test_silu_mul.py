@@ -1,7 +1,7 @@
-"""silu(gate) * up as one Triton kernel (model/silu_mul.py) against torch's two ops (llama.silu_times), in bf16
+"""silu(gate) * up as one Triton kernel (model/silu_mul.py) against torch's two ops (fused_ops.silu_times), in bf16
 and fp16, on widths that are and are not a multiple of its block: each result rounded as torch rounds it, so
 where the exponentials differ the activation differs in its last bit and the product by two at most; a NaN kept NaN; and an MLP takes it where
-llama.triton_serves says so (CUDA), with a fallback that warns. On CUDA compiled; elsewhere through Triton's
+fused_ops.triton_serves says so (CUDA), with a fallback that warns. On CUDA compiled; elsewhere through Triton's
 interpreter (TRITON_INTERPRET, tests/conftest.py)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from rlspec.rollout.runtime.model import llama
+from rlspec.rollout.runtime.model import fused_ops, llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -28,7 +28,7 @@ def _gate_up(dtype, rows=6, inter=1500, seed=0):
 def test_one_kernel_is_torchs_two_to_a_last_bit(dtype, inter):
     gate_up = _gate_up(dtype, inter=inter)
     gate_up[0, 0, 5] = float("nan")
-    got, ref = silu_mul.silu_mul(gate_up, inter), llama.silu_times(gate_up, inter)
+    got, ref = silu_mul.silu_mul(gate_up, inter), fused_ops.silu_times(gate_up, inter)
     assert got.shape == ref.shape == (6, 1, inter) and got.dtype == dtype
     assert torch.isnan(got[0, 0, 5]) and torch.equal(got.isnan(), ref.isnan())
     got, ref = got.nan_to_num().float(), ref.nan_to_num().float()
@@ -50,18 +50,18 @@ def test_an_mlp_takes_it_where_triton_serves_and_a_failure_falls_back(monkeypatc
     mlp = llama.MLP(cfg).to(torch.bfloat16).to(DEVICE)
     x = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)
     with torch.no_grad():
-        ref = mlp.down_proj(llama.silu_times(mlp.gate_up_proj(x), 1500))
-        monkeypatch.setattr(llama, "triton_serves", lambda t, errors: not errors)
+        ref = mlp.down_proj(fused_ops.silu_times(mlp.gate_up_proj(x), 1500))
+        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
         calls = []
-        monkeypatch.setattr(llama, "_silu_mul", lambda: lambda *a: calls.append(1) or silu_mul.silu_mul(*a))
+        monkeypatch.setattr(fused_ops, "_silu_mul", lambda: lambda *a: calls.append(1) or silu_mul.silu_mul(*a))
         torch.testing.assert_close(mlp(x), ref, atol=0.05, rtol=0.02)
         assert calls == [1]
 
         def broken():
             raise RuntimeError("no kernel here")
 
-        monkeypatch.setattr(llama, "_silu_mul", lambda: broken)
-        request.addfinalizer(llama._silu_error.clear)  # the process's record, empty again for the tests after
+        monkeypatch.setattr(fused_ops, "_silu_mul", lambda: broken)
+        request.addfinalizer(fused_ops._silu_error.clear)  # the process's record, empty again for the tests after
         with pytest.warns(RuntimeWarning, match="the Triton SiLU kernel failed"):
             assert torch.equal(mlp(x), ref)
-        assert llama._silu_error and torch.equal(mlp(x), ref)  # torch's ops from then on
+        assert fused_ops._silu_error and torch.equal(mlp(x), ref)  # torch's ops from then on

@@ -11,7 +11,8 @@ from transformers.models.qwen2 import modeling_qwen2 as hf_qwen2
 
 from rlspec.bench import kernels as bench
 from rlspec.rollout.runtime.model.config import ModelConfig
-from rlspec.rollout.runtime.model.llama import RMSNorm, rope, rope_table
+from rlspec.rollout.runtime.model.llama import RMSNorm
+from rlspec.rollout.runtime.model.rotary import rope, rope_table
 
 DTYPES = [torch.bfloat16, torch.float32]
 

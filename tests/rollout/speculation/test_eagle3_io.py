@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from rlspec.rollout.speculation.drafters.eagle3_io import load_eagle3, save_eagle3
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rlspec.rollout.runtime.model.config import ModelConfig
-from rlspec.rollout.runtime.model.llama import rope_table
+from rlspec.rollout.runtime.model.rotary import rope_table
 from tests.conftest import make_tiny_hf
 
 H, I, NH, NKV, HD, V, VD = 64, 128, 4, 2, 16, 96, 48

@@ -1,0 +1,118 @@
+"""Where our Triton kernels (rope_write.py, silu_mul.py) replace torch's ops in a CUDA step, and the torch ops
+they replace (the reference on every other device, and each kernel's fallback).
+
+`triton_serves` says where a kernel serves: CUDA, 16 bits, outside autograd (a drafter's training) and compiled
+code (a compiled layer's Inductor fuses the same ops itself), with Triton installed and the kernel not failed in
+this process. A kernel that fails there (a Triton that cannot compile it) warns once, its step gets the
+reference's result, and the torch ops serve from then on. Each kernel's bits and its fallback are tested on any
+machine through Triton's interpreter (tests/rollout/runtime/test_rope_write.py, test_silu_mul.py); why each
+exists is docs/gpu.md#where-a-step-goes."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from rlspec.rollout.runtime.kv_cache import write_slots
+from rlspec.rollout.runtime.model.attention import kernel_failed, triton_available
+from rlspec.rollout.runtime.model.rotary import rope
+
+
+def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
+    """A step's q and k heads of the fused q|k|v product rotated together (`rope`), k and v written to the pools at
+    their slots -> q [B, T, nh, hd]. The torch ops: six kernels, one where `step_rotation` picks the fused one."""
+    q, k = rope(qkv, cos, sin, nh + nkv).split([nh, nkv], 2)
+    write_slots(k_cache, slots, k)
+    write_slots(v_cache, slots, qkv[:, :, nh + nkv:])
+    return q
+
+
+def step_rotation(qkv: torch.Tensor):
+    """The function that does a step's `rotate_and_write`: where `triton_serves`, one Triton kernel (rope_write.py)
+    where the torch ops take six (a roll, two products, a sum, two scatters), each a node of every CUDA graph,
+    computing the same bits; elsewhere the torch ops."""
+    return _fused_rotation if triton_serves(qkv, _rotation_error) else rotate_and_write
+
+
+def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [B, T, nh, hd] and k [B, T, nkv, hd] of separate products (a learned drafter's layer) rotated (`rope`):
+    one Triton kernel where `triton_serves` (rope_write.py, the same bits), else torch's eight."""
+    if triton_serves(q, _pair_error):
+        return _fused_pair(q, k, cos, sin)
+    return rope_pair(q, k, cos, sin)
+
+
+def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
+def silu_times(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up of the fused gate|up product [..., 2 inter]: the torch ops (two kernels)."""
+    gate, up = gate_up.split(inter, -1)
+    return F.silu(gate) * up
+
+
+def triton_serves(x: torch.Tensor, errors: list[str]) -> bool:
+    """Whether one of our Triton kernels does x's op (rope_write.py, silu_mul.py): on CUDA in 16 bits, outside
+    autograd and compiled code (a compiled layer's Inductor fuses the same ops itself), with Triton installed, and
+    the kernel not failed in this process (`errors`)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and not errors and triton_available())
+
+
+def _triton_or(load, reference, errors: list[str], kernel: str, then: str):
+    """A call of our Triton kernel (load(): the kernel's function, imported on first use) that, where the kernel
+    fails (a Triton that cannot compile it), warns once and returns the reference's result; `triton_serves` then
+    answers no for the rest of the process."""
+    def call(*args):
+        try:
+            return load()(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compile/launch failure: the reference computes the same
+            kernel_failed(errors, exc, kernel, then)
+            return reference(*args)
+    return call
+
+
+@functools.cache
+def _rope_write():
+    from rlspec.rollout.runtime.model.rope_write import rotate_and_write as kernel
+
+    return kernel
+
+
+@functools.cache
+def _rope_pair():
+    from rlspec.rollout.runtime.model.rope_write import rotate_pair as kernel
+
+    return kernel
+
+
+@functools.cache
+def _silu_mul():
+    from rlspec.rollout.runtime.model.silu_mul import silu_mul as kernel
+
+    return kernel
+
+
+_rotation_error: list[str] = []  # each fused kernel's first failure in this process
+_silu_error: list[str] = []
+_pair_error: list[str] = []
+_fused_rotation = _triton_or(lambda: _rope_write(), rotate_and_write, _rotation_error, "the Triton rotation kernel",
+                             "steps rotate with torch's ops from now on")
+_fused_pair = _triton_or(lambda: _rope_pair(), rope_pair, _pair_error, "the Triton rotation kernel",
+                         "drafter layers rotate with torch's ops from now on")
+_fused_silu_mul = _triton_or(lambda: _silu_mul(), silu_times, _silu_error, "the Triton SiLU kernel",
+                             "MLPs take torch's ops from now on")
+
+
+def activation_product(act, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """act(gate) * up of an MLP's fused gate|up product [..., 2 inter]: SiLU's as one Triton kernel where
+    `triton_serves` (silu_mul.py), else the torch ops."""
+    if act is F.silu and triton_serves(gate_up, _silu_error):
+        return _fused_silu_mul(gate_up, inter)
+    gate, up = gate_up.split(inter, -1)
+    return act(gate) * up
