@@ -109,8 +109,8 @@ class CudaChoices:
     kernel reads the pool in place (no block mask, no gather: attention.attend_paged, computed densely here) and,
     with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and, in 16 bits, a step's rotation
     and KV writes (a drafter's q and k rotation) and each MLP's silu(gate) * up as our Triton kernels
-    (fused_ops.triton_serves); no CPU kernel serves
-    (model/kernels). Open it before the runner is made (its cache takes CUDA's block size)."""
+    (fused_ops.triton_serves); no CPU kernel serves (model/kernels). Open it before the runner is made (its cache
+    takes CUDA's block size)."""
 
     def __init__(self, fused_norm: bool):
         self.fused_norm, self.ops = fused_norm, None
@@ -137,8 +137,7 @@ class CudaChoices:
         if self.fused_norm:
             llama.fused_norm = lambda x, weight: x.dtype == weight.dtype
             F.rms_norm = counted("rms_norm", rms_norm)
-            # our Triton kernels (model/rope_write.py, silu_mul.py) where fused_ops.triton_serves picks
-            # them on CUDA
+            # our Triton kernels (model/rope_write.py, silu_mul.py), where fused_ops.triton_serves picks them on CUDA
             fused_ops.triton_serves = lambda x, errors: x.element_size() == 2
             fused_ops._fused_rotation = counted("rope_write", fused_ops.rotate_and_write)
             fused_ops._fused_silu_mul = counted("silu_mul", fused_ops.silu_times)

@@ -126,6 +126,21 @@ def kernel_failed(errors: list[str], exc: Exception, kernel: str, then: str) -> 
     warnings.warn(f"{kernel} failed ({errors[0][:300]}); {then}", RuntimeWarning, stacklevel=3)
 
 
+def with_fallback(kernel, reference, errors: list[str], name: str, then: str):
+    """A call of `kernel` that, where it fails (a compile or launch failure; running out of memory is raised),
+    records the failure in `errors` (which the kernel's dispatch reads, so the reference serves from then on),
+    warns once and returns the reference's result for the same arguments."""
+    def call(*args):
+        try:
+            return kernel(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the reference computes the same
+            kernel_failed(errors, exc, name, then)
+            return reference(*args)
+    return call
+
+
 def flex_error() -> str | None:
     """Why FlexAttention was given up in this process (None while it works or was never tried)."""
     return _flex_error[0] if _flex_error else None
@@ -280,21 +295,6 @@ def _flex_outside_graph():
     return torch.compiler.disable(attend_flex)
 
 
-def attend_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: AttnMask,
-                 scale: float | None = None) -> torch.Tensor:
-    """A paged step (mask.paged) through the Triton kernel: q [B, H, T, D] over one layer's pools
-    [num_blocks, BLOCK, KV, D], read in place through mask.table. On a failure (a kernel this GPU or Triton
-    cannot compile) warn once, attend densely over the gathered blocks, and build flex masks from then on."""
-    try:
-        return _paged_decode()(q, k_pool, v_pool, mask.table, mask.start, mask.tree, scale)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any compile/launch failure: the dense path is exact
-        kernel_failed(_paged_error, exc, "the Triton paged decode kernel", "paged steps attend through FlexAttention "
-                      "from now on")
-        return attend_paged_dense(q, k_pool, v_pool, mask, scale)
-
-
 def attend_paged_dense(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: AttnMask,
                        scale: float | None = None) -> torch.Tensor:
     """What attend_paged computes, densely over the rows' gathered blocks (its fallback, and the kernel counts'
@@ -302,6 +302,17 @@ def attend_paged_dense(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     T, S = q.shape[2], mask.kv_len
     k, v = (gather_blocks(x, mask.table[:, : S // x.shape[1]]) for x in (k_pool, v_pool))
     return attend_dense(q, k, v, dense_step_mask(mask.start, T, S, mask.tree), scale)
+
+
+def _paged_kernel(q, k_pool, v_pool, mask: AttnMask, scale: float | None = None) -> torch.Tensor:
+    return _paged_decode()(q, k_pool, v_pool, mask.table, mask.start, mask.tree, scale)
+
+
+# attend_paged(q, k_pool, v_pool, mask, scale): a paged step (mask.paged) through the Triton kernel, q [B, H, T, D]
+# over one layer's pools [num_blocks, BLOCK, KV, D] read in place through mask.table; where the kernel fails (this GPU
+# or Triton cannot compile it), the dense result for that step and flex masks from then on (use_paged_decode)
+attend_paged = with_fallback(_paged_kernel, attend_paged_dense, _paged_error, "the Triton paged decode kernel",
+                             "paged steps attend through FlexAttention from now on")
 
 
 @functools.cache

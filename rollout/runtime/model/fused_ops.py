@@ -4,18 +4,19 @@ they replace (the reference on every other device, and each kernel's fallback).
 `triton_serves` says where a kernel serves: CUDA, 16 bits, outside autograd (a drafter's training) and compiled
 code (a compiled layer's Inductor fuses the same ops itself), with Triton installed and the kernel not failed in
 this process. A kernel that fails there (a Triton that cannot compile it) warns once, its step gets the
-reference's result, and the torch ops serve from then on. Each kernel's bits and its fallback are tested on any
-machine through Triton's interpreter (tests/rollout/runtime/test_rope_write.py, test_silu_mul.py); why each
-exists is docs/gpu.md#where-a-step-goes."""
+reference's result, and the torch ops serve from then on (attention.with_fallback). Each kernel's bits and its
+fallback are tested on any machine through Triton's interpreter (tests/rollout/runtime/test_rope_write.py,
+test_silu_mul.py); why each exists is docs/gpu.md#where-a-step-goes."""
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
 
 from rlspec.rollout.runtime.kv_cache import write_slots
-from rlspec.rollout.runtime.model.attention import kernel_failed, triton_available
+from rlspec.rollout.runtime.model.attention import triton_available, with_fallback
 from rlspec.rollout.runtime.model.rotary import rope
 
 
@@ -48,10 +49,14 @@ def rope_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return rope(q, cos, sin), rope(k, cos, sin)
 
 
-def silu_times(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """silu(gate) * up of the fused gate|up product [..., 2 inter]: the torch ops (two kernels)."""
+def gated(act, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """act(gate) * up of the fused gate|up product [..., 2 inter]: the torch ops (two kernels)."""
     gate, up = gate_up.split(inter, -1)
-    return F.silu(gate) * up
+    return act(gate) * up
+
+
+def silu_times(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    return gated(F.silu, gate_up, inter)
 
 
 def triton_serves(x: torch.Tensor, errors: list[str]) -> bool:
@@ -62,51 +67,25 @@ def triton_serves(x: torch.Tensor, errors: list[str]) -> bool:
             and not torch.compiler.is_compiling() and not errors and triton_available())
 
 
-def _triton_or(load, reference, errors: list[str], kernel: str, then: str):
-    """A call of our Triton kernel (load(): the kernel's function, imported on first use) that, where the kernel
-    fails (a Triton that cannot compile it), warns once and returns the reference's result; `triton_serves` then
-    answers no for the rest of the process."""
-    def call(*args):
-        try:
-            return load()(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a compile/launch failure: the reference computes the same
-            kernel_failed(errors, exc, kernel, then)
-            return reference(*args)
-    return call
-
-
 @functools.cache
-def _rope_write():
-    from rlspec.rollout.runtime.model.rope_write import rotate_and_write as kernel
-
-    return kernel
-
-
-@functools.cache
-def _rope_pair():
-    from rlspec.rollout.runtime.model.rope_write import rotate_pair as kernel
-
-    return kernel
+def _kernel(module: str, name: str):
+    """A kernel's function from one of our Triton modules, imported on first use (they import triton)."""
+    return getattr(importlib.import_module(f"rlspec.rollout.runtime.model.{module}"), name)
 
 
-@functools.cache
-def _silu_mul():
-    from rlspec.rollout.runtime.model.silu_mul import silu_mul as kernel
-
-    return kernel
+def _triton(module: str, name: str):
+    return lambda *args: _kernel(module, name)(*args)
 
 
 _rotation_error: list[str] = []  # each fused kernel's first failure in this process
 _silu_error: list[str] = []
 _pair_error: list[str] = []
-_fused_rotation = _triton_or(lambda: _rope_write(), rotate_and_write, _rotation_error, "the Triton rotation kernel",
-                             "steps rotate with torch's ops from now on")
-_fused_pair = _triton_or(lambda: _rope_pair(), rope_pair, _pair_error, "the Triton rotation kernel",
-                         "drafter layers rotate with torch's ops from now on")
-_fused_silu_mul = _triton_or(lambda: _silu_mul(), silu_times, _silu_error, "the Triton SiLU kernel",
-                             "MLPs take torch's ops from now on")
+_fused_rotation = with_fallback(_triton("rope_write", "rotate_and_write"), rotate_and_write, _rotation_error,
+                                "the Triton rotation kernel", "steps rotate with torch's ops from now on")
+_fused_pair = with_fallback(_triton("rope_write", "rotate_pair"), rope_pair, _pair_error, "the Triton rotation kernel",
+                            "drafter layers rotate with torch's ops from now on")
+_fused_silu_mul = with_fallback(_triton("silu_mul", "silu_mul"), silu_times, _silu_error, "the Triton SiLU kernel",
+                                "MLPs take torch's ops from now on")
 
 
 def activation_product(act, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
@@ -114,5 +93,4 @@ def activation_product(act, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     `triton_serves` (silu_mul.py), else the torch ops."""
     if act is F.silu and triton_serves(gate_up, _silu_error):
         return _fused_silu_mul(gate_up, inter)
-    gate, up = gate_up.split(inter, -1)
-    return act(gate) * up
+    return gated(act, gate_up, inter)

@@ -121,7 +121,7 @@ class Eagle3Model(nn.Module):
         q = fast_linear(m.self_attn.q_proj, x).view(B, T, c.num_heads, c.head_dim)
         k = fast_linear(m.self_attn.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
         v = fast_linear(m.self_attn.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
-        q, k = (x.transpose(1, 2) for x in rotate_pair(q, k, cos, sin))
+        q, k = (t.transpose(1, 2) for t in rotate_pair(q, k, cos, sin))
         out = attend(q, k, v.transpose(1, 2))
         h = plus_product(hidden, out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim), m.self_attn.o_proj,
                          fast_linear)

@@ -94,7 +94,7 @@ def _paged_step(monkeypatch, T):
     from rlspec.rollout.runtime.model import attention
     from tests.rollout.runtime.test_attention import _paged_runner, _tokens, _tree
 
-    monkeypatch.setattr(attention, "_paged_error", [])
+    assert not attention._paged_error  # the process's record of the kernel's failures: none so far
     monkeypatch.setattr(attention, "use_paged_decode", lambda device: not attention._paged_error)
     runner, lens = _paged_runner()
     cache = runner.cache
@@ -121,7 +121,7 @@ def test_a_model_step_through_the_kernel_equals_the_dense_step(monkeypatch, T):
     torch.testing.assert_close(got_h[1], ref_h, atol=1e-5, rtol=0)
 
 
-def test_a_failing_kernel_falls_back_to_dense_and_then_to_flex_masks(monkeypatch):
+def test_a_failing_kernel_falls_back_to_dense_and_then_to_flex_masks(monkeypatch, request):
     """A kernel that cannot compile here: the step warns and attends densely over the gathered blocks (the same
     logits), and the next step's mask is a FlexAttention one."""
     from rlspec.rollout.runtime.graphs import build_step_batch, head_group
@@ -133,6 +133,7 @@ def test_a_failing_kernel_falls_back_to_dense_and_then_to_flex_masks(monkeypatch
         raise RuntimeError("no kernel here")
 
     monkeypatch.setattr(attention, "_paged_decode", lambda: broken)
+    request.addfinalizer(attention._paged_error.clear)  # the process's record, empty again for the tests after
     with pytest.warns(RuntimeWarning, match="paged steps attend through FlexAttention"):
         got, _ = runner.model(fb, runner.cache.k, runner.cache.v)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

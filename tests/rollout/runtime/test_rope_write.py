@@ -85,12 +85,10 @@ def test_a_model_step_through_the_kernel_is_the_unfused_step(monkeypatch, shape)
 def test_a_failing_kernel_warns_once_and_the_torch_ops_serve_from_then_on(monkeypatch, request):
     """A Triton that cannot compile the kernel: the step that met it rotates with the torch ops (the same bits),
     and CUDA steps choose the torch ops from then on (fused_ops.step_rotation reads the recorded failure)."""
-    def broken():
-        def fail(*args):
-            raise RuntimeError("no kernel here")
-        return fail
+    def fail(*args):
+        raise RuntimeError("no kernel here")
 
-    monkeypatch.setattr(fused_ops, "_rope_write", broken)
+    monkeypatch.setattr(fused_ops, "_kernel", lambda module, name: fail)
     assert not fused_ops._rotation_error
     request.addfinalizer(fused_ops._rotation_error.clear)  # the process's record, empty again for the tests after
     qkv, cos, sin, k_pool, v_pool, slots = _step(torch.bfloat16, 4, 2, 32)

@@ -1,7 +1,7 @@
 """silu(gate) * up as one Triton kernel (model/silu_mul.py) against torch's two ops (fused_ops.silu_times), in bf16
 and fp16, on widths that are and are not a multiple of its block: each result rounded as torch rounds it, so
-where the exponentials differ the activation differs in its last bit and the product by two at most; a NaN kept NaN; and an MLP takes it where
-fused_ops.triton_serves says so (CUDA), with a fallback that warns. On CUDA compiled; elsewhere through Triton's
+where the exponentials differ the activation differs in its last bit and the product by two at most; a NaN kept
+NaN; and an MLP takes it where fused_ops.triton_serves says so (CUDA), with a fallback that warns. On CUDA compiled; elsewhere through Triton's
 interpreter (TRITON_INTERPRET, tests/conftest.py)."""
 from __future__ import annotations
 
@@ -53,14 +53,19 @@ def test_an_mlp_takes_it_where_triton_serves_and_a_failure_falls_back(monkeypatc
         ref = mlp.down_proj(fused_ops.silu_times(mlp.gate_up_proj(x), 1500))
         monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
         calls = []
-        monkeypatch.setattr(fused_ops, "_silu_mul", lambda: lambda *a: calls.append(1) or silu_mul.silu_mul(*a))
+
+        def counted(*args):
+            calls.append(1)
+            return silu_mul.silu_mul(*args)
+
+        monkeypatch.setattr(fused_ops, "_kernel", lambda module, name: counted)
         torch.testing.assert_close(mlp(x), ref, atol=0.05, rtol=0.02)
         assert calls == [1]
 
-        def broken():
+        def broken(*args):
             raise RuntimeError("no kernel here")
 
-        monkeypatch.setattr(fused_ops, "_silu_mul", lambda: broken)
+        monkeypatch.setattr(fused_ops, "_kernel", lambda module, name: broken)
         request.addfinalizer(fused_ops._silu_error.clear)  # the process's record, empty again for the tests after
         with pytest.warns(RuntimeWarning, match="the Triton SiLU kernel failed"):
             assert torch.equal(mlp(x), ref)
