@@ -56,10 +56,13 @@ def test_rehearsal_writes_every_section(tmp_path):
     assert {(r["batch"], r["accept"]) for r in rows} == {(b, a) for b in (1, 2) for a in (0.5, 0.7, 0.9)}
     assert [r["accept"] for r in rows if r["batch"] == 1] == [0.5, 0.7, 0.9]
     assert [r["accept"] for r in rows if r["batch"] == 2] == [0.7, 0.9, 0.5]  # rotated: not always low to high
-    assert all(r["timed_captures"] == 0 and len(r["seconds_all"]) == 3 for r in rows)
+    # the fixed chains: the warm-up met every graph key, and each length's repetitions ran the same steps
+    assert all(r["timed_captures"] == 0 and len(r["seconds_all_24"]) == 3 for r in rows)
+    assert all(len(set(r[f"decode_steps_{n}"])) == 1 for r in rows for n in (8, 24))
+    assert all(r["decode_speedup"] > 0 and r["step_ms"] > 0 and r["accept_len"] >= 1 for r in rows)
     # greedy speculation is exact: the oracle's rollouts are the plain ones, token for token (float32 on CPU)
     assert all(r["same_as_reference"] == 1.0 for r in rows)
-    assert all(r["predicted_speedup"] > 0 for r in rows)  # from this run's 5-token verifies
+    assert all(r["predicted_speedup"] > 0 and r["vs_predicted"] > 0 for r in rows)  # this run's 5-token verifies
     e2e = report["e2e"]
     if e2e["status"] != "skipped":
         arms = {r["arm"]: r for r in e2e["rows"]}
@@ -96,7 +99,8 @@ class _Seq:
 
 @pytest.mark.parametrize("a", [0.5, 0.9])
 def test_oracle_drafter_keeps_each_token_with_probability_a(a):
-    """Each drafted token is the reference's with probability a, and otherwise never is."""
+    """Each drafted token is the reference's with probability a, and otherwise never is; a position drafts the
+    same token whenever it is drafted, and a higher a keeps every position a lower one kept."""
     ref = list(range(10, 10 + 4000))
     d = OracleDrafter({(1, 2): ref}, vocab=5000, accept=a, seed=0)
     kept = total = 0
@@ -105,7 +109,10 @@ def test_oracle_drafter_keeps_each_token_with_probability_a(a):
         assert draft.is_chain and len(draft) == 4
         kept += sum(t == r for t, r in zip(draft.tokens, ref[n:n + 4]))
         total += 4
+        assert d.propose([_Seq([1, 2], ref[:n + 2])], [2], 1)[0].tokens == draft.tokens[2:]
     assert abs(kept / total - a) < 0.03
+    lower = OracleDrafter({(1, 2): ref}, vocab=5000, accept=a - 0.3, seed=0).chains[(1, 2)]
+    assert all(t == r for t, low, r in zip(d.chains[(1, 2)], lower, ref) if low == r)
     assert expected_tokens(a, 4) == pytest.approx(sum(a ** i for i in range(5)))
     assert d.propose([_Seq([7], [3])], [4], 1)[0].tokens == []  # an unknown prompt: no draft
 
@@ -141,10 +148,14 @@ def test_the_formula_reads_verify_costs_off_plain_steps_and_annotates_oracle_row
     assert from_plain(steps, 32, 8) == pytest.approx((16.0 + 6.0 / 96 * 128) / 10.0)  # past the largest: linear
     report = {"spec_costs": {"verify": [{"batch": 8, "kind": "chain", "tokens": 5, "vs_plain": 1.25},
                                         {"batch": 8, "kind": "tree", "tokens": 5, "vs_plain": 9.0}]},
-              "oracle": {"num_draft_tokens": 4, "rows": [{"batch": 8, "accept": 0.5}, {"batch": 32, "accept": 0.5}]}}
+              "oracle": {"num_draft_tokens": 4, "rows": [{"batch": 8, "accept": 0.5, "accept_len": 2.0,
+                                                          "decode_speedup": 1.5}, {"batch": 32, "accept": 0.5}]}}
     annotate(report)
     rows = report["oracle"]["rows"]
     assert rows[0]["predicted_speedup"] == pytest.approx(1.9375 / 1.25) and "predicted_speedup" not in rows[1]
+    assert rows[0]["predicted_at_measured"] == pytest.approx(2.0 / 1.25)
+    assert rows[0]["vs_predicted"] == pytest.approx(1.5 / (1.9375 / 1.25))
+    assert rows[0]["vs_predicted_at_measured"] == pytest.approx(1.5 / 1.6)
 
 
 def test_the_oracle_model_picks_its_greedy_token_by_a_margin_rounding_cannot_flip():

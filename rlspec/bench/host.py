@@ -7,6 +7,9 @@ the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain an
   * ms_per_step: (t(long call) - t(short call)) / (steps(long) - steps(short)), so prefill and call set-up cancel;
   * forward_ms: the target forward (ModelRunner.step) per step, timed the same way; host_ms = the rest: scheduling,
     drafting, verification, the host transfer and the commit;
+  * exposed_ms: the median time from a step's read of its one host transfer to the next step's forward: what a
+    GPU idles through between two steps when the host reads a step before it launches the next (every
+    speculative step: drafting needs the committed tokens; a plain step looks ahead on CUDA, docs/runtime.md);
   * floor_ms: a bare loop of the same forward + sampling of the next token, no engine around it (plain rows only):
     the least a step can cost on this model;
   * host_ops, host_calls: torch ops dispatched and Python calls made per step outside the target forward, counted
@@ -36,8 +39,8 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
 }
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1)
-COLUMNS = ["mode", "batch", "ms_per_step", "forward_ms", "host_ms", "cpu_ms_per_step", "cpu_forward_ms", "cpu_host_ms",
-           "host_ops", "host_calls", "steps", "spec_share"]
+COLUMNS = ["mode", "batch", "ms_per_step", "forward_ms", "host_ms", "exposed_ms", "cpu_ms_per_step", "cpu_forward_ms",
+           "cpu_host_ms", "host_ops", "host_calls", "steps", "spec_share"]
 INIT = 1.0  # weights drawn wide: peaked logits, so sampled rollouts repeat and the n-gram drafter drafts
 
 
@@ -74,17 +77,25 @@ def build(mode: str, batch: int, seed: int):
 
 class ForwardTimer:
     """Wraps the engine's ModelRunner.step: wall and CPU seconds spent in target forwards of decode steps; `inside`
-    is > 0 while one runs (what host_counts leaves out)."""
+    is > 0 while one runs (what host_counts leaves out). Wraps its transfers' reads too: `gaps` holds the seconds
+    from each read to the next forward (exposed_ms)."""
 
     def __init__(self, engine):
         self.wall = self.cpu = 0.0
         self.inside = 0
-        runner, inner = engine.runner, engine.runner.step
+        self.read_at, self.gaps = None, []
+        runner, inner, to_host = engine.runner, engine.runner.step, engine.runner.transfers.to_host
+
+        def send(*columns):
+            return _TimedRead(to_host(*columns), self)
 
         def step(*a, **kw):
             self.inside += 1
             try:
                 t0, c0 = time.perf_counter(), time.process_time()
+                if self.read_at is not None:
+                    self.gaps.append(t0 - self.read_at)
+                    self.read_at = None
                 out = inner(*a, **kw)
                 self.wall += time.perf_counter() - t0
                 self.cpu += time.process_time() - c0
@@ -93,6 +104,19 @@ class ForwardTimer:
                 self.inside -= 1
 
         runner.step = step
+        runner.transfers.to_host = send
+
+
+class _TimedRead:
+    """A transfer in flight whose read (rows()) notes the time in its timer."""
+
+    def __init__(self, pending, timer: ForwardTimer):
+        self.pending, self.timer = pending, timer
+
+    def rows(self):
+        rows = self.pending.rows()
+        self.timer.read_at = time.perf_counter()
+        return rows
 
 
 def call(engine, timer: ForwardTimer, prompts, tokens: int, temperature: float, seed: int) -> dict:
@@ -101,10 +125,12 @@ def call(engine, timer: ForwardTimer, prompts, tokens: int, temperature: float, 
     params = _params(tokens, temperature, seed)
     engine.batch_trace.clear()
     fw, fc = timer.wall, timer.cpu
+    timer.read_at, timer.gaps = None, []
     t0, c0 = time.perf_counter(), time.process_time()
     engine.generate(prompts, params)
     out = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "fwd_wall": timer.wall - fw,
-           "fwd_cpu": timer.cpu - fc, "steps": len(engine.batch_trace)}
+           "fwd_cpu": timer.cpu - fc, "steps": len(engine.batch_trace),
+           "exposed": statistics.median(timer.gaps) if timer.gaps else 0.0}
     out["spec_share"] = engine.stats().get("rollout/spec_step_share", 0.0)
     return out
 
@@ -119,6 +145,7 @@ def measure(engine, timer, prompts, args, rep: int) -> dict:
         raise RuntimeError(f"the long call ran {long['steps']} steps, the short one {short['steps']}: raise --tokens")
     per = {k: (long[k] - short[k]) / steps * 1e3 for k in ("wall", "cpu", "fwd_wall", "fwd_cpu")}
     return {"ms_per_step": per["wall"], "forward_ms": per["fwd_wall"], "host_ms": per["wall"] - per["fwd_wall"],
+            "exposed_ms": long["exposed"] * 1e3,
             "cpu_ms_per_step": per["cpu"], "cpu_forward_ms": per["fwd_cpu"], "cpu_host_ms": per["cpu"] - per["fwd_cpu"],
             "steps": long["steps"], "spec_share": long["spec_share"]}
 
@@ -235,7 +262,7 @@ def run(args) -> dict:
                          "cpu_floor_ms": floor[1] if m == "plain" else None,
                          "reps_host_ms": [r["host_ms"] for r in runs[m]]})
             print(f"[host] batch {batch} {m}: {med['ms_per_step']:.3f} ms/step (forward {med['forward_ms']:.3f}, "
-                  f"host {med['host_ms']:.3f}; CPU clock: host {med['cpu_host_ms']:.3f}; host ops {med['host_ops']:.1f}, "
+                  f"host {med['host_ms']:.3f}, exposed {med['exposed_ms']:.3f}; CPU clock: host {med['cpu_host_ms']:.3f}; host ops {med['host_ops']:.1f}, "
                   f"Python calls {med['host_calls']:.0f})", flush=True)
     return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "rows": rows,
             "columns": COLUMNS + ["floor_ms", "cpu_floor_ms"]}

@@ -10,7 +10,8 @@ A graph is keyed by (batch bucket b, T bucket t, hidden layers), never by contex
   * hidden layers: EAGLE-3's features are static outputs too, captured on first request.
 At 512 rows that is 36 x 5 graphs per hidden-layer set; keying by context length as well (powers of
 two up to the cache length) multiplied that by 4-6 and made long rollouts capture all the time.
-Only tokens, start, depths and tree mask are copied in (a few hundred bytes); the attention mask is
+Only tokens, start, depths and tree mask are copied in (a few hundred bytes; a chain's depths and mask only
+when the buffers held another layout, `GraphPool._load`); the attention mask is
 built inside the graph from them (`build_step_batch`), over the whole cache length S. What a
 graph then reads depends on the attention kernel (attention.py):
   * FlexAttention (CUDA): the block mask is built in the graph from each row's start, and the kernel
@@ -310,6 +311,7 @@ class GraphPool:
         self.drops = 0  # times the pool grew under the graphs and they were dropped
         self._rope = model.rope_cos  # identity check: a new cache comes with new RoPE tables
         self._generation = cache.generation  # the pool's tensors the graphs were captured over
+        self._chain = None  # the (b, t) whose chain depths and mask the static buffers hold (_load)
         if capture_mode == "eager_start":
             self.capture_all(hidden_layers)
 
@@ -340,7 +342,7 @@ class GraphPool:
             self.counts["eager"] += 1
             return self.eager.run(tokens, start, depths, tree_mask, hidden_layers, top=top)
         b, t, _ = key
-        self.static.load(b, t, pad_batch(tokens, start, depths, tree_mask, b, t))
+        self._load(b, t, tokens, start, depths, tree_mask)
         self.fresh = key not in self.graphs
         graph = self.graphs.get(key) or self._capture(key)
         graph.replay()
@@ -349,6 +351,31 @@ class GraphPool:
         # clones: the next replay overwrites the static outputs
         logits = self.static.logits_view(b, t)[:B, :T].clone()
         return logits, {i: self.static.hidden_view(i, b, t)[:B, :T].clone() for i in hidden_layers}
+
+    def _load(self, b: int, t: int, tokens, start, depths, tree_mask) -> None:
+        """Copy a step's inputs into the (b, t) graph's buffers. A tree goes through pad_batch. A chain copies
+        its tokens and starts and zeroes the padding rows' starts (2-3 launches where pad_batch takes 13: on a
+        GPU a launch is ~5 us of host time the device waits through between a speculative step's read and the
+        next verify). Its depths and mask are the same every step (node j at depth j, lower-triangular), so
+        they are written only when the shared buffers last held another layout (`_chain`). Padding tokens keep
+        what the buffers held (token ids, all of them): their nodes and rows write only past the rows'
+        lengths or into the trash block, and no output of theirs is read (module docstring)."""
+        if depths is not None or tree_mask is not None:
+            self.static.load(b, t, pad_batch(tokens, start, depths, tree_mask, b, t))
+            self._chain = None
+            return
+        dst_tokens, dst_start, dst_depths, dst_tree = self.static.inputs(b, t)
+        if self._chain != (b, t):
+            empty = torch.zeros(0, t, dtype=torch.long, device=self.device)
+            _, _, chain_depths, chain_tree = pad_batch(empty, empty[:, 0], None, None, b, t)
+            dst_depths.copy_(chain_depths)
+            dst_tree.copy_(chain_tree)
+            self._chain = (b, t)
+        B, T = tokens.shape
+        dst_tokens[:B, :T].copy_(tokens)
+        dst_start[:B].copy_(start)
+        if B < b:  # padding rows start at 0: start + t stays inside the cache
+            dst_start[B:].zero_()
 
     def stale(self) -> bool:
         """The RoPE tables were reallocated after these graphs were captured (they hold the old addresses)."""
@@ -378,6 +405,7 @@ class GraphPool:
                 if (b, t, hl) not in self.graphs:
                     empty = torch.zeros(0, t, dtype=torch.long)
                     self.static.load(b, t, pad_batch(empty, empty[:, 0], None, None, b, t))
+                    self._chain = (b, t)
                     self._capture((b, t, hl))
         if cuda:
             torch.cuda.synchronize(self.device)

@@ -45,7 +45,8 @@ def annotate(report: dict) -> None:
     """Each oracle row gets predicted_speedup: the formula at its a, k and batch, c_B from this run's verify rows
     (a chain of 1 + k tokens at the row's batch), d = 0 (the oracle drafts from a table); predicted_at_measured: the
     same at the row's measured tokens per verify, so the gap to the measured speedup is time spent outside the
-    verify (host work, drafting, transfers)."""
+    verify (host work, drafting, transfers). vs_predicted and vs_predicted_at_measured: the row's decode speedup
+    (its decode loop alone, oracle.py) over each."""
     oracle, costs = report.get("oracle") or {}, report.get("spec_costs") or {}
     ratio = {(r["batch"], r["tokens"]): r["vs_plain"] for r in costs.get("verify", []) if r["kind"] == "chain"}
     k = oracle.get("num_draft_tokens")
@@ -55,6 +56,10 @@ def annotate(report: dict) -> None:
             row["predicted_speedup"] = speedup(expected_tokens(row["accept"], k), c, k)
             if row.get("accept_len"):  # the same at the acceptance the row measured: what is left is overhead
                 row["predicted_at_measured"] = speedup(row["accept_len"], c, k)
+            if row.get("decode_speedup"):
+                row["vs_predicted"] = row["decode_speedup"] / row["predicted_speedup"]
+                if "predicted_at_measured" in row:
+                    row["vs_predicted_at_measured"] = row["decode_speedup"] / row["predicted_at_measured"]
 
 
 def main(path: str) -> None:

@@ -137,19 +137,34 @@ def test_emulated_pool_matches_eager_across_buckets_and_shapes():
     runner, lens = _runner()
     eager = EagerRunner(runner.model, runner.cache, "cpu")
     pool = _emulated_pool(runner)
-    # batch 5 -> bucket 8, then 3 -> 4, 1 -> 1; T 1, 3 (-> 4), tree 4: buffers are reused across keys
+    # batch 5 -> bucket 8, then 3 -> 4, 1 -> 1; T 1, 3 (-> 4), tree 4, then a chain at the tree's key (its
+    # depths and mask written again): buffers are reused across keys
     for B in (5, 3, 1):
-        for T, tree_rows in ((1, False), (3, False), (4, True)):
+        for T, tree_rows in ((1, False), (3, False), (4, True), (4, False)):
             depths, tree = _tree(B) if tree_rows else (None, None)
             tokens = _tokens(B, T, seed=B * 10 + T)
             ref, ref_h = eager.run(tokens, lens[:B], depths, tree, hidden_layers=(1,))
             got, got_h = pool.run(tokens, lens[:B], depths, tree, hidden_layers=(1,))
             assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5, rtol=0)
             assert torch.allclose(got_h[1], ref_h[1], atol=1e-5, rtol=0)
-    assert pool.counts == {"replays": 9, "captures": 6, "eager": 0}  # T=3 and T=4 share the t=4 graphs
+    assert pool.counts == {"replays": 12, "captures": 6, "eager": 0}  # T=3 and T=4 share the t=4 graphs
     pool.run(_tokens(3, 1), lens[:3])  # same bucket, no hidden layers: a new key
     pool.run(_tokens(3, 1, seed=9), lens[:3])  # ... replayed, not recaptured
-    assert pool.counts["captures"] == 7 and pool.counts["replays"] == 11
+    assert pool.counts["captures"] == 7 and pool.counts["replays"] == 14
+
+
+def test_padding_rows_start_at_zero_whatever_the_buffers_held():
+    """A chain step copies only its own rows into the graph's buffers: the padding rows' starts must not keep a
+    larger batch's (a stale start near the cache's end runs positions past it: RoPE rows and block-table entries
+    that do not exist)."""
+    runner, lens = _runner(rows=8, length=64, n_prompts=8)
+    eager = EagerRunner(runner.model, runner.cache, "cpu")
+    pool = _emulated_pool(runner)
+    pool.run(_tokens(8, 1), torch.full((8,), runner.cache.length - 1))  # rows 0..7 at the cache's last position
+    runner.cache.clear_rows(3)  # as the engine does: rows 3.. are padding now
+    tokens = _tokens(3, 4, seed=5)
+    got, _ = pool.run(tokens, lens[:3])  # bucket (4, 4): padding row 3 would start at 63 and run to 66
+    assert torch.allclose(got, eager.run(tokens, lens[:3])[0], atol=1e-5, rtol=0)
 
 
 def test_emulated_pool_greedy_decode_with_shrinking_batch_matches_eager():
