@@ -262,7 +262,8 @@ def run(args) -> dict:
                          "cpu_floor_ms": floor[1] if m == "plain" else None,
                          "reps_host_ms": [r["host_ms"] for r in runs[m]]})
             print(f"[host] batch {batch} {m}: {med['ms_per_step']:.3f} ms/step (forward {med['forward_ms']:.3f}, "
-                  f"host {med['host_ms']:.3f}, exposed {med['exposed_ms']:.3f}; CPU clock: host {med['cpu_host_ms']:.3f}; host ops {med['host_ops']:.1f}, "
-                  f"Python calls {med['host_calls']:.0f})", flush=True)
+                  f"host {med['host_ms']:.3f}, exposed {med['exposed_ms']:.3f}; CPU clock: host "
+                  f"{med['cpu_host_ms']:.3f}; host ops {med['host_ops']:.1f}, Python calls {med['host_calls']:.0f})",
+                  flush=True)
     return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "rows": rows,
             "columns": COLUMNS + ["floor_ms", "cpu_floor_ms"]}

@@ -79,6 +79,7 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     figure is the median of `repeats` timed calls with their decode steps and captures, and the acceptances run
     in an order rotated per batch (not always low to high on the same engine)."""
     from rlspec.bench.harness import rotation
+    from rlspec.rollout.types import SpecConfig
 
     k, (short, long), B = cfg["num_draft_tokens"], cfg["new_tokens"], max(cfg["batches"])
     out = {"shape": cfg["shape"], "num_draft_tokens": k, "temperature": 0.0, "new_tokens": [short, long],
@@ -94,8 +95,6 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     ref = plain.generate(prompts, _greedy(long))  # the reference continuations; also sizes the pool
     reference = {tuple(r.prompt_ids): list(r.completion_ids) for r in ref}
     drafter = OracleDrafter(reference, hf.config.vocab_size, 1.0)
-    from rlspec.rollout.types import SpecConfig
-
     spec = SpecConfig(drafter="ngram", selector="always", num_draft_tokens=k, online_training=False)
     oracle = engine_over(hf, device, dtype, B, length, spec=spec, drafter=drafter)
     del hf
@@ -144,7 +143,8 @@ def _row(b: int, a: float, k: int, lengths, base: dict, call: dict, reference: d
     from rlspec.rollout.metrics import ACCEPT_LEN
 
     short, long = lengths
-    spec_s, plain_s = (call[long]["seconds"] - call[short]["seconds"]), (base[long]["seconds"] - base[short]["seconds"])
+    spec_s = call[long]["seconds"] - call[short]["seconds"]
+    plain_s = base[long]["seconds"] - base[short]["seconds"]
     steps = median(call[long]["decode_steps"]) - median(call[short]["decode_steps"])
     plain_steps = median(base[long]["decode_steps"]) - median(base[short]["decode_steps"])
     res, tokens = call[long]["value"], b * long
