@@ -3,12 +3,15 @@ reference at Qwen2.5-7B's heads over the pool's 128-position blocks, in bf16 and
 at contexts that split into many chunks; and replayed from a CUDA graph captured at one context, at others (each
 row's chunks follow its live length inside the kernel). The rotation with the KV writes (model/rope_write.py):
 the torch ops' bits, and the engine's steps take it (and a drafter's q and k rotation). SiLU times up (model/silu_mul.py): torch's two ops to a last
-bit, and the MLPs of 16-bit CUDA steps take it."""
+bit, and the MLPs of 16-bit CUDA steps take it. A product of a few rows (model/few_rows.py): one rounding of the
+float32 sum at Qwen2.5-7B's products, each row its own, chosen by timing against cuBLAS before a graph captures it
+and replayed from the graph."""
 import pytest
 import torch
 
 from tests.rollout.runtime import test_paged_decode as cpu_cases
 from tests.rollout.runtime import test_rope_write as rope_cases
+from tests.rollout.runtime import test_few_rows as product_cases
 from tests.rollout.runtime import test_silu_mul as silu_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -74,3 +77,28 @@ def test_cuda_silu_times_up_is_torchs_two_ops_to_a_last_bit(dtype):
     silu_cases.test_one_kernel_is_torchs_two_to_a_last_bit(dtype, 18944)  # Qwen2.5-7B's intermediate width
     with torch.inference_mode():
         assert fused_ops.triton_serves(silu_cases._gate_up(dtype, rows=2), fused_ops._silu_error)  # what a CUDA MLP takes
+
+
+def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():
+    from rlspec.rollout.runtime.model import few_rows, fused_ops
+
+    # Qwen2.5-7B's q|k|v (bias), o (the residual) and down products at 1, 5 and 16 rows
+    for M, N, K, bias, res in ((1, 4608, 3584, True, False), (5, 3584, 3584, False, True),
+                               (16, 3584, 18944, False, True)):
+        product_cases.test_one_rounding_of_the_float32_sum(torch.bfloat16, M, N, K, bias, res)
+    product_cases.test_each_row_is_its_own()
+    x, w, _, r = product_cases._inputs(torch.bfloat16, 4, 3584, 3584, residual=True, seed=7)
+    with torch.inference_mode():
+        assert fused_ops.triton_serves(x, fused_ops._product_error)
+        eager = fused_ops.product(x, w, None, r)  # times ours against cuBLAS for this shape, outside the capture
+        chosen = fused_ops._faster[(tuple(w.shape), 4, False, True, torch.bfloat16, x.device)]
+        ref = few_rows.product(x, w, None, r) if chosen else fused_ops.torch_product(x, w, None, r)
+        assert torch.equal(eager, ref)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_ops.product(x, w, None, r)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = few_rows.product(x, w, None, r) if chosen else fused_ops.torch_product(x, w, None, r)
+        assert torch.equal(out, ref)
+

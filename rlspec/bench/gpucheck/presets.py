@@ -111,6 +111,9 @@ def print_summary(report: dict) -> None:
         print(f"  plain  {r['model']:<13} batch {r['batch']:>3}: engine {r['engine_tok_s']:8.0f} tok/s, graph step "
               f"{r['step_graph_ms']:.2f} ms (limit {r.get('limit_ms')}), captures in timed calls "
               f"{r['timed_captures']}")
+    for c in report.get("plain", {}).get("products", []):
+        print(f"  product {c['weight']} x {c['rows']} rows: ours {c['ours_us']} us, torch {c['torch_us']} us"
+              f"{' (ours serves)' if c['ours'] else ''}")
     for r in report.get("contexts", {}).get("rows", []):
         print(f"  ctx {r['context']:>5} batch {r['batch']:>3}: {r['step_ms']:.2f} ms, x{r.get('over_limit')} limit")
     for r in report.get("oracle", {}).get("rows", []):

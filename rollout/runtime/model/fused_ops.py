@@ -1,9 +1,10 @@
-"""Where our Triton kernels (rope_write.py, silu_mul.py) replace torch's ops in a CUDA step, and the torch ops
-they replace (the reference on every other device, and each kernel's fallback).
+"""Where our Triton kernels (rope_write.py, silu_mul.py, few_rows.py) replace torch's ops in a CUDA step, and the
+torch ops they replace (the reference on every other device, and each kernel's fallback).
 
 `triton_serves` says where a kernel serves: CUDA, 16 bits, outside autograd (a drafter's training) and compiled
 code (a compiled layer's Inductor fuses the same ops itself), with Triton installed and the kernel not failed in
-this process. A kernel that fails there (a Triton that cannot compile it) warns once, its step gets the
+this process. A product of a few rows (`product`) takes our kernel only where it was also measured faster than
+cuBLAS on this device, for its shape. A kernel that fails there (a Triton that cannot compile it) warns once, its step gets the
 reference's result, and the torch ops serve from then on (attention.with_fallback). Each kernel's bits and its
 fallback are tested on any machine through Triton's interpreter (tests/rollout/runtime/test_rope_write.py,
 test_silu_mul.py); why each exists is docs/gpu.md#where-a-step-goes."""
@@ -94,3 +95,82 @@ def activation_product(act, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     if act is F.silu and triton_serves(gate_up, _silu_error):
         return _fused_silu_mul(gate_up, inter)
     return gated(act, gate_up, inter)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """(residual +) x W^T (+ bias), the product of a Linear (and, with `residual`, the layer's residual sum added
+    as it is stored, llama.plus_product): few_rows.py's kernel for up to MAX_ROWS rows where `triton_serves` and
+    it was measured faster than torch's product for this shape (`_kernel_faster`), else torch's (`torch_product`)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if 0 < rows <= FEW_ROWS and _timed_here(x) and triton_serves(x, _product_error) \
+            and _kernel_faster(x, weight, bias, residual, rows):
+        return _fused_product(x, weight, bias, residual)
+    return torch_product(x, weight, bias, residual)
+
+
+def _timed_here(x: torch.Tensor) -> bool:
+    """Whether the choice between the kernels can be timed where x lives (CUDA events)."""
+    return x.is_cuda
+
+
+def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's ops for `product`: F.linear; with a residual and no bias one addmm, which adds it as it stores."""
+    if residual is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        H = residual.shape[-1]
+        return torch.addmm(residual.reshape(-1, H), x.reshape(-1, x.shape[-1]), weight.t()).view(residual.shape)
+    return residual + F.linear(x, weight, bias)
+
+
+FEW_ROWS = 16  # few_rows.MAX_ROWS (not imported: that module imports triton)
+_product_error: list[str] = []
+_fused_product = with_fallback(_triton("few_rows", "product"), torch_product, _product_error,
+                               "the Triton product kernel", "products take torch's ops from now on")
+_faster: dict[tuple, bool] = {}  # (weight shape, row bucket, bias, residual, dtype, device) -> our kernel is faster
+timings: dict[tuple, tuple[float, float]] = {}  # the same keys -> (our seconds, torch's)
+
+
+def _kernel_faster(x, weight, bias, residual, rows: int) -> bool:
+    """Whether our kernel ran this product faster than torch's on this device, measured once per shape and row
+    bucket (1, 2, 4, 8, 16) on the product's own inputs: each timed `TIMED` times after `WARM` untimed runs, CUDA
+    events on the current stream. Nothing is timed inside a CUDA graph's capture, which then takes torch's product
+    (a graph's warm-up runs, before its capture, meet the same shapes and decide)."""
+    key = (tuple(weight.shape), 1 << (rows - 1).bit_length(), bias is not None, residual is not None, x.dtype,
+           x.device)
+    faster = _faster.get(key)
+    if faster is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        ours = _seconds(_fused_product, x, weight, bias, residual)
+        theirs = _seconds(torch_product, x, weight, bias, residual)
+        faster = _faster[key] = bool(ours < theirs) and not _product_error
+        timings[key] = (ours, theirs)
+    return faster
+
+
+def product_choices() -> list[dict]:
+    """What `_kernel_faster` measured in this process: per weight shape and row bucket, microseconds of a product
+    by our kernel and by torch's, and which serves (the device check reports them)."""
+    return [dict(weight=list(k[0]), rows=k[1], bias=k[2], residual=k[3], ours_us=round(t[0] * 1e6, 2),
+                 torch_us=round(t[1] * 1e6, 2), ours=_faster[k]) for k, t in timings.items()]
+
+
+WARM, TIMED = 3, 10
+
+
+def _seconds(fn, *args) -> float:
+    """The median seconds of one fn(*args) on the current CUDA stream (after WARM untimed runs)."""
+    for _ in range(WARM):
+        fn(*args)
+    times = []
+    for _ in range(TIMED):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / 1e3

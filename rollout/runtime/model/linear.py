@@ -26,7 +26,8 @@ layout on every call; two ways around it (`python -m rlspec.bench step` measures
 Both copies follow the weight: the eager path checks its key at every call; compiled steps cannot (a check
 there would be a guard), so the runner refreshes every copy at the start of each generate call
 (`refresh_linears`), and the blocked copy is rewritten in place (compiled steps hold it).
-CUDA and training never take any of these paths; `unpack_linears` returns a model to F.linear alone.
+CUDA and training never take any of these paths (on CUDA a product of a few rows may take our Triton kernel instead,
+fused_ops.product); `unpack_linears` returns a model to F.linear alone.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model import fused_ops, kernels
 
 
 class Linear(nn.Linear):
@@ -62,7 +63,9 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
         if not self.plain and weight_major(x, self.weight):
             return weight_major_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        if self.plain:
+            return F.linear(x, self.weight, self.bias)
+        return fused_ops.product(x, self.weight, self.bias)  # CUDA: a few rows may take our kernel (few_rows.py)
 
     def pack(self, blocked: bool = False) -> None:
         """Make (or remake) the copies from the weight as it is now; blocked: also the kernel's copy (kept, and

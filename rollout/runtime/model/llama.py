@@ -23,6 +23,7 @@ from torch import nn
 
 from rlspec.rollout.runtime.model.attention import AttnMask, attend, attend_paged, dense_view
 from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.model import fused_ops
 from rlspec.rollout.runtime.model.fused_ops import activation_product, step_rotation
 from rlspec.rollout.runtime.model.gemma import GemmaRMSNorm, ScaledEmbedding, softcap
 from rlspec.rollout.runtime.model import kernels
@@ -64,13 +65,13 @@ def fused_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def plus_product(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
                  product=nn.Linear.__call__) -> torch.Tensor:
     """residual + product(linear, x): a layer's residual sum with the product that ends its attention or MLP. Where
-    the norms are fused (`fused_norm`: CUDA inference) and the product has no bias, it is one GEMM that adds the
-    residual as it stores (addmm, beta 1): one kernel where the product and the sum take two, two a decoder layer
-    (docs/gpu.md#where-a-step-goes). The sum is then rounded once, where HF rounds the product first, so in bf16 it
-    can differ from HF's in its last bit (in float32 only by the order of the product's sums)."""
+    the norms are fused (`fused_norm`: CUDA inference) and the product has no bias, it is one kernel that adds the
+    residual as it stores (addmm, beta 1, or our few-rows kernel: fused_ops.product): one kernel where the product
+    and the sum take two, two a decoder layer (docs/gpu.md#where-a-step-goes). The sum is then rounded once, where
+    HF rounds the product first, so in bf16 it can differ from HF's in its last bit (in float32 only by the order of
+    the product's sums)."""
     if linear.bias is None and fused_norm(x, linear.weight):
-        H = residual.shape[-1]
-        return torch.addmm(residual.reshape(-1, H), x.reshape(-1, x.shape[-1]), linear.weight.t()).view(residual.shape)
+        return fused_ops.product(x, linear.weight, None, residual)
     return residual + product(linear, x)
 
 

@@ -16,14 +16,17 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rlspec.rollout.runtime.model import paged_decode, rope_write, silu_mul  # noqa: E402
+from rlspec.rollout.runtime.model import few_rows, paged_decode, rope_write, silu_mul  # noqa: E402
 
 
-def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4) -> None:
+def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4, aligned=()) -> None:
+    """aligned: arguments a launch finds divisible by 16 (the pointers and sizes of the shapes the engine runs), as
+    Triton's launcher specialises them: what lets it vectorise and pipeline the loads (cp.async)."""
     signature = {n: pointers.get(n, "fp32" if n in floats else "constexpr" if n in constexprs else "i32")
                  for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps))
     print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared, {usage(kernel)}", flush=True)
 
@@ -66,6 +69,14 @@ def main(archs: list[int]) -> None:
                         dict(NH=28, D=128, DP=128, BF16=dtype == "bf16"), target)
             compile_one(silu_mul._silu_mul, dict(GU=f"*{dtype}", Out=f"*{dtype}"),
                         dict(BF16=dtype == "bf16", BLOCK=silu_mul.BLOCK), target)
+        # Qwen2.5-7B's products at a decode step: q|k|v (bias), o and down (the residual), gate|up and the LM head
+        for N, K, bias, res in ((4608, 3584, True, False), (3584, 3584, False, True), (37888, 3584, False, False),
+                                (3584, 18944, False, True)):
+            BN, BK = few_rows.tiles(N, K)
+            pointers = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Y="*bf16")
+            compile_one(few_rows._few_rows, pointers,
+                        dict(HAS_BIAS=bias, HAS_RES=res, BM=few_rows.MAX_ROWS, BN=BN, BK=BK, BF16=True, F32=False),
+                        target, aligned=[*pointers, "N", "K", "s_xm", "s_wn", "s_rm", "s_ym"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""A product of a few rows (a decode step's, a short verify's) as one Triton kernel on CUDA: x W^T (+ bias)
+(+ a residual), summed in float32 and rounded once to x's dtype.
+
+Why: at 1-16 rows a product streams its weight once and does little else, so its time is the weight's bytes over
+the bandwidth it reaches. On the H200 cuBLAS reached 59-63% of the bandwidth for a Qwen2.5-7B layer's two small
+products (q|k|v, 33 MB; o, 26 MB) and 78-80% for its MLP's (bench_out/gpu/profile.json, 2026-11-30): 3.8 ms of a
+6.3 ms step against 2.95 ms at the full bandwidth. Here each program streams BN whole rows of W, BK columns at a
+time, so a product of N outputs runs N / BN programs and no second pass (K is not split, whose partial sums would
+need another kernel); the bias and the layer's residual are added in float32 as the result is stored, one
+rounding, as addmm adds a residual.
+
+Each row's result depends on that row alone: every row is summed in the same order whatever the other rows are
+(rows past M are masked: their x reads 0 and nothing of them is stored; the dot's tile has 16 rows). So a verify
+of T tokens and a decode step give a token's product the same bits, which cuBLAS, choosing its kernel by the
+row count, does not. Whether this kernel or cuBLAS serves a shape is measured on the device
+(fused_ops.product); the same kernel runs on CPU tensors through Triton's interpreter
+(tests/rollout/runtime/test_few_rows.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlspec.rollout.runtime.model.rope_write import round_to
+
+MAX_ROWS = 16  # the dot's smallest tile; more rows are a GEMM's work (cuBLAS)
+
+
+@triton.jit
+def _few_rows(X, W, Bias, Res, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
+    """Outputs n0..n0+BN of rows 0..M-1. F32: the dot takes float32 operands at full precision (a float32 model,
+    and 16-bit ones in Triton's interpreter, which multiplies 16-bit operands wrongly; their products are exact in
+    float32)."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    kk = tl.arange(0, BK)
+    n_ok, m_ok = n < N, m < M
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + kk
+        k_ok = k < K
+        x = tl.load(X + m[:, None] * s_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + n[:, None] * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(Res + m[:, None] * s_rm + n[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + m[:, None] * s_ym + n[None, :], round_to(acc, Y.dtype.element_ty, BF16), mask=ok)
+
+
+def tiles(N: int, K: int) -> tuple[int, int]:
+    """(BN, BK): 16 rows of W a program while that leaves enough programs to fill a large GPU twice (N <= 16384:
+    a 7B layer's q|k|v, o and down products run 224-1,024 programs), 32 above (its gate|up, the LM head); 512
+    columns a load once K allows (8-16 KB of W in flight per load)."""
+    return (16 if N <= 16384 else 32), min(512, max(64, triton.next_power_of_2(K)))
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] of at most MAX_ROWS rows, weight [N, K] -> x W^T (+ bias [N]) (+ residual [..., N]), [..., N]."""
+    K, N = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"few_rows.product takes at most {MAX_ROWS} rows, got {M}")
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    res = y if residual is None else residual.reshape(M, N)
+    if res.stride(-1) != 1:
+        res = res.contiguous()
+    BN, BK = tiles(N, K)
+    _few_rows[(triton.cdiv(N, BN),)](
+        rows, weight, y if bias is None else bias, res, y, M, N, K, rows.stride(0), weight.stride(0), res.stride(0),
+        y.stride(0), HAS_BIAS=bias is not None, HAS_RES=residual is not None, BM=MAX_ROWS, BN=BN, BK=BK,
+        BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=4)
+    return y.view(*x.shape[:-1], N)

@@ -1,0 +1,130 @@
+"""A product of a few rows as one Triton kernel (model/few_rows.py) against float64, in bf16 and fp16, with and
+without a bias and a residual, on shapes that are and are not multiples of its tiles: one rounding to nearest even
+of the float32 sum (almost everywhere the float64 result rounded, never a full spacing off); each row's result its
+own, whatever the other rows; and a Linear and a layer's residual sum take it only where fused_ops.product measured
+it faster, with a fallback that warns. On CUDA compiled; elsewhere through Triton's interpreter (TRITON_INTERPRET,
+tests/conftest.py)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rlspec.rollout.runtime.model import fused_ops, llama
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 before triton is imported)", allow_module_level=True)
+few_rows = pytest.importorskip("rlspec.rollout.runtime.model.few_rows", reason="needs triton")
+
+
+def _inputs(dtype, M, N, K, bias=False, residual=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(N, generator=g).to(dtype).to(DEVICE) if bias else None
+    r = torch.randn(M, N, generator=g).to(dtype).to(DEVICE) if residual else None
+    return x, w, b, r
+
+
+def _exact(x, w, b, r) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return out + (0 if b is None else b.double()) + (0 if r is None else r.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K,bias,residual", [(1, 48, 300, True, False), (5, 70, 1100, False, True),
+                                                 (16, 40, 64, True, True), (3, 33, 520, False, False)])
+def test_one_rounding_of_the_float32_sum(dtype, M, N, K, bias, residual):
+    x, w, b, r = _inputs(dtype, M, N, K, bias, residual)
+    got = few_rows.product(x, w, b, r)
+    assert got.shape == (M, N) and got.dtype == dtype
+    exact = _exact(x, w, b, r)
+    # the spacing of dtype's numbers at each result: rounded once to nearest, a float32 sum is within half of it
+    # plus the float32 sum's own error (at most K units of float32 roundoff of the sum of |x| |w|)
+    ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-3))))
+    slack = K * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T)
+    assert ((got.double() - exact).abs() <= ulp + slack).all()
+    assert (got == exact.to(dtype)).double().mean() > 0.97  # rounded to nearest (truncation: ~half the bits)
+
+
+def test_each_row_is_its_own():
+    """A row's result has the same bits alone, among 5 rows or 16, and wherever it sits: a verify of T tokens and a
+    decode step give a token's product the same value."""
+    x, w, b, r = _inputs(torch.bfloat16, 16, 72, 700, bias=True, residual=True, seed=3)
+    full = few_rows.product(x, w, b, r)
+    assert torch.equal(few_rows.product(x[:5], w, b, r[:5]), full[:5])
+    assert torch.equal(few_rows.product(x[7:8], w, b, r[7:8])[0], full[7])
+    flip = torch.arange(15, -1, -1)
+    assert torch.equal(few_rows.product(x[flip], w, b, r[flip]), full[flip])
+
+
+def test_more_rows_than_a_tile_are_refused():
+    x, w, _, _ = _inputs(torch.bfloat16, few_rows.MAX_ROWS + 1, 16, 64)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        few_rows.product(x, w)
+    assert fused_ops.FEW_ROWS == few_rows.MAX_ROWS
+
+
+def test_the_kernel_serves_where_measured_faster_once_per_shape_and_row_bucket(monkeypatch, request):
+    """fused_ops.product times our kernel against torch's product once per (shape, row bucket) and keeps the faster;
+    a layer's residual sum (llama.plus_product) and a Linear go through it."""
+    x, w, b, r = _inputs(torch.bfloat16, 3, 40, 256, bias=True, residual=True, seed=5)
+    monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+    monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)  # the timer below stands in for CUDA events
+    request.addfinalizer(fused_ops._faster.clear)
+    request.addfinalizer(fused_ops.timings.clear)
+    timed = []
+    speeds = {"ours": 1.0, "torch": 2.0}
+
+    def seconds(fn, *args):
+        which = "torch" if fn is fused_ops.torch_product else "ours"
+        timed.append(which)
+        return speeds[which]
+
+    monkeypatch.setattr(fused_ops, "_seconds", seconds)
+    ours, theirs = few_rows.product(x, w, b, r), fused_ops.torch_product(x, w, b, r)
+    assert not torch.equal(ours, theirs)  # two roundings (torch: product, then sum) against one
+    assert torch.equal(fused_ops.product(x, w, b, r), ours) and timed == ["ours", "torch"]
+    assert torch.equal(fused_ops.product(x[:1], w, b, r[:1]), ours[:1]) and len(timed) == 4  # bucket 1: timed
+    assert torch.equal(fused_ops.product(x[:2], w, b, r[:2]), ours[:2]) and len(timed) == 6  # bucket 2
+    assert torch.equal(fused_ops.product(x[1:3], w, b, r[1:3]), ours[1:3]) and len(timed) == 6  # kept
+    choices = fused_ops.product_choices()
+    assert [(c["rows"], c["ours"], c["ours_us"], c["torch_us"]) for c in choices] == \
+        [(4, True, 1e6, 2e6), (1, True, 1e6, 2e6), (2, True, 1e6, 2e6)]
+    speeds["ours"] = 3.0  # slower for a new shape: torch's
+    assert torch.equal(fused_ops.product(x, w[:24], b[:24], r[:, :24]), fused_ops.torch_product(x, w[:24], b[:24],
+                                                                                               r[:, :24]))
+    # a layer's residual sum with a product without bias takes the same path
+    linear = llama.Linear(256, 40, bias=False).to(torch.bfloat16).to(DEVICE)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+        monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
+        speeds["ours"] = 0.5
+        assert torch.equal(llama.plus_product(r, x, linear), few_rows.product(x, w, None, r))
+        assert torch.equal(linear(x), few_rows.product(x, w))
+
+
+def test_more_rows_and_other_devices_take_torchs_product():
+    x, w, b, r = _inputs(torch.bfloat16, 20, 40, 64, bias=True)
+    assert torch.equal(fused_ops.product(x, w, b), torch.nn.functional.linear(x, w, b))  # 20 rows: a GEMM's work
+    if DEVICE == "cpu":  # triton_serves: CUDA only
+        assert torch.equal(fused_ops.product(x[:4], w, b), torch.nn.functional.linear(x[:4], w, b))
+
+
+def test_a_failing_kernel_warns_and_torch_serves_from_then_on(monkeypatch, request):
+    x, w, b, _ = _inputs(torch.bfloat16, 2, 40, 64, bias=True)
+    monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+    monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+    monkeypatch.setattr(fused_ops, "_kernel_faster", lambda *args: True)
+
+    def broken(*args):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(fused_ops, "_kernel", lambda module, name: broken)
+    request.addfinalizer(fused_ops._product_error.clear)
+    ref = torch.nn.functional.linear(x, w, b)
+    with pytest.warns(RuntimeWarning, match="the Triton product kernel failed"):
+        assert torch.equal(fused_ops.product(x, w, b), ref)
+    assert fused_ops._product_error and torch.equal(fused_ops.product(x, w, b), ref)
