@@ -152,11 +152,15 @@ def fast_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) for a plain nn.Linear outside autograd, through the bf16 few-row kernel where it serves x (a
     learned drafter's step: one to a few rows, whose unpacked oneDNN products reorder every weight at each
     call, ~8 GB/s); layer(x) everywhere else, and always when gradients are on (training the drafter). The
-    kernel reads a blocked copy of the weight, made again whenever the weight changed (new drafter weights)."""
+    kernel reads a blocked copy of the weight, made again whenever the weight changed (new drafter weights). On
+    CUDA, outside autograd, the product of a few rows may take our Triton kernel (fused_ops.product), which reads
+    the weight as it is."""
     if not torch.is_grad_enabled() and kernels.usable(x, layer.weight):
         key, blocked = getattr(layer, "_rlspec_blocked", ((), None))
         if key != _key(layer.weight):
             blocked = kernels.pack(layer.weight)
             layer._rlspec_blocked = (_key(layer.weight), blocked)
         return kernels.packed_linear(x, blocked, layer.bias, layer.out_features)
+    if x.is_cuda and not torch.is_grad_enabled():
+        return fused_ops.product(x, layer.weight, layer.bias)
     return layer(x)
