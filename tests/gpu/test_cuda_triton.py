@@ -4,8 +4,8 @@ at contexts that split into many chunks; and replayed from a CUDA graph captured
 row's chunks follow its live length inside the kernel). The rotation with the KV writes (model/rope_write.py):
 the torch ops' bits, and the engine's steps take it (and a drafter's q and k rotation). SiLU times up (model/silu_mul.py): torch's two ops to a last
 bit, and the MLPs of 16-bit CUDA steps take it. A product of a few rows (model/few_rows.py): one rounding of the
-float32 sum at Qwen2.5-7B's products, each row its own, chosen by timing against cuBLAS before a graph captures it
-and replayed from the graph."""
+float32 sum at Qwen2.5-7B's products, each row its own, the norm inside it torch's, chosen by timing against cuBLAS
+before a graph captures it and replayed from the graph."""
 import pytest
 import torch
 
@@ -87,11 +87,13 @@ def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():
                                (16, 3584, 18944, False, True)):
         product_cases.test_one_rounding_of_the_float32_sum(torch.bfloat16, M, N, K, bias, res)
     product_cases.test_each_row_is_its_own()
+    for M in (1, 4):  # the norm inside: torch's CUDA rms_norm, then the product
+        product_cases.test_the_norm_inside_is_torchs_rms_norm_then_the_product(M)
     x, w, _, r = product_cases._inputs(torch.bfloat16, 4, 3584, 3584, residual=True, seed=7)
     with torch.inference_mode():
         assert fused_ops.triton_serves(x, fused_ops._product_error)
         eager = fused_ops.product(x, w, None, r)  # times ours against cuBLAS for this shape, outside the capture
-        chosen = fused_ops._faster[(tuple(w.shape), 4, False, True, torch.bfloat16, x.device)]
+        chosen = fused_ops._faster[("product", tuple(w.shape), 4, False, True, torch.bfloat16, x.device)]
         ref = few_rows.product(x, w, None, r) if chosen else fused_ops.torch_product(x, w, None, r)
         assert torch.equal(eager, ref)
         graph = torch.cuda.CUDAGraph()

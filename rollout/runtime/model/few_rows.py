@@ -1,5 +1,6 @@
 """A product of a few rows (a decode step's, a short verify's) as one Triton kernel on CUDA: x W^T (+ bias)
-(+ a residual), summed in float32 and rounded once to x's dtype.
+(+ a residual), summed in float32 and rounded once to x's dtype; optionally of x RMS-normalised first (the norm
+before a layer's q|k|v and gate|up products, and the final one before the LM head), one kernel where two were.
 
 Why: at 1-16 rows a product streams its weight once and does little else, so its time is the weight's bytes over
 the bandwidth it reaches. On the H200 cuBLAS reached 59-63% of the bandwidth for a Qwen2.5-7B layer's two small
@@ -27,20 +28,34 @@ MAX_ROWS = 16  # the dot's smallest tile; more rows are a GEMM's work (cuBLAS)
 
 
 @triton.jit
-def _few_rows(X, W, Bias, Res, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
-    """Outputs n0..n0+BN of rows 0..M-1. F32: the dot takes float32 operands at full precision (a float32 model,
-    and 16-bit ones in Triton's interpreter, which multiplies 16-bit operands wrongly; their products are exact in
-    float32)."""
+def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HAS_BIAS: tl.constexpr,
+              HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              BF16: tl.constexpr, F32: tl.constexpr):
+    """Outputs n0..n0+BN of rows 0..M-1. HAS_NORM: x is RMS-normalised first (weight Norm [K], as torch's fused
+    rms_norm: x * rsqrt(mean(x^2) + eps) * weight in float32, rounded to x's dtype), each program summing its rows'
+    squares itself (a few rows of K: from the L2 cache). F32: the dot takes float32 operands at full precision (a
+    float32 model, and 16-bit ones in Triton's interpreter, which multiplies 16-bit operands wrongly; their
+    products are exact in float32)."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     kk = tl.arange(0, BK)
     n_ok, m_ok = n < N, m < M
+    if HAS_NORM:
+        squares = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + kk
+            x = tl.load(X + m[:, None] * s_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            x = x.to(tl.float32)
+            squares += tl.sum(x * x, 1)
+        rstd = 1.0 / tl.sqrt(squares / K + eps)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + kk
         k_ok = k < K
         x = tl.load(X + m[:, None] * s_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if HAS_NORM:
+            scale = tl.load(Norm + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = round_to(x.to(tl.float32) * rstd[:, None] * scale[None, :], X.dtype.element_ty, BF16)
         w = tl.load(W + n[:, None] * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if F32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -62,8 +77,9 @@ def tiles(N: int, K: int) -> tuple[int, int]:
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] of at most MAX_ROWS rows, weight [N, K] -> x W^T (+ bias [N]) (+ residual [..., N]), [..., N]."""
+            residual: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x [..., K] of at most MAX_ROWS rows, weight [N, K] -> x W^T (+ bias [N]) (+ residual [..., N]), [..., N];
+    with norm [K], rms_norm(x, norm, eps) W^T (...)."""
     K, N = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, K)
     M = rows.shape[0]
@@ -79,7 +95,8 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         res = res.contiguous()
     BN, BK = tiles(N, K)
     _few_rows[(triton.cdiv(N, BN),)](
-        rows, weight, y if bias is None else bias, res, y, M, N, K, rows.stride(0), weight.stride(0), res.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, HAS_RES=residual is not None, BM=MAX_ROWS, BN=BN, BK=BK,
+        rows, weight, y if bias is None else bias, res, y if norm is None else norm, y, M, N, K, rows.stride(0),
+        weight.stride(0), res.stride(0), y.stride(0), float(eps), HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, HAS_NORM=norm is not None, BM=MAX_ROWS, BN=BN, BK=BK,
         BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=4)
     return y.view(*x.shape[:-1], N)

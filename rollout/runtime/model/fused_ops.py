@@ -3,11 +3,12 @@ torch ops they replace (the reference on every other device, and each kernel's f
 
 `triton_serves` says where a kernel serves: CUDA, 16 bits, outside autograd (a drafter's training) and compiled
 code (a compiled layer's Inductor fuses the same ops itself), with Triton installed and the kernel not failed in
-this process. A product of a few rows (`product`) takes our kernel only where it was also measured faster than
-cuBLAS on this device, for its shape. A kernel that fails there (a Triton that cannot compile it) warns once, its step gets the
-reference's result, and the torch ops serve from then on (attention.with_fallback). Each kernel's bits and its
-fallback are tested on any machine through Triton's interpreter (tests/rollout/runtime/test_rope_write.py,
-test_silu_mul.py); why each exists is docs/gpu.md#where-a-step-goes."""
+this process. A product of a few rows (`product`, `normed_product`) takes our kernel only where it was also
+measured faster than torch's ops on this device, for its shape. A kernel that fails there (a Triton that cannot
+compile it) warns once, its step gets the reference's result, and the torch ops serve from then on
+(attention.with_fallback). Each kernel's bits and its fallback are tested on any machine through Triton's
+interpreter (tests/rollout/runtime/test_rope_write.py, test_silu_mul.py, test_few_rows.py); why each exists is
+docs/gpu.md#where-a-step-goes."""
 from __future__ import annotations
 
 import functools
@@ -100,23 +101,36 @@ def activation_product(act, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             residual: torch.Tensor | None = None) -> torch.Tensor:
     """(residual +) x W^T (+ bias), the product of a Linear (and, with `residual`, the layer's residual sum added
-    as it is stored, llama.plus_product): few_rows.py's kernel for up to MAX_ROWS rows where `triton_serves` and
-    it was measured faster than torch's product for this shape (`_kernel_faster`), else torch's (`torch_product`)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if 0 < rows <= FEW_ROWS and _timed_here(x) and triton_serves(x, _product_error) \
-            and _kernel_faster(x, weight, bias, residual, rows):
-        return _fused_product(x, weight, bias, residual)
+    as it is stored, llama.plus_product): few_rows.py's kernel for up to FEW_ROWS rows where it serves (`_few`)
+    and was measured faster than torch's product for this shape (`_faster_here`), else torch's (`torch_product`)."""
+    if _few(x, _product_error):
+        key = ("product", tuple(weight.shape), _bucket(x), bias is not None, residual is not None, x.dtype, x.device)
+        args = (x, weight, bias, residual)
+        if _faster_here(key, (_fused_product, *args), (torch_product, *args)):
+            return _fused_product(*args)
     return torch_product(x, weight, bias, residual)
 
 
-def _timed_here(x: torch.Tensor) -> bool:
-    """Whether the choice between the kernels can be timed where x lives (CUDA events)."""
-    return x.is_cuda
+def normed_product(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
+                   bias: torch.Tensor | None, unfused) -> torch.Tensor:
+    """rms_norm(x, norm, eps) W^T (+ bias): the norm before a layer's product (llama.normed) taken inside
+    few_rows.py's kernel, one kernel where the norm and the product take two, where it serves and was measured
+    faster than `unfused()` (the norm's module, then the product's); else unfused()."""
+    if _few(x, _product_error):
+        key = ("normed", tuple(weight.shape), _bucket(x), bias is not None, x.dtype, x.device)
+        args = (x, weight, bias, None, norm, eps)
+        if _faster_here(key, (_fused_product, *args), (unfused,)):
+            return _fused_product(*args)
+    return unfused()
 
 
 def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
-    """torch's ops for `product`: F.linear; with a residual and no bias one addmm, which adds it as it stores."""
+                  residual: torch.Tensor | None = None, norm: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor:
+    """torch's ops for `product`: F.linear; with a residual and no bias one addmm, which adds it as it stores;
+    with `norm`, torch's fused rms_norm first (the kernel's fallback)."""
+    if norm is not None:
+        x = F.rms_norm(x, norm.shape, norm, eps)
     if residual is None:
         return F.linear(x, weight, bias)
     if bias is None:
@@ -129,32 +143,42 @@ FEW_ROWS = 16  # few_rows.MAX_ROWS (not imported: that module imports triton)
 _product_error: list[str] = []
 _fused_product = with_fallback(_triton("few_rows", "product"), torch_product, _product_error,
                                "the Triton product kernel", "products take torch's ops from now on")
-_faster: dict[tuple, bool] = {}  # (weight shape, row bucket, bias, residual, dtype, device) -> our kernel is faster
+_faster: dict[tuple, bool] = {}  # (kind, weight shape, row bucket, ..., dtype, device) -> our kernel is faster
 timings: dict[tuple, tuple[float, float]] = {}  # the same keys -> (our seconds, torch's)
 
 
-def _kernel_faster(x, weight, bias, residual, rows: int) -> bool:
-    """Whether our kernel ran this product faster than torch's on this device, measured once per shape and row
-    bucket (1, 2, 4, 8, 16) on the product's own inputs: each timed `TIMED` times after `WARM` untimed runs, CUDA
-    events on the current stream. Nothing is timed inside a CUDA graph's capture, which then takes torch's product
-    (a graph's warm-up runs, before its capture, meet the same shapes and decide)."""
-    key = (tuple(weight.shape), 1 << (rows - 1).bit_length(), bias is not None, residual is not None, x.dtype,
-           x.device)
+def _few(x: torch.Tensor, errors: list[str]) -> bool:
+    """A product of 1-FEW_ROWS rows of x where our kernel can serve and its time be measured (CUDA events)."""
+    return 0 < x.numel() // max(x.shape[-1], 1) <= FEW_ROWS and _timed_here(x) and triton_serves(x, errors)
+
+
+def _timed_here(x: torch.Tensor) -> bool:
+    """Whether the choice between the kernels can be timed where x lives (CUDA events)."""
+    return x.is_cuda
+
+
+def _bucket(x: torch.Tensor) -> int:
+    """x's rows rounded up to a power of two: 1, 2, 4, 8, 16."""
+    return 1 << (x.numel() // x.shape[-1] - 1).bit_length()
+
+
+def _faster_here(key: tuple, ours: tuple, theirs: tuple) -> bool:
+    """Whether ours (fn, *args) ran faster than theirs on this device, measured once per key on the call's own
+    inputs (`_seconds`) and kept for the process. Nothing is timed inside a CUDA graph's capture, which then takes
+    theirs (a graph's warm-up runs, before its capture, meet the same shapes and decide)."""
     faster = _faster.get(key)
     if faster is None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if ours[1].is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        ours = _seconds(_fused_product, x, weight, bias, residual)
-        theirs = _seconds(torch_product, x, weight, bias, residual)
-        faster = _faster[key] = bool(ours < theirs) and not _product_error
-        timings[key] = (ours, theirs)
+        timings[key] = (_seconds(*ours), _seconds(*theirs))
+        faster = _faster[key] = bool(timings[key][0] < timings[key][1]) and not _product_error
     return faster
 
 
 def product_choices() -> list[dict]:
-    """What `_kernel_faster` measured in this process: per weight shape and row bucket, microseconds of a product
-    by our kernel and by torch's, and which serves (the device check reports them)."""
-    return [dict(weight=list(k[0]), rows=k[1], bias=k[2], residual=k[3], ours_us=round(t[0] * 1e6, 2),
+    """What `_faster_here` measured in this process: per kind (a product, a normed product), weight shape and row
+    bucket, microseconds by our kernel and by torch's, and which serves (the device check reports them)."""
+    return [dict(kind=k[0], weight=list(k[1]), rows=k[2], ours_us=round(t[0] * 1e6, 2),
                  torch_us=round(t[1] * 1e6, 2), ours=_faster[k]) for k, t in timings.items()]
 
 

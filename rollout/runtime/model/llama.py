@@ -75,6 +75,17 @@ def plus_product(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear,
     return residual + product(linear, x)
 
 
+def normed(norm: nn.Module | None, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(norm(x)) (linear(x) without a norm). Where torch's fused norm serves (`fused_norm`: CUDA inference),
+    a Llama RMSNorm and the product of our Linear after it are one kernel for a few rows wherever that was measured
+    faster (fused_ops.normed_product: the norm inside few_rows.py's product)."""
+    if norm is None:
+        return linear(x)
+    if type(norm) is RMSNorm and isinstance(linear, Linear) and not linear.plain and fused_norm(x, norm.weight):
+        return fused_ops.normed_product(x, norm.weight, norm.eps, linear.weight, linear.bias, lambda: linear(norm(x)))
+    return linear(norm(x))
+
+
 @dataclass
 class ForwardBatch:
     """Tensors for one forward over B sequences with T new tokens each.
@@ -112,11 +123,11 @@ class Attention(nn.Module):
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap  # None for all but Gemma 2/3
 
     def forward(self, x, cos, sin, k_cache, v_cache, fb: ForwardBatch, attn: AttnMask,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, norm: nn.Module | None = None) -> torch.Tensor:
         """attn: fb.attn, or the layer's own view of it (a sliding window, a dense mask: LlamaForCausalLM);
-        residual: added to the output (`plus_product`)."""
+        residual: added to the output (`plus_product`); norm: applied to x first (`normed`)."""
         B, T, _ = x.shape
-        qkv = self.qkv_proj(x).view(B, T, self.nh + 2 * self.nkv, self.hd)
+        qkv = normed(norm, self.qkv_proj, x).view(B, T, self.nh + 2 * self.nkv, self.hd)
         # cos/sin [B, T, 1, hd], sin signed: HF's rotation (`rope`)
         if self.q_norm is None and not attn.causal:  # a step: k and v are read back from the pool
             q = step_rotation(qkv)(qkv, cos, sin, k_cache, v_cache, fb.slots, self.nh, self.nkv)
@@ -158,9 +169,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual: added to the output (`plus_product`)."""
-        h = activation_product(self.act, self.gate_up_proj(x), self.inter)  # CUDA: SiLU's in one kernel
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                norm: nn.Module | None = None) -> torch.Tensor:
+        """residual: added to the output (`plus_product`); norm: applied to x first (`normed`)."""
+        h = activation_product(self.act, normed(norm, self.gate_up_proj, x), self.inter)  # CUDA: SiLU's in one kernel
         return self.down_proj(h) if residual is None else plus_product(residual, h, self.down_proj)
 
 
@@ -188,9 +200,9 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache,
                                                                  fb, attn))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, fb, attn, residual=x)
+        x = self.self_attn(x, cos, sin, k_cache, v_cache, fb, attn, residual=x, norm=self.input_layernorm)
         if isinstance(self.mlp, MLP):
-            return self.mlp(self.post_attention_layernorm(x), residual=x)
+            return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -300,7 +312,7 @@ def _head(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.Tensor:
 def _head_in_dtype(norm, lm_head, x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """_head's logits in the head's dtype (forward's float_logits=False): a CUDA graph's copy into its float32
     buffer converts them as it copies (graphs.py), where a float32 copy of the full logits came between."""
-    logits = lm_head(norm(x).to(lm_head.weight.dtype))
+    logits = normed(norm, lm_head, x) if x.dtype == lm_head.weight.dtype else lm_head(norm(x).to(lm_head.weight.dtype))
     if cap is not None:
         logits = softcap(logits, cap)
     return logits

@@ -60,6 +60,20 @@ def test_each_row_is_its_own():
     assert torch.equal(few_rows.product(x[flip], w, b, r[flip]), full[flip])
 
 
+@pytest.mark.parametrize("M", [1, 4])
+def test_the_norm_inside_is_torchs_rms_norm_then_the_product(M):
+    """With the norm's weight, the kernel's product is that of torch's fused rms_norm (float32, rounded once):
+    almost everywhere the same bits as the kernel's product of torch's normalised rows."""
+    x, w, b, _ = _inputs(torch.bfloat16, M, 72, 1100, bias=True, seed=9)
+    x = x * 7 + 3  # away from unit scale: a norm that did nothing would show
+    nw = (1 + torch.randn(1100, generator=torch.Generator().manual_seed(2)) / 4).to(torch.bfloat16).to(DEVICE)
+    got = few_rows.product(x, w, b, None, nw, 1e-6)
+    unfused = few_rows.product(torch.nn.functional.rms_norm(x, (1100,), nw, 1e-6), w, b)
+    assert (got == unfused).double().mean() > 0.97
+    torch.testing.assert_close(got.float(), unfused.float(), atol=0.02, rtol=0.02)
+    assert torch.equal(few_rows.product(x[:1], w, b, None, nw, 1e-6)[0], got[0])  # each row its own
+
+
 def test_more_rows_than_a_tile_are_refused():
     x, w, _, _ = _inputs(torch.bfloat16, few_rows.MAX_ROWS + 1, 16, 64)
     with pytest.raises(ValueError, match="at most 16 rows"):
@@ -117,7 +131,7 @@ def test_a_failing_kernel_warns_and_torch_serves_from_then_on(monkeypatch, reque
     x, w, b, _ = _inputs(torch.bfloat16, 2, 40, 64, bias=True)
     monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
     monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
-    monkeypatch.setattr(fused_ops, "_kernel_faster", lambda *args: True)
+    monkeypatch.setattr(fused_ops, "_faster_here", lambda *args: True)
 
     def broken(*args):
         raise RuntimeError("no kernel here")
@@ -128,3 +142,26 @@ def test_a_failing_kernel_warns_and_torch_serves_from_then_on(monkeypatch, reque
     with pytest.warns(RuntimeWarning, match="the Triton product kernel failed"):
         assert torch.equal(fused_ops.product(x, w, b), ref)
     assert fused_ops._product_error and torch.equal(fused_ops.product(x, w, b), ref)
+
+
+def test_a_layer_takes_its_norm_into_the_product_where_measured_faster(monkeypatch, request):
+    """A decoder layer's q|k|v and gate|up products and the LM head take their norm inside our kernel where
+    fused_ops.normed_product measured it faster than the norm and the product apart; elsewhere (any CPU) the
+    layer computes linear(norm(x)) as before, bit for bit."""
+    norm = llama.RMSNorm(256, 1e-6).to(torch.bfloat16).to(DEVICE)
+    linear = llama.Linear(256, 40, bias=True).to(torch.bfloat16).to(DEVICE)
+    x = (torch.randn(2, 1, 256, generator=torch.Generator().manual_seed(4)) * 5).to(torch.bfloat16).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        assert torch.equal(llama.normed(norm, linear, x), linear(norm(x)))  # the CPU's path
+        assert torch.equal(llama.normed(None, linear, x), linear(x))
+        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+        monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+        monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
+        monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *args: 1.0 if fn is fused_ops._fused_product else 2.0)
+        request.addfinalizer(fused_ops._faster.clear)
+        request.addfinalizer(fused_ops.timings.clear)
+        got = llama.normed(norm, linear, x)
+        assert torch.equal(got, few_rows.product(x, linear.weight, linear.bias, None, norm.weight, 1e-6))
+        assert [c["kind"] for c in fused_ops.product_choices()] == ["normed"]
+
