@@ -165,3 +165,34 @@ def test_a_layer_takes_its_norm_into_the_product_where_measured_faster(monkeypat
         assert torch.equal(got, few_rows.product(x, linear.weight, linear.bias, None, norm.weight, 1e-6))
         assert [c["kind"] for c in fused_ops.product_choices()] == ["normed"]
 
+
+
+@pytest.mark.parametrize("rows,T", [(5, 1), (2, 4)])
+def test_a_model_step_through_the_kernels_is_the_torch_step_to_rounding(monkeypatch, request, rows, T):
+    """A bf16 step of a tiny model with every product and norm it can take through our kernel (as on CUDA, where
+    measured faster): the layers' q|k|v and gate|up with their norms, o and down with the residual sums, the LM
+    head with the final norm. Its logits are the torch step's up to bf16 rounding, and its greedy tokens the same."""
+    from rlspec.rollout.runtime.graphs import EagerRunner
+    from tests.rollout.runtime.test_graphs import _runner, _tokens
+
+    runner, lens = _runner(dtype=torch.bfloat16, compile_mode="off")
+    tokens, step = _tokens(rows, T, seed=4), EagerRunner(runner.model, runner.cache, "cpu")
+    monkeypatch.setattr(llama, "fused_norm", lambda t, weight: not torch.is_grad_enabled())
+    with torch.inference_mode():
+        k0, v0 = runner.cache.k.clone(), runner.cache.v.clone()
+        ref, _ = step.run(tokens, lens[:rows])
+        runner.cache.k.copy_(k0)
+        runner.cache.v.copy_(v0)
+        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+        monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+        monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *args: 1.0 if fn is fused_ops._fused_product else 2.0)
+        request.addfinalizer(fused_ops._faster.clear)
+        request.addfinalizer(fused_ops.timings.clear)
+        calls = []
+        monkeypatch.setattr(fused_ops, "_fused_product", lambda *args: calls.append(args) or few_rows.product(*args))
+        got, _ = step.run(tokens, lens[:rows])
+    layers = runner.model.cfg.num_layers
+    kinds = [("norm" if len(a) > 4 else "residual" if a[3] is not None else "plain") for a in calls]
+    assert kinds.count("norm") == 2 * layers + 1 and kinds.count("residual") == 2 * layers
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
