@@ -10,7 +10,9 @@ counted as one (`CudaChoices`: FlexAttention; torch's fused RMSNorm), where the 
 Rows, for a Qwen2.5-7B-shaped model scaled down (the same ops: grouped heads, q|k|v bias, SwiGLU; a layer's
 count does not depend on its sizes), in bfloat16 (what GPUs run) and float32, at T = 1 (decode) and T = 5 (a
 4-token chain's verify), with each RMSNorm as torch's fused kernel (norm "fused", what CUDA runs:
-llama.fused_norm) and as HF's arithmetic (norm "hf", the CPU's):
+llama.fused_norm), as HF's arithmetic (norm "hf", the CPU's), and, in bf16, with every product of a few rows as our
+Triton kernel and the norms before q|k|v, gate|up and the LM head inside it (norm "ours": where fused_ops measured
+that kernel faster than cuBLAS on the device):
   * layer: kernels of one decoder layer, and by op;
   * head: the final norm, the LM head and the logits' conversion;
   * eagle3_level: one EAGLE-3 draft level (the drafter's layer and its draft-vocabulary logits);
@@ -63,13 +65,14 @@ class DeviceOps:
         self.mode.__exit__(*exc)
 
     def as_one(self, name: str | None, fn, *args, **kwargs):
-        """fn(*args, **kwargs) counted as one kernel `name` (None: as none), whatever ops it runs."""
-        self.paused = True
+        """fn(*args, **kwargs) counted as one kernel `name` (None: as none), whatever ops it runs, counted ones
+        among them (a kernel whose stand-in calls another: our product's reference runs torch's norm)."""
+        outer, self.paused = self.paused, True
         try:
             return fn(*args, **kwargs)
         finally:
-            self.paused = False
-            if name is not None:
+            self.paused = outer
+            if name is not None and not outer:
                 self.counts[name] += 1
 
     @property
@@ -109,11 +112,13 @@ class CudaChoices:
     kernel reads the pool in place (no block mask, no gather: attention.attend_paged, computed densely here) and,
     with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and, in 16 bits, a step's rotation
     and KV writes (a drafter's q and k rotation) and each MLP's silu(gate) * up as our Triton kernels
-    (fused_ops.triton_serves); no CPU kernel serves (model/kernels). Open it before the runner is made (its cache
-    takes CUDA's block size)."""
+    (fused_ops.triton_serves); no CPU kernel serves (model/kernels). With `products`, every product of a few rows
+    as our few-rows kernel (model/few_rows.py, the norms before q|k|v, gate|up and the LM head inside it), as where
+    fused_ops measured it faster on the device. Open it before the runner is made (its cache takes CUDA's block
+    size)."""
 
-    def __init__(self, fused_norm: bool):
-        self.fused_norm, self.ops = fused_norm, None
+    def __init__(self, fused_norm: bool, products: bool = False):
+        self.fused_norm, self.products, self.ops = fused_norm, products, None
 
     def __enter__(self):
         import torch.nn.functional as F
@@ -124,7 +129,7 @@ class CudaChoices:
         self.saved = (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
                       fused_ops.triton_serves, fused_ops._fused_rotation, fused_ops._fused_silu_mul,
                       fused_ops._fused_pair, llama.attend_paged, attention.use_paged_decode, graphs.use_flex,
-                      runner.use_flex)
+                      runner.use_flex, fused_ops._timed_here, fused_ops._faster_here, fused_ops._fused_product)
         attend, gather, _, rms_norm = self.saved[:4]
         kernels.ready = False  # the CPU kernels (AVX-512 BF16 machines) serve no CUDA step
         attention.use_paged_decode = graphs.use_flex = runner.use_flex = lambda device: True
@@ -142,6 +147,10 @@ class CudaChoices:
             fused_ops._fused_rotation = counted("rope_write", fused_ops.rotate_and_write)
             fused_ops._fused_silu_mul = counted("silu_mul", fused_ops.silu_times)
             fused_ops._fused_pair = counted("rope_pair", fused_ops.rope_pair)
+        if self.products:
+            fused_ops._timed_here = lambda x: True
+            fused_ops._faster_here = lambda key, ours, theirs: True
+            fused_ops._fused_product = counted("few_rows", fused_ops.torch_product)
         return self
 
     def __exit__(self, *exc):
@@ -152,25 +161,30 @@ class CudaChoices:
 
         (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready, fused_ops.triton_serves,
          fused_ops._fused_rotation, fused_ops._fused_silu_mul, fused_ops._fused_pair, llama.attend_paged,
-         attention.use_paged_decode, graphs.use_flex, runner.use_flex) = self.saved
+         attention.use_paged_decode, graphs.use_flex, runner.use_flex, fused_ops._timed_here, fused_ops._faster_here,
+         fused_ops._fused_product) = self.saved
 
 
-def layer_counts(model, dtype, batch: int, tokens: int,
-                 fused_norm: bool = True) -> tuple[DeviceOps, DeviceOps, DeviceOps]:
+def layer_counts(model, dtype, batch: int, tokens: int, fused_norm: bool = True,
+                 products: bool = False) -> tuple[DeviceOps, DeviceOps, DeviceOps]:
     """(first decoder layer, head, the rest of the step) kernels of one step of `tokens` new tokens per row over
-    `batch` rows, as CUDA runs them (`CudaChoices`; fused_norm False: HF's norm arithmetic, the CPU's). The rest:
+    `batch` rows, as CUDA runs them (`CudaChoices`; fused_norm False: HF's norm arithmetic, the CPU's; products:
+    our few-rows kernel for every product it can take). The rest:
     what a step launches outside its layers and head (the embedding, the rows' slots, the RoPE rows)."""
     import torch
 
     from rlspec.rollout.runtime.model import llama
-    from rlspec.rollout.runtime.model.linear import unpack_linears
+    from rlspec.rollout.runtime.model.linear import Linear, unpack_linears
     from rlspec.rollout.runtime.runner import ModelRunner
 
     layer, head, rest = DeviceOps(), DeviceOps(), DeviceOps()
     first = model.model.layers[0]
-    with CudaChoices(fused_norm) as cuda:
+    with CudaChoices(fused_norm, products) as cuda:
         runner = ModelRunner(model, "cpu", dtype, "off", compile_mode="off")
         unpack_linears(model)  # F.linear, as on CUDA: not the CPU's packed bf16 copies (model/linear.py)
+        for m in model.modules() if products else ():  # ... and fused_ops.product, which CUDA's Linears call
+            if isinstance(m, Linear):
+                m.plain = False
         cache = runner.ensure_cache(batch, 256)
         cache.reset()
         cache.reserve_rows(batch, 48)
@@ -192,7 +206,7 @@ def layer_counts(model, dtype, batch: int, tokens: int,
     return layer, head, rest
 
 
-def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True) -> DeviceOps:
+def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True, products: bool = False) -> DeviceOps:
     """Kernels of one EAGLE-3 draft level over `batch` rows: the drafter's layer on its previous output and the
     drafted token's embedding, then its draft-vocabulary logits, as CUDA runs them (`CudaChoices`)."""
     import torch
@@ -211,7 +225,7 @@ def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True) -> DeviceOp
         ops.counts["attention"] += 1
         return q  # the level's shapes, without the CPU's attention ops
 
-    with CudaChoices(fused_norm) as cuda, torch.inference_mode(), ops:
+    with CudaChoices(fused_norm, products) as cuda, torch.inference_mode(), ops:
         cuda.ops = ops
         drafter.logits(drafter(h, embeds, cos, sin, attend))
     return ops
@@ -258,10 +272,11 @@ def run(args) -> dict:
     for name in ("bfloat16", "float32"):
         dtype = getattr(torch, name)
         model = target(dtype)
-        for norm, fused in (("fused", True), ("hf", False)):
-            level = eagle3_counts(model, dtype, args.batch, fused)
+        modes = [("fused", True, False), ("hf", False, False)] + ([("ours", True, True)] if name == "bfloat16" else [])
+        for norm, fused, products in modes:
+            level = eagle3_counts(model, dtype, args.batch, fused, products)
             for t in args.tokens:
-                layer, head, rest = layer_counts(model, dtype, args.batch, t, fused)
+                layer, head, rest = layer_counts(model, dtype, args.batch, t, fused, products)
                 rows.append({"dtype": name, "norm": norm, "tokens": t, "layer": layer.total, "head": head.total,
                              "step_rest": rest.total, "eagle3_level": level.total,
                              "layer_ops": dict(sorted(layer.counts.items())),
