@@ -89,6 +89,13 @@ def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():
     product_cases.test_each_row_is_its_own()
     for M in (1, 4):  # the norm inside: torch's CUDA rms_norm, then the product
         product_cases.test_the_norm_inside_is_torchs_rms_norm_then_the_product(M)
+    # the engine's normed variants at 7B's shapes (q|k|v with its bias; gate|up and the LM head), compiled here
+    # once for the sections after (Triton's cache is the machine's)
+    for N, bias in ((4608, True), (37888, False)):
+        x, w, b, _ = product_cases._inputs(torch.bfloat16, 2, N, 3584, bias=bias)
+        nw = torch.ones(3584, dtype=torch.bfloat16, device=x.device)
+        torch.testing.assert_close(few_rows.product(x, w, b, None, nw, 1e-6).float(), fused_ops.torch_product(
+            x, w, b, None, nw, 1e-6).float(), atol=0.05, rtol=0.02)
     x, w, _, r = product_cases._inputs(torch.bfloat16, 4, 3584, 3584, residual=True, seed=7)
     with torch.inference_mode():
         assert fused_ops.triton_serves(x, fused_ops._product_error)

@@ -27,7 +27,7 @@ from rlspec.rollout.runtime.model.rope_write import round_to
 MAX_ROWS = 16  # the dot's smallest tile; more rows are a GEMM's work (cuBLAS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile for 1-16 rows (Triton would specialise M == 1 and M == 16)
 def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               BF16: tl.constexpr, F32: tl.constexpr):
