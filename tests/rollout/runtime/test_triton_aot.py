@@ -1,6 +1,8 @@
 """Our Triton kernels compile for a Hopper GPU (sm_90: the H100/H200) on any machine, through Triton's own ptxas
 (triton_aot.py, in a process with the interpreter off), with no register spilled: the GPU compiler's refusals
-and a variant too large for its warps surface here, before a GPU runs them."""
+and a variant too large for its warps surface here, before a GPU runs them. The paged attention and the few-rows
+product compile as a launch specialises them (pointers and strides divisible by 16), so with the pipelined,
+vectorised loads the GPU runs and the registers those take."""
 from __future__ import annotations
 
 import os

@@ -53,10 +53,12 @@ def main(archs: list[int]) -> None:
             M = max(16, min(triton.next_power_of_2(G * T), paged_decode.MAX_ROWS))
             pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", Table="*i64", Start="*i64",
                             Tree="*u8" if tree else "*i64", Out=f"*{dtype}" if direct else "*fp32", Lse="*fp32")
+            # the queries', pools' and partial outputs' strides are multiples of the head size (of 16) at a launch
+            strides = [n for n in paged_decode._split.arg_names if n[:3] in ("sq_", "sk_", "sv_", "so_")]
             compile_one(paged_decode._split, pointers,
                         dict(T=T, G=G, D=D, DP=D, BS=128, N=paged_decode.TILE_KEYS, M=M, QT=-(-G * T // M),
                              TREE=tree, DIRECT=direct, F32=f32), target, floats=("scale",),
-                        num_warps=paged_decode.warps(M, D))
+                        num_warps=paged_decode.warps(M, D), aligned=[*pointers, *strides])
         compile_one(paged_decode._combine, dict(Part="*fp32", Lse="*fp32", Out="*bf16"),
                     dict(H=28, D=128, DP=128, NSP=64), target)
         for dtype in ("bf16", "fp16"):
