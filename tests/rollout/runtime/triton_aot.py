@@ -28,7 +28,9 @@ def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_war
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps))
-    print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared, {usage(kernel)}", flush=True)
+    loads = "cp.async" if "cp.async" in kernel.asm["ptx"] else "no cp.async"  # loads pipelined through shared memory
+    print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared, {loads}, {usage(kernel)}",
+          flush=True)
 
 
 def usage(kernel) -> str:
