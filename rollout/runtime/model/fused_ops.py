@@ -164,8 +164,9 @@ def _bucket(x: torch.Tensor) -> int:
 
 def _faster_here(key: tuple, ours: tuple, theirs: tuple) -> bool:
     """Whether ours (fn, *args) ran faster than theirs on this device, measured once per key on the call's own
-    inputs (`_seconds`) and kept for the process. Nothing is timed inside a CUDA graph's capture, which then takes
-    theirs (a graph's warm-up runs, before its capture, meet the same shapes and decide)."""
+    inputs, each replayed from a CUDA graph (`_seconds`), and kept for the process. Nothing is timed inside a CUDA
+    graph's capture, which then takes theirs (a graph's warm-up runs, before its capture, meet the same shapes and
+    decide)."""
     faster = _faster.get(key)
     if faster is None:
         if ours[1].is_cuda and torch.cuda.is_current_stream_capturing():
@@ -182,19 +183,32 @@ def product_choices() -> list[dict]:
                  torch_us=round(t[1] * 1e6, 2), ours=_faster[k]) for k, t in timings.items()]
 
 
-WARM, TIMED = 3, 10
+REPS, TIMED = 20, 5  # runs captured in one CUDA graph; replays of it timed (the median)
 
 
 def _seconds(fn, *args) -> float:
-    """The median seconds of one fn(*args) on the current CUDA stream (after WARM untimed runs)."""
-    for _ in range(WARM):
-        fn(*args)
+    """Device seconds of one fn(*args) as a CUDA graph replays it (where the steps run: no launch costs of the host's
+    in it, which for a few microseconds' product would decide the comparison): REPS runs captured in one graph on a
+    side stream, after one run outside it (a kernel's compile), then the median of TIMED replays over REPS."""
+    fn(*args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(REPS):
+                fn(*args)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
     times = []
     for _ in range(TIMED):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(*args)
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / REPS)
     return sorted(times)[len(times) // 2] / 1e3
