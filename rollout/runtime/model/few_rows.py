@@ -70,9 +70,9 @@ def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HA
 
 
 def tiles(N: int, K: int) -> tuple[int, int]:
-    """(BN, BK): 16 rows of W a program while that leaves enough programs to fill a large GPU twice (N <= 16384:
-    a 7B layer's q|k|v, o and down products run 224-1,024 programs), 32 above (its gate|up, the LM head); 512
-    columns a load once K allows (8-16 KB of W in flight per load)."""
+    """(BN, BK): 16 rows of W a program up to 16,384 outputs (a 7B layer's q|k|v, o and down: 224-288 programs,
+    about two for each of a large GPU's SMs), 32 above (its gate|up: 1,184; the LM head: 4,752); 512 columns a load
+    once K allows (16-32 KB of W a load)."""
     return (16 if N <= 16384 else 32), min(512, max(64, triton.next_power_of_2(K)))
 
 
