@@ -124,5 +124,8 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     for r in out["eagle3_draft"]:  # a level over the graph-replayed plain step of the verify rows
         if r["draft_level_ms"] is not None and r["batch"] in plain:
             r["vs_plain_step"] = r["draft_level_ms"] / plain[r["batch"]]
+    from rlspec.rollout.runtime.model.fused_ops import product_choices
+
+    out["products"] = product_choices()  # the verifies' and the drafter's: other row buckets than `plain`'s
     save(out)
     return out
