@@ -386,11 +386,11 @@ def attend_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMas
     except Exception as exc:  # noqa: BLE001 - any compile/runtime failure: the dense path is exact
         kernel_failed(_flex_error, exc, "FlexAttention", "attention falls back to dense masks, which read every cache "
                       "position")
-        dense = dense_step_mask(mask.start, T, mask.kv_len, mask.tree)
-        if mask.table is not None:  # k, v are the whole paged pool: gather the rows' blocks
-            k, v = (gather_blocks(x[0].transpose(0, 1).reshape(-1, BLOCK, *x.shape[1::2]),
-                                  mask.table[:, : mask.kv_len // BLOCK]) for x in (k, v))
-        return attend_dense(q.reshape(B, H, t, D)[:, :, :T], k, v, dense, scale)
+        q = q.reshape(B, H, t, D)[:, :, :T]
+        if mask.table is not None:  # k, v are the whole paged pool as one sequence: its blocks, as the pool holds them
+            k_pool, v_pool = (x[0].transpose(0, 1).reshape(-1, BLOCK, *x.shape[1::2]) for x in (k, v))
+            return attend_paged_dense(q, k_pool, v_pool, mask, scale)
+        return attend_dense(q, k, v, dense_step_mask(mask.start, T, mask.kv_len, mask.tree), scale)
     return out.reshape(B, H, t, D)[:, :, :T]
 
 
