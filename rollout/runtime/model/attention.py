@@ -406,8 +406,9 @@ def _mark_shapes(q, k, v, mask: AttnMask) -> None:
 
     bm = mask.block
     kv = [k, v] if k.stride(0) else []  # the paged pool's stride-0 batch stays as it is
-    batched = [q, *kv, mask.start, mask.tree, mask.table, *mask.captured, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-               bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
+    batched = [q, *kv, mask.start, mask.tree, mask.table, *mask.captured, bm.kv_num_blocks, bm.kv_indices,
+               bm.full_kv_num_blocks, bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
+               bm.full_q_indices]
     # torch 2.13's C++ (CPU) flex template fails to compile the paged mask with a dynamic batch; CPU runs
     # flex only in tests (the engine attends densely there), so it compiles per batch size instead
     if q.shape[0] > 1 and not (mask.table is not None and q.device.type == "cpu"):
