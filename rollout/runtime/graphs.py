@@ -118,7 +118,7 @@ def build_step_batch(tokens, start, cache: PagedKVCache, S: int, depths=None, tr
     steps = torch.arange(T, device=tokens.device)
     offs = steps.expand(B, T) if depths is None else depths
     write = start[:, None] + steps
-    slots = cache.slots(torch.arange(B, device=tokens.device), write)
+    slots = cache.step_slots(write)
     if flex and T <= BLOCK and cache.block_size == BLOCK:  # paged FlexAttention: no gather at all
         attn = step_mask(start, T, S, tree_mask, True, cache.table[:B], cache.k.shape[1] * BLOCK, group)
         return ForwardBatch(tokens, start[:, None] + offs, write, attn, slots)

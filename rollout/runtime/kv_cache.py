@@ -171,6 +171,14 @@ class PagedKVCache:
         blk = self.table[rows[:, None], col.clamp(0, width - 1)]
         return torch.where(ok, blk * bs + positions.remainder(bs), TRASH * bs)
 
+    def step_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """slots() of table rows 0..B-1 at positions [B, T] that all lie inside the table, a step's (its rows'
+        starts plus T stay within the cache's length, graphs.GraphPool.key_for; padding rows start at 0): no
+        guards, five kernels of every step's graph where slots() takes ten."""
+        bs = self.block_size
+        return self.table[: positions.shape[0]].gather(1, positions.div(bs, rounding_mode="floor")) * bs + \
+            positions.remainder(bs)
+
     def host_slots(self, owner: Hashable, positions: list[int]) -> list[int]:
         """slots() of one sequence's positions, on the host, from the blocks its allocator list holds (which its
         table row mirrors): for a drafter's few new positions a step, built into one tensor with its other indices

@@ -121,3 +121,12 @@ def test_budget_too_small_for_one_sequence_names_the_size():
     assert KVBudget(memory_gb=1.0).pool_blocks(1024, rows=4, length=64, min_positions=64, device="cpu") == 17
     with pytest.raises(ValueError, match="kv_memory_fraction"):
         KVBudget(memory_fraction=1.5)
+
+
+def test_step_slots_are_slots_inside_the_table():
+    """kv_cache.step_slots (a step's positions, all inside the table) gives slots()'s answer without its guards."""
+    cache = _cache(rows=4, length=32, blocks=40)
+    g = torch.Generator().manual_seed(0)
+    cache.table[:3] = torch.randint(1, 40, (3, cache.table.shape[1]), generator=g)  # row 3: the trash block's
+    positions = torch.randint(0, 32, (4, 5), generator=g)
+    assert torch.equal(cache.step_slots(positions), cache.slots(torch.arange(4), positions))
