@@ -201,8 +201,9 @@ def layer_counts(model, dtype, batch: int, tokens: int, fused_norm: bool = True,
             finally:
                 cuda.ops = None
 
+        inputs = torch.full((batch, tokens), 5), torch.full((batch,), 9)  # the step's (a graph's static buffers)
         with torch.inference_mode(), rest:
-            runner.steps.run(torch.full((batch, tokens), 5), torch.full((batch,), 9), layer_call=call)
+            runner.steps.run(*inputs, layer_call=call)
     return layer, head, rest
 
 
