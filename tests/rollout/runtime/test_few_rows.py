@@ -166,7 +166,6 @@ def test_a_layer_takes_its_norm_into_the_product_where_measured_faster(monkeypat
         assert [c["kind"] for c in fused_ops.product_choices()] == ["normed"]
 
 
-
 @pytest.mark.parametrize("rows,T", [(5, 1), (2, 4)])
 def test_a_model_step_through_the_kernels_is_the_torch_step_to_rounding(monkeypatch, request, rows, T):
     """A bf16 step of a tiny model with every product and norm it can take through our kernel (as on CUDA, where
