@@ -110,4 +110,14 @@ def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():
         graph.replay()
         ref = few_rows.product(x, w, None, r) if chosen else fused_ops.torch_product(x, w, None, r)
         assert torch.equal(out, ref)
+        linear = llama_linear(3584, 3584)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+        assert torch.equal(linear(x), fused_ops.product(x, w))  # a CUDA Linear's product is fused_ops.product's
+
+
+def llama_linear(k: int, n: int):
+    from rlspec.rollout.runtime.model.linear import Linear
+
+    return Linear(k, n, bias=False).to(torch.bfloat16).cuda()
 

@@ -63,9 +63,9 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
         if not self.plain and weight_major(x, self.weight):
             return weight_major_linear(x, self.weight, self.bias)
-        if self.plain:
+        if self.plain or not x.is_cuda:
             return F.linear(x, self.weight, self.bias)
-        return fused_ops.product(x, self.weight, self.bias)  # CUDA: a few rows may take our kernel (few_rows.py)
+        return fused_ops.product(x, self.weight, self.bias)  # a few rows may take our kernel (few_rows.py)
 
     def pack(self, blocked: bool = False) -> None:
         """Make (or remake) the copies from the weight as it is now; blocked: also the kernel's copy (kept, and
