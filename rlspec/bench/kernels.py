@@ -126,43 +126,39 @@ class CudaChoices:
         from rlspec.rollout.runtime import graphs, runner
         from rlspec.rollout.runtime.model import attention, fused_ops, kernels, llama
 
-        self.saved = (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready,
-                      fused_ops.triton_serves, fused_ops._fused_rotation, fused_ops._fused_silu_mul,
-                      fused_ops._fused_pair, llama.attend_paged, attention.use_paged_decode, graphs.use_flex,
-                      runner.use_flex, fused_ops._timed_here, fused_ops._faster_here, fused_ops._fused_product)
-        attend, gather, _, rms_norm = self.saved[:4]
-        kernels.ready = False  # the CPU kernels (AVX-512 BF16 machines) serve no CUDA step
-        attention.use_paged_decode = graphs.use_flex = runner.use_flex = lambda device: True
+        self.undo = []  # (module, name, value before), restored in reverse by __exit__
+
+        def put(module, name, value):
+            self.undo.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
 
         def counted(name, fn):
             return lambda *a, **kw: fn(*a, **kw) if self.ops is None else self.ops.as_one(name, fn, *a, **kw)
 
-        llama.attend, llama.gather_blocks = counted("attention", attend), counted(None, gather)
-        llama.attend_paged = counted("attention", attention.attend_paged_dense)
+        put(kernels, "ready", False)  # the CPU kernels (AVX-512 BF16 machines) serve no CUDA step
+        put(attention, "use_paged_decode", lambda device: True)
+        put(graphs, "use_flex", lambda device: True)
+        put(runner, "use_flex", lambda device: True)
+        put(llama, "attend", counted("attention", llama.attend))
+        put(llama, "gather_blocks", counted(None, llama.gather_blocks))
+        put(llama, "attend_paged", counted("attention", attention.attend_paged_dense))
         if self.fused_norm:
-            llama.fused_norm = lambda x, weight: x.dtype == weight.dtype
-            F.rms_norm = counted("rms_norm", rms_norm)
+            put(llama, "fused_norm", lambda x, weight: x.dtype == weight.dtype)
+            put(F, "rms_norm", counted("rms_norm", F.rms_norm))
             # our Triton kernels (model/rope_write.py, silu_mul.py), where fused_ops.triton_serves picks them on CUDA
-            fused_ops.triton_serves = lambda x, errors: x.element_size() == 2
-            fused_ops._fused_rotation = counted("rope_write", fused_ops.rotate_and_write)
-            fused_ops._fused_silu_mul = counted("silu_mul", fused_ops.silu_times)
-            fused_ops._fused_pair = counted("rope_pair", fused_ops.rope_pair)
+            put(fused_ops, "triton_serves", lambda x, errors: x.element_size() == 2)
+            put(fused_ops, "_fused_rotation", counted("rope_write", fused_ops.rotate_and_write))
+            put(fused_ops, "_fused_silu_mul", counted("silu_mul", fused_ops.silu_times))
+            put(fused_ops, "_fused_pair", counted("rope_pair", fused_ops.rope_pair))
         if self.products:
-            fused_ops._timed_here = lambda x: True
-            fused_ops._faster_here = lambda key, ours, theirs: True
-            fused_ops._fused_product = counted("few_rows", fused_ops.torch_product)
+            put(fused_ops, "_timed_here", lambda x: True)
+            put(fused_ops, "_faster_here", lambda key, ours, theirs: True)
+            put(fused_ops, "_fused_product", counted("few_rows", fused_ops.torch_product))
         return self
 
     def __exit__(self, *exc):
-        import torch.nn.functional as F
-
-        from rlspec.rollout.runtime import graphs, runner
-        from rlspec.rollout.runtime.model import attention, fused_ops, kernels, llama
-
-        (llama.attend, llama.gather_blocks, llama.fused_norm, F.rms_norm, kernels.ready, fused_ops.triton_serves,
-         fused_ops._fused_rotation, fused_ops._fused_silu_mul, fused_ops._fused_pair, llama.attend_paged,
-         attention.use_paged_decode, graphs.use_flex, runner.use_flex, fused_ops._timed_here, fused_ops._faster_here,
-         fused_ops._fused_product) = self.saved
+        for module, name, value in reversed(self.undo):
+            setattr(module, name, value)
 
 
 def layer_counts(model, dtype, batch: int, tokens: int, fused_norm: bool = True,
