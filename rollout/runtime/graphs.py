@@ -403,9 +403,8 @@ class GraphPool:
         for b in reversed(self.batch_buckets):
             for t in reversed(self.t_buckets):
                 if (b, t, hl) not in self.graphs:
-                    empty = torch.zeros(0, t, dtype=torch.long)
-                    self.static.load(b, t, pad_batch(empty, empty[:, 0], None, None, b, t))
-                    self._chain = (b, t)
+                    empty = torch.zeros(0, t, dtype=torch.long, device=self.device)
+                    self._load(b, t, empty, empty[:, 0], None, None)  # every row padding: starts 0, a chain
                     self._capture((b, t, hl))
         if cuda:
             torch.cuda.synchronize(self.device)
