@@ -82,9 +82,9 @@ def test_cuda_silu_times_up_is_torchs_two_ops_to_a_last_bit(dtype):
 def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():
     from rlspec.rollout.runtime.model import few_rows, fused_ops
 
-    # Qwen2.5-7B's q|k|v (bias), o (the residual) and down products at 1, 5 and 16 rows
+    # Qwen2.5-7B's q|k|v (bias), o (the residual) and down products at 1, 5, 16 and 32 rows (two tiles)
     for M, N, K, bias, res in ((1, 4608, 3584, True, False), (5, 3584, 3584, False, True),
-                               (16, 3584, 18944, False, True)):
+                               (16, 3584, 18944, False, True), (32, 4608, 3584, True, False)):
         product_cases.test_one_rounding_of_the_float32_sum(torch.bfloat16, M, N, K, bias, res)
     product_cases.test_each_row_is_its_own()
     for M in (1, 4):  # the norm inside: torch's CUDA rms_norm, then the product

@@ -139,7 +139,7 @@ def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return residual + F.linear(x, weight, bias)
 
 
-FEW_ROWS = 16  # few_rows.MAX_ROWS (not imported: that module imports triton)
+FEW_ROWS = 32  # few_rows.MAX_ROWS (not imported: that module imports triton)
 _product_error: list[str] = []
 _fused_product = with_fallback(_triton("few_rows", "product"), torch_product, _product_error,
                                "the Triton product kernel", "products take torch's ops from now on")
@@ -158,7 +158,7 @@ def _timed_here(x: torch.Tensor) -> bool:
 
 
 def _bucket(x: torch.Tensor) -> int:
-    """x's rows rounded up to a power of two: 1, 2, 4, 8, 16."""
+    """x's rows rounded up to a power of two: 1, 2, 4, 8, 16, 32."""
     return 1 << (x.numel() // x.shape[-1] - 1).bit_length()
 
 

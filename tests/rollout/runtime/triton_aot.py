@@ -81,7 +81,7 @@ def main(archs: list[int]) -> None:
             BN, BK = few_rows.tiles(N, K)
             pointers = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Norm="*bf16", Y="*bf16")
             compile_one(few_rows._few_rows, pointers,
-                        dict(HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, BM=few_rows.MAX_ROWS, BN=BN, BK=BK, BF16=True,
+                        dict(HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, BM=few_rows.TILE_ROWS, BN=BN, BK=BK, BF16=True,
                              F32=False), target, floats=("eps",),
                         aligned=[*pointers, "N", "K", "s_xm", "s_wn", "s_rm", "s_ym"])
 
