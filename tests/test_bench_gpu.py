@@ -22,6 +22,13 @@ from rlspec.bench.gpucheck.spec_costs import tree
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _installed(package: str) -> str | None:
+    try:
+        return __import__(package).__version__
+    except ImportError:
+        return None
+
+
 def test_rehearsal_writes_every_section(tmp_path):
     """`make gpu-rehearsal`: the whole check at tiny shapes on the CPU, each section complete, in minutes."""
     proc = subprocess.run([sys.executable, "-m", "rlspec.bench.gpu", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
@@ -32,6 +39,7 @@ def test_rehearsal_writes_every_section(tmp_path):
     assert proc.returncode == 0, (proc.stdout[-3000:], logs)
     assert all(report[s]["status"] in ("ok", "skipped") for s in gpu.SECTIONS), logs
     assert report["commit"] and report["dirty"] in (True, False)  # written from the tree it ran
+    assert report["triton"] == _installed("triton")  # our kernels' compiler, beside torch's version
     # the CUDA tests ran (and skipped themselves on a CPU): one row per test in report.json, core and rest apart
     core, rest = report["tests"]["tests"], report["tests_rest"]["tests"]
     assert core and rest and all({"test", "outcome", "seconds"} <= r.keys() for r in core + rest)

@@ -164,7 +164,18 @@ def header(args) -> dict:
     return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
                 **harness.source_state(), smoke=args.smoke,
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                torch=torch.__version__, transformers=transformers.__version__, python=sys.version.split()[0])
+                torch=torch.__version__, transformers=transformers.__version__, triton=_version("triton"),
+                python=sys.version.split()[0])
+
+
+def _version(package: str) -> str | None:
+    """An installed package's version (our kernels' compiler, whose version the GPU machine's torch picks), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def run(args) -> dict:
