@@ -5,13 +5,16 @@ row's chunks follow its live length inside the kernel). The rotation with the KV
 the torch ops' bits, and the engine's steps take it (and a drafter's q and k rotation). SiLU times up (model/silu_mul.py): torch's two ops to a last
 bit, and the MLPs of 16-bit CUDA steps take it. A product of a few rows (model/few_rows.py): one rounding of the
 float32 sum at Qwen2.5-7B's products, each row its own, the norm inside it torch's, chosen by timing against cuBLAS
-before a graph captures it and replayed from the graph."""
+before a graph captures it and replayed from the graph. And all of them at once in a bf16 engine replaying its steps
+from graphs, plain and verifying drafts: its logprobs as close to the exact ones as the engine's with torch's ops
+(tests/rollout/runtime/test_kernels_engine.py)."""
 import pytest
 import torch
 
 from tests.rollout.runtime import test_paged_decode as cpu_cases
 from tests.rollout.runtime import test_rope_write as rope_cases
 from tests.rollout.runtime import test_few_rows as product_cases
+from tests.rollout.runtime import test_kernels_engine as engine_cases
 from tests.rollout.runtime import test_silu_mul as silu_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -121,3 +124,15 @@ def llama_linear(k: int, n: int):
 
     return Linear(k, n, bias=False).to(torch.bfloat16).cuda()
 
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_cuda_bf16_engine_through_our_kernels_in_graphs_is_as_exact_as_torchs_ops(monkeypatch, speculate):
+    from tests.conftest import random_prompts
+    from rlspec.rollout.runtime.model import attention
+
+    hf = engine_cases.bf16_model("cuda", hidden_size=256, intermediate_size=512)  # SmolLM2's head size, 64
+    prompts = random_prompts(6, 4, 30, seed=2, vocab=engine_cases.VOCAB)
+    counts, engine = engine_cases.check_engine_through_our_kernels(monkeypatch, hf, speculate, prompts, 24,
+                                                                   graph_mode="eager_start")
+    assert counts["attend_paged"] > 0 and not attention._paged_error  # the paged kernel attended
+    assert engine.runner.steps.counts["replays"] > 0  # steps replayed from graphs
