@@ -7,7 +7,8 @@ bit, and the MLPs of 16-bit CUDA steps take it. A product of a few rows (model/f
 float32 sum at Qwen2.5-7B's products, each row its own, the norm inside it torch's, chosen by timing against cuBLAS
 before a graph captures it and replayed from the graph. And all of them at once in a bf16 engine replaying its steps
 from graphs, plain and verifying drafts: its logprobs as close to the exact ones as the engine's with torch's ops
-(tests/rollout/runtime/test_kernels_engine.py)."""
+(tests/rollout/runtime/test_kernels_engine.py; the engine with torch's ops attends densely over the gathered blocks,
+the paged kernel's fallback, so that nothing compiles for it)."""
 import pytest
 import torch
 

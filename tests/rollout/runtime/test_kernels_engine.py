@@ -96,13 +96,13 @@ def logprob_error(hf, results) -> float:
 
 def check_engine_through_our_kernels(monkeypatch, hf, speculate: bool, prompts, new: int,
                                      **engine_kw) -> tuple[collections.Counter, RolloutEngine]:
-    """The engine with torch's ops (FlexAttention on CUDA), then through our kernels: the second's logprobs no
-    further from the exact ones than the first's, within half as far again. Returns the kernels' call counts and
-    the second engine."""
+    """The engine with torch's ops (a paged step's attention on CUDA dense over its gathered blocks, the paged
+    kernel's fallback), then through our kernels: the second's logprobs no further from the exact ones than the
+    first's, within half as far again. Returns the kernels' call counts and the second engine."""
     device = next(hf.parameters()).device.type
     with monkeypatch.context() as torch_only:
         torch_only.setattr(fused_ops, "triton_serves", lambda t, errors: False)
-        torch_only.setattr(attention, "paged_kernel", "flex")
+        torch_only.setattr(llama, "attend_paged", attention.attend_paged_dense)
         torch_ops, _ = rollouts(hf, prompts, new, **engine_kw)
     reference = [r.completion_ids for r in torch_ops] if speculate else None
     counts = force_our_kernels(monkeypatch, device)
