@@ -7,13 +7,13 @@ the bandwidth it reaches. On the H200 cuBLAS reached 59-63% of the bandwidth for
 products (q|k|v, 33 MB; o, 26 MB) and 78-80% for its MLP's (bench_out/gpu/profile.json, 2026-11-30): 3.8 ms of a
 6.3 ms step against 2.95 ms at the full bandwidth. Here each program streams BN whole rows of W, BK columns at a
 time, so a product of N outputs runs N / BN programs a tile of 16 rows and no second pass (K is not split, whose
-partial sums would need another kernel). The two row tiles of 17-32 rows are adjacent programs, which run together:
-the second reads its W from the L2 cache the first filled, not from memory. The bias and the layer's residual are added in float32 as the result is stored, one
-rounding, as addmm adds a residual.
+partial sums would need another kernel). The two row tiles of 17-32 rows are adjacent programs, which run
+together: the second reads its W from the L2 cache the first filled, not from memory. The bias and the layer's
+residual are added in float32 as the result is stored, one rounding, as addmm adds a residual.
 
 Each row's result depends on that row alone: every row is summed in the same order whatever the other rows are
-(rows past M are masked: their x reads 0 and nothing of them is stored; every tile has 16 rows, each its own
-program, so a row's sum is the same whether 1, 16 or 32 rows run). So a verify
+(rows past M are masked: their x reads 0 and nothing of them is stored; every tile of 16 rows is a program of its
+own, so a row's sum is the same whether 1, 16 or 32 rows run). So a verify
 of T tokens and a decode step give a token's product the same bits, which cuBLAS, choosing its kernel by the
 row count, does not. Whether this kernel or cuBLAS serves a shape is measured on the device
 (fused_ops.product); the same kernel runs on CPU tensors through Triton's interpreter
@@ -34,12 +34,12 @@ MAX_ROWS = 32  # two tiles' programs read W once between them (the L2 cache); mo
 def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               BF16: tl.constexpr, F32: tl.constexpr):
-    """Outputs n0..n0+BN (program_id(1)) of the rows m0..m0+BM-1 below M (program_id(0), the faster axis of the grid:
-    a product's row tiles of the same outputs are neighbours in the launch order). HAS_NORM: x is RMS-normalised first (weight Norm [K], as torch's fused
-    rms_norm: x * rsqrt(mean(x^2) + eps) * weight in float32, rounded to x's dtype), each program summing its rows'
-    squares itself (a few rows of K: from the L2 cache). F32: the dot takes float32 operands at full precision (a
-    float32 model, and 16-bit ones in Triton's interpreter, which multiplies 16-bit operands wrongly; their
-    products are exact in float32)."""
+    """Outputs n0..n0+BN (program_id(1)) of the rows m0..m0+BM-1 below M (program_id(0), the grid's faster axis:
+    a product's row tiles of the same outputs are neighbours in the launch order). HAS_NORM: x is RMS-normalised
+    first (weight Norm [K], as torch's fused rms_norm: x * rsqrt(mean(x^2) + eps) * weight in float32, rounded to
+    x's dtype), each program summing its rows' squares itself (a few rows of K: from the L2 cache). F32: the dot
+    takes float32 operands at full precision (a float32 model, and 16-bit ones in Triton's interpreter, which
+    multiplies 16-bit operands wrongly; their products are exact in float32)."""
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     kk = tl.arange(0, BK)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -164,14 +165,19 @@ def _bucket(x: torch.Tensor) -> int:
 
 def _faster_here(key: tuple, ours: tuple, theirs: tuple) -> bool:
     """Whether ours (fn, *args) ran faster than theirs on this device, measured once per key on the call's own
-    inputs, each replayed from a CUDA graph (`_seconds`), and kept for the process. Nothing is timed inside a CUDA
-    graph's capture, which then takes theirs (a graph's warm-up runs, before its capture, meet the same shapes and
-    decide)."""
+    inputs, each with its weight out of the cache (`_seconds`), and kept for the process. Nothing is timed inside a
+    CUDA graph's capture, which then takes theirs (a graph's warm-up runs, before its capture, meet the same shapes
+    and decide)."""
     faster = _faster.get(key)
     if faster is None:
         if ours[1].is_cuda and torch.cuda.is_current_stream_capturing():
             return False
-        timings[key] = (_seconds(*ours), _seconds(*theirs))
+        try:
+            timings[key] = (_seconds(*ours), _seconds(*theirs))
+        except Exception as exc:  # a device that cannot time them: torch's, which serves everywhere
+            warnings.warn(f"timing our few-rows product against torch's failed ({type(exc).__name__}: {exc}); "
+                          "torch's product serves this shape", RuntimeWarning, stacklevel=2)
+            timings[key] = (float("nan"), float("nan"))
         faster = _faster[key] = bool(timings[key][0] < timings[key][1]) and not _product_error
     return faster
 
@@ -183,32 +189,37 @@ def product_choices() -> list[dict]:
                  torch_us=round(t[1] * 1e6, 2), ours=_faster[k]) for k, t in timings.items()]
 
 
-REPS, TIMED = 20, 5  # runs captured in one CUDA graph; replays of it timed (the median)
+TIMED = 15  # timed runs of each candidate (the median)
+SPIN_CYCLES = 100_000  # torch.cuda._sleep before a timed run: ~50 us of the device's for the host to launch it
 
 
 def _seconds(fn, *args) -> float:
-    """Device seconds of one fn(*args) as a CUDA graph replays it (where the steps run: no launch costs of the host's
-    in it, which for a few microseconds' product would decide the comparison): REPS runs captured in one graph on a
-    side stream, after one run outside it (a kernel's compile), then the median of TIMED replays over REPS."""
+    """Device seconds of one fn(*args) as a step meets it: its weight out of the L2 cache (a step streams every
+    other weight between two reads of this one, where runs back to back would read a weight of under ~50 MB, a
+    layer's q|k|v or o, from the cache) and no launch cost of the host's in it (for a product of a few
+    microseconds it would decide the comparison). Each timed run follows a read of a buffer twice the cache's size
+    (clean lines: a write would leave the run the cache's write-backs) and a spin that keeps the device busy while
+    the host launches the run; CUDA events around the run alone; the median of TIMED, after one run outside them (a
+    kernel's compile)."""
     fn(*args)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            for _ in range(REPS):
-                fn(*args)
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
+    device = torch.cuda.current_device()
+    flush = _cache_flush(device)
     times = []
     for _ in range(TIMED):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.max()
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
-        graph.replay()
+        fn(*args)
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / REPS)
-    return sorted(times)[len(times) // 2] / 1e3
+        times.append((start, end))
+    torch.cuda.synchronize()
+    seconds = sorted(start.elapsed_time(end) / 1e3 for start, end in times)
+    return seconds[len(seconds) // 2]
+
+
+@functools.cache
+def _cache_flush(device: int) -> torch.Tensor:
+    """A buffer twice the device's L2 cache (what reading it evicts), kept for the process."""
+    size = 2 * torch.cuda.get_device_properties(device).L2_cache_size
+    return torch.ones(size // 2, dtype=torch.float16, device=f"cuda:{device}")

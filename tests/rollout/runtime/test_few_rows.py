@@ -150,6 +150,23 @@ def test_a_failing_kernel_warns_and_torch_serves_from_then_on(monkeypatch, reque
     assert fused_ops._product_error and torch.equal(fused_ops.product(x, w, b), ref)
 
 
+def test_a_timing_that_fails_warns_and_leaves_the_shape_to_torch(monkeypatch, request):
+    x, w, b, _ = _inputs(torch.bfloat16, 2, 40, 64, bias=True)
+    monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+    monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+    request.addfinalizer(fused_ops._faster.clear)
+    request.addfinalizer(fused_ops.timings.clear)
+
+    def broken(fn, *args):
+        raise RuntimeError("no events here")
+
+    monkeypatch.setattr(fused_ops, "_seconds", broken)
+    with pytest.warns(RuntimeWarning, match="torch's product serves this shape"):
+        assert torch.equal(fused_ops.product(x, w, b), torch.nn.functional.linear(x, w, b))
+    assert [c["ours"] for c in fused_ops.product_choices()] == [False]
+    assert torch.equal(fused_ops.product(x, w, b), torch.nn.functional.linear(x, w, b))  # kept: timed once
+
+
 def test_a_layer_takes_its_norm_into_the_product_where_measured_faster(monkeypatch, request):
     """A decoder layer's q|k|v and gate|up products and the LM head take their norm inside our kernel where
     fused_ops.normed_product measured it faster than the norm and the product apart; elsewhere (any CPU) the
