@@ -31,11 +31,12 @@ UNITS = {
         ("tests/rlspec/test_resume_cli.py", 20), ("tests/rollout/speculation/test_state.py", 15),
         ("tests/trainers/test_backend_lost.py", 15), ("tests/trainers/test_ppo.py", 15),
         ("tests/trainers/test_grpo.py", 15), ("tests/trainers/test_partial_rollouts.py", 55),
-        ("tests/trainers/test_partial_pool.py", 20), ("tests/rollout/test_partial_law.py", 12), ("tests/rollout/speculation/test_calibration_cache.py", 10),
+        ("tests/trainers/test_partial_pool.py", 20), ("tests/rollout/test_partial_law.py", 12),
+        ("tests/rollout/speculation/test_calibration_cache.py", 10),
         ("tests/rollout/runtime/test_graphs.py", 10), ("tests/test_wheel.py", 8), ("tests/rlspec/test_export.py", 8),
         ("tests/rlspec/test_vllm_export.py", 5), ("tests/rlspec/test_chaos_cluster.py", 70),
         ("tests/trainers/test_partial_resume.py", 12), ("tests/trainers/test_rloo_cli.py", 10),
-        ("tests/rollout/runtime/test_paged_decode.py", 15))},
+        ("tests/rollout/runtime/test_paged_decode.py", 15), ("tests/rollout/runtime/test_kernels_engine.py", 23))},
 }
 
 
