@@ -11,8 +11,8 @@ Rows, for a Qwen2.5-7B-shaped model scaled down (the same ops: grouped heads, q|
 count does not depend on its sizes), in bfloat16 (what GPUs run) and float32, at T = 1 (decode) and T = 5 (a
 4-token chain's verify), with each RMSNorm as torch's fused kernel (norm "fused", what CUDA runs:
 llama.fused_norm), as HF's arithmetic (norm "hf", the CPU's), and, in bf16, with every product of a few rows as our
-Triton kernel and the norms before q|k|v, gate|up and the LM head inside it (norm "ours": where fused_ops measured
-that kernel faster than cuBLAS on the device):
+Triton kernel, the norms before q|k|v, gate|up and the LM head and SiLU times up before down inside it (norm "ours":
+where fused_ops measured that kernel faster than cuBLAS on the device):
   * layer: kernels of one decoder layer, and by op;
   * head: the final norm, the LM head and the logits' conversion;
   * eagle3_level: one EAGLE-3 draft level (the drafter's layer and its draft-vocabulary logits);
@@ -113,9 +113,9 @@ class CudaChoices:
     with `fused_norm`, each RMSNorm as torch's fused kernel (llama.fused_norm) and, in 16 bits, a step's rotation
     and KV writes (a drafter's q and k rotation) and each MLP's silu(gate) * up as our Triton kernels
     (fused_ops.triton_serves); no CPU kernel serves (model/kernels). With `products`, every product of a few rows
-    as our few-rows kernel (model/few_rows.py, the norms before q|k|v, gate|up and the LM head inside it), as where
-    fused_ops measured it faster on the device. Open it before the runner is made (its cache takes CUDA's block
-    size)."""
+    as our few-rows kernel (model/few_rows.py, the norms before q|k|v, gate|up and the LM head and SiLU times up
+    before down inside it), as where fused_ops measured it faster on the device. Open it before the runner is made
+    (its cache takes CUDA's block size)."""
 
     def __init__(self, fused_norm: bool, products: bool = False):
         self.fused_norm, self.products, self.ops = fused_norm, products, None

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from rlspec.rollout.runtime.model.rope_write import round_to
+from rlspec.rollout.runtime.model.silu_mul import silu_times_up
 
 TILE_ROWS = 16  # rows a program: the dot's smallest tile
 MAX_ROWS = 32  # two tiles' programs read W once between them (the L2 cache); more rows are a GEMM's work (cuBLAS)
@@ -32,12 +33,13 @@ MAX_ROWS = 32  # two tiles' programs read W once between them (the L2 cache); mo
 
 @triton.jit(do_not_specialize=["M"])  # one compile for 1-32 rows (Triton would specialise M == 1, 16 and 32)
 def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HAS_BIAS: tl.constexpr,
-              HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BF16: tl.constexpr, F32: tl.constexpr):
+              HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
     """Outputs n0..n0+BN (program_id(1)) of the rows m0..m0+BM-1 below M (program_id(0), the grid's faster axis:
     a product's row tiles of the same outputs are neighbours in the launch order). HAS_NORM: x is RMS-normalised
     first (weight Norm [K], as torch's fused rms_norm: x * rsqrt(mean(x^2) + eps) * weight in float32, rounded to
-    x's dtype), each program summing its rows' squares itself (a few rows of K: from the L2 cache). F32: the dot
+    x's dtype), each program summing its rows' squares itself (a few rows of K: from the L2 cache). GATED: X holds
+    an MLP's gate|up product [M, 2K] and x is silu(gate) * up, computed as it loads (silu_mul.py's bits). F32: the dot
     takes float32 operands at full precision (a float32 model, and 16-bit ones in Triton's interpreter, which
     multiplies 16-bit operands wrongly; their products are exact in float32)."""
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -56,7 +58,10 @@ def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HA
     for k0 in range(0, K, BK):
         k = k0 + kk
         k_ok = k < K
-        x = tl.load(X + m[:, None] * s_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x_ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(X + m[:, None] * s_xm + k[None, :], mask=x_ok, other=0.0)
+        if GATED:
+            x = silu_times_up(x, tl.load(X + m[:, None] * s_xm + K + k[None, :], mask=x_ok, other=0.0), BF16)
         if HAS_NORM:
             scale = tl.load(Norm + k, mask=k_ok, other=0.0).to(tl.float32)
             x = round_to(x.to(tl.float32) * rstd[:, None] * scale[None, :], X.dtype.element_ty, BF16)
@@ -73,19 +78,25 @@ def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HA
     tl.store(Y + m[:, None] * s_ym + n[None, :], round_to(acc, Y.dtype.element_ty, BF16), mask=ok)
 
 
-def tiles(N: int, K: int) -> tuple[int, int]:
+def tiles(N: int, K: int, gated: bool = False) -> tuple[int, int]:
     """(BN, BK): 16 rows of W a program up to 16,384 outputs (a 7B layer's q|k|v, o and down: 224-288 programs,
     about two for each of a large GPU's SMs), 32 above (its gate|up: 1,184; the LM head: 4,752); 512 columns a load
-    once K allows (16-32 KB of W a load)."""
-    return (16 if N <= 16384 else 32), min(512, max(64, triton.next_power_of_2(K)))
+    once K allows (16-32 KB of W a load), 256 gated (SiLU of a 16 x 512 gate tile and its up tile took more
+    registers than a thread has, spilling: tests/rollout/runtime/triton_aot.py)."""
+    return (16 if N <= 16384 else 32), min(256 if gated else 512, max(64, triton.next_power_of_2(K)))
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+            residual: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 0.0,
+            gated: bool = False) -> torch.Tensor:
     """x [..., K] of at most MAX_ROWS rows, weight [N, K] -> x W^T (+ bias [N]) (+ residual [..., N]), [..., N];
-    with norm [K], rms_norm(x, norm, eps) W^T (...)."""
-    K, N = x.shape[-1], weight.shape[0]
-    rows = x.reshape(-1, K)
+    with norm [K], rms_norm(x, norm, eps) W^T (...); gated, x [..., 2K] an MLP's gate|up product and the product
+    silu(gate) * up W^T (...)."""
+    N, K = weight.shape
+    if x.shape[-1] != (2 * K if gated else K) or (gated and norm is not None):
+        raise ValueError(f"few_rows.product: x [..., {x.shape[-1]}] against a weight [{N}, {K}]"
+                         f"{' (gated: x is gate|up, 2K wide; no norm)' if gated else ''}")
+    rows = x.reshape(-1, x.shape[-1])
     M = rows.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"few_rows.product takes at most {MAX_ROWS} rows, got {M}")
@@ -97,10 +108,10 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     res = y if residual is None else residual.reshape(M, N)
     if res.stride(-1) != 1:
         res = res.contiguous()
-    BN, BK = tiles(N, K)
+    BN, BK = tiles(N, K, gated)
     _few_rows[(triton.cdiv(M, TILE_ROWS), triton.cdiv(N, BN))](
         rows, weight, y if bias is None else bias, res, y if norm is None else norm, y, M, N, K, rows.stride(0),
         weight.stride(0), res.stride(0), y.stride(0), float(eps), HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, HAS_NORM=norm is not None, BM=TILE_ROWS, BN=BN, BK=BK,
+        HAS_RES=residual is not None, HAS_NORM=norm is not None, GATED=gated, BM=TILE_ROWS, BN=BN, BK=BK,
         BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=4)
     return y.view(*x.shape[:-1], N)

@@ -3,8 +3,8 @@ torch ops they replace (the reference on every other device, and each kernel's f
 
 `triton_serves` says where a kernel serves: CUDA, 16 bits, outside autograd (a drafter's training) and compiled
 code (a compiled layer's Inductor fuses the same ops itself), with Triton installed and the kernel not failed in
-this process. A product of a few rows (`product`, `normed_product`) takes our kernel only where it was also
-measured faster than torch's ops on this device, for its shape. A kernel that fails there (a Triton that cannot
+this process. A product of a few rows (`product`, `normed_product`, `gated_product`) takes our kernel only where it was
+also measured faster than torch's ops on this device, for its shape. A kernel that fails there (a Triton that cannot
 compile it) warns once, its step gets the reference's result, and the torch ops serve from then on
 (attention.with_fallback). Each kernel's bits and its fallback are tested on any machine through Triton's
 interpreter (tests/rollout/runtime/test_rope_write.py, test_silu_mul.py, test_few_rows.py); why each exists is
@@ -125,11 +125,25 @@ def normed_product(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torc
     return unfused()
 
 
+def gated_product(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, unfused) -> torch.Tensor:
+    """residual + (silu(gate) * up) W^T of an MLP's fused gate|up product: SiLU times up computed inside few_rows.py's
+    product as it loads its x, one kernel where SiLU's (`activation_product`) and the product take two, where it
+    serves and was measured faster than `unfused()` (the two apart); else unfused()."""
+    if _few(gate_up, _product_error):
+        key = ("gated", tuple(weight.shape), _bucket(gate_up), gate_up.dtype, gate_up.device)
+        args = (gate_up, weight, None, residual, None, 0.0, True)
+        if _faster_here(key, (_fused_product, *args), (unfused,)):
+            return _fused_product(*args)
+    return unfused()
+
+
 def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, norm: torch.Tensor | None = None,
-                  eps: float = 0.0) -> torch.Tensor:
+                  eps: float = 0.0, gated: bool = False) -> torch.Tensor:
     """torch's ops for `product`: F.linear; with a residual and no bias one addmm, which adds it as it stores;
-    with `norm`, torch's fused rms_norm first (the kernel's fallback)."""
+    with `norm`, torch's fused rms_norm first; gated, SiLU times up of x first (the kernel's fallback)."""
+    if gated:
+        x = silu_times(x, x.shape[-1] // 2)
     if norm is not None:
         x = F.rms_norm(x, norm.shape, norm, eps)
     if residual is None:

@@ -18,6 +18,15 @@ BLOCK = 1024  # columns of the intermediate width a program takes
 
 
 @triton.jit
+def silu_times_up(gate, up, BF16: tl.constexpr):
+    """silu(gate) * up of 16-bit tiles, each rounded as torch rounds it: this kernel's, and the down product's when
+    few_rows.py computes its x as it loads it (the same bits)."""
+    g = gate.to(tl.float32)
+    act = round_to(g / (1.0 + tl.exp(-g)), gate.dtype, BF16).to(tl.float32)
+    return round_to(act * up.to(tl.float32), gate.dtype, BF16)
+
+
+@triton.jit
 def _silu_mul(GU, Out, s_gu, s_out, inter, BF16: tl.constexpr, BLOCK: tl.constexpr):
     """One row's BLOCK columns: gate = GU[row, col], up = GU[row, inter + col] -> Out[row, col]."""
     row = tl.program_id(0)
@@ -25,9 +34,7 @@ def _silu_mul(GU, Out, s_gu, s_out, inter, BF16: tl.constexpr, BLOCK: tl.constex
     ok = col < inter
     gate = tl.load(GU + row * s_gu + col, mask=ok, other=0.0)
     up = tl.load(GU + row * s_gu + inter + col, mask=ok, other=0.0)
-    g = gate.to(tl.float32)
-    act = round_to(g / (1.0 + tl.exp(-g)), gate.dtype, BF16).to(tl.float32)
-    tl.store(Out + row * s_out + col, round_to(act * up.to(tl.float32), gate.dtype, BF16), mask=ok)
+    tl.store(Out + row * s_out + col, silu_times_up(gate, up, BF16), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:

@@ -79,6 +79,27 @@ def test_the_norm_inside_is_torchs_rms_norm_then_the_product(M):
     assert torch.equal(few_rows.product(x[:1], w, b, None, nw, 1e-6)[0], got[0])  # each row its own
 
 
+@pytest.mark.parametrize("M", [1, 3, 20])
+def test_the_gated_product_is_silu_times_up_then_one_rounding_of_the_product(M):
+    """Gated, x is an MLP's gate|up product and the kernel computes silu(gate) * up as it loads it, with silu_mul.py's
+    bits; the product of those, with the residual, is one rounding of its float32 sum (as any product here), each
+    row its own."""
+    from rlspec.rollout.runtime.model import silu_mul
+
+    K = 600
+    gate_up, w, _, r = _inputs(torch.bfloat16, M, 48, 2 * K, residual=True, seed=11)
+    w = w[:, :K].contiguous()
+    got = few_rows.product(gate_up, w, None, r, gated=True)
+    h = silu_mul.silu_mul(gate_up, K)  # the activation's bits, which the product's x must have
+    exact = _exact(h, w, None, r)
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-3))))
+    assert ((got.double() - exact).abs() <= ulp + K * 2.0 ** -24 * (h.abs().double() @ w.abs().double().T)).all()
+    assert (got == exact.to(torch.bfloat16)).double().mean() > 0.97
+    assert torch.equal(few_rows.product(gate_up[-1:], w, None, r[-1:], gated=True), got[-1:])
+    with pytest.raises(ValueError, match="gated: x is gate\\|up"):
+        few_rows.product(gate_up[:, :K], w, None, r, gated=True)
+
+
 def test_more_rows_than_a_tile_are_refused():
     x, w, _, _ = _inputs(torch.bfloat16, few_rows.MAX_ROWS + 1, 16, 64)
     with pytest.raises(ValueError, match="at most 32 rows"):
@@ -189,11 +210,43 @@ def test_a_layer_takes_its_norm_into_the_product_where_measured_faster(monkeypat
         assert [c["kind"] for c in fused_ops.product_choices()] == ["normed"]
 
 
+def test_an_mlp_takes_silu_into_its_down_product_where_measured_faster(monkeypatch, request):
+    """A decoder layer's MLP with its residual computes SiLU times up inside the down product where
+    fused_ops.gated_product measured that faster than SiLU's kernel and the product apart; else, and on any CPU, as
+    before, bit for bit."""
+    cfg = type("Cfg", (), dict(hidden_size=64, intermediate_size=96, mlp_bias=False, hidden_act="silu"))()
+    mlp = llama.MLP(cfg).to(torch.bfloat16).to(DEVICE)
+    g = torch.Generator().manual_seed(6)
+    x, res = (torch.randn(3, 1, 64, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / 8)
+        before = mlp(x, res)
+        gate_up = mlp.gate_up_proj(x)
+        assert torch.equal(before, res + mlp.down_proj(fused_ops.silu_times(gate_up, 96)))  # the CPU's path
+        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+        monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+        monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
+        speeds = {"ours": 1.0}
+        monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *a: speeds["ours"] if fn is fused_ops._fused_product
+                            else 2.0)
+        request.addfinalizer(fused_ops._faster.clear)
+        request.addfinalizer(fused_ops.timings.clear)
+        got = mlp(x, res)
+        assert torch.equal(got, few_rows.product(gate_up, mlp.down_proj.weight, None, res, gated=True))
+        assert [c["kind"] for c in fused_ops.product_choices()] == ["gated"]  # (a CPU Linear's is F.linear's)
+        fused_ops._faster.clear()
+        speeds["ours"] = 3.0  # slower: SiLU's kernel, then the product with the residual
+        assert torch.equal(mlp(x, res), fused_ops.torch_product(fused_ops.silu_times(gate_up, 96),
+                                                                  mlp.down_proj.weight, None, res))
+
+
 @pytest.mark.parametrize("rows,T", [(5, 1), (2, 4)])
 def test_a_model_step_through_the_kernels_is_the_torch_step_to_rounding(monkeypatch, request, rows, T):
     """A bf16 step of a tiny model with every product and norm it can take through our kernel (as on CUDA, where
-    measured faster): the layers' q|k|v and gate|up with their norms, o and down with the residual sums, the LM
-    head with the final norm. Its logits are the torch step's up to bf16 rounding, and its greedy tokens the same."""
+    measured faster): the layers' q|k|v and gate|up with their norms, o with the residual sum, down with SiLU times
+    up and the residual sum, the LM head with the final norm. Its logits are the torch step's up to bf16 rounding,
+    and its greedy tokens the same."""
     from rlspec.rollout.runtime.graphs import EagerRunner
     from tests.rollout.runtime.test_graphs import _runner, _tokens
 
@@ -214,7 +267,8 @@ def test_a_model_step_through_the_kernels_is_the_torch_step_to_rounding(monkeypa
         monkeypatch.setattr(fused_ops, "_fused_product", lambda *args: calls.append(args) or few_rows.product(*args))
         got, _ = step.run(tokens, lens[:rows])
     layers = runner.model.cfg.num_layers
-    kinds = [("norm" if len(a) > 4 else "residual" if a[3] is not None else "plain") for a in calls]
-    assert kinds.count("norm") == 2 * layers + 1 and kinds.count("residual") == 2 * layers
+    kinds = [("gated" if a[6:] and a[6] else "norm" if a[4:] and a[4] is not None else
+              "residual" if a[3] is not None else "plain") for a in calls]
+    assert kinds.count("norm") == 2 * layers + 1 and kinds.count("residual") == kinds.count("gated") == layers
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -1,7 +1,8 @@
 """A bf16 engine with every Triton kernel of ours serving computes what the model computes, as closely as torch's ops
-do: the few-rows products (forced, whatever their measured speed: q|k|v and gate|up with their norms inside, o and
-down with the residual sums, the LM head with the final norm), the rotation with the KV writes, SiLU with its
-product, and on CUDA the paged attention, plain and with drafts verified through the same kernels.
+do: the few-rows products (forced, whatever their measured speed: q|k|v and gate|up with their norms inside, o with
+the residual sum, down with SiLU times up inside and the residual sum, the LM head with the final norm), the
+rotation with the KV writes, and on CUDA the paged attention, plain and with drafts verified through the same
+kernels.
 
 A unit test of one kernel does not reach the way the engine calls it (its strides, slots and row counts, a prefill,
 a verify's rows, inside a graph); here whole rollouts do. Each token's logprob, as the engine reports it, is held
@@ -24,7 +25,7 @@ from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 VOCAB = 256
-KERNELS = ("_fused_product", "_fused_rotation", "_fused_silu_mul")  # fused_ops' entry points of our kernels
+KERNELS = ("normed", "residual", "gated", "_fused_rotation")  # the products' kinds (fused_ops._fused_product's)
 
 
 def bf16_model(device: str, seed: int = 7, **config):
@@ -44,11 +45,14 @@ def force_our_kernels(monkeypatch, device: str) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
 
     def counted(name, fn):
-        return lambda *args: counts.update([name]) or fn(*args)
+        return lambda *args: counts.update([name(*args) if callable(name) else name]) or fn(*args)
+
+    def kind(x, weight, bias=None, residual=None, norm=None, eps=0.0, gated=False):
+        return "gated" if gated else "normed" if norm is not None else "residual" if residual is not None else "plain"
 
     monkeypatch.setattr(fused_ops, "_faster_here", lambda key, ours, theirs: True)
-    for name in KERNELS:
-        monkeypatch.setattr(fused_ops, name, counted(name, getattr(fused_ops, name)))
+    monkeypatch.setattr(fused_ops, "_fused_product", counted(kind, fused_ops._fused_product))
+    monkeypatch.setattr(fused_ops, "_fused_rotation", counted("_fused_rotation", fused_ops._fused_rotation))
     monkeypatch.setattr(llama, "attend_paged", counted("attend_paged", llama.attend_paged))
     if device != "cuda":
         monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors and not torch.is_grad_enabled())

@@ -74,15 +74,19 @@ def main(archs: list[int]) -> None:
             compile_one(silu_mul._silu_mul, dict(GU=f"*{dtype}", Out=f"*{dtype}"),
                         dict(BF16=dtype == "bf16", BLOCK=silu_mul.BLOCK), target)
         # Qwen2.5-7B's products at a decode step: q|k|v (bias), o and down (the residual), gate|up (the LM head's
-        # variant), then q|k|v and gate|up with their norms inside
-        for N, K, bias, res, norm in ((4608, 3584, True, False, False), (3584, 3584, False, True, False),
-                                      (37888, 3584, False, False, False), (3584, 18944, False, True, False),
-                                      (4608, 3584, True, False, True), (37888, 3584, False, False, True)):
-            BN, BK = few_rows.tiles(N, K)
+        # variant), then q|k|v and gate|up with their norms inside, and down with SiLU times up inside
+        for N, K, bias, res, norm, gated in ((4608, 3584, True, False, False, False),
+                                             (3584, 3584, False, True, False, False),
+                                             (37888, 3584, False, False, False, False),
+                                             (3584, 18944, False, True, False, False),
+                                             (4608, 3584, True, False, True, False),
+                                             (37888, 3584, False, False, True, False),
+                                             (3584, 18944, False, True, False, True)):
+            BN, BK = few_rows.tiles(N, K, gated)
             pointers = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Norm="*bf16", Y="*bf16")
             compile_one(few_rows._few_rows, pointers,
-                        dict(HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, BM=few_rows.TILE_ROWS, BN=BN, BK=BK, BF16=True,
-                             F32=False), target, floats=("eps",),
+                        dict(HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, GATED=gated, BM=few_rows.TILE_ROWS, BN=BN,
+                             BK=BK, BF16=True, F32=False), target, floats=("eps",),
                         aligned=[*pointers, "N", "K", "s_xm", "s_wn", "s_rm", "s_ym"])
 
 
