@@ -91,6 +91,8 @@ def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():
                                (16, 3584, 18944, False, True), (32, 4608, 3584, True, False)):
         product_cases.test_one_rounding_of_the_float32_sum(torch.bfloat16, M, N, K, bias, res)
     product_cases.test_each_row_is_its_own()
+    for M in (1, 20):  # SiLU times up inside: silu_mul's bits, then one rounding of the product
+        product_cases.test_the_gated_product_is_silu_times_up_then_one_rounding_of_the_product(M)
     for M in (1, 4):  # the norm inside: torch's CUDA rms_norm, then the product
         product_cases.test_the_norm_inside_is_torchs_rms_norm_then_the_product(M)
     # the engine's normed variants at 7B's shapes (q|k|v with its bias; gate|up and the LM head), compiled here
