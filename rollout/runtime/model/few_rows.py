@@ -1,6 +1,7 @@
 """A product of a few rows (a decode step's, a verify's of a few rows) as one Triton kernel on CUDA: x W^T (+ bias)
 (+ a residual), summed in float32 and rounded once to x's dtype; optionally of x RMS-normalised first (the norm
-before a layer's q|k|v and gate|up products, and the final one before the LM head), one kernel where two were.
+before a layer's q|k|v and gate|up products, and the final one before the LM head), or of SiLU times up of an MLP's
+gate|up product (before its down product): one kernel where two were.
 
 Why: at 1-32 rows a product streams its weight once and does little else, so its time is the weight's bytes over
 the bandwidth it reaches. On the H200 cuBLAS reached 59-63% of the bandwidth for a Qwen2.5-7B layer's two small
