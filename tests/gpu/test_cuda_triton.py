@@ -86,9 +86,10 @@ def test_cuda_silu_times_up_is_torchs_two_ops_to_a_last_bit(dtype):
 def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():
     from rlspec.rollout.runtime.model import few_rows, fused_ops
 
-    # Qwen2.5-7B's q|k|v (bias), o (the residual) and down products at 1, 5, 16 and 32 rows (two tiles)
+    # Qwen2.5-7B's q|k|v (bias), o (the residual) and down products at 1, 5, 16, 32 and 64 rows (2 and 4 tiles)
     for M, N, K, bias, res in ((1, 4608, 3584, True, False), (5, 3584, 3584, False, True),
-                               (16, 3584, 18944, False, True), (32, 4608, 3584, True, False)):
+                               (16, 3584, 18944, False, True), (32, 4608, 3584, True, False),
+                               (64, 3584, 18944, False, True)):
         product_cases.test_one_rounding_of_the_float32_sum(torch.bfloat16, M, N, K, bias, res)
     product_cases.test_each_row_is_its_own()
     for M in (1, 20):  # SiLU times up inside: silu_mul's bits, then one rounding of the product

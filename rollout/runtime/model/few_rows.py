@@ -3,18 +3,18 @@
 before a layer's q|k|v and gate|up products, and the final one before the LM head), or of SiLU times up of an MLP's
 gate|up product (before its down product): one kernel where two were.
 
-Why: at 1-32 rows a product streams its weight once and does little else, so its time is the weight's bytes over
+Why: at 1-64 rows a product streams its weight once and does little else, so its time is the weight's bytes over
 the bandwidth it reaches. On the H200 cuBLAS reached 59-63% of the bandwidth for a Qwen2.5-7B layer's two small
 products (q|k|v, 33 MB; o, 26 MB) and 78-80% for its MLP's (bench_out/gpu/profile.json, 2026-11-30): 3.8 ms of a
 6.3 ms step against 2.95 ms at the full bandwidth. Here each program streams BN whole rows of W, BK columns at a
 time, so a product of N outputs runs N / BN programs a tile of 16 rows and no second pass (K is not split, whose
-partial sums would need another kernel). The two row tiles of 17-32 rows are adjacent programs, which run
-together: the second reads its W from the L2 cache the first filled, not from memory. The bias and the layer's
-residual are added in float32 as the result is stored, one rounding, as addmm adds a residual.
+partial sums would need another kernel). The row tiles of more than 16 rows (up to four) are adjacent programs,
+which run together: the later ones read their W from the L2 cache the first filled, not from memory. The bias and
+the layer's residual are added in float32 as the result is stored, one rounding, as addmm adds a residual.
 
 Each row's result depends on that row alone: every row is summed in the same order whatever the other rows are
 (rows past M are masked: their x reads 0 and nothing of them is stored; every tile of 16 rows is a program of its
-own, so a row's sum is the same whether 1, 16 or 32 rows run). So a verify
+own, so a row's sum is the same whether 1, 16 or 64 rows run). So a verify
 of T tokens and a decode step give a token's product the same bits, which cuBLAS, choosing its kernel by the
 row count, does not. Whether this kernel or cuBLAS serves a shape is measured on the device
 (fused_ops.product); the same kernel runs on CPU tensors through Triton's interpreter
@@ -29,10 +29,10 @@ from rlspec.rollout.runtime.model.rope_write import round_to
 from rlspec.rollout.runtime.model.silu_mul import silu_times_up
 
 TILE_ROWS = 16  # rows a program: the dot's smallest tile
-MAX_ROWS = 32  # two tiles' programs read W once between them (the L2 cache); more rows are a GEMM's work (cuBLAS)
+MAX_ROWS = 64  # four tiles' programs read W once between them (the L2 cache); more rows are a GEMM's (cuBLAS)
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile for 1-32 rows (Triton would specialise M == 1, 16 and 32)
+@triton.jit(do_not_specialize=["M"])  # one compile for 1-64 rows (Triton would specialise M == 1 and 16s)
 def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr,
               BN: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):

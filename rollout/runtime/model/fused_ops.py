@@ -154,7 +154,7 @@ def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return residual + F.linear(x, weight, bias)
 
 
-FEW_ROWS = 32  # few_rows.MAX_ROWS (not imported: that module imports triton)
+FEW_ROWS = 64  # few_rows.MAX_ROWS (not imported: that module imports triton)
 _product_error: list[str] = []
 _fused_product = with_fallback(_triton("few_rows", "product"), torch_product, _product_error,
                                "the Triton product kernel", "products take torch's ops from now on")
@@ -173,7 +173,7 @@ def _timed_here(x: torch.Tensor) -> bool:
 
 
 def _bucket(x: torch.Tensor) -> int:
-    """x's rows rounded up to a power of two: 1, 2, 4, 8, 16, 32."""
+    """x's rows rounded up to a power of two: 1, 2, 4, 8, 16, 32, 64."""
     return 1 << (x.numel() // x.shape[-1] - 1).bit_length()
 
 
