@@ -25,7 +25,7 @@ from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 VOCAB = 256
-KERNELS = ("normed", "residual", "gated", "_fused_rotation")  # the products' kinds (fused_ops._fused_product's)
+KERNELS = ("normed", "residual", "gated", "rotation")  # what must have served: the products' kinds, the rotation
 
 
 def bf16_model(device: str, seed: int = 7, **config):
@@ -40,8 +40,9 @@ def bf16_model(device: str, seed: int = 7, **config):
 
 
 def force_our_kernels(monkeypatch, device: str) -> collections.Counter:
-    """Every product of a few rows takes our kernel, and each kernel's calls are counted (the returned counter).
-    Off CUDA, where none serves, they are made to: Triton's interpreter runs them."""
+    """Every product of a few rows takes our kernel, and our kernels' calls are counted (the returned counter: the
+    products by kind, the rotations, the paged attentions). Off CUDA, where none serves, they are made to: Triton's
+    interpreter runs them."""
     counts: collections.Counter = collections.Counter()
 
     def counted(name, fn):
@@ -52,7 +53,7 @@ def force_our_kernels(monkeypatch, device: str) -> collections.Counter:
 
     monkeypatch.setattr(fused_ops, "_faster_here", lambda key, ours, theirs: True)
     monkeypatch.setattr(fused_ops, "_fused_product", counted(kind, fused_ops._fused_product))
-    monkeypatch.setattr(fused_ops, "_fused_rotation", counted("_fused_rotation", fused_ops._fused_rotation))
+    monkeypatch.setattr(fused_ops, "_fused_rotation", counted("rotation", fused_ops._fused_rotation))
     monkeypatch.setattr(llama, "attend_paged", counted("attend_paged", llama.attend_paged))
     if device != "cuda":
         monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors and not torch.is_grad_enabled())
