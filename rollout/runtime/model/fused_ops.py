@@ -217,7 +217,8 @@ def _seconds(fn, *args) -> float:
     kernel's compile)."""
     fn(*args)
     device = torch.cuda.current_device()
-    flush = _cache_flush(device)
+    # read to evict the cache (its values are never used); freed when the timing ends, for the allocator to reuse
+    flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.float16, device=device)
     times = []
     for _ in range(TIMED):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -231,9 +232,3 @@ def _seconds(fn, *args) -> float:
     seconds = sorted(start.elapsed_time(end) / 1e3 for start, end in times)
     return seconds[len(seconds) // 2]
 
-
-@functools.cache
-def _cache_flush(device: int) -> torch.Tensor:
-    """A buffer twice the device's L2 cache (what reading it evicts), kept for the process."""
-    size = 2 * torch.cuda.get_device_properties(device).L2_cache_size
-    return torch.ones(size // 2, dtype=torch.float16, device=f"cuda:{device}")
