@@ -106,6 +106,12 @@ def target(dtype):
     return loader.from_hf_model(hf.to(dtype).eval())
 
 
+def _as_the_paged_kernel_lays_out(attend):
+    """attend's output [B, H, T, D] in the paged kernel's layout, a transposed view of [B, T, H, D] (paged_decode.py),
+    which the layer's o product reads without a copy: inside the one kernel counted for it, not a copy after."""
+    return lambda *args: attend(*args).transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class CudaChoices:
     """While open, the model's ops run as they do on CUDA where that changes their kernels, each counted as one
     kernel into `ops` (None: uncounted): a step's cache in 128-position blocks and its attention paged, as Triton's
@@ -141,7 +147,7 @@ class CudaChoices:
         put(runner, "use_flex", lambda device: True)
         put(llama, "attend", counted("attention", llama.attend))
         put(llama, "gather_blocks", counted(None, llama.gather_blocks))
-        put(llama, "attend_paged", counted("attention", attention.attend_paged_dense))
+        put(llama, "attend_paged", counted("attention", _as_the_paged_kernel_lays_out(attention.attend_paged_dense)))
         if self.fused_norm:
             put(llama, "fused_norm", lambda x, weight: x.dtype == weight.dtype)
             put(F, "rms_norm", counted("rms_norm", F.rms_norm))

@@ -103,6 +103,8 @@ def test_with_our_products_a_layer_is_six_kernels_and_the_head_two():
     layer, head, _ = bench.layer_counts(model, torch.bfloat16, batch=4, tokens=1, products=True)
     assert dict(layer.counts) == {"few_rows": 4, "attention": 1, "rope_write": 1}
     assert head.counts["few_rows"] == 1 and head.total == 2, dict(head.counts)
+    verify, _, _ = bench.layer_counts(model, torch.bfloat16, batch=4, tokens=5, products=True)
+    assert dict(verify.counts) == dict(layer.counts)  # 20 rows: the same kernels (o reads attention's output as is)
     wide, _, _ = bench.layer_counts(model, torch.bfloat16, batch=16, tokens=5, products=True)
     assert wide.counts["few_rows"] == 0 and wide.counts["rms_norm"] == 2
 
