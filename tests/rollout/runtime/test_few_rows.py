@@ -215,16 +215,16 @@ def test_an_mlp_takes_silu_into_its_down_product_where_measured_faster(monkeypat
     """A decoder layer's MLP with its residual computes SiLU times up inside the down product where
     fused_ops.gated_product measured that faster than SiLU's kernel and the product apart; else, and on any CPU, as
     before, bit for bit."""
-    cfg = type("Cfg", (), dict(hidden_size=64, intermediate_size=96, mlp_bias=False, hidden_act="silu"))()
-    mlp = llama.MLP(cfg).to(torch.bfloat16).to(DEVICE)
+    from rlspec.rollout.runtime.model import loader
+    from tests.conftest import make_tiny_hf
+
+    mlp = loader.from_hf_model(make_tiny_hf("llama").to(torch.bfloat16), device=DEVICE).model.layers[0].mlp
     g = torch.Generator().manual_seed(6)
     x, res = (torch.randn(3, 1, 64, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
     with torch.no_grad():
-        for p in mlp.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / 8)
         before = mlp(x, res)
         gate_up = mlp.gate_up_proj(x)
-        assert torch.equal(before, res + mlp.down_proj(fused_ops.silu_times(gate_up, 96)))  # the CPU's path
+        assert torch.equal(before, res + mlp.down_proj(fused_ops.silu_times(gate_up, 128)))  # the CPU's path
         monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
         monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
         monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
@@ -238,7 +238,7 @@ def test_an_mlp_takes_silu_into_its_down_product_where_measured_faster(monkeypat
         assert [c["kind"] for c in fused_ops.product_choices()] == ["gated"]  # (a CPU Linear's is F.linear's)
         fused_ops._faster.clear()
         speeds["ours"] = 3.0  # slower: SiLU's kernel, then the product with the residual
-        assert torch.equal(mlp(x, res), fused_ops.torch_product(fused_ops.silu_times(gate_up, 96),
+        assert torch.equal(mlp(x, res), fused_ops.torch_product(fused_ops.silu_times(gate_up, 128),
                                                                   mlp.down_proj.weight, None, res))
 
 
