@@ -14,6 +14,7 @@ over whole windows with a training-time-test mask, so one network serves both.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlspec.rollout.runtime.model import fused_ops, llama
 from rlspec.rollout.runtime.model.config import ModelConfig
 from rlspec.rollout.runtime.model.linear import fast_linear
 from rlspec.rollout.runtime.model.fused_ops import rotate_pair
@@ -125,13 +127,12 @@ class Eagle3Model(nn.Module):
         out = attend(q, k, v.transpose(1, 2))
         h = plus_product(hidden, out.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim), m.self_attn.o_proj,
                          fast_linear)
-        y = m.post_attention_layernorm(h)
-        return plus_product(h, F.silu(fast_linear(m.mlp.gate_proj, y)) * fast_linear(m.mlp.up_proj, y), m.mlp.down_proj,
-                            fast_linear)
+        gate, up = normed_products(m.post_attention_layernorm, (m.mlp.gate_proj, m.mlp.up_proj), h)
+        return plus_product(h, F.silu(gate) * up, m.mlp.down_proj, fast_linear)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., Vd] float32 from the pre-norm output."""
-        return fast_linear(self.lm_head, self.norm(out)).float()
+        return normed_products(self.norm, (self.lm_head,), out)[0].float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -150,6 +151,19 @@ class Eagle3Model(nn.Module):
         """Choose the draft vocabulary: target ids [Vd] (e.g. the most frequent tokens), sorted."""
         target_ids = target_ids.sort().values.to(self.d2t.device)
         self.d2t.copy_(target_ids - torch.arange(len(target_ids), device=self.d2t.device))
+
+
+def normed_products(norm: RMSNorm, linears: tuple[nn.Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """[fast_linear(linear, norm(x)) for each linear]. On CUDA outside autograd each may take the norm inside our
+    few-rows product, where fused_ops measured that faster than the norm's kernel and the product apart
+    (normed_product; products of one shape share the choice): the norm's kernel then goes from the level's graph.
+    Those that take torch's share one norm(x)."""
+    if not llama.fused_norm(x, norm.weight):
+        y = norm(x)
+        return [fast_linear(linear, y) for linear in linears]
+    y = functools.cache(lambda: norm(x))
+    return [fused_ops.normed_product(x, norm.weight, norm.eps, linear.weight, linear.bias,
+                                     lambda linear=linear: fast_linear(linear, y())) for linear in linears]
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:

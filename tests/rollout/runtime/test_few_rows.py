@@ -242,6 +242,48 @@ def test_an_mlp_takes_silu_into_its_down_product_where_measured_faster(monkeypat
                                                                   mlp.down_proj.weight, None, res))
 
 
+def test_a_drafter_level_takes_its_norms_into_its_products_where_measured_faster(monkeypatch, request):
+    """An EAGLE-3 level's gate and up products (after its post-attention norm) and its draft head (after the final
+    norm) take the norm inside our kernel where fused_ops measured that faster (one choice for products of one
+    shape); where torch's serve, gate and up share one norm, and on any CPU the level is as before, bit for bit."""
+    from rlspec.rollout.runtime.model import loader
+    from rlspec.rollout.runtime.model.linear import fast_linear
+    from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model, normed_products
+    from tests.conftest import make_tiny_hf
+
+    target = loader.from_hf_model(make_tiny_hf("llama").to(torch.bfloat16))
+    drafter = Eagle3Model(Eagle3Config.for_target(target.cfg, draft_vocab_size=48)).to(torch.bfloat16).to(DEVICE)
+    norm, linears = drafter.midlayer.post_attention_layernorm, (drafter.midlayer.mlp.gate_proj,
+                                                                drafter.midlayer.mlp.up_proj)
+    x = (torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(8)) * 4).to(torch.bfloat16).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        unfused = [fast_linear(linear, norm(x)) for linear in linears]
+        assert all(torch.equal(a, b) for a, b in zip(normed_products(norm, linears, x), unfused))  # the CPU's
+        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+        monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+        monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
+        speeds = {"ours": 1.0}
+        monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *a: speeds["ours"] if fn is fused_ops._fused_product
+                            else 2.0)
+        request.addfinalizer(fused_ops._faster.clear)
+        request.addfinalizer(fused_ops.timings.clear)
+        got = normed_products(norm, linears, x)
+        for out, linear in zip(got, linears):
+            assert torch.equal(out, few_rows.product(x, linear.weight, None, None, norm.weight, norm.eps))
+        assert [c["kind"] for c in fused_ops.product_choices()] == ["normed"]  # gate's and up's shape: one choice
+        logits = drafter.logits(x)
+        assert torch.equal(logits, few_rows.product(x, drafter.lm_head.weight, None, None, drafter.norm.weight,
+                                                    drafter.norm.eps).float())
+        fused_ops._faster.clear()
+        fused_ops.timings.clear()
+        speeds["ours"] = 3.0  # slower: the norm (torch's fused one, as on CUDA) once, then torch's products
+        torch_way = [fast_linear(linear, norm(x)) for linear in linears]
+        calls = []
+        monkeypatch.setattr(norm, "forward", lambda t, f=norm.forward: calls.append(1) or f(t))
+        assert all(torch.equal(a, b) for a, b in zip(normed_products(norm, linears, x), torch_way)) and len(calls) == 1
+
+
 @pytest.mark.parametrize("rows,T", [(5, 1), (2, 4)])
 def test_a_model_step_through_the_kernels_is_the_torch_step_to_rounding(monkeypatch, request, rows, T):
     """A bf16 step of a tiny model with every product and norm it can take through our kernel (as on CUDA, where

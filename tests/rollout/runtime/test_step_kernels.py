@@ -98,11 +98,13 @@ def test_with_our_products_a_layer_is_six_kernels_and_the_head_two():
     """Where fused_ops measured our few-rows kernel faster for every product (CUDA), a bf16 decode layer's four
     products are four of its launches with the two norms and SiLU times up inside (6 kernels: the products, the
     rotation with the KV writes, attention) and the head one with the final norm inside, then the logits' float32
-    copy; more rows than the kernel takes (a verify of 5 tokens over 16 rows) keep cuBLAS's products and the norms."""
+    copy; an EAGLE-3 level 16, its gate, up and head products with their norms inside; more rows than the kernel takes (a verify of 5 tokens over 16 rows) keep cuBLAS's products and the norms."""
     model = bench.target(torch.bfloat16)
     layer, head, _ = bench.layer_counts(model, torch.bfloat16, batch=4, tokens=1, products=True)
     assert dict(layer.counts) == {"few_rows": 4, "attention": 1, "rope_write": 1}
     assert head.counts["few_rows"] == 1 and head.total == 2, dict(head.counts)
+    level = bench.eagle3_counts(model, torch.bfloat16, batch=4, products=True)  # its post-attention and final norms
+    assert level.counts["rms_norm"] == 2 and level.total == 16, dict(level.counts)  # inside their products
     verify, _, _ = bench.layer_counts(model, torch.bfloat16, batch=4, tokens=5, products=True)
     assert dict(verify.counts) == dict(layer.counts)  # 20 rows: the same kernels (o reads attention's output as is)
     wide, _, _ = bench.layer_counts(model, torch.bfloat16, batch=16, tokens=5, products=True)
