@@ -189,6 +189,20 @@ def test_a_timing_that_fails_warns_and_leaves_the_shape_to_torch(monkeypatch, re
     assert torch.equal(fused_ops.product(x, w, b), torch.nn.functional.linear(x, w, b))  # kept: timed once
 
 
+def _as_on_cuda(monkeypatch, request) -> dict:
+    """Our kernels serve as they do on CUDA (the norms fused; Triton's interpreter runs them), each choice timed by a
+    stand-in: speeds["ours"] seconds (the returned dict, 1 until changed) against torch's 2; the choices forgotten
+    after the test."""
+    speeds = {"ours": 1.0}
+    monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+    monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+    monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
+    monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *a: speeds["ours"] if fn is fused_ops._fused_product else 2.0)
+    request.addfinalizer(fused_ops._faster.clear)
+    request.addfinalizer(fused_ops.timings.clear)
+    return speeds
+
+
 def test_a_layer_takes_its_norm_into_the_product_where_measured_faster(monkeypatch, request):
     """A decoder layer's q|k|v and gate|up products and the LM head take their norm inside our kernel where
     fused_ops.normed_product measured it faster than the norm and the product apart; elsewhere (any CPU) the
@@ -200,12 +214,7 @@ def test_a_layer_takes_its_norm_into_the_product_where_measured_faster(monkeypat
         norm.weight.uniform_(0.5, 1.5)
         assert torch.equal(llama.normed(norm, linear, x), linear(norm(x)))  # the CPU's path
         assert torch.equal(llama.normed(None, linear, x), linear(x))
-        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
-        monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
-        monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
-        monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *args: 1.0 if fn is fused_ops._fused_product else 2.0)
-        request.addfinalizer(fused_ops._faster.clear)
-        request.addfinalizer(fused_ops.timings.clear)
+        _as_on_cuda(monkeypatch, request)
         got = llama.normed(norm, linear, x)
         assert torch.equal(got, few_rows.product(x, linear.weight, linear.bias, None, norm.weight, 1e-6))
         assert [c["kind"] for c in fused_ops.product_choices()] == ["normed"]
@@ -225,14 +234,7 @@ def test_an_mlp_takes_silu_into_its_down_product_where_measured_faster(monkeypat
         before = mlp(x, res)
         gate_up = mlp.gate_up_proj(x)
         assert torch.equal(before, res + mlp.down_proj(fused_ops.silu_times(gate_up, 128)))  # the CPU's path
-        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
-        monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
-        monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
-        speeds = {"ours": 1.0}
-        monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *a: speeds["ours"] if fn is fused_ops._fused_product
-                            else 2.0)
-        request.addfinalizer(fused_ops._faster.clear)
-        request.addfinalizer(fused_ops.timings.clear)
+        speeds = _as_on_cuda(monkeypatch, request)
         got = mlp(x, res)
         assert torch.equal(got, few_rows.product(gate_up, mlp.down_proj.weight, None, res, gated=True))
         assert [c["kind"] for c in fused_ops.product_choices()] == ["gated"]  # (a CPU Linear's is F.linear's)
@@ -260,14 +262,7 @@ def test_a_drafter_level_takes_its_norms_into_its_products_where_measured_faster
         norm.weight.uniform_(0.5, 1.5)
         unfused = [fast_linear(linear, norm(x)) for linear in linears]
         assert all(torch.equal(a, b) for a, b in zip(normed_products(norm, linears, x), unfused))  # the CPU's
-        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
-        monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
-        monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
-        speeds = {"ours": 1.0}
-        monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *a: speeds["ours"] if fn is fused_ops._fused_product
-                            else 2.0)
-        request.addfinalizer(fused_ops._faster.clear)
-        request.addfinalizer(fused_ops.timings.clear)
+        speeds = _as_on_cuda(monkeypatch, request)
         got = normed_products(norm, linears, x)
         for out, linear in zip(got, linears):
             assert torch.equal(out, few_rows.product(x, linear.weight, None, None, norm.weight, norm.eps))

@@ -98,7 +98,8 @@ def test_with_our_products_a_layer_is_six_kernels_and_the_head_two():
     """Where fused_ops measured our few-rows kernel faster for every product (CUDA), a bf16 decode layer's four
     products are four of its launches with the two norms and SiLU times up inside (6 kernels: the products, the
     rotation with the KV writes, attention) and the head one with the final norm inside, then the logits' float32
-    copy; an EAGLE-3 level 16, its gate, up and head products with their norms inside; more rows than the kernel takes (a verify of 5 tokens over 16 rows) keep cuBLAS's products and the norms."""
+    copy; an EAGLE-3 level 16, its gate, up and head products with their norms inside; more rows than the kernel
+    takes (a verify of 5 tokens over 16 rows) keep cuBLAS's products and the norms."""
     model = bench.target(torch.bfloat16)
     layer, head, _ = bench.layer_counts(model, torch.bfloat16, batch=4, tokens=1, products=True)
     assert dict(layer.counts) == {"few_rows": 4, "attention": 1, "rope_write": 1}
