@@ -102,14 +102,10 @@ def activation_product(act, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             residual: torch.Tensor | None = None) -> torch.Tensor:
     """(residual +) x W^T (+ bias), the product of a Linear (and, with `residual`, the layer's residual sum added
-    as it is stored, llama.plus_product): few_rows.py's kernel for up to FEW_ROWS rows where it serves (`_few`)
-    and was measured faster than torch's product for this shape (`_faster_here`), else torch's (`torch_product`)."""
-    if _few(x, _product_error):
-        key = ("product", tuple(weight.shape), _bucket(x), bias is not None, residual is not None, x.dtype, x.device)
-        args = (x, weight, bias, residual)
-        if _faster_here(key, (_fused_product, *args), (torch_product, *args)):
-            return _fused_product(*args)
-    return torch_product(x, weight, bias, residual)
+    as it is stored, llama.plus_product): few_rows.py's kernel where it serves and was measured faster than
+    torch's product (`_ours_where_faster`), else torch's (`torch_product`)."""
+    args = (x, weight, bias, residual)
+    return _ours_where_faster(("product", bias is not None, residual is not None), args, (torch_product, *args))
 
 
 def normed_product(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -117,24 +113,26 @@ def normed_product(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torc
     """rms_norm(x, norm, eps) W^T (+ bias): the norm before a layer's product (llama.normed) taken inside
     few_rows.py's kernel, one kernel where the norm and the product take two, where it serves and was measured
     faster than `unfused()` (the norm's module, then the product's); else unfused()."""
-    if _few(x, _product_error):
-        key = ("normed", tuple(weight.shape), _bucket(x), bias is not None, x.dtype, x.device)
-        args = (x, weight, bias, None, norm, eps)
-        if _faster_here(key, (_fused_product, *args), (unfused,)):
-            return _fused_product(*args)
-    return unfused()
+    return _ours_where_faster(("normed", bias is not None), (x, weight, bias, None, norm, eps), (unfused,))
 
 
 def gated_product(gate_up: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, unfused) -> torch.Tensor:
     """residual + (silu(gate) * up) W^T of an MLP's fused gate|up product: SiLU times up computed inside few_rows.py's
     product as it loads its x, one kernel where SiLU's (`activation_product`) and the product take two, where it
     serves and was measured faster than `unfused()` (the two apart); else unfused()."""
-    if _few(gate_up, _product_error):
-        key = ("gated", tuple(weight.shape), _bucket(gate_up), gate_up.dtype, gate_up.device)
-        args = (gate_up, weight, None, residual, None, 0.0, True)
-        if _faster_here(key, (_fused_product, *args), (unfused,)):
+    return _ours_where_faster(("gated",), (gate_up, weight, None, residual, None, 0.0, True), (unfused,))
+
+
+def _ours_where_faster(kind: tuple, args: tuple, theirs: tuple) -> torch.Tensor:
+    """_fused_product(*args) (args: x, weight, then few_rows.product's others) where our kernel serves x (`_few`)
+    and was measured faster than theirs, (fn, *its args), for this kind (its name, then its flags), weight shape
+    and row bucket (`_faster_here`); else theirs."""
+    x, weight = args[:2]
+    if _few(x, _product_error):
+        key = (kind[0], tuple(weight.shape), _bucket(x), *kind[1:], x.dtype, x.device)
+        if _faster_here(key, (_fused_product, *args), theirs):
             return _fused_product(*args)
-    return unfused()
+    return theirs[0](*theirs[1:])
 
 
 def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -197,8 +195,8 @@ def _faster_here(key: tuple, ours: tuple, theirs: tuple) -> bool:
 
 
 def product_choices() -> list[dict]:
-    """What `_faster_here` measured in this process: per kind (a product, a normed product), weight shape and row
-    bucket, microseconds by our kernel and by torch's, and which serves (the device check reports them)."""
+    """What `_faster_here` measured in this process: per kind (a product, a normed or a gated one), weight shape and
+    row bucket, microseconds by our kernel and by torch's, and which serves (the device check reports them)."""
     return [dict(kind=k[0], weight=list(k[1]), rows=k[2], ours_us=round(t[0] * 1e6, 2),
                  torch_us=round(t[1] * 1e6, 2), ours=_faster[k]) for k, t in timings.items()]
 
