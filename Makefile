@@ -125,7 +125,7 @@ gpu-check:
 # The device check's rehearsal: the same script and report at tiny shapes on the CPU (tests/test_bench_gpu.py runs
 # it in `make test`, so the check cannot rot where no GPU is at hand).
 gpu-rehearsal: venv model
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m rlspec.bench.gpu --smoke $(GPU_BENCH_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRITON_INTERPRET=1 $(PY) -m rlspec.bench.gpu --smoke $(GPU_BENCH_ARGS)
 
 vllm-venv: $(VLLM_STAMP)
 

@@ -60,6 +60,10 @@ def test_rehearsal_writes_every_section(tmp_path):
     prof = report["profile"]["rows"]
     assert [p["batch"] for p in prof] == [1, 2] and all(p["decode_steps"] > 0 and p["top_host_ops"] for p in prof)
     assert {(r["context"], r["batch"]) for r in report["contexts"]["rows"]} == {(c, b) for c in (16, 64) for b in (1, 2)}
+    # the paged kernel alone (Triton's interpreter here): its default launch, then the others listed
+    launches = [(r["keys"], r["stages"], r["per_sm"], r["default"]) for r in report["contexts"]["attention"]]
+    assert launches == [(64, 3, 2, True), (16, 3, 2, False)], launches
+    assert all(r["us"] > 0 and r["kv_tb_s"] > 0 and r["splits"] >= 1 for r in report["contexts"]["attention"])
     rows = report["oracle"]["rows"]
     assert {(r["batch"], r["accept"]) for r in rows} == {(b, a) for b in (1, 2) for a in (0.5, 0.7, 0.9)}
     assert [r["accept"] for r in rows if r["batch"] == 1] == [0.5, 0.7, 0.9]

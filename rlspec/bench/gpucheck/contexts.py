@@ -2,10 +2,16 @@
 batch 1/8/32), replayed from the graph pool, with the weights-plus-KV bandwidth limit beside each row: what the
 paged decode attention reads at long contexts against what the memory allows. Each row names the kernel that
 attended (`paged_kernel`: Triton's paged decode, FlexAttention, or dense off CUDA); `compare` times a few
-(context, batch) rows again with the other kernel, for the choice of default (docs/gpu.md#paged-decode-attention)."""
+(context, batch) rows again with the other kernel, for the choice of default (docs/gpu.md#paged-decode-attention).
+`attention` times the Triton kernel alone over one layer's pool, at its default launch and at the others listed
+(keys a tile, pipeline stages, programs an SM): the KV it reads a second against the memory's bandwidth, the
+figure each default is set from."""
 from __future__ import annotations
 
-from rlspec.bench.gpucheck.common import build_hf, fits, median_time, release
+import os
+import time
+
+from rlspec.bench.gpucheck.common import SHAPES, build_hf, fits, median_time, release
 from rlspec.bench.gpucheck.plain import limit
 
 
@@ -31,8 +37,81 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
                 break
     finally:
         attention.paged_kernel = default
+    del model
+    release(device)
+    if cfg.get("attention"):
+        out["attention"] = attention_rows(cfg["shape"], cfg["attention"], device, dtype, left, save, out)
     save(out)
     return out
+
+
+def attention_rows(shape: str, cfg: dict, device, dtype, left, save, out) -> list[dict] | dict:
+    """The paged kernel alone at rows [(context, batch)] of `shape`'s heads, over a pool of 128-position blocks
+    shuffled across rows, at its default launch then each of cfg["launches"] [keys, stages, per_sm]: microseconds
+    (cold L2 on CUDA: fused_ops._seconds), the splits it ran, and the KV bytes read a second against the device's
+    bandwidth. On a CPU only where Triton's interpreter is on (make gpu-rehearsal), at tiny shapes."""
+    import torch
+
+    from rlspec.bench.gpucheck.presets import hbm_bytes_s
+    from rlspec.rollout.runtime.model import attention
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "the kernel runs on a CPU only in Triton's interpreter (TRITON_INTERPRET=1)"}
+    if not attention.triton_available():
+        return {"skipped": "Triton is not installed"}
+    from rlspec.rollout.runtime.model import paged_decode
+
+    fields = SHAPES[shape][1]
+    H, KV = fields["num_attention_heads"], fields["num_key_value_heads"]
+    D, BS = fields["hidden_size"] // H, 128
+    bw = hbm_bytes_s(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    default = [None, paged_decode.STAGES, paged_decode.PER_SM]
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for ctx, B in cfg["rows"]:
+        n = -(-(ctx + 1) // BS)
+        table = torch.randperm(B * n + 1, generator=g)[: B * n].view(B, n).to(device)
+        k_pool, v_pool = torch.randn(2, B * n + 1, BS, KV, D, device=device, dtype=dtype)  # 1 GB at 8k x 32
+        q = torch.randn(B, H, 1, D, device=device, dtype=dtype)
+        start = torch.full((B,), ctx, device=device)
+        kv_bytes = 2 * B * (ctx + 1) * KV * D * k_pool.element_size()
+        for keys, stages, per_sm in [default, *cfg["launches"]]:
+            if left() <= 0:
+                return rows
+            row = dict(context=ctx, batch=B, keys=keys or paged_decode.tile_keys(16, D, k_pool.element_size(), BS),
+                       stages=stages, per_sm=per_sm, default=[keys, stages, per_sm] == default)
+            row["splits"] = paged_decode.splits(B, KV, n * BS, device, row["keys"], per_sm)
+            try:
+                secs = _kernel_seconds(lambda: paged_decode.paged_decode(q, k_pool, v_pool, table, start, None,
+                                                                        keys=keys, stages=stages, per_sm=per_sm),
+                                       device)
+            except Exception as exc:  # a launch this Triton cannot compile: the row says so, the others go on
+                rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                continue
+            row.update(us=secs * 1e6, kv_tb_s=kv_bytes / secs / 1e12, of_hbm=kv_bytes / secs / bw if bw else None)
+            rows.append(row)
+            print(f"  attention ctx {ctx} batch {B} keys {row['keys']} stages {stages} per_sm {per_sm}: "
+                  f"{secs * 1e6:.1f} us, {row['kv_tb_s']:.2f} TB/s" + (f" ({row['of_hbm']:.0%})" if bw else ""),
+                  flush=True)
+            save({**out, "attention": rows})
+        del k_pool, v_pool
+        release(device)
+    return rows
+
+
+def _kernel_seconds(fn, device) -> float:
+    """One fn() in seconds: on CUDA as a step meets it (fused_ops._seconds: the cache cold, no launch in it);
+    elsewhere the median of three by the clock."""
+    if device.type == "cuda":
+        from rlspec.rollout.runtime.model.fused_ops import _seconds
+
+        return _seconds(fn)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[1]
 
 
 def _time_rows(model, rows, cfg, device, dtype, out, left, save) -> bool:

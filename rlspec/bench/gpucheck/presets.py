@@ -4,7 +4,9 @@
 Limits: the core (the CUDA smoke subset, plain, spec_costs) adds up to 300 s and everything to 600 s (one device
 call). Each is sized from the H200 run's section times (bench_out/gpu/report.json: the smoke subset's 16 tests
 112 s, plain 58 s, spec_costs' verify rows 72 s, profile 24 s, contexts 16 s, oracle 56 s, e2e's two first arms
-~40 s); a section stops starting measurements at 0.8 of its limit, so what it measured comes back either way."""
+~40 s); contexts has 15 s more for the paged kernel's launches timed alone (a compile each, ~1 s), taken from
+tests_rest, the last. A section stops starting measurements at 0.8 of its limit, so what it measured comes back
+either way."""
 from __future__ import annotations
 
 import importlib
@@ -36,7 +38,10 @@ GPU = {
                        draft_new_tokens=24, prompt_len=64),
     "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12),
     "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3,
-                     compare=dict(kernel="flex", rows=[[256, 1], [8192, 1], [8192, 32]])),
+                     compare=dict(kernel="flex", rows=[[256, 1], [8192, 1], [8192, 32]]),
+                     # the paged kernel alone: its default launch, then others [keys, stages, programs an SM]
+                     attention=dict(rows=[[256, 1], [2048, 32], [8192, 1], [8192, 32]],
+                                    launches=[[32, 3, 2], [64, 4, 2], [64, 3, 1], [64, 3, 3], [32, 3, 4]])),
     "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
                    prompt_len=64, new_tokens=[8, 56], repeats=3),
     "compiled": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], context=256, iters=6, repeats=3),
@@ -50,7 +55,8 @@ SMOKE = {
                        repeats=3, draft_batches=[1, 2], draft_new_tokens=8, prompt_len=8),
     "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3,
-                     compare=dict(kernel="flex", rows=[[64, 2]])),
+                     compare=dict(kernel="flex", rows=[[64, 2]]),
+                     attention=dict(rows=[[64, 2]], launches=[[16, 3, 2]])),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
                    new_tokens=[8, 24], repeats=3),
     "compiled": dict(shape="tiny", batches=[2], context=16, iters=2, repeats=3),  # one graph family: C++ compiles
@@ -60,7 +66,7 @@ SMOKE = {
                 num_draft_tokens=4, arms=["trl", "spec", "spec-oracle"], temperature=0.25),
 }
 # seconds per section; the core's add up to 300, all to 600 (sized from bench_out/gpu/report.json's seconds)
-GPU_LIMITS = dict(tests=140, plain=65, spec_costs=95, profile=30, contexts=30, oracle=65, e2e=100, tests_rest=75)
+GPU_LIMITS = dict(tests=140, plain=65, spec_costs=95, profile=30, contexts=45, oracle=65, e2e=100, tests_rest=60)
 EXTRA_LIMITS = dict(compiled=180)
 SMOKE_LIMITS = dict(tests=120, plain=120, spec_costs=120, profile=120, contexts=120, oracle=120, e2e=200,
                     tests_rest=120)
@@ -118,6 +124,11 @@ def print_summary(report: dict) -> None:
               f"{' (ours serves)' if c['ours'] else ''}")
     for r in report.get("contexts", {}).get("rows", []):
         print(f"  ctx {r['context']:>5} batch {r['batch']:>3}: {r['step_ms']:.2f} ms, x{r.get('over_limit')} limit")
+    attention = report.get("contexts", {}).get("attention")
+    for r in attention if isinstance(attention, list) else []:
+        launch = f"keys {r['keys']} stages {r['stages']} per_sm {r['per_sm']}" + (" (default)" if r["default"] else "")
+        got = r.get("error") or f"{r['us']:.1f} us, {r['kv_tb_s']:.2f} TB/s of KV"
+        print(f"  attention ctx {r['context']:>5} batch {r['batch']:>3}, {launch}: {got}")
     for r in report.get("oracle", {}).get("rows", []):
         predicted = f", formula x{r['predicted_speedup']:.2f} ({r['vs_predicted']:.2f} of it)" \
             if "vs_predicted" in r else ""

@@ -24,9 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_KEYS = 32  # keys per loop iteration; divides the pool's block size, so a tile never crosses blocks
+MAX_TILE_KEYS = 64  # keys per loop iteration at most (`tile_keys`)
+TILE_BYTES = 16 * 1024  # a tile of keys at most (and one of values): double buffered, 64 KB of shared memory
+TILE_SCORES = 2048  # queries x keys of a tile at most: a tree verify's 64 queries take 32 keys (registers)
 MAX_ROWS = 64  # queries (G heads x T tokens) per program at most: the accumulator is MAX_ROWS x head dim
 MAX_SPLITS = 64
+STAGES = 3  # Triton's software pipeline: tile i + 1's keys and values load while tile i's are computed on
+PER_SM = 2  # programs a launch wants per SM (`splits`): each holds 64 KB of shared memory, three fit on sm_90
 
 
 @triton.jit
@@ -59,13 +63,18 @@ def _split(Q, K, V, Table, Start, Tree, Out, Lse,
     chunk = tl.cdiv(tl.cdiv(live, NS), N) * N  # a whole number of tiles, so tiles stay inside pool blocks
     lo = tl.program_id(2) * chunk
     hi = tl.minimum(lo + chunk, live)
+    # each tile's pool block is loaded one tile ahead and carried: a tile's keys then depend on no load of their own
+    # iteration, which Triton's pipeliner needs to issue their copies a tile early (with the table read in the same
+    # iteration it kept one buffer and waited for every copy before each tile). A chunk past `live` (hi <= lo) reads
+    # its row's last block, never a column past the table.
+    blk = tl.load(Table + b * st_b + tl.minimum(lo, hi - 1) // BS).to(tl.int64)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, DP], tl.float32)
     for p0 in range(lo, hi, N):
         pos = p0 + tl.arange(0, N)
         pos_ok = pos < hi
-        blk = tl.load(Table + b * st_b + p0 // BS).to(tl.int64)
+        nxt = tl.load(Table + b * st_b + tl.minimum(p0 + N, hi - 1) // BS).to(tl.int64)
         at = pos % BS
         kv_ok = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(K + blk * sk_blk + at[:, None] * sk_pos + kvh * sk_h + d[None, :], mask=kv_ok, other=0.0)
@@ -93,6 +102,7 @@ def _split(Q, K, V, Table, Start, Tree, Out, Lse,
         else:
             acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
+        blk = nxt
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     at_out = Out + b * so_b + tl.program_id(2) * so_s + qt[:, None] * so_t + h[:, None] * so_h + d[None, :]
     tl.store(at_out, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -119,11 +129,26 @@ def _combine(Part, Lse, Out, sp_b, sp_s, sp_t, sp_h, sl_b, sl_s, sl_t, so_b, so_
 
 
 @functools.cache
-def _programs_wanted(device: torch.device) -> int:
-    """Programs that fill the device twice over (two per SM); on a CPU (the interpreter) few."""
+def _multiprocessors(device: torch.device) -> int:
+    """The device's SMs; on a CPU (the interpreter) 4."""
     if device.type != "cuda":
-        return 8
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _programs_wanted(device: torch.device, per_sm: int) -> int:
+    """Programs that fill the device: per_sm on each SM."""
+    return per_sm * _multiprocessors(device)
+
+
+def tile_keys(M: int, DP: int, itemsize: int, BS: int) -> int:
+    """Keys per loop iteration for M queries a program of (padded) head size DP, keys of itemsize bytes, over a pool
+    of BS-position blocks: MAX_TILE_KEYS for a decode step's 16 queries of head size 128 in 16 bits, fewer where a
+    tile would pass TILE_BYTES (float32; Gemma's heads of 256) or TILE_SCORES (a tree verify's 64 queries), never
+    more than a block, which a tile must divide (block sizes are powers of two from 16). Per program, the tiles in
+    flight are what keeps the memory busy: on sm_90 a decode tile is 16 KB of keys and 16 of values, two of each
+    buffered (tests/rollout/runtime/triton_aot.py prints each variant's buffers and shared memory)."""
+    return max(16, min(MAX_TILE_KEYS, TILE_BYTES // (DP * itemsize), TILE_SCORES // M, BS))
 
 
 def warps(M: int, DP: int) -> int:
@@ -133,32 +158,36 @@ def warps(M: int, DP: int) -> int:
     return 4 if M * DP <= 2048 else 8
 
 
-def splits(rows: int, programs: int, positions: int, device: torch.device) -> int:
-    """Chunks per (row, KV head, query tile): enough programs to fill the device, at most one per tile of the
-    longest context the cache holds (`positions`) and MAX_SPLITS. Fixed by shapes alone (a CUDA graph's grid)."""
-    want = -(-_programs_wanted(device) // (rows * programs))
-    return max(1, min(want, -(-positions // TILE_KEYS), MAX_SPLITS))
+def splits(rows: int, programs: int, positions: int, device: torch.device, keys: int, per_sm: int = PER_SM) -> int:
+    """Chunks per (row, KV head, query tile): enough programs to fill the device (per_sm an SM), at most one per
+    tile of `keys` of the longest context the cache holds (`positions`) and MAX_SPLITS. Fixed by shapes alone (a
+    CUDA graph's grid)."""
+    want = -(-_programs_wanted(device, per_sm) // (rows * programs))
+    return max(1, min(want, -(-positions // keys), MAX_SPLITS))
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                 start: torch.Tensor, tree: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+                 start: torch.Tensor, tree: torch.Tensor | None, scale: float | None = None, keys: int | None = None,
+                 stages: int = STAGES, per_sm: int = PER_SM) -> torch.Tensor:
     """Attention of a step's queries q [B, H, T, D] over each row's `start` cached positions and its T new keys,
     read from one layer's pools k_pool/v_pool [num_blocks, block_size, KV, D] through table [B, >= blocks]
     (long or int); tree [B, >= T, >= T] bool (None: a chain). Returns [B, H, T, D] in q's dtype, a transposed
-    view of a [B, T, H, D] tensor (what the o_proj product reads without a copy)."""
+    view of a [B, T, H, D] tensor (what the o_proj product reads without a copy). keys (None: `tile_keys`),
+    stages and per_sm set the launch (the device check times others: rlspec/bench/gpucheck/contexts.py)."""
     B, H, T, D = q.shape
     NB, BS, KV, Dk = k_pool.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if Dk != D or H % KV or BS % TILE_KEYS or T < 1:
+    DP = max(16, triton.next_power_of_2(D))
+    G = H // KV if KV and H % KV == 0 else 1
+    M = max(16, min(triton.next_power_of_2(G * T), MAX_ROWS))
+    N = keys or tile_keys(M, DP, k_pool.element_size(), BS)
+    if Dk != D or H % KV or BS % N or N % 16 or T < 1:
         raise ValueError(f"paged_decode: queries [B, H, T, D] = {list(q.shape)} over pools {list(k_pool.shape)}: "
                          f"needs the same head size, H a multiple of the KV heads and a block size that is a "
-                         f"multiple of {TILE_KEYS}")
-    G = H // KV
-    M = max(16, min(triton.next_power_of_2(G * T), MAX_ROWS))
+                         f"power of two from 16 (tiles of {N} keys)")
     QT = -(-G * T // M)
-    DP = max(16, triton.next_power_of_2(D))
-    NS = splits(B, KV * QT, table.shape[1] * BS, q.device)
+    NS = splits(B, KV * QT, table.shape[1] * BS, q.device, N, per_sm)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     if NS == 1:
         part, lse = out.unsqueeze(1), out  # lse unused (DIRECT)
@@ -174,8 +203,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         q.stride(0), q.stride(1), q.stride(2), *k_pool.stride()[:3], *v_pool.stride()[:3], table.stride(0),
         *tree_strides, *part.stride()[:4], *(lse.stride()[:3] if NS > 1 else (0, 0, 0)),
         D ** -0.5 if scale is None else scale,
-        T=T, G=G, D=D, DP=DP, BS=BS, N=TILE_KEYS, M=M, QT=QT, NS=NS, TREE=tree is not None, DIRECT=NS == 1,
-        F32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps(M, DP))
+        T=T, G=G, D=D, DP=DP, BS=BS, N=N, M=M, QT=QT, NS=NS, TREE=tree is not None, DIRECT=NS == 1,
+        F32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps(M, DP), num_stages=stages)
     if NS > 1:
         _combine[(B, T * H)](part, lse, out, *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
                             H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS))

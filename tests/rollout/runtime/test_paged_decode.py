@@ -22,6 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 before triton is imported)", allow_module_level=True)
 paged_decode = pytest.importorskip("rlspec.rollout.runtime.model.paged_decode", reason="needs triton")
+import triton  # noqa: E402  (after the skip: paged_decode imported it)
 
 BS = 64  # the pool's block size: one tile of keys a block (128 on CUDA, two tiles: the CUDA tests' shapes)
 
@@ -64,15 +65,28 @@ STARTS = [5, 63, 64, 130, 200]  # inside, at and across the edges of 64-position
 def test_paged_decode_is_the_dense_reference(monkeypatch, H, KV, D, T, tree, dtype, programs):
     """programs: how many programs the device wants: 1 gives one chunk per (row, KV head, query tile), the output
     written directly; 4096 more chunks than most rows have tiles, merged by their log-sum-exps."""
-    monkeypatch.setattr(paged_decode, "_programs_wanted", lambda device: programs)
+    monkeypatch.setattr(paged_decode, "_programs_wanted", lambda device, per_sm: programs)
     args, ref = _case(len(STARTS), H, KV, D, T, STARTS, dtype, tree)
     positions = args[3].shape[1] * BS
-    splits = paged_decode.splits(len(STARTS), KV, positions, torch.device(DEVICE))
-    assert splits == (1 if programs == 1 else positions // paged_decode.TILE_KEYS)  # a chunk a tile: some empty
+    M = max(16, min(triton.next_power_of_2(H // KV * T), paged_decode.MAX_ROWS))
+    keys = paged_decode.tile_keys(M, triton.next_power_of_2(D), dtype.itemsize, BS)
+    splits = paged_decode.splits(len(STARTS), KV, positions, torch.device(DEVICE), keys)
+    assert splits == (1 if programs == 1 else positions // keys)  # a chunk a tile: some empty
     got = paged_decode.paged_decode(*args)
     assert got.shape == ref.shape and got.dtype == dtype and got.transpose(1, 2).is_contiguous()
     atol = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.double().cpu(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("programs", [1, 40])
+@pytest.mark.parametrize("H,KV,D,T,tree,dtype", [CASES[1], CASES[2]])
+def test_tiles_smaller_than_a_block(monkeypatch, H, KV, D, T, tree, dtype, programs):
+    """Tiles of 16 keys, four to a pool block: each tile's block is read a tile ahead and carried across the tiles
+    of one block and into the next; 40 programs give chunks of several tiles that start inside blocks."""
+    monkeypatch.setattr(paged_decode, "_programs_wanted", lambda device, per_sm: programs)
+    args, ref = _case(len(STARTS), H, KV, D, T, STARTS, dtype, tree, seed=1)
+    got = paged_decode.paged_decode(*args, keys=16)
+    torch.testing.assert_close(got.double().cpu(), ref, atol=2e-5, rtol=0)
 
 
 def test_scale_and_bad_shapes():

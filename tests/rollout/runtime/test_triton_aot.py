@@ -2,7 +2,7 @@
 (triton_aot.py, in a process with the interpreter off), with no register spilled: the GPU compiler's refusals
 and a variant too large for its warps surface here, before a GPU runs them. The paged attention and the few-rows
 product compile as a launch specialises them (pointers and strides divisible by 16), so with the pipelined,
-vectorised loads the GPU runs and the registers those take."""
+vectorised loads the GPU runs and the registers those take, and with their loads a tile ahead."""
 from __future__ import annotations
 
 import os
@@ -30,3 +30,6 @@ def test_every_kernel_variant_compiles_for_sm90():
     assert all(line.endswith("STACK:0") for line in lines), lines  # no register spills
     streaming = [line for line in lines if line.startswith(("_split", "_few_rows"))]  # the kernels bandwidth bounds
     assert all(", cp.async," in line for line in streaming), streaming  # their loads pipelined
+    # ... a tile ahead: two buffers or more, a tile's copies in flight while the one before is computed on (the paged
+    # kernel reading its block table inside each tile's iteration got one, and waited for every copy each tile)
+    assert all(int(line.split(" buffers,")[0].rsplit(" ", 1)[1]) >= 2 for line in streaming), streaming

@@ -5,6 +5,7 @@ must be off when triton is imported); prints one line per kernel compiled, with 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,18 +20,22 @@ from triton.compiler import ASTSource  # noqa: E402
 from rlspec.rollout.runtime.model import few_rows, paged_decode, rope_write, silu_mul  # noqa: E402
 
 
-def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4, aligned=()) -> None:
+def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4, aligned=(),
+                num_stages: int = 3) -> None:
     """aligned: arguments a launch finds divisible by 16 (the pointers and sizes of the shapes the engine runs), as
-    Triton's launcher specialises them: what lets it vectorise and pipeline the loads (cp.async)."""
+    Triton's launcher specialises them: what lets it vectorise and pipeline the loads (cp.async). Prints the
+    buffers of the pipelined loads too: 2 or more, a tile's loads in flight while the one before is computed on."""
     signature = {n: pointers.get(n, "fp32" if n in floats else "constexpr" if n in constexprs else "i32")
                  for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps))
+    kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
     loads = "cp.async" if "cp.async" in kernel.asm["ptx"] else "no cp.async"  # loads pipelined through shared memory
-    print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared, {loads}, {usage(kernel)}",
-          flush=True)
+    # the pipeline's buffers: the leading size of the shared buffers its copies fill (none: 0)
+    buffers = max(map(int, re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", kernel.asm["ttgir"])), default=0)
+    print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared, {loads}, {buffers} buffers, "
+          f"{usage(kernel)}", flush=True)
 
 
 def usage(kernel) -> str:
@@ -58,9 +63,10 @@ def main(archs: list[int]) -> None:
             # the queries', pools' and partial outputs' strides are multiples of the head size (of 16) at a launch
             strides = [n for n in paged_decode._split.arg_names if n[:3] in ("sq_", "sk_", "sv_", "so_")]
             compile_one(paged_decode._split, pointers,
-                        dict(T=T, G=G, D=D, DP=D, BS=128, N=paged_decode.TILE_KEYS, M=M, QT=-(-G * T // M),
-                             TREE=tree, DIRECT=direct, F32=f32), target, floats=("scale",),
-                        num_warps=paged_decode.warps(M, D), aligned=[*pointers, *strides])
+                        dict(T=T, G=G, D=D, DP=D, BS=128, N=paged_decode.tile_keys(M, D, 4 if f32 else 2, 128), M=M,
+                             QT=-(-G * T // M), TREE=tree, DIRECT=direct, F32=f32), target, floats=("scale",),
+                        num_warps=paged_decode.warps(M, D), aligned=[*pointers, *strides],
+                        num_stages=paged_decode.STAGES)
         compile_one(paged_decode._combine, dict(Part="*fp32", Lse="*fp32", Out="*bf16"),
                     dict(H=28, D=128, DP=128, NSP=64), target)
         for dtype in ("bf16", "fp16"):
