@@ -92,6 +92,9 @@ def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():
                                (64, 3584, 18944, False, True)):
         product_cases.test_one_rounding_of_the_float32_sum(torch.bfloat16, M, N, K, bias, res)
     product_cases.test_each_row_is_its_own()
+    x, w, _, r = product_cases._inputs(torch.bfloat16, 3, 3584, 18944, residual=True, seed=3)
+    for stages in fused_ops.DEPTHS[1:]:  # every depth fused_ops times gives the same bits (sm_90: another pipeline)
+        assert torch.equal(few_rows.product(x, w, None, r, stages=stages), few_rows.product(x, w, None, r))
     for M in (1, 20):  # SiLU times up inside: silu_mul's bits, then one rounding of the product
         product_cases.test_the_gated_product_is_silu_times_up_then_one_rounding_of_the_product(M)
     for M in (1, 4):  # the norm inside: torch's CUDA rms_norm, then the product

@@ -129,13 +129,17 @@ def kernel_failed(errors: list[str], exc: Exception, kernel: str, then: str) -> 
 def with_fallback(kernel, reference, errors: list[str], name: str, then: str):
     """A call of `kernel` that, where it fails (a compile or launch failure; running out of memory is raised),
     records the failure in `errors` (which the kernel's dispatch reads, so the reference serves from then on),
-    warns once and returns the reference's result for the same arguments."""
-    def call(*args):
+    warns once and returns the reference's result for the same arguments. Keyword arguments are the kernel's launch
+    options: a call with them that fails raises (a depth whose shared memory the device lacks is its caller's to
+    drop; the kernel at its defaults still serves)."""
+    def call(*args, **launch):
         try:
-            return kernel(*args)
+            return kernel(*args, **launch)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - the reference computes the same
+            if launch:
+                raise
             kernel_failed(errors, exc, name, then)
             return reference(*args)
     return call

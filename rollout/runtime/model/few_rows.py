@@ -30,6 +30,7 @@ from rlspec.rollout.runtime.model.silu_mul import silu_times_up
 
 TILE_ROWS = 16  # rows a program: the dot's smallest tile
 MAX_ROWS = 64  # four tiles' programs read W once between them (the L2 cache); more rows are a GEMM's (cuBLAS)
+STAGES = 3  # Triton's software pipeline: W's next tile loads while one is summed (4: two ahead, 1.5x the shared memory)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile for 1-64 rows (Triton would specialise M == 1 and 16s)
@@ -89,10 +90,11 @@ def tiles(N: int, K: int, gated: bool = False) -> tuple[int, int]:
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             residual: torch.Tensor | None = None, norm: torch.Tensor | None = None, eps: float = 0.0,
-            gated: bool = False) -> torch.Tensor:
+            gated: bool = False, stages: int = STAGES) -> torch.Tensor:
     """x [..., K] of at most MAX_ROWS rows, weight [N, K] -> x W^T (+ bias [N]) (+ residual [..., N]), [..., N];
     with norm [K], rms_norm(x, norm, eps) W^T (...); gated, x [..., 2K] an MLP's gate|up product and the product
-    silu(gate) * up W^T (...)."""
+    silu(gate) * up W^T (...). stages: the launch's pipeline depth, which changes no bit of the result (the same
+    tiles summed in the same order) and which fused_ops times per shape."""
     N, K = weight.shape
     if x.shape[-1] != (2 * K if gated else K) or (gated and norm is not None):
         raise ValueError(f"few_rows.product: x [..., {x.shape[-1]}] against a weight [{N}, {K}]"
@@ -114,5 +116,6 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         rows, weight, y if bias is None else bias, res, y if norm is None else norm, y, M, N, K, rows.stride(0),
         weight.stride(0), res.stride(0), y.stride(0), float(eps), HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, HAS_NORM=norm is not None, GATED=gated, BM=TILE_ROWS, BN=BN, BK=BK,
-        BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=4)
+        BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=4,
+        num_stages=stages)
     return y.view(*x.shape[:-1], N)

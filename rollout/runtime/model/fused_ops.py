@@ -77,7 +77,7 @@ def _kernel(module: str, name: str):
 
 
 def _triton(module: str, name: str):
-    return lambda *args: _kernel(module, name)(*args)
+    return lambda *args, **launch: _kernel(module, name)(*args, **launch)
 
 
 _rotation_error: list[str] = []  # each fused kernel's first failure in this process
@@ -131,7 +131,7 @@ def _ours_where_faster(kind: tuple, args: tuple, theirs: tuple) -> torch.Tensor:
     if _few(x, _product_error):
         key = (kind[0], tuple(weight.shape), _bucket(x), *kind[1:], x.dtype, x.device)
         if _faster_here(key, (_fused_product, *args), theirs):
-            return _fused_product(*args)
+            return _fused_product(*args, **_launch.get(key, {}))
     return theirs[0](*theirs[1:])
 
 
@@ -153,11 +153,16 @@ def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 FEW_ROWS = 64  # few_rows.MAX_ROWS (not imported: that module imports triton)
+# our kernel's pipeline depths timed for each shape, few_rows.STAGES first: W's next tile or next two in flight. The
+# same bits at each (the same tiles summed in the same order); what keeps the memory busy on a device (a product of
+# 224 programs on 132 SMs) is measured there, not guessed
+DEPTHS = (3, 4)
 _product_error: list[str] = []
 _fused_product = with_fallback(_triton("few_rows", "product"), torch_product, _product_error,
                                "the Triton product kernel", "products take torch's ops from now on")
 _faster: dict[tuple, bool] = {}  # (kind, weight shape, row bucket, ..., dtype, device) -> our kernel is faster
-timings: dict[tuple, tuple[float, float]] = {}  # the same keys -> (our seconds, torch's)
+_launch: dict[tuple, dict] = {}  # the same keys -> our kernel's launch options where the fastest is not its default
+timings: dict[tuple, tuple[float, float]] = {}  # the same keys -> (our seconds at the fastest depth, torch's)
 
 
 def _few(x: torch.Tensor, errors: list[str]) -> bool:
@@ -177,15 +182,24 @@ def _bucket(x: torch.Tensor) -> int:
 
 def _faster_here(key: tuple, ours: tuple, theirs: tuple) -> bool:
     """Whether ours (fn, *args) ran faster than theirs on this device, measured once per key on the call's own
-    inputs, each with its weight out of the cache (`_seconds`), and kept for the process. Nothing is timed inside a
-    CUDA graph's capture, which then takes theirs (a graph's warm-up runs, before its capture, meet the same shapes
-    and decide)."""
+    inputs, each with its weight out of the cache (`_seconds`), and kept for the process; ours at each of DEPTHS,
+    the fastest kept (`_launch`). Nothing is timed inside a CUDA graph's capture, which then takes theirs (a graph's
+    warm-up runs, before its capture, meet the same shapes and decide)."""
     faster = _faster.get(key)
     if faster is None:
         if ours[1].is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         try:
-            timings[key] = (_seconds(*ours), _seconds(*theirs))
+            depths = {DEPTHS[0]: _seconds(*ours)}  # the kernel's default (where it fails, it fails for good)
+            for d in DEPTHS[1:]:
+                try:
+                    depths[d] = _seconds(*ours, stages=d)
+                except Exception:  # noqa: BLE001 - a depth this device cannot hold (its shared memory): the others
+                    pass
+            depth = min(depths, key=depths.get)  # a tie: the first, the kernel's default
+            if depth != DEPTHS[0]:
+                _launch[key] = dict(stages=depth)
+            timings[key] = (depths[depth], _seconds(*theirs))
         except Exception as exc:  # a device that cannot time them: torch's, which serves everywhere
             warnings.warn(f"timing our few-rows product against torch's failed ({type(exc).__name__}: {exc}); "
                           "torch's product serves this shape", RuntimeWarning, stacklevel=2)
@@ -194,26 +208,34 @@ def _faster_here(key: tuple, ours: tuple, theirs: tuple) -> bool:
     return faster
 
 
+def forget_choices() -> None:
+    """Forget what `_faster_here` measured (tests that time with stand-ins)."""
+    for measured in (_faster, _launch, timings):
+        measured.clear()
+
+
 def product_choices() -> list[dict]:
     """What `_faster_here` measured in this process: per kind (a product, a normed or a gated one), weight shape and
-    row bucket, microseconds by our kernel and by torch's, and which serves (the device check reports them)."""
+    row bucket, microseconds by our kernel (at its fastest depth, `stages`) and by torch's, and which serves (the
+    device check reports them)."""
     return [dict(kind=k[0], weight=list(k[1]), rows=k[2], ours_us=round(t[0] * 1e6, 2),
-                 torch_us=round(t[1] * 1e6, 2), ours=_faster[k]) for k, t in timings.items()]
+                 torch_us=round(t[1] * 1e6, 2), ours=_faster[k], stages=_launch.get(k, {}).get("stages", DEPTHS[0]))
+            for k, t in timings.items()]
 
 
 TIMED = 15  # timed runs of each candidate (the median)
 SPIN_CYCLES = 100_000  # torch.cuda._sleep before a timed run: ~50 us of the device's for the host to launch it
 
 
-def _seconds(fn, *args) -> float:
-    """Device seconds of one fn(*args) as a step meets it: its weight out of the L2 cache (a step streams every
-    other weight between two reads of this one, where runs back to back would read a weight of under ~50 MB, a
-    layer's q|k|v or o, from the cache) and no launch cost of the host's in it (for a product of a few
+def _seconds(fn, *args, **launch) -> float:
+    """Device seconds of one fn(*args, **launch) as a step meets it: its weight out of the L2 cache (a step streams
+    every other weight between two reads of this one, where runs back to back would read a weight of under ~50 MB,
+    a layer's q|k|v or o, from the cache) and no launch cost of the host's in it (for a product of a few
     microseconds it would decide the comparison). Each timed run follows a read of a buffer twice the cache's size
     (clean lines: a write would leave the run the cache's write-backs) and a spin that keeps the device busy while
     the host launches the run; CUDA events around the run alone; the median of TIMED, after one run outside them (a
     kernel's compile)."""
-    fn(*args)
+    fn(*args, **launch)
     device = torch.cuda.current_device()
     # read to evict the cache (its values are never used); freed when the timing ends, for the allocator to reuse
     flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.float16, device=device)
@@ -223,7 +245,7 @@ def _seconds(fn, *args) -> float:
         flush.max()
         torch.cuda._sleep(SPIN_CYCLES)
         start.record()
-        fn(*args)
+        fn(*args, **launch)
         end.record()
         times.append((start, end))
     torch.cuda.synchronize()

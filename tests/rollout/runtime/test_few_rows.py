@@ -114,12 +114,11 @@ def test_the_kernel_serves_where_measured_faster_once_per_shape_and_row_bucket(m
     x, w, b, r = _inputs(torch.bfloat16, 3, 40, 256, bias=True, residual=True, seed=5)
     monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
     monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)  # the timer below stands in for CUDA events
-    request.addfinalizer(fused_ops._faster.clear)
-    request.addfinalizer(fused_ops.timings.clear)
+    request.addfinalizer(fused_ops.forget_choices)
     timed = []
     speeds = {"ours": 1.0, "torch": 2.0}
 
-    def seconds(fn, *args):
+    def seconds(fn, *args, **launch):
         which = "torch" if fn is fused_ops.torch_product else "ours"
         timed.append(which)
         return speeds[which]
@@ -127,10 +126,10 @@ def test_the_kernel_serves_where_measured_faster_once_per_shape_and_row_bucket(m
     monkeypatch.setattr(fused_ops, "_seconds", seconds)
     ours, theirs = few_rows.product(x, w, b, r), fused_ops.torch_product(x, w, b, r)
     assert not torch.equal(ours, theirs)  # two roundings (torch: product, then sum) against one
-    assert torch.equal(fused_ops.product(x, w, b, r), ours) and timed == ["ours", "torch"]
-    assert torch.equal(fused_ops.product(x[:1], w, b, r[:1]), ours[:1]) and len(timed) == 4  # bucket 1: timed
-    assert torch.equal(fused_ops.product(x[:2], w, b, r[:2]), ours[:2]) and len(timed) == 6  # bucket 2
-    assert torch.equal(fused_ops.product(x[1:3], w, b, r[1:3]), ours[1:3]) and len(timed) == 6  # kept
+    assert torch.equal(fused_ops.product(x, w, b, r), ours) and timed == ["ours", "ours", "torch"]  # two depths
+    assert torch.equal(fused_ops.product(x[:1], w, b, r[:1]), ours[:1]) and len(timed) == 6  # bucket 1: timed
+    assert torch.equal(fused_ops.product(x[:2], w, b, r[:2]), ours[:2]) and len(timed) == 9  # bucket 2
+    assert torch.equal(fused_ops.product(x[1:3], w, b, r[1:3]), ours[1:3]) and len(timed) == 9  # kept
     choices = fused_ops.product_choices()
     assert [(c["rows"], c["ours"], c["ours_us"], c["torch_us"]) for c in choices] == \
         [(4, True, 1e6, 2e6), (1, True, 1e6, 2e6), (2, True, 1e6, 2e6)]
@@ -172,14 +171,55 @@ def test_a_failing_kernel_warns_and_torch_serves_from_then_on(monkeypatch, reque
     assert fused_ops._product_error and torch.equal(fused_ops.product(x, w, b), ref)
 
 
+def test_our_kernel_serves_at_its_fastest_pipeline_depth(monkeypatch, request):
+    """Our kernel is timed at each of fused_ops.DEPTHS; the fastest is what serves the shape (its stages passed to
+    the launch), what the device check reports, and, where our kernel loses at every depth, torch's serves."""
+    x, w, b, _ = _inputs(torch.bfloat16, 2, 40, 64, bias=True)
+    monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+    monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+    request.addfinalizer(fused_ops.forget_choices)
+    speeds = {3: 1.5, 4: 1.0, "torch": 1.2}
+    monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *args, **launch: speeds["torch"] if fn is
+                        fused_ops.torch_product else speeds[launch.get("stages", 3)])
+    launched = []
+    product = fused_ops._kernel("few_rows", "product")
+    monkeypatch.setattr(fused_ops, "_kernel", lambda module, name: lambda *args, **launch: launched.append(launch)
+                        or product(*args, **launch))
+    assert torch.equal(fused_ops.product(x, w, b), few_rows.product(x, w, b)) and launched == [dict(stages=4)]
+    assert [(c["ours"], c["stages"], c["ours_us"]) for c in fused_ops.product_choices()] == [(True, 4, 1e6)]
+    speeds[4] = 1.3  # another shape, where both depths lose to torch's
+    assert torch.equal(fused_ops.product(x, w[:24], b[:24]), torch.nn.functional.linear(x, w[:24], b[:24]))
+    assert len(launched) == 1 and fused_ops.product_choices()[-1]["ours"] is False
+
+
+def test_a_depth_the_device_cannot_hold_is_dropped_and_the_default_serves(monkeypatch, request):
+    """A launch at a deeper pipeline that fails (more shared memory than the device has: Triton's OutOfResources)
+    leaves that depth out of the choice; the kernel at its default depth serves, with no failure recorded."""
+    x, w, b, _ = _inputs(torch.bfloat16, 2, 40, 64, bias=True)
+    monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
+    monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
+    request.addfinalizer(fused_ops.forget_choices)
+    product = fused_ops._kernel("few_rows", "product")
+
+    def refusing(*args, **launch):
+        if launch.get("stages", 3) > 3:
+            raise RuntimeError("out of resources: shared memory")
+        return product(*args, **launch)
+
+    monkeypatch.setattr(fused_ops, "_kernel", lambda module, name: refusing)
+    monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *args, **launch: 2.0 if fn is fused_ops.torch_product
+                        else fn(*args, **launch) is not None and 1.0)
+    assert torch.equal(fused_ops.product(x, w, b), few_rows.product(x, w, b))
+    assert not fused_ops._product_error and [c["stages"] for c in fused_ops.product_choices()] == [3]
+
+
 def test_a_timing_that_fails_warns_and_leaves_the_shape_to_torch(monkeypatch, request):
     x, w, b, _ = _inputs(torch.bfloat16, 2, 40, 64, bias=True)
     monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
     monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
-    request.addfinalizer(fused_ops._faster.clear)
-    request.addfinalizer(fused_ops.timings.clear)
+    request.addfinalizer(fused_ops.forget_choices)
 
-    def broken(fn, *args):
+    def broken(fn, *args, **launch):
         raise RuntimeError("no events here")
 
     monkeypatch.setattr(fused_ops, "_seconds", broken)
@@ -197,9 +237,9 @@ def _as_on_cuda(monkeypatch, request) -> dict:
     monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
     monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
     monkeypatch.setattr(llama, "fused_norm", lambda t, weight: True)
-    monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *a: speeds["ours"] if fn is fused_ops._fused_product else 2.0)
-    request.addfinalizer(fused_ops._faster.clear)
-    request.addfinalizer(fused_ops.timings.clear)
+    monkeypatch.setattr(fused_ops, "_seconds",
+                        lambda fn, *a, **launch: speeds["ours"] if fn is fused_ops._fused_product else 2.0)
+    request.addfinalizer(fused_ops.forget_choices)
     return speeds
 
 
@@ -238,7 +278,7 @@ def test_an_mlp_takes_silu_into_its_down_product_where_measured_faster(monkeypat
         got = mlp(x, res)
         assert torch.equal(got, few_rows.product(gate_up, mlp.down_proj.weight, None, res, gated=True))
         assert [c["kind"] for c in fused_ops.product_choices()] == ["gated"]  # (a CPU Linear's is F.linear's)
-        fused_ops._faster.clear()
+        fused_ops.forget_choices()
         speeds["ours"] = 3.0  # slower: SiLU's kernel, then the product with the residual
         assert torch.equal(mlp(x, res), fused_ops.torch_product(fused_ops.silu_times(gate_up, 128),
                                                                   mlp.down_proj.weight, None, res))
@@ -270,8 +310,7 @@ def test_a_drafter_level_takes_its_norms_into_its_products_where_measured_faster
         logits = drafter.logits(x)
         assert torch.equal(logits, few_rows.product(x, drafter.lm_head.weight, None, None, drafter.norm.weight,
                                                     drafter.norm.eps).float())
-        fused_ops._faster.clear()
-        fused_ops.timings.clear()
+        fused_ops.forget_choices()
         speeds["ours"] = 3.0  # slower: the norm (torch's fused one, as on CUDA) once, then torch's products
         torch_way = [fast_linear(linear, norm(x)) for linear in linears]
         calls = []
@@ -298,9 +337,9 @@ def test_a_model_step_through_the_kernels_is_the_torch_step_to_rounding(monkeypa
         runner.cache.v.copy_(v0)
         monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
         monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
-        monkeypatch.setattr(fused_ops, "_seconds", lambda fn, *args: 1.0 if fn is fused_ops._fused_product else 2.0)
-        request.addfinalizer(fused_ops._faster.clear)
-        request.addfinalizer(fused_ops.timings.clear)
+        monkeypatch.setattr(fused_ops, "_seconds",
+                            lambda fn, *args, **launch: 1.0 if fn is fused_ops._fused_product else 2.0)
+        request.addfinalizer(fused_ops.forget_choices)
         calls = []
         monkeypatch.setattr(fused_ops, "_fused_product", lambda *args: calls.append(args) or few_rows.product(*args))
         got, _ = step.run(tokens, lens[:rows])

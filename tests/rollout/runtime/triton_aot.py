@@ -17,7 +17,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rlspec.rollout.runtime.model import few_rows, paged_decode, rope_write, silu_mul  # noqa: E402
+from rlspec.rollout.runtime.model import few_rows, fused_ops, paged_decode, rope_write, silu_mul  # noqa: E402
 
 
 def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4, aligned=(),
@@ -90,10 +90,11 @@ def main(archs: list[int]) -> None:
                                              (3584, 18944, False, True, False, True)):
             BN, BK = few_rows.tiles(N, K, gated)
             pointers = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Norm="*bf16", Y="*bf16")
-            compile_one(few_rows._few_rows, pointers,
-                        dict(HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, GATED=gated, BM=few_rows.TILE_ROWS, BN=BN,
-                             BK=BK, BF16=True, F32=False), target, floats=("eps",),
-                        aligned=[*pointers, "N", "K", "s_xm", "s_wn", "s_rm", "s_ym"])
+            for stages in fused_ops.DEPTHS:  # each pipeline depth the engine times
+                compile_one(few_rows._few_rows, pointers,
+                            dict(HAS_BIAS=bias, HAS_RES=res, HAS_NORM=norm, GATED=gated, BM=few_rows.TILE_ROWS,
+                                 BN=BN, BK=BK, BF16=True, F32=False), target, floats=("eps",),
+                            aligned=[*pointers, "N", "K", "s_xm", "s_wn", "s_rm", "s_ym"], num_stages=stages)
 
 
 if __name__ == "__main__":
