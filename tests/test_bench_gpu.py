@@ -59,7 +59,10 @@ def test_rehearsal_writes_every_section(tmp_path):
     assert all(r["timed_captures"] == 0 for r in draft)
     prof = report["profile"]["rows"]
     assert [p["batch"] for p in prof] == [1, 2] and all(p["decode_steps"] > 0 and p["top_host_ops"] for p in prof)
-    assert {(r["context"], r["batch"]) for r in report["contexts"]["rows"]} == {(c, b) for c in (16, 64) for b in (1, 2)}
+    # the default pass, FlexAttention's compare row and the row without PDL (on a CPU none of them took it)
+    assert [(r["context"], r["batch"]) for r in report["contexts"]["rows"]] == \
+        [(c, b) for c in (16, 64) for b in (1, 2)] + [(64, 2), (16, 1)]
+    assert not any(r["pdl"] for r in report["contexts"]["rows"]) and report["plain"]["pdl"] == {}
     # the paged kernel alone (Triton's interpreter here): its default launch, then the others listed
     launches = [(r["keys"], r["stages"], r["per_sm"], r["default"]) for r in report["contexts"]["attention"]]
     assert launches == [(64, 3, 2, True), (16, 3, 2, False)], launches

@@ -48,6 +48,16 @@ def test_cuda_kernel_is_the_dense_reference_at_every_launch_the_check_times():
         torch.testing.assert_close(got.double().cpu(), ref, atol=3e-2, rtol=0)
 
 
+def test_cuda_dependent_launch_serves_from_sm90():
+    """Our kernels launch with programmatic dependent launch on Hopper and later (model/pdl.py): its self-test (a kernel
+    of ours after a torch kernel, a copy and itself, eager and replayed from a graph, equal to the chain without
+    it) passed here; the graph tests in this file then replay PDL launches."""
+    from rlspec.rollout.runtime.model import pdl
+
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert pdl.serves(torch.ones(1, device="cuda", dtype=torch.bfloat16)) == hopper, "PDL's self-test failed here"
+
+
 def test_cuda_graph_replay_follows_the_live_lengths():
     """Captured at short contexts, replayed after the rows' starts moved (another chunk length per row): the
     same as the kernel called eagerly on those starts."""

@@ -173,3 +173,15 @@ def median_time(run, iters: int, device, repeats: int) -> tuple[float, list[floa
 
     times = [time_steps(run, iters, device, warmup=2 if i == 0 else 0) for i in range(repeats)]
     return statistics.median(times), times
+
+
+def pdl_module():
+    """rollout/runtime/model/pdl.py (programmatic dependent launch of our kernels) where Triton is installed (it
+    imports triton), else None."""
+    from rlspec.rollout.runtime.model import attention
+
+    if not attention.triton_available():
+        return None
+    from rlspec.rollout.runtime.model import pdl
+
+    return pdl

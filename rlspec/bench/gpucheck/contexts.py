@@ -1,8 +1,10 @@
 """The `contexts` section: the plain decode step at long contexts (7B shape: 256, 2k and 8k cached positions,
 batch 1/8/32), replayed from the graph pool, with the weights-plus-KV bandwidth limit beside each row: what the
 paged decode attention reads at long contexts against what the memory allows. Each row names the kernel that
-attended (`paged_kernel`: Triton's paged decode, FlexAttention, or dense off CUDA); `compare` times a few
-(context, batch) rows again with the other kernel, for the choice of default (docs/gpu.md#paged-decode-attention).
+attended (`paged_kernel`: Triton's paged decode, FlexAttention, or dense off CUDA) and whether our kernels launched
+with programmatic dependent launch (`pdl`, model/pdl.py); `compare` times a few (context, batch) rows again with the
+other kernel, for the choice of default (docs/gpu.md#paged-decode-attention), and `without_pdl` a few with our
+kernels launched without PDL (its gain, measured).
 `attention` times the Triton kernel alone over one layer's pool, at its default launch and at the others listed
 (keys a tile, pipeline stages, programs an SM): the KV it reads a second against the memory's bandwidth, the
 figure each default is set from."""
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from rlspec.bench.gpucheck.common import SHAPES, build_hf, fits, median_time, release
+from rlspec.bench.gpucheck.common import SHAPES, build_hf, fits, median_time, pdl_module, release
 from rlspec.bench.gpucheck.plain import limit
 
 
@@ -26,17 +28,24 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
         return {**out, "skipped": why}
     model = loader.from_hf_model(build_hf(cfg["shape"], dtype, device), dtype, device)
     release(device)
-    passes = [(attention.paged_kernel, [(c, b) for c in cfg["contexts"] for b in cfg["batches"]])]
+    pdl = pdl_module()
+    default, dependent = attention.paged_kernel, pdl.enabled if pdl else False
+    passes = [(default, dependent, [(c, b) for c in cfg["contexts"] for b in cfg["batches"]])]
     if cfg.get("compare"):
-        passes.append((cfg["compare"]["kernel"], [tuple(r) for r in cfg["compare"]["rows"]]))
-    default = attention.paged_kernel
+        passes.append((cfg["compare"]["kernel"], dependent, [tuple(r) for r in cfg["compare"]["rows"]]))
+    if cfg.get("without_pdl") and pdl:
+        passes.append((default, False, [tuple(r) for r in cfg["without_pdl"]]))
     try:
-        for kernel, rows in passes:
+        for kernel, with_pdl, rows in passes:
             attention.paged_kernel = kernel
+            if pdl:
+                pdl.enabled = with_pdl
             if not _time_rows(model, rows, cfg, device, dtype, out, left, save):
                 break
     finally:
         attention.paged_kernel = default
+        if pdl:
+            pdl.enabled = dependent
     del model
     release(device)
     if cfg.get("attention"):
@@ -124,6 +133,8 @@ def _time_rows(model, rows, cfg, device, dtype, out, left, save) -> bool:
 
     served = ("triton" if attention.use_paged_decode(device) else "flex" if attention.use_flex(device)
               else "dense")
+    pdl = pdl_module()
+    dependent = bool(pdl and pdl.serves(torch.empty(0, device=device, dtype=dtype)))  # runs its self-test once
     B, top = max(b for _, b in rows), max(c for c, _ in rows)
     runner = ModelRunner(model, device, dtype, graph_mode="lazy", max_graph_t=1, compile_mode="off")
     cache = runner.ensure_cache(B, top + 16)
@@ -136,10 +147,11 @@ def _time_rows(model, rows, cfg, device, dtype, out, left, save) -> bool:
             tokens, start = torch.randint(3, model.cfg.vocab_size, (b, 1), generator=g), torch.full((b,), ctx)
             secs, all_s = median_time(lambda: runner.step(tokens, start), cfg["iters"], device, cfg["repeats"])
             bound = limit(model, b, ctx + 1, device)
-            out["rows"].append(dict(kernel=served, context=ctx, batch=b, step_ms=secs * 1e3,
+            out["rows"].append(dict(kernel=served, pdl=dependent, context=ctx, batch=b, step_ms=secs * 1e3,
                                     step_ms_all=[t * 1e3 for t in all_s], **bound,
                                     over_limit=secs * 1e3 / bound["limit_ms"] if bound["limit_ms"] else None))
-            print(f"  {served} context {ctx} batch {b}: {secs * 1e3:.2f} ms (limit {bound['limit_ms']})", flush=True)
+            print(f"  {served}{'' if dependent else ' (no PDL)'} context {ctx} batch {b}: {secs * 1e3:.2f} ms "
+                  f"(limit {bound['limit_ms']})", flush=True)
             save(out)
     finally:
         runner.release()

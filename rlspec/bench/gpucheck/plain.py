@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import statistics
 
-from rlspec.bench.gpucheck.common import (build_hf, engine_over, fits, median_time, random_prompts, release,
-                                         time_steps, timed, timed_calls)
+from rlspec.bench.gpucheck.common import (build_hf, engine_over, fits, median_time, pdl_module, random_prompts,
+                                         release, time_steps, timed, timed_calls)
 
 
 def hf_tok_s(hf, prompts, batches: list[int], new: int, device) -> dict[int, float]:
@@ -130,4 +130,5 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     from rlspec.rollout.runtime.model.fused_ops import product_choices
 
     out["products"] = product_choices()  # our few-rows kernel against cuBLAS, as the steps measured and chose
+    out["pdl"] = pdl_module().status() if pdl_module() else {}  # per device: our kernels launched with PDL
     return out

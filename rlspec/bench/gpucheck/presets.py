@@ -39,6 +39,7 @@ GPU = {
     "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12),
     "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3,
                      compare=dict(kernel="flex", rows=[[256, 1], [8192, 1], [8192, 32]]),
+                     without_pdl=[[256, 1], [256, 32]],  # our kernels launched without PDL: its gain
                      # the paged kernel alone: its default launch, then others [keys, stages, programs an SM]
                      attention=dict(rows=[[256, 1], [2048, 32], [8192, 1], [8192, 32]],
                                     launches=[[32, 3, 2], [64, 4, 2], [64, 3, 1], [64, 3, 3], [32, 3, 4]])),
@@ -55,7 +56,7 @@ SMOKE = {
                        repeats=3, draft_batches=[1, 2], draft_new_tokens=8, prompt_len=8),
     "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3,
-                     compare=dict(kernel="flex", rows=[[64, 2]]),
+                     compare=dict(kernel="flex", rows=[[64, 2]]), without_pdl=[[16, 1]],
                      attention=dict(rows=[[64, 2]], launches=[[16, 3, 2]])),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
                    new_tokens=[8, 24], repeats=3),
@@ -123,7 +124,9 @@ def print_summary(report: dict) -> None:
         print(f"  product {c['weight']} x {c['rows']} rows: ours {c['ours_us']} us, torch {c['torch_us']} us"
               f"{' (ours serves)' if c['ours'] else ''}")
     for r in report.get("contexts", {}).get("rows", []):
-        print(f"  ctx {r['context']:>5} batch {r['batch']:>3}: {r['step_ms']:.2f} ms, x{r.get('over_limit')} limit")
+        how = f"{r.get('kernel')}{'' if r.get('pdl') else ', no PDL'}"
+        print(f"  ctx {r['context']:>5} batch {r['batch']:>3} ({how}): {r['step_ms']:.2f} ms, x{r.get('over_limit')} "
+              "limit")
     attention = report.get("contexts", {}).get("attention")
     for r in attention if isinstance(attention, list) else []:
         launch = f"keys {r['keys']} stages {r['stages']} per_sm {r['per_sm']}" + (" (default)" if r["default"] else "")

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlspec.rollout.runtime.model import pdl
+from rlspec.rollout.runtime.model.pdl import dependent_start
 from rlspec.rollout.runtime.model.rope_write import round_to
 from rlspec.rollout.runtime.model.silu_mul import silu_times_up
 
@@ -36,14 +38,16 @@ STAGES = 3  # Triton's software pipeline: W's next tile loads while one is summe
 @triton.jit(do_not_specialize=["M"])  # one compile for 1-64 rows (Triton would specialise M == 1 and 16s)
 def _few_rows(X, W, Bias, Res, Norm, Y, M, N, K, s_xm, s_wn, s_rm, s_ym, eps, HAS_BIAS: tl.constexpr,
               HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr):
+              BN: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr, F32: tl.constexpr, PDL: tl.constexpr):
     """Outputs n0..n0+BN (program_id(1)) of the rows m0..m0+BM-1 below M (program_id(0), the grid's faster axis:
     a product's row tiles of the same outputs are neighbours in the launch order). HAS_NORM: x is RMS-normalised
     first (weight Norm [K], as torch's fused rms_norm: x * rsqrt(mean(x^2) + eps) * weight in float32, rounded to
     x's dtype), each program summing its rows' squares itself (a few rows of K: from the L2 cache). GATED: X holds
     an MLP's gate|up product [M, 2K] and x is silu(gate) * up, computed as it loads (silu_mul.py's bits). F32: the dot
     takes float32 operands at full precision (a float32 model, and 16-bit ones in Triton's interpreter, which
-    multiplies 16-bit operands wrongly; their products are exact in float32)."""
+    multiplies 16-bit operands wrongly; their products are exact in float32). PDL: launched dependent on the kernel
+    before (pdl.py)."""
+    dependent_start(PDL)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     kk = tl.arange(0, BK)
@@ -112,10 +116,11 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if res.stride(-1) != 1:
         res = res.contiguous()
     BN, BK = tiles(N, K, gated)
+    dependent = pdl.serves(x)
     _few_rows[(triton.cdiv(M, TILE_ROWS), triton.cdiv(N, BN))](
         rows, weight, y if bias is None else bias, res, y if norm is None else norm, y, M, N, K, rows.stride(0),
         weight.stride(0), res.stride(0), y.stride(0), float(eps), HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, HAS_NORM=norm is not None, GATED=gated, BM=TILE_ROWS, BN=BN, BK=BK,
-        BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=4,
-        num_stages=stages)
+        BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", PDL=dependent,
+        num_warps=4, num_stages=stages, launch_pdl=dependent)
     return y.view(*x.shape[:-1], N)

@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rlspec.rollout.runtime.model import pdl
+from rlspec.rollout.runtime.model.pdl import dependent_start
+
 MAX_TILE_KEYS = 64  # keys per loop iteration at most (`tile_keys`)
 TILE_BYTES = 16 * 1024  # a tile of keys at most (and one of values): double buffered, 64 KB of shared memory
 TILE_SCORES = 2048  # queries x keys of a tile at most: a tree verify's 64 queries take 32 keys (registers)
@@ -39,13 +42,15 @@ def _split(Q, K, V, Table, Start, Tree, Out, Lse,
            so_b, so_s, so_t, so_h, sl_b, sl_s, sl_t, scale,
            T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
            N: tl.constexpr, M: tl.constexpr, QT: tl.constexpr, NS, TREE: tl.constexpr, DIRECT: tl.constexpr,
-           F32: tl.constexpr):
+           F32: tl.constexpr, PDL: tl.constexpr):
     """One (row b, KV head x query tile, split s): the partial attention of up to M queries over the split's
     chunk of the row's live keys -> Out (normalised within the chunk, float32) and Lse (its log-sum-exp); with
     DIRECT (NS == 1) the final output in Out's dtype and no Lse. NS is a runtime argument: one compile serves
     every batch size (each picks its own NS); the constants are the shapes of a step's queries. F32: the products
     take float32 operands at full precision (a float32 model, and 16-bit ones in Triton's interpreter, which
-    multiplies 16-bit operands wrongly; their products are exact in float32)."""
+    multiplies 16-bit operands wrongly; their products are exact in float32). PDL: launched dependent on the kernel
+    before (pdl.py)."""
+    dependent_start(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1) // QT
     r = (tl.program_id(1) % QT) * M + tl.arange(0, M)  # query r: head kvh * G + r // T, token r % T
@@ -113,8 +118,9 @@ def _split(Q, K, V, Table, Start, Tree, Out, Lse,
 
 @triton.jit
 def _combine(Part, Lse, Out, sp_b, sp_s, sp_t, sp_h, sl_b, sl_s, sl_t, so_b, so_t, so_h,
-             H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NS, NSP: tl.constexpr):
+             H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NS, NSP: tl.constexpr, PDL: tl.constexpr):
     """One (row b, token t x head h): the splits' partial outputs weighted by exp(their lse - the largest)."""
+    dependent_start(PDL)
     b = tl.program_id(0)
     t = tl.program_id(1) // H
     h = tl.program_id(1) % H
@@ -198,14 +204,17 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         tree = tree.contiguous()  # the kernel reads a tree row's entries side by side
     tree_u8 = tree.view(torch.uint8) if tree is not None else start  # a placeholder pointer without a tree
     tree_strides = tree_u8.stride()[:2] if tree is not None else (0, 0)
+    dependent = pdl.serves(q)
     _split[(B, KV * QT, NS)](
         q, k_pool, v_pool, table, start, tree_u8, part, lse,
         q.stride(0), q.stride(1), q.stride(2), *k_pool.stride()[:3], *v_pool.stride()[:3], table.stride(0),
         *tree_strides, *part.stride()[:4], *(lse.stride()[:3] if NS > 1 else (0, 0, 0)),
         D ** -0.5 if scale is None else scale,
         T=T, G=G, D=D, DP=DP, BS=BS, N=N, M=M, QT=QT, NS=NS, TREE=tree is not None, DIRECT=NS == 1,
-        F32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps(M, DP), num_stages=stages)
+        F32=q.dtype == torch.float32 or q.device.type != "cuda", PDL=dependent, num_warps=warps(M, DP),
+        num_stages=stages, launch_pdl=dependent)
     if NS > 1:
         _combine[(B, T * H)](part, lse, out, *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
-                            H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS))
+                            H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS), PDL=dependent,
+                            launch_pdl=dependent)
     return out.transpose(1, 2)

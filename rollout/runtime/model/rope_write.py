@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rlspec.rollout.runtime.model import pdl
+from rlspec.rollout.runtime.model.pdl import dependent_start
+
 
 @triton.jit
 def round_to(f, dtype: tl.constexpr, BF16: tl.constexpr):
@@ -39,9 +42,11 @@ def rotated(head, d, ok, cos, sin, D: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def _rope_write(QKV, Cos, Sin, Slots, Kp, Vp, Q, s_x, s_xh, s_c, s_s, s_q, s_qh, s_ks, s_kh, s_vs, s_vh,
-                NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr):
+                NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr,
+                PDL: tl.constexpr):
     """One (token, head) of the fused q|k|v product: a q head rotated into Q, a k head rotated into its pool slot,
-    a v head copied into its pool slot."""
+    a v head copied into its pool slot. PDL: launched dependent on the kernel before (pdl.py)."""
+    dependent_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, DP)
@@ -62,8 +67,9 @@ def _rope_write(QKV, Cos, Sin, Slots, Kp, Vp, Q, s_x, s_xh, s_c, s_s, s_q, s_qh,
 
 @triton.jit
 def _rope_pair(Q, K, Cos, Sin, QO, KO, s_q, s_qh, s_k, s_kh, s_c, s_s, s_qo, s_qoh, s_ko, s_koh,
-               NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr):
+               NH: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
     """One (token, head) of separate q and k products (a drafter's layer): the head rotated into QO or KO."""
+    dependent_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, DP)
@@ -88,9 +94,11 @@ def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         qi, ki, c, s = qi.contiguous(), ki.contiguous(), c.contiguous(), s.contiguous()
     qo, ko = torch.empty(B * T, nh, D, dtype=q.dtype, device=q.device), torch.empty(B * T, nkv, D, dtype=k.dtype,
                                                                                       device=k.device)
+    dependent = pdl.serves(q)
     _rope_pair[(B * T, nh + nkv)](qi, ki, c, s, qo, ko, qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1),
                                   c.stride(0), s.stride(0), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
-                                  NH=nh, D=D, DP=triton.next_power_of_2(D), BF16=q.dtype == torch.bfloat16)
+                                  NH=nh, D=D, DP=triton.next_power_of_2(D), BF16=q.dtype == torch.bfloat16,
+                                  PDL=dependent, launch_pdl=dependent)
     return qo.view(B, T, nh, D), ko.view(B, T, nkv, D)
 
 
@@ -106,7 +114,9 @@ def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
     slot = slots.reshape(-1)
     kf, vf = k_pool.view(-1, nkv, D), v_pool.view(-1, nkv, D)  # the pools by flat slot
     q = torch.empty(B, T, nh, D, dtype=qkv.dtype, device=qkv.device)
+    dependent = pdl.serves(qkv)
     _rope_write[(B * T, heads)](x, c, s, slot, kf, vf, q, x.stride(0), x.stride(1), c.stride(0), s.stride(0),
                               q.stride(1), q.stride(2), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-                              NH=nh, NKV=nkv, D=D, DP=triton.next_power_of_2(D), BF16=qkv.dtype == torch.bfloat16)
+                              NH=nh, NKV=nkv, D=D, DP=triton.next_power_of_2(D), BF16=qkv.dtype == torch.bfloat16,
+                              PDL=dependent, launch_pdl=dependent)
     return q

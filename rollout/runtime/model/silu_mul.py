@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlspec.rollout.runtime.model import pdl
+from rlspec.rollout.runtime.model.pdl import dependent_start
 from rlspec.rollout.runtime.model.rope_write import round_to
 
 BLOCK = 1024  # columns of the intermediate width a program takes
@@ -27,8 +29,10 @@ def silu_times_up(gate, up, BF16: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul(GU, Out, s_gu, s_out, inter, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """One row's BLOCK columns: gate = GU[row, col], up = GU[row, inter + col] -> Out[row, col]."""
+def _silu_mul(GU, Out, s_gu, s_out, inter, BF16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row's BLOCK columns: gate = GU[row, col], up = GU[row, inter + col] -> Out[row, col]. PDL: launched
+    dependent on the kernel before (pdl.py)."""
+    dependent_start(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < inter
@@ -43,6 +47,8 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+    dependent = pdl.serves(gate_up)
     _silu_mul[(rows.shape[0], triton.cdiv(inter, BLOCK))](rows, out, rows.stride(0), out.stride(0), inter,
-                                                          BF16=gate_up.dtype == torch.bfloat16, BLOCK=BLOCK)
+                                                          BF16=gate_up.dtype == torch.bfloat16, BLOCK=BLOCK,
+                                                          PDL=dependent, launch_pdl=dependent)
     return out.view(*gate_up.shape[:-1], inter)

@@ -25,9 +25,10 @@ def test_every_kernel_variant_compiles_for_sm90():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     compiled = [line.split()[0] for line in lines]
-    assert compiled.count("_split") == 5 and compiled.count("_combine") == 1 and compiled.count("_rope_write") == 2
+    assert compiled.count("_split") == 5 and compiled.count("_combine") == compiled.count("_halves") == 1 and compiled.count("_rope_write") == 2
     assert compiled.count("_silu_mul") == 2 and compiled.count("_rope_pair") == 2 and compiled.count("_few_rows") == 14
     assert all(line.endswith("STACK:0") for line in lines), lines  # no register spills
+    assert all(", pdl," in line for line in lines), lines  # each waits for the kernel before, as launched on sm_90
     streaming = [line for line in lines if line.startswith(("_split", "_few_rows"))]  # the kernels bandwidth bounds
     assert all(", cp.async," in line for line in streaming), streaming  # their loads pipelined
     # ... a tile ahead: two buffers or more, a tile's copies in flight while the one before is computed on (the paged

@@ -17,21 +17,27 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rlspec.rollout.runtime.model import few_rows, fused_ops, paged_decode, rope_write, silu_mul  # noqa: E402
+from rlspec.rollout.runtime.model import few_rows, fused_ops, paged_decode, pdl, rope_write, silu_mul  # noqa: E402
 
 
 def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4, aligned=(),
                 num_stages: int = 3) -> None:
     """aligned: arguments a launch finds divisible by 16 (the pointers and sizes of the shapes the engine runs), as
     Triton's launcher specialises them: what lets it vectorise and pipeline the loads (cp.async). Prints the
-    buffers of the pipelined loads too: 2 or more, a tile's loads in flight while the one before is computed on."""
+    buffers of the pipelined loads too: 2 or more, a tile's loads in flight while the one before is computed on.
+    Each compiles as the engine launches it on the target: on sm_90 and later with programmatic dependent launch
+    (pdl.py; "pdl" printed where its wait is in the code), before without."""
+    constexprs = {**constexprs, "PDL": target.arch >= 90}
     signature = {n: pointers.get(n, "fp32" if n in floats else "constexpr" if n in constexprs else "i32")
                  for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+    kernel = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages,
+                                                             launch_pdl=constexprs["PDL"]))
     loads = "cp.async" if "cp.async" in kernel.asm["ptx"] else "no cp.async"  # loads pipelined through shared memory
+    if "griddepcontrol.wait" in kernel.asm["ptx"]:
+        loads += ", pdl"
     # the pipeline's buffers: the leading size of the shared buffers its copies fill (none: 0)
     buffers = max(map(int, re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", kernel.asm["ttgir"])), default=0)
     print(f"{fn.__name__} {target.arch} {constexprs}: {kernel.metadata.shared} B shared, {loads}, {buffers} buffers, "
@@ -69,6 +75,7 @@ def main(archs: list[int]) -> None:
                         num_stages=paged_decode.STAGES)
         compile_one(paged_decode._combine, dict(Part="*fp32", Lse="*fp32", Out="*bf16"),
                     dict(H=28, D=128, DP=128, NSP=64), target)
+        compile_one(pdl._halves, dict(X="*fp32", Y="*fp32"), dict(BLOCK=1024), target)  # PDL's self-test
         for dtype in ("bf16", "fp16"):
             pointers = dict(QKV=f"*{dtype}", Cos=f"*{dtype}", Sin=f"*{dtype}", Slots="*i64", Kp=f"*{dtype}",
                             Vp=f"*{dtype}", Q=f"*{dtype}")
