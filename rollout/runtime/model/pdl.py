@@ -10,9 +10,9 @@ before any memory access, so what it reads and writes is ordered as without PDL 
 the one between returned from its own wait): only the launch overlaps.
 
 `serves(x)`: on CUDA devices of compute capability 9 and later, while `enabled` (RLSPEC_PDL=0 turns it off; the
-device check times steps both ways), and once a self-test passed on the device: a kernel of ours (`halves`) after a
-torch kernel, after a copy and after itself, eagerly and replayed from a CUDA graph, equal to the same chain without
-PDL. Where the self-test fails (a driver that cannot capture the attribute) it warns once and our kernels launch
+device check times steps both ways), and once a self-test passed on the device: a kernel of ours (`halves`) first,
+after a torch kernel, after a copy and after itself, eagerly and replayed from a CUDA graph, equal to the same chain
+without PDL. Where the self-test fails (a driver that cannot capture the attribute) it warns once and our kernels launch
 without PDL. The self-test never runs inside a capture: until it has, kernels captured go without."""
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def _self_test(device: torch.device) -> bool:
     buf = torch.empty_like(a)
 
     def chain(dependent: bool) -> torch.Tensor:
-        buf.copy_(halves(a + 1, dependent))  # ours after a torch kernel; a copy (a graph's memcpy node) after ours
+        x = halves(a, dependent) + 1  # ours first (a graph's first node), then torch's
+        buf.copy_(halves(x, dependent))  # ours after a torch kernel; a copy (a graph's memcpy node) after ours
         return halves(halves(buf, dependent), dependent) - 1  # ours after the copy and after ours; torch's after
 
     try:
