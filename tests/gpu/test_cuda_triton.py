@@ -36,18 +36,6 @@ def test_cuda_kernel_is_the_dense_reference(dtype, T, tree):
     torch.testing.assert_close(got.double().cpu(), ref, atol=2e-5 if dtype == torch.float32 else 3e-2, rtol=0)
 
 
-def test_cuda_kernel_is_the_dense_reference_at_every_launch_the_check_times():
-    """The launches the device check's `contexts` section times besides the default (other tiles, pipeline depths,
-    programs an SM) compute the same attention: a faster one can be made the default on its timing alone."""
-    from rlspec.bench.gpucheck.presets import GPU
-
-    starts = [3, 127, 128, 2047, 2100]
-    args, ref = cpu_cases._case(len(starts), 28, 4, 128, 1, starts, torch.bfloat16, False)
-    for keys, stages, per_sm in GPU["contexts"]["attention"]["launches"]:
-        got = paged_decode.paged_decode(*args, keys=keys, stages=stages, per_sm=per_sm)
-        torch.testing.assert_close(got.double().cpu(), ref, atol=3e-2, rtol=0)
-
-
 def test_cuda_dependent_launch_serves_from_sm90():
     """Our kernels launch with programmatic dependent launch on Hopper and later (model/pdl.py): its self-test (a kernel
     of ours after a torch kernel, a copy and itself, eager and replayed from a graph, equal to the chain without
