@@ -122,5 +122,5 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         weight.stride(0), res.stride(0), y.stride(0), float(eps), HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, HAS_NORM=norm is not None, GATED=gated, BM=TILE_ROWS, BN=BN, BK=BK,
         BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", PDL=dependent,
-        num_warps=4, num_stages=stages, launch_pdl=dependent)
+        num_warps=4, num_stages=stages, **pdl.launch(dependent))
     return y.view(*x.shape[:-1], N)

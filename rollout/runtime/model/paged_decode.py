@@ -212,9 +212,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         D ** -0.5 if scale is None else scale,
         T=T, G=G, D=D, DP=DP, BS=BS, N=N, M=M, QT=QT, NS=NS, TREE=tree is not None, DIRECT=NS == 1,
         F32=q.dtype == torch.float32 or q.device.type != "cuda", PDL=dependent, num_warps=warps(M, DP),
-        num_stages=stages, launch_pdl=dependent)
+        num_stages=stages, **pdl.launch(dependent))
     if NS > 1:
         _combine[(B, T * H)](part, lse, out, *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
                             H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS), PDL=dependent,
-                            launch_pdl=dependent)
+                            **pdl.launch(dependent))
     return out.transpose(1, 2)

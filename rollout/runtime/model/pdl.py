@@ -22,7 +22,11 @@ import warnings
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: our kernels launch without PDL (never compiled: only under PDL's branch)
+    gdc_launch_dependents = gdc_wait = None
 
 enabled = os.environ.get("RLSPEC_PDL", "1") != "0"
 _passed: dict[int, bool] = {}  # device index -> the self-test passed there (run once per process and device)
@@ -39,7 +43,7 @@ def dependent_start(PDL: tl.constexpr):
 
 def serves(x: torch.Tensor) -> bool:
     """Whether our kernels launched for x's device take PDL now."""
-    if not (enabled and x.is_cuda):
+    if not (enabled and x.is_cuda and gdc_wait is not None):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     passed = _passed.get(index)
@@ -62,10 +66,16 @@ def _halves(X, Y, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     tl.store(Y + i, tl.load(X + i, mask=i < n) * 0.5, mask=i < n)
 
 
+def launch(dependent: bool) -> dict:
+    """A kernel launch's options: CUDA's programmatic serialization where `dependent` (none otherwise, which a
+    Triton without the option also takes)."""
+    return {"launch_pdl": True} if dependent else {}
+
+
 def halves(x: torch.Tensor, dependent: bool) -> torch.Tensor:
     """x / 2 by `_halves`, launched dependent on the kernel before where `dependent`."""
     y = torch.empty_like(x)
-    _halves[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024, PDL=dependent, launch_pdl=dependent)
+    _halves[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024, PDL=dependent, **launch(dependent))
     return y
 
 

@@ -50,5 +50,5 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     dependent = pdl.serves(gate_up)
     _silu_mul[(rows.shape[0], triton.cdiv(inter, BLOCK))](rows, out, rows.stride(0), out.stride(0), inter,
                                                           BF16=gate_up.dtype == torch.bfloat16, BLOCK=BLOCK,
-                                                          PDL=dependent, launch_pdl=dependent)
+                                                          PDL=dependent, **pdl.launch(dependent))
     return out.view(*gate_up.shape[:-1], inter)
