@@ -11,9 +11,9 @@ figure each default is set from."""
 from __future__ import annotations
 
 import os
-import time
+import statistics
 
-from rlspec.bench.gpucheck.common import SHAPES, build_hf, fits, median_time, pdl_module, release
+from rlspec.bench.gpucheck.common import SHAPES, build_hf, fits, median_time, pdl_module, release, timed
 from rlspec.bench.gpucheck.plain import limit
 
 
@@ -110,17 +110,12 @@ def attention_rows(shape: str, cfg: dict, device, dtype, left, save, out) -> lis
 
 def _kernel_seconds(fn, device) -> float:
     """One fn() in seconds: on CUDA as a step meets it (fused_ops._seconds: the cache cold, no launch in it);
-    elsewhere the median of three by the clock."""
+    elsewhere the median of three by the device's timer."""
     if device.type == "cuda":
         from rlspec.rollout.runtime.model.fused_ops import _seconds
 
         return _seconds(fn)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[1]
+    return statistics.median(timed(fn, device)[1] for _ in range(3))
 
 
 def _time_rows(model, rows, cfg, device, dtype, out, left, save) -> bool:

@@ -116,11 +116,10 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if res.stride(-1) != 1:
         res = res.contiguous()
     BN, BK = tiles(N, K, gated)
-    dependent = pdl.serves(x)
     _few_rows[(triton.cdiv(M, TILE_ROWS), triton.cdiv(N, BN))](
         rows, weight, y if bias is None else bias, res, y if norm is None else norm, y, M, N, K, rows.stride(0),
         weight.stride(0), res.stride(0), y.stride(0), float(eps), HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, HAS_NORM=norm is not None, GATED=gated, BM=TILE_ROWS, BN=BN, BK=BK,
-        BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", PDL=dependent,
-        num_warps=4, num_stages=stages, **pdl.launch(dependent))
+        BF16=x.dtype == torch.bfloat16, F32=x.dtype == torch.float32 or x.device.type != "cuda", num_warps=4,
+        num_stages=stages, **pdl.launch(pdl.serves(x)))
     return y.view(*x.shape[:-1], N)

@@ -190,22 +190,30 @@ def _faster_here(key: tuple, ours: tuple, theirs: tuple) -> bool:
         if ours[1].is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         try:
-            depths = {DEPTHS[0]: _seconds(*ours)}  # the kernel's default (where it fails, it fails for good)
-            for d in DEPTHS[1:]:
-                try:
-                    depths[d] = _seconds(*ours, stages=d)
-                except Exception:  # noqa: BLE001 - a depth this device cannot hold (its shared memory): the others
-                    pass
-            depth = min(depths, key=depths.get)  # a tie: the first, the kernel's default
+            depth, seconds = _fastest_depth(ours)
             if depth != DEPTHS[0]:
                 _launch[key] = dict(stages=depth)
-            timings[key] = (depths[depth], _seconds(*theirs))
+            timings[key] = (seconds, _seconds(*theirs))
         except Exception as exc:  # a device that cannot time them: torch's, which serves everywhere
             warnings.warn(f"timing our few-rows product against torch's failed ({type(exc).__name__}: {exc}); "
                           "torch's product serves this shape", RuntimeWarning, stacklevel=2)
             timings[key] = (float("nan"), float("nan"))
         faster = _faster[key] = bool(timings[key][0] < timings[key][1]) and not _product_error
     return faster
+
+
+def _fastest_depth(ours: tuple) -> tuple[int, float]:
+    """(depth, seconds) of ours (fn, *args) at the fastest of DEPTHS: the kernel's default first (where it fails, it
+    fails for good); a deeper one that fails (more shared memory than the device has) is left out; a tie keeps the
+    first."""
+    depths = {DEPTHS[0]: _seconds(*ours)}
+    for d in DEPTHS[1:]:
+        try:
+            depths[d] = _seconds(*ours, stages=d)
+        except Exception:  # noqa: BLE001 - a depth this device cannot hold: the others
+            pass
+    depth = min(depths, key=depths.get)
+    return depth, depths[depth]
 
 
 def forget_choices() -> None:

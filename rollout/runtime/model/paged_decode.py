@@ -204,17 +204,16 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
         tree = tree.contiguous()  # the kernel reads a tree row's entries side by side
     tree_u8 = tree.view(torch.uint8) if tree is not None else start  # a placeholder pointer without a tree
     tree_strides = tree_u8.stride()[:2] if tree is not None else (0, 0)
-    dependent = pdl.serves(q)
+    launch = pdl.launch(pdl.serves(q))  # both kernels' PDL arguments
     _split[(B, KV * QT, NS)](
         q, k_pool, v_pool, table, start, tree_u8, part, lse,
         q.stride(0), q.stride(1), q.stride(2), *k_pool.stride()[:3], *v_pool.stride()[:3], table.stride(0),
         *tree_strides, *part.stride()[:4], *(lse.stride()[:3] if NS > 1 else (0, 0, 0)),
         D ** -0.5 if scale is None else scale,
         T=T, G=G, D=D, DP=DP, BS=BS, N=N, M=M, QT=QT, NS=NS, TREE=tree is not None, DIRECT=NS == 1,
-        F32=q.dtype == torch.float32 or q.device.type != "cuda", PDL=dependent, num_warps=warps(M, DP),
-        num_stages=stages, **pdl.launch(dependent))
+        F32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps(M, DP), num_stages=stages,
+        **launch)
     if NS > 1:
         _combine[(B, T * H)](part, lse, out, *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
-                            H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS), PDL=dependent,
-                            **pdl.launch(dependent))
+                            H=H, D=D, DP=DP, NS=NS, NSP=triton.next_power_of_2(NS), **launch)
     return out.transpose(1, 2)

@@ -67,15 +67,15 @@ def _halves(X, Y, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 def launch(dependent: bool) -> dict:
-    """A kernel launch's options: CUDA's programmatic serialization where `dependent` (none otherwise, which a
-    Triton without the option also takes)."""
-    return {"launch_pdl": True} if dependent else {}
+    """One of our kernels' launch arguments for PDL: its PDL constant (`dependent_start`) and, where `dependent`,
+    CUDA's programmatic serialization (no option otherwise, which a Triton without it also takes)."""
+    return {"PDL": True, "launch_pdl": True} if dependent else {"PDL": False}
 
 
 def halves(x: torch.Tensor, dependent: bool) -> torch.Tensor:
     """x / 2 by `_halves`, launched dependent on the kernel before where `dependent`."""
     y = torch.empty_like(x)
-    _halves[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024, PDL=dependent, **launch(dependent))
+    _halves[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024, **launch(dependent))
     return y
 
 

@@ -94,11 +94,10 @@ def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
         qi, ki, c, s = qi.contiguous(), ki.contiguous(), c.contiguous(), s.contiguous()
     qo, ko = torch.empty(B * T, nh, D, dtype=q.dtype, device=q.device), torch.empty(B * T, nkv, D, dtype=k.dtype,
                                                                                       device=k.device)
-    dependent = pdl.serves(q)
     _rope_pair[(B * T, nh + nkv)](qi, ki, c, s, qo, ko, qi.stride(0), qi.stride(1), ki.stride(0), ki.stride(1),
                                   c.stride(0), s.stride(0), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
                                   NH=nh, D=D, DP=triton.next_power_of_2(D), BF16=q.dtype == torch.bfloat16,
-                                  PDL=dependent, **pdl.launch(dependent))
+                                  **pdl.launch(pdl.serves(q)))
     return qo.view(B, T, nh, D), ko.view(B, T, nkv, D)
 
 
@@ -114,9 +113,8 @@ def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
     slot = slots.reshape(-1)
     kf, vf = k_pool.view(-1, nkv, D), v_pool.view(-1, nkv, D)  # the pools by flat slot
     q = torch.empty(B, T, nh, D, dtype=qkv.dtype, device=qkv.device)
-    dependent = pdl.serves(qkv)
     _rope_write[(B * T, heads)](x, c, s, slot, kf, vf, q, x.stride(0), x.stride(1), c.stride(0), s.stride(0),
                               q.stride(1), q.stride(2), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
                               NH=nh, NKV=nkv, D=D, DP=triton.next_power_of_2(D), BF16=qkv.dtype == torch.bfloat16,
-                              PDL=dependent, **pdl.launch(dependent))
+                              **pdl.launch(pdl.serves(qkv)))
     return q

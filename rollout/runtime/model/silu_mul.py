@@ -47,8 +47,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
-    dependent = pdl.serves(gate_up)
     _silu_mul[(rows.shape[0], triton.cdiv(inter, BLOCK))](rows, out, rows.stride(0), out.stride(0), inter,
                                                           BF16=gate_up.dtype == torch.bfloat16, BLOCK=BLOCK,
-                                                          PDL=dependent, **pdl.launch(dependent))
+                                                          **pdl.launch(pdl.serves(gate_up)))
     return out.view(*gate_up.shape[:-1], inter)

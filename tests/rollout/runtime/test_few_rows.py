@@ -335,11 +335,7 @@ def test_a_model_step_through_the_kernels_is_the_torch_step_to_rounding(monkeypa
         ref, _ = step.run(tokens, lens[:rows])
         runner.cache.k.copy_(k0)
         runner.cache.v.copy_(v0)
-        monkeypatch.setattr(fused_ops, "triton_serves", lambda t, errors: not errors)
-        monkeypatch.setattr(fused_ops, "_timed_here", lambda t: True)
-        monkeypatch.setattr(fused_ops, "_seconds",
-                            lambda fn, *args, **launch: 1.0 if fn is fused_ops._fused_product else 2.0)
-        request.addfinalizer(fused_ops.forget_choices)
+        _as_on_cuda(monkeypatch, request)
         calls = []
         monkeypatch.setattr(fused_ops, "_fused_product", lambda *args: calls.append(args) or few_rows.product(*args))
         got, _ = step.run(tokens, lens[:rows])

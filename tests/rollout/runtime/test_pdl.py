@@ -65,8 +65,8 @@ def test_a_triton_without_it_goes_without(device, monkeypatch):
     """A Triton before 3.4 has no grid dependency control: no PDL, and the launch options name none (such a Triton
     refuses an option it does not know)."""
     monkeypatch.setattr(pdl, "gdc_wait", None)
-    assert not pdl.serves(CUDA0) and device.tests == [] and pdl.launch(False) == {}
-    assert pdl.launch(True) == {"launch_pdl": True}
+    assert not pdl.serves(CUDA0) and device.tests == [] and pdl.launch(False) == {"PDL": False}
+    assert pdl.launch(True) == {"PDL": True, "launch_pdl": True}
 
 
 def test_the_self_test_warns_where_a_launch_or_capture_fails(chain_on_cpu):
