@@ -33,6 +33,7 @@ from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws, to_draf
 from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
 from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, DraftLevelGraphs
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
+from rlspec.rollout.runtime.blocks import TRASH
 from rlspec.rollout.runtime.model import kernels
 from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
 from rlspec.rollout.runtime.model.linear import fast_linear
@@ -247,6 +248,7 @@ class Eagle3Drafter(ChainDraws):
         self.backlog_seconds = (time.perf_counter() - t0) * backlog
         depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
         branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
+        branches = branches.tolist()
         return [to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
                 else Draft() for i, cap in enumerate(max_tokens)]
 
@@ -270,30 +272,70 @@ class Eagle3Drafter(ChainDraws):
 
     def _catch_up(self, seqs: list[Sequence]):
         """Run the positions each sequence has not yet shown the drafter; returns its last output [B, H], which
-        rows had any, and the backlog's share of the positions run (those beyond each row's latest commit)."""
+        rows had any, and the backlog's share of the positions run (those beyond each row's latest commit). Where
+        the levels come from graphs, so does the catch-up (`DraftLevelGraphs.catch_up`, one graph per row bucket,
+        positions bucket and context bucket): eagerly it is ~50 kernel launches a proposal, each a few
+        microseconds of host time that a small batch's GPU waits for."""
         B = len(seqs)
-        cache, L = self.target_cache, self.target.cfg.num_layers
+        cache = self.target_cache
         starts = [self.valid[id(s)] for s in seqs]
         counts = [s.cache_len - st for s, st in zip(seqs, starts)]
         backlog = sum(max(0, c - self.committed.get(id(s), 1)) for s, c in zip(seqs, counts)) / max(sum(counts), 1)
         C = max(max(counts), 1)
-        top = self.target.rope_cos.shape[0] - 1
-        # per row and query j: its token (the embedding of t + 1), the slot its key goes to (padding: the trash
-        # block), its RoPE position and the last position it sees (its cached context and own prefix); made as
-        # lists, one tensor: a catch-up is a few positions a row, and each small op costs more than its work
-        grid = torch.tensor([[s.ids(st + 1, st + 1 + c) + [0] * (C - c),
-                              cache.host_slots(id(s), [st + j if j < c else -1 for j in range(C)]),
-                              [min(st + j, top) if j < c else 0 for j in range(C)], list(range(st, st + C))]
-                             for s, st, c in zip(seqs, starts, counts)])
-        dev = cache.table.device
-        toks, slots, pos, sees = grid.to(dev).unbind(1)
         # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
         # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
         S = min(-(-(max(starts) + C) // cache.block_size) * cache.block_size, cache.length)
-        rows = torch.arange(B, device=dev)
-        feats = cache.read_side("eagle3/features", slots)  # [B, C, 3H]; padding reads the trash block, masked
+        fused = self.fused is not None and S % cache.block_size == 0 and B * C <= FUSED_MAX_TOKENS
+        graphs = None if fused else self.level_graphs()
+        if graphs is not None:
+            r, c, s = graphs.catch_up_key(B, C, S, cache.table.shape[0], cache.length)
+            last = [max(n - 1, 0) for n in counts] + [0] * (r - B)
+            h = graphs.catch_up(self._grid(seqs, starts, counts, r, c) + last, (r, c), s, self._catch_up_binding(),
+                                self._catch_up_forward)[:B]
+        else:
+            dev = cache.table.device
+            out = self._catch_up_forward(torch.tensor(self._grid(seqs, starts, counts, B, C)).view(B, 4, C).to(dev), S)
+            # every row ran C positions (one index op fewer: most steps)
+            h = out[:, C - 1] if min(counts) == C else \
+                out[torch.arange(B, device=dev), torch.tensor([max(n - 1, 0) for n in counts], device=dev)]
+        for seq in seqs:
+            self.valid[id(seq)] = seq.cache_len
+        return h, [n > 0 for n in counts], backlog
 
-        visible = (torch.arange(S, device=dev) <= sees[..., None])[:, None]  # [B, 1, C, S]
+    def _grid(self, seqs: list[Sequence], starts: list[int], counts: list[int], rows: int, width: int) -> list[int]:
+        """A catch-up's inputs, [rows, 4, width] flattened, on the host: per row and query j its token (the embedding
+        of t + 1), the slot its key goes to, its RoPE position and the last position it sees (its cached context
+        and own prefix). Queries past a row's count, and rows past the sequences (a graph's padding), write to the
+        trash block and are never read. One flat list, one tensor: a catch-up is a few positions a row, and each
+        small op (or a nested list's conversion) costs more than its work."""
+        cache, top = self.target_cache, self.target.rope_cos.shape[0] - 1
+        grid = []
+        for s, st, c in zip(seqs, starts, counts):
+            pad = [0] * (width - c)
+            grid += s.ids(st + 1, st + 1 + c) + pad
+            grid += cache.host_slots(id(s), [st + j if j < c else -1 for j in range(width)])
+            grid += [min(st + j, top) for j in range(c)] + pad
+            grid += range(st, st + width)
+        padding = [0] * width + [TRASH * cache.block_size] * width + [0] * width + list(range(width))
+        return grid + padding * (rows - len(seqs))
+
+    def _catch_up_binding(self) -> tuple:
+        """(address, shape) of every tensor a catch-up graph reads or writes other than its own buffers and the
+        weights (which change in place): a pool that grew or a new cache or RoPE table changes it, and the
+        graphs captured over the old ones go (`DraftLevelGraphs.catch_up`)."""
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        held = (cache.k[L], cache.v[L], cache.table, cache.side["eagle3/features"], *self._rope_tables_now())
+        return tuple((t.data_ptr(), tuple(t.shape)) for t in held)
+
+    def _catch_up_forward(self, grid: torch.Tensor, S: int) -> torch.Tensor:
+        """The drafter over a catch-up's grid [R, 4, C] on the device (table rows 0..R-1), attending over cache
+        positions 0..S-1 of its KV layer, which it writes: -> outputs [R, C, H]. What a catch-up graph captures."""
+        cache, L = self.target_cache, self.target.cfg.num_layers
+        R, dev = grid.shape[0], grid.device
+        toks, slots, pos, sees = grid.unbind(1)
+        rows = torch.arange(R, device=dev)
+        feats = cache.read_side("eagle3/features", slots)  # [R, C, 3H]; padding reads the trash block, masked
+        visible = (torch.arange(S, device=dev) <= sees[..., None])[:, None]  # [R, 1, C, S]
         # whole blocks: read in place (the kernel, the fused op), as target steps do
         blocks = cache.table[rows, : S // cache.block_size] if S % cache.block_size == 0 else None
 
@@ -307,17 +349,10 @@ class Eagle3Drafter(ChainDraws):
         with torch.inference_mode():
             # one op, attending in place (eagle3_fused.py), up to the fused step's token count: a long catch-up
             # (a drafter unused for a while) is a product of many rows, which oneDNN does better than our kernel
-            if self.fused is not None and blocks is not None and B * C <= FUSED_MAX_TOKENS:
-                out = self.fused.step(fast_linear(self.model.fc, feats), self._embed(toks), *self._rope(pos),
-                                      cache.k[L], cache.v[L], slots, blocks, visible)
-            else:
-                out = self.model(feats, self._embed(toks), *self._rope(pos), attend)
-        for s in seqs:
-            self.valid[id(s)] = s.cache_len
-        ready = [c > 0 for c in counts]
-        if min(counts) == C:  # every row ran C positions (one index op fewer: most steps)
-            return out[:, C - 1], ready, backlog
-        return out[rows, torch.tensor([max(c - 1, 0) for c in counts], device=dev)], ready, backlog
+            if self.fused is not None and blocks is not None and R * grid.shape[2] <= FUSED_MAX_TOKENS:
+                return self.fused.step(fast_linear(self.model.fc, feats), self._embed(toks), *self._rope(pos),
+                                       cache.k[L], cache.v[L], slots, blocks, visible)
+            return self.model(feats, self._embed(toks), *self._rope(pos), attend)
 
 
 @DRAFTERS.register("eagle3", learned=True, auto=True)

@@ -234,15 +234,18 @@ class ChainDraws:
         return self.target.model.embed_tokens(toks.to(self.target.lm_head.weight.device))
 
     def _rope(self, pos: torch.Tensor):
-        """RoPE at positions pos [...] -> cos, sin [..., 1, D] in the target's dtype, from its tables converted once
-        (while the target keeps the same tables)."""
+        """RoPE at positions pos [...] -> cos, sin [..., 1, D] in the target's dtype."""
+        cos, sin = self._rope_tables_now()
+        pos = pos.to(cos.device)
+        return cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
+
+    def _rope_tables_now(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's RoPE tables in its dtype, converted once while the target keeps the same tables."""
         if self._rope_of is not self.target.rope_cos:
             dtype = self.target.lm_head.weight.dtype
             self._rope_of = self.target.rope_cos
             self._rope_tables = (self.target.rope_cos.to(dtype), self.target.rope_sin.to(dtype))
-        cos, sin = self._rope_tables
-        pos = pos.to(cos.device)
-        return cos[pos].unsqueeze(-2), sin[pos].unsqueeze(-2)
+        return self._rope_tables
 
 
 class _DraftAttention:
@@ -275,17 +278,18 @@ class _DraftAttention:
         return out.reshape(R, H, T, D).to(q.dtype)
 
 
-def to_draft(branches: torch.Tensor, q, cap: int, width: int) -> Draft:
-    """[w, depth] target ids (+ q [w, depth, V]) -> a Draft of at most `cap` nodes: w chains below the root."""
+def to_draft(branches: list[list[int]], q, cap: int, width: int) -> Draft:
+    """w chains of target ids below the root, [w][depth] (+ q [w, depth, V]: the row's) -> a Draft of at most `cap`
+    nodes. The ids come as lists (one conversion for all rows), and q is sliced once a row."""
     if cap <= 0:
         return Draft()
     if width == 1:
-        return Draft.chain(branches[0, :cap].tolist(), None if q is None else q[0, :cap])
+        return Draft.chain(branches[0][:cap], None if q is None else q[0, :cap])
     w = min(width, cap)
     depth = cap // w
     tokens, parents = [], []
     for b in range(w):
         for d in range(depth):
             parents.append(-1 if d == 0 else len(tokens) - 1)
-            tokens.append(int(branches[b, d]))
+            tokens.append(branches[b][d])
     return Draft(tokens, parents, None if q is None else q[:w, :depth].reshape(w * depth, -1))

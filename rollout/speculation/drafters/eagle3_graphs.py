@@ -1,6 +1,7 @@
 """EAGLE-3's draft levels replayed from graphs: each level after the first (one drafter layer over the rows' last
 outputs, its draft-vocabulary head and the draw of the next token) is one graph launch instead of ~70 kernel
-launches, per row bucket, context bucket, level and way of drawing.
+launches, per row bucket, context bucket, level and way of drawing; and so is a proposal's catch-up (the drafter over
+the positions it has not seen, writing its KV layer), per row bucket, positions bucket and context bucket.
 
 Why: a draft level is a single small decoder layer; launched eagerly from Python it costs about as much as a
 target step replayed from its graph at small batches (docs/gpu.md#the-step-budget), and a level whose layer alone
@@ -21,6 +22,13 @@ capacity c)):
     verdicts [r, c].
 How a level draws (greedy or sampling, the processing, the stop rule) is part of its graph's key: the pick is
 ChainDraws._pick, the eager levels' own.
+
+A catch-up's graph (`catch_up`) reads one buffer of inputs, r * (4 * c + 1) long: per row and position its token,
+slot, RoPE position and last visible position (`Eagle3Drafter._grid`), then each row's index of its last real position;
+it runs `Eagle3Drafter._catch_up_forward`, the eager catch-up's own code, over s cached positions, and keeps each
+row's output there. Padding positions and rows write the trash block and read what their mask hides. Unlike the
+levels' frames it reads and writes the KV pool, the staged features and the block table in place, so its graphs
+go when any of those is reallocated (the `binding` the drafter passes).
 The math is `_DraftAttention`'s, on the same inputs; rows past the live ones (padding to the bucket) run stale,
 finite values and are dropped. Nothing a graph holds points into the KV pool, so a pool that grows or is
 reallocated leaves the graphs valid; weights change in place (load_state_dict), which the graphs see.
@@ -35,6 +43,7 @@ GRAPH_MODES = ("auto", "off", "emulate")  # auto: CUDA graphs on a CUDA device, 
 # frames (and their graphs) kept at once: a frame's context buffers are rows x context in float32 (~1 GB at 32
 # rows of 8k positions of a 7B shape), so the least recently used goes when a new key needs room
 MAX_FRAMES = 8
+MAX_CATCH_UPS = 16  # catch-up graphs kept at once (least recently used first out): a few MB of buffers each
 
 
 def row_bucket(rows: int) -> int:
@@ -129,6 +138,21 @@ class _Frame:
             self.out.copy_(model(self.h, self.embeds, self.cos[j], self.sin[j], attend))
 
 
+class _CatchUpFrame:
+    """Static buffers of one catch-up key (r, c, s): its inputs (one host copy a proposal) and each row's output."""
+
+    def __init__(self, r: int, c: int, hidden: int, dtype, device):
+        with torch.inference_mode(False):
+            self.inputs = torch.zeros(r * 4 * c + r, dtype=torch.long, device=device)
+            self.h = torch.zeros(r, hidden, dtype=dtype, device=device)
+        # pinned on CUDA, so the copy does not block the host; written again only by the next proposal, after
+        # this one's drafts came to the host (which waited for everything this one queued)
+        cuda = self.inputs.is_cuda
+        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=cuda) if cuda else None
+        self.grid, self.last = self.inputs[:r * 4 * c].view(r, 4, c), self.inputs[r * 4 * c:]
+        self.rows = torch.arange(r, device=device)
+
+
 class DraftLevelGraphs:
     """The draft levels of one drafter network as graphs (backend "cuda"), or their bookkeeping replayed by
     calling (backend "emulate": the CPU tests of keys, buckets and padding)."""
@@ -138,6 +162,8 @@ class DraftLevelGraphs:
         self.graphs = GraphSet(device, backend)
         self.frames: dict[tuple, _Frame] = {}
         self.capacity = 1
+        self.catch_ups: dict[tuple, _CatchUpFrame] = {}  # ("catch_up", r, c, s) -> frame, most recently used last
+        self.binding = None
 
     @property
     def counts(self) -> dict:
@@ -173,6 +199,46 @@ class DraftLevelGraphs:
                                                                                penalised))
         return (frame.ids[:R, :levels].clone(), frame.q[:R, :levels].clone() if sampling else None,
                 frame.ok[:R, :levels].clone())
+
+    @staticmethod
+    def catch_up_key(rows: int, positions: int, context: int, table_rows: int, length: int) -> tuple[int, int, int]:
+        """(row bucket r, positions bucket c, context bucket s) of a catch-up of `positions` a row over `context`
+        cached positions (whole blocks): the row buckets of the levels up to the table's rows, powers of two of
+        positions and of context up to the cache's length."""
+        return min(row_bucket(rows), table_rows), pow2_at_least(positions), min(pow2_at_least(context), length)
+
+    def catch_up(self, inputs: list[int], shape: tuple[int, int], s: int, binding: tuple, forward) -> torch.Tensor:
+        """A catch-up replayed from its graph: inputs, on the host, its grid [r, 4, c] flattened
+        (`Eagle3Drafter._grid`, padded to the key's (r, c) = shape) and then each row's index of its last real
+        position [r]; s the context bucket, binding what the graphs hold the addresses of; forward(grid, s) ->
+        [r, c, H] (`Eagle3Drafter._catch_up_forward`). -> the rows' last outputs [r, H] (a copy)."""
+        if binding != self.binding:  # a pool grew, or a new cache or RoPE table: the old addresses are gone
+            for key in self.catch_ups:
+                self.graphs.graphs.pop(key, None)
+            self.catch_ups.clear()
+            self.binding = binding
+        r, c = shape
+        key = ("catch_up", r, c, s)
+        frame = self.catch_ups.pop(key, None)
+        if frame is None:
+            if len(self.catch_ups) >= MAX_CATCH_UPS:
+                old = next(iter(self.catch_ups))
+                del self.catch_ups[old]
+                self.graphs.graphs.pop(old, None)
+            p = self.model.lm_head.weight
+            frame = _CatchUpFrame(r, c, self.model.cfg.hidden_size, p.dtype, p.device)
+        self.catch_ups[key] = frame
+        host = torch.tensor(inputs)
+        if frame.staging is not None:
+            host = frame.staging.copy_(host)
+        frame.inputs.copy_(host, non_blocking=True)
+
+        def run():
+            with torch.inference_mode():
+                frame.h.copy_(forward(frame.grid, s)[frame.rows, frame.last])
+
+        self.graphs.replay(key, run)
+        return frame.h.clone()
 
     def _frame(self, r: int, s: int, c: int, kv: int, d: int) -> _Frame:
         """The frame of key (r, s, c), made when missing; it becomes the most recently used."""

@@ -57,11 +57,76 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
     counts = drafter.level_graphs().counts
     assert len(compared) >= 30 and {b for b, _ in compared} == {5, 3, 1}
     # one graph per (row bucket, context bucket, capacity, level): captured once, replayed by every proposal's
-    # levels after the first
+    # levels after the first; and one catch-up graph per (row bucket, positions bucket, context bucket), replayed
+    # once a proposal
     keys = drafter.level_graphs().graphs.graphs
-    assert counts["captures"] == len(keys) and counts["replays"] == sum(d - 1 for _, d in compared)
+    assert counts["captures"] == len(keys)
+    assert counts["replays"] == sum(d - 1 for _, d in compared) + len(compared)
+    keys = [k for k in keys if k[0] != "catch_up"]
     assert {k[0] for k in keys} == {row_bucket(b * width) for b in (5, 3, 1)} and {k[3] for k in keys} == {0, 1, 2}
     assert {k[2] for k in keys} == {4}  # proposals capped near the end reuse the full depth's frames
+
+
+def test_graph_catch_up_gives_the_eager_outputs(monkeypatch):
+    """Every catch-up of a sampled rollout run twice on the same state, eagerly and through its emulated graph
+    (rows, positions and context padded to the key's buckets): the same outputs to rounding (the graph attends
+    over its context bucket, masked past each row), the same rows ready, the same backlog; the catch-ups covered
+    rows padded to a bucket, several positions a row and rows of unequal counts."""
+    hf = make_tiny_hf("llama", seed=6)
+    eng = _engine(hf, 1, "emulate", sharpen=2.0)
+    real, seen = Eagle3Drafter._catch_up, []
+
+    def both(self, seqs):
+        valid, graphs = dict(self.valid), self._graphs
+        counts = [s.cache_len - valid[id(s)] for s in seqs]
+        self._graphs, self.graph_mode = None, "off"
+        eager = real(self, seqs)
+        self.valid, self._graphs, self.graph_mode = valid, graphs, "emulate"
+        got = real(self, seqs)
+        torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-5)
+        assert got[1:] == eager[1:]
+        seen.append((counts, next(reversed(self.level_graphs().catch_ups))))  # the key this catch-up replayed
+        return got
+
+    monkeypatch.setattr(Eagle3Drafter, "_catch_up", both)
+    prompts = random_prompts(5, 3, 20, seed=5)
+    for n in (5, 3):
+        eng.generate(prompts[:n], SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=n))
+    assert len(seen) >= 10
+    assert any(key[1] > len(c) for c, key in seen)  # rows padded to a bucket
+    assert any(key[2] > max(c) > 1 for c, key in seen)  # several positions a row, padded
+    assert any(min(c) < max(c) for c, _ in seen)
+
+
+def test_catch_up_graphs_go_with_what_they_address(monkeypatch):
+    """Catch-up graphs hold the pool's, the table's and the RoPE tables' addresses: another binding drops them
+    (the levels' graphs stay), and at most MAX_CATCH_UPS are kept, the least recently used going first."""
+    from rlspec.rollout.speculation.drafters import eagle3_graphs as G
+
+    monkeypatch.setattr(G, "MAX_CATCH_UPS", 2)
+    hf = make_tiny_hf("llama", seed=1)
+    drafter = Eagle3Drafter(loader.from_hf_model(hf), draft_vocab_size=32, graph_mode="emulate")
+    graphs, H = drafter.level_graphs(), hf.config.hidden_size
+    graphs.graphs.graphs["level"] = object()  # stands for a level's graph
+    calls = []
+
+    def forward(grid, s):
+        calls.append((tuple(grid.shape), s))
+        return grid[:, 0, :, None].float().expand(-1, -1, H) + grid[:, 1, :, None]  # token + slot, per position
+
+    def catch_up(rows, c, s, binding):  # the grid 0, 1, 2, ... (a row's tokens, then its slots, ...)
+        return graphs.catch_up(list(range(rows * 4 * c)) + [c - 1] * rows, (rows, c), s, binding, forward)
+
+    out = catch_up(2, 2, 16, "a")
+    assert out.shape == (2, H) and out[1, 0] == 8 * 1 + 1 + 8 * 1 + 2 + 1  # row 1's last position: token + slot
+    catch_up(2, 2, 16, "a")
+    catch_up(4, 1, 16, "a")
+    catch_up(1, 4, 32, "a")
+    assert list(graphs.catch_ups) == [("catch_up", 4, 1, 16), ("catch_up", 1, 4, 32)]
+    assert set(graphs.graphs.graphs) == {"level", *graphs.catch_ups}
+    catch_up(1, 4, 32, "b")  # another pool: every catch-up graph captured again
+    assert set(graphs.graphs.graphs) == {"level", ("catch_up", 1, 4, 32)} and graphs.counts["captures"] == 4
+    assert calls[-1] == ((1, 4, 4), 32)
 
 
 def drafted_both_ways(monkeypatch, graph_mode: str) -> list:
