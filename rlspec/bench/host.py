@@ -1,12 +1,15 @@
 """Host work per decode step: what a GPU waits for when nothing overlaps.
 
 A tiny random Llama (1 layer, hidden 32, vocab 64) whose forward costs next to nothing, on the CPU, decoded through
-the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain and with an n-gram tree (selector
-"always"), at each batch size. Per (mode, batch):
+the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain, with an n-gram tree and with a 4-token
+chain from an EAGLE-3 drafter (selector "always"), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph
+bookkeeping with emulated graphs (`graph_mode="emulate"`): what a GPU replays as one graph launch is here a call of
+its closure, timed as device work. Per (mode, batch):
 
   * ms_per_step: (t(long call) - t(short call)) / (steps(long) - steps(short)), so prefill and call set-up cancel;
-  * forward_ms: the target forward (ModelRunner.step) per step, timed the same way; host_ms = the rest: scheduling,
-    drafting, verification, the host transfer and the commit;
+  * forward_ms: the device's work per step, timed the same way: the target forward (ModelRunner.step) and the
+    drafter's graphs; host_ms = the rest: scheduling, drafting outside graphs, verification, the host transfer and
+    the commit;
   * exposed_ms: the median time from a step's read of its one host transfer to the next step's forward: what a
     GPU idles through between two steps when the host reads a step before it launches the next (every
     speculative step: drafting needs the committed tokens; a plain step looks ahead on CUDA, docs/runtime.md);
@@ -36,6 +39,7 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
     "plain": None,
     "chain": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=1),
     "tree": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=2),
+    "eagle3": dict(drafter="eagle3", selector="always", num_draft_tokens=4, tree_width=1),
 }
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1)
@@ -71,14 +75,18 @@ def build(mode: str, batch: int, seed: int):
     from rlspec.rollout.types import SpecConfig
 
     spec = SpecConfig(**MODES[mode], online_training=False) if MODES[mode] else None
-    return RolloutEngine(tiny_model(seed), None, spec=spec, eos_token_ids=[2], max_num_seqs=max(batch, 1),
-                         max_model_len=512)
+    engine = RolloutEngine(tiny_model(seed), None, spec=spec, eos_token_ids=[2], max_num_seqs=max(batch, 1),
+                           max_model_len=512)
+    if engine.speculation is not None and engine.speculation.learned is not None:
+        engine.speculation.learned.graph_mode = "emulate"  # the CUDA path's host work (module docstring)
+    return engine
 
 
 class ForwardTimer:
-    """Wraps the engine's ModelRunner.step: wall and CPU seconds spent in target forwards of decode steps; `inside`
-    is > 0 while one runs (what host_counts leaves out). Wraps its transfers' reads too: `gaps` holds the seconds
-    from each read to the next forward (exposed_ms)."""
+    """Wraps the engine's ModelRunner.step and a learned drafter's graph replays: wall and CPU seconds of device work
+    (target forwards of decode steps, the drafter's graphs); `inside` is > 0 while one runs (what host_counts leaves
+    out). Wraps its transfers' reads too: `gaps` holds the seconds from each read to the next forward
+    (exposed_ms)."""
 
     def __init__(self, engine):
         self.wall = self.cpu = 0.0
@@ -90,21 +98,29 @@ class ForwardTimer:
             return _TimedRead(to_host(*columns), self)
 
         def step(*a, **kw):
-            self.inside += 1
-            try:
-                t0, c0 = time.perf_counter(), time.process_time()
-                if self.read_at is not None:
-                    self.gaps.append(t0 - self.read_at)
-                    self.read_at = None
-                out = inner(*a, **kw)
-                self.wall += time.perf_counter() - t0
-                self.cpu += time.process_time() - c0
-                return out
-            finally:
-                self.inside -= 1
+            if self.read_at is not None:
+                self.gaps.append(time.perf_counter() - self.read_at)
+                self.read_at = None
+            return self.device_work(inner, *a, **kw)
 
         runner.step = step
         runner.transfers.to_host = send
+        learned = engine.speculation.learned if engine.speculation is not None else None
+        graphs = learned.level_graphs() if learned is not None else None
+        if graphs is not None:
+            replay = graphs.graphs.replay
+            graphs.graphs.replay = lambda *a, **kw: self.device_work(replay, *a, **kw)
+
+    def device_work(self, fn, *a, **kw):
+        self.inside += 1
+        try:
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = fn(*a, **kw)
+            self.wall += time.perf_counter() - t0
+            self.cpu += time.process_time() - c0
+            return out
+        finally:
+            self.inside -= 1
 
 
 class _TimedRead:
