@@ -31,7 +31,7 @@ import torch
 from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
 from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws, to_draft
 from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
-from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, DraftLevelGraphs
+from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, DraftLevelGraphs, Held
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rlspec.rollout.runtime.blocks import TRASH
 from rlspec.rollout.runtime.model import kernels
@@ -288,9 +288,10 @@ class Eagle3Drafter(ChainDraws):
         fused = self.fused is not None and S % cache.block_size == 0 and B * C <= FUSED_MAX_TOKENS
         graphs = None if fused else self.level_graphs()
         if graphs is not None:
-            r, c, s = graphs.catch_up_key(B, C, S, cache.table.shape[0], cache.length)
+            held = self._held()
+            r, c, s = graphs.catch_up_key(B, C, S, held)
             last = [max(n - 1, 0) for n in counts] + [0] * (r - B)
-            h = graphs.catch_up(self._grid(seqs, starts, counts, r, c) + last, (r, c), s, self._catch_up_binding(),
+            h = graphs.catch_up(held, self._grid(seqs, starts, counts, r, c) + last, (r, c), s,
                                 self._catch_up_forward)[:B]
         else:
             dev = cache.table.device
@@ -319,13 +320,10 @@ class Eagle3Drafter(ChainDraws):
         padding = [0] * width + [TRASH * cache.block_size] * width + [0] * width + list(range(width))
         return grid + padding * (rows - len(seqs))
 
-    def _catch_up_binding(self) -> tuple:
-        """(address, shape) of every tensor a catch-up graph reads or writes other than its own buffers and the
-        weights (which change in place): a pool that grew or a new cache or RoPE table changes it, and the
-        graphs captured over the old ones go (`DraftLevelGraphs.catch_up`)."""
+    def _held(self) -> Held:
+        """What the drafter's graphs read and write in place (eagle3_graphs.Held)."""
         cache, L = self.target_cache, self.target.cfg.num_layers
-        held = (cache.k[L], cache.v[L], cache.table, cache.side["eagle3/features"], *self._rope_tables_now())
-        return tuple((t.data_ptr(), tuple(t.shape)) for t in held)
+        return Held(cache.k[L], cache.v[L], cache.table, cache.side["eagle3/features"], *self._rope_tables_now())
 
     def _catch_up_forward(self, grid: torch.Tensor, S: int) -> torch.Tensor:
         """The drafter over a catch-up's grid [R, 4, C] on the device (table rows 0..R-1), attending over cache

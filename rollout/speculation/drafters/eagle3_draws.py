@@ -79,21 +79,20 @@ class ChainDraws:
             # the live rows), then the branch's own drafts
             seen = None if self.history is None else self.history.rows(torch.tensor([s.row for s in seqs], device=dev))
             vocab = self._draft_vocab()
-            rows = torch.arange(B, device=dev) if width == 1 else torch.arange(B, device=dev).repeat_interleave(width)
             lens = [s.cache_len for s in seqs for _ in range(width)]
             # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
             if self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS:
-                inputs = self._chain_inputs([id(s) for s in seqs], rows, lens, depth)
+                inputs = self._chain_inputs([id(s) for s in seqs], torch.arange(B, device=dev), lens, depth)
                 if self._chain_op_serves(seen, len(vocab)):
                     ids, q, kept = self._chain_op(h, depth, vocab, inputs)
                 else:
                     ids, q, kept = self._draw_steps(h, depth, 1, vocab, seen, self._fused_steps(inputs))
+            elif depth > 1 and self.level_graphs() is not None:
+                ids, q, kept = self._graph_draws(self.level_graphs(), h, depth, width, vocab, seen, lens)
             else:
-                cache, L = self.target_cache, self.target.cfg.num_layers
-                ctx = cache.gather(L, rows, max(lens))
-                graphs = self.level_graphs() if depth > 1 else None
-                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth)) \
-                    if graphs is None else self._graph_draws(graphs, h, depth, width, vocab, seen, ctx, lens)
+                rows = torch.arange(B, device=dev).repeat_interleave(width)  # branch -> its sequence's table row
+                ctx = self.target_cache.gather(self.target.cfg.num_layers, rows, max(lens))
+                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth))
         ids = ids.view(B, width, depth).cpu()
         # trees: every branch to the shortest
         keep = [depth * width] * B if kept is None else \
@@ -174,13 +173,12 @@ class ChainDraws:
         cos, sin = self._step_rope(lens, depth)
         return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
 
-    def _graph_draws(self, graphs, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen, ctx: tuple,
+    def _graph_draws(self, graphs, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen,
                      lens: list[int]):
         """`_draw_steps`' chains with every level after the first, the drafter's layer, its head and the draw,
-        replayed from a graph (eagle3_graphs.py): the same math on the same uniforms, so the same drafts."""
+        replayed from a graph (eagle3_graphs.py), reading the rows' context in place: the same math on the same
+        uniforms, so the same drafts."""
         tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen)
-        cos, sin = self._step_rope(lens, depth)
-        lens_t = torch.tensor(lens, device=ctx[0].device)
         sig = (None if self.params is None else (self.params.greedy, self.params.temperature, self.params.top_k,
                self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule)
 
@@ -188,8 +186,9 @@ class ChainDraws:
             nxt, q, ok = self._pick(hj, 1, ids, seen_j, u)
             return nxt[:, 0], None if q is None else q[:, 0], ok
 
-        ids, qs, oks = graphs.draws(*ctx, lens_t, cos, sin, h, self._embed(tok[:, None]), seen, us, vocab, pick,
-                                    self._embed, sig)
+        rows = [i for i in range(len(lens) // width) for _ in range(width)]  # branch -> its sequence's table row
+        ids, qs, oks = graphs.draws(self._held(), rows, lens, depth - 1, h, self._embed(tok[:, None]), seen, us,
+                                    vocab, pick, self._embed, sig)
         out = torch.cat([tok[:, None], ids], 1)
         q = None if q_first is None else torch.cat([q_first[:, None], qs], 1)
         kept = None if alive is None else torch.cat([alive[:, None], oks], 1).long().cumprod(1).sum(1)

@@ -10,38 +10,43 @@ mechanism (runtime/graphs.py, `GraphSet`).
 
 What a level's graph reads and writes (a `_Frame` of static buffers, per (row bucket r, context bucket s, local
 capacity c)):
-  * the rows' cached context, keys and values in float32 [r, KV, s, D], and its mask bias [r, 1, 1, s]
-    (positions at or past each row's length hidden), copied in once per proposal;
-  * the level's inputs: the previous output h [r, 1, H] and the drafted token's embedding, which each level
-    writes for the next; every level's RoPE cos/sin [c, r, 1, 1, D] and uniforms [c, r, 1], copied in once per
-    proposal, with the draft vocabulary's target ids and the branches' histories (a repetition penalty's);
+  * in place, what `Held` names: the drafter's KV layer in the paged pool, read through the block table's rows (s
+    positions: whole blocks, a power of two up to the cache's length; positions at or past each row's length
+    hidden), and the target's RoPE tables at each branch's position;
+  * the proposal's inputs: each branch's table row and length (one small host copy), the first level's output h
+    [r, 1, H] and its drawn token's embedding, which each level writes for the next, every level's uniforms [c, r,
+    1], the draft vocabulary's target ids and the branches' histories (a repetition penalty's);
   * the branch's own draft keys [r, KV, c, D] in float32: level j writes its key at index j and attends indices
     0..j, as `_DraftAttention` holds them in a list, so chains and tree branches sharing a row never clobber each
     other and the paged cache is never written;
   * what each level drew: target ids [r, c], their distributions q [r, c, Vd] (sampling) and the stop rule's
     verdicts [r, c].
 How a level draws (greedy or sampling, the processing, the stop rule) is part of its graph's key: the pick is
-ChainDraws._pick, the eager levels' own.
+ChainDraws._pick, the eager levels' own. The math is `_DraftAttention`'s: the context scored in float32 on its own,
+then the branch's draft keys.
 
 A catch-up's graph (`catch_up`) reads one buffer of inputs, r * (4 * c + 1) long: per row and position its token,
-slot, RoPE position and last visible position (`Eagle3Drafter._grid`), then each row's index of its last real position;
-it runs `Eagle3Drafter._catch_up_forward`, the eager catch-up's own code, over s cached positions, and keeps each
-row's output there. Padding positions and rows write the trash block and read what their mask hides. Unlike the
-levels' frames it reads and writes the KV pool, the staged features and the block table in place, so its graphs
-go when any of those is reallocated (the `binding` the drafter passes).
-The math is `_DraftAttention`'s, on the same inputs; rows past the live ones (padding to the bucket) run stale,
-finite values and are dropped. Nothing a graph holds points into the KV pool, so a pool that grows or is
-reallocated leaves the graphs valid; weights change in place (load_state_dict), which the graphs see.
+slot, RoPE position and last visible position (`Eagle3Drafter._grid`), then each row's index of its last real
+position; it runs `Eagle3Drafter._catch_up_forward`, the eager catch-up's own code, over s cached positions, and keeps
+each row's output there.
+
+Rows past the live ones (padding to the bucket) read table row 0 and write the trash block (a catch-up) or their
+own buffers (a level); their outputs are dropped. The graphs hold the addresses of what `Held` names; when any of
+those is reallocated (a pool that grew, a new cache, new RoPE tables) every frame and graph goes (`_bind`). Weights
+change in place (load_state_dict), which the graphs see.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from rlspec.rollout.runtime.graphs import GraphSet
+from rlspec.rollout.runtime.kv_cache import gather_blocks
 
 GRAPH_MODES = ("auto", "off", "emulate")  # auto: CUDA graphs on a CUDA device, eager elsewhere
-# frames (and their graphs) kept at once: a frame's context buffers are rows x context in float32 (~1 GB at 32
-# rows of 8k positions of a 7B shape), so the least recently used goes when a new key needs room
+# frames (and their graphs) kept at once, the least recently used going when a new key needs room: a level's graph
+# converts its rows' context to float32 in the graphs' memory pool (~0.5 GB at 32 rows of 8k positions of a 7B shape)
 MAX_FRAMES = 8
 MAX_CATCH_UPS = 16  # catch-up graphs kept at once (least recently used first out): a few MB of buffers each
 
@@ -55,40 +60,68 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+@dataclass(frozen=True)
+class Held:
+    """What the drafter's graphs read and write in place: its KV layer's pools [blocks, bs, KV, D], the block table,
+    the staged target features, and the target's RoPE tables in its dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    features: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.table.shape[1] * self.block_size
+
+    def binding(self) -> tuple:
+        """(address, shape) of each: what tells that a graph captured over them may still run."""
+        return tuple((t.data_ptr(), tuple(t.shape)) for t in (self.k, self.v, self.table, self.features, self.cos,
+                                                              self.sin))
+
+
 class _Frame:
     """Static buffers of one (r, s, c) key; see the module docstring."""
 
     def __init__(self, r: int, s: int, c: int, kv: int, d: int, cfg, dtype, device):
         with torch.inference_mode(False):  # copies into them must work in and outside inference mode
             f32 = dict(dtype=torch.float32, device=device)
-            self.ctx_k, self.ctx_v = torch.zeros(r, kv, s, d, **f32), torch.zeros(r, kv, s, d, **f32)
-            self.bias = torch.zeros(r, 1, 1, s, **f32)
+            self.index = torch.zeros(2 * r, dtype=torch.long, device=device)  # table rows, then lengths
             self.local_k, self.local_v = torch.zeros(r, kv, c, d, **f32), torch.zeros(r, kv, c, d, **f32)
             self.h = torch.zeros(r, 1, cfg.hidden_size, dtype=dtype, device=device)
             self.embeds = torch.zeros(r, 1, cfg.hidden_size, dtype=dtype, device=device)
-            self.cos = torch.zeros(c, r, 1, 1, d, dtype=dtype, device=device)
-            self.sin = torch.zeros(c, r, 1, 1, d, dtype=dtype, device=device)
             self.out = torch.zeros(r, 1, cfg.hidden_size, dtype=dtype, device=device)
             self.u = torch.full((c, r, 1), 0.5, **f32)
             self.vocab = torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=device)
             self.ids = torch.zeros(r, c, dtype=torch.long, device=device)
             self.ok = torch.ones(r, c, dtype=torch.bool, device=device)
+        self.staging = _staging(self.index)
+        self.rows, self.lens = self.index[:r], self.index[r:]
+        self.vocab_of = None  # the draft vocabulary copied in last (it changes with the drafter's weights only)
         self.q = self.seen = None  # [r, c, Vd] and [r, V]: made when a proposal samples or penalises
-        self.shape = (r, c, cfg.draft_vocab_size, cfg.vocab_size)
+        self.shape = (r, s, c, cfg.draft_vocab_size, cfg.vocab_size)
         self.positions = torch.arange(s, device=device)
 
-    def load(self, h, embeds, cos, sin, us, vocab, seen) -> None:
-        """A proposal's inputs for rows 0..R-1 (see DraftLevelGraphs.draws)."""
-        R, S = h.shape[0], cos.shape[0]
-        r, c, vd, v = self.shape
+    def load(self, rows: list[int], lens: list[int], h, embeds, us, vocab, seen) -> None:
+        """A proposal's inputs for branches 0..R-1 (see DraftLevelGraphs.draws); padding branches read table row 0
+        at length 1."""
+        R = h.shape[0]
+        r, s, c, vd, v = self.shape
+        _load(self.index, self.staging, rows + [0] * (r - R) + lens + [1] * (r - R))
         self.h[:R].copy_(h[:, None])
         self.embeds[:R].copy_(embeds)
-        self.cos[:S, :R].copy_(cos)
-        self.sin[:S, :R].copy_(sin)
-        self.vocab.copy_(vocab)
+        if self.vocab_of is not vocab:
+            self.vocab.copy_(vocab)
+            self.vocab_of = vocab
         with torch.inference_mode(False):
             if us is not None:
-                self.u[:S, :R].copy_(us)
+                self.u[:us.shape[0], :R].copy_(us)
                 if self.q is None:
                     self.q = torch.zeros(r, c, vd, dtype=torch.float32, device=h.device)
             if seen is not None:
@@ -96,18 +129,10 @@ class _Frame:
                     self.seen = torch.zeros(r, v, dtype=torch.bool, device=h.device)
                 self.seen[:R].copy_(seen)
 
-    def load_context(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, lens: torch.Tensor) -> None:
-        """ctx_k, ctx_v [R, KV, S, D] (S <= s), lens [R]: rows 0..R-1's context and mask."""
-        R, _, S, _ = ctx_k.shape
-        self.ctx_k[:R, :, :S].copy_(ctx_k)
-        self.ctx_v[:R, :, :S].copy_(ctx_v)
-        hidden = self.positions[None, :] >= lens[:, None]
-        self.bias[:R].copy_(torch.zeros(hidden.shape, device=lens.device).masked_fill(hidden, float("-inf"))[:, None, None])
-
-    def draw_level(self, model, j: int, pick, embed, sampling: bool, penalised: bool) -> None:
+    def draw_level(self, model, held: Held, j: int, pick, embed, sampling: bool, penalised: bool) -> None:
         """Draft level j + 1 and its draw, from the static inputs into the static outputs (what a graph captures):
         the layer's output becomes the next level's h, the drawn token's embedding its embeds."""
-        self.level(model, j)
+        self.level(model, held, j)
         tok, q, ok = pick(self.out[:, 0], self.vocab, self.seen if penalised else None, self.u[j])
         with torch.inference_mode():
             self.ids[:, j].copy_(tok)
@@ -120,22 +145,44 @@ class _Frame:
             if penalised:
                 self.seen.scatter_(1, tok[:, None], True)
 
-    def level(self, model, j: int) -> None:
-        """Draft level j + 1's layer from the static inputs into `out`."""
+    def level(self, model, held: Held, j: int) -> None:
+        """Draft level j + 1's layer from the static inputs into `out`: it stands at position length + j (the
+        eager levels' `_step_rope`) and attends over its row's s cached positions, read in place."""
+        s = self.shape[1]
+        pos = (self.lens + j).clamp(max=held.cos.shape[0] - 1)
+        cos, sin = held.cos[pos][:, None, None], held.sin[pos][:, None, None]  # [r, 1, 1, D]
+
         def attend(q, k, v):
             self.local_k[:, :, j:j + 1].copy_(k)
             self.local_v[:, :, j:j + 1].copy_(v)
+            blocks = held.table[self.rows, : s // held.block_size]
+            ctx_k, ctx_v = gather_blocks(held.k, blocks).float(), gather_blocks(held.v, blocks).float()
+            hidden = self.positions[None, :] >= self.lens[:, None]
+            bias = torch.zeros(hidden.shape, device=hidden.device).masked_fill(hidden, float("-inf"))[:, None, None]
             R, H, T, D = q.shape
-            KV, S = self.ctx_k.shape[1], self.ctx_k.shape[2]
+            KV = ctx_k.shape[1]
             qf = q.float().reshape(R, KV, H // KV * T, D) * D ** -0.5
             lk, lv = self.local_k[:, :, :j + 1], self.local_v[:, :, :j + 1]
-            scores = torch.cat([qf @ self.ctx_k.transpose(-1, -2) + self.bias, qf @ lk.transpose(-1, -2)], -1)
+            scores = torch.cat([qf @ ctx_k.transpose(-1, -2) + bias, qf @ lk.transpose(-1, -2)], -1)
             p = torch.softmax(scores, -1)
-            out = p[..., :S] @ self.ctx_v + p[..., S:] @ lv
+            out = p[..., :s] @ ctx_v + p[..., s:] @ lv
             return out.reshape(R, H, T, D).to(q.dtype)
 
         with torch.inference_mode():
-            self.out.copy_(model(self.h, self.embeds, self.cos[j], self.sin[j], attend))
+            self.out.copy_(model(self.h, self.embeds, cos, sin, attend))
+
+
+def _staging(buf: torch.Tensor):
+    """A pinned host twin of a CUDA buffer of inputs, so its copy does not block the host (None elsewhere). It is
+    written again only by the next proposal, after this one's drafts came to the host, which waited for everything
+    this one queued."""
+    return torch.zeros(buf.shape, dtype=buf.dtype, pin_memory=True) if buf.is_cuda else None
+
+
+def _load(buf: torch.Tensor, staging, values: list[int]) -> None:
+    """values (a host list) into buf, through its staging twin where it has one: one copy."""
+    host = torch.tensor(values, dtype=buf.dtype)
+    buf.copy_(host if staging is None else staging.copy_(host), non_blocking=True)
 
 
 class _CatchUpFrame:
@@ -145,10 +192,7 @@ class _CatchUpFrame:
         with torch.inference_mode(False):
             self.inputs = torch.zeros(r * 4 * c + r, dtype=torch.long, device=device)
             self.h = torch.zeros(r, hidden, dtype=dtype, device=device)
-        # pinned on CUDA, so the copy does not block the host; written again only by the next proposal, after
-        # this one's drafts came to the host (which waited for everything this one queued)
-        cuda = self.inputs.is_cuda
-        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=cuda) if cuda else None
+        self.staging = _staging(self.inputs)
         self.grid, self.last = self.inputs[:r * 4 * c].view(r, 4, c), self.inputs[r * 4 * c:]
         self.rows = torch.arange(r, device=device)
 
@@ -169,54 +213,49 @@ class DraftLevelGraphs:
     def counts(self) -> dict:
         return self.graphs.counts
 
-    def key(self, rows: int, context: int, levels: int) -> tuple[int, int, int]:
-        """(row bucket, context bucket, local capacity) of a proposal: `rows` branches, a gathered context of
-        `context` positions (whole blocks), `levels` draft levels after the first. The capacity is the most levels
-        seen so far (a proposal capped near the token limit reuses the full depth's frame)."""
+    def key(self, rows: int, context: int, levels: int, length: int) -> tuple[int, int, int]:
+        """(row bucket, context bucket, local capacity) of a proposal: `rows` branches over a context of `context`
+        positions (whole blocks; the cache holds `length`), `levels` draft levels after the first. The capacity is
+        the most levels seen so far (a proposal capped near the token limit reuses the full depth's frame)."""
         self.capacity = max(self.capacity, pow2_at_least(max(levels, 1)))
-        return row_bucket(rows), pow2_at_least(context), self.capacity
+        return row_bucket(rows), min(pow2_at_least(context), length), self.capacity
 
-    def draws(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, lens: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor, h: torch.Tensor, embeds: torch.Tensor, seen, us, vocab: torch.Tensor, pick, embed,
-              sig: tuple):
-        """One proposal's levels after the first, each replayed from its graph: ctx_k, ctx_v [R, KV, S, D] the
-        rows' cached context, lens [R] their lengths, cos and sin [depth - 1, R, 1, 1, D] the levels' RoPE, h [R, H]
-        the first level's output and embeds [R, 1, H] its drawn tokens' embedding, seen [R, V] bool their history
-        or None, us [depth - 1, R, 1] the levels' uniforms or None (greedy), vocab [Vd] the draft vocabulary's
-        target ids; pick(h, vocab, seen, u) -> (tokens [r], q [r, Vd] or None, sure [r] or None) draws a level
-        (ChainDraws), embed(tokens [r, 1]) -> [r, 1, H]; sig: how pick draws (part of each graph's key).
-        -> (target ids [R, depth - 1], q [R, depth - 1, Vd] or None, sure [R, depth - 1]: all True without a stop
-        rule)."""
-        R, KV, S, D = ctx_k.shape
-        levels = cos.shape[0]
-        r, s, c = self.key(R, S, levels)
-        frame = self._frame(r, s, c, KV, D)
-        frame.load_context(ctx_k, ctx_v, lens)
-        frame.load(h, embeds, cos, sin, us, vocab, seen)
+    def draws(self, held: Held, rows: list[int], lens: list[int], levels: int, h: torch.Tensor,
+              embeds: torch.Tensor, seen, us, vocab: torch.Tensor, pick, embed, sig: tuple):
+        """One proposal's `levels` levels after the first, each replayed from its graph: held what they read in
+        place, rows [R] each branch's table row and lens [R] its length, h [R, H] the first level's output and
+        embeds [R, 1, H] its drawn tokens' embedding, seen [R, V] bool their history or None, us [levels, R, 1] the
+        levels' uniforms or None (greedy), vocab [Vd] the draft vocabulary's target ids; pick(h, vocab, seen, u) ->
+        (tokens [r], q [r, Vd] or None, sure [r] or None) draws a level (ChainDraws), embed(tokens [r, 1]) -> [r, 1,
+        H]; sig: how pick draws (part of each graph's key). -> (target ids [R, levels], q [R, levels, Vd] or None,
+        sure [R, levels]: all True without a stop rule)."""
+        self._bind(held)
+        bs = held.block_size
+        r, s, c = self.key(len(rows), -(-max(lens) // bs) * bs, levels, held.length)
+        frame = self._frame(r, s, c, held.k.shape[2], held.k.shape[3])
+        frame.load(rows, lens, h, embeds, us, vocab, seen)
         sampling, penalised = us is not None, seen is not None
         for j in range(levels):
-            self.graphs.replay((r, s, c, j, sig), lambda j=j: frame.draw_level(self.model, j, pick, embed, sampling,
-                                                                               penalised))
+            self.graphs.replay((r, s, c, j, sig), lambda j=j: frame.draw_level(self.model, held, j, pick, embed,
+                                                                               sampling, penalised))
+        R = len(rows)
         return (frame.ids[:R, :levels].clone(), frame.q[:R, :levels].clone() if sampling else None,
                 frame.ok[:R, :levels].clone())
 
     @staticmethod
-    def catch_up_key(rows: int, positions: int, context: int, table_rows: int, length: int) -> tuple[int, int, int]:
+    def catch_up_key(rows: int, positions: int, context: int, held: Held) -> tuple[int, int, int]:
         """(row bucket r, positions bucket c, context bucket s) of a catch-up of `positions` a row over `context`
         cached positions (whole blocks): the row buckets of the levels up to the table's rows, powers of two of
         positions and of context up to the cache's length."""
-        return min(row_bucket(rows), table_rows), pow2_at_least(positions), min(pow2_at_least(context), length)
+        return (min(row_bucket(rows), held.table.shape[0]), pow2_at_least(positions),
+                min(pow2_at_least(context), held.length))
 
-    def catch_up(self, inputs: list[int], shape: tuple[int, int], s: int, binding: tuple, forward) -> torch.Tensor:
-        """A catch-up replayed from its graph: inputs, on the host, its grid [r, 4, c] flattened
-        (`Eagle3Drafter._grid`, padded to the key's (r, c) = shape) and then each row's index of its last real
-        position [r]; s the context bucket, binding what the graphs hold the addresses of; forward(grid, s) ->
-        [r, c, H] (`Eagle3Drafter._catch_up_forward`). -> the rows' last outputs [r, H] (a copy)."""
-        if binding != self.binding:  # a pool grew, or a new cache or RoPE table: the old addresses are gone
-            for key in self.catch_ups:
-                self.graphs.graphs.pop(key, None)
-            self.catch_ups.clear()
-            self.binding = binding
+    def catch_up(self, held: Held, inputs: list[int], shape: tuple[int, int], s: int, forward) -> torch.Tensor:
+        """A catch-up replayed from its graph: held what it reads and writes in place; inputs, on the host, its grid
+        [r, 4, c] flattened (`Eagle3Drafter._grid`, padded to the key's (r, c) = shape) and then each row's index
+        of its last real position [r]; s the context bucket; forward(grid, s) -> [r, c, H]
+        (`Eagle3Drafter._catch_up_forward`). -> the rows' last outputs [r, H] (a copy)."""
+        self._bind(held)
         r, c = shape
         key = ("catch_up", r, c, s)
         frame = self.catch_ups.pop(key, None)
@@ -228,10 +267,7 @@ class DraftLevelGraphs:
             p = self.model.lm_head.weight
             frame = _CatchUpFrame(r, c, self.model.cfg.hidden_size, p.dtype, p.device)
         self.catch_ups[key] = frame
-        host = torch.tensor(inputs)
-        if frame.staging is not None:
-            host = frame.staging.copy_(host)
-        frame.inputs.copy_(host, non_blocking=True)
+        _load(frame.inputs, frame.staging, inputs)
 
         def run():
             with torch.inference_mode():
@@ -239,6 +275,16 @@ class DraftLevelGraphs:
 
         self.graphs.replay(key, run)
         return frame.h.clone()
+
+    def _bind(self, held: Held) -> None:
+        """Every frame and graph goes when what they hold the addresses of was reallocated (a pool that grew, a new
+        cache or new RoPE tables)."""
+        binding = held.binding()
+        if binding != self.binding:
+            self.graphs.graphs.clear()
+            self.frames.clear()
+            self.catch_ups.clear()
+            self.binding = binding
 
     def _frame(self, r: int, s: int, c: int, kv: int, d: int) -> _Frame:
         """The frame of key (r, s, c), made when missing; it becomes the most recently used."""

@@ -7,7 +7,7 @@ import torch
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
-from rlspec.rollout.speculation.drafters.eagle3_graphs import pow2_at_least, row_bucket
+from rlspec.rollout.speculation.drafters.eagle3_graphs import Held, pow2_at_least, row_bucket
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
@@ -98,35 +98,66 @@ def test_graph_catch_up_gives_the_eager_outputs(monkeypatch):
     assert any(min(c) < max(c) for c, _ in seen)
 
 
+def _held(hf, blocks: int = 8, bs: int = 16, table_rows: int = 16, width: int = 4) -> Held:
+    """A Held over random pools of the tiny model's KV shape: every table row's blocks 1..width."""
+    KV, D = hf.config.num_key_value_heads, hf.config.hidden_size // hf.config.num_attention_heads
+    k = torch.randn(blocks, bs, KV, D)
+    table = torch.arange(1, width + 1).repeat(table_rows, 1)
+    return Held(k, k.clone(), table, torch.zeros(blocks, bs, 3 * hf.config.hidden_size), torch.ones(64, D),
+                torch.zeros(64, D))
+
+
 def test_catch_up_graphs_go_with_what_they_address(monkeypatch):
-    """Catch-up graphs hold the pool's, the table's and the RoPE tables' addresses: another binding drops them
-    (the levels' graphs stay), and at most MAX_CATCH_UPS are kept, the least recently used going first."""
+    """The graphs hold the pool's, the table's and the RoPE tables' addresses (`Held`): another binding drops every
+    frame and graph, and at most MAX_CATCH_UPS catch-ups are kept, the least recently used going first."""
     from rlspec.rollout.speculation.drafters import eagle3_graphs as G
 
     monkeypatch.setattr(G, "MAX_CATCH_UPS", 2)
     hf = make_tiny_hf("llama", seed=1)
     drafter = Eagle3Drafter(loader.from_hf_model(hf), draft_vocab_size=32, graph_mode="emulate")
-    graphs, H = drafter.level_graphs(), hf.config.hidden_size
-    graphs.graphs.graphs["level"] = object()  # stands for a level's graph
+    graphs, H, held = drafter.level_graphs(), hf.config.hidden_size, _held(hf)
     calls = []
 
     def forward(grid, s):
         calls.append((tuple(grid.shape), s))
         return grid[:, 0, :, None].float().expand(-1, -1, H) + grid[:, 1, :, None]  # token + slot, per position
 
-    def catch_up(rows, c, s, binding):  # the grid 0, 1, 2, ... (a row's tokens, then its slots, ...)
-        return graphs.catch_up(list(range(rows * 4 * c)) + [c - 1] * rows, (rows, c), s, binding, forward)
+    def catch_up(rows, c, s, held):  # the grid 0, 1, 2, ... (a row's tokens, then its slots, ...)
+        return graphs.catch_up(held, list(range(rows * 4 * c)) + [c - 1] * rows, (rows, c), s, forward)
 
-    out = catch_up(2, 2, 16, "a")
+    out = catch_up(2, 2, 16, held)
     assert out.shape == (2, H) and out[1, 0] == 8 * 1 + 1 + 8 * 1 + 2 + 1  # row 1's last position: token + slot
-    catch_up(2, 2, 16, "a")
-    catch_up(4, 1, 16, "a")
-    catch_up(1, 4, 32, "a")
+    catch_up(2, 2, 16, held)
+    catch_up(4, 1, 16, held)
+    catch_up(1, 4, 32, held)
     assert list(graphs.catch_ups) == [("catch_up", 4, 1, 16), ("catch_up", 1, 4, 32)]
-    assert set(graphs.graphs.graphs) == {"level", *graphs.catch_ups}
-    catch_up(1, 4, 32, "b")  # another pool: every catch-up graph captured again
-    assert set(graphs.graphs.graphs) == {"level", ("catch_up", 1, 4, 32)} and graphs.counts["captures"] == 4
+    assert set(graphs.graphs.graphs) == set(graphs.catch_ups) and graphs.counts["captures"] == 3
+    catch_up(1, 4, 32, _held(hf))  # another pool: every graph captured again
+    assert set(graphs.graphs.graphs) == {("catch_up", 1, 4, 32)} and graphs.counts["captures"] == 4
     assert calls[-1] == ((1, 4, 4), 32)
+
+
+def test_least_recently_used_frames_go_with_their_graphs(monkeypatch):
+    """At most MAX_FRAMES level frames are kept; a frame that goes takes its levels' graphs along. A level's
+    context bucket is whole blocks, a power of two up to the cache's length."""
+    from rlspec.rollout.speculation.drafters import eagle3_graphs as G
+
+    monkeypatch.setattr(G, "MAX_FRAMES", 2)
+    hf = make_tiny_hf("llama", seed=1)
+    drafter = Eagle3Drafter(loader.from_hf_model(hf), draft_vocab_size=32, graph_mode="emulate")
+    graphs, H, held = drafter.level_graphs(), hf.config.hidden_size, _held(hf, width=3)
+
+    def propose(rows, ctx):
+        def pick(h, ids, seen, u):
+            return ids[h[:, :32].argmax(-1)], None, None
+
+        return graphs.draws(held, list(range(rows)), [ctx] * rows, 2, torch.randn(rows, H), torch.randn(rows, 1, H),
+                            None, None, torch.arange(32), pick, lambda t: torch.randn(len(t), 1, H), ("greedy",))[0]
+
+    for rows, ctx in ((1, 10), (3, 16), (1, 5), (9, 40)):
+        assert propose(rows, ctx).shape == (rows, 2)
+    assert list(graphs.frames) == [(1, 16, 2), (16, 48, 2)]  # (4, 16) was the least recently used; 64 > 3 blocks
+    assert {k[:3] for k in graphs.graphs.graphs} == {(1, 16, 2), (16, 48, 2)}
 
 
 def drafted_both_ways(monkeypatch, graph_mode: str) -> list:
@@ -195,31 +226,3 @@ def test_graph_mode_is_checked_and_off_on_a_cpu_by_default():
     with pytest.raises(ValueError, match="graph_mode"):
         Eagle3Drafter(target, draft_vocab_size=32, graph_mode="on")
     assert Eagle3Drafter(target, draft_vocab_size=32).level_graphs() is None  # "auto" on a CPU: eager
-
-
-def test_least_recently_used_frames_go_with_their_graphs(monkeypatch):
-    """At most MAX_FRAMES frames (context buffers) are kept; a frame that goes takes its levels' graphs along."""
-    from rlspec.rollout.speculation.drafters import eagle3_graphs as G
-
-    monkeypatch.setattr(G, "MAX_FRAMES", 2)
-    hf = make_tiny_hf("llama", seed=1)
-    drafter = Eagle3Drafter(loader.from_hf_model(hf), draft_vocab_size=32, graph_mode="emulate")
-    graphs = drafter.level_graphs()
-    H, KV, D = hf.config.hidden_size, hf.config.num_key_value_heads, hf.config.hidden_size // hf.config.num_attention_heads
-
-    def propose(rows, ctx):
-        k = torch.randn(rows, KV, ctx, D)
-        cos = torch.ones(2, rows, 1, 1, D)
-        vocab = torch.arange(32)
-
-        def pick(h, ids, seen, u):
-            return ids[h[:, :32].argmax(-1)], None, None
-
-        return graphs.draws(k, k, torch.full((rows,), ctx), cos, cos * 0, torch.randn(rows, H),
-                            torch.randn(rows, 1, H), None, None, vocab, pick, lambda t: torch.randn(len(t), 1, H),
-                            ("greedy",))[0]
-
-    for rows, ctx in ((1, 16), (3, 16), (1, 16), (9, 32)):
-        assert propose(rows, ctx).shape == (rows, 2)
-    assert list(graphs.frames) == [(1, 16, 2), (16, 32, 2)]  # (4, 16) was the least recently used
-    assert {k[:3] for k in graphs.graphs.graphs} == {(1, 16, 2), (16, 32, 2)}
