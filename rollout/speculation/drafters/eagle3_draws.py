@@ -175,10 +175,10 @@ class ChainDraws:
 
     def _graph_draws(self, graphs, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen,
                      lens: list[int]):
-        """`_draw_steps`' chains with every level after the first, the drafter's layer, its head and the draw,
-        replayed from a graph (eagle3_graphs.py), reading the rows' context in place: the same math on the same
-        uniforms, so the same drafts."""
-        tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen)
+        """`_draw_steps`' chains with their levels replayed from graphs (eagle3_graphs.py), reading the rows' context
+        in place: a chain's every level, the first drawn from h inside a graph too; a tree's levels below its root
+        children, which `_first_level` draws. The same math on the same uniforms, taken from the generator in the
+        same calls, so the same drafts."""
         sig = (None if self.params is None else (self.params.greedy, self.params.temperature, self.params.top_k,
                self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule)
 
@@ -187,8 +187,17 @@ class ChainDraws:
             return nxt[:, 0], None if q is None else q[:, 0], ok
 
         rows = [i for i in range(len(lens) // width) for _ in range(width)]  # branch -> its sequence's table row
-        ids, qs, oks = graphs.draws(self._held(), rows, lens, depth - 1, h, self._embed(tok[:, None]), seen, us,
-                                    vocab, pick, self._embed, sig)
+        if width == 1:
+            greedy = self.params is None or self.params.greedy
+            # the first draw's uniforms (sample() takes them), then the later levels' (_first_level's)
+            us = None if greedy else torch.cat([uniform(self.generator, (1, len(h), 1), h.device, FINAL),
+                                                uniform(self.generator, (depth - 1, len(h), 1), h.device, FINAL)])
+            ids, q, oks = graphs.draws(self._held(), rows, lens, depth, h, None, seen, us, vocab, pick, self._embed,
+                                       sig)
+            return ids, q, None if self.stop_rule == "none" else oks.long().cumprod(1).sum(1)
+        tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen)
+        ids, qs, oks = graphs.draws(self._held(), rows, lens, depth, h, self._embed(tok[:, None]), seen, us, vocab,
+                                    pick, self._embed, sig)
         out = torch.cat([tok[:, None], ids], 1)
         q = None if q_first is None else torch.cat([q_first[:, None], qs], 1)
         kept = None if alive is None else torch.cat([alive[:, None], oks], 1).long().cumprod(1).sum(1)

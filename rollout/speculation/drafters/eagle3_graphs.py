@@ -108,20 +108,21 @@ class _Frame:
         self.shape = (r, s, c, cfg.draft_vocab_size, cfg.vocab_size)
         self.positions = torch.arange(s, device=device)
 
-    def load(self, rows: list[int], lens: list[int], h, embeds, us, vocab, seen) -> None:
-        """A proposal's inputs for branches 0..R-1 (see DraftLevelGraphs.draws); padding branches read table row 0
-        at length 1."""
+    def load(self, rows: list[int], lens: list[int], h, embeds, us, vocab, seen, first: int) -> None:
+        """A proposal's inputs for branches 0..R-1 (see DraftLevelGraphs.draws), its levels drawn from `first` on;
+        padding branches read table row 0 at length 1."""
         R = h.shape[0]
         r, s, c, vd, v = self.shape
         _load(self.index, self.staging, rows + [0] * (r - R) + lens + [1] * (r - R))
         self.h[:R].copy_(h[:, None])
-        self.embeds[:R].copy_(embeds)
+        if embeds is not None:
+            self.embeds[:R].copy_(embeds)
         if self.vocab_of is not vocab:
             self.vocab.copy_(vocab)
             self.vocab_of = vocab
         with torch.inference_mode(False):
             if us is not None:
-                self.u[:us.shape[0], :R].copy_(us)
+                self.u[first:first + us.shape[0], :R].copy_(us)
                 if self.q is None:
                     self.q = torch.zeros(r, c, vd, dtype=torch.float32, device=h.device)
             if seen is not None:
@@ -129,25 +130,30 @@ class _Frame:
                     self.seen = torch.zeros(r, v, dtype=torch.bool, device=h.device)
                 self.seen[:R].copy_(seen)
 
-    def draw_level(self, model, held: Held, j: int, pick, embed, sampling: bool, penalised: bool) -> None:
-        """Draft level j + 1 and its draw, from the static inputs into the static outputs (what a graph captures):
-        the layer's output becomes the next level's h, the drawn token's embedding its embeds."""
-        self.level(model, held, j)
-        tok, q, ok = pick(self.out[:, 0], self.vocab, self.seen if penalised else None, self.u[j])
+    def draw(self, model, held: Held, d: int, pick, embed, sampling: bool, penalised: bool) -> None:
+        """Draft level d's draw, from the static inputs into the static outputs (what a graph captures): level 0
+        draws from h as it is (the catch-up's output), a later level runs the layer first, whose output becomes the
+        next level's h; the drawn token's embedding becomes its embeds."""
+        if d > 0:
+            self.level(model, held, d - 1)
+        tok, q, ok = pick((self.out if d > 0 else self.h)[:, 0], self.vocab, self.seen if penalised else None,
+                          self.u[d])
         with torch.inference_mode():
-            self.ids[:, j].copy_(tok)
+            self.ids[:, d].copy_(tok)
             if sampling:
-                self.q[:, j].copy_(q)
+                self.q[:, d].copy_(q)
             if ok is not None:
-                self.ok[:, j].copy_(ok)
-            self.h.copy_(self.out)
+                self.ok[:, d].copy_(ok)
+            if d > 0:
+                self.h.copy_(self.out)
             self.embeds.copy_(embed(tok[:, None]))
             if penalised:
                 self.seen.scatter_(1, tok[:, None], True)
 
     def level(self, model, held: Held, j: int) -> None:
         """Draft level j + 1's layer from the static inputs into `out`: it stands at position length + j (the
-        eager levels' `_step_rope`) and attends over its row's s cached positions, read in place."""
+        eager levels' `_step_rope`), attends over its row's s cached positions, read in place, and keeps its key
+        at index j."""
         s = self.shape[1]
         pos = (self.lens + j).clamp(max=held.cos.shape[0] - 1)
         cos, sin = held.cos[pos][:, None, None], held.sin[pos][:, None, None]  # [r, 1, 1, D]
@@ -213,34 +219,35 @@ class DraftLevelGraphs:
     def counts(self) -> dict:
         return self.graphs.counts
 
-    def key(self, rows: int, context: int, levels: int, length: int) -> tuple[int, int, int]:
-        """(row bucket, context bucket, local capacity) of a proposal: `rows` branches over a context of `context`
-        positions (whole blocks; the cache holds `length`), `levels` draft levels after the first. The capacity is
-        the most levels seen so far (a proposal capped near the token limit reuses the full depth's frame)."""
-        self.capacity = max(self.capacity, pow2_at_least(max(levels, 1)))
+    def key(self, rows: int, context: int, depth: int, length: int) -> tuple[int, int, int]:
+        """(row bucket, context bucket, capacity) of a proposal: `rows` branches over a context of `context`
+        positions (whole blocks; the cache holds `length`), `depth` draft levels. The capacity is the most levels
+        seen so far (a proposal capped near the token limit reuses the full depth's frame)."""
+        self.capacity = max(self.capacity, pow2_at_least(depth))
         return row_bucket(rows), min(pow2_at_least(context), length), self.capacity
 
-    def draws(self, held: Held, rows: list[int], lens: list[int], levels: int, h: torch.Tensor,
-              embeds: torch.Tensor, seen, us, vocab: torch.Tensor, pick, embed, sig: tuple):
-        """One proposal's `levels` levels after the first, each replayed from its graph: held what they read in
-        place, rows [R] each branch's table row and lens [R] its length, h [R, H] the first level's output and
-        embeds [R, 1, H] its drawn tokens' embedding, seen [R, V] bool their history or None, us [levels, R, 1] the
-        levels' uniforms or None (greedy), vocab [Vd] the draft vocabulary's target ids; pick(h, vocab, seen, u) ->
-        (tokens [r], q [r, Vd] or None, sure [r] or None) draws a level (ChainDraws), embed(tokens [r, 1]) -> [r, 1,
-        H]; sig: how pick draws (part of each graph's key). -> (target ids [R, levels], q [R, levels, Vd] or None,
-        sure [R, levels]: all True without a stop rule)."""
+    def draws(self, held: Held, rows: list[int], lens: list[int], depth: int, h: torch.Tensor, embeds, seen, us,
+              vocab: torch.Tensor, pick, embed, sig: tuple):
+        """One proposal's draft levels, each replayed from its graph: all `depth` of them where embeds is None (the
+        first drawn from h, a chain's), else levels 1..depth-1 below first tokens drawn eagerly (a tree's root
+        children, whose embedding embeds [R, 1, H] is). held: what they read in place, rows [R] each branch's table
+        row and lens [R] its length, h [R, H] the catch-up's output, seen [R, V] bool the branches' history or None,
+        us [levels, R, 1] the levels' uniforms or None (greedy), vocab [Vd] the draft vocabulary's target ids;
+        pick(h, vocab, seen, u) -> (tokens [r], q [r, Vd] or None, sure [r] or None) draws a level (ChainDraws),
+        embed(tokens [r, 1]) -> [r, 1, H]; sig: how pick draws (part of each graph's key). -> (target ids [R,
+        levels], q [R, levels, Vd] or None, sure [R, levels]: all True without a stop rule)."""
         self._bind(held)
-        bs = held.block_size
-        r, s, c = self.key(len(rows), -(-max(lens) // bs) * bs, levels, held.length)
+        bs, first = held.block_size, 0 if embeds is None else 1
+        r, s, c = self.key(len(rows), -(-max(lens) // bs) * bs, depth, held.length)
         frame = self._frame(r, s, c, held.k.shape[2], held.k.shape[3])
-        frame.load(rows, lens, h, embeds, us, vocab, seen)
+        frame.load(rows, lens, h, embeds, us, vocab, seen, first)
         sampling, penalised = us is not None, seen is not None
-        for j in range(levels):
-            self.graphs.replay((r, s, c, j, sig), lambda j=j: frame.draw_level(self.model, held, j, pick, embed,
-                                                                               sampling, penalised))
+        for d in range(first, depth):
+            self.graphs.replay((r, s, c, d, sig), lambda d=d: frame.draw(self.model, held, d, pick, embed, sampling,
+                                                                         penalised))
         R = len(rows)
-        return (frame.ids[:R, :levels].clone(), frame.q[:R, :levels].clone() if sampling else None,
-                frame.ok[:R, :levels].clone())
+        return (frame.ids[:R, first:depth].clone(), frame.q[:R, first:depth].clone() if sampling else None,
+                frame.ok[:R, first:depth].clone())
 
     @staticmethod
     def catch_up_key(rows: int, positions: int, context: int, held: Held) -> tuple[int, int, int]:

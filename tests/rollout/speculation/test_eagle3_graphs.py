@@ -56,14 +56,16 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
         eng.generate(prompts[:n], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
     counts = drafter.level_graphs().counts
     assert len(compared) >= 30 and {b for b, _ in compared} == {5, 3, 1}
-    # one graph per (row bucket, context bucket, capacity, level): captured once, replayed by every proposal's
-    # levels after the first; and one catch-up graph per (row bucket, positions bucket, context bucket), replayed
-    # once a proposal
+    # one graph per (row bucket, context bucket, capacity, level): captured once, replayed by every proposal of
+    # two levels or more (a chain's every level, a tree's below its root children); and one catch-up graph per
+    # (row bucket, positions bucket, context bucket), replayed once a proposal
     keys = drafter.level_graphs().graphs.graphs
+    first = 0 if width == 1 else 1
     assert counts["captures"] == len(keys)
-    assert counts["replays"] == sum(d - 1 for _, d in compared) + len(compared)
+    assert counts["replays"] == sum(d - first for _, d in compared if d > 1) + len(compared)
     keys = [k for k in keys if k[0] != "catch_up"]
-    assert {k[0] for k in keys} == {row_bucket(b * width) for b in (5, 3, 1)} and {k[3] for k in keys} == {0, 1, 2}
+    assert {k[0] for k in keys} == {row_bucket(b * width) for b in (5, 3, 1)}
+    assert {k[3] for k in keys} == set(range(first, 4))
     assert {k[2] for k in keys} == {4}  # proposals capped near the end reuse the full depth's frames
 
 
@@ -151,13 +153,13 @@ def test_least_recently_used_frames_go_with_their_graphs(monkeypatch):
         def pick(h, ids, seen, u):
             return ids[h[:, :32].argmax(-1)], None, None
 
-        return graphs.draws(held, list(range(rows)), [ctx] * rows, 2, torch.randn(rows, H), torch.randn(rows, 1, H),
+        return graphs.draws(held, list(range(rows)), [ctx] * rows, 3, torch.randn(rows, H), torch.randn(rows, 1, H),
                             None, None, torch.arange(32), pick, lambda t: torch.randn(len(t), 1, H), ("greedy",))[0]
 
     for rows, ctx in ((1, 10), (3, 16), (1, 5), (9, 40)):
         assert propose(rows, ctx).shape == (rows, 2)
-    assert list(graphs.frames) == [(1, 16, 2), (16, 48, 2)]  # (4, 16) was the least recently used; 64 > 3 blocks
-    assert {k[:3] for k in graphs.graphs.graphs} == {(1, 16, 2), (16, 48, 2)}
+    assert list(graphs.frames) == [(1, 16, 4), (16, 48, 4)]  # (4, 16) was the least recently used; 64 > 3 blocks
+    assert {k[:3] for k in graphs.graphs.graphs} == {(1, 16, 4), (16, 48, 4)}
 
 
 def drafted_both_ways(monkeypatch, graph_mode: str) -> list:
