@@ -16,10 +16,11 @@ where fused_ops measured that kernel faster than cuBLAS on the device):
   * layer: kernels of one decoder layer, and by op;
   * head: the final norm, the LM head and the logits' conversion;
   * eagle3_level: one EAGLE-3 draft level (the drafter's layer and its draft-vocabulary logits);
-  * launches_per_level: the kernels a sampled EAGLE-3 proposal (depth 4, batch --batch, a 1-layer target) launches
-    from Python per level after the first, outside any graph: with its levels eager (graph_mode "off") and
-    replayed from graphs (bookkeeping emulated on the CPU: the ops a CUDA graph replays are not counted). On a GPU
-    each is a launch the host makes while the device waits for the next level.
+  * launches_per_proposal, launches_per_level (over the proposal's depth): the kernels a sampled EAGLE-3 proposal
+    (depth 4, batch --batch, a 1-layer target; its catch-up, draws and the drafts' assembly) launches from Python,
+    outside any graph, a graph replay counted as one: eager (graph_mode "off") and from graphs (bookkeeping
+    emulated on the CPU: the ops a CUDA graph replays are not counted). On a GPU each is a launch the host makes
+    while the device waits for it, before the drafts come to the host.
 
     python -m rlspec.bench kernels          # a few seconds
 """
@@ -235,7 +236,8 @@ def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True, products: b
 
 
 def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
-    """Kernels launched outside graphs by the EAGLE-3 drafter's proposals (`_draft`) of one sampled rollout."""
+    """Kernels launched outside graphs by the EAGLE-3 drafter's proposals (`propose`: the catch-up, the draws and the
+    drafts' assembly) of one sampled rollout, a graph replay counted as one launch."""
     from rlspec.bench.host import prompts, tiny_model
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.runtime.graphs import GraphSet
@@ -248,23 +250,25 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
     engine.speculation.learned.graph_mode = graph_mode
     engine.speculation.force(Arm("eagle3", depth, 1))
     ops, seen = DeviceOps(), []
-    draft, replay = Eagle3Drafter._draft, GraphSet.replay
+    propose, draft, replay = Eagle3Drafter.propose, Eagle3Drafter._draft, GraphSet.replay
 
-    def counted_draft(self, seqs, h, d, w):
-        seen.append(d - 1)
+    def counted_propose(self, *a):
         with ops:
-            return draft(self, seqs, h, d, w)
+            return propose(self, *a)
+
+    def noted_draft(self, seqs, h, d, w):
+        seen.append(d)
+        return draft(self, seqs, h, d, w)
 
     def one_launch(self, key, fn):  # a CUDA graph's kernels are one launch, counted as such
         return ops.as_one("graph", replay, self, key, fn)
 
-    Eagle3Drafter._draft, GraphSet.replay = counted_draft, one_launch
+    Eagle3Drafter.propose, Eagle3Drafter._draft, GraphSet.replay = counted_propose, noted_draft, one_launch
     try:
         engine.generate(prompts(batch, 0), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=0))
     finally:
-        Eagle3Drafter._draft, GraphSet.replay = draft, replay
-    levels = sum(seen)
-    return {"graph_mode": graph_mode, "proposals": len(seen), "launches_per_level": ops.total / max(levels, 1),
+        Eagle3Drafter.propose, Eagle3Drafter._draft, GraphSet.replay = propose, draft, replay
+    return {"graph_mode": graph_mode, "proposals": len(seen), "launches_per_level": ops.total / max(sum(seen), 1),
             "launches_per_proposal": ops.total / max(len(seen), 1), "ops": dict(sorted(ops.counts.items()))}
 
 
@@ -290,7 +294,7 @@ def run(args) -> dict:
                       f"step {rest.total}, EAGLE-3 level {level.total}", flush=True)
     levels = [level_launches(args.batch, mode) for mode in ("off", "emulate")]
     for r in levels:
-        print(f"[kernels] EAGLE-3 proposals, levels {r['graph_mode']}: {r['launches_per_level']:.1f} launches a level "
-              f"after the first ({r['launches_per_proposal']:.1f} a proposal)", flush=True)
+        print(f"[kernels] EAGLE-3 proposals, graphs {r['graph_mode']}: {r['launches_per_proposal']:.1f} launches a "
+              f"proposal ({r['launches_per_level']:.1f} a level)", flush=True)
     return {"shape": SHAPE, "batch": args.batch, "rows": rows, "columns": COLUMNS, "levels": levels,
             "level_columns": LEVEL_COLUMNS}

@@ -1,6 +1,6 @@
-"""EAGLE-3's draft levels replayed from CUDA graphs (drafters/eagle3_graphs.py): the same drafts as the eager
-levels on the same inputs (float32), greedy exactness of the rollout through them (chains and trees), one
-capture per key and replays after."""
+"""EAGLE-3's draft levels and catch-ups replayed from CUDA graphs (drafters/eagle3_graphs.py): the same drafts and
+catch-up outputs as the eager ones on the same inputs (float32), greedy exactness of the rollout through them
+(chains and trees), one capture per key and replays after."""
 import pytest
 import torch
 
@@ -10,7 +10,7 @@ from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
-from tests.rollout.speculation.test_eagle3_graphs import drafted_both_ways
+from tests.rollout.speculation.test_eagle3_graphs import caught_up_both_ways, drafted_both_ways
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -50,7 +50,21 @@ def test_cuda_graph_levels_give_the_eager_drafts_and_stay_exact(width, monkeypat
     graphs = eng.speculation.learned.level_graphs()
     assert graphs is not None and graphs.graphs.backend == "cuda"
     assert graphs.counts["captures"] == len(graphs.graphs.graphs) > 0
-    assert graphs.counts["replays"] == sum(d - 1 for d in compared) > graphs.counts["captures"]
+    # a chain's every level, a tree's below its root children, and one catch-up a proposal
+    first = 0 if width == 1 else 1
+    assert graphs.counts["replays"] == sum(d - first for d in compared if d > 1) + len(compared)
+    assert graphs.counts["replays"] > graphs.counts["captures"]
+
+
+def test_cuda_graph_catch_ups_give_the_eager_outputs(monkeypatch):
+    """Every catch-up of a sampled rollout run eagerly and through its CUDA graph (the pool, the staged features
+    and the table read and written in place): the same outputs to rounding, rows padded, several positions a row."""
+    hf = make_tiny_hf("llama", seed=6).cuda()
+    eng = _engine(hf, 1, "auto")
+    seen = caught_up_both_ways(monkeypatch, "auto")
+    eng.generate(random_prompts(5, 3, 20, seed=5), SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True,
+                                                                  seed=5))
+    assert len(seen) >= 5 and any(key[1] > len(c) for c, key in seen) and any(max(c) > 1 for c, _ in seen)
 
 
 def test_cuda_sampled_graph_levels_draw_the_eager_drafts(monkeypatch):

@@ -90,7 +90,8 @@ class ChainDraws:
             elif depth > 1 and self.level_graphs() is not None:
                 ids, q, kept = self._graph_draws(self.level_graphs(), h, depth, width, vocab, seen, lens)
             else:
-                rows = torch.arange(B, device=dev).repeat_interleave(width)  # branch -> its sequence's table row
+                rows = torch.arange(B, device=dev)  # branch -> its sequence's table row
+                rows = rows if width == 1 else rows.repeat_interleave(width)
                 ctx = self.target_cache.gather(self.target.cfg.num_layers, rows, max(lens))
                 ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth))
         ids = ids.view(B, width, depth).cpu()

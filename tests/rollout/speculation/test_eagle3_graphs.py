@@ -69,13 +69,11 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
     assert {k[2] for k in keys} == {4}  # proposals capped near the end reuse the full depth's frames
 
 
-def test_graph_catch_up_gives_the_eager_outputs(monkeypatch):
-    """Every catch-up of a sampled rollout run twice on the same state, eagerly and through its emulated graph
-    (rows, positions and context padded to the key's buckets): the same outputs to rounding (the graph attends
-    over its context bucket, masked past each row), the same rows ready, the same backlog; the catch-ups covered
-    rows padded to a bucket, several positions a row and rows of unequal counts."""
-    hf = make_tiny_hf("llama", seed=6)
-    eng = _engine(hf, 1, "emulate", sharpen=2.0)
+def caught_up_both_ways(monkeypatch, graph_mode: str) -> list:
+    """Make every catch-up run twice on the same state, eagerly and through its graph (`graph_mode`; rows,
+    positions and context padded to the key's buckets), and assert the same outputs to rounding (the graph attends
+    over its context bucket, masked past each row), the same rows ready and the same backlog. Returns the list the
+    catch-ups' (positions per row, key replayed) go to."""
     real, seen = Eagle3Drafter._catch_up, []
 
     def both(self, seqs):
@@ -83,7 +81,7 @@ def test_graph_catch_up_gives_the_eager_outputs(monkeypatch):
         counts = [s.cache_len - valid[id(s)] for s in seqs]
         self._graphs, self.graph_mode = None, "off"
         eager = real(self, seqs)
-        self.valid, self._graphs, self.graph_mode = valid, graphs, "emulate"
+        self.valid, self._graphs, self.graph_mode = valid, graphs, graph_mode
         got = real(self, seqs)
         torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-5)
         assert got[1:] == eager[1:]
@@ -91,6 +89,16 @@ def test_graph_catch_up_gives_the_eager_outputs(monkeypatch):
         return got
 
     monkeypatch.setattr(Eagle3Drafter, "_catch_up", both)
+    return seen
+
+
+def test_graph_catch_up_gives_the_eager_outputs(monkeypatch):
+    """Every catch-up of a sampled rollout run eagerly and through its emulated graph gives the same outputs
+    (`caught_up_both_ways`); the catch-ups covered rows padded to a bucket, several positions a row and rows of
+    unequal counts."""
+    hf = make_tiny_hf("llama", seed=6)
+    eng = _engine(hf, 1, "emulate", sharpen=2.0)
+    seen = caught_up_both_ways(monkeypatch, "emulate")
     prompts = random_prompts(5, 3, 20, seed=5)
     for n in (5, 3):
         eng.generate(prompts[:n], SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=n))
