@@ -245,7 +245,7 @@ class PagedKVCache:
     def assign(self, row: int, owner: Hashable) -> None:
         """Enter owner's whole block list in `row` (admission): one small host-to-device copy."""
         held = self.alloc.held(owner)
-        self.table[row] = self._dev(held + [TRASH] * (self.table.shape[1] - len(held)))
+        self.table[row] = self.ints(held + [TRASH] * (self.table.shape[1] - len(held)))
 
     def share_prompt(self, src_row: int, src: Hashable, dsts: list[tuple[int, Hashable]], prompt_len: int) -> None:
         """A prompt's siblings reference its full blocks (every position below the last prompt token,
@@ -272,7 +272,7 @@ class PagedKVCache:
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Compaction: table row src[i] now lives in row dst[i] (integers only; sources read first)."""
         if src:
-            idx = self._dev([src, dst])
+            idx = self.ints([src, dst])
             self.table[idx[1]] = self.table[idx[0]]
 
     def clear_rows(self, start: int) -> None:
@@ -281,7 +281,7 @@ class PagedKVCache:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         if src:
-            s, d = self._dev([src, dst])
+            s, d = self.ints([src, dst])
             for buf in (self.k, self.v):
                 buf[:, d] = buf[:, s]
             for buf in self.side.values():
@@ -289,7 +289,7 @@ class PagedKVCache:
 
     def gather_positions(self, row: int, src: list[int], dst: list[int]) -> None:
         """After tree verification: move accepted nodes' entries (all layers) to consecutive positions."""
-        idx = self._dev([[row] * len(src), src, dst])
+        idx = self.ints([[row] * len(src), src, dst])
         s = self.slots(idx[0], idx[1][:, None])[:, 0]
         d = self.slots(idx[0], idx[2][:, None])[:, 0]
         for buf in (self.k, self.v):
@@ -325,12 +325,12 @@ class PagedKVCache:
 
     def _set(self, rows: list[int], cols: list[int], blocks: list[int]) -> None:
         if rows:
-            idx = self._dev([rows, cols, blocks])
+            idx = self.ints([rows, cols, blocks])
             self.table[idx[0], idx[1]] = idx[2]
 
-    def _dev(self, values: list) -> torch.Tensor:
-        """Host integers as a long tensor on the table's device: through the decode loop's funnel when the runner
-        gave one (to_device, runtime/transfers.py), else a plain copy."""
+    def ints(self, values: list) -> torch.Tensor:
+        """Host integers (a list, nested for 2-D) as a long tensor on the table's device: through the decode loop's
+        funnel when the runner gave one (to_device, runtime/transfers.py: no blocking copy), else a plain copy."""
         if self.to_device is not None:
             return self.to_device(values)
         return torch.tensor(values, dtype=torch.long, device=self.table.device)

@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # the files whose code runs inside the decode loop and may copy between host and device
 LOOP_FILES = ["rollout/decode.py", "rollout/step_layout.py", "rollout/speculation/draft_batch.py",
               "rollout/runtime/kv_cache.py", "rollout/runtime/kv_ledger.py", "rollout/runtime/draws.py",
-              "rollout/runtime/history.py", "rollout/speculation/verify.py", "rollout/speculation/strategies.py"]
+              "rollout/runtime/history.py", "rollout/speculation/verify.py", "rollout/speculation/strategies.py",
+              "rollout/speculation/drafters/eagle3.py", "rollout/speculation/drafters/eagle3_draws.py",
+              "rollout/speculation/drafters/eagle3_graphs.py"]
 # (file, function): host tensors built there on purpose (a fallback without a funnel; a prefill's reset)
-ALLOWED = {("rollout/runtime/kv_cache.py", "_dev"), ("rollout/runtime/draws.py", "bind"),
+ALLOWED = {("rollout/runtime/kv_cache.py", "ints"), ("rollout/runtime/draws.py", "bind"),
            ("rollout/runtime/draws.py", "__init__"),  # a call's keys, once before its loop
            ("rollout/runtime/history.py", "move_rows"), ("rollout/runtime/history.py", "reset")}
 
@@ -34,6 +36,7 @@ MODES = {
     "plain": None,
     "chain": dict(drafter="ngram", selector="always", num_draft_tokens=4),
     "tree": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=2),
+    "eagle3": dict(drafter="eagle3", selector="always", num_draft_tokens=4),  # its CUDA path's graphs, emulated
 }
 
 
@@ -59,6 +62,8 @@ def engine_for(mode: str) -> RolloutEngine:
     spec = SpecConfig(**MODES[mode], online_training=False) if MODES[mode] else None
     eng = RolloutEngine(tiny_model(3), None, spec=spec, eos_token_ids=[2])
     eng.runner.transfers = Counted(eng.runner.device)
+    if eng.speculation is not None and eng.speculation.learned is not None:
+        eng.speculation.learned.graph_mode = "emulate"
     return eng
 
 

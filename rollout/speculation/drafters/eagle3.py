@@ -170,8 +170,8 @@ class Eagle3Drafter(ChainDraws):
     def _stage_prefix(self, seqs: list[Sequence], lens: list[int], feats: torch.Tensor) -> None:
         cache, dev = self.target_cache, feats.device
         pos = torch.arange(feats.shape[1], device=dev)[None, :]
-        pos = torch.where(pos < torch.tensor(lens, device=dev)[:, None], pos, -1)  # padding -> trash block
-        slots = cache.slots(torch.tensor([s.row for s in seqs], device=dev), pos)
+        pos = torch.where(pos < cache.ints(lens)[:, None], pos, -1)  # padding -> trash block
+        slots = cache.slots(cache.ints([s.row for s in seqs]), pos)
         cache.write_side("eagle3/features", slots, feats)
         if self.stages_dist:  # a recycled block may still say "has" from its previous owner
             cache.write_side("eagle3/dist_has", slots, torch.zeros(slots.shape, dtype=torch.bool, device=dev))
@@ -185,8 +185,8 @@ class Eagle3Drafter(ChainDraws):
             self.committed[id(s)] = a + 1
         n = feats.shape[1]
         # positions cache_len .. cache_len + accepted (unkept nodes: the trash block), as slots from the host lists
-        slots = torch.tensor([cache.host_slots(id(s), [s.cache_len + j if j <= a else -1 for j in range(n)])
-                              for s, a in zip(seqs, accepted)], device=dev)
+        slots = cache.ints([cache.host_slots(id(s), [s.cache_len + j if j <= a else -1 for j in range(n)])
+                            for s, a in zip(seqs, accepted)])
         if n == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
             nodes, kept = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), feats
         else:
@@ -195,7 +195,7 @@ class Eagle3Drafter(ChainDraws):
             kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
         cache.write_side("eagle3/features", slots, kept)
         if self.stages_dist and self.bank_samples and logits is not None:
-            on = torch.arange(n, device=dev)[None, :] <= torch.tensor(accepted, device=dev)[:, None]
+            on = torch.arange(n, device=dev)[None, :] <= cache.ints(accepted)[:, None]
             self._stage_dist(slots, nodes, on, logits)
 
     def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, kept: torch.Tensor, logits: torch.Tensor) -> None:
@@ -291,14 +291,14 @@ class Eagle3Drafter(ChainDraws):
             held = self._held()
             r, c, s = graphs.catch_up_key(B, C, S, held)
             last = [max(n - 1, 0) for n in counts] + [0] * (r - B)
-            h = graphs.catch_up(held, self._grid(seqs, starts, counts, r, c) + last, (r, c), s,
+            h = graphs.catch_up(held, cache.ints(self._grid(seqs, starts, counts, r, c) + last), (r, c), s,
                                 self._catch_up_forward)[:B]
         else:
             dev = cache.table.device
-            out = self._catch_up_forward(torch.tensor(self._grid(seqs, starts, counts, B, C)).view(B, 4, C).to(dev), S)
+            out = self._catch_up_forward(cache.ints(self._grid(seqs, starts, counts, B, C)).view(B, 4, C), S)
             # every row ran C positions (one index op fewer: most steps)
             h = out[:, C - 1] if min(counts) == C else \
-                out[torch.arange(B, device=dev), torch.tensor([max(n - 1, 0) for n in counts], device=dev)]
+                out[torch.arange(B, device=dev), cache.ints([max(n - 1, 0) for n in counts])]
         for seq in seqs:
             self.valid[id(seq)] = seq.cache_len
         return h, [n > 0 for n in counts], backlog

@@ -77,7 +77,7 @@ class ChainDraws:
         with torch.inference_mode():
             # each branch's history: its sequence's tokens (by table row: a lossy proposer may pass a subset of
             # the live rows), then the branch's own drafts
-            seen = None if self.history is None else self.history.rows(torch.tensor([s.row for s in seqs], device=dev))
+            seen = None if self.history is None else self.history.rows(self.target_cache.ints([s.row for s in seqs]))
             vocab = self._draft_vocab()
             lens = [s.cache_len for s in seqs for _ in range(width)]
             # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
@@ -170,7 +170,7 @@ class ChainDraws:
     def _level_steps(self, ctx: tuple, lens: list[int], depth: int):
         """Eager draft steps over the rows' cached context ctx = (keys, values) [R, KV, S, D], attending through
         `_DraftAttention`: step(h, embeds, j), j = 0 .. depth-2 for draft steps 1 .. depth-1."""
-        attend = _DraftAttention(*ctx, torch.tensor(lens, device=ctx[0].device))
+        attend = _DraftAttention(*ctx, self.target_cache.ints(lens))
         cos, sin = self._step_rope(lens, depth)
         return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
 
@@ -193,12 +193,12 @@ class ChainDraws:
             # the first draw's uniforms (sample() takes them), then the later levels' (_first_level's)
             us = None if greedy else torch.cat([uniform(self.generator, (1, len(h), 1), h.device, FINAL),
                                                 uniform(self.generator, (depth - 1, len(h), 1), h.device, FINAL)])
-            ids, q, oks = graphs.draws(self._held(), rows, lens, depth, h, None, seen, us, vocab, pick, self._embed,
-                                       sig)
+            ids, q, oks = graphs.draws(self._held(), self.target_cache.ints, rows, lens, depth, h, None, seen, us,
+                                       vocab, pick, self._embed, sig)
             return ids, q, None if self.stop_rule == "none" else oks.long().cumprod(1).sum(1)
         tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen)
-        ids, qs, oks = graphs.draws(self._held(), rows, lens, depth, h, self._embed(tok[:, None]), seen, us, vocab,
-                                    pick, self._embed, sig)
+        ids, qs, oks = graphs.draws(self._held(), self.target_cache.ints, rows, lens, depth, h,
+                                    self._embed(tok[:, None]), seen, us, vocab, pick, self._embed, sig)
         out = torch.cat([tok[:, None], ids], 1)
         q = None if q_first is None else torch.cat([q_first[:, None], qs], 1)
         kept = None if alive is None else torch.cat([alive[:, None], oks], 1).long().cumprod(1).sum(1)
@@ -208,7 +208,7 @@ class ChainDraws:
         """RoPE of draft steps 1..depth-1 (step j stands at position lens + j - 1), gathered for all of them at
         once: cos and sin [depth - 1, R, 1, 1, D], contiguous, so that step j's [R, 1, 1, D] is cos[j - 1]."""
         top = self.target.rope_cos.shape[0] - 1
-        pos = torch.tensor([[min(n + j, top) for n in lens] for j in range(depth - 1)], dtype=torch.long)
+        pos = self.target_cache.ints([[min(n + j, top) for n in lens] for j in range(depth - 1)])
         cos, sin = self._rope(pos)
         return cos[:, :, None], sin[:, :, None]
 
@@ -228,7 +228,7 @@ class ChainDraws:
         n = min(-(-(max(lens) + depth - 1) // bs), cache.table.shape[1])
         held = [cache.host_slots(o, [m + j for j in range(S)]) for o, m in zip(owners, lens)]  # [R][S]
         grid = [[m + j for m in lens] for j in range(S)] + [[h[j] for h in held] for j in range(S)]
-        write, slots = torch.tensor(grid, dtype=torch.long).view(2, S, R).to(dev)  # each [S, R]
+        write, slots = cache.ints(grid).view(2, S, R)  # each [S, R]
         masks = (torch.arange(n * bs, device=dev) <= write[..., None])[:, :, None, None]  # [depth-1, R, 1, 1, n*bs]
         return (*self._step_rope(lens, depth), cache.k[L], cache.v[L], slots, cache.table[rows, :n], masks)
 

@@ -1,34 +1,35 @@
-"""EAGLE-3's draft levels replayed from graphs: each level after the first (one drafter layer over the rows' last
-outputs, its draft-vocabulary head and the draw of the next token) is one graph launch instead of ~70 kernel
-launches, per row bucket, context bucket, level and way of drawing; and so is a proposal's catch-up (the drafter over
-the positions it has not seen, writing its KV layer), per row bucket, positions bucket and context bucket.
+"""EAGLE-3's proposals replayed from graphs: the catch-up (the drafter over the positions it has not seen, writing
+its KV layer) is one graph launch per row bucket, positions bucket and context bucket; each draft level (the first:
+the draw from the catch-up's output; each later one: one drafter layer over the previous output, its
+draft-vocabulary head and the draw) is one graph launch per row bucket, context bucket, level and way of drawing.
+A proposal of depth 4 then launches ~20 kernels and graphs from Python where it launched ~270 (bench_out/kernels.json).
 
 Why: a draft level is a single small decoder layer; launched eagerly from Python it costs about as much as a
-target step replayed from its graph at small batches (docs/gpu.md#the-step-budget), and a level whose layer alone
-was a graph still launched its head and its draw, ~25 kernels, from Python. The target's graphs come from the same
-mechanism (runtime/graphs.py, `GraphSet`).
+target step replayed from its graph at small batches (docs/gpu.md#the-step-budget): the device waits for the host's
+launches. The target's graphs come from the same mechanism (runtime/graphs.py, `GraphSet`).
 
-What a level's graph reads and writes (a `_Frame` of static buffers, per (row bucket r, context bucket s, local
-capacity c)):
+What a level's graph reads and writes (a `_Frame` of static buffers, per (row bucket r, context bucket s, capacity
+c)):
   * in place, what `Held` names: the drafter's KV layer in the paged pool, read through the block table's rows (s
     positions: whole blocks, a power of two up to the cache's length; positions at or past each row's length
     hidden), and the target's RoPE tables at each branch's position;
-  * the proposal's inputs: each branch's table row and length (one small host copy), the first level's output h
-    [r, 1, H] and its drawn token's embedding, which each level writes for the next, every level's uniforms [c, r,
-    1], the draft vocabulary's target ids and the branches' histories (a repetition penalty's);
-  * the branch's own draft keys [r, KV, c, D] in float32: level j writes its key at index j and attends indices
-    0..j, as `_DraftAttention` holds them in a list, so chains and tree branches sharing a row never clobber each
-    other and the paged cache is never written;
+  * the proposal's inputs: each branch's table row and length (one small copy through the decode loop's funnel,
+    runtime/transfers.py), the catch-up's output h [r, 1, H] (a tree's root children are drawn eagerly, and their
+    embedding comes in too), every level's uniforms [c, r, 1], the draft vocabulary's target ids and the branches'
+    histories (a repetition penalty's); each level writes its output and its token's embedding for the next;
+  * the branch's own draft keys [r, KV, c, D] in float32: level d writes its key at index d - 1 and attends indices
+    0..d - 1, as `_DraftAttention` holds them in a list, so chains and tree branches sharing a row never clobber
+    each other and the paged cache is never written;
   * what each level drew: target ids [r, c], their distributions q [r, c, Vd] (sampling) and the stop rule's
     verdicts [r, c].
 How a level draws (greedy or sampling, the processing, the stop rule) is part of its graph's key: the pick is
 ChainDraws._pick, the eager levels' own. The math is `_DraftAttention`'s: the context scored in float32 on its own,
 then the branch's draft keys.
 
-A catch-up's graph (`catch_up`) reads one buffer of inputs, r * (4 * c + 1) long: per row and position its token,
-slot, RoPE position and last visible position (`Eagle3Drafter._grid`), then each row's index of its last real
-position; it runs `Eagle3Drafter._catch_up_forward`, the eager catch-up's own code, over s cached positions, and keeps
-each row's output there.
+A catch-up's graph (`catch_up`) reads one buffer of inputs, r * (4 * c + 1) long (one copy through the funnel): per
+row and position its token, slot, RoPE position and last visible position (`Eagle3Drafter._grid`), then each row's
+index of its last real position; it runs `Eagle3Drafter._catch_up_forward`, the eager catch-up's own code, over s
+cached positions, and keeps each row's output there.
 
 Rows past the live ones (padding to the bucket) read table row 0 and write the trash block (a catch-up) or their
 own buffers (a level); their outputs are dropped. The graphs hold the addresses of what `Held` names; when any of
@@ -101,19 +102,18 @@ class _Frame:
             self.vocab = torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=device)
             self.ids = torch.zeros(r, c, dtype=torch.long, device=device)
             self.ok = torch.ones(r, c, dtype=torch.bool, device=device)
-        self.staging = _staging(self.index)
         self.rows, self.lens = self.index[:r], self.index[r:]
         self.vocab_of = None  # the draft vocabulary copied in last (it changes with the drafter's weights only)
         self.q = self.seen = None  # [r, c, Vd] and [r, V]: made when a proposal samples or penalises
         self.shape = (r, s, c, cfg.draft_vocab_size, cfg.vocab_size)
         self.positions = torch.arange(s, device=device)
 
-    def load(self, rows: list[int], lens: list[int], h, embeds, us, vocab, seen, first: int) -> None:
+    def load(self, ints, rows: list[int], lens: list[int], h, embeds, us, vocab, seen, first: int) -> None:
         """A proposal's inputs for branches 0..R-1 (see DraftLevelGraphs.draws), its levels drawn from `first` on;
         padding branches read table row 0 at length 1."""
         R = h.shape[0]
         r, s, c, vd, v = self.shape
-        _load(self.index, self.staging, rows + [0] * (r - R) + lens + [1] * (r - R))
+        self.index.copy_(ints(rows + [0] * (r - R) + lens + [1] * (r - R)))
         self.h[:R].copy_(h[:, None])
         if embeds is not None:
             self.embeds[:R].copy_(embeds)
@@ -178,27 +178,13 @@ class _Frame:
             self.out.copy_(model(self.h, self.embeds, cos, sin, attend))
 
 
-def _staging(buf: torch.Tensor):
-    """A pinned host twin of a CUDA buffer of inputs, so its copy does not block the host (None elsewhere). It is
-    written again only by the next proposal, after this one's drafts came to the host, which waited for everything
-    this one queued."""
-    return torch.zeros(buf.shape, dtype=buf.dtype, pin_memory=True) if buf.is_cuda else None
-
-
-def _load(buf: torch.Tensor, staging, values: list[int]) -> None:
-    """values (a host list) into buf, through its staging twin where it has one: one copy."""
-    host = torch.tensor(values, dtype=buf.dtype)
-    buf.copy_(host if staging is None else staging.copy_(host), non_blocking=True)
-
-
 class _CatchUpFrame:
-    """Static buffers of one catch-up key (r, c, s): its inputs (one host copy a proposal) and each row's output."""
+    """Static buffers of one catch-up key (r, c, s): its inputs and each row's output."""
 
     def __init__(self, r: int, c: int, hidden: int, dtype, device):
         with torch.inference_mode(False):
             self.inputs = torch.zeros(r * 4 * c + r, dtype=torch.long, device=device)
             self.h = torch.zeros(r, hidden, dtype=dtype, device=device)
-        self.staging = _staging(self.inputs)
         self.grid, self.last = self.inputs[:r * 4 * c].view(r, 4, c), self.inputs[r * 4 * c:]
         self.rows = torch.arange(r, device=device)
 
@@ -226,12 +212,13 @@ class DraftLevelGraphs:
         self.capacity = max(self.capacity, pow2_at_least(depth))
         return row_bucket(rows), min(pow2_at_least(context), length), self.capacity
 
-    def draws(self, held: Held, rows: list[int], lens: list[int], depth: int, h: torch.Tensor, embeds, seen, us,
-              vocab: torch.Tensor, pick, embed, sig: tuple):
+    def draws(self, held: Held, ints, rows: list[int], lens: list[int], depth: int, h: torch.Tensor, embeds, seen,
+              us, vocab: torch.Tensor, pick, embed, sig: tuple):
         """One proposal's draft levels, each replayed from its graph: all `depth` of them where embeds is None (the
         first drawn from h, a chain's), else levels 1..depth-1 below first tokens drawn eagerly (a tree's root
-        children, whose embedding embeds [R, 1, H] is). held: what they read in place, rows [R] each branch's table
-        row and lens [R] its length, h [R, H] the catch-up's output, seen [R, V] bool the branches' history or None,
+        children, whose embedding embeds [R, 1, H] is). held: what they read in place; ints(host integers) -> a
+        device tensor (the decode loop's funnel, kv_cache.PagedKVCache.ints); rows [R] each branch's table row and
+        lens [R] its length, h [R, H] the catch-up's output, seen [R, V] bool the branches' history or None,
         us [levels, R, 1] the levels' uniforms or None (greedy), vocab [Vd] the draft vocabulary's target ids;
         pick(h, vocab, seen, u) -> (tokens [r], q [r, Vd] or None, sure [r] or None) draws a level (ChainDraws),
         embed(tokens [r, 1]) -> [r, 1, H]; sig: how pick draws (part of each graph's key). -> (target ids [R,
@@ -240,7 +227,7 @@ class DraftLevelGraphs:
         bs, first = held.block_size, 0 if embeds is None else 1
         r, s, c = self.key(len(rows), -(-max(lens) // bs) * bs, depth, held.length)
         frame = self._frame(r, s, c, held.k.shape[2], held.k.shape[3])
-        frame.load(rows, lens, h, embeds, us, vocab, seen, first)
+        frame.load(ints, rows, lens, h, embeds, us, vocab, seen, first)
         sampling, penalised = us is not None, seen is not None
         for d in range(first, depth):
             self.graphs.replay((r, s, c, d, sig), lambda d=d: frame.draw(self.model, held, d, pick, embed, sampling,
@@ -257,9 +244,9 @@ class DraftLevelGraphs:
         return (min(row_bucket(rows), held.table.shape[0]), pow2_at_least(positions),
                 min(pow2_at_least(context), held.length))
 
-    def catch_up(self, held: Held, inputs: list[int], shape: tuple[int, int], s: int, forward) -> torch.Tensor:
-        """A catch-up replayed from its graph: held what it reads and writes in place; inputs, on the host, its grid
-        [r, 4, c] flattened (`Eagle3Drafter._grid`, padded to the key's (r, c) = shape) and then each row's index
+    def catch_up(self, held: Held, inputs: torch.Tensor, shape: tuple[int, int], s: int, forward) -> torch.Tensor:
+        """A catch-up replayed from its graph: held what it reads and writes in place; inputs, on the device, its
+        grid [r, 4, c] flattened (`Eagle3Drafter._grid`, padded to the key's (r, c) = shape) and then each row's index
         of its last real position [r]; s the context bucket; forward(grid, s) -> [r, c, H]
         (`Eagle3Drafter._catch_up_forward`). -> the rows' last outputs [r, H] (a copy)."""
         self._bind(held)
@@ -274,7 +261,7 @@ class DraftLevelGraphs:
             p = self.model.lm_head.weight
             frame = _CatchUpFrame(r, c, self.model.cfg.hidden_size, p.dtype, p.device)
         self.catch_ups[key] = frame
-        _load(frame.inputs, frame.staging, inputs)
+        frame.inputs.copy_(inputs)
 
         def run():
             with torch.inference_mode():

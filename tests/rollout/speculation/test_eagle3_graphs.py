@@ -133,7 +133,7 @@ def test_catch_up_graphs_go_with_what_they_address(monkeypatch):
         return grid[:, 0, :, None].float().expand(-1, -1, H) + grid[:, 1, :, None]  # token + slot, per position
 
     def catch_up(rows, c, s, held):  # the grid 0, 1, 2, ... (a row's tokens, then its slots, ...)
-        return graphs.catch_up(held, list(range(rows * 4 * c)) + [c - 1] * rows, (rows, c), s, forward)
+        return graphs.catch_up(held, torch.tensor(list(range(rows * 4 * c)) + [c - 1] * rows), (rows, c), s, forward)
 
     out = catch_up(2, 2, 16, held)
     assert out.shape == (2, H) and out[1, 0] == 8 * 1 + 1 + 8 * 1 + 2 + 1  # row 1's last position: token + slot
@@ -161,7 +161,7 @@ def test_least_recently_used_frames_go_with_their_graphs(monkeypatch):
         def pick(h, ids, seen, u):
             return ids[h[:, :32].argmax(-1)], None, None
 
-        return graphs.draws(held, list(range(rows)), [ctx] * rows, 3, torch.randn(rows, H), torch.randn(rows, 1, H),
+        return graphs.draws(held, torch.tensor, list(range(rows)), [ctx] * rows, 3, torch.randn(rows, H), torch.randn(rows, 1, H),
                             None, None, torch.arange(32), pick, lambda t: torch.randn(len(t), 1, H), ("greedy",))[0]
 
     for rows, ctx in ((1, 10), (3, 16), (1, 5), (9, 40)):
