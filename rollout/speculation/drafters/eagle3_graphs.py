@@ -248,7 +248,8 @@ class DraftLevelGraphs:
         """A catch-up replayed from its graph: held what it reads and writes in place; inputs, on the device, its
         grid [r, 4, c] flattened (`Eagle3Drafter._grid`, padded to the key's (r, c) = shape) and then each row's index
         of its last real position [r]; s the context bucket; forward(grid, s) -> [r, c, H]
-        (`Eagle3Drafter._catch_up_forward`). -> the rows' last outputs [r, H] (a copy)."""
+        (`Eagle3Drafter._catch_up_forward`). -> the rows' last outputs [r, H]: the frame's buffer, which the next
+        catch-up of this key overwrites (the proposal reads it before: its drafts come to the host after)."""
         self._bind(held)
         r, c = shape
         key = ("catch_up", r, c, s)
@@ -268,7 +269,7 @@ class DraftLevelGraphs:
                 frame.h.copy_(forward(frame.grid, s)[frame.rows, frame.last])
 
         self.graphs.replay(key, run)
-        return frame.h.clone()
+        return frame.h
 
     def _bind(self, held: Held) -> None:
         """Every frame and graph goes when what they hold the addresses of was reallocated (a pool that grew, a new
