@@ -6,10 +6,13 @@
     two), relative to a plain (T = 1) step of the same bucket at the same context; the median of three timings;
   * drafting: one EAGLE-3 draft level for the whole batch, ms and over the plain step at that batch (the
     engine's own rollout/draft_level_ms and rollout/draft_cost), a random-weight drafter forced on every step of
-    a rollout (its cost does not depend on its weights), its levels replayed from graphs where there are any."""
+    a rollout (its cost does not depend on its weights), its proposals replayed from graphs where there are any;
+    and those graphs replayed alone (`graphs_ms`, `graphs_share` of the proposal's time): the device's part."""
 from __future__ import annotations
 
 from rlspec.bench.gpucheck.common import build_hf, engine_over, fits, median_time, random_prompts, release, timed_calls
+
+DEPTH = 4  # the EAGLE-3 rows' draft levels a proposal
 
 
 def tree(T: int):
@@ -74,7 +77,7 @@ def draft_rows(hf, device, dtype, cfg: dict, left, graph_mode: str = "auto") -> 
     from rlspec.rollout import metrics as M
     from rlspec.rollout.types import SamplingParams, SpecConfig
 
-    spec = SpecConfig(drafter="eagle3", num_draft_tokens=4, selector="always", online_training=False)
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=DEPTH, selector="always", online_training=False)
     new = cfg["draft_new_tokens"]
     engine = engine_over(hf, device, dtype, max(cfg["draft_batches"]), cfg["prompt_len"] + new + 16, spec=spec)
     engine.speculation.learned.graph_mode = graph_mode
@@ -93,14 +96,31 @@ def draft_rows(hf, device, dtype, cfg: dict, left, graph_mode: str = "auto") -> 
         rows.append(dict(batch=b, draft_level_ms=stats.get(f"{M.DRAFT_LEVEL_MS}/eagle3"),
                          draft_cost=stats.get(f"{M.DRAFT_COST}/eagle3"), draft_ms_per_token=stats.get(f"{M.DRAFT_MS_PER_TOKEN}/eagle3"),
                          plain_step_ms=stats.get(M.PLAIN_STEP_MS), rollout_s=call["seconds"],
-                         timed_captures=call["timed_captures"]))
+                         timed_captures=call["timed_captures"],
+                         **proposal_graphs_ms(engine.speculation.learned.level_graphs(), DEPTH, device)))
         print(f"  eagle3 batch {b}: a level {rows[-1]['draft_level_ms']} ms, {rows[-1]['draft_cost']} of a plain "
-              f"step", flush=True)
+              f"step; the proposal's graphs alone {rows[-1]['graphs_ms']} ms", flush=True)
     rows_graphs = engine.speculation.learned.level_graphs()
     for r in rows:
         r["level_graphs"] = None if rows_graphs is None else dict(rows_graphs.counts)
     del engine
     return rows
+
+
+def proposal_graphs_ms(graphs, depth: int, device, iters: int = 10) -> dict:
+    """The device's own time for the graphs of the latest proposal (its catch-up's and its `depth` levels', the
+    most recently used keys), each replayed `iters` times back to back (the device never waits for the host's
+    launch of the next): ms a replay of each, and their sum, a proposal's graphs without the host's work between
+    them. Against the rollout's draft_level_ms x depth, what is left is the host's (empty where the levels run
+    eagerly)."""
+    if graphs is None or not graphs.catch_ups or not graphs.frames:
+        return {}
+    frame = next(reversed(graphs.frames))  # (r, s, c)
+    levels = [k for k in graphs.graphs.graphs if k[:3] == frame]
+    sig = levels[-1][4]
+    keys = [next(reversed(graphs.catch_ups))] + [k for k in levels if k[4] == sig][-depth:]
+    each = {str(k[:4]): median_time(graphs.graphs.graphs[k].replay, iters, device, 1)[0] * 1e3 for k in keys}
+    return {"graphs_ms": sum(each.values()), "graph_ms_each": each}
 
 
 def run(cfg: dict, device, dtype, left, save) -> dict:
@@ -124,6 +144,8 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     for r in out["eagle3_draft"]:  # a level over the graph-replayed plain step of the verify rows
         if r["draft_level_ms"] is not None and r["batch"] in plain:
             r["vs_plain_step"] = r["draft_level_ms"] / plain[r["batch"]]
+        if r["draft_level_ms"] and r.get("graphs_ms") is not None:  # the rest of a proposal is the host's
+            r["graphs_share"] = r["graphs_ms"] / (r["draft_level_ms"] * DEPTH)
     from rlspec.rollout.runtime.model.fused_ops import product_choices
 
     out["products"] = product_choices()  # the verifies' and the drafter's: other row buckets than `plain`'s
