@@ -10,9 +10,10 @@ launches. The target's graphs come from the same mechanism (runtime/graphs.py, `
 
 What a level's graph reads and writes (a `_Frame` of static buffers, per (row bucket r, context bucket s, capacity
 c)):
-  * in place, what `Held` names: the drafter's KV layer in the paged pool, read through the block table's rows (s
-    positions: whole blocks, a power of two up to the cache's length; positions at or past each row's length
-    hidden), and the target's RoPE tables at each branch's position;
+  * in place, what `Held` names: the drafter's KV layer in the paged pool, read through the block table's rows by
+    the proposal's first graph into the frame's context buffers in float32 [r, KV, s, D] (s positions: whole
+    blocks, a power of two up to the cache's length) with their mask bias [r, 1, 1, s] (positions at or past each
+    row's length hidden), which every level reads; and the target's RoPE tables at each branch's position;
   * the proposal's inputs: each branch's table row and length (one small copy through the decode loop's funnel,
     runtime/transfers.py), the catch-up's output h [r, 1, H] (a tree's root children are drawn eagerly, and their
     embedding comes in too), every level's uniforms [c, r, 1], the draft vocabulary's target ids and the branches'
@@ -46,8 +47,8 @@ from rlspec.rollout.runtime.graphs import GraphSet
 from rlspec.rollout.runtime.kv_cache import gather_blocks
 
 GRAPH_MODES = ("auto", "off", "emulate")  # auto: CUDA graphs on a CUDA device, eager elsewhere
-# frames (and their graphs) kept at once, the least recently used going when a new key needs room: a level's graph
-# converts its rows' context to float32 in the graphs' memory pool (~0.5 GB at 32 rows of 8k positions of a 7B shape)
+# frames (and their graphs) kept at once: a frame's context buffers are rows x context in float32 (~1 GB at 32
+# rows of 8k positions of a 7B shape), so the least recently used goes when a new key needs room
 MAX_FRAMES = 8
 MAX_CATCH_UPS = 16  # catch-up graphs kept at once (least recently used first out): a few MB of buffers each
 
@@ -94,6 +95,8 @@ class _Frame:
         with torch.inference_mode(False):  # copies into them must work in and outside inference mode
             f32 = dict(dtype=torch.float32, device=device)
             self.index = torch.zeros(2 * r, dtype=torch.long, device=device)  # table rows, then lengths
+            self.ctx_k, self.ctx_v = torch.zeros(r, kv, s, d, **f32), torch.zeros(r, kv, s, d, **f32)
+            self.bias = torch.zeros(r, 1, 1, s, **f32)
             self.local_k, self.local_v = torch.zeros(r, kv, c, d, **f32), torch.zeros(r, kv, c, d, **f32)
             self.h = torch.zeros(r, 1, cfg.hidden_size, dtype=dtype, device=device)
             self.embeds = torch.zeros(r, 1, cfg.hidden_size, dtype=dtype, device=device)
@@ -130,10 +133,13 @@ class _Frame:
                     self.seen = torch.zeros(r, v, dtype=torch.bool, device=h.device)
                 self.seen[:R].copy_(seen)
 
-    def draw(self, model, held: Held, d: int, pick, embed, sampling: bool, penalised: bool) -> None:
-        """Draft level d's draw, from the static inputs into the static outputs (what a graph captures): level 0
-        draws from h as it is (the catch-up's output), a later level runs the layer first, whose output becomes the
-        next level's h; the drawn token's embedding becomes its embeds."""
+    def draw(self, model, held: Held, d: int, first: int, pick, embed, sampling: bool, penalised: bool) -> None:
+        """Draft level d's draw, from the static inputs into the static outputs (what a graph captures): the
+        proposal's first level (d = first) reads the rows' context first; level 0 draws from h as it is (the
+        catch-up's output), a later level runs the layer first, whose output becomes the next level's h; the drawn
+        token's embedding becomes its embeds."""
+        if d == first:
+            self.read_context(held)
         if d > 0:
             self.level(model, held, d - 1)
         tok, q, ok = pick((self.out if d > 0 else self.h)[:, 0], self.vocab, self.seen if penalised else None,
@@ -150,10 +156,21 @@ class _Frame:
             if penalised:
                 self.seen.scatter_(1, tok[:, None], True)
 
+    def read_context(self, held: Held) -> None:
+        """The rows' cached context, read through their table rows, into the context buffers in float32, and its
+        mask: converted once a proposal, as `_DraftAttention` does, not once a level."""
+        s = self.shape[1]
+        blocks = held.table[self.rows, : s // held.block_size]
+        with torch.inference_mode():
+            self.ctx_k.copy_(gather_blocks(held.k, blocks))
+            self.ctx_v.copy_(gather_blocks(held.v, blocks))
+            hidden = self.positions[None, :] >= self.lens[:, None]
+            self.bias.copy_(torch.zeros(hidden.shape, device=hidden.device).masked_fill(hidden, float("-inf"))[:, None, None])
+
     def level(self, model, held: Held, j: int) -> None:
         """Draft level j + 1's layer from the static inputs into `out`: it stands at position length + j (the
-        eager levels' `_step_rope`), attends over its row's s cached positions, read in place, and keeps its key
-        at index j."""
+        eager levels' `_step_rope`), attends over its row's s cached positions (the context buffers) and its
+        branch's earlier draft keys, and keeps its key at index j."""
         s = self.shape[1]
         pos = (self.lens + j).clamp(max=held.cos.shape[0] - 1)
         cos, sin = held.cos[pos][:, None, None], held.sin[pos][:, None, None]  # [r, 1, 1, D]
@@ -161,17 +178,13 @@ class _Frame:
         def attend(q, k, v):
             self.local_k[:, :, j:j + 1].copy_(k)
             self.local_v[:, :, j:j + 1].copy_(v)
-            blocks = held.table[self.rows, : s // held.block_size]
-            ctx_k, ctx_v = gather_blocks(held.k, blocks).float(), gather_blocks(held.v, blocks).float()
-            hidden = self.positions[None, :] >= self.lens[:, None]
-            bias = torch.zeros(hidden.shape, device=hidden.device).masked_fill(hidden, float("-inf"))[:, None, None]
             R, H, T, D = q.shape
-            KV = ctx_k.shape[1]
+            KV = self.ctx_k.shape[1]
             qf = q.float().reshape(R, KV, H // KV * T, D) * D ** -0.5
             lk, lv = self.local_k[:, :, :j + 1], self.local_v[:, :, :j + 1]
-            scores = torch.cat([qf @ ctx_k.transpose(-1, -2) + bias, qf @ lk.transpose(-1, -2)], -1)
+            scores = torch.cat([qf @ self.ctx_k.transpose(-1, -2) + self.bias, qf @ lk.transpose(-1, -2)], -1)
             p = torch.softmax(scores, -1)
-            out = p[..., :s] @ ctx_v + p[..., s:] @ lv
+            out = p[..., :s] @ self.ctx_v + p[..., s:] @ lv
             return out.reshape(R, H, T, D).to(q.dtype)
 
         with torch.inference_mode():
@@ -229,9 +242,9 @@ class DraftLevelGraphs:
         frame = self._frame(r, s, c, held.k.shape[2], held.k.shape[3])
         frame.load(ints, rows, lens, h, embeds, us, vocab, seen, first)
         sampling, penalised = us is not None, seen is not None
-        for d in range(first, depth):
-            self.graphs.replay((r, s, c, d, sig), lambda d=d: frame.draw(self.model, held, d, pick, embed, sampling,
-                                                                         penalised))
+        for d in range(first, depth):  # the proposal's first graph reads the context: `first` is part of the key
+            self.graphs.replay((r, s, c, d, sig, first), lambda d=d: frame.draw(self.model, held, d, first, pick, embed,
+                                                                                sampling, penalised))
         R = len(rows)
         return (frame.ids[:R, first:depth].clone(), frame.q[:R, first:depth].clone() if sampling else None,
                 frame.ok[:R, first:depth].clone())
