@@ -94,10 +94,12 @@ class ChainDraws:
                 rows = rows if width == 1 else rows.repeat_interleave(width)
                 ctx = self.target_cache.gather(self.target.cfg.num_layers, rows, max(lens))
                 ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth))
-        ids = ids.view(B, width, depth).cpu()
-        # trees: every branch to the shortest
-        keep = [depth * width] * B if kept is None else \
-            (kept if width == 1 else kept.view(B, width).amin(-1) * width).tolist()
+        if kept is None:
+            ids, keep = ids.view(B, width, depth).cpu(), [depth * width] * B
+        else:  # trees: every branch to the shortest; the ids and the lengths come to the host in one copy
+            kept = kept if width == 1 else kept.view(B, width).amin(-1) * width
+            both = torch.cat([ids.view(B, width * depth), kept.view(B, 1)], 1).cpu()
+            ids, keep = both[:, :-1].view(B, width, depth), both[:, -1].tolist()
         V = self.model.cfg.vocab_size
         if q is None or q.shape[-1] == V:  # none (greedy), or already over the target's vocabulary (the chain op)
             return ids, None if q is None else q.view(B, width, depth, V), keep
