@@ -132,14 +132,15 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     from rlspec.rollout.runtime.model import loader
 
     hf = build_hf(cfg["shape"], dtype, device)
+    # the drafter's rows first: the 2026-11-30 run spent the section's time on the verify rows and never drafted
+    print(f"spec_costs {cfg['shape']}: EAGLE-3 drafting", flush=True)
+    out["eagle3_draft"] = draft_rows(hf, device, dtype, cfg, left, "emulate" if device.type == "cpu" else "auto")
+    save(out)
+    release(device)
     model = loader.from_hf_model(hf, dtype, device)
     print(f"spec_costs {cfg['shape']}: verify steps", flush=True)
     out["verify"] = verify_rows(model, device, dtype, cfg, left)
-    save(out)
     del model
-    release(device)
-    print(f"spec_costs {cfg['shape']}: EAGLE-3 drafting", flush=True)
-    out["eagle3_draft"] = draft_rows(hf, device, dtype, cfg, left, "emulate" if device.type == "cpu" else "auto")
     plain = {r["batch"]: r["step_ms"] for r in out["verify"] if r["tokens"] == 1}
     for r in out["eagle3_draft"]:  # a level over the graph-replayed plain step of the verify rows
         if r["draft_level_ms"] is not None and r["batch"] in plain:
