@@ -1,13 +1,14 @@
 """The `spec_costs` section: what speculation costs on this device, the inputs of the speedup formula
-(docs/gpu.md#predicted-rollout-speedup).
+(docs/gpu.md#predicted-rollout-speedup), in this order:
 
-  * verify: one target step over T tokens a row (the pending token and T - 1 drafts; a chain, or a binary tree
-    of T nodes), per batch bucket, replayed from the CUDA graph pool (a graph per T: no padding to a power of
-    two), relative to a plain (T = 1) step of the same bucket at the same context; the median of three timings;
   * drafting: one EAGLE-3 draft level for the whole batch, ms and over the plain step at that batch (the
     engine's own rollout/draft_level_ms and rollout/draft_cost), a random-weight drafter forced on every step of
     a rollout (its cost does not depend on its weights), its proposals replayed from graphs where there are any;
-    and those graphs replayed alone (`graphs_ms`, `graphs_share` of the proposal's time): the device's part."""
+    and those graphs replayed alone (`graphs_ms`, `graphs_share` of the proposal's time): the device's part;
+  * verify: one target step over T tokens a row (the pending token and T - 1 drafts; a chain, or a binary tree
+    of T nodes), per batch bucket, replayed from the CUDA graph pool (a graph per T: no padding to a power of
+    two), relative to a plain (T = 1) step of the same bucket at the same context; the median of three timings.
+"""
 from __future__ import annotations
 
 from rlspec.bench.gpucheck.common import build_hf, engine_over, fits, median_time, random_prompts, release, timed_calls

@@ -178,10 +178,10 @@ class ChainDraws:
 
     def _graph_draws(self, graphs, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen,
                      lens: list[int]):
-        """`_draw_steps`' chains with their levels replayed from graphs (eagle3_graphs.py), reading the rows' context
-        in place: a chain's every level, the first drawn from h inside a graph too; a tree's levels below its root
-        children, which `_first_level` draws. The same math on the same uniforms, taken from the generator in the
-        same calls, so the same drafts."""
+        """`_draw_steps`' chains with their levels replayed from graphs (eagle3_graphs.py), which read the rows'
+        context through the block table themselves: a chain's every level, the first drawn from h inside a graph
+        too; a tree's levels below its root children, which `_first_level` draws. The same math on the same
+        uniforms, taken from the generator in the same calls, so the same drafts."""
         sig = (None if self.params is None else (self.params.greedy, self.params.temperature, self.params.top_k,
                self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule)
 
