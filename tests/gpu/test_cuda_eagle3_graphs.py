@@ -49,14 +49,14 @@ def test_cuda_graph_levels_give_the_eager_drafts_and_stay_exact(width, monkeypat
     # every catch-up run eagerly too (the pool, the staged features and the table read and written in place)
     caught_up = caught_up_both_ways(monkeypatch, "auto")
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
-    assert len(caught_up) == len(compared)
-    assert any(key[2] > max(c) > 1 for c, key in caught_up)  # several positions a row, padded to the bucket
+    graphed = [(c, key) for c, key in caught_up if key is not None]
+    assert len(caught_up) == len(compared) and len(graphed) >= len(compared) - 1  # the prompt's: eager if long
     graphs = eng.speculation.learned.level_graphs()
     assert graphs is not None and graphs.graphs.backend == "cuda"
     assert graphs.counts["captures"] == len(graphs.graphs.graphs) > 0
-    # a chain's every level, a tree's below its root children, and one catch-up a proposal
+    # a chain's every level, a tree's below its root children, and a catch-up graph a proposal (a long one: eager)
     first = 0 if width == 1 else 1
-    assert graphs.counts["replays"] == sum(d - first for d in compared if d > 1) + len(compared)
+    assert graphs.counts["replays"] == sum(d - first for d in compared if d > 1) + len(graphed)
     assert graphs.counts["replays"] > graphs.counts["captures"]
 
 
@@ -69,7 +69,9 @@ def test_cuda_sampled_graph_levels_draw_the_eager_drafts(monkeypatch):
     eng = _engine(hf, 1, "auto")
     eng.speculation.force(Arm("eagle3", 4, 1, "max_conf"))
     compared = drafted_both_ways(monkeypatch, "auto")
+    caught_up = caught_up_both_ways(monkeypatch, "auto")
     eng.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, max_new_tokens=16,
                                          ignore_eos=True, seed=1))
     graphs = eng.speculation.learned.level_graphs()
     assert len(compared) > 3 and graphs.counts["replays"] > graphs.counts["captures"] > 0
+    assert sum(key is not None for _, key in caught_up) >= len(compared) - 1

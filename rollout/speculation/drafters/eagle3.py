@@ -31,7 +31,8 @@ import torch
 from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
 from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws, to_draft
 from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
-from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, DraftLevelGraphs, Held
+from rlspec.rollout.speculation.drafters.eagle3_graphs import (GRAPH_MODES, MAX_CATCH_UP_POSITIONS, DraftLevelGraphs,
+                                                               Held)
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rlspec.rollout.runtime.blocks import TRASH
 from rlspec.rollout.runtime.model import kernels
@@ -273,9 +274,9 @@ class Eagle3Drafter(ChainDraws):
     def _catch_up(self, seqs: list[Sequence]):
         """Run the positions each sequence has not yet shown the drafter; returns its last output [B, H], which
         rows had any, and the backlog's share of the positions run (those beyond each row's latest commit). Where
-        the levels come from graphs, so does the catch-up (`DraftLevelGraphs.catch_up`, one graph per row bucket,
-        positions bucket and context bucket): eagerly it is ~50 kernel launches a proposal, each a few
-        microseconds of host time that a small batch's GPU waits for."""
+        the levels come from graphs, so does a catch-up of up to MAX_CATCH_UP_POSITIONS a row
+        (`DraftLevelGraphs.catch_up`, one graph per row bucket, positions bucket and context bucket): eagerly it is
+        ~50 kernel launches a proposal, each a few microseconds of host time that a small batch's GPU waits for."""
         B = len(seqs)
         cache = self.target_cache
         starts = [self.valid[id(s)] for s in seqs]
@@ -286,7 +287,7 @@ class Eagle3Drafter(ChainDraws):
         # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
         S = min(-(-(max(starts) + C) // cache.block_size) * cache.block_size, cache.length)
         fused = self.fused is not None and S % cache.block_size == 0 and B * C <= FUSED_MAX_TOKENS
-        graphs = None if fused else self.level_graphs()
+        graphs = None if fused or C > MAX_CATCH_UP_POSITIONS else self.level_graphs()
         if graphs is not None:
             held = self._held()
             r, c, s = graphs.catch_up_key(B, C, S, held)

@@ -51,6 +51,10 @@ GRAPH_MODES = ("auto", "off", "emulate")  # auto: CUDA graphs on a CUDA device, 
 # rows of 8k positions of a 7B shape), so the least recently used goes when a new key needs room
 MAX_FRAMES = 8
 MAX_CATCH_UPS = 16  # catch-up graphs kept at once (least recently used first out): a few MB of buffers each
+# the most positions a row a catch-up graph runs: a step's commits (a draft's depth + 1). A longer catch-up (the
+# drafter sat out steps, or a preempted row came back) is rare and runs eagerly: a graph of it would hold its
+# activations (at a 7B shape, 32 rows of 512 positions: ~0.35 GB of features alone) in the pool for good
+MAX_CATCH_UP_POSITIONS = 16
 
 
 def row_bucket(rows: int) -> int:

@@ -7,7 +7,7 @@ import torch
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
-from rlspec.rollout.speculation.drafters.eagle3_graphs import Held, pow2_at_least, row_bucket
+from rlspec.rollout.speculation.drafters.eagle3_graphs import MAX_CATCH_UP_POSITIONS, Held, pow2_at_least, row_bucket
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
@@ -52,17 +52,20 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
         return got
 
     monkeypatch.setattr(Eagle3Drafter, "_draft", both)
+    catch_up, catch_ups = G.DraftLevelGraphs.catch_up, []
+    monkeypatch.setattr(G.DraftLevelGraphs, "catch_up", lambda self, *a: catch_ups.append(1) or catch_up(self, *a))
     for n in (5, 3, 1):
         eng.generate(prompts[:n], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
     counts = drafter.level_graphs().counts
     assert len(compared) >= 30 and {b for b, _ in compared} == {5, 3, 1}
     # one graph per (row bucket, context bucket, capacity, level): captured once, replayed by every proposal of
     # two levels or more (a chain's every level, a tree's below its root children); and one catch-up graph per
-    # (row bucket, positions bucket, context bucket), replayed once a proposal
+    # (row bucket, positions bucket, context bucket), replayed once a proposal (a whole prompt's runs eagerly)
     keys = drafter.level_graphs().graphs.graphs
     first = 0 if width == 1 else 1
     assert counts["captures"] == len(keys)
-    assert counts["replays"] == sum(d - first for _, d in compared if d > 1) + len(compared)
+    assert counts["replays"] == sum(d - first for _, d in compared if d > 1) + len(catch_ups)
+    assert len(compared) - 3 <= len(catch_ups) <= len(compared)
     keys = [k for k in keys if k[0] != "catch_up"]
     assert {k[0] for k in keys} == {row_bucket(b * width) for b in (5, 3, 1)}
     assert {k[3] for k in keys} == set(range(first, 4))
@@ -73,7 +76,7 @@ def caught_up_both_ways(monkeypatch, graph_mode: str) -> list:
     """Make every catch-up run twice on the same state, eagerly and through its graph (`graph_mode`; rows,
     positions and context padded to the key's buckets), and assert the same outputs to rounding (the graph attends
     over its context bucket, masked past each row), the same rows ready and the same backlog. Returns the list the
-    catch-ups' (positions per row, key replayed) go to."""
+    catch-ups' (positions per row, key replayed or None: ran eagerly) go to."""
     real, seen = Eagle3Drafter._catch_up, []
 
     def both(self, seqs):
@@ -82,10 +85,12 @@ def caught_up_both_ways(monkeypatch, graph_mode: str) -> list:
         self._graphs, self.graph_mode = None, "off"
         eager = real(self, seqs)
         self.valid, self._graphs, self.graph_mode = valid, graphs, graph_mode
+        replays = self.level_graphs().counts["replays"]
         got = real(self, seqs)
         torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-5)
         assert got[1:] == eager[1:]
-        seen.append((counts, next(reversed(self.level_graphs().catch_ups))))  # the key this catch-up replayed
+        graphed = self.level_graphs().counts["replays"] > replays
+        seen.append((counts, next(reversed(self.level_graphs().catch_ups)) if graphed else None))
         return got
 
     monkeypatch.setattr(Eagle3Drafter, "_catch_up", both)
@@ -102,10 +107,14 @@ def test_graph_catch_up_gives_the_eager_outputs(monkeypatch):
     prompts = random_prompts(5, 3, 20, seed=5)
     for n in (5, 3):
         eng.generate(prompts[:n], SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=n))
-    assert len(seen) >= 10
-    assert any(key[1] > len(c) for c, key in seen)  # rows padded to a bucket
-    assert any(key[2] > max(c) > 1 for c, key in seen)  # several positions a row, padded
-    assert any(min(c) < max(c) for c, _ in seen)
+    graphed = [(c, key) for c, key in seen if key is not None]
+    assert len(graphed) >= 10
+    assert any(key[1] > len(c) for c, key in graphed)  # rows padded to a bucket
+    assert any(key[2] > max(c) > 1 for c, key in graphed)  # several positions a row, padded
+    assert any(min(c) < max(c) for c, _ in graphed)
+    # a catch-up of more positions a row than MAX_CATCH_UP_POSITIONS (a whole prompt, here) runs eagerly
+    assert all((key is None) == (max(c) > MAX_CATCH_UP_POSITIONS) for c, key in seen)
+    assert any(key is None for _, key in seen)
 
 
 def _held(hf, blocks: int = 8, bs: int = 16, table_rows: int = 16, width: int = 4) -> Held:
