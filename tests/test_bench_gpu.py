@@ -283,3 +283,20 @@ def test_the_e2e_oracle_drafts_the_successor_chain_with_probability_a():
     assert abs(kept / total - 0.7) < 0.06
     full = SuccessorOracle(succ, accept=1.0)
     assert full.propose([_Seq([9, 5], [])], [2], 1)[0].tokens == [succ[5], succ[succ[5]]]  # from the prompt's end
+
+
+def test_a_failing_drafter_keeps_the_verify_rows_and_fails_the_section(tmp_path, monkeypatch):
+    """spec_costs drafts first: an EAGLE-3 failure (planted) is recorded, the verify rows (the oracle's formula
+    inputs) are still measured and saved, and the section still fails, so the report cannot read ok."""
+    from rlspec.bench.gpucheck import spec_costs
+
+    def planted(*args, **kwargs):
+        raise ValueError("planted drafter failure")
+
+    monkeypatch.setattr(spec_costs, "draft_rows", planted)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="planted drafter failure"):
+        gpu.main(["--smoke", "--section", "spec_costs", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "spec_costs.json").read_text())
+    assert saved["eagle3_error"] == "ValueError: planted drafter failure" and saved["eagle3_draft"] == []
+    assert {r["tokens"] for r in saved["verify"]} >= {1, 2, 5} and "complete_s" not in saved
