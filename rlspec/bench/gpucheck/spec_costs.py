@@ -97,7 +97,8 @@ def draft_rows(hf, device, dtype, cfg: dict, left, graph_mode: str = "auto") -> 
         call = timed_calls(engine, lambda: engine.generate(prompts[:b], params), device, 1)
         stats = call["stats"]  # ignore_eos: the live batch stays b for the whole call
         rows.append(dict(batch=b, draft_level_ms=stats.get(f"{M.DRAFT_LEVEL_MS}/eagle3"),
-                         draft_cost=stats.get(f"{M.DRAFT_COST}/eagle3"), draft_ms_per_token=stats.get(f"{M.DRAFT_MS_PER_TOKEN}/eagle3"),
+                         draft_cost=stats.get(f"{M.DRAFT_COST}/eagle3"),
+                         draft_ms_per_token=stats.get(f"{M.DRAFT_MS_PER_TOKEN}/eagle3"),
                          plain_step_ms=stats.get(M.PLAIN_STEP_MS), rollout_s=call["seconds"],
                          timed_captures=call["timed_captures"],
                          **proposal_graphs_ms(engine.speculation.learned.level_graphs(), DEPTH, device)))

@@ -169,7 +169,8 @@ class _Frame:
             self.ctx_k.copy_(gather_blocks(held.k, blocks))
             self.ctx_v.copy_(gather_blocks(held.v, blocks))
             hidden = self.positions[None, :] >= self.lens[:, None]
-            self.bias.copy_(torch.zeros(hidden.shape, device=hidden.device).masked_fill(hidden, float("-inf"))[:, None, None])
+            bias = torch.zeros(hidden.shape, device=hidden.device).masked_fill(hidden, float("-inf"))
+            self.bias.copy_(bias[:, None, None])
 
     def level(self, model, held: Held, j: int) -> None:
         """Draft level j + 1's layer from the static inputs into `out`: it stands at position length + j (the

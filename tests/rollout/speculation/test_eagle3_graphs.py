@@ -170,8 +170,9 @@ def test_least_recently_used_frames_go_with_their_graphs(monkeypatch):
         def pick(h, ids, seen, u):
             return ids[h[:, :32].argmax(-1)], None, None
 
-        return graphs.draws(held, torch.tensor, list(range(rows)), [ctx] * rows, 3, torch.randn(rows, H), torch.randn(rows, 1, H),
-                            None, None, torch.arange(32), pick, lambda t: torch.randn(len(t), 1, H), ("greedy",))[0]
+        return graphs.draws(held, torch.tensor, list(range(rows)), [ctx] * rows, 3, torch.randn(rows, H),
+                            torch.randn(rows, 1, H), None, None, torch.arange(32), pick,
+                            lambda t: torch.randn(len(t), 1, H), ("greedy",))[0]
 
     for rows, ctx in ((1, 10), (3, 16), (1, 5), (9, 40)):
         assert propose(rows, ctx).shape == (rows, 2)
