@@ -34,11 +34,18 @@ def eagle(width):
     return SpecConfig(drafter="eagle3", num_draft_tokens=3, tree_width=width, selector="always", online_training=False)
 
 
-@pytest.mark.parametrize("spec", [None, eagle(1), eagle(2)], ids=["plain", "eagle3-chain", "eagle3-tree"])
-def test_greedy_equals_transformers_under_forced_preemption(spec):
+@pytest.mark.parametrize("spec,graphs", [(None, None), (eagle(1), "off"), (eagle(2), "off"), (eagle(1), "emulate"),
+                                         (eagle(2), "emulate")],
+                         ids=["plain", "eagle3-chain", "eagle3-tree", "eagle3-chain-graphs", "eagle3-tree-graphs"])
+def test_greedy_equals_transformers_under_forced_preemption(spec, graphs):
+    """Greedy rollouts equal transformers' under forced preemption: plainly, with EAGLE-3 chains and trees eager,
+    and through the drafter's (emulated) graphs, whose catch-ups and levels read a preempted row's blocks through
+    the table wherever they are after it comes back."""
     hf = make_tiny_hf("llama", seed=2)
     prompts = random_prompts(6, 2, 25, seed=3)
     eng = engine(hf, blocks=40, spec=spec)  # the longest sequence needs 13 blocks; 12 sequences want ~130
+    if graphs is not None:
+        eng.speculation.learned.graph_mode = graphs
     got = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, n=2))
     stats = eng.stats()
     assert eng.runner.cache.alloc.capacity == 40
@@ -48,6 +55,9 @@ def test_greedy_equals_transformers_under_forced_preemption(spec):
         assert r.completion_ids == (ref[: ref.index(2) + 1] if 2 in ref else ref)
     if spec is not None:
         assert stats["rollout/spec_step_share"] > 0.5
+    if graphs == "emulate":
+        keys = eng.speculation.learned.level_graphs().graphs.graphs
+        assert any(k[0] == "catch_up" for k in keys) and any(k[0] != "catch_up" for k in keys)
     assert eng.runner.cache.alloc.used == 0, "every block came back"
 
 
