@@ -324,7 +324,8 @@ class Eagle3Drafter(ChainDraws):
     def _held(self) -> Held:
         """What the drafter's graphs read and write in place (eagle3_graphs.Held)."""
         cache, L = self.target_cache, self.target.cfg.num_layers
-        return Held(cache.k[L], cache.v[L], cache.table, cache.side["eagle3/features"], *self._rope_tables_now())
+        return Held(cache.k[L], cache.v[L], cache.table, cache.side["eagle3/features"], *self._rope_tables_now(),
+                    cache.block_size, cache.length)
 
     def _catch_up_forward(self, grid: torch.Tensor, S: int) -> torch.Tensor:
         """The drafter over a catch-up's grid [R, 4, C] on the device (table rows 0..R-1), attending over cache

@@ -87,8 +87,8 @@ class ChainDraws:
                     ids, q, kept = self._chain_op(h, depth, vocab, inputs)
                 else:
                     ids, q, kept = self._draw_steps(h, depth, 1, vocab, seen, self._fused_steps(inputs))
-            elif depth > 1 and self.level_graphs() is not None:
-                ids, q, kept = self._graph_draws(self.level_graphs(), h, depth, width, vocab, seen, lens)
+            elif depth > 1 and (graphs := self.level_graphs()) is not None:
+                ids, q, kept = self._graph_draws(graphs, h, depth, width, vocab, seen, lens)
             else:
                 rows = torch.arange(B, device=dev)  # branch -> its sequence's table row
                 rows = rows if width == 1 else rows.repeat_interleave(width)
@@ -267,10 +267,8 @@ class _DraftAttention:
     concatenating context and draft keys into one bf16 attention (and 248 us through SDPA), 300 positions."""
 
     def __init__(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, lens: torch.Tensor):
-        S = ctx_k.shape[2]
         self.k, self.v = ctx_k.float(), ctx_v.float()
-        hidden = torch.arange(S, device=lens.device)[None, :] >= lens[:, None]
-        self.bias = torch.zeros(hidden.shape, device=lens.device).masked_fill(hidden, float("-inf"))[:, None, None]
+        self.bias = context_bias(torch.arange(ctx_k.shape[2], device=lens.device), lens)
         self.local_k: list[torch.Tensor] = []
         self.local_v: list[torch.Tensor] = []
 
@@ -279,14 +277,29 @@ class _DraftAttention:
         step's own key is its last; longer T would need a causal mask among them)."""
         self.local_k.append(k.float())
         self.local_v.append(v.float())
-        R, H, T, D = q.shape
-        KV, S = self.k.shape[1], self.k.shape[2]
-        qf = q.float().reshape(R, KV, H // KV * T, D) * D ** -0.5
-        lk, lv = torch.cat(self.local_k, 2), torch.cat(self.local_v, 2)
-        scores = torch.cat([qf @ self.k.transpose(-1, -2) + self.bias, qf @ lk.transpose(-1, -2)], -1)
-        p = torch.softmax(scores, -1)
-        out = p[..., :S] @ self.v + p[..., S:] @ lv
-        return out.reshape(R, H, T, D).to(q.dtype)
+        return attend_apart(q, self.k, self.v, self.bias, torch.cat(self.local_k, 2), torch.cat(self.local_v, 2))
+
+
+def context_bias(positions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The mask of the rows' cached context as a float32 bias [R, 1, 1, S]: 0 below each row's length `lens` [R],
+    -inf at and past it (positions [S])."""
+    hidden = positions[None, :] >= lens[:, None]
+    return torch.zeros(hidden.shape, device=lens.device).masked_fill(hidden, float("-inf"))[:, None, None]
+
+
+def attend_apart(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, bias: torch.Tensor, lk: torch.Tensor,
+                 lv: torch.Tensor) -> torch.Tensor:
+    """A draft step's attention: queries q [R, H, T, D] over the cached context ctx_k, ctx_v [R, KV, S, D] in
+    float32 (masked by `bias`, context_bias) and over the branch's own draft keys lk, lv [R, KV, j, D] in float32,
+    scored apart and softmaxed together -> [R, H, T, D] in q's dtype. The eager steps (`_DraftAttention`) and the
+    level graphs (eagle3_graphs.py) both attend through it."""
+    R, H, T, D = q.shape
+    KV, S = ctx_k.shape[1], ctx_k.shape[2]
+    qf = q.float().reshape(R, KV, H // KV * T, D) * D ** -0.5
+    scores = torch.cat([qf @ ctx_k.transpose(-1, -2) + bias, qf @ lk.transpose(-1, -2)], -1)
+    p = torch.softmax(scores, -1)
+    out = p[..., :S] @ ctx_v + p[..., S:] @ lv
+    return out.reshape(R, H, T, D).to(q.dtype)
 
 
 def to_draft(branches: list[list[int]], q, cap: int, width: int) -> Draft:

@@ -24,8 +24,8 @@ c)):
   * what each level drew: target ids [r, c], their distributions q [r, c, Vd] (sampling) and the stop rule's
     verdicts [r, c].
 How a level draws (greedy or sampling, the processing, the stop rule) is part of its graph's key: the pick is
-ChainDraws._pick, the eager levels' own. The math is `_DraftAttention`'s: the context scored in float32 on its own,
-then the branch's draft keys.
+ChainDraws._pick, the eager levels' own, and so is their attention (`attend_apart`, `_DraftAttention`'s): the
+context scored in float32 on its own, then the branch's draft keys.
 
 A catch-up's graph (`catch_up`) reads one buffer of inputs, r * (4 * c + 1) long (one copy through the funnel): per
 row and position its token, slot, RoPE position and last visible position (`Eagle3Drafter._grid`), then each row's
@@ -45,6 +45,7 @@ import torch
 
 from rlspec.rollout.runtime.graphs import GraphSet
 from rlspec.rollout.runtime.kv_cache import gather_blocks
+from rlspec.rollout.speculation.drafters.eagle3_draws import attend_apart, context_bias
 
 GRAPH_MODES = ("auto", "off", "emulate")  # auto: CUDA graphs on a CUDA device, eager elsewhere
 # frames (and their graphs) kept at once: a frame's context buffers are rows x context in float32 (~1 GB at 32
@@ -69,7 +70,8 @@ def pow2_at_least(n: int) -> int:
 @dataclass(frozen=True)
 class Held:
     """What the drafter's graphs read and write in place: its KV layer's pools [blocks, bs, KV, D], the block table,
-    the staged target features, and the target's RoPE tables in its dtype."""
+    the staged target features, and the target's RoPE tables in its dtype; with the cache's block size and length
+    (positions a row addresses)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -77,14 +79,8 @@ class Held:
     features: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def length(self) -> int:
-        return self.table.shape[1] * self.block_size
+    block_size: int
+    length: int
 
     def binding(self) -> tuple:
         """(address, shape) of each: what tells that a graph captured over them may still run."""
@@ -168,29 +164,20 @@ class _Frame:
         with torch.inference_mode():
             self.ctx_k.copy_(gather_blocks(held.k, blocks))
             self.ctx_v.copy_(gather_blocks(held.v, blocks))
-            hidden = self.positions[None, :] >= self.lens[:, None]
-            bias = torch.zeros(hidden.shape, device=hidden.device).masked_fill(hidden, float("-inf"))
-            self.bias.copy_(bias[:, None, None])
+            self.bias.copy_(context_bias(self.positions, self.lens))
 
     def level(self, model, held: Held, j: int) -> None:
         """Draft level j + 1's layer from the static inputs into `out`: it stands at position length + j (the
         eager levels' `_step_rope`), attends over its row's s cached positions (the context buffers) and its
         branch's earlier draft keys, and keeps its key at index j."""
-        s = self.shape[1]
         pos = (self.lens + j).clamp(max=held.cos.shape[0] - 1)
         cos, sin = held.cos[pos][:, None, None], held.sin[pos][:, None, None]  # [r, 1, 1, D]
 
         def attend(q, k, v):
             self.local_k[:, :, j:j + 1].copy_(k)
             self.local_v[:, :, j:j + 1].copy_(v)
-            R, H, T, D = q.shape
-            KV = self.ctx_k.shape[1]
-            qf = q.float().reshape(R, KV, H // KV * T, D) * D ** -0.5
-            lk, lv = self.local_k[:, :, :j + 1], self.local_v[:, :, :j + 1]
-            scores = torch.cat([qf @ self.ctx_k.transpose(-1, -2) + self.bias, qf @ lk.transpose(-1, -2)], -1)
-            p = torch.softmax(scores, -1)
-            out = p[..., :s] @ self.ctx_v + p[..., s:] @ lv
-            return out.reshape(R, H, T, D).to(q.dtype)
+            return attend_apart(q, self.ctx_k, self.ctx_v, self.bias, self.local_k[:, :, :j + 1],
+                                self.local_v[:, :, :j + 1])
 
         with torch.inference_mode():
             self.out.copy_(model(self.h, self.embeds, cos, sin, attend))
@@ -271,15 +258,9 @@ class DraftLevelGraphs:
         self._bind(held)
         r, c = shape
         key = ("catch_up", r, c, s)
-        frame = self.catch_ups.pop(key, None)
-        if frame is None:
-            if len(self.catch_ups) >= MAX_CATCH_UPS:
-                old = next(iter(self.catch_ups))
-                del self.catch_ups[old]
-                self.graphs.graphs.pop(old, None)
-            p = self.model.lm_head.weight
-            frame = _CatchUpFrame(r, c, self.model.cfg.hidden_size, p.dtype, p.device)
-        self.catch_ups[key] = frame
+        p = self.model.lm_head.weight
+        frame = self._recent(self.catch_ups, key, MAX_CATCH_UPS,
+                             lambda: _CatchUpFrame(r, c, self.model.cfg.hidden_size, p.dtype, p.device))
         frame.inputs.copy_(inputs)
 
         def run():
@@ -301,14 +282,21 @@ class DraftLevelGraphs:
 
     def _frame(self, r: int, s: int, c: int, kv: int, d: int) -> _Frame:
         """The frame of key (r, s, c), made when missing; it becomes the most recently used."""
-        frame = self.frames.pop((r, s, c), None)
+        p = self.model.lm_head.weight
+        return self._recent(self.frames, (r, s, c), MAX_FRAMES,
+                            lambda: _Frame(r, s, c, kv, d, self.model.cfg, p.dtype, p.device))
+
+    def _recent(self, frames: dict, key: tuple, limit: int, make):
+        """frames[key], made by make() when missing, now the most recently used (last). When `limit` are kept, the
+        least recently used goes with its graphs: those whose keys begin with its key (a level frame's (r, s, c)
+        begins each of its levels' keys; a catch-up's key is its graph's)."""
+        frame = frames.pop(key, None)
         if frame is None:
-            if len(self.frames) >= MAX_FRAMES:  # the least recently used frame and its levels' graphs go
-                old = next(iter(self.frames))
-                del self.frames[old]
-                for key in [k for k in self.graphs.graphs if k[:3] == old]:
-                    del self.graphs.graphs[key]
-            p = self.model.lm_head.weight
-            frame = _Frame(r, s, c, kv, d, self.model.cfg, p.dtype, p.device)
-        self.frames[(r, s, c)] = frame  # most recently used last
+            if len(frames) >= limit:
+                old = next(iter(frames))
+                del frames[old]
+                for k in [k for k in self.graphs.graphs if k[:len(old)] == old]:
+                    del self.graphs.graphs[k]
+            frame = make()
+        frames[key] = frame
         return frame

@@ -123,7 +123,7 @@ def _held(hf, blocks: int = 8, bs: int = 16, table_rows: int = 16, width: int = 
     k = torch.randn(blocks, bs, KV, D)
     table = torch.arange(1, width + 1).repeat(table_rows, 1)
     return Held(k, k.clone(), table, torch.zeros(blocks, bs, 3 * hf.config.hidden_size), torch.ones(64, D),
-                torch.zeros(64, D))
+                torch.zeros(64, D), bs, width * bs)
 
 
 def test_catch_up_graphs_go_with_what_they_address(monkeypatch):
