@@ -130,5 +130,6 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     from rlspec.rollout.runtime.model.fused_ops import product_choices
 
     out["products"] = product_choices()  # our few-rows kernel against cuBLAS, as the steps measured and chose
-    out["pdl"] = pdl_module().status() if pdl_module() else {}  # per device: our kernels launched with PDL
+    pdl = pdl_module()
+    out["pdl"] = pdl.status() if pdl else {}  # per device: our kernels launched with PDL
     return out
