@@ -286,6 +286,8 @@ class Eagle3Drafter(ChainDraws):
         # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
         # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
         S = min(-(-(max(starts) + C) // cache.block_size) * cache.block_size, cache.length)
+        # the fused op (a bf16 CPU) up to its token count: a long catch-up (a drafter unused for a while) is a
+        # product of many rows, which oneDNN does better than our kernel
         fused = self.fused is not None and S % cache.block_size == 0 and B * C <= FUSED_MAX_TOKENS
         graphs = None if fused or C > MAX_CATCH_UP_POSITIONS else self.level_graphs()
         if graphs is not None:
@@ -296,7 +298,7 @@ class Eagle3Drafter(ChainDraws):
                                 self._catch_up_forward)[:B]
         else:
             dev = cache.table.device
-            out = self._catch_up_forward(cache.ints(self._grid(seqs, starts, counts, B, C)).view(B, 4, C), S)
+            out = self._catch_up_forward(cache.ints(self._grid(seqs, starts, counts, B, C)).view(B, 4, C), S, fused)
             # every row ran C positions (one index op fewer: most steps)
             h = out[:, C - 1] if min(counts) == C else \
                 out[torch.arange(B, device=dev), cache.ints([max(n - 1, 0) for n in counts])]
@@ -327,9 +329,10 @@ class Eagle3Drafter(ChainDraws):
         return Held(cache.k[L], cache.v[L], cache.table, cache.side["eagle3/features"], *self._rope_tables_now(),
                     cache.block_size, cache.length)
 
-    def _catch_up_forward(self, grid: torch.Tensor, S: int) -> torch.Tensor:
+    def _catch_up_forward(self, grid: torch.Tensor, S: int, fused: bool = False) -> torch.Tensor:
         """The drafter over a catch-up's grid [R, 4, C] on the device (table rows 0..R-1), attending over cache
-        positions 0..S-1 of its KV layer, which it writes: -> outputs [R, C, H]. What a catch-up graph captures."""
+        positions 0..S-1 of its KV layer, which it writes: -> outputs [R, C, H]; fused: as one op (eagle3_fused.py,
+        `_catch_up` decides). What a catch-up graph captures (never fused)."""
         cache, L = self.target_cache, self.target.cfg.num_layers
         R, dev = grid.shape[0], grid.device
         toks, slots, pos, sees = grid.unbind(1)
@@ -347,9 +350,7 @@ class Eagle3Drafter(ChainDraws):
             return attend_dense(q, keys, values, visible)
 
         with torch.inference_mode():
-            # one op, attending in place (eagle3_fused.py), up to the fused step's token count: a long catch-up
-            # (a drafter unused for a while) is a product of many rows, which oneDNN does better than our kernel
-            if self.fused is not None and blocks is not None and R * grid.shape[2] <= FUSED_MAX_TOKENS:
+            if fused:  # one op, attending in place (eagle3_fused.py)
                 return self.fused.step(fast_linear(self.model.fc, feats), self._embed(toks), *self._rope(pos),
                                        cache.k[L], cache.v[L], slots, blocks, visible)
             return self.model(feats, self._embed(toks), *self._rope(pos), attend)
