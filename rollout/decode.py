@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from rlspec.rollout.nonfinite import nonfinite_error
+from rlspec.rollout.runtime.device import Span
 from rlspec.rollout.runtime.draws import KeyedDraws, bound
 from rlspec.rollout.runtime.history import TokenHistory
 from rlspec.rollout.runtime.kv_ledger import KVLedger
@@ -29,6 +30,7 @@ from rlspec.rollout.runtime.sampling import logprobs_of, penalise
 from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.runtime.transfers import Pending
 from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
+from rlspec.rollout.speculation.drafters.base import DraftTensors
 from rlspec.rollout.speculation.strategies import ExactVerifier, SelectorProposer, StepVerdict, chain_path
 from rlspec.rollout.speculation.verify import draw_plain
 from rlspec.rollout.step_layout import HostStep, StepLayout
@@ -86,12 +88,12 @@ class DecodeSteps:
             roomy.append(True)
             return ctx.kv.draft_room(live, self._draft_caps(live, nodes))
 
-        t0 = time.perf_counter()
+        span = Span(self.runner.device).start()  # a learned drafter's drafts are drawn on the device after it returns
         drafts, routed = self.proposer.propose(live, arm, room)
-        t1 = time.perf_counter()
-        drafted = [len(d) for d in drafts]
-        batch = build_draft_batch([s.pending for s in live], drafts if any(drafted) else None,
-                                  [s.cache_len for s in live], self.runner.transfers.to_device)
+        span.stop()
+        drafted = drafts.counts() if isinstance(drafts, DraftTensors) else [len(d) for d in drafts]
+        batch = build_draft_batch([s.pending for s in live], drafts, [s.cache_len for s in live],
+                                  self.runner.transfers.to_device)
         logits, hiddens = self.runner.step(batch.tokens, batch.start, batch.depths, batch.tree_mask,
                                            self.speculation.aux_layers + self.verifier.hidden_layers,
                                            top=batch.kv_len - batch.N - 1)
@@ -107,7 +109,7 @@ class DecodeSteps:
         self.proposer.after_commit(live, before, routed, step.kept)
         if roomy:  # rejected drafts (and room a short draft left) keep at most a spare block
             ctx.kv.trim(live)
-        self._observe_step(arm, live, drafted, routed, step.accepted, emitted, (t0, t1), ctx)
+        self._observe_step(arm, live, drafted, routed, step.accepted, emitted, span, ctx)
 
     def _plain_step(self, live: list[Sequence], arm, ctx: Call, t0: float) -> None:
         """Steps no row drafts in, where nothing but the draw reads them (`lean_plain`): the same forward, draws,
@@ -187,16 +189,17 @@ class DecodeSteps:
             return logits
         return penalise(logits, ctx.history.at_nodes(batch.tokens, batch.tree_mask), ctx.params)
 
-    def _observe_step(self, arm, live, drafted, routed, accepted, emitted, times, ctx: Call) -> None:
-        """The selector's statistics (cost and acceptance of the arm), metrics, the idle signal."""
-        t0, t1 = times
-        t2 = time.perf_counter()
+    def _observe_step(self, arm, live, drafted, routed, accepted, emitted, span: Span, ctx: Call) -> None:
+        """The selector's statistics (cost and acceptance of the arm), metrics, the idle signal. The step's seconds are
+        the drafting's (`span`, device time: read after the step's transfer) and the rest of the step's wall time."""
+        drafting = span.seconds()
+        rest = time.perf_counter() - span.t0 - drafting
         if routed is not None and any(routed):
             # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
             drafted, accepted = [0 if r else n for n, r in zip(drafted, routed)], \
                 [0 if r else a for a, r in zip(accepted, routed)]
         elif not self.runner.fresh:  # a step that compiled its shape first is no measure of its cost
-            self.speculation.observe_step(arm, len(live), t2 - t1, t1 - t0, drafted, accepted)
+            self.speculation.observe_step(arm, len(live), rest, drafting, drafted, accepted)
         self._metrics.record_verify(arm.drafter, drafted, accepted)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))

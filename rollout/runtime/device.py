@@ -6,7 +6,8 @@ the launch, and the next timer then pays for this step's kernels: each shape of 
 with the previous shape's work. `DeviceTimer` synchronises before it starts (work queued earlier is not
 counted) and before it stops (work queued inside is); every timing that feeds a decision goes through it
 (the cost model's calibration, the weight sync's seconds). `StreamFence` orders a buffer written on one
-stream and read on another (the drafter's feature ring: engine writes, trainer reads) with events.
+stream and read on another (the drafter's feature ring: engine writes, trainer reads) with events. `Span` times
+device work the host does not wait for.
 """
 from __future__ import annotations
 
@@ -45,6 +46,34 @@ class DeviceTimer:
     def __exit__(self, *exc) -> None:
         self.sync()  # work queued inside the block is
         self.seconds = time.perf_counter() - self.t0
+
+
+class Span:
+    """The device's seconds over a stretch of the host's program (`start` ... `stop`, then `seconds()` once the work
+    is done, e.g. after the step's transfer was read: no wait): timing events around it on a CUDA device, the host's
+    clock where work runs as issued. Why: a drafter that leaves its drafts on the device returns before they are
+    drawn, and by the host's clock a GPU's drafting would count as the verify after it."""
+
+    def __init__(self, device):
+        cuda = torch.device(device).type == "cuda"
+        self.events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else None
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> "Span":
+        self.t0 = time.perf_counter()
+        if self.events is not None:
+            self.events[0].record()
+        return self
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events is not None:
+            return self.events[0].elapsed_time(self.events[1]) / 1e3
+        return self.t1 - self.t0
 
 
 class _NoEvent:

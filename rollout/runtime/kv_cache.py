@@ -35,6 +35,7 @@ import torch
 
 from rlspec.rollout.runtime.blocks import TRASH, BlockAllocator
 from rlspec.rollout.runtime.model.config import ModelConfig
+from rlspec.rollout.runtime.transfers import host_rows
 
 
 def block_bytes(cfg: ModelConfig, layers: int, block_size: int, dtype: torch.dtype) -> int:
@@ -87,7 +88,7 @@ class PagedKVCache:
         self.alloc = BlockAllocator(num_blocks, block_size)
         self.generation = 0  # bumped when the pool's tensors are reallocated (growth)
         self._headroom: Callable[[], int] | None = None
-        self.to_device = None  # the decode loop's funnel (runtime/transfers.py), given by the runner
+        self.to_device = self.to_host = None  # the decode loop's funnel (runtime/transfers.py), given by the runner
 
     @classmethod
     def for_rows(cls, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device,
@@ -334,6 +335,13 @@ class PagedKVCache:
         if self.to_device is not None:
             return self.to_device(values)
         return torch.tensor(values, dtype=torch.long, device=self.table.device)
+
+    def host_rows(self, *columns: torch.Tensor) -> list[list[float]]:
+        """Device columns [B, *] read on the host, as rows: through the decode loop's funnel when the runner gave one
+        (to_host, counted), else a plain copy."""
+        if self.to_host is not None:
+            return self.to_host(*columns).rows()
+        return host_rows(*columns)
 
 
 def _grown(buf: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:

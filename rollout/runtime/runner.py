@@ -80,7 +80,7 @@ class ModelRunner:
         self.cache = PagedKVCache(self.model.cfg, rows, length, size.blocks, bs, self.dtype, self.device, extra_layers,
                                   side)
         self.cache.set_ceiling(size.max_blocks, budget.ceiling_headroom(self.device, reserve))
-        self.cache.to_device = self.transfers.to_device
+        self.cache.to_device, self.cache.to_host = self.transfers.to_device, self.transfers.to_host
         self.model.init_rope(self.cache.length)
         self.steps = self._step_runner()
         return self.cache

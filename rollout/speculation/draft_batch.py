@@ -3,6 +3,9 @@
 Node 0 of every row is the sequence's pending token; node j+1 is draft node j. Rows are padded to
 the largest draft; padding nodes have no parent link, so they are never reachable in verification
 and their KV (written past the sequence's length) is never shown again.
+
+Drafts come as Drafts (host tokens) or as DraftTensors (a learned drafter's, on the device): the host lays out
+both alike from what it knows, each row's tree, and the tokens of DraftTensors are gathered where they are.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlspec.rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.drafters.base import Draft, DraftTensors
 
 
 @dataclass
@@ -24,7 +27,7 @@ class DraftBatch:
     children: torch.Tensor | None = None  # [B, N+1, W] long child node indices, -1 none (trees only)
     # sampled drafts: the distribution each draft node was drawn from (for a tree node: given the
     # siblings drawn before it); chains [B, N, V], trees [B, N+1, V] (node 0 unused). None for
-    # deterministic drafts. Padding rows and nodes hold zeros and are never reached.
+    # deterministic drafts. Padding rows and nodes are never reached.
     q: torch.Tensor | None = None
     start: torch.Tensor | None = None  # [B] long: cache entries each row holds (when built with `start`)
     kv_len: int = 0  # max(start) + N + 1: the cache positions the step's attention spans
@@ -42,12 +45,37 @@ class DraftBatch:
                           self.depth)
 
 
-def build_draft_batch(pending: list[int], drafts: list[Draft] | None, start: list[int] | None = None,
+def build_draft_batch(pending: list[int], drafts: list[Draft] | DraftTensors | None, start: list[int] | None = None,
                       to_device=None) -> DraftBatch:
-    """The verify batch of these rows: pending tokens, drafts (None: no row drafted), and, given `start` (each row's
-    cache length), the step's start positions. Every integer of it travels in one [B, *] long tensor (to_device:
-    the decode loop's funnel, runtime/transfers.py; default: a host tensor); a tree's mask travels as one bit
-    word per node (ancestors, the node itself included) and is expanded where it lands."""
+    """The verify batch of these rows: pending tokens, drafts (None or all empty: no row drafted), and, given `start`
+    (each row's cache length), the step's start positions. Every integer of it travels in one [B, *] long tensor
+    (to_device: the decode loop's funnel, runtime/transfers.py; default: a host tensor); a tree's mask travels as one
+    bit word per node (ancestors, the node itself included) and is expanded where it lands."""
+    if isinstance(drafts, DraftTensors):
+        layout = drafts.layout()  # the rows' trees, their tokens indices into the drafts' ids
+        batch = _laid_out(pending, layout if any(map(len, layout)) else None, start, to_device)
+        if batch.N:
+            B, W, D = drafts.ids.shape
+            flat, N = drafts.ids.view(B, W * D), batch.N
+            q = None if drafts.q is None else drafts.q.view(B, W * D, -1)
+            if batch.is_chain:  # every row's nodes are draws 0 .. n - 1 (W = 1, or one node a row): views, no copy
+                batch.tokens = torch.cat([batch.tokens[:, :1], flat[:, :N]], 1)
+                batch.q = None if q is None else q[:, :N]
+            else:
+                index = batch.tokens[:, 1:]
+                batch.tokens = torch.cat([batch.tokens[:, :1], flat.gather(1, index)], 1)
+                batch.q = None if q is None else \
+                    torch.cat([q.new_zeros(B, 1, q.shape[-1]), q.gather(1, index[..., None].expand(-1, -1, q.shape[-1]))], 1)
+        return batch
+    batch = _laid_out(pending, drafts if drafts is not None and any(map(len, drafts)) else None, start, to_device)
+    if batch.N:
+        batch.q = _stack_q(drafts, None if all(d.q is None for d in drafts) else _check_q(drafts), len(pending),
+                           batch.N, batch.is_chain, batch.num_drafts.device)
+    return batch
+
+
+def _laid_out(pending: list[int], drafts: list[Draft] | None, start: list[int] | None, to_device) -> DraftBatch:
+    """build_draft_batch's integers: the nodes' tokens, counts, tree structure and starts, in one copy (no q)."""
     to_device = to_device or torch.tensor
     B = len(pending)
     N = max((len(d) for d in drafts), default=0) if drafts is not None else 0
@@ -57,7 +85,6 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | None, start: lis
         packed = to_device([[p, 0, c] for p, c in zip(pending, starts)])
         return DraftBatch(packed[:, :1], packed[:, 1], True, start=packed[:, 2] if start is not None else None,
                           kv_len=kv_len)
-    sampled = None if all(d.q is None for d in drafts) else _check_q(drafts)
     chain = all(d.parents == _chain_parents(len(d)) for d in drafts)
     if chain:  # [pending, drafts (N), num, start]
         packed = to_device([[p, *d.tokens, *[0] * (N - len(d)), len(d), c] for p, d, c in zip(pending, drafts, starts)])
@@ -73,7 +100,6 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | None, start: lis
                            packed[:, 3 * N1 + 1:3 * N1 + 1 + N1 * W].reshape(B, N1, W),
                            depth=max(max(r[N1 + 1:2 * N1 + 1]) for r in rows))  # the rows' depth columns
     batch.start, batch.kv_len = (packed[:, -1] if start is not None else None), kv_len
-    batch.q = _stack_q(drafts, sampled, B, N, chain, batch.num_drafts.device)
     return batch
 
 

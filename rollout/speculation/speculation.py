@@ -30,7 +30,7 @@ from rlspec.rollout.speculation.calibration_cache import calibration_key, load_t
 from rlspec.rollout.speculation.checkpoint import mismatch
 from rlspec.rollout.speculation.buckets import reachable_buckets
 from rlspec.rollout.speculation.decide import Decision
-from rlspec.rollout.speculation.drafters.base import Draft, Drafter, LearnedDrafter, make_drafter
+from rlspec.rollout.speculation.drafters.base import Draft, Drafter, DraftTensors, LearnedDrafter, make_drafter
 from rlspec.rollout.registry import DRAFTERS, SELECTORS
 from rlspec.rollout.metrics import ledger_metrics
 from rlspec.rollout.speculation.selectors.always import AlwaysSelector
@@ -164,12 +164,18 @@ class Speculation:
             self.force(before)
 
     def propose(self, arm: Arm, seqs, caps: list[int]) -> list[Draft]:
+        drafts = self.draft(arm, seqs, caps)
+        return drafts.to_drafts() if isinstance(drafts, DraftTensors) else drafts
+
+    def draft(self, arm: Arm, seqs, caps: list[int]) -> list[Draft] | DraftTensors:
+        """propose()'s drafts, left on the device by a drafter that draws them there (`propose_tensors`)."""
         if not arm.speculative:
             return [Draft() for _ in seqs]
         drafter = self.by_name[arm.drafter]
         if drafter is self.learned:
             drafter.set_stop_rule(arm.stop)
-        return drafter.propose(seqs, caps, arm.width)
+        on_device = getattr(drafter, "propose_tensors", None)
+        return drafter.propose(seqs, caps, arm.width) if on_device is None else on_device(seqs, caps, arm.width)
 
     def observe_prefill(self, groups, hiddens: dict) -> None:
         if self.learned is not None and hiddens:

@@ -26,7 +26,7 @@ import torch
 
 from rlspec.rollout.registry import STRATEGIES
 from rlspec.rollout.speculation.draft_batch import DraftBatch
-from rlspec.rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.drafters.base import Draft, DraftTensors
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.speculation.verify import draw_plain, verify_chain, verify_tree
 from rlspec.rollout.types import SamplingParams
@@ -69,8 +69,9 @@ class Proposer(Protocol):
 
     def start(self, seqs, params: SamplingParams, generator) -> None: ...
 
-    def propose(self, live, arm: Arm, room: Room) -> tuple[list[Draft], list[bool] | None]:
-        """Drafts for the live rows, and which rows carry a whole drafted step (None: none do)."""
+    def propose(self, live, arm: Arm, room: Room) -> tuple[list[Draft] | DraftTensors, list[bool] | None]:
+        """Drafts for the live rows (DraftTensors: left on the device), and which rows carry a whole drafted step
+        (None: none do)."""
 
     def after_commit(self, live, before: list[int], routed: list[bool] | None, kept: list[bool]) -> None: ...
 
@@ -105,7 +106,7 @@ class SelectorProposer:
     def propose(self, live, arm: Arm, room: Room):
         if not arm.speculative:  # no room to ask for: the pending token's block is the step's
             return [NO_DRAFT] * len(live), None
-        return self.speculation.propose(arm, live, room([arm.nodes] * len(live))), None
+        return self.speculation.draft(arm, live, room([arm.nodes] * len(live))), None
 
     def after_commit(self, live, before, routed, kept) -> None:
         pass

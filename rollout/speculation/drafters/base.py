@@ -11,8 +11,11 @@ verification then accepts with min(1, p/q) and resamples rejections from the res
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import torch
 
 from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.registry import DRAFTERS
@@ -39,6 +42,59 @@ class Draft:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
 
+@dataclass
+class DraftTensors:
+    """Every row's draft at once with its tokens still on the device, as a learned drafter draws them: W branches of
+    D tokens below each row's pending token (a chain: W = 1), row i cut to `caps[i]` nodes. The decode step verifies
+    them where they are (draft_batch.py), so it never waits for the drafter to read its tokens back: what the host
+    needs to lay out the verify, each row's node count, it knows beforehand. `to_drafts()` gives the same drafts as
+    Drafts (for callers that read the tokens).
+
+    Row i keeps min(W, caps[i]) branches of caps[i] // that many tokens each, branch after branch: the most nodes
+    within its cap, as wide as the drafter drew."""
+
+    ids: torch.Tensor  # [B, W, D] long: target token ids
+    q: torch.Tensor | None  # [B, W, D, V] float: what each token was drawn from, as Draft.q; None: greedy drafts
+    caps: list[int]  # most nodes each row keeps (0: the row drafts nothing)
+
+    def __len__(self) -> int:
+        return len(self.caps)
+
+    def shape(self, i: int) -> tuple[int, int]:
+        """(branches, tokens a branch) row i keeps."""
+        W, D = self.ids.shape[1:]
+        w = min(W, self.caps[i])
+        return (w, min(self.caps[i] // w, D)) if w else (0, 0)
+
+    def counts(self) -> list[int]:
+        """Nodes each row keeps."""
+        return [w * d for w, d in map(self.shape, range(len(self)))]
+
+    def layout(self) -> list[Draft]:
+        """Each row's tree, its tokens the nodes' indices into ids.view(B, W * D) (what the verify gathers)."""
+        return [Draft(*branch_layout(*self.shape(i), self.ids.shape[2])) for i in range(len(self))]
+
+    def to_drafts(self) -> list[Draft]:
+        """The same drafts as Drafts, their tokens on the host (one copy) and q per row on the device."""
+        B, W, D = self.ids.shape
+        flat = self.ids.view(B, W * D).tolist()
+        out = []
+        for i, d in enumerate(self.layout()):
+            w, n = self.shape(i)
+            q = None if self.q is None or not w else self.q[i, :w, :n].reshape(w * n, -1)
+            out.append(Draft([flat[i][k] for k in d.tokens], d.parents, q))
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def branch_layout(w: int, n: int, D: int) -> tuple[list[int], list[int]]:
+    """w branches of n tokens below the root, branch after branch: (index of each node's token in a row's W x D
+    draws flattened, its parent node). Shared read-only lists: copy before changing them."""
+    index = [b * D + j for b in range(w) for j in range(n)]
+    parents = [-1 if j == 0 else b * n + j - 1 for b in range(w) for j in range(n)]
+    return index, parents
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """What the engine calls on every drafter. One file per drafter, registered with
@@ -57,6 +113,9 @@ class Drafter(Protocol):
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
         """One draft per sequence with at most max_tokens[i] nodes and at most `width` children per node.
         An empty draft means "no speculation for this sequence this step"."""
+
+    # Optional: `propose_tensors(seqs, max_tokens, width) -> DraftTensors`, the same drafts left on the device; the
+    # decode step takes it where a drafter has it (Speculation.draft).
 
     def finish(self, seq: Sequence) -> None:
         """A sample finished; model-free drafters index it for later prompts and epochs."""

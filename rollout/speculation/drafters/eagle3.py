@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
-from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws, to_draft
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft, DraftTensors
+from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws
 from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
 from rlspec.rollout.speculation.drafters.eagle3_graphs import (GRAPH_MODES, MAX_CATCH_UP_POSITIONS, DraftLevelGraphs,
                                                                Held)
@@ -196,15 +196,16 @@ class Eagle3Drafter(ChainDraws):
             kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
         cache.write_side("eagle3/features", slots, kept)
         if self.stages_dist and self.bank_samples and logits is not None:
-            on = torch.arange(n, device=dev)[None, :] <= cache.ints(accepted)[:, None]
-            self._stage_dist(slots, nodes, on, logits)
+            self._stage_dist(slots, nodes, accepted, logits)
 
-    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, kept: torch.Tensor, logits: torch.Tensor) -> None:
+    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, accepted: list[int], logits: torch.Tensor) -> None:
         """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
-        the pending token; kept [B, N+1] bool), staged at the slot of that node's token: the law of the
-        next token."""
+        the pending token; row i keeps its first accepted[i] + 1), staged at the slot of that node's token: the law
+        of the next token."""
         cache = self.target_cache
-        rows, cols = kept.nonzero(as_tuple=True)  # only the kept nodes: ~2 per row
+        # only the kept nodes (~2 a row), listed on the host from the counts it has: no read of the device
+        rows, cols = cache.ints([[i for i, a in enumerate(accepted) for _ in range(a + 1)],
+                                 [j for a in accepted for j in range(a + 1)]])
         slots = slots[rows, cols]  # [K]
         sel = logits[rows.to(logits.device), nodes[rows, cols].to(logits.device)]  # [K, V]
         ids, probs, rest = law_top_k(sel, self.params, cache.side["eagle3/dist_ids"].shape[-1])
@@ -240,18 +241,25 @@ class Eagle3Drafter(ChainDraws):
                              dist, temp)
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
+        return self.propose_tensors(seqs, max_tokens, width).to_drafts()
+
+    def propose_tensors(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> DraftTensors:
+        """propose()'s drafts left on the device, for the decode step to verify where they are. Under a stop rule
+        the rows' kept lengths come to the host (the funnel's one transfer of the proposal): the verify's width is
+        the longest kept draft, and a batch whose drafts all stop early verifies fewer tokens."""
         self.swap_latest()
         if max(max_tokens, default=0) == 0:
-            return [Draft() for _ in seqs]
+            return DraftTensors(torch.zeros(len(seqs), 1, 0, dtype=torch.long), None, [0] * len(seqs))
         self.fused = self.fused_layer.prepare() if self.fused_layer.usable else None
         t0 = time.perf_counter()
         h_last, ready, backlog = self._catch_up(seqs)
         self.backlog_seconds = (time.perf_counter() - t0) * backlog
         depth = max(max_tokens) if width == 1 else max(1, max(max_tokens) // width)
-        branches, q, keep = self._draft(seqs, h_last, depth, width)  # ids, q or None, lengths [B]
-        branches = branches.tolist()
-        return [to_draft(branches[i], None if q is None else q[i], min(cap, keep[i]), width) if ready[i]
-                else Draft() for i, cap in enumerate(max_tokens)]
+        ids, q, kept = self._draft(seqs, h_last, depth, width)
+        caps = [cap if ok else 0 for cap, ok in zip(max_tokens, ready)]
+        if kept is not None:
+            caps = [min(cap, int(k)) for cap, (k,) in zip(caps, self.target_cache.host_rows(kept[:, None]))]
+        return DraftTensors(ids, q, caps)
 
     def level_graphs(self) -> DraftLevelGraphs | None:
         """The draft levels' graphs (made on first use), or None where levels run eagerly."""

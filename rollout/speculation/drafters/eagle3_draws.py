@@ -26,7 +26,6 @@ from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
 from rlspec.rollout.runtime.draws import FINAL
 from rlspec.rollout.runtime.sampling import (inverse_cdf, penalise, probs_from_logits, sample,
                                              sample_without_replacement, truncates, uniform)
-from rlspec.rollout.speculation.drafters.base import Draft
 
 MAX_CONF = 0.4  # max-confidence stop rule: end the draft below this top-1 drafter probability
 SVIP_BOUND = 0.3  # SVIP: end the draft when sqrt(0.15 * entropy) exceeds this
@@ -70,9 +69,10 @@ class ChainDraws:
         return ids[tok].view(len(h), k), q.view(len(h), k, -1), ok
 
     def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
-        """Chains, `width` of them branching at the root -> (target ids [B, width, depth],
-        q [B, width, depth, V] on the CPU or None for greedy drafts, nodes to keep per row [B] by the
-        stop rule: a chain ends before the first token drawn from an unsure distribution)."""
+        """Chains, `width` of them branching at the root -> (target ids [B, width, depth], q [B, width, depth, V] over
+        the target's vocabulary or None for greedy drafts, nodes to keep per row [B] by the stop rule or None without
+        one: a chain ends before the first token drawn from an unsure distribution, a tree's branches all at the
+        shortest), all on the device."""
         B, dev = len(seqs), h.device
         with torch.inference_mode():
             # each branch's history: its sequence's tokens (by table row: a lossy proposer may pass a subset of
@@ -94,17 +94,13 @@ class ChainDraws:
                 rows = rows if width == 1 else rows.repeat_interleave(width)
                 ctx = self.target_cache.gather(self.target.cfg.num_layers, rows, max(lens))
                 ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth))
-        if kept is None:
-            ids, keep = ids.view(B, width, depth).cpu(), [depth * width] * B
-        else:  # trees: every branch to the shortest; the ids and the lengths come to the host in one copy
-            kept = kept if width == 1 else kept.view(B, width).amin(-1) * width
-            both = torch.cat([ids.view(B, width * depth), kept.view(B, 1)], 1).cpu()
-            ids, keep = both[:, :-1].view(B, width, depth), both[:, -1].tolist()
-        V = self.model.cfg.vocab_size
+        if kept is not None and width > 1:  # every branch to the shortest
+            kept = kept.view(B, width).amin(-1) * width
+        ids, V = ids.view(B, width, depth), self.model.cfg.vocab_size
         if q is None or q.shape[-1] == V:  # none (greedy), or already over the target's vocabulary (the chain op)
-            return ids, None if q is None else q.view(B, width, depth, V), keep
+            return ids, None if q is None else q.view(B, width, depth, V), kept
         q = q.view(B, width, depth, -1).float()  # over the draft vocabulary
-        return ids, q.new_zeros(B, width, depth, V).index_copy_(3, vocab.to(q.device), q), keep
+        return ids, q.new_zeros(B, width, depth, V).index_copy_(3, vocab.to(q.device), q), kept
 
     def _draft_vocab(self) -> torch.Tensor:
         """Eagle3Model.draft_vocab, made again only when d2t changed (set_draft_vocab, new weights)."""
@@ -300,20 +296,3 @@ def attend_apart(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, bias
     p = torch.softmax(scores, -1)
     out = p[..., :S] @ ctx_v + p[..., S:] @ lv
     return out.reshape(R, H, T, D).to(q.dtype)
-
-
-def to_draft(branches: list[list[int]], q, cap: int, width: int) -> Draft:
-    """w chains of target ids below the root, [w][depth] (+ q [w, depth, V]: the row's) -> a Draft of at most `cap`
-    nodes. The ids come as lists (one conversion for all rows), and q is sliced once a row."""
-    if cap <= 0:
-        return Draft()
-    if width == 1:
-        return Draft.chain(branches[0][:cap], None if q is None else q[0, :cap])
-    w = min(width, cap)
-    depth = cap // w
-    tokens, parents = [], []
-    for b in range(w):
-        for d in range(depth):
-            parents.append(-1 if d == 0 else len(tokens) - 1)
-            tokens.append(branches[b][d])
-    return Draft(tokens, parents, None if q is None else q[:w, :depth].reshape(w * depth, -1))

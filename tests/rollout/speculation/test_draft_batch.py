@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rlspec.rollout.speculation.draft_batch import build_draft_batch
-from rlspec.rollout.speculation.drafters.base import Draft
+from rlspec.rollout.speculation.drafters.base import Draft, DraftTensors
 from rlspec.rollout.speculation.verify import verify_chain, verify_tree
 from rlspec.rollout.types import SamplingParams
 
@@ -66,3 +66,67 @@ def test_one_hot_q_is_verified_exactly_like_a_deterministic_draft():
     a = verify_tree(logits, tokens, children, params, None, torch.Generator().manual_seed(2))
     b = verify_tree(logits, tokens, children, params, hot, torch.Generator().manual_seed(2))
     assert torch.equal(a.path, b.path) and torch.equal(a.next_token, b.next_token)
+
+
+def _tensors(B: int, W: int, D: int, caps: list[int], sampled: bool, seed: int) -> DraftTensors:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (B, W, D), generator=g)
+    if not sampled:
+        return DraftTensors(ids, None, caps)
+    r = torch.rand(B, W, D, V, generator=g)
+    return DraftTensors(ids, r / r.sum(-1, keepdim=True), caps)
+
+
+CASES = {  # (W, D, caps per row): chains with rows of every length and none; trees cut to every shape
+    "chain": (1, 4, [4, 0, 2, 1]),
+    "chain_one": (1, 3, [1, 1, 1, 1]),
+    "tree_full": (2, 3, [6, 6, 6, 6]),
+    "tree_cut": (2, 3, [6, 3, 1, 0]),  # 2 x 3, 2 x 1 (three nodes: the widest within the cap), one root child, none
+    "tree_one": (3, 2, [1, 1, 0, 1]),  # one node a row: a chain of one from branch 0
+    "tree_wide": (3, 2, [5, 2, 6, 4]),
+}
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_drafts_on_the_device_verify_as_their_host_form(case, sampled):
+    """A learned drafter's DraftTensors make the verify batch its Drafts (to_drafts, the host form) make: the same
+    layout and, on every node a row holds, the same tokens and q, so the same verdicts from the same uniforms, greedy
+    and sampled (padding nodes may hold other values: no verdict reaches them)."""
+    W, D, caps = CASES[case]
+    B = len(caps)
+    tensors = _tensors(B, W, D, caps, sampled, seed=len(case))
+    drafts = tensors.to_drafts()
+    assert [len(d) for d in drafts] == tensors.counts()
+    for i, d in enumerate(drafts):  # row i: min(W, cap) branches of cap // that many draws, branch after branch
+        w = min(W, caps[i])
+        n = caps[i] // w if w else 0
+        assert d.tokens == tensors.ids[i, :w, :n].flatten().tolist()
+        assert d.parents == [-1 if j == 0 else b * n + j - 1 for b in range(w) for j in range(n)]
+    pending, start = [1, 2, 0, 1], [5, 9, 3, 7]
+    got, ref = build_draft_batch(pending, tensors, start), build_draft_batch(pending, drafts, start)
+    assert (got.is_chain, got.N, got.kv_len, got.depth) == (ref.is_chain, ref.N, ref.kv_len, ref.depth)
+    for name in ("num_drafts", "start", "depths", "tree_mask", "children"):
+        a, b = getattr(got, name), getattr(ref, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    held = torch.arange(got.N + 1)[None, :] <= torch.tensor([len(d) for d in drafts])[:, None]  # [B, N+1]
+    assert torch.equal(got.tokens[held], ref.tokens[held])
+    if sampled:
+        nodes = held[:, 1:] if got.is_chain else held & (torch.arange(got.N + 1) > 0)
+        assert torch.equal(got.q[nodes], ref.q[nodes])
+    else:
+        assert got.q is None and ref.q is None
+    logits = torch.randn(B, got.N + 1, V, generator=torch.Generator().manual_seed(3)) * 2
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0)):
+        verdicts = []
+        for batch in (got, ref):
+            g = torch.Generator().manual_seed(11)
+            if batch.is_chain:
+                v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, g)
+                verdicts.append((v.accepted, v.next_token))
+            else:
+                v = verify_tree(logits, batch.tokens, batch.children, params, batch.q, g, batch.depth)
+                verdicts.append((v.accepted, v.next_token, v.path))
+        assert all(torch.equal(a, b) for a, b in zip(*verdicts))
+    if not got.is_chain:
+        assert got.children[:, 0].ge(0).sum(-1).tolist() == [min(W, c) if c else 0 for c in caps]
