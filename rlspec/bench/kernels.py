@@ -250,7 +250,7 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
     engine.speculation.learned.graph_mode = graph_mode
     engine.speculation.force(Arm("eagle3", depth, 1))
     ops, seen = DeviceOps(), []
-    propose, draft, replay = Eagle3Drafter.propose, Eagle3Drafter._draft, GraphSet.replay
+    propose, draft, replay = Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay
 
     def counted_propose(self, *a):
         with ops:
@@ -263,11 +263,11 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
     def one_launch(self, key, fn):  # a CUDA graph's kernels are one launch, counted as such
         return ops.as_one("graph", replay, self, key, fn)
 
-    Eagle3Drafter.propose, Eagle3Drafter._draft, GraphSet.replay = counted_propose, noted_draft, one_launch
+    Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay = counted_propose, noted_draft, one_launch
     try:
         engine.generate(prompts(batch, 0), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=0))
     finally:
-        Eagle3Drafter.propose, Eagle3Drafter._draft, GraphSet.replay = propose, draft, replay
+        Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay = propose, draft, replay
     return {"graph_mode": graph_mode, "proposals": len(seen), "launches_per_level": ops.total / max(sum(seen), 1),
             "launches_per_proposal": ops.total / max(len(seen), 1), "ops": dict(sorted(ops.counts.items()))}
 

@@ -1,13 +1,13 @@
-"""The GPU path's timing, ordering and memory on CUDA: calibration times each anchor by its own kernels; the drafter's
-feature ring is ordered across the engine's and the trainer's streams; rollouts reuse their CUDA graphs; one
-compile of the captured layer serves every batch bucket beside FlexAttention; a growing pool leaves its reserve;
-an out-of-memory drafter step backs off. The CPU versions: tests/rollout/speculation/test_cost_timing.py,
+"""The GPU path's timing, ordering and memory on CUDA: calibration times each anchor by its own kernels, a Span the
+device work queued inside it; the drafter's feature ring is ordered across the engine's and the trainer's streams;
+rollouts reuse their CUDA graphs; one compile of the captured layer serves every batch bucket beside FlexAttention;
+a growing pool leaves its reserve; an out-of-memory drafter step backs off. The CPU versions: tests/rollout/speculation/test_cost_timing.py,
 test_feature_fence.py, test_drafter_oom.py; tests/rollout/runtime/test_graph_reuse.py, test_compiled_buckets.py."""
 import pytest
 import torch
 
 from rlspec.rollout.engine import RolloutEngine
-from rlspec.rollout.runtime.device import DeviceTimer
+from rlspec.rollout.runtime.device import DeviceTimer, Span
 from rlspec.rollout.runtime.graphs import EagerRunner, GraphPool
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.runtime.runner import compiled_frames
@@ -42,6 +42,20 @@ def test_calibration_times_each_anchor_by_its_own_kernels():
                 runner.step(tokens, start)
         # unsynchronised, an anchor measured its launch (a graph replay: microseconds)
         assert seconds >= 0.3 * clock.seconds / 3, ((b, T), seconds, clock.seconds / 3)
+
+
+def test_a_span_times_the_device_work_queued_inside_it():
+    """The drafting's seconds (decode.py) come from a Span: the device's time over work the host only queued, read
+    after a later wait; the host's clock would give ~0 here and charge the work to whatever waits next."""
+    torch.cuda.synchronize()
+    span = Span("cuda").start()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    span.stop()
+    queued = span.t1 - span.t0
+    with DeviceTimer("cuda") as clock:
+        torch.cuda._sleep(SLEEP_CYCLES)
+    assert queued < 0.2 * clock.seconds and 0.7 * clock.seconds <= span.seconds() <= 1.3 * clock.seconds, \
+        (queued, span.seconds(), clock.seconds)
 
 
 def test_feature_ring_reads_wait_for_writes_and_wrapped_writes_for_reads():

@@ -59,3 +59,41 @@ def test_synchronize_off_cuda_is_a_no_op():
     with DeviceTimer("cpu") as clock:
         pass
     assert clock.seconds >= 0.0
+
+
+def test_a_step_charges_the_drafting_its_span_and_the_verify_the_rest(monkeypatch):
+    """The selector gets the drafting's seconds as its Span measured them (on a GPU the device's, read after the
+    step's transfer: a learned drafter returns before its drafts are drawn) and the verify the rest of the step's wall
+    time from the span's start, so the two add up to the step whatever the host's clock said of the drafting."""
+    from rlspec.bench.host import tiny_model
+    from rlspec.rollout import decode
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime.device import Span
+    from rlspec.rollout.speculation.selectors.base import Arm
+    from rlspec.rollout.types import SamplingParams, SpecConfig
+    from tests.conftest import random_prompts
+
+    spans = []
+
+    class Charged(Span):  # the drafting said to take 50 ms, more than the host's clock gives any step
+        def start(self):
+            spans.append(self)
+            return super().start()
+
+        def seconds(self) -> float:
+            return 0.05
+
+    monkeypatch.setattr(decode, "Span", Charged)
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=2, online_training=False)
+    eng = RolloutEngine(tiny_model(3), None, spec=spec, eos_token_ids=[2])
+    eng.speculation.force(Arm("eagle3", 2, 1))
+    seen, real = [], eng.speculation.observe_step
+
+    def observed(arm, batch, seconds, draft_seconds, drafted, accepted):
+        seen.append((seconds, draft_seconds, time.perf_counter() - spans[-1].t0))
+        return real(arm, batch, seconds, draft_seconds, drafted, accepted)
+
+    monkeypatch.setattr(eng.speculation, "observe_step", observed)
+    eng.generate(random_prompts(2, 4, 8, seed=1, vocab=64), SamplingParams(temperature=0, max_new_tokens=12))
+    assert len(seen) >= 5 and all(d == 0.05 for _, d, _ in seen)
+    assert all(abs(s + d - wall) < 2e-4 for s, d, wall in seen), seen

@@ -41,15 +41,15 @@ def test_greedy_exact_with_cold_eagle3(width, stop, monkeypatch):
     with torch.no_grad():
         eng.speculation.learned.model.lm_head.weight.mul_(8.0)
     eng.speculation.force(Arm("eagle3", 4, width, stop))
-    lengths, propose = Counter(), Eagle3Drafter.propose
+    lengths, propose = Counter(), Eagle3Drafter.propose_tensors
 
     def counted(self, seqs, max_tokens, width):
         drafts = propose(self, seqs, max_tokens, width)
-        lengths.update("full" if len(d) == cap else "short" if len(d) else "none" for cap, d in zip(max_tokens, drafts)
+        lengths.update("full" if n == cap else "short" if n else "none" for cap, n in zip(max_tokens, drafts.counts())
                        if cap == 4 * width)  # rows with room for the whole draft
         return drafts
 
-    monkeypatch.setattr(Eagle3Drafter, "propose", counted)
+    monkeypatch.setattr(Eagle3Drafter, "propose_tensors", counted)
     assert [r.completion_ids for r in eng.generate(prompts, params)] == plain(hf, prompts, params)
     assert eng.stats()["rollout/accept_len"] > 1.0  # drafts were verified and some accepted
     if stop == "none":

@@ -71,10 +71,12 @@ def test_acceptance_below_the_floor_turns_speculation_off(pool, monkeypatch):
     push(pool, monkeypatch)  # a verified push: the next rollout is a probe
     pool.health.health.cfg.floor = 0.0
     pool.generate(PROMPTS, PARAMS)
-    assert pool.stats()["drafter/health/ok"] == 1
+    stats = pool.stats()
+    assert stats["drafter/health/ok"] == 1
+    off = stats.get("drafter/health/turned_off", 0)  # by the test before, where it ran in this process
     pool.health.health.cfg.floor = 1.01  # no drafter reaches it
     pool.generate(PROMPTS, PARAMS)
     stats = pool.stats()
-    assert stats["drafter/health/ok"] == 0 and stats["drafter/health/turned_off"] >= 2
+    assert stats["drafter/health/ok"] == 0 and stats["drafter/health/turned_off"] == off + 1
     pool.generate(PROMPTS, PARAMS)
     assert pool.stats()["rollout/spec_step_share"] == 0
