@@ -12,7 +12,9 @@ Plain steps look ahead where the device runs them while the host works (CUDA: `C
 successor is launched on the step's tokens, still on the device, before the host reads the step, so the device
 runs step n + 1 while the host commits step n. The host learns of a finished row a step late and drops what the
 step after its end made for it; every other row's next token is the one the step-by-step loop draws (greedy, or
-keyed draws: each row's uniforms are its key's at its position, whatever else the step held).
+keyed draws: each row's uniforms are its key's at its position, whatever else the step held). A learned drafter's
+features of a plain step are staged as the step is launched, at the positions it writes, so a call with one looks
+ahead too.
 """
 from __future__ import annotations
 
@@ -64,12 +66,12 @@ class PlainLaunch:
     fresh: bool  # it captured or compiled its graph first: no measure of a step's cost
 
 
-def lean_plain(proposer, verifier, speculation, history) -> bool:
-    """Whether a plain step is read by nothing but its draw: no proposer that drafts whole steps (a router), no
-    verifier with columns of its own (a lossy mode), no learned drafter taking the step's features, no repetition
-    penalty's history."""
-    return (type(proposer) is SelectorProposer and type(verifier) is ExactVerifier and speculation.learned is None
-            and history is None)
+def lean_plain(proposer, verifier, history) -> bool:
+    """Whether a plain step is read by nothing but its draw and a learned drafter's staging of its features: no
+    proposer that drafts whole steps (a router), no verifier with columns of its own (a lossy mode), no repetition
+    penalty's history. (A plain step's features go to the positions it writes, known before it runs: they are
+    staged as it is launched, `_launch_plain`.)"""
+    return type(proposer) is SelectorProposer and type(verifier) is ExactVerifier and history is None
 
 
 class DecodeSteps:
@@ -138,11 +140,16 @@ class DecodeSteps:
 
     def _launch_plain(self, tokens, start, top: int, live: list[Sequence], ctx: Call, ahead: int) -> PlainLaunch:
         """One plain step's forward, draw and host transfer, launched (nothing waits for the device); `ahead`:
-        steps launched before it that the host has not read (their tokens are its input, still on the device)."""
-        logits, _ = self.runner.step(tokens, start, top=top)
+        steps launched before it that the host has not read (their tokens are its input, still on the device).
+        A learned drafter's features of the step are staged here, while they are the step's (a graph's outputs are
+        the next replay's), at the positions the step writes: `ahead` past the rows' committed lengths."""
+        logits, hiddens = self.runner.step(tokens, start, hidden_layers=self.speculation.aux_layers, top=top)
         token, lps, flags = draw_plain(logits[:, 0], ctx.params, bound(ctx.draws, live, ahead))
         if lps is None:  # greedy, or a truncated law: the logprob of the raw logits (docs/verification.md)
             lps, flags = logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits)
+        if self.speculation.learned is not None:  # the pending node only: a plain step accepts no draft
+            none = torch.empty(len(live), 0, dtype=torch.long, device=logits.device)
+            self.speculation.observe_verify(live, hiddens, none, [0] * len(live), logits, ahead)
         return PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh)
 
     def _look_ahead(self, live: list[Sequence], ctx: Call):

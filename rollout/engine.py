@@ -198,7 +198,7 @@ class RolloutEngine(DecodeSteps):
         self.proposer.start(seqs, params, gen)
         sched = Scheduler(groups, cache.rows, cache.alloc)
         ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table
-        lean = lean_plain(self.proposer, self.verifier, self.speculation, history)
+        lean = lean_plain(self.proposer, self.verifier, history)
         ctx = Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history,
                    lean=lean, ahead=lean and self.look_ahead and partial is None and (
                        params.greedy or isinstance(draws, KeyedDraws)))

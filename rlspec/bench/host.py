@@ -1,8 +1,9 @@
 """Host work per decode step: what a GPU waits for when nothing overlaps.
 
 A tiny random Llama (1 layer, hidden 32, vocab 64) whose forward costs next to nothing, on the CPU, decoded through
-the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain, with an n-gram tree and with a 4-token
-chain from an EAGLE-3 drafter (selector "always"), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph
+the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain, with an n-gram tree, with a 4-token
+chain from an EAGLE-3 drafter (selector "always") and plainly beside that drafter (`eagle3_plain`: every step plain,
+the drafter's features staged), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph
 bookkeeping with emulated graphs (`graph_mode="emulate"`): what a GPU replays as one graph launch is here a call of
 its closure, timed as device work. Per (mode, batch):
 
@@ -40,6 +41,9 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
     "chain": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=1),
     "tree": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=2),
     "eagle3": dict(drafter="eagle3", selector="always", num_draft_tokens=4, tree_width=1),
+    # the same engine with every step plain (the selector's arm forced off): what a run with a learned drafter pays on
+    # the steps where drafting does not pay (a large batch), its features still staged for the drafter
+    "eagle3_plain": dict(drafter="eagle3", selector="always", num_draft_tokens=4, tree_width=1, off=True),
 }
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1)
@@ -72,13 +76,18 @@ def tiny_model(seed: int = 0):
 
 def build(mode: str, batch: int, seed: int):
     from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.speculation.selectors.base import OFF
     from rlspec.rollout.types import SpecConfig
 
-    spec = SpecConfig(**MODES[mode], online_training=False) if MODES[mode] else None
+    fields = dict(MODES[mode] or {})
+    off = fields.pop("off", False)
+    spec = SpecConfig(**fields, online_training=False) if fields else None
     engine = RolloutEngine(tiny_model(seed), None, spec=spec, eos_token_ids=[2], max_num_seqs=max(batch, 1),
                            max_model_len=512)
     if engine.speculation is not None and engine.speculation.learned is not None:
         engine.speculation.learned.graph_mode = "emulate"  # the CUDA path's host work (module docstring)
+    if off:
+        engine.speculation.force(OFF)
     return engine
 
 

@@ -187,9 +187,9 @@ class Speculation:
             self.learned.observe_resume(seqs, self._features(hiddens))
 
     def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor, accepted: list[int],
-                       logits: torch.Tensor) -> None:
+                       logits: torch.Tensor, ahead: int = 0) -> None:
         if self.learned is not None and hiddens:
-            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, logits)
+            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, logits, ahead)
 
     def observe_step(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                      drafted: list[int], accepted: list[int]) -> None:

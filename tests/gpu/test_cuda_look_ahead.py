@@ -1,6 +1,7 @@
 """Plain steps launched before the host reads the step in front of them, on CUDA with the graph pool (the default
 there: rollout/decode.py): the rollouts of the step-by-step loop, greedy and with keyed draws, rows ending at
-different steps; most steps launched ahead."""
+different steps; most steps launched ahead; with an EAGLE-3 drafter, the features each plain step stages as it is
+launched give the step-by-step loop's drafts."""
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime.model import loader
 from rlspec.rollout.types import SamplingParams
 from tests.conftest import make_tiny_hf, random_prompts
-from tests.rollout.test_look_ahead import launches
+from tests.rollout.test_look_ahead import assert_learned_look_ahead, launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -31,3 +32,7 @@ def test_cuda_look_ahead_gives_the_step_by_step_rollouts(keyed, monkeypatch):
     seen = launches(monkeypatch)
     assert run(True, stops) == want
     assert {why for _, why in want} == {"stop", "length"} and sum(seen) > len(seen) // 2
+
+
+def test_cuda_look_ahead_with_a_learned_drafter_gives_the_step_by_step_drafts(monkeypatch):
+    assert_learned_look_ahead(make_tiny_hf("llama", seed=11).cuda(), "cuda", monkeypatch)

@@ -130,3 +130,54 @@ def test_look_ahead_between_speculative_steps_keeps_greedy_exactness(hf, monkeyp
     steps = len(engine.batch_trace)
     assert len(chosen) == steps  # one choice a step: a look-ahead's refused arm is the next step's
     assert sum(seen) > 0 and 0 < engine.stats()["rollout/spec_step_share"] < 1  # both kinds of step ran
+
+
+def test_look_ahead_with_a_learned_drafter_stages_the_features_the_drafts_read(hf, monkeypatch):
+    """With an EAGLE-3 drafter, plain steps look ahead too, staging each step's features as it is launched, at the
+    positions it writes (a step past the host's commit). The drafter's catch-up reads those features, so a selector
+    that drafts every third step gets the same drafts, and the same greedy rollouts, as the step-by-step loop:
+    features staged one position off, or not at all, would change the drafts."""
+    assert_learned_look_ahead(hf, "cpu", monkeypatch)
+
+
+def assert_learned_look_ahead(hf, device: str, monkeypatch) -> None:
+    """The test above on `device` (tests/gpu/test_cuda_look_ahead.py: CUDA, where a graph's outputs are the next
+    replay's)."""
+    from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+    from rlspec.rollout.speculation.selectors.base import OFF, Arm
+    from rlspec.rollout.types import SpecConfig
+
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
+    weights = None
+    drafts, draft = [], Eagle3Drafter._draft
+
+    def noted(self, *a):
+        out = draft(self, *a)
+        drafts.append(out[0].clone())
+        return out
+
+    monkeypatch.setattr(Eagle3Drafter, "_draft", noted)
+
+    def rollout(look_ahead: bool):
+        nonlocal weights
+        engine = RolloutEngine(loader.from_hf_model(hf, torch.float32, device), None, spec=spec, eos_token_ids=[2])
+        drafter = engine.speculation.learned
+        if weights is None:
+            with torch.no_grad():
+                drafter.model.lm_head.weight.mul_(8.0)  # drafts that differ between rows and positions
+            weights = drafter.model.state_dict()
+        drafter.model.load_state_dict(weights)
+        engine.look_ahead, steps = look_ahead, []
+        engine.speculation.choose = lambda b: steps.append(b) or (Arm("eagle3", 3) if len(steps) % 3 == 0 else OFF)
+        drafts.clear()
+        out = engine.generate(random_prompts(3, 4, 40, seed=6), SamplingParams(temperature=0.0, max_new_tokens=24,
+                                                                              n=2, ignore_eos=True))
+        return [r.completion_ids for r in out], list(drafts)
+
+    want, want_drafts = rollout(False)
+    seen = launches(monkeypatch)
+    got, got_drafts = rollout(True)
+    assert got == want
+    assert len(got_drafts) == len(want_drafts) >= 5
+    assert all(torch.equal(a, b) for a, b in zip(got_drafts, want_drafts))
+    assert sum(seen) >= len(seen) // 3, seen  # plain steps launched ahead of the host's read

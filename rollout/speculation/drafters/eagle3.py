@@ -178,15 +178,16 @@ class Eagle3Drafter(ChainDraws):
             cache.write_side("eagle3/dist_has", slots, torch.zeros(slots.shape, dtype=torch.bool, device=dev))
 
     def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor, accepted,
-                       logits: torch.Tensor | None = None) -> None:
+                       logits: torch.Tensor | None = None, ahead: int = 0) -> None:
         """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
-        positions cache_len..cache_len+accepted of each row (sequence i sits in table row i)."""
+        positions cache_len..cache_len+accepted of each row, `ahead` further on for a plain step launched before the
+        host committed the one in front of it (sequence i sits in table row i)."""
         dev, cache = feats.device, self.target_cache
         for s, a in zip(seqs, accepted):
             self.committed[id(s)] = a + 1
         n = feats.shape[1]
         # positions cache_len .. cache_len + accepted (unkept nodes: the trash block), as slots from the host lists
-        slots = cache.ints([cache.host_slots(id(s), [s.cache_len + j if j <= a else -1 for j in range(n)])
+        slots = cache.ints([cache.host_slots(id(s), [s.cache_len + ahead + j if j <= a else -1 for j in range(n)])
                             for s, a in zip(seqs, accepted)])
         if n == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
             nodes, kept = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), feats
