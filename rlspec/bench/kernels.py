@@ -31,7 +31,7 @@ import collections
 NAME = "kernels"
 HELP = "device kernels per decode step: one decoder layer, the head and an EAGLE-3 level, by op (CPU, exact)"
 COLUMNS = ["dtype", "norm", "tokens", "layer", "head", "step_rest", "eagle3_level", "layer_ops"]
-LEVEL_COLUMNS = ["graph_mode", "proposals", "launches_per_level", "launches_per_proposal"]
+LEVEL_COLUMNS = ["graph_mode", "width", "proposals", "launches_per_level", "launches_per_proposal"]
 SHAPE = dict(vocab_size=512, hidden_size=112, intermediate_size=296, num_hidden_layers=2, num_attention_heads=28,
              num_key_value_heads=4)  # Qwen2.5-7B's heads (28 of 4 groups) with head_dim 4; its widths / 32
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias"}
@@ -235,9 +235,10 @@ def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True, products: b
     return ops
 
 
-def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
+def level_launches(batch: int, graph_mode: str, depth: int = 4, width: int = 1) -> dict:
     """Kernels launched outside graphs by the EAGLE-3 drafter's proposals (`propose`: the catch-up, the draws and the
-    drafts' assembly) of one sampled rollout, a graph replay counted as one launch."""
+    drafts' assembly) of one sampled rollout, a graph replay counted as one launch: chains of `depth` (width 1), or
+    `width` branches of depth // width."""
     from rlspec.bench.host import prompts, tiny_model
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.runtime.graphs import GraphSet
@@ -248,7 +249,7 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=depth, online_training=False)
     engine = RolloutEngine(tiny_model(), None, spec=spec, eos_token_ids=[2], max_num_seqs=batch, max_model_len=256)
     engine.speculation.learned.graph_mode = graph_mode
-    engine.speculation.force(Arm("eagle3", depth, 1))
+    engine.speculation.force(Arm("eagle3", depth // width, width))
     ops, seen = DeviceOps(), []
     propose, draft, replay = Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay
 
@@ -268,7 +269,8 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4) -> dict:
         engine.generate(prompts(batch, 0), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=0))
     finally:
         Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay = propose, draft, replay
-    return {"graph_mode": graph_mode, "proposals": len(seen), "launches_per_level": ops.total / max(sum(seen), 1),
+    return {"graph_mode": graph_mode, "width": width, "proposals": len(seen),
+            "launches_per_level": ops.total / max(sum(seen), 1),
             "launches_per_proposal": ops.total / max(len(seen), 1), "ops": dict(sorted(ops.counts.items()))}
 
 
@@ -292,9 +294,10 @@ def run(args) -> dict:
                              "eagle3_ops": dict(sorted(level.counts.items()))})
                 print(f"[kernels] {name}, {norm} norms, T={t}: layer {layer.total}, head {head.total}, rest of the "
                       f"step {rest.total}, EAGLE-3 level {level.total}", flush=True)
-    levels = [level_launches(args.batch, mode) for mode in ("off", "emulate")]
+    levels = [level_launches(args.batch, mode, width=w) for w in (1, 2) for mode in ("off", "emulate")]
     for r in levels:
-        print(f"[kernels] EAGLE-3 proposals, graphs {r['graph_mode']}: {r['launches_per_proposal']:.1f} launches a "
-              f"proposal ({r['launches_per_level']:.1f} a level)", flush=True)
+        print(f"[kernels] EAGLE-3 proposals, {'chains' if r['width'] == 1 else 'trees of width 2'}, graphs "
+              f"{r['graph_mode']}: {r['launches_per_proposal']:.1f} launches a proposal ({r['launches_per_level']:.1f} "
+              "a level)", flush=True)
     return {"shape": SHAPE, "batch": args.batch, "rows": rows, "columns": COLUMNS, "levels": levels,
             "level_columns": LEVEL_COLUMNS}

@@ -162,19 +162,21 @@ def finite_column(flags: torch.Tensor) -> torch.Tensor:
     return flags.to(torch.float64).log()
 
 
-def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None):
+def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None,
+                               u: torch.Tensor | None = None):
     """k distinct tokens per row of probs [R, V], one after another: x_1 ~ probs, then x_j ~ probs
     with x_1..x_{j-1} removed and renormalised (what Recursive Speculative Decoding drafts).
 
     Returns (tokens [R, k] long, dists [R, k, V]: the distribution each x_j was drawn from, which
     verification needs as that child's q). When a row's support runs out before k draws, its later
     dists are all zero and their tokens arbitrary: verification never accepts a token its q gives no
-    mass, so such children are inert.
+    mass, so such children are inert. u [R, k]: the draws' uniforms, taken beforehand (a graph reads them from a
+    buffer); None: one sample() call a draw.
     """
     tokens, dists = [], []
     q = probs
-    for _ in range(k):
-        x = sample(q, generator)
+    for j in range(k):
+        x = sample(q, generator) if u is None else inverse_cdf(q, u[:, j:j + 1])[:, 0]
         tokens.append(x)
         dists.append(q)
         q = q.scatter(-1, x[..., None], 0.0)

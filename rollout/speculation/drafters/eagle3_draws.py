@@ -52,7 +52,8 @@ class ChainDraws:
         draws without replacement (or i.i.d. with tree_draws="iid"); q[:, j] is the distribution draw j came
         from given the earlier ones, which is what verification needs. seen [R, V]: the history the drafted
         token follows (repetition penalty; None = off), the same as the target's node there, so q stays close
-        to p. u [R, 1]: one draw's uniforms, taken beforehand (`_first_level`; None: drawn here).
+        to p. u [R, k]: the draws' uniforms, taken beforehand (a graph reads them from a buffer; None: drawn here):
+        the i.i.d. draws' in row order, or the draws without replacement's one column a draw.
         """
         logits = self.model.logits(h) if self.fused is None or len(h) > FUSED_MAX_TOKENS else self.fused.logits(h)
         ok = None if self.stop_rule == "none" else self._confident(logits)
@@ -61,11 +62,11 @@ class ChainDraws:
             return ids[penalise(logits, seen, self.params).topk(k, -1).indices], None, ok
         q = probs_from_logits(logits, self.params, seen)  # [R, Vd]
         if k > 1 and self.tree_draws == "without_replacement":
-            tok, qs = sample_without_replacement(q, k, self.generator)
+            tok, qs = sample_without_replacement(q, k, self.generator, u)
             return ids[tok], qs, ok
         if k > 1:
             q = q.repeat_interleave(k, 0)  # [R*k, Vd]
-        tok = sample(q, self.generator) if u is None else inverse_cdf(q, u)[:, 0]
+        tok = sample(q, self.generator) if u is None else inverse_cdf(q, u.reshape(-1, 1))[:, 0]
         return ids[tok].view(len(h), k), q.view(len(h), k, -1), ok
 
     def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
@@ -174,33 +175,34 @@ class ChainDraws:
 
     def _graph_draws(self, graphs, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen,
                      lens: list[int]):
-        """`_draw_steps`' chains with their levels replayed from graphs (eagle3_graphs.py), which read the rows'
-        context through the block table themselves: a chain's every level, the first drawn from h inside a graph
-        too; a tree's levels below its root children, which `_first_level` draws. The same math on the same
-        uniforms, taken from the generator in the same calls, so the same drafts."""
+        """`_draw_steps`' chains with their every level replayed from graphs (eagle3_graphs.py), which read the rows'
+        context through the block table themselves; the first level draws from h inside a graph too, a tree's
+        `width` root children a row among them. The same math on the same uniforms, taken from the generator in
+        the same calls, so the same drafts."""
         sig = (None if self.params is None else (self.params.greedy, self.params.temperature, self.params.top_k,
-               self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule)
+               self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule,
+               self.tree_draws)
 
-        def pick(hj, ids, seen_j, u):  # one level's draw, inside the graph: one token per branch (greedy reads no u)
-            nxt, q, ok = self._pick(hj, 1, ids, seen_j, u)
-            return nxt[:, 0], None if q is None else q[:, 0], ok
+        def pick(hj, ids, seen_j, u, k):  # a level's draw inside its graph: k tokens a row of hj (greedy reads no u)
+            nxt, q, ok = self._pick(hj, k, ids, seen_j, u)
+            return nxt.reshape(-1), None if q is None else q.reshape(len(nxt) * k, -1), \
+                None if ok is None else ok.repeat_interleave(k)
 
-        rows = [i for i in range(len(lens) // width) for _ in range(width)]  # branch -> its sequence's table row
-        if width == 1:
-            greedy = self.params is None or self.params.greedy
-            # the first draw's uniforms (sample() takes them), then the later levels' (_first_level's)
-            us = None if greedy else torch.cat([uniform(self.generator, (1, len(h), 1), h.device, FINAL),
-                                                uniform(self.generator, (depth - 1, len(h), 1), h.device, FINAL)])
-            ids, q, oks = graphs.draws(self._held(), self.target_cache.ints, rows, lens, depth, h, None, seen, us,
-                                       vocab, pick, self._embed, sig)
-            return ids, q, None if self.stop_rule == "none" else oks.long().cumprod(1).sum(1)
-        tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen)
-        ids, qs, oks = graphs.draws(self._held(), self.target_cache.ints, rows, lens, depth, h,
-                                    self._embed(tok[:, None]), seen, us, vocab, pick, self._embed, sig)
-        out = torch.cat([tok[:, None], ids], 1)
-        q = None if q_first is None else torch.cat([q_first[:, None], qs], 1)
-        kept = None if alive is None else torch.cat([alive[:, None], oks], 1).long().cumprod(1).sum(1)
-        return out, q, kept
+        B, gen, dev = len(h), self.generator, h.device
+        us = None
+        if not (self.params is None or self.params.greedy):
+            # the root's uniforms as the eager draw takes them (sample(): one call; without replacement: one call a
+            # child; i.i.d. children: one call over the repeated rows), in branch order, then the later levels'
+            root = uniform(gen, (1, B, 1), dev, FINAL) if width == 1 else \
+                torch.stack([uniform(gen, (B, 1), dev, FINAL) for _ in range(width)], 1) \
+                if self.tree_draws == "without_replacement" else uniform(gen, (B * width, 1), dev, FINAL)
+            us = torch.cat([root.reshape(1, B * width, 1), uniform(gen, (depth - 1, B * width, 1), dev, FINAL)])
+        if width > 1:  # each branch holds its row's output and history: the root's draw reads one a row
+            h, seen = h.repeat_interleave(width, 0), None if seen is None else seen.repeat_interleave(width, 0)
+        rows = [i for i in range(B) for _ in range(width)]  # branch -> its sequence's table row
+        ids, q, oks = graphs.draws(self._held(), self.target_cache.ints, rows, lens, depth, width, h, seen, us, vocab,
+                                   pick, self._embed, sig)
+        return ids, q, None if self.stop_rule == "none" else oks.long().cumprod(1).sum(1)
 
     def _step_rope(self, lens: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of draft steps 1..depth-1 (step j stands at position lens + j - 1), gathered for all of them at

@@ -15,17 +15,18 @@ c)):
     blocks, a power of two up to the cache's length) with their mask bias [r, 1, 1, s] (positions at or past each
     row's length hidden), which every level reads; and the target's RoPE tables at each branch's position;
   * the proposal's inputs: each branch's table row and length (one small copy through the decode loop's funnel,
-    runtime/transfers.py), the catch-up's output h [r, 1, H] (a tree's root children are drawn eagerly, and their
-    embedding comes in too), every level's uniforms [c, r, 1], the draft vocabulary's target ids and the branches'
-    histories (a repetition penalty's); each level writes its output and its token's embedding for the next;
+    runtime/transfers.py), the catch-up's output h [r, 1, H] (each row's in each of its branches: a tree's root
+    children, `width` a row, are drawn together by level 0 from one of them, a row's branches being neighbours),
+    every level's uniforms [c, r, 1], the draft vocabulary's target ids and the branches' histories (a repetition
+    penalty's); each level writes its output and its token's embedding for the next;
   * the branch's own draft keys [r, KV, c, D] in float32: level d writes its key at index d - 1 and attends indices
     0..d - 1, as `_DraftAttention` holds them in a list, so chains and tree branches sharing a row never clobber
     each other and the paged cache is never written;
   * what each level drew: target ids [r, c], their distributions q [r, c, Vd] (sampling) and the stop rule's
     verdicts [r, c].
-How a level draws (greedy or sampling, the processing, the stop rule) is part of its graph's key: the pick is
-ChainDraws._pick, the eager levels' own, and so is their attention (`attend_apart`, `_DraftAttention`'s): the
-context scored in float32 on its own, then the branch's draft keys.
+How a level draws (greedy or sampling, the processing, the stop rule, and level 0's width) is part of its graph's
+key: the pick is ChainDraws._pick, the eager levels' own, and so is their attention (`attend_apart`,
+`_DraftAttention`'s): the context scored in float32 on its own, then the branch's draft keys.
 
 A catch-up's graph (`catch_up`) reads one buffer of inputs, r * (4 * c + 1) long (one copy through the funnel): per
 row and position its token, slot, RoPE position and last visible position (`Eagle3Drafter._grid`), then each row's
@@ -111,21 +112,19 @@ class _Frame:
         self.shape = (r, s, c, cfg.draft_vocab_size, cfg.vocab_size)
         self.positions = torch.arange(s, device=device)
 
-    def load(self, ints, rows: list[int], lens: list[int], h, embeds, us, vocab, seen, first: int) -> None:
-        """A proposal's inputs for branches 0..R-1 (see DraftLevelGraphs.draws), its levels drawn from `first` on;
-        padding branches read table row 0 at length 1."""
+    def load(self, ints, rows: list[int], lens: list[int], h, us, vocab, seen) -> None:
+        """A proposal's inputs for branches 0..R-1 (see DraftLevelGraphs.draws); padding branches read table row 0
+        at length 1."""
         R = h.shape[0]
         r, s, c, vd, v = self.shape
         self.index.copy_(ints(rows + [0] * (r - R) + lens + [1] * (r - R)))
         self.h[:R].copy_(h[:, None])
-        if embeds is not None:
-            self.embeds[:R].copy_(embeds)
         if self.vocab_of is not vocab:
             self.vocab.copy_(vocab)
             self.vocab_of = vocab
         with torch.inference_mode(False):
             if us is not None:
-                self.u[first:first + us.shape[0], :R].copy_(us)
+                self.u[:us.shape[0], :R].copy_(us)
                 if self.q is None:
                     self.q = torch.zeros(r, c, vd, dtype=torch.float32, device=h.device)
             if seen is not None:
@@ -133,17 +132,21 @@ class _Frame:
                     self.seen = torch.zeros(r, v, dtype=torch.bool, device=h.device)
                 self.seen[:R].copy_(seen)
 
-    def draw(self, model, held: Held, d: int, first: int, pick, embed, sampling: bool, penalised: bool) -> None:
-        """Draft level d's draw, from the static inputs into the static outputs (what a graph captures): the
-        proposal's first level (d = first) reads the rows' context first; level 0 draws from h as it is (the
-        catch-up's output), a later level runs the layer first, whose output becomes the next level's h; the drawn
-        token's embedding becomes its embeds."""
-        if d == first:
+    def draw(self, model, held: Held, d: int, width: int, pick, embed, sampling: bool, penalised: bool) -> None:
+        """Draft level d's draw, from the static inputs into the static outputs (what a graph captures). Level 0
+        reads the rows' context first and draws from h as it is (the catch-up's output, each row's in its `width`
+        branches): `width` tokens a row, one a branch, from one row of each branch group's (a tree's root children,
+        drawn together: without replacement, they depend on each other). A later level runs the layer first, whose
+        output becomes the next level's h, and draws a token a branch. The drawn token's embedding becomes
+        `embeds`."""
+        seen = self.seen if penalised else None
+        if d == 0:
             self.read_context(held)
-        if d > 0:
+            tok, q, ok = pick(self.h[::width, 0], self.vocab, None if seen is None else seen[::width],
+                              self.u[0].view(-1, width), width)
+        else:
             self.level(model, held, d - 1)
-        tok, q, ok = pick((self.out if d > 0 else self.h)[:, 0], self.vocab, self.seen if penalised else None,
-                          self.u[d])
+            tok, q, ok = pick(self.out[:, 0], self.vocab, seen, self.u[d], 1)
         with torch.inference_mode():
             self.ids[:, d].copy_(tok)
             if sampling:
@@ -210,36 +213,36 @@ class DraftLevelGraphs:
     def counts(self) -> dict:
         return self.graphs.counts
 
-    def key(self, rows: int, context: int, depth: int, length: int) -> tuple[int, int, int]:
-        """(row bucket, context bucket, capacity) of a proposal: `rows` branches over a context of `context`
-        positions (whole blocks; the cache holds `length`), `depth` draft levels. The capacity is the most levels
-        seen so far (a proposal capped near the token limit reuses the full depth's frame)."""
+    def key(self, rows: int, context: int, depth: int, length: int, width: int = 1) -> tuple[int, int, int]:
+        """(row bucket, context bucket, capacity) of a proposal: `rows` branches, `width` a sequence, over a context
+        of `context` positions (whole blocks; the cache holds `length`), `depth` draft levels. The row bucket is the
+        sequences' times the width (whole branch groups: the root's draw takes one row a group). The capacity is the
+        most levels seen so far (a proposal capped near the token limit reuses the full depth's frame)."""
         self.capacity = max(self.capacity, pow2_at_least(depth))
-        return row_bucket(rows), min(pow2_at_least(context), length), self.capacity
+        return row_bucket(-(-rows // width)) * width, min(pow2_at_least(context), length), self.capacity
 
-    def draws(self, held: Held, ints, rows: list[int], lens: list[int], depth: int, h: torch.Tensor, embeds, seen,
+    def draws(self, held: Held, ints, rows: list[int], lens: list[int], depth: int, width: int, h: torch.Tensor, seen,
               us, vocab: torch.Tensor, pick, embed, sig: tuple):
-        """One proposal's draft levels, each replayed from its graph: all `depth` of them where embeds is None (the
-        first drawn from h, a chain's), else levels 1..depth-1 below first tokens drawn eagerly (a tree's root
-        children, whose embedding embeds [R, 1, H] is). held: what they read in place; ints(host integers) -> a
-        device tensor (the decode loop's funnel, kv_cache.PagedKVCache.ints); rows [R] each branch's table row and
-        lens [R] its length, h [R, H] the catch-up's output, seen [R, V] bool the branches' history or None,
-        us [levels, R, 1] the levels' uniforms or None (greedy), vocab [Vd] the draft vocabulary's target ids;
-        pick(h, vocab, seen, u) -> (tokens [r], q [r, Vd] or None, sure [r] or None) draws a level (ChainDraws),
-        embed(tokens [r, 1]) -> [r, 1, H]; sig: how pick draws (part of each graph's key). -> (target ids [R,
-        levels], q [R, levels, Vd] or None, sure [R, levels]: all True without a stop rule)."""
+        """One proposal's `depth` draft levels, each replayed from its graph, for branches of `width` a row (a tree's
+        root children; a chain: 1). held: what they read in place; ints(host integers) -> a device tensor (the
+        decode loop's funnel, kv_cache.PagedKVCache.ints); rows [R] each branch's table row and lens [R] its length,
+        h [R, H] its row's catch-up output, seen [R, V] bool its row's history or None, us [depth, R, 1] the levels'
+        uniforms in branch order or None (greedy), vocab [Vd] the draft vocabulary's target ids; pick(h, vocab, seen,
+        u, k) -> (tokens [rows * k], q [rows * k, Vd] or None, sure [rows * k] or None) draws k tokens a row of h
+        (ChainDraws), embed(tokens [r, 1]) -> [r, 1, H]; sig: how pick draws (part of each graph's key). -> (target
+        ids [R, depth], q [R, depth, Vd] or None, sure [R, depth]: all True without a stop rule)."""
         self._bind(held)
-        bs, first = held.block_size, 0 if embeds is None else 1
-        r, s, c = self.key(len(rows), -(-max(lens) // bs) * bs, depth, held.length)
+        r, s, c = self.key(len(rows), -(-max(lens) // held.block_size) * held.block_size, depth, held.length, width)
         frame = self._frame(r, s, c, held.k.shape[2], held.k.shape[3])
-        frame.load(ints, rows, lens, h, embeds, us, vocab, seen, first)
+        frame.load(ints, rows, lens, h, us, vocab, seen)
         sampling, penalised = us is not None, seen is not None
-        for d in range(first, depth):  # the proposal's first graph reads the context: `first` is part of the key
-            self.graphs.replay((r, s, c, d, sig, first), lambda d=d: frame.draw(self.model, held, d, first, pick, embed,
+        for d in range(depth):  # level 0's graph draws `width` tokens a row: part of its key
+            w = width if d == 0 else 1
+            self.graphs.replay((r, s, c, d, sig, w), lambda d=d, w=w: frame.draw(self.model, held, d, w, pick, embed,
                                                                                 sampling, penalised))
         R = len(rows)
-        return (frame.ids[:R, first:depth].clone(), frame.q[:R, first:depth].clone() if sampling else None,
-                frame.ok[:R, first:depth].clone())
+        return (frame.ids[:R, :depth].clone(), frame.q[:R, :depth].clone() if sampling else None,
+                frame.ok[:R, :depth].clone())
 
     @staticmethod
     def catch_up_key(rows: int, positions: int, context: int, held: Held) -> tuple[int, int, int]:

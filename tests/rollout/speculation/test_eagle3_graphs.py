@@ -59,16 +59,16 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
     counts = drafter.level_graphs().counts
     assert len(compared) >= 30 and {b for b, _ in compared} == {5, 3, 1}
     # one graph per (row bucket, context bucket, capacity, level): captured once, replayed by every proposal of
-    # two levels or more (a chain's every level, a tree's below its root children); and one catch-up graph per
-    # (row bucket, positions bucket, context bucket), replayed once a proposal (a whole prompt's runs eagerly)
+    # two levels or more (every level, a tree's root children included); and one catch-up graph per (row bucket,
+    # positions bucket, context bucket), replayed once a proposal (a whole prompt's runs eagerly)
     keys = drafter.level_graphs().graphs.graphs
-    first = 0 if width == 1 else 1
     assert counts["captures"] == len(keys)
-    assert counts["replays"] == sum(d - first for _, d in compared if d > 1) + len(catch_ups)
+    assert counts["replays"] == sum(d for _, d in compared if d > 1) + len(catch_ups)
     assert len(compared) - 3 <= len(catch_ups) <= len(compared)
     keys = [k for k in keys if k[0] != "catch_up"]
-    assert {k[0] for k in keys} == {row_bucket(b * width) for b in (5, 3, 1)}
-    assert {k[3] for k in keys} == set(range(first, 4))
+    assert {k[0] for k in keys} == {row_bucket(b) * width for b in (5, 3, 1)}  # whole branch groups
+    assert {k[3] for k in keys} == set(range(4))
+    assert {k[5] for k in keys if k[3] == 0} == {width} and {k[5] for k in keys if k[3] > 0} == {1}
     assert {k[2] for k in keys} == {4}  # proposals capped near the end reuse the full depth's frames
 
 
@@ -167,15 +167,14 @@ def test_least_recently_used_frames_go_with_their_graphs(monkeypatch):
     graphs, H, held = drafter.level_graphs(), hf.config.hidden_size, _held(hf, width=3)
 
     def propose(rows, ctx):
-        def pick(h, ids, seen, u):
+        def pick(h, ids, seen, u, k):
             return ids[h[:, :32].argmax(-1)], None, None
 
-        return graphs.draws(held, torch.tensor, list(range(rows)), [ctx] * rows, 3, torch.randn(rows, H),
-                            torch.randn(rows, 1, H), None, None, torch.arange(32), pick,
-                            lambda t: torch.randn(len(t), 1, H), ("greedy",))[0]
+        return graphs.draws(held, torch.tensor, list(range(rows)), [ctx] * rows, 3, 1, torch.randn(rows, H), None,
+                            None, torch.arange(32), pick, lambda t: torch.randn(len(t), 1, H), ("greedy",))[0]
 
     for rows, ctx in ((1, 10), (3, 16), (1, 5), (9, 40)):
-        assert propose(rows, ctx).shape == (rows, 2)
+        assert propose(rows, ctx).shape == (rows, 3)
     assert list(graphs.frames) == [(1, 16, 4), (16, 48, 4)]  # (4, 16) was the least recently used; 64 > 3 blocks
     assert {k[:3] for k in graphs.graphs.graphs} == {(1, 16, 4), (16, 48, 4)}
 
@@ -233,6 +232,19 @@ def test_sampled_graph_levels_draw_the_eager_drafts(case, width, monkeypatch):
     assert len(compared) >= 10 and eng.speculation.learned.level_graphs().counts["replays"] > 0
     if stop != "none":  # the stop rule cut some drafts short, so its verdicts came from the graphs
         assert any(min(kept) < depth * width for _, depth, kept in compared)
+
+
+def test_iid_tree_roots_from_graphs_draw_the_eager_drafts(monkeypatch):
+    """A tree's root children drawn i.i.d. (tree_draws="iid": one call of uniforms over the repeated rows, not one a
+    child) are the eager ones from the graph too."""
+    hf = make_tiny_hf("llama", seed=6)
+    eng = _engine(hf, 2, "emulate", sharpen=2.0)
+    eng.speculation.learned.tree_draws = "iid"
+    compared = drafted_both_ways(monkeypatch, "emulate")
+    eng.generate(random_prompts(3, 3, 20, seed=4), SamplingParams(max_new_tokens=16, ignore_eos=True, seed=1,
+                                                                  temperature=1.0))
+    keys = eng.speculation.learned.level_graphs().graphs.graphs
+    assert len(compared) >= 5 and any(k[3] == 0 and k[5] == 2 for k in keys)  # the roots came from a graph
 
 
 def test_graph_levels_keep_greedy_exactness():

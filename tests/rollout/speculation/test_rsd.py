@@ -134,9 +134,9 @@ def run_t1(hf, monkeypatch):
     seen, calls = spy_siblings(monkeypatch), []
     real = eagle3_draws.sample_without_replacement
 
-    def counting(q, k, g):
+    def counting(q, k, g, u=None):
         calls.append(len(q))
-        return real(q, k, g)
+        return real(q, k, g, u)
 
     monkeypatch.setattr(eagle3_draws, "sample_without_replacement", counting)
     params = SamplingParams(temperature=1.0)
@@ -157,8 +157,8 @@ def test_iid_rule_on_eagle3_without_replacement_children_is_caught(hf, monkeypat
     verification applies SpecInfer's i.i.d. rule (q not updated after a rejection)."""
     real = sample_without_replacement
 
-    def shared_q(q, k, g):
-        tokens, _ = real(q, k, g)
+    def shared_q(q, k, g, u=None):
+        tokens, _ = real(q, k, g, u)
         return tokens, q[:, None].expand(-1, k, -1)
 
     monkeypatch.setattr(eagle3_draws, "sample_without_replacement", shared_q)
