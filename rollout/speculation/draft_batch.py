@@ -61,11 +61,12 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | DraftTensors | N
             if batch.is_chain:  # every row's nodes are draws 0 .. n - 1 (W = 1, or one node a row): views, no copy
                 batch.tokens = torch.cat([batch.tokens[:, :1], flat[:, :N]], 1)
                 batch.q = None if q is None else q[:, :N]
-            else:
+            else:  # gathered by the nodes' indices; a tree's q has node 0 (unused) in front
                 index = batch.tokens[:, 1:]
                 batch.tokens = torch.cat([batch.tokens[:, :1], flat.gather(1, index)], 1)
-                batch.q = None if q is None else \
-                    torch.cat([q.new_zeros(B, 1, q.shape[-1]), q.gather(1, index[..., None].expand(-1, -1, q.shape[-1]))], 1)
+                if q is not None:
+                    nodes = q.gather(1, index[..., None].expand(-1, -1, q.shape[-1]))
+                    batch.q = torch.cat([q.new_zeros(B, 1, q.shape[-1]), nodes], 1)
         return batch
     batch = _laid_out(pending, drafts if drafts is not None and any(map(len, drafts)) else None, start, to_device)
     if batch.N:

@@ -1,8 +1,9 @@
 """The GPU path's timing, ordering and memory on CUDA: calibration times each anchor by its own kernels, a Span the
 device work queued inside it; the drafter's feature ring is ordered across the engine's and the trainer's streams;
 rollouts reuse their CUDA graphs; one compile of the captured layer serves every batch bucket beside FlexAttention;
-a growing pool leaves its reserve; an out-of-memory drafter step backs off. The CPU versions: tests/rollout/speculation/test_cost_timing.py,
-test_feature_fence.py, test_drafter_oom.py; tests/rollout/runtime/test_graph_reuse.py, test_compiled_buckets.py."""
+a growing pool leaves its reserve; an out-of-memory drafter step backs off. The CPU versions:
+tests/rollout/speculation/test_cost_timing.py, test_feature_fence.py, test_drafter_oom.py;
+tests/rollout/runtime/test_graph_reuse.py, test_compiled_buckets.py."""
 import pytest
 import torch
 

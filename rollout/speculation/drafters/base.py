@@ -82,7 +82,7 @@ class DraftTensors:
         for i, d in enumerate(self.layout()):
             w, n = self.shape(i)
             q = None if self.q is None or not w else self.q[i, :w, :n].reshape(w * n, -1)
-            out.append(Draft([flat[i][k] for k in d.tokens], d.parents, q))
+            out.append(Draft([flat[i][k] for k in d.tokens], list(d.parents), q))
         return out
 
 
