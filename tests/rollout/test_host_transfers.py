@@ -1,7 +1,8 @@
 """The decode loop keeps vocabulary-sized tensors on the engine's device.
 
-Two checks. Static (ast, nothing runs): in the engine's decode-loop stages, in verification and in
-sampling, no call moves a tensor to the host except the funnel's one `.tolist()` per step
+Two checks. Static (ast, nothing runs): in the engine's decode-loop stages, in verification, in
+sampling and in the learned drafter, no call moves a tensor to the host (`.cpu()`, `.tolist()`, `.item()`,
+`.numpy()`, `.nonzero()`, `.to("cpu")`) except the funnel's one `.tolist()` per step
 (runtime/transfers.py `Pending.rows`). Dynamic:
 a speculative generate (sampled EAGLE-3 drafts, trees) with every host-transfer method of
 torch.Tensor wrapped, asserting that no transfer carries as many numbers as one vocabulary row.
@@ -21,25 +22,31 @@ from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
-HOST_METHODS = {"cpu", "tolist", "item", "numpy"}
+HOST_METHODS = {"cpu", "tolist", "item", "numpy", "nonzero"}
 DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_fetch", "_commit", "_retire", "_prefill", "read", "send"}
-# (file, function) -> host calls allowed there: the one packed transfer of each step
-ALLOWED = {("rollout/runtime/transfers.py", "rows"): {"tolist"}}
+# (file, function) -> host calls allowed there: the one packed transfer of each step; outside the decode loop's path,
+# the drafts' host form (the loop takes DraftTensors) and a checkpoint's copy of the drafter
+ALLOWED = {("rollout/runtime/transfers.py", "rows"): {"tolist"},
+           ("rollout/speculation/drafters/base.py", "to_drafts"): {"tolist"},
+           ("rollout/speculation/drafters/eagle3.py", "state_dict"): {"to"}}
 FILES = ["rollout/engine.py", "rollout/decode.py", "rollout/step_layout.py", "rollout/runtime/transfers.py",
          "rollout/speculation/verify.py", "rollout/runtime/sampling.py", "rollout/speculation/draft_batch.py",
          "rollout/speculation/strategies.py", "rollout/lossy/control.py", "rollout/lossy/judge.py", "rollout/lossy/law.py",
-         "rollout/lossy/heads.py", "rollout/lossy/router.py", "rollout/runtime/history.py"]
+         "rollout/lossy/heads.py", "rollout/lossy/router.py", "rollout/runtime/history.py",
+         "rollout/speculation/drafters/base.py", "rollout/speculation/drafters/eagle3.py",
+         "rollout/speculation/drafters/eagle3_draws.py", "rollout/speculation/drafters/eagle3_graphs.py"]
 
 
 def host_calls(path: str) -> list[tuple[str, int, str]]:
-    """(enclosing function, line, method) for every .cpu()/.tolist()/.item()/.numpy() call in a file."""
+    """(enclosing function, line, method) for every call of a HOST_METHODS method or of .to("cpu") in a file."""
     tree = ast.parse((ROOT / path).read_text())
     found = []
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for node in ast.walk(fn):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and node.func.attr in HOST_METHODS):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                        node.func.attr in HOST_METHODS or node.func.attr == "to" and any(
+                            isinstance(a, ast.Constant) and a.value == "cpu" for a in node.args)):
                     found.append((fn.name, node.lineno, node.func.attr))
     return found
 
@@ -52,8 +59,14 @@ def test_no_host_transfers_in_the_decode_path(path):
     assert not bad, f"{path}: host transfers in the decode loop (use the runner's Transfers once per step): {bad}"
 
 
-def test_static_check_sees_the_one_allowed_transfer():
+def test_static_check_sees_the_one_allowed_transfer(tmp_path, monkeypatch):
     assert ("rows", "tolist") in {(fn, m) for fn, _, m in host_calls("rollout/runtime/transfers.py")}
+    planted = tmp_path / "rollout" / "decode.py"  # and it sees planted ones of every kind
+    planted.parent.mkdir()
+    planted.write_text("def _fetch(x):\n    return x.argmax(-1).tolist(), x.cpu(), x.nonzero(), x.to('cpu'), "
+                       "x.to(x.device)\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert [m for _, _, m in host_calls("rollout/decode.py")] == ["tolist", "cpu", "nonzero", "to"]
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.3], ids=["plain", "repetition_penalty"])
@@ -173,3 +186,21 @@ def test_lossy_modes_make_one_transfer_per_step_too(monkeypatch, mode, temperatu
     steps = len(eng.batch_trace)
     assert len(calls) == 1 + steps, f"{mode}: {len(calls)} transfers for one prefill and {steps} decode steps"
     assert any(src != TARGET for r in results for src in r.token_source[1:]), "no draft was kept: nothing verified"
+
+
+@pytest.mark.parametrize("graphs", ["off", "emulate"])
+def test_a_learned_drafter_adds_no_transfer(monkeypatch, graphs):
+    """Sampled EAGLE-3 chains, eager and through its CUDA path's graphs (emulated): still one transfer per prefill and
+    per decode step; the drafts go from the drafter to the verify on the device."""
+    from rlspec.rollout.speculation.selectors.base import Arm
+
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, spec=spec, eos_token_ids=[2])
+    eng.speculation.learned.graph_mode = graphs
+    eng.speculation.force(Arm("eagle3", 3))
+    prompts = random_prompts(4, 3, 8, seed=3)
+    calls = _count_transfers(monkeypatch)
+    eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
+    steps = len(eng.batch_trace)
+    assert eng.stats()["rollout/spec_step_share"] > 0.5 and steps >= 5
+    assert len(calls) == 1 + steps, f"{len(calls)} transfers for one prefill and {steps} decode steps"

@@ -4,10 +4,8 @@ Dynamic: a real generate, plain and speculative (chains and trees, keyed draws),
 Transfers: one device-to-host transfer per prefill and per decode step, and every host-to-device copy made the
 non-blocking way (pinned staging where CUDA is, the same code path elsewhere). Static (ast): the decode loop's files
 build no device tensor from host values outside the funnel (`torch.tensor(..., device=...)`, `.to(device)` of a
-host tensor) and read no device value on the host outside it (`.cpu()`, `.tolist()`, `.item()`, `.nonzero()`,
-`.numpy()`: each a wait for the device on a GPU, which the dynamic count, run on the CPU, cannot see), so a copy
-added there cannot bypass the count. (`int(t)` and `bool(t)` of a tensor read it too; the check cannot tell them from
-the host's own numbers, so they are left to review.)
+host tensor), so a copy added there cannot bypass the count. (Reads of the device on the host outside the funnel:
+tests/rollout/test_host_transfers.py.)
 """
 from __future__ import annotations
 
@@ -34,10 +32,6 @@ LOOP_FILES = ["rollout/decode.py", "rollout/step_layout.py", "rollout/speculatio
 ALLOWED = {("rollout/runtime/kv_cache.py", "ints"), ("rollout/runtime/draws.py", "bind"),
            ("rollout/runtime/draws.py", "__init__"),  # a call's keys, once before its loop
            ("rollout/runtime/history.py", "move_rows"), ("rollout/runtime/history.py", "reset")}
-READS = {"cpu", "tolist", "item", "nonzero", "numpy"}  # methods that bring a device tensor's values to the host
-# (file, function): host reads outside the decode loop's path (the loop takes DraftTensors; a checkpoint's copy)
-ALLOWED_READS = {("rollout/speculation/drafters/base.py", "to_drafts"),
-                 ("rollout/speculation/drafters/eagle3.py", "state_dict")}
 
 MODES = {
     "plain": None,
@@ -132,39 +126,16 @@ def device_tensors_from_host(path: str) -> list[tuple[str, int]]:
     return found
 
 
-def host_reads(path: str) -> list[tuple[str, int]]:
-    """(function, line) of every call of a READS method, of `torch.nonzero` and of `.to("cpu")` in a file."""
-    found = []
-    for fn in ast.walk(ast.parse((ROOT / path).read_text())):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
-                    node.func.attr in READS or node.func.attr == "to" and any(
-                        isinstance(a, ast.Constant) and a.value == "cpu" for a in node.args)):
-                found.append((fn.name, node.lineno))
-    return found
-
-
 @pytest.mark.parametrize("path", LOOP_FILES)
 def test_no_copy_to_the_device_outside_the_funnel(path):
     bad = [(fn, line) for fn, line in device_tensors_from_host(path) if (path, fn) not in ALLOWED]
     assert not bad, f"{path}: host values copied to the device outside runtime/transfers.py's funnel: {bad}"
 
 
-@pytest.mark.parametrize("path", LOOP_FILES)
-def test_no_read_of_the_device_outside_the_funnel(path):
-    bad = [(fn, line) for fn, line in host_reads(path) if (path, fn) not in ALLOWED_READS]
-    assert not bad, f"{path}: device values read on the host outside runtime/transfers.py's funnel: {bad}"
-
-
 def test_static_check_sees_a_planted_copy(tmp_path, monkeypatch):
-    """The static checks are able to fail: a planted torch.tensor(..., device=...) is found, and so are planted reads
-    of the device."""
+    """The static check is able to fail: a planted torch.tensor(..., device=...) is found."""
     planted = tmp_path / "rollout" / "decode.py"
     planted.parent.mkdir()
-    planted.write_text("import torch\n\ndef _decode_step(x):\n    return torch.tensor([1], device=x.device)\n\n"
-                       "def _fetch(x):\n    return x.argmax(-1).tolist(), x.to('cpu'), x.nonzero()\n")
+    planted.write_text("import torch\n\ndef _decode_step(x):\n    return torch.tensor([1], device=x.device)\n")
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     assert device_tensors_from_host("rollout/decode.py") == [("_decode_step", 4)]
-    assert host_reads("rollout/decode.py") == [("_fetch", 7)] * 3
