@@ -223,6 +223,38 @@ def test_section_limits_fit_the_budget():
     assert presets.hbm_bytes_s("NVIDIA H200") == 4.8e12 and presets.hbm_bytes_s("cpu") is None
 
 
+def test_a_section_that_ends_early_leaves_its_seconds_to_the_ones_after(tmp_path, monkeypatch):
+    """Each section may take its limit plus what the ones before it left unused (the H200 run of 2026-11-30 left
+    ~115 s unused in its measuring sections while tests_rest ran out); the core still ends within 300 s and the
+    check within 600 s, whatever each section takes."""
+    import types
+
+    clock = [0.0]
+    takes = dict(tests=90, plain=65, spec_costs=300, profile=10, contexts=20, oracle=65, e2e=100, tests_rest=999)
+    given = {}
+
+    def spend(name, limit):
+        given[name] = limit
+        clock[0] += min(takes[name], limit)  # a section past its limit is cut off there
+        return {"status": "ok" if takes[name] <= limit else "timeout", "tests": []}
+
+    monkeypatch.setattr(gpu, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(gpu, "header", lambda args: {})
+    monkeypatch.setattr(gpu, "test_section", lambda name, args, limit, folder: spend(name, limit))
+    monkeypatch.setattr(gpu, "child_sections", lambda names, args, folder, limit: {names[0]: spend(names[0], limit)})
+    monkeypatch.setattr(gpu.predict, "annotate", lambda report: None)
+    monkeypatch.setattr(presets, "print_summary", lambda report: None)
+    parser = __import__("argparse").ArgumentParser()
+    gpu.add_arguments(parser)
+    report = gpu.run(parser.parse_args(["--out", str(tmp_path)]))
+    limits = presets.GPU_LIMITS
+    assert given["tests"] == limits["tests"] and given["plain"] == limits["plain"] + limits["tests"] - 90
+    assert given["spec_costs"] == 300 - 90 - 65 and report["spec_costs"]["status"] == "timeout"  # the core: 300 s
+    assert given["profile"] == limits["profile"]  # spec_costs used all it had: nothing left over
+    assert given["tests_rest"] == 600 - (300 + 10 + 20 + 65 + 100) and clock[0] == 600
+    assert report["given_s"]["tests_rest"] == given["tests_rest"]
+
+
 def test_tests_time_ran_out_for_are_recorded_as_not_run(tmp_path):
     (tmp_path / "test_slow.py").write_text(
         "import time\n" + "".join(f"def test_{i}():\n    time.sleep(2)\n" for i in range(6)))

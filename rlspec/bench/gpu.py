@@ -4,7 +4,8 @@ vLLM), writing one JSON report and a log per section to --out as each section co
 returns what it did. It runs from a checkout or an installed wheel (output under the working directory's
 bench_out/; the commit and dirty state of the tree it ran, "unknown" outside a checkout).
 
-Sections, in order; the core (tests, plain, spec_costs) is limited to 300 s, the whole check to 600 s:
+Sections, in order; the core (tests, plain, spec_costs) is limited to 300 s, the whole check to 600 s (a section
+that ends early leaves its seconds to the ones after it):
   tests       the CUDA smoke subset (parity, law, graphs, paging), each test in a pytest child with a timeout
   plain       engine vs transformers, SmolLM2-135M and Qwen2.5-7B shapes, batch 1/8/32/128: rollouts (every key
               captured first, median of three), graph step ms beside its bandwidth limit
@@ -121,11 +122,14 @@ def run_child(args) -> dict:
 
 def child_sections(names: list[str], args, folder: Path, timeout: float) -> dict[str, dict]:
     """Run sections `names` in one child with a timeout (one section on a GPU; the rehearsal runs its measuring
-    sections in one child, paying the imports once); each one's saved result plus status, seconds and log."""
+    sections in one child, paying the imports once); each one's saved result plus status, seconds and log. A lone
+    section's own limit is the timeout (what it stops starting measurements by: its limit and what earlier
+    sections left)."""
     log_name = f"{names[0]}.log"
     cmd = [sys.executable, "-m", "rlspec.bench.gpu", "--section", ",".join(names), "--out", str(folder.resolve())]
     cmd += (["--smoke"] if args.smoke else []) + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
-    cmd += ["--timeout-s", *args.timeout_s] if args.timeout_s else []
+    given = [f"{names[0]}={timeout:.1f}"] if len(names) == 1 else []
+    cmd += ["--timeout-s", *(args.timeout_s or []), *given] if args.timeout_s or given else []
     # the rehearsal checks the GPU path's plumbing: the CPU's own C++ kernels (built once per machine, minutes)
     # are no part of it, and tiny shapes run fastest on one thread (several fight over a shared CI machine)
     smoke_env = {"RLSPEC_CPU_KERNELS": os.environ.get("RLSPEC_CPU_KERNELS", "0"),
@@ -185,14 +189,19 @@ def run(args) -> dict:
     report_path, folder = paths(args)
     folder.mkdir(parents=True, exist_ok=True)
     limits = presets.timeouts(args.smoke, args.timeout_s)
-    report = {**header(args), "sections_run": args.sections, "timeouts_s": limits}
-    t0 = time.perf_counter()
+    report = {**header(args), "sections_run": args.sections, "timeouts_s": limits, "given_s": {}}
+    t0, planned = time.perf_counter(), 0.0
     for group in groups(args.sections, args.smoke):
-        print(f"[gpu] {'+'.join(group)} (limit {sum(limits[n] for n in group):.0f} s) ...", flush=True)
+        # a group may take what the ones before it left of their limits: the check still ends within the sum of
+        # its limits, and the core within the core's (given_s: the seconds each group had)
+        planned += sum(limits[n] for n in group)
+        given = planned - (time.perf_counter() - t0)
+        report["given_s"]["+".join(group)] = round(given, 1)
+        print(f"[gpu] {'+'.join(group)} (limit {given:.0f} s) ...", flush=True)
         if group[0] in presets.TEST_SECTIONS:
-            report[group[0]] = test_section(group[0], args, limits[group[0]], folder)
+            report[group[0]] = test_section(group[0], args, given, folder)
         else:
-            report.update(child_sections(group, args, folder, sum(limits[n] for n in group)))
+            report.update(child_sections(group, args, folder, given))
         report["elapsed_s"] = round(time.perf_counter() - t0, 2)
         predict.annotate(report)  # the formula's speedup beside each oracle row, from this run's verify costs
         write_json(report_path, report)
