@@ -1,8 +1,8 @@
 """The device check (rlspec/bench/gpu.py, `make gpu-check`) never rots on a machine without a GPU: its CPU
 rehearsal writes every section of the report; the test runner times out a hung test, records a crashed one
-without losing the tests after them and lists the ones time ran out for; a timed call that captured is flagged;
-the section limits fit the budget; the oracle drafters' acceptance is what they say; the tree it verifies is a
-tree."""
+without losing the tests after them, lists the ones time ran out for and runs the compiled layers' last; a timed
+call that captured is flagged; the section limits fit the budget, and a section that ends early leaves its seconds
+to the ones after; the oracle drafters' acceptance is what they say; the tree it verifies is a tree."""
 from __future__ import annotations
 
 import json
@@ -253,6 +253,21 @@ def test_a_section_that_ends_early_leaves_its_seconds_to_the_ones_after(tmp_path
     assert given["profile"] == limits["profile"]  # spec_costs used all it had: nothing left over
     assert given["tests_rest"] == 600 - (300 + 10 + 20 + 65 + 100) and clock[0] == 600
     assert report["given_s"]["tests_rest"] == given["tests_rest"]
+
+
+def test_the_tests_named_last_run_after_the_others(tmp_path):
+    """tests_rest runs the compiled layers' tests last (presets.LAST_TESTS, each an Inductor compile): the others
+    come first, in their own order, and every name in LAST_TESTS is a test of the check's targets."""
+    (tmp_path / "test_order.py").write_text("".join(f"def test_{c}():\n    pass\n" for c in "abcd"))
+    out = tmp_path / "out"
+    out.mkdir()
+    section = cuda_tests.run([str(tmp_path / "test_order.py")], None, per_test_s=30, total_s=60, out=out,
+                             root=tmp_path, name="tests_rest", last=["test_order.py::test_b"])
+    assert [r["test"].split("::")[1] for r in section["tests"]] == ["test_a", "test_c", "test_d", "test_b"]
+    assert section["ok"]
+    for prefix in presets.LAST_TESTS:
+        path, _, test = prefix.partition("::")
+        assert f"def {test}(" in (ROOT / path).read_text(), prefix
 
 
 def test_tests_time_ran_out_for_are_recorded_as_not_run(tmp_path):

@@ -235,11 +235,11 @@ def test_section(name: str, args, limit: float, folder: Path) -> dict:
     t0 = time.perf_counter()
     per_test = args.per_test_timeout_s or presets.per_test_timeout(args.smoke)
     if name == "tests":
-        targets, exclude = presets.CORE_TESTS, []
+        targets, exclude, last = presets.CORE_TESTS, [], []
     else:
-        targets, exclude = presets.TEST_TARGETS, presets.CORE_TESTS
+        targets, exclude, last = presets.TEST_TARGETS, presets.CORE_TESTS, presets.LAST_TESTS
     targets = [t for t in targets if (ROOT / t.split("::")[0]).exists()]
-    sec = cuda_tests.run(targets, "gpu", per_test, limit, folder, ROOT, exclude=exclude, name=name)
+    sec = cuda_tests.run(targets, "gpu", per_test, limit, folder, ROOT, exclude=exclude, name=name, last=last)
     return {**sec, "status": "ok" if sec["ok"] else "failed", "seconds": round(time.perf_counter() - t0, 2),
             "log": f"{name}.log"}
 

@@ -78,12 +78,14 @@ def _running(events: list[dict]):
 
 
 def run(targets: list[str], marker: str | None, per_test_s: float, total_s: float, out: Path, root: Path,
-        exclude: list[str] = (), name: str = "tests") -> dict:
+        exclude: list[str] = (), name: str = "tests", last: list[str] = ()) -> dict:
     """Run `targets` (pytest paths or node-id prefixes) under `marker`, but not those under `exclude` (node-id
-    prefixes); the section's dict: per-test rows, counts, pytest's status; its log `<name>.log`."""
+    prefixes), those under `last` after the others; the section's dict: per-test rows, counts, pytest's status; its
+    log `<name>.log`."""
     from rlspec.bench.harness import child_env
 
-    env = child_env({"HF_HUB_OFFLINE": "1"}, path=[str(root)])  # the plugin from the rlspec running this
+    # the plugin from the rlspec running this
+    env = child_env({"HF_HUB_OFFLINE": "1", "RLSPEC_TESTS_LAST": ",".join(last)}, path=[str(root)])
     base = [sys.executable, "-m", "pytest", *targets, "-p", "no:cacheprovider", "-p", PLUGIN, "-q", "-rs"]
     base += ["-m", marker] if marker else []
     base += [f"--deselect={t}" for t in exclude]

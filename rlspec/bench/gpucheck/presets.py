@@ -22,6 +22,13 @@ TEST_TARGETS = ["tests/gpu", "tests/rollout/runtime/test_graphs.py"]  # run unde
 # graphs, paging, the drafter's graph levels (node-id prefixes). tests_rest runs every other test of TEST_TARGETS,
 # among them test_graphs.py's replay against eager (38 s in the core of 2026-11-30, where its limit then cut the
 # drafter's graph levels; the engine tests above replay graphs too)
+# tests_rest runs these last: the compiled layers (off by default on CUDA), each test an Inductor compile of its own,
+# what the section's time runs out for first
+LAST_TESTS = [
+    "tests/gpu/test_cuda_engine.py::test_compiled_graph_replay_equals_eager",
+    "tests/gpu/test_cuda_engine.py::test_compiled_engine_greedy_matches_transformers_on_cuda",
+    "tests/gpu/test_cuda_device_order.py::test_one_compile_of_the_captured_layer_serves_every_batch_bucket",
+]
 CORE_TESTS = [
     "tests/gpu/test_cuda_engine.py::test_greedy_matches_transformers_generate",
     "tests/gpu/test_cuda_engine.py::test_seeded_sampling_has_the_target_law",

@@ -1,7 +1,8 @@
 """A pytest plugin (`-p rlspec.bench.gpucheck.pytest_events`) that appends one JSON line per test to the file
 $RLSPEC_TEST_EVENTS: {"event": "start", "test", "t"} when a test begins and {"event": "end", "test",
 "outcome", "seconds"} when its setup, call and teardown are done; {"event": "collected", "tests": [...]} once the
-tests to run are known (a test never reached is then recorded as "not_run"). The device check's test runner
+tests to run are known (a test never reached is then recorded as "not_run"); the tests $RLSPEC_TESTS_LAST names run
+last. The device check's test runner
 (cuda_tests.py) watches the file to time each test out from outside (pytest-timeout is not on the GPU machine,
 and a test stuck in a CUDA call ignores signals); stdlib only."""
 from __future__ import annotations
@@ -19,6 +20,14 @@ def _write(event: dict) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(event) + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests under the node-id prefixes of $RLSPEC_TESTS_LAST (comma-separated) run after the others: what a
+    section's time may run out for."""
+    last = [p for p in os.environ.get("RLSPEC_TESTS_LAST", "").split(",") if p]
+    if last:
+        items[:] = sorted(items, key=lambda item: any(item.nodeid.startswith(p) for p in last))  # stable
 
 
 def pytest_collection_finish(session):
