@@ -84,19 +84,26 @@ def test_look_ahead_keeps_one_transfer_a_step_and_the_step_count(hf):
     assert steps[0] == steps[1] and d2h[0] == d2h[1]
 
 
-def test_look_ahead_under_forced_preemption_equals_transformers(monkeypatch):
+@pytest.mark.parametrize("drafter", [None, "eagle3"])
+def test_look_ahead_under_forced_preemption_equals_transformers(drafter, monkeypatch):
     """A pool too small for the batch: a look-ahead takes a block only where the pool has one (it never preempts;
     the loop does, between runs of steps), so preempted, resumed and looked-ahead rows still give transformers'
-    greedy continuations, and every block comes back."""
-    from tests.rollout.test_paging import engine, hf_greedy
+    greedy continuations, and every block comes back; also with an EAGLE-3 drafter drafting every third step, whose
+    staged features a preemption takes with the blocks and a resume stages again."""
+    from rlspec.rollout.speculation.selectors.base import OFF, Arm
+    from tests.rollout.test_paging import eagle, engine, hf_greedy
 
     hf = make_tiny_hf("llama", seed=2)
     prompts = random_prompts(6, 2, 25, seed=3)
-    eng = engine(hf, blocks=40)
-    eng.look_ahead = True
+    eng = engine(hf, blocks=40 if drafter is None else 44, spec=eagle(1) if drafter else None)
+    eng.look_ahead, steps = True, []
+    if drafter:
+        eng.speculation.choose = lambda b: steps.append(b) or (Arm("eagle3", 3) if len(steps) % 3 == 0 else OFF)
     seen = launches(monkeypatch)
     got = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, n=2))
-    assert eng.stats()["rollout/preemptions"] > 0 and sum(seen) > 0
+    stats = eng.stats()
+    assert stats["rollout/preemptions"] > 0 and sum(seen) > 0
+    assert drafter is None or stats["rollout/spec_step_share"] > 0.1
     for i, r in enumerate(got):
         ref = hf_greedy(hf, prompts[i // 2], 24, eos=2)
         assert r.completion_ids == (ref[: ref.index(2) + 1] if 2 in ref else ref)
