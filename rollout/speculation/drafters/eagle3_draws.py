@@ -11,11 +11,12 @@ A proposal draws `depth` tokens below each row's catch-up output, `width` branch
   Python (`_draw_steps` over `_fused_steps`);
 - trees, and anywhere else: the network's steps, attending over the cached context plus the branch's own keys
   held apart (`_DraftAttention`), never written, so branches sharing a row cannot clobber each other; on a CUDA
-  device each level after the first, the layer with its draw, is replayed from a graph per row bucket and level
-  (`_graph_draws`, eagle3_graphs.py), eager elsewhere (`_draw_steps` over `_level_steps`).
+  device every level, the layer with its draw, is replayed from a graph per row bucket, context bucket and level,
+  the first draw from the catch-up's output (a tree's root children) included (`_graph_draws`, eagle3_graphs.py),
+  eager elsewhere (`_draw_steps` over `_level_steps`).
 Every level after the first draws from uniforms taken for all of them at once, after the first level's draw (the
 same numbers, in the same order, that a draw per level takes from a CPU generator), so a graph reads them from a
-buffer and the eager and graph levels draw alike.
+buffer and the eager and graph levels draw alike; the graphs take the first level's in the eager draw's own calls.
 """
 from __future__ import annotations
 
