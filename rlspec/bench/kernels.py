@@ -17,10 +17,10 @@ where fused_ops measured that kernel faster than cuBLAS on the device):
   * head: the final norm, the LM head and the logits' conversion;
   * eagle3_level: one EAGLE-3 draft level (the drafter's layer and its draft-vocabulary logits);
   * launches_per_proposal, launches_per_level (over the proposal's depth): the kernels a sampled EAGLE-3 proposal
-    (depth 4, batch --batch, a 1-layer target; its catch-up, draws and the drafts' assembly) launches from Python,
-    outside any graph, a graph replay counted as one: eager (graph_mode "off") and from graphs (bookkeeping
-    emulated on the CPU: the ops a CUDA graph replays are not counted). On a GPU each is a launch the host makes
-    while the device waits for it, before the drafts come to the host.
+    (batch --batch, a 1-layer target; its catch-up, draws and the drafts' assembly; a chain of 4, and a tree of
+    two branches of 2) launches from Python, outside any graph, a graph replay counted as one: eager (graph_mode
+    "off") and from graphs (bookkeeping emulated on the CPU: the ops a CUDA graph replays are not counted). On a
+    GPU each is a launch the host makes, which the device waits for where it has nothing else queued.
 
     python -m rlspec.bench kernels          # a few seconds
 """

@@ -257,7 +257,7 @@ class DraftLevelGraphs:
         grid [r, 4, c] flattened (`Eagle3Drafter._grid`, padded to the key's (r, c) = shape) and then each row's index
         of its last real position [r]; s the context bucket; forward(grid, s) -> [r, c, H]
         (`Eagle3Drafter._catch_up_forward`). -> the rows' last outputs [r, H]: the frame's buffer, which the next
-        catch-up of this key overwrites (the proposal reads it before: its drafts come to the host after)."""
+        catch-up of this key overwrites (the proposal's levels read it first: they are queued before it)."""
         self._bind(held)
         r, c = shape
         key = ("catch_up", r, c, s)
