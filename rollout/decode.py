@@ -101,11 +101,14 @@ class DecodeSteps:
                                            top=batch.kv_len - batch.N - 1)
         verdict = self.verifier.verify(self._penalised(logits, batch, ctx), hiddens, batch, ctx.params,
                                        bound(ctx.draws, live), routed)
+        learned = self.speculation.learned is not None
+        if learned:  # the features staged at the positions held now, while the device runs the step (before the read)
+            accepted = verdict.accepted if batch.N else None
+            path = verdict.path if verdict.path is not None or accepted is None else chain_path(accepted, batch.N)
+            self.speculation.observe_verify(live, hiddens, path, accepted)
         step = self._fetch(logits, verdict, batch, ctx, live)  # logprobs from the raw logits (docs/verification.md)
-        if self.speculation.learned is not None:  # before commit: features staged at the positions held now
-            path = verdict.path if verdict.path is not None else \
-                chain_path(verdict.accepted if batch.N else logits.new_zeros(len(live), dtype=torch.long), batch.N)
-            self.speculation.observe_verify(live, hiddens, path, step.accepted, logits)
+        if learned:
+            self.speculation.observe_commit(live, step.accepted, logits)
         before = [len(s.completion_ids) for s in live]
         emitted = self._commit(live, step, batch.is_chain, ctx)
         self.proposer.after_commit(live, before, routed, step.kept)
@@ -148,8 +151,8 @@ class DecodeSteps:
         if lps is None:  # greedy, or a truncated law: the logprob of the raw logits (docs/verification.md)
             lps, flags = logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits)
         if self.speculation.learned is not None:  # the pending node only: a plain step accepts no draft
-            none = torch.empty(len(live), 0, dtype=torch.long, device=logits.device)
-            self.speculation.observe_verify(live, hiddens, none, [0] * len(live), logits, ahead)
+            self.speculation.observe_verify(live, hiddens, None, None, ahead)
+            self.speculation.observe_commit(live, [0] * len(live), logits)
         return PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh)
 
     def _look_ahead(self, live: list[Sequence], ctx: Call):

@@ -186,10 +186,17 @@ class Speculation:
         if self.learned is not None and hiddens:
             self.learned.observe_resume(seqs, self._features(hiddens))
 
-    def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor, accepted: list[int],
-                       logits: torch.Tensor, ahead: int = 0) -> None:
+    def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor, accepted: torch.Tensor | None,
+                       ahead: int = 0) -> None:
+        """A verify was launched: the learned drafter stages its features (accepted: the counts on the device, None
+        for a plain step) before the host reads the step; `observe_commit` once it has."""
         if self.learned is not None and hiddens:
-            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, logits, ahead)
+            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, ahead)
+
+    def observe_commit(self, seqs, accepted: list[int], logits: torch.Tensor) -> None:
+        """The host read the step `observe_verify` saw: accepted drafts per row."""
+        if self.learned is not None:
+            self.learned.observe_commit(seqs, accepted, logits)
 
     def observe_step(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                      drafted: list[int], accepted: list[int]) -> None:

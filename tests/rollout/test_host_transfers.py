@@ -204,3 +204,25 @@ def test_a_learned_drafter_adds_no_transfer(monkeypatch, graphs):
     steps = len(eng.batch_trace)
     assert eng.stats()["rollout/spec_step_share"] > 0.5 and steps >= 5
     assert len(calls) == 1 + steps, f"{len(calls)} transfers for one prefill and {steps} decode steps"
+
+
+def test_a_verifys_features_are_staged_before_the_host_reads_it(monkeypatch):
+    """A learned drafter stages a speculative step's features from the verifier's counts on the device, so the
+    device writes them while the host waits for the step's transfer: each step's read comes after its staging (read
+    first, a GPU would idle through the staging's host work after it)."""
+    from rlspec.rollout.runtime.kv_cache import PagedKVCache
+    from rlspec.rollout.runtime.transfers import Pending
+    from rlspec.rollout.speculation.selectors.base import Arm
+
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, tree_width=2, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, spec=spec, eos_token_ids=[2])
+    eng.speculation.force(Arm("eagle3", 4, 2))
+    log, write, rows = [], PagedKVCache.write_side, Pending.rows
+    monkeypatch.setattr(PagedKVCache, "write_side",
+                        lambda self, name, *a: (log.append("stage" if name == "eagle3/features" else name),
+                                                write(self, name, *a)))
+    monkeypatch.setattr(Pending, "rows", lambda self: (log.append("read"), rows(self))[1])
+    eng.generate(random_prompts(4, 3, 8, seed=3), SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
+    steps = len(eng.batch_trace)
+    assert eng.stats()["rollout/spec_step_share"] > 0.5 and steps >= 5
+    assert log[log.index("read") + 1:] == ["stage", "read"] * steps, log  # after the prefill's read

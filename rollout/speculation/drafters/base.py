@@ -148,11 +148,16 @@ class LearnedDrafter(Drafter, Protocol):
     def observe_resume(self, seqs: list[Sequence], feats) -> None:
         """Preempted sequences were prefilled again: feats [B, T, 3H] of positions 0..cache_len-1 of each."""
 
-    def observe_verify(self, seqs: list[Sequence], feats, path, accepted: list[int], logits, ahead: int = 0) -> None:
-        """feats [B, N+1, 3H] at every verified node; path [B, N] the accepted nodes (-1 after);
-        logits [B, N+1, V] float32: the target's raw logits at every node (a distillation target); ahead: plain
-        steps launched before this one that the host has not committed (the step's positions are each row's
-        cache_len + ahead on)."""
+    def observe_verify(self, seqs: list[Sequence], feats, path, accepted, ahead: int = 0) -> None:
+        """A verify was launched (the host has not read it): feats [B, N+1, 3H] at every verified node; path [B, N]
+        the accepted nodes (-1 after) and accepted [B] their counts, on the device (None: a plain step, which keeps
+        the pending node); ahead: plain steps launched before this one that the host has not committed (the step's
+        positions are each row's cache_len + ahead on). Stage what the next proposal reads without reading the
+        device."""
+
+    def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits) -> None:
+        """The host read the step `observe_verify` saw: accepted [B] drafts per row; logits [B, N+1, V] float32: the
+        target's raw logits at every node (a distillation target), valid until the next step is launched."""
 
     def evict(self, seq: Sequence) -> None:
         """seq was preempted: its blocks, with the drafter's KV layer and staged data, are gone; rebuild the

@@ -84,7 +84,9 @@ class Eagle3Drafter(ChainDraws):
         self.target_cache = None  # the engine's PagedKVCache, given at each start()
         self.policy_version = 0
         self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
-        self.committed: dict[int, int] = {}  # id(sequence) -> tokens its latest step committed (observe_verify)
+        self.committed: dict[int, int] = {}  # id(sequence) -> tokens its latest step committed (observe_commit)
+        self._verified = (None, None)  # the latest observe_verify's slots [B, N+1] and kept nodes, for observe_commit
+        self._arange: dict[int, torch.Tensor] = {}  # _columns
         # seconds of the latest proposal's catch-up spent on a backlog: positions beyond what the latest step
         # committed (the drafter sat out some steps). Drafting on every step never pays them, so the selector
         # keeps them out of the drafter's per-level cost (Speculation.observe_step)
@@ -177,27 +179,45 @@ class Eagle3Drafter(ChainDraws):
         if self.stages_dist:  # a recycled block may still say "has" from its previous owner
             cache.write_side("eagle3/dist_has", slots, torch.zeros(slots.shape, dtype=torch.bool, device=dev))
 
-    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor, accepted,
-                       logits: torch.Tensor | None = None, ahead: int = 0) -> None:
+    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor,
+                       accepted: torch.Tensor | None, ahead: int = 0) -> None:
         """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
         positions cache_len..cache_len+accepted of each row, `ahead` further on for a plain step launched before the
-        host committed the one in front of it (sequence i sits in table row i)."""
-        dev, cache = feats.device, self.target_cache
-        for s, a in zip(seqs, accepted):
-            self.committed[id(s)] = a + 1
-        n = feats.shape[1]
-        # positions cache_len .. cache_len + accepted (unkept nodes: the trash block), as slots from the host lists
-        slots = cache.ints([cache.host_slots(id(s), [s.cache_len + ahead + j if j <= a else -1 for j in range(n)])
-                            for s, a in zip(seqs, accepted)])
+        host committed the one in front of it (sequence i sits in table row i). accepted: the verifier's counts [B]
+        on the device (None: a plain step), so the features are staged before the host reads the step, while the
+        device still runs it; what needs the counts on the host waits for `observe_commit`."""
+        cache, n = self.target_cache, feats.shape[1]
+        # positions cache_len .. cache_len + N, as slots from the host lists; nodes past a row's accepted path go to
+        # the trash block below (their blocks, draft room, are the row's until the commit trims them)
+        slots = cache.ints([cache.host_slots(id(s), range(s.cache_len + ahead, s.cache_len + ahead + n)) for s in seqs])
         if n == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
-            nodes, kept = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), feats
+            nodes, kept = None, feats
         else:
+            slots.masked_fill_(self._columns(n, slots.device)[None, :] > accepted[:, None].to(slots.device),
+                               TRASH * cache.block_size)
             nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long, device=path.device), path.clamp(min=0)],
-                              1).to(dev)
+                              1).to(feats.device)
             kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
         cache.write_side("eagle3/features", slots, kept)
-        if self.stages_dist and self.bank_samples and logits is not None:
+        self._verified = (slots, nodes)
+
+    def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits: torch.Tensor | None = None) -> None:
+        """The host has the step `observe_verify` staged: accepted drafts per row. Each row's committed count (a
+        catch-up's backlog is what lies beyond it); with a trainer that learns from the target's law, that law at the
+        kept nodes (logits: the step's, not yet overwritten by the next replay)."""
+        for s, a in zip(seqs, accepted):
+            self.committed[id(s)] = a + 1
+        (slots, nodes), self._verified = self._verified, (None, None)
+        if slots is not None and self.stages_dist and self.bank_samples and logits is not None:
+            if nodes is None:
+                nodes = torch.zeros(len(seqs), 1, dtype=torch.long, device=logits.device)
             self._stage_dist(slots, nodes, accepted, logits)
+
+    def _columns(self, n: int, device) -> torch.Tensor:
+        """0..n-1 on the device, made once per n: a verify's node columns."""
+        if n not in self._arange:
+            self._arange[n] = torch.arange(n, device=device)
+        return self._arange[n]
 
     def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, accepted: list[int], logits: torch.Tensor) -> None:
         """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =

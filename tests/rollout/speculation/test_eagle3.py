@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
 from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.kv_cache import PagedKVCache
 from rlspec.rollout.runtime.model import kernels, loader
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.types import SamplingParams, SpecConfig
@@ -426,3 +427,64 @@ def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(
     first, later = chains[0], chains[1:]
     assert 0 < first[2] < first[1] and told[first[0]] == pytest.approx(first[1] - first[2])
     assert all(b == 0.0 and told[i] == d for i, d, b in later)
+
+
+class _Banked:
+    """Stands in for the drafter's trainer: keeps what finished samples bank (features, tokens, the target's law)."""
+    topk = 4
+
+    def __init__(self):
+        self.samples = []
+
+    def add(self, feats, ids, version, dist, temperature):
+        self.samples.append((feats.clone(), list(ids), dist))
+
+    def latest(self):
+        return None
+
+
+def test_tree_paths_bank_the_features_and_law_of_the_tokens_kept(monkeypatch):
+    """The features and the target's law staged at a step's kept nodes, before the host reads the step (the verifier's
+    counts on the device mask the rest), are those of the tokens kept: with drafts planted so that trees accept paths
+    off their first branch (the KV of the path moved into place), every banked position equals a fresh forward over
+    the sample."""
+    import random
+
+    hf = make_tiny_hf("llama", seed=4)
+    prompts = random_prompts(4, 3, 12, seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    ref = plain(hf, prompts, params)
+    eng = eagle_engine(hf, width=2, k=4)
+    drafter = eng.speculation.learned
+    rec = _Banked()
+    drafter.attach(rec)
+    rng, planted, draft = random.Random(0), Counter(), Eagle3Drafter._draft
+
+    def plant(self, seqs, h, depth, width):  # the truth on a random branch, up to a random depth; junk elsewhere
+        ids, q, kept = draft(self, seqs, h, depth, width)
+        ids = ids.clone()
+        for i, s in enumerate(seqs):
+            truth = ref[s.prompt_index][len(s.completion_ids):][:ids.shape[2]]
+            b, n = rng.randrange(ids.shape[1]), rng.randrange(ids.shape[2] + 1)
+            ids[i] = (ids[i] + 1) % hf.config.vocab_size
+            ids[i, b, :n] = torch.tensor(truth[:n])
+            planted["off the first branch" if b and n else "first branch" if n else "none"] += 1
+        return ids, q, kept
+
+    monkeypatch.setattr(Eagle3Drafter, "_draft", plant)
+    moved, gather = Counter(), PagedKVCache.gather_positions
+    monkeypatch.setattr(PagedKVCache, "gather_positions", lambda *a: (moved.update(["path"]), gather(*a)))
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
+    assert moved["path"] >= 5 and min(planted.values()) >= 5, (moved, planted)
+    assert len(rec.samples) == len(prompts)
+    for feats, ids, dist in rec.samples:
+        with torch.no_grad():
+            out = hf(torch.tensor([ids[:len(feats)]]), output_hidden_states=True)
+        torch.testing.assert_close(feats, torch.cat([out.hidden_states[i][0] for i in drafter.aux_layers], -1),
+                                   atol=1e-4, rtol=1e-4)
+        law = torch.softmax(out.logits[0].float(), -1)  # a greedy call's law: the softmax at temperature 1
+        generated = torch.nonzero(dist.has).flatten()
+        assert len(generated) >= len(feats) - 12  # every position after the prompt's
+        top = law[generated].topk(4, -1)
+        assert torch.equal(dist.ids[generated].long(), top.indices)
+        torch.testing.assert_close(dist.probs[generated].float(), top.values, atol=2e-3, rtol=1e-2)
