@@ -11,8 +11,8 @@ its closure, timed as device work. Per (mode, batch):
   * forward_ms: the device's work per step, timed the same way: the target forward (ModelRunner.step) and the
     drafter's graphs; host_ms = the rest: scheduling, drafting outside graphs, verification, the host transfer and
     the commit;
-  * exposed_ms: the median time from a step's read of its one host transfer to the next step's forward: what a
-    GPU idles through between two steps when the host reads a step before it launches the next (every
+  * exposed_ms: the median time from a step's read of its one host transfer to the next device work (the next
+    step's forward, or a learned drafter's first graph of the next proposal): what a GPU idles through between two steps when the host reads a step before it launches the next (every
     speculative step: drafting needs the committed tokens; a plain step looks ahead on CUDA, docs/runtime.md);
   * floor_ms: a bare loop of the same forward + sampling of the next token, no engine around it (plain rows only):
     the least a step can cost on this model;
@@ -94,7 +94,7 @@ def build(mode: str, batch: int, seed: int):
 class ForwardTimer:
     """Wraps the engine's ModelRunner.step and a learned drafter's graph replays: wall and CPU seconds of device work
     (target forwards of decode steps, the drafter's graphs); `inside` is > 0 while one runs (what host_counts leaves
-    out). Wraps its transfers' reads too: `gaps` holds the seconds from each read to the next forward
+    out). Wraps its transfers' reads too: `gaps` holds the seconds from each read to the next device work
     (exposed_ms)."""
 
     def __init__(self, engine):
@@ -106,13 +106,7 @@ class ForwardTimer:
         def send(*columns):
             return _TimedRead(to_host(*columns), self)
 
-        def step(*a, **kw):
-            if self.read_at is not None:
-                self.gaps.append(time.perf_counter() - self.read_at)
-                self.read_at = None
-            return self.device_work(inner, *a, **kw)
-
-        runner.step = step
+        runner.step = lambda *a, **kw: self.device_work(inner, *a, **kw)
         runner.transfers.to_host = send
         learned = engine.speculation.learned if engine.speculation is not None else None
         graphs = learned.level_graphs() if learned is not None else None
@@ -121,6 +115,9 @@ class ForwardTimer:
             graphs.graphs.replay = lambda *a, **kw: self.device_work(replay, *a, **kw)
 
     def device_work(self, fn, *a, **kw):
+        if self.read_at is not None:  # the first device work since the read: what a GPU idled through ends
+            self.gaps.append(time.perf_counter() - self.read_at)
+            self.read_at = None
         self.inside += 1
         try:
             t0, c0 = time.perf_counter(), time.process_time()
