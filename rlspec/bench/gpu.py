@@ -169,7 +169,9 @@ def header(args) -> dict:
                 **harness.source_state(), smoke=args.smoke,
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 torch=torch.__version__, transformers=transformers.__version__, triton=_version("triton"),
-                python=sys.version.split()[0])
+                python=sys.version.split()[0],
+                # what the carried trl/datasets (e2e) import from the machine's own packages
+                packages={p: _version(p) for p in ("pyarrow", "huggingface_hub", "accelerate", "fsspec")})
 
 
 def _version(package: str) -> str | None:
