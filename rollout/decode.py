@@ -101,12 +101,13 @@ class DecodeSteps:
                                            top=batch.kv_len - batch.N - 1)
         verdict = self.verifier.verify(self._penalised(logits, batch, ctx), hiddens, batch, ctx.params,
                                        bound(ctx.draws, live), routed)
+        emitted = self._emitted(verdict, batch)
         learned = self.speculation.learned is not None
-        if learned:  # the features staged at the positions held now, while the device runs the step (before the read)
+        if learned:  # while the device runs the step (before the read): features staged, an early catch-up
             accepted = verdict.accepted if batch.N else None
             path = verdict.path if verdict.path is not None or accepted is None else chain_path(accepted, batch.N)
-            self.speculation.observe_verify(live, hiddens, path, accepted)
-        step = self._fetch(logits, verdict, batch, ctx, live)  # logprobs from the raw logits (docs/verification.md)
+            self.speculation.observe_verify(live, hiddens, path, accepted, tokens=emitted)
+        step = self._fetch(logits, verdict, batch, ctx, live, emitted)  # logprobs from the raw logits
         if learned:
             self.speculation.observe_commit(live, step.accepted, logits)
         before = [len(s.completion_ids) for s in live]
@@ -220,20 +221,24 @@ class DecodeSteps:
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
         return [max(0, min(n, s.remaining - 1, room - s.cache_len)) for s, n in zip(live, nodes)]
 
-    def _fetch(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: Call, live: list[Sequence]) -> HostStep:
-        """The step's ONE host transfer (StepLayout): the emitted tokens and their target logprobs, computed on the
-        device, with each row's "logits finite" flag (NonFiniteLogitsError otherwise) and the verifier's own
-        columns (a lossy mode's sources and behaviour logprobs)."""
+    @staticmethod
+    def _emitted(verdict: StepVerdict, batch: DraftBatch) -> torch.Tensor:
+        """[B, N+1] on the device: the accepted drafts (node j+1 of a chain is draft j), then the next token at column
+        `accepted` (the columns past it are never read); a plain step's drawn token."""
+        if batch.N == 0:
+            return verdict.next_token[:, None]
+        drafts = batch.tokens[:, 1:] if batch.is_chain else batch.tokens.gather(1, verdict.path.clamp(min=0))
+        nxt = verdict.next_token[:, None]
+        return torch.cat([drafts, nxt], 1).scatter_(1, verdict.accepted[:, None], nxt)
+
+    def _fetch(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: Call, live: list[Sequence],
+               emitted: torch.Tensor) -> HostStep:
+        """The step's ONE host transfer (StepLayout): the emitted tokens (`_emitted`) and their target logprobs,
+        computed on the device, with each row's "logits finite" flag (NonFiniteLogitsError otherwise) and the
+        verifier's own columns (a lossy mode's sources and behaviour logprobs)."""
         tree, dev = not batch.is_chain, logits.device
         layout = StepLayout.of(batch.N, tree)
-        path = accepted = None
-        if batch.N == 0:  # plain decoding: the drawn token
-            emitted = verdict.next_token[:, None]
-        else:  # the accepted drafts (node j+1 of a chain is draft j), then the next token at column `accepted`
-            path, accepted = verdict.path, verdict.accepted
-            drafts = batch.tokens.gather(1, path.clamp(min=0)) if tree else batch.tokens[:, 1:]
-            nxt = verdict.next_token[:, None]
-            emitted = torch.cat([drafts, nxt], 1).scatter_(1, accepted[:, None], nxt)  # columns past it: unread
+        path, accepted = (None, None) if batch.N == 0 else (verdict.path, verdict.accepted)
         if verdict.logprob is not None and ctx.history is None:  # the draw gave both (un-penalised)
             lps, flags = verdict.logprob, verdict.finite
         elif not tree:  # token j is predicted at node j: the logits as they are, the flag over nodes 0..accepted
@@ -276,8 +281,10 @@ class DecodeSteps:
             path = step.path[i]
             if not is_chain and path[:a] != list(range(1, a + 1)):
                 start = s.cache_len
+                # the target's layers: a learned drafter's catch-up writes its own at the kept positions, and may
+                # have run already (eagle3_catch_up.py)
                 self.runner.cache.gather_positions(s.row, [start + n for n in path[:a]],
-                                                   [start + 1 + j for j in range(a)])
+                                                   [start + 1 + j for j in range(a)], self.model.cfg.num_layers)
             src = [1] * a + [0] if prov is None else prov.sources[i]  # draft-exact..., target
             kept += s.append(step.tokens[i][:a + 1], step.lps[i][:a + 1], stop, src,
                              None if prov is None else prov.behaviour[i])

@@ -288,13 +288,14 @@ class PagedKVCache:
             for buf in self.side.values():
                 buf[d] = buf[s]
 
-    def gather_positions(self, row: int, src: list[int], dst: list[int]) -> None:
-        """After tree verification: move accepted nodes' entries (all layers) to consecutive positions."""
+    def gather_positions(self, row: int, src: list[int], dst: list[int], layers: int | None = None) -> None:
+        """After tree verification: move accepted nodes' entries to consecutive positions, in the first `layers`
+        layers (default all: a drafter's own layers, which its catch-up writes at the kept positions, are left)."""
         idx = self.ints([[row] * len(src), src, dst])
         s = self.slots(idx[0], idx[1][:, None])[:, 0]
         d = self.slots(idx[0], idx[2][:, None])[:, 0]
         for buf in (self.k, self.v):
-            flat = buf.view(buf.shape[0], -1, *buf.shape[3:])
+            flat = buf[:layers].view(buf[:layers].shape[0], -1, *buf.shape[3:])
             flat[:, d] = flat[:, s]
 
     def reset(self) -> None:

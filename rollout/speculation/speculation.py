@@ -186,12 +186,13 @@ class Speculation:
         if self.learned is not None and hiddens:
             self.learned.observe_resume(seqs, self._features(hiddens))
 
-    def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor, accepted: torch.Tensor | None,
-                       ahead: int = 0) -> None:
+    def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor | None, accepted: torch.Tensor | None,
+                       ahead: int = 0, tokens: torch.Tensor | None = None) -> None:
         """A verify was launched: the learned drafter stages its features (accepted: the counts on the device, None
-        for a plain step) before the host reads the step; `observe_commit` once it has."""
+        for a plain step; tokens: the step's emitted tokens) before the host reads the step; `observe_commit` once
+        it has."""
         if self.learned is not None and hiddens:
-            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, ahead)
+            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, ahead, tokens)
 
     def observe_commit(self, seqs, accepted: list[int], logits: torch.Tensor) -> None:
         """The host read the step `observe_verify` saw: accepted drafts per row."""
@@ -210,6 +211,9 @@ class Speculation:
             self._feed_gate()
         if self.learned is not None and arm.drafter == self.learned.name:
             draft_seconds = max(draft_seconds - self.learned.backlog_seconds, 0.0)
+            early, self.learned.early_span = self.learned.early_span, None
+            if early is not None:  # the next proposal's catch-up, run before this step's read: drafting, not verify
+                seconds, draft_seconds = max(seconds - early.seconds(), 0.0), draft_seconds + early.seconds()
         self.selector.observe(arm, batch, seconds, draft_seconds, drafted, accepted)
 
     def evict(self, seq) -> None:

@@ -50,7 +50,9 @@ def test_cuda_graph_levels_give_the_eager_drafts_and_stay_exact(width, monkeypat
     caught_up = caught_up_both_ways(monkeypatch, "auto")
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
     graphed = [(c, key) for c, key in caught_up if key is not None]
-    assert len(caught_up) == len(compared) and len(graphed) >= len(compared) - 1  # the prompt's: eager if long
+    # a catch-up a proposal (the prompt's: eager if long), run early after the verify of the one before, and one
+    # after the last verify
+    assert len(compared) <= len(caught_up) <= len(compared) + 2 and len(graphed) >= len(compared) - 1
     graphs = eng.speculation.learned.level_graphs()
     assert graphs is not None and graphs.graphs.backend == "cuda"
     assert graphs.counts["captures"] == len(graphs.graphs.graphs) > 0

@@ -131,6 +131,7 @@ class LearnedDrafter(Drafter, Protocol):
     extra_kv_layers: int  # KV layers it keeps as extra layers of the engine's cache (they move with rows)
     version: int  # weights version; changes when a trainer publishes new weights
     backlog_seconds: float  # of the latest propose: catching up on steps it sat out (the selector leaves it out)
+    early_span: object  # device time of work for the next proposal run before the step's read (runtime.device.Span)
 
     def side_buffers(self) -> dict:
         """Per-position data it stages in the KV pool's blocks (kv_cache.SideSpec: name -> (shape, dtype)),
@@ -148,12 +149,13 @@ class LearnedDrafter(Drafter, Protocol):
     def observe_resume(self, seqs: list[Sequence], feats) -> None:
         """Preempted sequences were prefilled again: feats [B, T, 3H] of positions 0..cache_len-1 of each."""
 
-    def observe_verify(self, seqs: list[Sequence], feats, path, accepted, ahead: int = 0) -> None:
+    def observe_verify(self, seqs: list[Sequence], feats, path, accepted, ahead: int = 0, tokens=None) -> None:
         """A verify was launched (the host has not read it): feats [B, N+1, 3H] at every verified node; path [B, N]
         the accepted nodes (-1 after) and accepted [B] their counts, on the device (None: a plain step, which keeps
         the pending node); ahead: plain steps launched before this one that the host has not committed (the step's
-        positions are each row's cache_len + ahead on). Stage what the next proposal reads without reading the
-        device."""
+        positions are each row's cache_len + ahead on); tokens [B, N+1]: the step's emitted tokens (the accepted
+        drafts, then the next one), when the general step verified. Stage, and may start, what the next proposal
+        reads, without reading the device."""
 
     def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits) -> None:
         """The host read the step `observe_verify` saw: accepted [B] drafts per row; logits [B, N+1, V] float32: the

@@ -29,21 +29,18 @@ import time
 import torch
 
 from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft, DraftTensors
+from rlspec.rollout.speculation.drafters.eagle3_catch_up import CatchUp
 from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws
 from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
-from rlspec.rollout.speculation.drafters.eagle3_graphs import (GRAPH_MODES, MAX_CATCH_UP_POSITIONS, DraftLevelGraphs,
-                                                               Held)
+from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, DraftLevelGraphs
 from rlspec.rollout.speculation.drafters.eagle3_model import Eagle3Config, Eagle3Model
 from rlspec.rollout.runtime.blocks import TRASH
 from rlspec.rollout.runtime.model import kernels
-from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
-from rlspec.rollout.runtime.model.linear import fast_linear
-from rlspec.rollout.runtime.model.attention import attend_dense
 from rlspec.rollout.speculation.training.feature_buffer import Dist, law_top_k
 from rlspec.rollout.runtime.sequence import Sequence
 
 
-class Eagle3Drafter(ChainDraws):
+class Eagle3Drafter(ChainDraws, CatchUp):
     name = "eagle3"
     extra_kv_layers = 1
 
@@ -86,7 +83,10 @@ class Eagle3Drafter(ChainDraws):
         self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
         self.committed: dict[int, int] = {}  # id(sequence) -> tokens its latest step committed (observe_commit)
         self._verified = (None, None)  # the latest observe_verify's slots [B, N+1] and kept nodes, for observe_commit
-        self._arange: dict[int, torch.Tensor] = {}  # _columns
+        self._consts: dict = {}  # small index tensors made once (CatchUp._columns, _padding)
+        self._proposed = None  # the rows of a proposal whose verify has not been staged yet (observe_verify)
+        self._early = None  # the early catch-up's ({id(sequence): row}, last outputs [B, H]) (eagle3_catch_up.py)
+        self.early_span = None  # its device seconds, for the selector's drafting cost (Speculation.observe_step)
         # seconds of the latest proposal's catch-up spent on a backlog: positions beyond what the latest step
         # committed (the drafter sat out some steps). Drafting on every step never pays them, so the selector
         # keeps them out of the drafter's per-level cost (Speculation.observe_step)
@@ -179,17 +179,23 @@ class Eagle3Drafter(ChainDraws):
         if self.stages_dist:  # a recycled block may still say "has" from its previous owner
             cache.write_side("eagle3/dist_has", slots, torch.zeros(slots.shape, dtype=torch.bool, device=dev))
 
-    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor,
-                       accepted: torch.Tensor | None, ahead: int = 0) -> None:
+    def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor | None,
+                       accepted: torch.Tensor | None, ahead: int = 0, tokens: torch.Tensor | None = None) -> None:
         """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
         positions cache_len..cache_len+accepted of each row, `ahead` further on for a plain step launched before the
         host committed the one in front of it (sequence i sits in table row i). accepted: the verifier's counts [B]
         on the device (None: a plain step), so the features are staged before the host reads the step, while the
-        device still runs it; what needs the counts on the host waits for `observe_commit`."""
+        device still runs it; what needs the counts on the host waits for `observe_commit`. tokens [B, N+1]: the
+        step's emitted tokens; with them, a verify of this drafter's own proposal runs the next catch-up now
+        (eagle3_catch_up.py)."""
         cache, n = self.target_cache, feats.shape[1]
-        # positions cache_len .. cache_len + N, as slots from the host lists; nodes past a row's accepted path go to
-        # the trash block below (their blocks, draft room, are the row's until the commit trims them)
-        slots = cache.ints([cache.host_slots(id(s), range(s.cache_len + ahead, s.cache_len + ahead + n)) for s in seqs])
+        # an early run serves the next proposal only, and its seconds this step's
+        proposed, self._proposed, self._early, self.early_span = self._proposed, None, None, None
+        starts = [s.cache_len + ahead for s in seqs]
+        # positions cache_len .. cache_len + N as slots from the host lists, then each row's start; nodes past a row's
+        # accepted path go to the trash block below (their blocks, draft room, are the row's until the commit trims)
+        packed = cache.ints([cache.host_slots(id(s), range(st, st + n)) + [st] for s, st in zip(seqs, starts)])
+        slots = packed[:, :n]
         if n == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
             nodes, kept = None, feats
         else:
@@ -200,24 +206,24 @@ class Eagle3Drafter(ChainDraws):
             kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
         cache.write_side("eagle3/features", slots, kept)
         self._verified = (slots, nodes)
+        if tokens is not None and accepted is not None and proposed == [id(s) for s in seqs]:
+            self._catch_up_early(seqs, starts, packed[:, n], slots, tokens, accepted)
 
     def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits: torch.Tensor | None = None) -> None:
         """The host has the step `observe_verify` staged: accepted drafts per row. Each row's committed count (a
-        catch-up's backlog is what lies beyond it); with a trainer that learns from the target's law, that law at the
+        catch-up's backlog is what lies beyond it), and for the rows an early catch-up ran, the positions it wrote
+        (the row's length after this commit); with a trainer that learns from the target's law, that law at the
         kept nodes (logits: the step's, not yet overwritten by the next replay)."""
+        ran = self._early[0] if self._early is not None else {}
         for s, a in zip(seqs, accepted):
             self.committed[id(s)] = a + 1
+            if id(s) in ran:
+                self.valid[id(s)] = s.cache_len + a + 1
         (slots, nodes), self._verified = self._verified, (None, None)
         if slots is not None and self.stages_dist and self.bank_samples and logits is not None:
             if nodes is None:
                 nodes = torch.zeros(len(seqs), 1, dtype=torch.long, device=logits.device)
             self._stage_dist(slots, nodes, accepted, logits)
-
-    def _columns(self, n: int, device) -> torch.Tensor:
-        """0..n-1 on the device, made once per n: a verify's node columns."""
-        if n not in self._arange:
-            self._arange[n] = torch.arange(n, device=device)
-        return self._arange[n]
 
     def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, accepted: list[int], logits: torch.Tensor) -> None:
         """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
@@ -280,6 +286,7 @@ class Eagle3Drafter(ChainDraws):
         caps = [cap if ok else 0 for cap, ok in zip(max_tokens, ready)]
         if kept is not None:
             caps = [min(cap, int(k)) for cap, (k,) in zip(caps, self.target_cache.host_rows(kept[:, None]))]
+        self._proposed = [id(s) for s in seqs]  # its verify may run the next catch-up early (observe_verify)
         return DraftTensors(ids, q, caps)
 
     def level_graphs(self) -> DraftLevelGraphs | None:
@@ -299,90 +306,6 @@ class Eagle3Drafter(ChainDraws):
             self.version, state = latest
             self.model.load_state_dict(state)
             self.valid = {k: 0 for k in self.valid}  # drafter KV came from the old weights
-
-    def _catch_up(self, seqs: list[Sequence]):
-        """Run the positions each sequence has not yet shown the drafter; returns its last output [B, H], which
-        rows had any, and the backlog's share of the positions run (those beyond each row's latest commit). Where
-        the levels come from graphs, so does a catch-up of up to MAX_CATCH_UP_POSITIONS a row
-        (`DraftLevelGraphs.catch_up`, one graph per row bucket, positions bucket and context bucket): eagerly it is
-        ~50 kernel launches a proposal, each a few microseconds of host time that a small batch's GPU waits for."""
-        B = len(seqs)
-        cache = self.target_cache
-        starts = [self.valid[id(s)] for s in seqs]
-        counts = [s.cache_len - st for s, st in zip(seqs, starts)]
-        backlog = sum(max(0, c - self.committed.get(id(s), 1)) for s, c in zip(seqs, counts)) / max(sum(counts), 1)
-        C = max(max(counts), 1)
-        # whole blocks are read; start + C may pass the table for a row with a short catch-up beside a long
-        # one (a preempted sequence catches up from 0), but its real keys end before its own start + count
-        S = min(-(-(max(starts) + C) // cache.block_size) * cache.block_size, cache.length)
-        # the fused op (a bf16 CPU) up to its token count: a long catch-up (a drafter unused for a while) is a
-        # product of many rows, which oneDNN does better than our kernel
-        fused = self.fused is not None and S % cache.block_size == 0 and B * C <= FUSED_MAX_TOKENS
-        graphs = None if fused or C > MAX_CATCH_UP_POSITIONS else self.level_graphs()
-        if graphs is not None:
-            held = self._held()
-            r, c, s = graphs.catch_up_key(B, C, S, held)
-            last = [max(n - 1, 0) for n in counts] + [0] * (r - B)
-            h = graphs.catch_up(held, cache.ints(self._grid(seqs, starts, counts, r, c) + last), (r, c), s,
-                                self._catch_up_forward)[:B]
-        else:
-            dev = cache.table.device
-            out = self._catch_up_forward(cache.ints(self._grid(seqs, starts, counts, B, C)).view(B, 4, C), S, fused)
-            # every row ran C positions (one index op fewer: most steps)
-            h = out[:, C - 1] if min(counts) == C else \
-                out[torch.arange(B, device=dev), cache.ints([max(n - 1, 0) for n in counts])]
-        for seq in seqs:
-            self.valid[id(seq)] = seq.cache_len
-        return h, [n > 0 for n in counts], backlog
-
-    def _grid(self, seqs: list[Sequence], starts: list[int], counts: list[int], rows: int, width: int) -> list[int]:
-        """A catch-up's inputs, [rows, 4, width] flattened, on the host: per row and query j its token (the embedding
-        of t + 1), the slot its key goes to, its RoPE position and the last position it sees (its cached context
-        and own prefix). Queries past a row's count, and rows past the sequences (a graph's padding), write to the
-        trash block and are never read. One flat list, one tensor: a catch-up is a few positions a row, and each
-        small op (or a nested list's conversion) costs more than its work."""
-        cache, top = self.target_cache, self.target.rope_cos.shape[0] - 1
-        grid = []
-        for s, st, c in zip(seqs, starts, counts):
-            pad = [0] * (width - c)
-            grid += s.ids(st + 1, st + 1 + c) + pad
-            grid += cache.host_slots(id(s), [st + j if j < c else -1 for j in range(width)])
-            grid += [min(st + j, top) for j in range(c)] + pad
-            grid += range(st, st + width)
-        padding = [0] * width + [TRASH * cache.block_size] * width + [0] * width + list(range(width))
-        return grid + padding * (rows - len(seqs))
-
-    def _held(self) -> Held:
-        """What the drafter's graphs read and write in place (eagle3_graphs.Held)."""
-        cache, L = self.target_cache, self.target.cfg.num_layers
-        return Held(cache.k[L], cache.v[L], cache.table, cache.side["eagle3/features"], *self._rope_tables_now(),
-                    cache.block_size, cache.length)
-
-    def _catch_up_forward(self, grid: torch.Tensor, S: int, fused: bool = False) -> torch.Tensor:
-        """The drafter over a catch-up's grid [R, 4, C] on the device (table rows 0..R-1), attending over cache
-        positions 0..S-1 of its KV layer, which it writes: -> outputs [R, C, H]; fused: as one op (eagle3_fused.py,
-        `_catch_up` decides). What a catch-up graph captures (never fused)."""
-        cache, L = self.target_cache, self.target.cfg.num_layers
-        R, dev = grid.shape[0], grid.device
-        toks, slots, pos, sees = grid.unbind(1)
-        rows = torch.arange(R, device=dev)
-        feats = cache.read_side("eagle3/features", slots)  # [R, C, 3H]; padding reads the trash block, masked
-        visible = (torch.arange(S, device=dev) <= sees[..., None])[:, None]  # [R, 1, C, S]
-        # whole blocks: read in place (the kernel, the fused op), as target steps do
-        blocks = cache.table[rows, : S // cache.block_size] if S % cache.block_size == 0 else None
-
-        def attend(q, k, v):
-            cache.write(L, slots, k.transpose(1, 2), v.transpose(1, 2))
-            if blocks is not None and kernels.attention_usable(q, cache.k[L]):
-                return kernels.paged_attention(q, cache.k[L], cache.v[L], blocks, visible, q.shape[-1] ** -0.5)
-            keys, values = cache.gather(L, rows, S)
-            return attend_dense(q, keys, values, visible)
-
-        with torch.inference_mode():
-            if fused:  # one op, attending in place (eagle3_fused.py)
-                return self.fused.step(fast_linear(self.model.fc, feats), self._embed(toks), *self._rope(pos),
-                                       cache.k[L], cache.v[L], slots, blocks, visible)
-            return self.model(feats, self._embed(toks), *self._rope(pos), attend)
 
 
 @DRAFTERS.register("eagle3", learned=True, auto=True)

@@ -233,20 +233,18 @@ def test_bf16_catch_up_attends_through_the_kernel(monkeypatch):
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, spec=spec, eos_token_ids=[2])
     eng.speculation.force(Arm("eagle3", 3, 1))
-    real, usable, pairs = Eagle3Drafter._catch_up, kernels.attention_usable, []
+    real, usable, pairs = Eagle3Drafter._run_catch_up, kernels.attention_usable, []
 
-    def both(self, seqs):
-        valid = dict(self.valid)
+    def both(self, *a):
         with monkeypatch.context() as m:
             m.setattr(kernels, "attention_usable", lambda q, pool: False)
-            ref = real(self, seqs)[0]
-        self.valid = valid
+            ref = real(self, *a)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            out = real(self, seqs)
-        pairs.append((out[0], ref, any(e.key == "rlspec_kernels::paged_attention" for e in prof.key_averages())))
+            out = real(self, *a)
+        pairs.append((out, ref, any(e.key == "rlspec_kernels::paged_attention" for e in prof.key_averages())))
         return out
 
-    monkeypatch.setattr(Eagle3Drafter, "_catch_up", both)
+    monkeypatch.setattr(Eagle3Drafter, "_run_catch_up", both)
     eng.generate(random_prompts(2, 6, 12, seed=7), SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
     assert len(pairs) >= 5 and all(used for *_, used in pairs) and usable is kernels.attention_usable
     for got, ref, _ in pairs:
@@ -268,7 +266,7 @@ def test_fused_draft_steps_are_the_networks(monkeypatch):
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, spec=spec, eos_token_ids=[2])
     eng.speculation.force(Arm("eagle3", 3, 1))
-    catch_up, draft, pairs, chains = Eagle3Drafter._catch_up, Eagle3Drafter._draft, [], []
+    catch_up, draft, pairs, chains = Eagle3Drafter._run_catch_up, Eagle3Drafter._draft, [], []
     chain, logits = FusedDraftLayer.chain, Eagle3Model.logits
     got_logits, ref_logits = [], []
 
@@ -281,13 +279,13 @@ def test_fused_draft_steps_are_the_networks(monkeypatch):
         ref_logits.append(logits(self, out))
         return ref_logits[-1]
 
-    def both_catch_up(self, seqs):
-        valid, layer = dict(self.valid), self.fused
+    def both_catch_up(self, *a):
+        layer = self.fused
         self.fused = None
-        ref = catch_up(self, seqs)[0]
-        self.valid, self.fused = valid, layer
-        out = catch_up(self, seqs)
-        pairs.append((out[0], ref))
+        ref = catch_up(self, *a)
+        self.fused = layer
+        out = catch_up(self, *a)
+        pairs.append((out, ref))
         return out
 
     def both_draft(self, seqs, h, depth, width):
@@ -303,12 +301,13 @@ def test_fused_draft_steps_are_the_networks(monkeypatch):
         return out
 
     monkeypatch.setattr(FusedDraftLayer, "chain", chained)
-    monkeypatch.setattr(Eagle3Drafter, "_catch_up", both_catch_up)
+    monkeypatch.setattr(Eagle3Drafter, "_run_catch_up", both_catch_up)
     monkeypatch.setattr(Eagle3Drafter, "_draft", both_draft)
     prompts = random_prompts(2, 6, 12, seed=7)
     params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     got = [r.completion_ids for r in eng.generate(prompts, params)]
-    assert len(pairs) >= 5 and len(chains) == len(pairs)  # every proposal's chain through the op
+    # every proposal's chain through the op; a catch-up a proposal, and the early one after the last verify
+    assert len(chains) >= 5 and len(chains) <= len(pairs) <= len(chains) + 1
     for out, ref in pairs:
         torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.05)
     compared = 0
@@ -400,7 +399,8 @@ def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(
     """A drafter that sat out steps catches up on their positions at its next proposal (its backlog). The selector
     learns drafting's cost from the seconds without that backlog: drafting on every step never pays it. The first
     chain after plain steps has a backlog and the selector is told less than the proposal took; the chains after
-    it, each catching up on the previous step's commit only, have none."""
+    it, each catching up on the previous step's commit only, have none. Each chain's step also runs the next
+    proposal's catch-up before its read (eagle3_catch_up.py): the selector is told those seconds as drafting."""
     from rlspec.rollout.speculation.selectors.base import OFF
     from rlspec.rollout.speculation.speculation import Speculation
 
@@ -412,7 +412,8 @@ def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(
     observe_step, observe = Speculation.observe_step, eng.speculation.selector.observe
 
     def spy_step(self, arm, batch, seconds, draft_seconds, *rest):
-        seen.append((arm, draft_seconds, self.learned.backlog_seconds))
+        early = self.learned.early_span
+        seen.append((arm, draft_seconds, self.learned.backlog_seconds, early.seconds() if early else 0.0))
         return observe_step(self, arm, batch, seconds, draft_seconds, *rest)
 
     monkeypatch.setattr(Speculation, "observe_step", spy_step)
@@ -422,11 +423,11 @@ def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(
                                                                                    *rest)))
     params = SamplingParams(temperature=1.0, max_new_tokens=14, ignore_eos=True, seed=0)
     eng.generate(random_prompts(1, 5, 8, seed=5), params)
-    chains = [(i, d, b) for i, (arm, d, b) in enumerate(seen) if arm.speculative]
-    assert len(chains) >= 3 and chains[0][0] == 6
+    chains = [(i, d, b, e) for i, (arm, d, b, e) in enumerate(seen) if arm.speculative]
+    assert len(chains) >= 3 and chains[0][0] == 6 and all(e > 0 for *_, e in chains)
     first, later = chains[0], chains[1:]
-    assert 0 < first[2] < first[1] and told[first[0]] == pytest.approx(first[1] - first[2])
-    assert all(b == 0.0 and told[i] == d for i, d, b in later)
+    assert 0 < first[2] < first[1] and told[first[0]] == pytest.approx(first[1] - first[2] + first[3])
+    assert all(b == 0.0 and told[i] == pytest.approx(d + e) for i, d, b, e in later)
 
 
 class _Banked:
@@ -488,3 +489,73 @@ def test_tree_paths_bank_the_features_and_law_of_the_tokens_kept(monkeypatch):
         top = law[generated].topk(4, -1)
         assert torch.equal(dist.ids[generated].long(), top.indices)
         torch.testing.assert_close(dist.probs[generated].float(), top.values, atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("width,graphs", [(1, "off"), (2, "off"), (1, "emulate"), (2, "emulate")])
+def test_early_catch_up_gives_the_proposals_own(width, graphs, monkeypatch):
+    """The catch-up run before the host reads a verify of the drafter's own drafts (eagle3_catch_up.py) gives the
+    next proposal what its own catch-up would: greedy rollouts with drafts planted so that trees accept paths off
+    their first branch (whose KV the commit moves after the early run wrote the drafter's), rows admitted beside
+    rows still going (a proposal of early and caught-up rows) and plain steps between proposals (an early run no
+    proposal takes), eagerly and through the drafter's (emulated) graphs. Every proposal's catch-up outputs equal
+    those of the same rollout with no early run, to rounding."""
+    import random
+
+    from rlspec.rollout.speculation.selectors.base import OFF
+    from rlspec.rollout.speculation.speculation import Speculation
+
+    hf = make_tiny_hf("llama", seed=8)
+    prompts = random_prompts(8, 3, 12, seed=8)
+    params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    ref = plain(hf, prompts, params)
+    weights = None
+
+    def rollout(early: bool):
+        nonlocal weights
+        eng = eagle_engine(hf, width=width, k=4, force=False, max_num_seqs=3)
+        drafter = eng.speculation.learned
+        drafter.graph_mode = graphs
+        if weights is None:
+            with torch.no_grad():
+                drafter.model.lm_head.weight.mul_(8.0)  # drafts that differ between rows and positions
+            weights = drafter.model.state_dict()
+        drafter.model.load_state_dict(weights)
+        steps, rng, kinds, outputs = [], random.Random(0), Counter(), []
+        arm = Arm("eagle3", 4, width)  # three proposals, then a plain step
+        monkeypatch.setattr(Speculation, "choose", lambda self, b: steps.append(b) or (arm if len(steps) % 4 else OFF))
+        draft, catch_up, moved = Eagle3Drafter._draft, Eagle3Drafter._catch_up, Counter()
+
+        def plant(self, seqs, h, depth, w):  # the truth on a random branch, up to a random depth; junk elsewhere
+            ids, q, kept = draft(self, seqs, h, depth, w)
+            ids = (ids + 1) % hf.config.vocab_size
+            for i, s in enumerate(seqs):
+                truth = ref[s.prompt_index][len(s.completion_ids):][:ids.shape[2]]
+                b, n = rng.randrange(ids.shape[1]), rng.randrange(len(truth) + 1)
+                ids[i, b, :n] = torch.tensor(truth[:n])
+            return ids, q, kept
+
+        def noted(self, seqs):
+            ran = self._early[0] if self._early else {}
+            mine = sum(s.cache_len == self.valid[id(s)] and id(s) in ran for s in seqs)
+            kinds["early" if mine == len(seqs) else "mixed" if mine else "caught up"] += 1
+            out = catch_up(self, seqs)
+            outputs.append(out[0].clone())
+            return out
+
+        gather = PagedKVCache.gather_positions
+        monkeypatch.setattr(PagedKVCache, "gather_positions", lambda *a: (moved.update(["path"]), gather(*a)))
+        monkeypatch.setattr(Eagle3Drafter, "_draft", plant)
+        monkeypatch.setattr(Eagle3Drafter, "_catch_up", noted)
+        if not early:
+            monkeypatch.setattr(Eagle3Drafter, "_catch_up_early", lambda self, *a: None)
+        assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
+        monkeypatch.undo()
+        return outputs, kinds, moved
+
+    want, _, _ = rollout(False)
+    got, kinds, moved = rollout(True)
+    assert len(got) == len(want) >= 20, (len(got), kinds)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert kinds["early"] >= 5 and kinds["mixed"] >= 1 and kinds["caught up"] >= 3, kinds
+    assert width == 1 or moved["path"] >= 3
