@@ -102,12 +102,13 @@ class DecodeSteps:
         verdict = self.verifier.verify(self._penalised(logits, batch, ctx), hiddens, batch, ctx.params,
                                        bound(ctx.draws, live), routed)
         emitted = self._emitted(verdict, batch)
+        layout, sent = self._send(logits, verdict, batch, ctx, live, emitted)  # logprobs from the raw logits
         learned = self.speculation.learned is not None
-        if learned:  # while the device runs the step (before the read): features staged, an early catch-up
+        if learned:  # queued behind the transfer, run while the host reads it: features staged, an early catch-up
             accepted = verdict.accepted if batch.N else None
             path = verdict.path if verdict.path is not None or accepted is None else chain_path(accepted, batch.N)
             self.speculation.observe_verify(live, hiddens, path, accepted, tokens=emitted)
-        step = self._fetch(logits, verdict, batch, ctx, live, emitted)  # logprobs from the raw logits
+        step = self._read(layout, sent, verdict, live, ctx)
         if learned:
             self.speculation.observe_commit(live, step.accepted, logits)
         before = [len(s.completion_ids) for s in live]
@@ -231,11 +232,11 @@ class DecodeSteps:
         nxt = verdict.next_token[:, None]
         return torch.cat([drafts, nxt], 1).scatter_(1, verdict.accepted[:, None], nxt)
 
-    def _fetch(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: Call, live: list[Sequence],
-               emitted: torch.Tensor) -> HostStep:
-        """The step's ONE host transfer (StepLayout): the emitted tokens (`_emitted`) and their target logprobs,
-        computed on the device, with each row's "logits finite" flag (NonFiniteLogitsError otherwise) and the
-        verifier's own columns (a lossy mode's sources and behaviour logprobs)."""
+    def _send(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: Call, live: list[Sequence],
+              emitted: torch.Tensor) -> tuple[StepLayout, Pending]:
+        """The step's ONE host transfer (StepLayout), launched: the emitted tokens (`_emitted`) and their target
+        logprobs, computed on the device, with each row's "logits finite" flag and the verifier's own columns (a
+        lossy mode's sources and behaviour logprobs)."""
         tree, dev = not batch.is_chain, logits.device
         layout = StepLayout.of(batch.N, tree)
         path, accepted = (None, None) if batch.N == 0 else (verdict.path, verdict.accepted)
@@ -252,7 +253,13 @@ class DecodeSteps:
             keep = None if accepted is None else \
                 torch.arange(emitted.shape[1], device=dev)[None, :] <= accepted[:, None]
             ctx.history.mark(torch.arange(len(live), device=dev), emitted, keep)
-        rows = layout.send(self.runner.transfers, accepted, path, emitted, lps, flags, verdict.columns).rows()
+        return layout, layout.send(self.runner.transfers, accepted, path, emitted, lps, flags, verdict.columns)
+
+    def _read(self, layout: StepLayout, sent: Pending, verdict: StepVerdict, live: list[Sequence],
+              ctx: Call) -> HostStep:
+        """The step's transfer on the host (waiting for it): NonFiniteLogitsError for a row whose flag says a logit
+        was not finite."""
+        rows = sent.rows()
         self._check_finite(layout.bad_rows(rows), live, ctx.steps, f"decode step {ctx.steps}")
         step = layout.read(rows)
         if verdict.columns:

@@ -23,7 +23,8 @@ from tests.conftest import make_tiny_hf, random_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_METHODS = {"cpu", "tolist", "item", "numpy", "nonzero"}
-DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_fetch", "_commit", "_retire", "_prefill", "read", "send"}
+DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_send", "_read", "_commit", "_retire", "_prefill", "read",
+                 "send"}
 # (file, function) -> host calls allowed there: the one packed transfer of each step; outside the decode loop's path,
 # the drafts' host form (the loop takes DraftTensors) and a checkpoint's copy of the drafter
 ALLOWED = {("rollout/runtime/transfers.py", "rows"): {"tolist"},
@@ -63,7 +64,7 @@ def test_static_check_sees_the_one_allowed_transfer(tmp_path, monkeypatch):
     assert ("rows", "tolist") in {(fn, m) for fn, _, m in host_calls("rollout/runtime/transfers.py")}
     planted = tmp_path / "rollout" / "decode.py"  # and it sees planted ones of every kind
     planted.parent.mkdir()
-    planted.write_text("def _fetch(x):\n    return x.argmax(-1).tolist(), x.cpu(), x.nonzero(), x.to('cpu'), "
+    planted.write_text("def _send(x):\n    return x.argmax(-1).tolist(), x.cpu(), x.nonzero(), x.to('cpu'), "
                        "x.to(x.device)\n")
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     assert [m for _, _, m in host_calls("rollout/decode.py")] == ["tolist", "cpu", "nonzero", "to"]
@@ -206,23 +207,32 @@ def test_a_learned_drafter_adds_no_transfer(monkeypatch, graphs):
     assert len(calls) == 1 + steps, f"{len(calls)} transfers for one prefill and {steps} decode steps"
 
 
-def test_a_verifys_features_are_staged_before_the_host_reads_it(monkeypatch):
-    """A learned drafter stages a speculative step's features from the verifier's counts on the device, so the
-    device writes them while the host waits for the step's transfer: each step's read comes after its staging (read
-    first, a GPU would idle through the staging's host work after it)."""
+def test_a_verifys_features_and_the_next_catch_up_are_queued_behind_its_transfer(monkeypatch):
+    """A learned drafter stages a speculative step's features from the verifier's counts on the device, and runs the
+    next proposal's catch-up from them (eagle3_catch_up.py), after the step's transfer is launched and before the host
+    reads it: on a GPU the host waits for the verify alone, and commits while the device stages and catches up (the
+    other way round, the device idles through the staging's and the catch-up's host work after the read)."""
     from rlspec.rollout.runtime.kv_cache import PagedKVCache
-    from rlspec.rollout.runtime.transfers import Pending
+    from rlspec.rollout.runtime.transfers import Pending, Transfers
+    from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
     from rlspec.rollout.speculation.selectors.base import Arm
 
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, tree_width=2, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, spec=spec, eos_token_ids=[2])
     eng.speculation.force(Arm("eagle3", 4, 2))
-    log, write, rows = [], PagedKVCache.write_side, Pending.rows
+    log, write, rows, send, early = [], PagedKVCache.write_side, Pending.rows, Transfers.to_host, \
+        Eagle3Drafter._catch_up_early
     monkeypatch.setattr(PagedKVCache, "write_side",
                         lambda self, name, *a: (log.append("stage" if name == "eagle3/features" else name),
                                                 write(self, name, *a)))
     monkeypatch.setattr(Pending, "rows", lambda self: (log.append("read"), rows(self))[1])
+    monkeypatch.setattr(Transfers, "to_host", lambda self, *a: (log.append("send"), send(self, *a))[1])
+    monkeypatch.setattr(Eagle3Drafter, "_catch_up_early", lambda self, *a: (log.append("catch up"), early(self, *a)))
     eng.generate(random_prompts(4, 3, 8, seed=3), SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
     steps = len(eng.batch_trace)
     assert eng.stats()["rollout/spec_step_share"] > 0.5 and steps >= 5
-    assert log[log.index("read") + 1:] == ["stage", "read"] * steps, log  # after the prefill's read
+    chunks = " ".join(log[log.index("read") + 1:]).split(" read")  # after the prefill's read: a chunk a step
+    assert chunks[-1] == "" and len(chunks) == steps + 1, log
+    # each step sends, stages and (after a verify of a proposal: all but a step nobody drafted in) catches up
+    assert all(c.strip() in ("send stage", "send stage catch up") for c in chunks[:-1]), chunks
+    assert sum(c.endswith("catch up") for c in chunks) >= steps - 2, chunks

@@ -83,7 +83,7 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         self.valid: dict[int, int] = {}  # id(sequence) -> positions whose drafter KV is written
         self.committed: dict[int, int] = {}  # id(sequence) -> tokens its latest step committed (observe_commit)
         self._verified = (None, None)  # the latest observe_verify's slots [B, N+1] and kept nodes, for observe_commit
-        self._consts: dict = {}  # small index tensors made once (CatchUp._columns, _padding)
+        self._consts: dict = {}  # small index tensors made once (CatchUp._columns)
         self._proposed = None  # the rows of a proposal whose verify has not been staged yet (observe_verify)
         self._early = None  # the early catch-up's ({id(sequence): row}, last outputs [B, H]) (eagle3_catch_up.py)
         self.early_span = None  # its device seconds, for the selector's drafting cost (Speculation.observe_step)
@@ -192,10 +192,9 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         # an early run serves the next proposal only, and its seconds this step's
         proposed, self._proposed, self._early, self.early_span = self._proposed, None, None, None
         starts = [s.cache_len + ahead for s in seqs]
-        # positions cache_len .. cache_len + N as slots from the host lists, then each row's start; nodes past a row's
-        # accepted path go to the trash block below (their blocks, draft room, are the row's until the commit trims)
-        packed = cache.ints([cache.host_slots(id(s), range(st, st + n)) + [st] for s, st in zip(seqs, starts)])
-        slots = packed[:, :n]
+        # positions cache_len .. cache_len + N as slots from the host lists; nodes past a row's accepted path go to
+        # the trash block below (their blocks, draft room, are the row's until the commit trims them)
+        slots = cache.ints([cache.host_slots(id(s), range(st, st + n)) for s, st in zip(seqs, starts)])
         if n == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
             nodes, kept = None, feats
         else:
@@ -207,7 +206,7 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         cache.write_side("eagle3/features", slots, kept)
         self._verified = (slots, nodes)
         if tokens is not None and accepted is not None and proposed == [id(s) for s in seqs]:
-            self._catch_up_early(seqs, starts, packed[:, n], slots, tokens, accepted)
+            self._catch_up_early(seqs, starts, slots, tokens, accepted)
 
     def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits: torch.Tensor | None = None) -> None:
         """The host has the step `observe_verify` staged: accepted drafts per row. Each row's committed count (a

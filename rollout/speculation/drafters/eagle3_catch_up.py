@@ -22,7 +22,6 @@ a preemption) catches up as before, beside them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from rlspec.rollout.runtime.blocks import TRASH
 from rlspec.rollout.runtime.device import Span
@@ -68,24 +67,24 @@ class CatchUp:
             h = torch.where(cache.ints([i >= 0 for i in ran]).bool()[:, None], mine, h)
         return h, ready, backlog
 
-    def _catch_up_early(self, seqs: list[Sequence], starts: list[int], start: torch.Tensor, slots: torch.Tensor,
-                        tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    def _catch_up_early(self, seqs: list[Sequence], starts: list[int], slots: torch.Tensor, tokens: torch.Tensor,
+                        accepted: torch.Tensor) -> None:
         """The next catch-up, run before the host reads the verify (module docstring): per row the N + 1 verified
-        nodes at positions start.., its staged slots [B, N+1] (unkept nodes: the trash block), the step's emitted
-        tokens [B, N+1] (the accepted drafts, then the next token) and accepted counts [B], all on the device."""
+        nodes at positions starts.., its staged slots [B, N+1] (unkept nodes: the trash block), the step's emitted
+        tokens [B, N+1] (the accepted drafts, then the next token) and accepted counts [B], all on the device. The
+        host lays out the rest (positions, padding) and the device writes those three in."""
         B, n = slots.shape
-        cache, top = self.target_cache, self.target.rope_cos.shape[0] - 1
-        dev, last = slots.device, accepted.to(slots.device, torch.long)
+        cache = self.target_cache
 
         def inputs(r: int, c: int) -> torch.Tensor:
-            pos, trash = start[:, None] + self._columns(c, dev)[None, :], TRASH * cache.block_size
-            grid = torch.stack([F.pad(tokens.to(dev), (0, c - n)), F.pad(slots, (0, c - n), value=trash),
-                                pos.clamp(max=top), pos], 1)  # [B, 4, c]
-            if r == B:
-                return torch.cat([grid.flatten(), last])
-            return torch.cat([grid.flatten(), self._padding(r - B, c, dev), F.pad(last, (0, r - B))])
+            flat = cache.ints(self._grid(seqs, starts, [n] * B, r, c, known=False) + [0] * r)
+            grid = flat[:r * 4 * c].view(r, 4, c)
+            grid[:B, 0, :n] = tokens
+            grid[:B, 1, :n] = slots
+            flat[r * 4 * c:r * 4 * c + B] = accepted
+            return flat
 
-        self.early_span = Span(dev).start()
+        self.early_span = Span(slots.device).start()
         h = self._run_catch_up(B, n, max(starts) + n, inputs, False)
         self.early_span.stop()
         self._early = ({id(s): i for i, s in enumerate(seqs)}, h)
@@ -109,35 +108,30 @@ class CatchUp:
         # every row ran C positions: one index op fewer (most regular catch-ups)
         return out[:, C - 1] if full else out[torch.arange(B, device=flat.device), flat[B * 4 * C:]]
 
-    def _grid(self, seqs: list[Sequence], starts: list[int], counts: list[int], rows: int, width: int) -> list[int]:
+    def _grid(self, seqs: list[Sequence], starts: list[int], counts: list[int], rows: int, width: int,
+              known: bool = True) -> list[int]:
         """A catch-up's inputs, [rows, 4, width] flattened, on the host: per row and query j its token (the embedding
         of t + 1), the slot its key goes to, its RoPE position and the last position it sees (its cached context
         and own prefix). Queries past a row's count, and rows past the sequences (a graph's padding), write to the
         trash block and are never read. One flat list, one tensor: a catch-up is a few positions a row, and each
-        small op (or a nested list's conversion) costs more than its work."""
+        small op (or a nested list's conversion) costs more than its work. known=False: the rows' tokens and slots
+        are left 0, for the device to write (an early catch-up's)."""
         cache, top = self.target_cache, self.target.rope_cos.shape[0] - 1
-        grid = []
+        grid, zeros = [], [0] * width
         for s, st, c in zip(seqs, starts, counts):
             pad = [0] * (width - c)
-            grid += s.ids(st + 1, st + 1 + c) + pad
-            grid += cache.host_slots(id(s), [st + j if j < c else -1 for j in range(width)])
+            if known:
+                grid += s.ids(st + 1, st + 1 + c) + pad
+                grid += cache.host_slots(id(s), [st + j if j < c else -1 for j in range(width)])
+            else:
+                grid += zeros + zeros[:c] + [TRASH * cache.block_size] * (width - c)
             grid += [min(st + j, top) for j in range(c)] + pad
             grid += range(st, st + width)
-        return grid + self._padding_row(width) * (rows - len(seqs))
-
-    def _padding_row(self, width: int) -> list[int]:
-        """One padding row of a grid: no token, the trash block's slot, position 0, seeing its own prefix."""
-        return [0] * width + [TRASH * self.target_cache.block_size] * width + [0] * width + list(range(width))
-
-    def _padding(self, rows: int, width: int, device) -> torch.Tensor:
-        """`rows` padding rows of a grid, flattened, on the device (made once per shape)."""
-        key = ("padding", rows, width)
-        if key not in self._consts:
-            self._consts[key] = torch.tensor(self._padding_row(width) * rows, dtype=torch.long, device=device)
-        return self._consts[key]
+        padding = zeros + [TRASH * cache.block_size] * width + zeros + list(range(width))
+        return grid + padding * (rows - len(seqs))
 
     def _columns(self, n: int, device) -> torch.Tensor:
-        """0..n-1 on the device (made once per n): a verify's node columns, a grid's queries."""
+        """0..n-1 on the device (made once per n): a verify's node columns."""
         if n not in self._consts:
             self._consts[n] = torch.arange(n, device=device)
         return self._consts[n]
