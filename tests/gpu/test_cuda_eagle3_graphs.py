@@ -51,8 +51,8 @@ def test_cuda_graph_levels_give_the_eager_drafts_and_stay_exact(width, monkeypat
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
     graphed = [(c, key) for c, key in caught_up if key is not None]
     # a catch-up a proposal (the prompt's: eager if long), run early after the verify of the one before, and one
-    # after the last verify
-    assert len(compared) <= len(caught_up) <= len(compared) + 2 and len(graphed) >= len(compared) - 1
+    # after the last verify (and a proposal's own after a step nobody drafted in: capped drafts near a row's end)
+    assert len(compared) <= len(caught_up) <= len(compared) + 3 and len(graphed) >= len(compared) - 1
     graphs = eng.speculation.learned.level_graphs()
     assert graphs is not None and graphs.graphs.backend == "cuda"
     assert graphs.counts["captures"] == len(graphs.graphs.graphs) > 0
