@@ -1,12 +1,13 @@
 """The learned EAGLE-3 drafter inside the engine: catch up on the target's features, then draft.
 
 Per sequence the drafter keeps one layer of KV in the engine's paged cache (an extra layer of the
-same blocks, so sharing, preemption and tree fix-ups cover it) and the target features of every cached
+same blocks, so sharing and preemption cover it) and the target features of every cached
 position, staged in side buffers of the same blocks (kv_cache.py): they cost memory only for the tokens
 held, a prompt's are shared by its samples, and they go with the blocks when a sequence finishes or is
 preempted (the engine's re-prefill of a preempted sequence stages them again). Each step:
-1. catch-up: run positions valid..cache_len-1 (features of token t, embedding of token t+1),
-   writing the drafter's KV; the last output predicts the token after the pending one;
+1. catch-up (eagle3_catch_up.py): run positions valid..cache_len-1 (features of token t, embedding of token t+1),
+   writing the drafter's KV; the last output predicts the token after the pending one. After a verify of its own
+   drafts it runs before the host reads the step (`observe_verify`);
 2. draft: feed the drafter's own output back for depth-1 more steps. These speculative steps attend
    over the cached context plus their own keys held locally, never written, so tree branches
    sharing a row cannot clobber each other and rejected drafts leave nothing behind. Chains on a bf16
