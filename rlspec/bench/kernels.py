@@ -237,8 +237,8 @@ def eagle3_counts(model, dtype, batch: int, fused_norm: bool = True, products: b
 
 def level_launches(batch: int, graph_mode: str, depth: int = 4, width: int = 1) -> dict:
     """Kernels launched outside graphs by the EAGLE-3 drafter's proposals (`propose`: the catch-up, the draws and the
-    drafts' assembly) of one sampled rollout, a graph replay counted as one launch: chains of `depth` (width 1), or
-    `width` branches of depth // width."""
+    drafts' assembly; the catch-up run early, after the verify before, eagle3_catch_up.py) of one sampled rollout, a
+    graph replay counted as one launch: chains of `depth` (width 1), or `width` branches of depth // width."""
     from rlspec.bench.host import prompts, tiny_model
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.runtime.graphs import GraphSet
@@ -252,10 +252,15 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4, width: int = 1) 
     engine.speculation.force(Arm("eagle3", depth // width, width))
     ops, seen = DeviceOps(), []
     propose, draft, replay = Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay
+    early = Eagle3Drafter._catch_up_early
 
     def counted_propose(self, *a):
         with ops:
             return propose(self, *a)
+
+    def counted_early(self, *a):
+        with ops:
+            return early(self, *a)
 
     def noted_draft(self, seqs, h, d, w):
         seen.append(d)
@@ -265,10 +270,12 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4, width: int = 1) 
         return ops.as_one("graph", replay, self, key, fn)
 
     Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay = counted_propose, noted_draft, one_launch
+    Eagle3Drafter._catch_up_early = counted_early
     try:
         engine.generate(prompts(batch, 0), SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True, seed=0))
     finally:
         Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay = propose, draft, replay
+        Eagle3Drafter._catch_up_early = early
     return {"graph_mode": graph_mode, "width": width, "proposals": len(seen),
             "launches_per_level": ops.total / max(sum(seen), 1),
             "launches_per_proposal": ops.total / max(len(seen), 1), "ops": dict(sorted(ops.counts.items()))}
