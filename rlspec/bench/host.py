@@ -85,7 +85,8 @@ def build(mode: str, batch: int, seed: int):
     engine = RolloutEngine(tiny_model(seed), None, spec=spec, eos_token_ids=[2], max_num_seqs=max(batch, 1),
                            max_model_len=512)
     if engine.speculation is not None and engine.speculation.learned is not None:
-        engine.speculation.learned.graph_mode = "emulate"  # the CUDA path's host work (module docstring)
+        # the CUDA path's host work (module docstring): levels from graphs, the catch-up before the verify's read
+        engine.speculation.learned.graph_mode, engine.speculation.learned.early = "emulate", True
     if off:
         engine.speculation.force(OFF)
     return engine

@@ -249,6 +249,7 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4, width: int = 1) 
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=depth, online_training=False)
     engine = RolloutEngine(tiny_model(), None, spec=spec, eos_token_ids=[2], max_num_seqs=batch, max_model_len=256)
     engine.speculation.learned.graph_mode = graph_mode
+    engine.speculation.learned.early = True  # the catch-up before the verify's read, as on CUDA
     engine.speculation.force(Arm("eagle3", depth // width, width))
     ops, seen = DeviceOps(), []
     propose, draft, replay = Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay

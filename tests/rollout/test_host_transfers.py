@@ -220,6 +220,7 @@ def test_a_verifys_features_and_the_next_catch_up_are_queued_behind_its_transfer
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, tree_width=2, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, spec=spec, eos_token_ids=[2])
     eng.speculation.force(Arm("eagle3", 4, 2))
+    eng.speculation.learned.early = True  # as on CUDA
     log, write, rows, send, early = [], PagedKVCache.write_side, Pending.rows, Transfers.to_host, \
         Eagle3Drafter._catch_up_early
     monkeypatch.setattr(PagedKVCache, "write_side",

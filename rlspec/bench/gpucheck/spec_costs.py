@@ -84,6 +84,7 @@ def draft_rows(hf, device, dtype, cfg: dict, left, graph_mode: str = "auto") -> 
     new = cfg["draft_new_tokens"]
     engine = engine_over(hf, device, dtype, max(cfg["draft_batches"]), cfg["prompt_len"] + new + 16, spec=spec)
     engine.speculation.learned.graph_mode = graph_mode
+    engine.speculation.learned.early = True  # the CUDA path in the rehearsal too
     prompts = random_prompts(max(cfg["draft_batches"]), cfg["prompt_len"], hf.config.vocab_size, seed=2)
     params = SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=0)
     rows = []

@@ -88,6 +88,9 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         self._proposed = None  # the rows of a proposal whose verify has not been staged yet (observe_verify)
         self._early = None  # the early catch-up's ({id(sequence): row}, last outputs [B, H]) (eagle3_catch_up.py)
         self.early_span = None  # its device seconds, for the selector's drafting cost (Speculation.observe_step)
+        # the early catch-up where the device runs it while the host works; on a CPU the host is the device, and it
+        # would only cost the catch-up of every verified node where a proposal's covers the kept ones
+        self.early = p.device.type == "cuda"
         # seconds of the latest proposal's catch-up spent on a backlog: positions beyond what the latest step
         # committed (the drafter sat out some steps). Drafting on every step never pays them, so the selector
         # keeps them out of the drafter's per-level cost (Speculation.observe_step)
@@ -188,7 +191,7 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         on the device (None: a plain step), so the features are staged before the host reads the step, while the
         device still runs it; what needs the counts on the host waits for `observe_commit`. tokens [B, N+1]: the
         step's emitted tokens; with them, a verify of this drafter's own proposal runs the next catch-up now
-        (eagle3_catch_up.py)."""
+        (eagle3_catch_up.py; `early`: on CUDA)."""
         cache, n = self.target_cache, feats.shape[1]
         # an early run serves the next proposal only, and its seconds this step's
         proposed, self._proposed, self._early, self.early_span = self._proposed, None, None, None
@@ -206,7 +209,7 @@ class Eagle3Drafter(ChainDraws, CatchUp):
             kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
         cache.write_side("eagle3/features", slots, kept)
         self._verified = (slots, nodes)
-        if tokens is not None and accepted is not None and proposed == [id(s) for s in seqs]:
+        if self.early and tokens is not None and accepted is not None and proposed == [id(s) for s in seqs]:
             self._catch_up_early(seqs, starts, slots, tokens, accepted)
 
     def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits: torch.Tensor | None = None) -> None:

@@ -406,6 +406,7 @@ def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(
 
     hf = make_tiny_hf("llama", seed=5)
     eng = eagle_engine(hf, k=3, force=False)
+    eng.speculation.learned.early = True  # as on CUDA
     arms = iter([OFF] * 6 + [Arm("eagle3", 3, 1)] * 100)
     monkeypatch.setattr(Speculation, "choose", lambda self, batch: next(arms))
     seen, told = [], []
@@ -514,7 +515,7 @@ def test_early_catch_up_gives_the_proposals_own(width, graphs, monkeypatch):
         nonlocal weights
         eng = eagle_engine(hf, width=width, k=4, force=False, max_num_seqs=3)
         drafter = eng.speculation.learned
-        drafter.graph_mode = graphs
+        drafter.graph_mode, drafter.early = graphs, early  # early: on CUDA by default
         if weights is None:
             with torch.no_grad():
                 drafter.model.lm_head.weight.mul_(8.0)  # drafts that differ between rows and positions
@@ -546,8 +547,6 @@ def test_early_catch_up_gives_the_proposals_own(width, graphs, monkeypatch):
         monkeypatch.setattr(PagedKVCache, "gather_positions", lambda *a: (moved.update(["path"]), gather(*a)))
         monkeypatch.setattr(Eagle3Drafter, "_draft", plant)
         monkeypatch.setattr(Eagle3Drafter, "_catch_up", noted)
-        if not early:
-            monkeypatch.setattr(Eagle3Drafter, "_catch_up_early", lambda self, *a: None)
         assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
         monkeypatch.undo()
         return outputs, kinds, moved

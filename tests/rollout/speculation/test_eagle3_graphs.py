@@ -17,6 +17,7 @@ def _engine(hf, width: int, graph_mode: str, k: int = 4, stop: str = "none", sha
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=k, tree_width=width, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2])
     eng.speculation.learned.graph_mode = graph_mode
+    eng.speculation.learned.early = True  # the catch-up before the read, as on CUDA, where the graphs run
     with torch.no_grad():  # a sharper head: drafts that differ between rows and levels
         eng.speculation.learned.model.lm_head.weight.mul_(sharpen)
     eng.speculation.force(Arm("eagle3", k, width, stop))
