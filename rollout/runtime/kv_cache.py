@@ -294,8 +294,8 @@ class PagedKVCache:
         idx = self.ints([[row] * len(src), src, dst])
         s = self.slots(idx[0], idx[1][:, None])[:, 0]
         d = self.slots(idx[0], idx[2][:, None])[:, 0]
-        for buf in (self.k, self.v):
-            flat = buf[:layers].view(buf[:layers].shape[0], -1, *buf.shape[3:])
+        for buf in (self.k[:layers], self.v[:layers]):
+            flat = buf.view(buf.shape[0], -1, *buf.shape[3:])
             flat[:, d] = flat[:, s]
 
     def reset(self) -> None:
