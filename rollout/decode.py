@@ -14,7 +14,9 @@ runs step n + 1 while the host commits step n. The host learns of a finished row
 step after its end made for it; every other row's next token is the one the step-by-step loop draws (greedy, or
 keyed draws: each row's uniforms are its key's at its position, whatever else the step held). A learned drafter's
 features of a plain step are staged as the step is launched, at the positions it writes, so a call with one looks
-ahead too.
+ahead too. A speculative step's are staged behind its transfer, before the host reads it, from the verifier's counts
+on the device, and after a verify of its own drafts the drafter's next catch-up runs there too (CUDA): the host
+waits for the verify alone.
 """
 from __future__ import annotations
 
