@@ -213,7 +213,8 @@ class Speculation:
             draft_seconds = max(draft_seconds - self.learned.backlog_seconds, 0.0)
             early, self.learned.early_span = self.learned.early_span, None
             if early is not None:  # the next proposal's catch-up, run before this step's read: drafting, not verify
-                seconds, draft_seconds = max(seconds - early.seconds(), 0.0), draft_seconds + early.seconds()
+                moved = early.seconds()
+                seconds, draft_seconds = max(seconds - moved, 0.0), draft_seconds + moved
         self.selector.observe(arm, batch, seconds, draft_seconds, drafted, accepted)
 
     def evict(self, seq) -> None:
