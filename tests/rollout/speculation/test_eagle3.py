@@ -445,6 +445,25 @@ class _Banked:
         return None
 
 
+def planting(ref: list[list[int]], rng, vocab: int, planted: Counter | None = None):
+    """A stand-in for Eagle3Drafter._draft: the drafter's draws, each token moved one id on (junk), then each row's
+    true continuation (its prompt's in `ref`) planted on a random branch up to a random depth; planted counts where."""
+    draft = Eagle3Drafter._draft
+
+    def plant(self, seqs, h, depth, width):
+        ids, q, kept = draft(self, seqs, h, depth, width)
+        ids = (ids + 1) % vocab
+        for i, s in enumerate(seqs):
+            truth = ref[s.prompt_index][len(s.completion_ids):][:ids.shape[2]]
+            b, n = rng.randrange(ids.shape[1]), rng.randrange(len(truth) + 1)
+            ids[i, b, :n] = torch.tensor(truth[:n])
+            if planted is not None:
+                planted["off the first branch" if b and n else "first branch" if n else "none"] += 1
+        return ids, q, kept
+
+    return plant
+
+
 def test_tree_paths_bank_the_features_and_law_of_the_tokens_kept(monkeypatch):
     """The features and the target's law staged at a step's kept nodes, before the host reads the step (the verifier's
     counts on the device mask the rest), are those of the tokens kept: with drafts planted so that trees accept paths
@@ -460,20 +479,8 @@ def test_tree_paths_bank_the_features_and_law_of_the_tokens_kept(monkeypatch):
     drafter = eng.speculation.learned
     rec = _Banked()
     drafter.attach(rec)
-    rng, planted, draft = random.Random(0), Counter(), Eagle3Drafter._draft
-
-    def plant(self, seqs, h, depth, width):  # the truth on a random branch, up to a random depth; junk elsewhere
-        ids, q, kept = draft(self, seqs, h, depth, width)
-        ids = ids.clone()
-        for i, s in enumerate(seqs):
-            truth = ref[s.prompt_index][len(s.completion_ids):][:ids.shape[2]]
-            b, n = rng.randrange(ids.shape[1]), rng.randrange(ids.shape[2] + 1)
-            ids[i] = (ids[i] + 1) % hf.config.vocab_size
-            ids[i, b, :n] = torch.tensor(truth[:n])
-            planted["off the first branch" if b and n else "first branch" if n else "none"] += 1
-        return ids, q, kept
-
-    monkeypatch.setattr(Eagle3Drafter, "_draft", plant)
+    planted = Counter()
+    monkeypatch.setattr(Eagle3Drafter, "_draft", planting(ref, random.Random(0), hf.config.vocab_size, planted))
     moved, gather = Counter(), PagedKVCache.gather_positions
     monkeypatch.setattr(PagedKVCache, "gather_positions", lambda *a: (moved.update(["path"]), gather(*a)))
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
@@ -524,16 +531,7 @@ def test_early_catch_up_gives_the_proposals_own(width, graphs, monkeypatch):
         steps, rng, kinds, outputs = [], random.Random(0), Counter(), []
         arm = Arm("eagle3", 4, width)  # three proposals, then a plain step
         monkeypatch.setattr(Speculation, "choose", lambda self, b: steps.append(b) or (arm if len(steps) % 4 else OFF))
-        draft, catch_up, moved = Eagle3Drafter._draft, Eagle3Drafter._catch_up, Counter()
-
-        def plant(self, seqs, h, depth, w):  # the truth on a random branch, up to a random depth; junk elsewhere
-            ids, q, kept = draft(self, seqs, h, depth, w)
-            ids = (ids + 1) % hf.config.vocab_size
-            for i, s in enumerate(seqs):
-                truth = ref[s.prompt_index][len(s.completion_ids):][:ids.shape[2]]
-                b, n = rng.randrange(ids.shape[1]), rng.randrange(len(truth) + 1)
-                ids[i, b, :n] = torch.tensor(truth[:n])
-            return ids, q, kept
+        catch_up, moved = Eagle3Drafter._catch_up, Counter()
 
         def noted(self, seqs):
             ran = self._early[0] if self._early else {}
@@ -545,7 +543,7 @@ def test_early_catch_up_gives_the_proposals_own(width, graphs, monkeypatch):
 
         gather = PagedKVCache.gather_positions
         monkeypatch.setattr(PagedKVCache, "gather_positions", lambda *a: (moved.update(["path"]), gather(*a)))
-        monkeypatch.setattr(Eagle3Drafter, "_draft", plant)
+        monkeypatch.setattr(Eagle3Drafter, "_draft", planting(ref, rng, hf.config.vocab_size))
         monkeypatch.setattr(Eagle3Drafter, "_catch_up", noted)
         assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
         monkeypatch.undo()
