@@ -83,12 +83,14 @@ class StepLayout:
         return [r[self.extra:] for r in rows]
 
     def read(self, rows: list[list[float]]) -> HostStep:
-        """Host rows -> accepted, path, emitted tokens and logprobs per row."""
+        """Host rows -> accepted, path, emitted tokens and logprobs per row (the tokens and logprobs up to the accepted
+        count's: the columns past it carry nothing)."""
         N, P = self.N, self.P
         if N == 0:
             B = len(rows)
             return HostStep([0] * B, [[]] * B, [[int(r[0])] for r in rows], [[r[1]] for r in rows])  # paths unread
         accepted = [int(r[0]) for r in rows]
-        path = [[int(x) for x in r[1:1 + P]] for r in rows] if P else [list(range(1, a + 1)) for a in accepted]
-        return HostStep(accepted, path, [[int(x) for x in r[1 + P:2 + N + P]] for r in rows],
-                        [r[2 + N + P:3 + 2 * N + P] for r in rows])
+        path = [list(map(int, r[1:1 + P])) for r in rows] if P else [list(range(1, a + 1)) for a in accepted]
+        t, lp = 1 + P, 2 + N + P  # where the emitted tokens and their logprobs start
+        return HostStep(accepted, path, [list(map(int, r[t:t + a + 1])) for r, a in zip(rows, accepted)],
+                        [r[lp:lp + a + 1] for r, a in zip(rows, accepted)])

@@ -14,11 +14,34 @@ only when the host reads it, so whatever the host does in between overlaps the d
 """
 from __future__ import annotations
 
+import itertools
+from array import array
 from collections import Counter
 
 import torch
 
 RING = 4  # staging slots per shape: a slot is written again only after its copy completed (an event per slot)
+_CODES = {torch.long: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}  # array typecodes
+
+
+def host_tensor(values, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list of numbers, or a list of equally long lists, as a host tensor. Packed through array's buffer, which
+    is 3-4x as fast as torch.tensor reading the lists element by element (a tree step's layout at batch 64: 1,700
+    integers). Anything else (deeper, ragged, empty, a non-integer for an integer type) goes to torch.tensor, which
+    converts it or says what is wrong."""
+    code = _CODES.get(dtype)
+    if code is not None and values:
+        first = values[0]
+        try:
+            if not isinstance(first, (list, tuple)):
+                return torch.frombuffer(array(code, values), dtype=dtype)
+            n = len(first)
+            if n and all(len(row) == n for row in values):
+                flat = array(code, itertools.chain.from_iterable(values))
+                return torch.frombuffer(flat, dtype=dtype).view(len(values), n)
+        except TypeError:  # a list inside a row, or a float for an integer type
+            pass
+    return torch.tensor(values, dtype=dtype)
 
 
 class Pending:
@@ -45,7 +68,7 @@ class Transfers:
 
     def to_device(self, values, dtype: torch.dtype = torch.long) -> torch.Tensor:
         """A host list (nested for 2-D) or tensor as a tensor on the device, copied without blocking."""
-        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        host = values if isinstance(values, torch.Tensor) else host_tensor(values, dtype)
         self.counts["h2d"] += 1
         if not self.cuda:
             return host

@@ -86,20 +86,23 @@ def _laid_out(pending: list[int], drafts: list[Draft] | None, start: list[int] |
         packed = to_device([[p, 0, c] for p, c in zip(pending, starts)])
         return DraftBatch(packed[:, :1], packed[:, 1], True, start=packed[:, 2] if start is not None else None,
                           kv_len=kv_len)
+    zeros = [0] * N  # a short draft's padding: drafts[i] + zeros[len:] (one list for every row)
     chain = all(d.parents == _chain_parents(len(d)) for d in drafts)
     if chain:  # [pending, drafts (N), num, start]
-        packed = to_device([[p, *d.tokens, *[0] * (N - len(d)), len(d), c] for p, d, c in zip(pending, drafts, starts)])
+        packed = to_device([[p, *d.tokens, *zeros[len(d):], len(d), c] for p, d, c in zip(pending, drafts, starts)])
         batch = DraftBatch(packed[:, :N + 1], packed[:, N + 1], True)
     else:
-        W = max(max((d.parents.count(p) for p in set(d.parents)), default=1) for d in drafts)
+        # a row's tree columns depend on its parents alone: worked out once per shape (most rows share a few)
+        shapes = [tuple(d.parents) for d in drafts]
+        W = max(map(_width, set(shapes)))
         N1 = N + 1
-        rows = [_tree_row(p, d, c, N, W) for p, d, c in zip(pending, drafts, starts)]
-        packed = to_device(rows)
+        packed = to_device([[p, *d.tokens, *zeros[len(d):], *_tree_columns(t, N, W), c]
+                            for p, d, t, c in zip(pending, drafts, shapes, starts)])
         bits = packed[:, 2 * N1 + 1:3 * N1 + 1]
         mask = (bits[:, :, None] >> torch.arange(N1, device=packed.device)) & 1 == 1  # [B, N+1, N+1]
         batch = DraftBatch(packed[:, :N1], packed[:, N1], False, packed[:, N1 + 1:2 * N1 + 1], mask,
                            packed[:, 3 * N1 + 1:3 * N1 + 1 + N1 * W].reshape(B, N1, W),
-                           depth=max(max(r[N1 + 1:2 * N1 + 1]) for r in rows))  # the rows' depth columns
+                           depth=max(max(_tree_columns(t, N, W)[1:N1 + 1]) for t in set(shapes)))
     batch.start, batch.kv_len = (packed[:, -1] if start is not None else None), kv_len
     return batch
 
@@ -110,18 +113,24 @@ def _chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
 
-def _tree_row(pending: int, d: Draft, start: int, N: int, W: int) -> list[int]:
-    """One row of a tree batch: [pending, drafts (N), num, depths (N+1), ancestor bits (N+1), children ((N+1) x W),
-    start]; every node sees the pending token and itself; padding nodes sit at depth 0 with no children."""
+@functools.lru_cache(maxsize=None)
+def _width(parents: tuple[int, ...]) -> int:
+    """The most children any node of a tree with these parents has (1 for no draft)."""
+    return max((parents.count(p) for p in set(parents)), default=1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_columns(parents: tuple[int, ...], N: int, W: int) -> tuple[int, ...]:
+    """A tree row's columns after its tokens: [num, depths (N+1), ancestor bits (N+1), children ((N+1) x W)]; every
+    node sees the pending token and itself; padding nodes sit at depth 0 with no children. Shared, read-only."""
     N1 = N + 1
     depth, bits, kids = [0] * N1, [1 | 1 << n for n in range(N1)], [[] for _ in range(N1)]
-    for j, parent in enumerate(d.parents):
+    for j, parent in enumerate(parents):
         node, pnode = j + 1, parent + 1
         depth[node] = depth[pnode] + 1
         bits[node] |= bits[pnode]
         kids[pnode].append(node)  # siblings in token order: the order they were drawn
-    flat = [c for k in kids for c in (k + [-1] * (W - len(k)))]
-    return [pending, *d.tokens, *[0] * (N - len(d)), len(d), *depth, *bits, *flat, start]
+    return (len(parents), *depth, *bits, *(c for k in kids for c in (k + [-1] * (W - len(k)))))
 
 
 def _stack_q(drafts: list[Draft], sampled, B: int, N: int, chain: bool, device):

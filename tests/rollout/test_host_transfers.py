@@ -35,7 +35,8 @@ FILES = ["rollout/engine.py", "rollout/decode.py", "rollout/step_layout.py", "ro
          "rollout/speculation/strategies.py", "rollout/lossy/control.py", "rollout/lossy/judge.py", "rollout/lossy/law.py",
          "rollout/lossy/heads.py", "rollout/lossy/router.py", "rollout/runtime/history.py",
          "rollout/speculation/drafters/base.py", "rollout/speculation/drafters/eagle3.py",
-         "rollout/speculation/drafters/eagle3_draws.py", "rollout/speculation/drafters/eagle3_graphs.py"]
+         "rollout/speculation/drafters/eagle3_draws.py", "rollout/speculation/drafters/eagle3_graphs.py",
+         "rollout/speculation/drafters/eagle3_catch_up.py"]
 
 
 def host_calls(path: str) -> list[tuple[str, int, str]]:

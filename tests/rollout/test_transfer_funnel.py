@@ -17,7 +17,7 @@ import torch
 
 from rlspec.rollout.engine import RolloutEngine
 from rlspec.rollout.runtime import transfers as transfers_module
-from rlspec.rollout.runtime.transfers import Transfers
+from rlspec.rollout.runtime.transfers import Transfers, host_tensor
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import random_prompts
 
@@ -27,7 +27,8 @@ LOOP_FILES = ["rollout/decode.py", "rollout/step_layout.py", "rollout/speculatio
               "rollout/runtime/kv_cache.py", "rollout/runtime/kv_ledger.py", "rollout/runtime/draws.py",
               "rollout/runtime/history.py", "rollout/speculation/verify.py", "rollout/speculation/strategies.py",
               "rollout/speculation/drafters/eagle3.py", "rollout/speculation/drafters/eagle3_draws.py",
-              "rollout/speculation/drafters/eagle3_graphs.py", "rollout/speculation/drafters/base.py"]
+              "rollout/speculation/drafters/eagle3_graphs.py", "rollout/speculation/drafters/eagle3_catch_up.py",
+              "rollout/speculation/drafters/base.py"]
 # (file, function): host tensors built there on purpose (a fallback without a funnel; a prefill's reset)
 ALLOWED = {("rollout/runtime/kv_cache.py", "ints"), ("rollout/runtime/draws.py", "bind"),
            ("rollout/runtime/draws.py", "__init__"),  # a call's keys, once before its loop
@@ -139,3 +140,22 @@ def test_static_check_sees_a_planted_copy(tmp_path, monkeypatch):
     planted.write_text("import torch\n\ndef _decode_step(x):\n    return torch.tensor([1], device=x.device)\n")
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     assert device_tensors_from_host("rollout/decode.py") == [("_decode_step", 4)]
+
+
+@pytest.mark.parametrize("values, dtype", [
+    ([5, 0, 7], torch.long), ([[1, 2, 3], [4, 5, 6]], torch.long), ([(1, 2), (3, 4)], torch.long),
+    ([True, False, True], torch.long), ([[0.5, -1.0]], torch.float32), ([[1, 2]], torch.int32),
+    ([[1.0, 2.5]], torch.float64), ([2**40, -3], torch.long),
+    # not packed through array: empty, deeper, floats for integers, a dtype array has no code for
+    ([], torch.long), ([[]], torch.long), ([[[1, 2]], [[3, 4]]], torch.long), ([1.7, 2.2], torch.long),
+    ([1, 0], torch.bool)])
+def test_host_tensor_is_torch_tensor(values, dtype):
+    """The funnel's packing of host lists (array's buffer) gives what torch.tensor gives: values, shape and dtype."""
+    got, want = host_tensor(values, dtype), torch.tensor(values, dtype=dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+def test_host_tensor_refuses_ragged_rows():
+    """Rows of different lengths are an error, as torch.tensor says, never a reshaped guess (equal totals too)."""
+    with pytest.raises(ValueError):
+        host_tensor([[1, 2], [3], [4, 5, 6]])

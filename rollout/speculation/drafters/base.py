@@ -60,27 +60,27 @@ class DraftTensors:
     def __len__(self) -> int:
         return len(self.caps)
 
-    def shape(self, i: int) -> tuple[int, int]:
-        """(branches, tokens a branch) row i keeps."""
+    def shapes(self) -> list[tuple[int, int]]:
+        """(branches, tokens a branch) each row keeps."""
         W, D = self.ids.shape[1:]
-        w = min(W, self.caps[i])
-        return (w, min(self.caps[i] // w, D)) if w else (0, 0)
+        return [(w, min(c // w, D)) if (w := min(W, c)) else (0, 0) for c in self.caps]
 
     def counts(self) -> list[int]:
         """Nodes each row keeps."""
-        return [w * d for w, d in map(self.shape, range(len(self)))]
+        return [w * d for w, d in self.shapes()]
 
     def layout(self) -> list[Draft]:
-        """Each row's tree, its tokens the nodes' indices into ids.view(B, W * D) (what the verify gathers)."""
-        return [Draft(*branch_layout(*self.shape(i), self.ids.shape[2])) for i in range(len(self))]
+        """Each row's tree, its tokens the nodes' indices into ids.view(B, W * D) (what the verify gathers); rows of
+        one shape share one read-only Draft."""
+        D = self.ids.shape[2]
+        return [_laid_branches(w, n, D) for w, n in self.shapes()]
 
     def to_drafts(self) -> list[Draft]:
         """The same drafts as Drafts, their tokens on the host (one copy) and q per row on the device."""
         B, W, D = self.ids.shape
         flat = self.ids.view(B, W * D).tolist()
         out = []
-        for i, d in enumerate(self.layout()):
-            w, n = self.shape(i)
+        for i, (d, (w, n)) in enumerate(zip(self.layout(), self.shapes())):
             q = None if self.q is None or not w else self.q[i, :w, :n].reshape(w * n, -1)
             out.append(Draft([flat[i][k] for k in d.tokens], list(d.parents), q))
         return out
@@ -93,6 +93,12 @@ def branch_layout(w: int, n: int, D: int) -> tuple[list[int], list[int]]:
     index = [b * D + j for b in range(w) for j in range(n)]
     parents = [-1 if j == 0 else b * n + j - 1 for b in range(w) for j in range(n)]
     return index, parents
+
+
+@functools.lru_cache(maxsize=None)
+def _laid_branches(w: int, n: int, D: int) -> Draft:
+    """branch_layout as a Draft (DraftTensors.layout): shared, read-only."""
+    return Draft(*branch_layout(w, n, D))
 
 
 @runtime_checkable
