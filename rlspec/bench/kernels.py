@@ -20,9 +20,13 @@ where fused_ops measured that kernel faster than cuBLAS on the device):
     (batch --batch, a 1-layer target; its catch-up, draws and the drafts' assembly; a chain of 4, and a tree of
     two branches of 2) launches from Python, outside any graph, a graph replay counted as one: eager (graph_mode
     "off") and from graphs (bookkeeping emulated on the CPU: the ops a CUDA graph replays are not counted). On a
-    GPU each is a launch the host makes, which the device waits for where it has nothing else queued.
+    GPU each is a launch the host makes, which the device waits for where it has nothing else queued;
+  * launches_per_step: the kernels a whole decode step launches outside the target's forward (one graph), on the
+    host benchmark's model (bench/host.py) at batch --batch and 64, sampled (T = 1) and greedy: plain, a 4-token
+    n-gram chain, an n-gram tree of width 2, an EAGLE-3 chain (its graphs counted as one launch each), with the
+    CPU's draw kernels off, as on CUDA: the verify, the draws, the transfer's columns, a learned drafter's staging.
 
-    python -m rlspec.bench kernels          # a few seconds
+    python -m rlspec.bench kernels          # ~20 s
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ NAME = "kernels"
 HELP = "device kernels per decode step: one decoder layer, the head and an EAGLE-3 level, by op (CPU, exact)"
 COLUMNS = ["dtype", "norm", "tokens", "layer", "head", "step_rest", "eagle3_level", "layer_ops"]
 LEVEL_COLUMNS = ["graph_mode", "width", "proposals", "launches_per_level", "launches_per_proposal"]
+STEP_COLUMNS = ["mode", "batch", "temperature", "launches_per_step"]
 SHAPE = dict(vocab_size=512, hidden_size=112, intermediate_size=296, num_hidden_layers=2, num_attention_heads=28,
              num_key_value_heads=4)  # Qwen2.5-7B's heads (28 of 4 groups) with head_dim 4; its widths / 32
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "detach", "lift_fresh", "alias"}
@@ -282,6 +287,41 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4, width: int = 1) 
             "launches_per_proposal": ops.total / max(len(seen), 1), "ops": dict(sorted(ops.counts.items()))}
 
 
+def step_launches(mode: str, batch: int, temperature: float) -> dict:
+    """Kernels a decode step launches outside the target's forward (a CUDA graph's replay: the verify, the draws,
+    the transfer's columns, a learned drafter's staging and its proposal, a drafter graph counted as one) on the
+    host benchmark's model and modes (bench/host.py), with the CPU's draw kernels off, as on CUDA: the long call's
+    count minus the short one's over their difference in steps."""
+    import torch
+
+    from rlspec.bench.host import build, prompts
+    from rlspec.rollout.runtime import graphs, sampling
+    from rlspec.rollout.speculation import verify
+    from rlspec.rollout.types import SamplingParams
+
+    engine, ops = build(mode, batch, 0), DeviceOps()
+    step = engine.runner.step
+    engine.runner.step = lambda *a, **kw: ops.as_one(None, step, *a, **kw)  # the forward: a graph of its own
+    replay, draws = graphs.GraphSet.replay, (sampling.kernel_draws, verify.kernel_draws)
+    graphs.GraphSet.replay = lambda self, key, fn: ops.as_one("graph", replay, self, key, fn)
+    sampling.kernel_draws = verify.kernel_draws = lambda *a: False
+    counts = {}
+    try:
+        with torch.inference_mode():
+            for n in (16, 48):
+                ops.counts.clear()
+                engine.batch_trace.clear()
+                with ops:
+                    engine.generate(prompts(batch, 0), SamplingParams(temperature=temperature, max_new_tokens=n,
+                                                                      ignore_eos=True, seed=0))
+                counts[n] = (len(engine.batch_trace), ops.total)
+    finally:
+        graphs.GraphSet.replay, (sampling.kernel_draws, verify.kernel_draws) = replay, draws
+    steps = counts[48][0] - counts[16][0]
+    return {"mode": mode, "batch": batch, "temperature": temperature,
+            "launches_per_step": (counts[48][1] - counts[16][1]) / steps}
+
+
 def run(args) -> dict:
     import torch
 
@@ -307,5 +347,10 @@ def run(args) -> dict:
         print(f"[kernels] EAGLE-3 proposals, {'chains' if r['width'] == 1 else 'trees of width 2'}, graphs "
               f"{r['graph_mode']}: {r['launches_per_proposal']:.1f} launches a proposal ({r['launches_per_level']:.1f} "
               "a level)", flush=True)
+    steps = [step_launches(mode, b, t) for b in sorted({args.batch, 64}) for t in (1.0, 0.0)
+             for mode in ("plain", "chain", "tree", "eagle3")]
+    for r in steps:
+        print(f"[kernels] decode step, {r['mode']}, batch {r['batch']}, T={r['temperature']:g}: "
+              f"{r['launches_per_step']:.1f} launches outside the forward", flush=True)
     return {"shape": SHAPE, "batch": args.batch, "rows": rows, "columns": COLUMNS, "levels": levels,
-            "level_columns": LEVEL_COLUMNS}
+            "level_columns": LEVEL_COLUMNS, "steps": steps, "step_columns": STEP_COLUMNS}

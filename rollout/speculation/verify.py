@@ -15,12 +15,17 @@ Greedy (temperature 0): accept while x_i == argmax p_i, then emit argmax p at th
 Rows are ragged: sequence b drafted num_drafts[b] <= K tokens; positions beyond are padding and
 never accepted. Every sequence advances by its own accepted count.
 
-Trees use recursive rejection sampling at each node (`_recursive_reject`): the children are tried in
-order against a running target p_i, child j with q_j, the distribution it was drawn from given the
-siblings drawn before it. That one rule covers i.i.d. children (q_j = q: SpecInfer), children drawn
-without replacement (q_j = q with x_1..x_{j-1} removed, renormalised: Recursive Speculative
-Decoding) and deterministic children (q_j = one-hot x_j: EAGLE's top-k), so the draft's q says how
-its children were drawn and verification needs no flag.
+Trees whose children are drafted deterministically (n-gram and suffix tries; any tree at temperature 0) take one
+token x_j per node, argmax p_j or a draw from p_j, and descend from the root into the first child whose token is its
+parent's x, as far as one matches; the next token is x at the node where the walk stops (`_match_walk`). Every node
+is drawn at once, so the walk is a few small ops a depth. It is the law of asking the children in turn ("is it
+c_1? c_2? ..."), docs/verification.md#deterministic-children.
+
+Trees of sampled children use recursive rejection sampling at each node (`_recursive_reject`): the children are
+tried in order against a running target p_i, child j with q_j, the distribution it was drawn from given the siblings
+drawn before it. That one rule covers i.i.d. children (q_j = q: SpecInfer), children drawn without replacement
+(q_j = q with x_1..x_{j-1} removed, renormalised: Recursive Speculative Decoding) and one-hot children (q_j =
+one-hot x_j), so the draft's q says how its children were drawn and verification needs no flag.
 """
 from __future__ import annotations
 
@@ -28,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rlspec.rollout.runtime.draws import ACCEPT, FINAL, TREE, KeyedDraws
-from rlspec.rollout.runtime.sampling import (Draws, drawn_column, finite_column, kernel_draws, probs_from_logits, sample,
-                                             sample_plain, shifted, truncates, uniform)
+from rlspec.rollout.runtime.draws import ACCEPT, FINAL, NODE, TREE, KeyedDraws
+from rlspec.rollout.runtime.sampling import (Draws, drawn_column, finite_column, inverse_cdf, kernel_draws,
+                                             probs_from_logits, sample, sample_plain, shifted, truncates, uniform)
 from rlspec.rollout.types import SamplingParams
 
 
@@ -191,62 +196,82 @@ def verify_tree(
     generator: Draws = None,
     depth: int | None = None,  # the deepest node of any row, as the host knows it (None: N, the most it can be)
 ) -> TreeVerdict:
-    """Walk the tree from the root; at each node try its children with `_recursive_reject`.
+    """Walk the tree from the root. Deterministic children (draft_probs None) or greedy verification: `_match_walk`
+    against one token per node (argmax p, or a draw from p). Sampled children: at each node try its children with
+    `_recursive_reject`.
 
-    draft_probs[b, j] is the distribution node j's token was drawn from given the siblings drawn
-    before it (children[b, parent] lists siblings in that order). None: every child is a
-    deterministic proposal (q_j one-hot). An accepted child moves the walk there, where the running
-    distribution restarts at the target's p; where every child is rejected (or at a leaf) the next
+    draft_probs[b, j] is the distribution node j's token was drawn from given the siblings listed
+    before it (children[b, parent] lists siblings in that order). An accepted child moves the walk there, where the
+    running distribution restarts at the target's p; where every child is rejected (or at a leaf) the next
     token is drawn from the last running distribution.
-    Greedy: descend into the first child equal to argmax p, emit argmax p where none matches.
-    The loop runs a fixed N times over W children (no data-dependent exit, so no host sync). Past `depth` no row
-    has a child to try, so those rounds only draw their uniforms from a shared generator, as a full round would
-    (the tokens stay the same bit for bit), and cost one op instead of ~50 (a binary tree two levels deep holds six
-    nodes: four of its six rounds).
+    The loops run a fixed number of times (no data-dependent exit, so no host sync). Past `depth` no row has a child
+    to try: the match walk stops there, and recursive rejection's rounds only draw their uniforms from a shared
+    generator, as a full round would (the tokens stay the same bit for bit), one op instead of ~50.
     """
     B, N1, W = children.shape
     _check_q(draft_probs, (B, N1), target_logits.shape[-1], "verify_tree")
+    reach = N1 - 1 if depth is None else min(depth, N1 - 1)
+    if params.greedy:
+        return _match_walk(target_logits.argmax(-1), node_tokens, children, reach)
+    p = probs_from_logits(target_logits, params)  # [B, N+1, V]
+    if draft_probs is None:  # one draw per node, all at once
+        x = inverse_cdf(p, uniform(generator, (B, N1, 1), p.device, NODE)).squeeze(-1)
+        return _match_walk(x, node_tokens, children, reach)
     rows = torch.arange(B, device=node_tokens.device)
     cur = torch.zeros(B, dtype=torch.long, device=rows.device)
     alive = torch.ones(B, dtype=torch.bool, device=rows.device)
     path = torch.full((B, N1 - 1), -1, dtype=torch.long, device=rows.device)
     accepted = torch.zeros(B, dtype=torch.long, device=rows.device)
-    greedy = params.greedy
-    top = target_logits.argmax(-1) if greedy else None  # [B, N+1]
-    p = None if greedy else probs_from_logits(target_logits, params)  # [B, N+1, V]
-    final = None if greedy else p[:, 0]  # [B, V]: where a row's next token comes from once it stops
-    reach = N1 - 1 if depth is None else min(depth, N1 - 1)
+    final = p[:, 0]  # [B, V]: where a row's next token comes from once it stops
     for level in range(N1 - 1):
         if level >= reach:  # nothing left to try: the round's draws only, where they advance a generator
-            if not greedy and not isinstance(generator, KeyedDraws):
+            if not isinstance(generator, KeyedDraws):
                 uniform(generator, (B, W), p.device, TREE)
             continue
         kids = children[rows, cur]  # [B, W]
         valid = alive[:, None] & (kids >= 0)
         xs = node_tokens.gather(1, kids.clamp(min=0))  # [B, W]
-        if greedy:
-            match = valid & (xs == top[rows, cur][:, None])
-            slot = torch.where(match.any(-1), match.long().argmax(-1), -1)  # the first match
-        else:
-            qs = None if draft_probs is None else draft_probs[rows[:, None], kids.clamp(min=0)]  # [B, W, V]
-            # keyed draws: depth d's children take indices d*W .. d*W+W-1 (every row at every depth: no subsets)
-            slot, rest = _recursive_reject(p[rows, cur], xs, qs, valid, shifted(generator, level * W))
-            final = torch.where((alive & (slot < 0))[:, None], rest, final)
+        qs = draft_probs[rows[:, None], kids.clamp(min=0)]  # [B, W, V]
+        # keyed draws: depth d's children take indices d*W .. d*W+W-1 (every row at every depth: no subsets)
+        slot, rest = _recursive_reject(p[rows, cur], xs, qs, valid, shifted(generator, level * W))
+        final = torch.where((alive & (slot < 0))[:, None], rest, final)
         moved = slot >= 0
         cur = torch.where(moved, kids.gather(1, slot.clamp(min=0)[:, None]).squeeze(1), cur)
         path[:, level] = torch.where(moved, cur, path[:, level])
         alive &= moved
         accepted += moved.long()
-    if greedy:
-        return TreeVerdict(path, accepted, top[rows, cur])
     final = torch.where(alive[:, None], p[rows, cur], final)  # rows that walked to a leaf at depth N
     return TreeVerdict(path, accepted, sample(final, generator))
+
+
+def _match_walk(x: torch.Tensor, node_tokens: torch.Tensor, children: torch.Tensor, reach: int) -> TreeVerdict:
+    """Deterministic children against x [B, N+1], the token each node's p gives (argmax, or a draw): from the root,
+    move into the first child whose token is its parent's x while one is, at most `reach` times; the next token is x
+    at the node reached. Exact for sampled x: at a node with children c_1..c_m the walk moves to c_j with
+    probability p(c_j) and otherwise emits y with p(y), what recursive rejection of one-hot children gives
+    (docs/verification.md#deterministic-children); each node's draw is used only if the walk gets there, so the
+    draws along a path are independent. Greedy: the argmax walk, as the chain's. Every node's next step is
+    worked out at once ([B, N+1]); the walk then reads one entry a depth."""
+    B, N1, W = children.shape
+    kids = children.clamp(min=0)
+    match = (node_tokens.gather(1, kids.view(B, N1 * W)).view(B, N1, W) == x[..., None]) & (children >= 0)
+    step = torch.where(match.any(-1), kids.gather(2, match.long().argmax(-1, keepdim=True)).squeeze(-1), -1)
+    cur = torch.zeros(B, dtype=torch.long, device=x.device)
+    path = torch.full((B, N1 - 1), -1, dtype=torch.long, device=x.device)
+    moves = []
+    for _ in range(reach):  # a row that stopped stays: its node's step is -1 again
+        nxt = step.gather(1, cur[:, None]).squeeze(1)
+        cur = torch.where(nxt >= 0, nxt, cur)
+        moves.append(nxt)
+    if moves:
+        path[:, :reach] = torch.stack(moves, 1)
+    return TreeVerdict(path, (path >= 0).sum(-1), x.gather(1, cur[:, None]).squeeze(1))
 
 
 def _recursive_reject(
     p: torch.Tensor,  # [B, V] the target's processed distribution at the parent node
     xs: torch.Tensor,  # [B, W] long: the children's tokens, in drawing order
-    qs: torch.Tensor | None,  # [B, W, V]: q_j each child was drawn from; None = deterministic (one-hot)
+    qs: torch.Tensor,  # [B, W, V]: q_j each child was drawn from
     valid: torch.Tensor,  # [B, W] bool: which children exist
     generator: Draws,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,19 +290,12 @@ def _recursive_reject(
     slot = torch.full((B,), -1, dtype=torch.long, device=p.device)
     u = uniform(generator, (B, W), p.device, TREE)
     for j in range(W):
-        x = xs[:, j]
-        if qs is None:  # q one-hot at x: q(x) = 1, and max(0, p - q) is p with x's entry 0, bit for bit
-            tried = valid[:, j] & (slot < 0)
-            ok = tried & (u[:, j] < running.gather(-1, x[:, None]).squeeze(-1))
-            residual = _renormalised(running.scatter(-1, x[:, None], 0.0), running)
-        else:
-            q = qs[:, j]
-            q_x = q.gather(-1, x[:, None]).squeeze(-1)
-            tried = valid[:, j] & (slot < 0) & (q_x > 0)
-            ok = tried & _accept(u[:, j], running, q_x, x)
-            residual = _residual(running, q)
+        x, q = xs[:, j], qs[:, j]
+        q_x = q.gather(-1, x[:, None]).squeeze(-1)
+        tried = valid[:, j] & (slot < 0) & (q_x > 0)
+        ok = tried & _accept(u[:, j], running, q_x, x)
         slot = torch.where(ok, j, slot)
-        running = torch.where((tried & ~ok)[:, None], residual, running)
+        running = torch.where((tried & ~ok)[:, None], _residual(running, q), running)
     return slot, running
 
 

@@ -194,20 +194,37 @@ def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_f
     return torch.tensor([r.completion_ids for r in out]), eng.stats()
 
 
+def sibling_events(children: torch.Tensor, path: torch.Tensor) -> Counter:
+    """Over the nodes a tree verify reached that have two or more children (children [B, N+1, W], the verdict's
+    path [B, N]), which child the walk moved into: the "first", a "later" one, or "none"."""
+    seen = Counter()
+    rows, valid = torch.arange(len(path)), (children >= 0).sum(-1)  # [B, N+1] children per node
+    for level in range(path.shape[1]):
+        parent = torch.zeros_like(path[:, 0]) if level == 0 else path[:, level - 1]
+        reached = parent >= 0
+        several = reached & (valid[rows, parent.clamp(min=0)] >= 2)
+        chosen = path[:, level]
+        slot = (children[rows, parent.clamp(min=0)] == chosen[:, None]).long().argmax(-1)
+        seen["first"] += int((several & (chosen >= 0) & (slot == 0)).sum())
+        seen["later"] += int((several & (chosen >= 0) & (slot > 0)).sum())
+        seen["none"] += int((several & (chosen < 0)).sum())
+    return seen
+
+
 def spy_siblings(monkeypatch) -> Counter:
-    """Patch rollout.speculation.verify._recursive_reject to count, over nodes verified with two or more
+    """Patch verify_tree (where the engine and the tests call it) to count, over nodes verified with two or more
     children, which child was accepted ("first", "later") or that all were rejected ("none")."""
+    import rlspec.rollout.speculation.strategies as strategies
     import rlspec.rollout.speculation.verify as verify
 
-    seen, real = Counter(), verify._recursive_reject
+    seen, real = Counter(), verify.verify_tree
 
-    def spy(p, xs, qs, valid, generator):
-        slot, rest = real(p, xs, qs, valid, generator)
-        several = valid.sum(-1) >= 2
-        seen["first"] += int((several & (slot == 0)).sum())
-        seen["later"] += int((several & (slot > 0)).sum())
-        seen["none"] += int((several & (slot < 0)).sum())
-        return slot, rest
+    def spy(logits, tokens, children, *a, **kw):
+        v = real(logits, tokens, children, *a, **kw)
+        seen.update(sibling_events(children, v.path))
+        return v
 
-    monkeypatch.setattr(verify, "_recursive_reject", spy)
+    monkeypatch.setattr(verify, "verify_tree", spy)
+    monkeypatch.setattr(strategies, "verify_tree", spy)
     return seen
+

@@ -164,3 +164,28 @@ def test_the_residual_sum_joins_its_product_in_cuda_inference_only(monkeypatch):
                 assert torch.equal(llama.plus_product(res, x, biased), res + biased(x))  # a bias: separate
         assert joined.shape == separate.shape
         torch.testing.assert_close(joined.float(), separate.float(), rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampled", "greedy"])
+def test_a_deterministic_trees_verify_is_a_few_kernels_whatever_its_depth(temperature):
+    """verify_tree on n-gram-style children (no q) draws one token per node at once and walks by matching, three
+    kernels a depth: two chains of three below the root in 34 kernels sampled and 28 greedy (trying the children in
+    turn, recursive rejection, took 173 and 73: a vocabulary pass per child tried), and a level deeper costs three
+    more (53 and 22 before)."""
+    from rlspec.rollout.speculation.verify import verify_tree
+    from rlspec.rollout.types import SamplingParams
+
+    def kernels(depth: int) -> int:
+        B, N1, V = 64, 2 * depth + 1, 50
+        g = torch.Generator().manual_seed(0)
+        logits, tokens = torch.randn(B, N1, V, generator=g), torch.randint(0, V, (B, N1), generator=g)
+        kids = [[1, 2]] + [[n + 2, -1] for n in range(1, N1 - 2)] + [[-1, -1]] * 2  # two chains below the root
+        ops = bench.DeviceOps()
+        with ops:
+            verify_tree(logits, tokens, torch.tensor(kids).expand(B, N1, 2), SamplingParams(temperature=temperature),
+                        None, torch.Generator().manual_seed(1), depth)
+        return ops.total
+
+    three = kernels(3)
+    assert three <= (34 if temperature else 28), three
+    assert kernels(4) - three == 3

@@ -12,7 +12,7 @@ import torch
 
 import rlspec.rollout.speculation.verify as verify
 from rlspec.rollout.types import SamplingParams
-from tests.rollout.law_helpers import ALPHA, one_thread  # noqa: F401  (fixture)
+from tests.rollout.law_helpers import ALPHA, one_thread, sibling_events  # noqa: F401  (fixture)
 from tests.rollout.speculation.markov import K, P_LOGITS, V, chain_step, sample_window, tree_step, window_pvalue
 
 B = 40_000
@@ -53,7 +53,7 @@ def test_real_verifier_keeps_target_law(setting, mode, monkeypatch):
     if setting.endswith("-torch"):
         monkeypatch.setattr(verify, "_chain_op", lambda *a: None)
     seen = {"full": 0, "later_sibling": 0, "kernel": 0}
-    real_chain, real_reject, real_op = verify.verify_chain, verify._recursive_reject, verify._chain_op
+    real_chain, real_tree, real_op = verify.verify_chain, verify.verify_tree, verify._chain_op
 
     def op_spy(*a):
         v = real_op(*a)
@@ -65,13 +65,13 @@ def test_real_verifier_keeps_target_law(setting, mode, monkeypatch):
         seen["full"] += int(((v.accepted == num) & (num == K)).sum())  # a bonus after K accepted drafts
         return v
 
-    def reject_spy(p, xs, qs, valid, gen):
-        slot, rest = real_reject(p, xs, qs, valid, gen)
-        seen["later_sibling"] += int((slot > 0).sum())  # accepted after an earlier sibling's rejection
-        return slot, rest
+    def tree_spy(logits, tokens, children, *a):
+        v = real_tree(logits, tokens, children, *a)
+        seen["later_sibling"] += sibling_events(children, v.path)["later"]  # a child after an earlier sibling
+        return v
 
     monkeypatch.setattr(verify, "verify_chain", chain_spy)
-    monkeypatch.setattr(verify, "_recursive_reject", reject_spy)
+    monkeypatch.setattr(verify, "verify_tree", tree_spy)
     monkeypatch.setattr(verify, "_chain_op", op_spy)
     samples = run(params, mode)
     assert window_pvalue(samples, params) > ALPHA

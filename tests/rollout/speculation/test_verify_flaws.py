@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rlspec.rollout.speculation.verify as verify
+from rlspec.rollout.runtime.draws import NODE
 from rlspec.rollout.runtime.sampling import probs_from_logits, sample
 from rlspec.rollout.types import SamplingParams
 from tests.rollout.law_helpers import ALPHA
@@ -90,7 +91,7 @@ def _fresh_p_residual(p, xs, qs, valid, generator):
     u = torch.rand(B, W, generator=generator)
     for j in range(W):
         x = xs[:, j]
-        q = qs[:, j] if qs is not None else torch.zeros_like(p).scatter_(-1, x[:, None], 1.0)
+        q = qs[:, j]
         q_x = q.gather(-1, x[:, None]).squeeze(-1)
         tried = valid[:, j] & (slot < 0) & (q_x > 0)
         ok = tried & verify._accept(u[:, j], running, q_x, x)
@@ -99,6 +100,27 @@ def _fresh_p_residual(p, xs, qs, valid, generator):
     return slot, running
 
 
+REAL_TREE = verify.verify_tree
+
+
+def _stop_token_drawn_afresh(logits, tokens, children, params, q=None, gen=None, depth=None):
+    """Deterministic children: where the walk stops at a node with children, the next token is a fresh draw from
+    p there instead of the draw that matched no child (so a child's token can follow its own rejection)."""
+    v = REAL_TREE(logits, tokens, children, params, q, gen, depth)
+    rows = torch.arange(len(tokens))
+    cur = torch.cat([torch.zeros(len(tokens), 1, dtype=torch.long), v.path], 1).gather(1, v.accepted[:, None])[:, 0]
+    fresh = sample(probs_from_logits(logits, params)[rows, cur], gen)
+    return verify.TreeVerdict(v.path, v.accepted, torch.where((children[rows, cur] >= 0).any(-1), fresh, v.next_token))
+
+
+def _one_uniform_for_every_node(gen, shape, device, purpose):
+    """Deterministic children: every node's draw inverts its CDF at the root's uniform (draws along a path
+    correlated) instead of one uniform per node."""
+    u = REAL_UNIFORM(gen, shape, device, purpose)
+    return u[:, :1].expand_as(u) if purpose == NODE else u
+
+
+REAL_UNIFORM = verify.uniform
 # name -> (drafts the harness makes, attribute of rollout.speculation.verify replaced, replacement, harness options)
 FLAWS = {
     "chain/resample_from_p_after_rejection": ("sampled", "_residual", lambda p, q: p, {}),
@@ -113,7 +135,8 @@ FLAWS = {
     "tree/resample_from_p_after_rejection": ("iid", "_residual", lambda p, q: p, {}),
     "tree/lenient_acceptance_1.1": ("iid", "_accept", _lenient, {}),
     "tree/residual_against_fresh_p_iid": ("iid", "_recursive_reject", _fresh_p_residual, {}),
-    "tree/residual_against_fresh_p_topk": ("topk", "_recursive_reject", _fresh_p_residual, {}),
+    "tree/topk_stop_token_drawn_afresh": ("topk", "verify_tree", _stop_token_drawn_afresh, {}),
+    "tree/topk_one_uniform_for_every_node": ("topk", "uniform", _one_uniform_for_every_node, {}),
     "tree/specinfer_iid_rule_on_topk_children": ("topk", None, None, {"told": "shared"}),
     "tree/iid_rule_on_without_replacement_children": ("wor", None, None, {"told": "shared"}),
 }
