@@ -9,7 +9,9 @@ suffix lookups), x_i the drafted token. For each sequence:
   if all k drafts are accepted emit a bonus token from p_k.
 
 The emitted sequence then has exactly the law of sampling from p autoregressively (Leviathan et al.,
-Chen et al. 2023). For a one-hot q the residual is p with x_i removed and renormalised.
+Chen et al. 2023). For a one-hot q the residual is p with x_i removed and renormalised: the law of a draw y_i ~ p_i
+given y_i != x_i, so deterministic drafts are verified by drawing y_i at every position at once and accepting while
+y_i == x_i, the next token y at the first position not accepted (docs/verification.md#deterministic-drafts).
 Greedy (temperature 0): accept while x_i == argmax p_i, then emit argmax p at the first mismatch.
 
 Rows are ragged: sequence b drafted num_drafts[b] <= K tokens; positions beyond are padding and
@@ -86,21 +88,22 @@ def verify_chain(
         return Verdict(accepted, target_top.gather(1, accepted[:, None]).squeeze(1), exact)
 
     p = probs_from_logits(target_logits, params) if p is None else p  # [B, K+1, V]
+    if draft_probs is None:  # deterministic drafts: the match walk of a one-branch tree (_match_walk)
+        # y_i ~ p_i at every position at once; draft i is accepted while y_i == x_i, and the next token is y at the
+        # first position not accepted: given y_a != x_a it has the one-hot residual's law, and at a full draft p_n's
+        y = inverse_cdf(p, uniform(generator, (B, K + 1, 1), p.device, NODE)).squeeze(-1)  # [B, K+1]
+        exact = y[:, :K] == draft_tokens
+        accepted = _accepted(exact, kept, in_range)
+        return Verdict(accepted, y.gather(1, accepted[:, None]).squeeze(1), exact)
     u = uniform(generator, (B, K), p.device, ACCEPT)
-    if draft_probs is None:  # one-hot q: q_i(x_i) = 1, and u * 1 == u
-        exact = u < p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    else:
-        exact = _accept(u, p[:, :K], draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1), draft_tokens)
+    exact = _accept(u, p[:, :K], draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1), draft_tokens)
     accepted = _accepted(exact, kept, in_range)  # [B]
 
     # Distribution of the next token: residual at the first rejection, or p itself for the bonus.
     p_next = p.gather(1, accepted[:, None, None].expand(B, 1, p.shape[-1])).squeeze(1)  # [B, V]: p at `accepted`
     rejected = accepted < num_drafts
     at = accepted.clamp(max=max(K - 1, 0))
-    if draft_probs is None:  # the residual of a one-hot q: p without the drafted token (the same bits as _residual)
-        residual = _renormalised(p_next.scatter(-1, draft_tokens.gather(1, at[:, None]), 0.0), p_next)
-    else:
-        residual = _residual(p_next, _q_at(draft_probs, draft_tokens, at, p_next))
+    residual = _residual(p_next, draft_probs[torch.arange(B, device=p.device), at])  # q at the rejection
     dist = torch.where(rejected[:, None], residual, p_next)
     return Verdict(accepted, sample(dist, generator), exact)
 
@@ -168,16 +171,6 @@ def _renormalised(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """r over its mass, or p where r has none."""
     mass = r.sum(-1, keepdim=True)
     return torch.where(mass > 0, r / mass.clamp(min=1e-30), p)
-
-
-def _q_at(draft_probs, draft_tokens, idx, like) -> torch.Tensor:
-    """The drafter's distribution at position idx[b] per row: [B, V] (one-hot when deterministic)."""
-    if draft_tokens.shape[1] == 0:
-        return torch.zeros_like(like)
-    rows = torch.arange(draft_tokens.shape[0], device=like.device)
-    if draft_probs is not None:
-        return draft_probs[rows, idx]
-    return torch.zeros_like(like).scatter_(-1, draft_tokens[rows, idx][:, None], 1.0)
 
 
 @dataclass

@@ -100,6 +100,15 @@ def _fresh_p_residual(p, xs, qs, valid, generator):
     return slot, running
 
 
+def _next_token_drawn_afresh(logits, drafts, num, params, q=None, gen=None):
+    """Deterministic drafts: after a rejection the next token is a fresh draw from p there instead of the draw that
+    rejected the draft (so a draft's token can follow its own rejection)."""
+    v = REAL_CHAIN(logits, drafts, num, params, q, gen)
+    rows = torch.arange(len(num))
+    fresh = sample(probs_from_logits(logits, params)[rows, v.accepted], gen)
+    return verify.Verdict(v.accepted, torch.where(v.accepted < num, fresh, v.next_token), v.exact)
+
+
 REAL_TREE = verify.verify_tree
 
 
@@ -114,8 +123,8 @@ def _stop_token_drawn_afresh(logits, tokens, children, params, q=None, gen=None,
 
 
 def _one_uniform_for_every_node(gen, shape, device, purpose):
-    """Deterministic children: every node's draw inverts its CDF at the root's uniform (draws along a path
-    correlated) instead of one uniform per node."""
+    """Deterministic drafts: every node's (position's) draw inverts its CDF at the first one's uniform (draws along
+    a path correlated) instead of one uniform per node."""
     u = REAL_UNIFORM(gen, shape, device, purpose)
     return u[:, :1].expand_as(u) if purpose == NODE else u
 
@@ -130,6 +139,9 @@ FLAWS = {
     "chain/bonus_from_residual": ("deterministic", "verify_chain", _bonus_from_residual, {}),
     "chain/acceptance_uniform_reused_for_residual": ("sampled", "verify_chain", _uniform_reused, {}),
     "chain/padding_drafts_verified": ("sampled", "verify_chain", _padding_verified, {}),
+    "chain/deterministic_next_token_drawn_afresh": ("deterministic", "verify_chain", _next_token_drawn_afresh, {}),
+    "chain/deterministic_one_uniform_for_every_position": ("deterministic", "uniform", _one_uniform_for_every_node,
+                                                           {}),
     "chain/q_processed_at_another_temperature": ("sampled", None, None,
                                                  {"q_params": SamplingParams(temperature=0.6)}),
     "tree/resample_from_p_after_rejection": ("iid", "_residual", lambda p, q: p, {}),
@@ -145,7 +157,8 @@ FLAWS = {
 @pytest.mark.parametrize("flaw", list(FLAWS))
 def test_flawed_verifier_fails_the_law_test(monkeypatch, flaw):
     mode, name, broken, options = FLAWS[flaw]
-    if name in ("_residual", "_accept"):  # a flaw in the torch rule: chains take it, not the CPU kernel's
+    if name in ("_residual", "_accept", "uniform") or flaw.startswith("chain/deterministic"):
+        # a flaw in the torch rule: chains take it, not the CPU kernel's
         monkeypatch.setattr(verify, "_chain_op", lambda *a: None)
     if name is not None:
         monkeypatch.setattr(verify, name, broken)
