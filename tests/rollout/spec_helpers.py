@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from rlspec.rollout.speculation.drafters.base import Draft
 
 
@@ -16,8 +18,10 @@ class ScriptedDrafter:
 
     name = "scripted"
 
-    def __init__(self, vocab: int, oracle=None, corrupt: float = 0.3, seed: int = 0, tree: bool = False):
+    def __init__(self, vocab: int, oracle=None, corrupt: float = 0.3, seed: int = 0, tree: bool = False,
+                 one_hot_q: bool = False):
         self.vocab, self.oracle, self.corrupt, self.tree = vocab, oracle, corrupt, tree
+        self.one_hot_q = one_hot_q  # chains described by their one-hot q: verified by the rule for sampled drafts
         self.rng = random.Random(seed)
         self.finished = 0
         self.multi = 0  # drafts of >= 2 tokens
@@ -41,7 +45,10 @@ class ScriptedDrafter:
             n = self.rng.randint(0, cap) if cap else 0
             self.multi += n >= 2
             if not self.tree or width == 1 or n < 2:
-                out.append(Draft.chain(self._chain(s, n)))
+                toks = self._chain(s, n)
+                hot = self.one_hot_q and n > 0
+                out.append(Draft.chain(toks, torch.nn.functional.one_hot(torch.tensor(toks), self.vocab).float()
+                                       if hot else None))
                 continue
             # two branches below the root: the oracle chain and a random one
             a = self._chain(s, (n + 1) // 2)

@@ -179,14 +179,17 @@ def test_keyed_speculation_keeps_the_law(temperature, top_p, width, monkeypatch)
                          ids=["T1-chain-op", "T0.7-top_p0.8-chain-torch"])
 def test_acceptance_and_final_draws_sharing_uniforms_fail_the_chain_law(temperature, top_p, monkeypatch):
     """The planted flaw: the purpose left out of the hash, so a chain's next token reuses draft 0's acceptance
-    uniform (docs/verification.md: given a rejection, that uniform is no longer uniform)."""
+    uniform (docs/verification.md: given a rejection, that uniform is no longer uniform). The torch rule tests and
+    then draws only for drafts described by a q (a deterministic draft is one draw a position, with no second
+    purpose to collide with): the drafts carry their one-hot q there."""
     def purposeless(self, shape, purpose):
         word = self.offset + torch.arange(shape[1] if len(shape) > 1 else 1, dtype=torch.int64)
         return draws.to_uniform(draws.mix32(self.state[:, None] ^ word[None, :])).reshape(shape)
 
     monkeypatch.setattr(KeyedDraws, "uniform", purposeless)
     hf, params, seqs, probs, ranked = law_setup(temperature, top_p, 3000)
-    drafter = ScriptedDrafter(V, lambda seq, n: likeliest_path(ranked, seq.completion_ids, n), corrupt=0.5)
+    drafter = ScriptedDrafter(V, lambda seq, n: likeliest_path(ranked, seq.completion_ids, n), corrupt=0.5,
+                              one_hot_q=top_p < 1.0)
     eng = spec_engine(hf, drafter, k=3, max_num_seqs=3000)
     eng.eos_token_ids = set()
     out = eng.generate([LAW_PROMPT], params, sample_keys=keys_for(3000))
