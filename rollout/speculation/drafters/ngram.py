@@ -230,7 +230,9 @@ class NgramDrafter:
 
     def _draft(self, st: _SeqIndex, m: int, width: int) -> Draft:
         index = st.index
-        tail = context_tail(st.seq, self.max_match)
+        # a match of `enough` tokens already earns the whole budget m: measured no further
+        enough = min(self.max_match, math.ceil(m / self.spec_factor)) if self.spec_factor else self.max_match
+        tail = context_tail(st.seq, max(enough, self.anchors[0]))
         limit = 1 if width == 1 else self.max_matches
         for ai in range(len(index.anchors)):
             addrs = index.find(tail, ai, limit)
@@ -239,7 +241,7 @@ class NgramDrafter:
         else:
             return Draft()
         if self.spec_factor:  # a longer match earns a longer draft
-            m = min(m, math.ceil(self.spec_factor * index.match_len(addrs[0], tail, self.max_match)))
+            m = min(m, math.ceil(self.spec_factor * index.match_len(addrs[0], tail, enough)))
         if width == 1 or m == 1:
             return Draft.chain(index.continuation(addrs[0], m, periodic=True))
         return self._tree(index, addrs, m, width)

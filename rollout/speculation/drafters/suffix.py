@@ -226,7 +226,10 @@ class SuffixDrafter:
 
     # ---- drafting -----------------------------------------------------------------------------
     def _draft(self, st: _SeqState, m: int, width: int) -> Draft:
-        tail = context_tail(st.seq, self.max_match)
+        # a match of `enough` tokens already earns the whole budget m: matches are measured no further, where a long
+        # one (siblings sharing a long stretch) cost a comparison a token up to max_match, for each of the matches
+        enough = min(self.max_match, math.ceil(m / self.spec_factor)) if self.spec_factor > 0 else self.max_match
+        tail = context_tail(st.seq, max(enough, self.anchors[0]))
         local = st.store.index
         for ai in range(len(self.anchors)):
             addrs, src = local.find(tail, ai, self.max_matches), local
@@ -240,7 +243,7 @@ class SuffixDrafter:
         for a in addrs:
             # a longer match earns a longer draft (SuffixDecoding's max_spec_factor); a local match
             # reaching its document's start goes on through the prompt both texts share
-            matched = src.match_len(a, tail, self.max_match)
+            matched = src.match_len(a, tail, enough)  # == position: the match reaches the document's start
             if src is local and matched == src.position_of(a):
                 matched = self.max_match
             n = min(m, math.ceil(self.spec_factor * matched))
@@ -255,6 +258,9 @@ def best_first(conts: list[list[int]], m: int, width: int, min_prob: float = 0.0
     decreasing count (ties: shallower, then newer), each bringing its top-`width` children into
     play, so parents always precede children and no node has more than `width` children.
     """
+    floor = min_prob * len(conts)
+    if width == 1:  # the heap would hold one node at a time: the most frequent path, followed directly
+        return Draft.chain(_likeliest_path(conts, m, floor))
     root: list = [0, {}]  # node = [count, {token: node}]
     for cont in conts:
         node = root
@@ -264,7 +270,6 @@ def best_first(conts: list[list[int]], m: int, width: int, min_prob: float = 0.0
                 child = node[1][tok] = [0, {}]
             child[0] += 1
             node = child
-    floor = min_prob * len(conts)
     tokens: list[int] = []
     parents: list[int] = []
     heap: list = []  # (-count, push order, token, node, parent index)
@@ -281,6 +286,25 @@ def best_first(conts: list[list[int]], m: int, width: int, min_prob: float = 0.0
         parents.append(parent)
         expose(node, len(tokens) - 1)
     return Draft(tokens, parents)
+
+
+def _likeliest_path(conts: list[list[int]], m: int, floor: float) -> list[int]:
+    """best_first's chain (width 1): at each depth the token most continuations still on the path agree on (ties: the
+    newest, the first seen), while at least `floor` of them do, up to m tokens."""
+    path: list[int] = []
+    while len(path) < m:
+        d, counts = len(path), {}
+        for c in conts:
+            if len(c) > d:
+                counts[c[d]] = counts.get(c[d], 0) + 1
+        if not counts:
+            break
+        tok = max(counts, key=counts.__getitem__)  # the first of the most frequent, in the continuations' order
+        if counts[tok] < floor:
+            break
+        path.append(tok)
+        conts = [c for c in conts if len(c) > d and c[d] == tok]
+    return path
 
 
 @DRAFTERS.register("suffix", learned=False, auto=True)
