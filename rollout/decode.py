@@ -110,6 +110,7 @@ class DecodeSteps:
             accepted = verdict.accepted if batch.N else None
             path = verdict.path if verdict.path is not None or accepted is None else chain_path(accepted, batch.N)
             self.speculation.observe_verify(live, hiddens, path, accepted, tokens=emitted)
+        self.speculation.settle()  # what drafters deferred from finishing samples, while the device runs the step
         step = self._read(layout, sent, verdict, live, ctx)
         if learned:
             self.speculation.observe_commit(live, step.accepted, logits)
@@ -157,7 +158,9 @@ class DecodeSteps:
         if self.speculation.learned is not None:  # the pending node only: a plain step accepts no draft
             self.speculation.observe_verify(live, hiddens, None, None, ahead)
             self.speculation.observe_commit(live, [0] * len(live), logits)
-        return PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh)
+        launched = PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh)
+        self.speculation.settle()  # what drafters deferred from finishing samples, while the device runs the step
+        return launched
 
     def _look_ahead(self, live: list[Sequence], ctx: Call):
         """The arm of the step after the one in flight when that step may be launched now (None otherwise): a

@@ -227,6 +227,14 @@ class Speculation:
         for d in self.by_name.values():
             d.finish(seq)
 
+    def settle(self) -> None:
+        """A step's device work is launched: drafters do what they deferred from finish() (the suffix drafter's
+        global window), while the device runs it rather than between two steps."""
+        for d in self.by_name.values():
+            settle = getattr(d, "settle", None)  # optional: a drafter defers nothing without it
+            if settle is not None:
+                settle()
+
     def abandon(self, seqs) -> None:
         """A partial round stopped these unfinished samples (rollout/partial.py): drafters drop what they hold
         for them without indexing or banking them; a later call brings them back as new sequences."""

@@ -109,7 +109,8 @@ class Drafter(Protocol):
     Optional, for checkpoints (Speculation.state_dict): `state_dict() -> dict` of what the drafter
     carries from one generate() call to the next (plain Python values and CPU tensors) and
     `load_state_dict(state)`. A drafter without them is taken to carry nothing. Optional too:
-    `abandon(seq)`, a partial round stopped seq unfinished (drop its per-sample state, index nothing)."""
+    `abandon(seq)`, a partial round stopped seq unfinished (drop its per-sample state, index nothing); `settle()`,
+    do the work `finish` deferred (the engine calls it once a step's device work is launched)."""
 
     name: str
 

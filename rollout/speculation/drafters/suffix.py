@@ -73,6 +73,10 @@ class SuffixDrafter:
         self._held = 0  # sum of store.tokens
         self._global = NgramIndex(self.anchors)
         self._global_fifo: deque[int] = deque()
+        # finished samples not yet in the global window: indexing one (and evicting the oldest) is ~1-3 ms for a
+        # 500-token sample, so the engine has it done while the device runs a step (`settle`), not on the host's
+        # path between two steps
+        self._unsettled: deque[tuple[array, int]] = deque()
         self._seqs: dict[int, _SeqState] = {}  # id(seq) -> state; dropped at finish
         self._calls = 0
 
@@ -80,6 +84,7 @@ class SuffixDrafter:
     def begin(self, groups: list[list[Sequence]]) -> None:
         for st in [st for st in self._seqs.values() if st.seq.finished]:  # finished without finish()
             self.finish(st.seq)
+        self.settle()  # new prompts start with every finished sample in the window
         for group in groups:
             for seq in group:
                 if not seq.finished:  # a first token can end a sample before any step
@@ -114,14 +119,23 @@ class SuffixDrafter:
             store.tokens -= len(old)
             self._held -= len(old)
         self._unpin(store, st.doc)
-        self._global_fifo.append(self._global.add(doc, start=st.tail))
-        while self._global_fifo and (len(self._global_fifo) > self.global_docs
-                                     or self._global.num_tokens > self.global_tokens):
-            self._global.remove(self._global_fifo.popleft())
+        self._unsettled.append((doc, st.tail))
         self._trim_prompts()
+
+    def settle(self) -> None:
+        """Index the samples finished since the last call in the global window, evicting the oldest past its bounds
+        (the engine calls it once a step's device work is launched; until then the window lags by those samples:
+        their own prompt's index has them already)."""
+        while self._unsettled:
+            doc, tail = self._unsettled.popleft()
+            self._global_fifo.append(self._global.add(doc, start=tail))
+            while self._global_fifo and (len(self._global_fifo) > self.global_docs
+                                         or self._global.num_tokens > self.global_tokens):
+                self._global.remove(self._global_fifo.popleft())
 
     def sizes(self) -> dict[str, int]:
         """What the drafter holds now (all bounded by the constructor's limits)."""
+        self.settle()
         return {"prompts": len(self._prompts), "prompt_tokens": self._held,
                 "hot_prompts": sum(s.index is not None for s in self._prompts.values()),
                 "global_docs": len(self._global_fifo), "global_tokens": self._global.num_tokens,
@@ -134,6 +148,7 @@ class SuffixDrafter:
         visits, and the global one is rebuilt by re-adding its samples in order, which gives the
         same matches (its chains stop at removed samples either way). Taken between generate()
         calls; samples a failed call left unfinished are not history and are not saved."""
+        self.settle()
         stores = list(self._prompts.items())
         docs = []
         for _, store in stores:
@@ -151,7 +166,7 @@ class SuffixDrafter:
             store = self._prompts[int(key)] = _PromptStore(next(docs), tokens=int(tokens))
             store.history.extend((next(docs), int(tail)) for tail in tails)
         self._held, self._calls = int(state["held"]), int(state["calls"])
-        self._global, self._global_fifo = NgramIndex(self.anchors), deque()
+        self._global, self._global_fifo, self._unsettled = NgramIndex(self.anchors), deque(), deque()
         for toks, start in zip(unpack_arrays(state["global"]), state["global_starts"]):
             self._global_fifo.append(self._global.add(toks, start=int(start)))
 

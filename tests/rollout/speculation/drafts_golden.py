@@ -52,6 +52,7 @@ def replay(name: str, overrides: dict, seed: int = 0) -> list[list]:
                 s.append([next(sources[id(s)]) for _ in range(n)], [0.0] * n, set())
             for s in [s for s in live if s.finished]:
                 drafter.finish(s)
+            getattr(drafter, "settle", lambda: None)()  # what the engine defers to its next launch, done here
             live = [s for s in live if not s.finished]
             if live:
                 width = rng.choice([1, 1, 2, 3])

@@ -147,6 +147,20 @@ def test_suffix_uses_recent_rollouts_of_other_prompts_but_prefers_its_own():
     assert [x.tokens for x in d.propose([other, own], [2, 2], 1)] == [[60, 61], [52, 53]]
 
 
+def test_suffix_global_window_takes_finished_samples_when_settled():
+    """finish() queues a sample for the global window (indexing it is the engine's work while a step runs);
+    settle() and begin() index what is queued. Its own prompt's index has it at once."""
+    d = SuffixDrafter()
+    done, other, sibling = make_seq([1, 2, 3], [50, 51, 52, 53]), make_seq([7, 8, 9], [50, 51]), \
+        make_seq([1, 2, 3], [50, 51], si=1)
+    d.begin([[done, sibling], [other]])
+    d.finish(done)
+    assert d.propose([other], [2], 1)[0].tokens == []  # not in the window yet
+    assert d.propose([sibling], [2], 1)[0].tokens == [52, 53]  # its prompt's index has it
+    d.settle()
+    assert d.propose([other], [2], 1)[0].tokens == [52, 53]
+
+
 def test_suffix_memory_stays_bounded():
     d = SuffixDrafter(history_per_prompt=3, max_prompts=5, history_tokens=400, global_docs=10, global_tokens=150)
     rng = random.Random(0)
