@@ -73,20 +73,25 @@ class NgramIndex:
         toks = doc.tokens
         old = len(toks)
         toks.extend(tokens)
-        self.num_tokens += len(toks) - old
-        base, n = doc_id << _SHIFT, len(toks)
-        for head, prev, a in zip(self.head, doc.prev, self.anchors):
-            lo = max(old, doc.start, a)
-            end = max(lo, n)
-            if len(prev) < end:  # one slot per position (-1: no earlier occurrence), filled below
-                prev.extend(_NONE * (end - len(prev)))
-            # position p is indexed once token p exists: the n-gram ending at the document's last
-            # token has no continuation yet, so a sequence never matches itself at its own end. (Operators
-            # rather than calls in this loop: it runs per token and anchor, every decode step, for every row.)
-            for p in range(lo, n):
-                key = hash(tuple(toks[p - a:p]))
-                prev[p] = head[key] if key in head else -1
-                head[key] = base | p
+        n = len(toks)
+        self.num_tokens += n - old
+        base, first = doc_id << _SHIFT, max(old, doc.start)
+        # position p is indexed once token p exists: the n-gram ending at the document's last token has no
+        # continuation yet, so a sequence never matches itself at its own end. Per position the longest anchor's
+        # n-gram is read once, the shorter ones are its tails. (Operators rather than calls in this loop: it runs
+        # per token and anchor, every decode step, for every row; a step brings a row one to a few tokens.)
+        for prev in doc.prev:  # one slot per position (-1: no earlier occurrence), filled below
+            if len(prev) < n:
+                prev.extend(_NONE * (n - len(prev)))
+        longest = self.anchors[0]
+        levels = tuple(zip(self.head, doc.prev, self.anchors))
+        for p in range(first, n):
+            gram = tuple(toks[p - longest:p] if p >= longest else toks[:p])
+            for head, prev, a in levels:
+                if p >= a:
+                    key = hash(gram[-a:])
+                    prev[p] = head.get(key, -1)
+                    head[key] = base | p
 
     def remove(self, doc_id: int) -> None:
         """Drop a document; chain heads pointing into it move to the next live occurrence."""
