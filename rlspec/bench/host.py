@@ -2,6 +2,7 @@
 
 A tiny random Llama (1 layer, hidden 32, vocab 64) whose forward costs next to nothing, on the CPU, decoded through
 the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain, with an n-gram tree, with a 4-token
+suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token
 chain from an EAGLE-3 drafter (selector "always") and plainly beside that drafter (`eagle3_plain`: every step plain,
 the drafter's features staged), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph
 bookkeeping with emulated graphs (`graph_mode="emulate"`): what a GPU replays as one graph launch is here a call of
@@ -40,6 +41,8 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
     "plain": None,
     "chain": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=1),
     "tree": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=2),
+    # the model-free drafter of GRPO recipes: siblings, earlier rollouts, the global window (a 4-token chain)
+    "suffix": dict(drafter="suffix", selector="always", num_draft_tokens=4, tree_width=1),
     "eagle3": dict(drafter="eagle3", selector="always", num_draft_tokens=4, tree_width=1),
     # the same engine with every step plain (the selector's arm forced off): what a run with a learned drafter pays on
     # the steps where drafting does not pay (a large batch), its features still staged for the drafter
