@@ -113,14 +113,14 @@ class NgramIndex:
                     del head[key]
 
     def find(self, context: list[int], ai: int, limit: int) -> list[int]:
-        """Addresses of up to `limit` occurrences of context's last anchors[ai] tokens, newest first.
-
-        A chain stops at a removed document: eviction is (mostly) oldest first, so little is lost.
-        """
+        """Addresses of up to `limit` occurrences of context's last anchors[ai] tokens, newest first."""
         a = self.anchors[ai]
-        if len(context) < a:
-            return []
-        addr = self.head[ai].get(hash(tuple(context[-a:])), -1)
+        return self.find_key(hash(tuple(context[-a:])), ai, limit) if len(context) >= a else []
+
+    def find_key(self, key: int, ai: int, limit: int) -> list[int]:
+        """find by the n-gram's key, hash(tuple(n-gram)) (a query of several indexes with these anchors hashes
+        once). A chain stops at a removed document: eviction is (mostly) oldest first, so little is lost."""
+        addr = self.head[ai].get(key, -1)
         out, docs = [], self.docs
         while addr >= 0 and len(out) < limit:
             doc = docs.get(addr >> _SHIFT)

@@ -245,11 +245,16 @@ class SuffixDrafter:
         # one (siblings sharing a long stretch) cost a comparison a token up to max_match, for each of the matches
         enough = min(self.max_match, math.ceil(m / self.spec_factor)) if self.spec_factor > 0 else self.max_match
         tail = context_tail(st.seq, max(enough, self.anchors[0]))
-        local = st.store.index
-        for ai in range(len(self.anchors)):
-            addrs, src = local.find(tail, ai, self.max_matches), local
-            if not addrs:
-                addrs, src = self._global.find(tail, ai, self.max_matches), self._global
+        local, glob = st.store.index, self._global
+        for ai, a in enumerate(self.anchors):  # longest first; at one length the prompt's own index first
+            if len(tail) < a:
+                continue
+            key = hash(tuple(tail[-a:]))  # both indexes key an n-gram alike: hashed once, looked up in each
+            src = local if key in local.head[ai] else glob if key in glob.head[ai] else None
+            addrs = src.find_key(key, ai, self.max_matches) if src is not None else []
+            if not addrs and src is local:  # its chain ran into a removed document: the global index's turn
+                src = glob
+                addrs = glob.find_key(key, ai, self.max_matches)
             if addrs:
                 break
         else:
