@@ -24,7 +24,7 @@ import torch
 FINAL = 0  # a token drawn from a distribution: a plain step, the prefill's first token, a chain's or tree's next
 ACCEPT = 1  # a chain's acceptance test of draft j (index j)
 TREE = 2  # a tree's acceptance test of child j at depth d (index d * W + j)
-NODE = 3  # a tree's draw at node j (index j), matched against the node's deterministic children
+NODE = 3  # a deterministic chain's or tree's draw at position or node j (index j), matched against the drafts
 
 KEY_LIMIT = 2**62  # keys are ints in [0, KEY_LIMIT)
 _MASK = 0xFFFFFFFF

@@ -235,8 +235,9 @@ class NgramDrafter:
 
     def _draft(self, st: _SeqIndex, m: int, width: int) -> Draft:
         index = st.index
-        # a match of `enough` tokens already earns the whole budget m: measured no further
-        enough = min(self.max_match, math.ceil(m / self.spec_factor)) if self.spec_factor else self.max_match
+        # a match of `enough` tokens already earns the whole budget m: measured no further (unmeasured without a
+        # spec_factor: the tail need only hold the longest anchor)
+        enough = min(self.max_match, math.ceil(m / self.spec_factor)) if self.spec_factor else 0
         tail = context_tail(st.seq, max(enough, self.anchors[0]))
         limit = 1 if width == 1 else self.max_matches
         for ai in range(len(index.anchors)):

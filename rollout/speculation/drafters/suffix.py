@@ -250,11 +250,9 @@ class SuffixDrafter:
             if len(tail) < a:
                 continue
             key = hash(tuple(tail[-a:]))  # both indexes key an n-gram alike: hashed once, looked up in each
-            src = local if key in local.head[ai] else glob if key in glob.head[ai] else None
-            addrs = src.find_key(key, ai, self.max_matches) if src is not None else []
-            if not addrs and src is local:  # its chain ran into a removed document: the global index's turn
-                src = glob
-                addrs = glob.find_key(key, ai, self.max_matches)
+            # no document leaves a prompt's index (only the global window evicts), so a key it holds has matches
+            src = local if key in local.head[ai] else glob
+            addrs = src.find_key(key, ai, self.max_matches)
             if addrs:
                 break
         else:
