@@ -35,7 +35,7 @@ from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.runtime.transfers import Pending
 from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
 from rlspec.rollout.speculation.drafters.base import DraftTensors
-from rlspec.rollout.speculation.strategies import ExactVerifier, SelectorProposer, StepVerdict, chain_path
+from rlspec.rollout.speculation.strategies import ExactVerifier, SelectorProposer, StepVerdict
 from rlspec.rollout.speculation.verify import draw_plain
 from rlspec.rollout.step_layout import HostStep, StepLayout
 from rlspec.rollout.types import SamplingParams
@@ -108,8 +108,8 @@ class DecodeSteps:
         learned = self.speculation.learned is not None
         if learned:  # queued behind the transfer, run while the host reads it: features staged, an early catch-up
             accepted = verdict.accepted if batch.N else None
-            path = verdict.path if verdict.path is not None or accepted is None else chain_path(accepted, batch.N)
-            self.speculation.observe_verify(live, hiddens, path, accepted, tokens=emitted)
+            self.speculation.observe_verify(live, hiddens, None if batch.is_chain else verdict.path, accepted,
+                                            tokens=emitted)
         self.speculation.settle()  # what drafters deferred from finishing samples, while the device runs the step
         step = self._read(layout, sent, verdict, live, ctx)
         if learned:

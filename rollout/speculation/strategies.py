@@ -40,9 +40,9 @@ Room = Callable[[list[int]], list[int]]
 
 @dataclass
 class StepVerdict:
-    """A verifier's answer, on the device. A chain's path is 1..accepted, -1 after, and may be left None (the
-    engine builds it where a drafter reads it: `chain_path`); a plain step (no row drafted) may leave path and
-    accepted None (none accepted)."""
+    """A verifier's answer, on the device. A chain's path is 1..accepted, -1 after, and may be left None (nothing
+    reads a chain's: its node j is its position j); a plain step (no row drafted) may leave path and accepted None
+    (none accepted)."""
 
     path: torch.Tensor | None  # [B, N] long: accepted node indices by depth, -1 after the last
     accepted: torch.Tensor | None  # [B] long

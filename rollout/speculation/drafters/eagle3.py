@@ -187,7 +187,8 @@ class Eagle3Drafter(ChainDraws, CatchUp):
                        accepted: torch.Tensor | None, ahead: int = 0, tokens: torch.Tensor | None = None) -> None:
         """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
         positions cache_len..cache_len+accepted of each row, `ahead` further on for a plain step launched before the
-        host committed the one in front of it (sequence i sits in table row i). accepted: the verifier's counts [B]
+        host committed the one in front of it (sequence i sits in table row i). path: a tree's accepted nodes [B, N]
+        (None: a chain's, node j at position j, or a plain step). accepted: the verifier's counts [B]
         on the device (None: a plain step), so the features are staged before the host reads the step, while the
         device still runs it; what needs the counts on the host waits for `observe_commit`. tokens [B, N+1]: the
         step's emitted tokens; with them, a verify of this drafter's own proposal runs the next catch-up now
@@ -199,11 +200,12 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         # positions cache_len .. cache_len + N as slots from the host lists; nodes past a row's accepted path go to
         # the trash block below (their blocks, draft room, are the row's until the commit trims them)
         slots = cache.ints([cache.host_slots(id(s), range(st, st + n)) for s, st in zip(seqs, starts)])
-        if n == 1:  # a plain step: the pending node alone, kept in every row (half the ops)
-            nodes, kept = None, feats
-        else:
+        if n > 1:
             slots.masked_fill_(self._columns(n, slots.device)[None, :] > accepted[:, None].to(slots.device),
                                TRASH * cache.block_size)
+        if path is None:  # a plain step's pending node, or a chain's node j at position j: kept as they are
+            nodes, kept = None, feats
+        else:  # a tree's path: node path[j - 1] goes to position j
             nodes = torch.cat([torch.zeros(len(seqs), 1, dtype=torch.long, device=path.device), path.clamp(min=0)],
                               1).to(feats.device)
             kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
@@ -224,20 +226,19 @@ class Eagle3Drafter(ChainDraws, CatchUp):
                 self.valid[id(s)] = s.cache_len + a + 1
         (slots, nodes), self._verified = self._verified, (None, None)
         if slots is not None and self.stages_dist and self.bank_samples and logits is not None:
-            if nodes is None:
-                nodes = torch.zeros(len(seqs), 1, dtype=torch.long, device=logits.device)
             self._stage_dist(slots, nodes, accepted, logits)
 
-    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor, accepted: list[int], logits: torch.Tensor) -> None:
+    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor | None, accepted: list[int],
+                    logits: torch.Tensor) -> None:
         """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
-        the pending token; row i keeps its first accepted[i] + 1), staged at the slot of that node's token: the law
-        of the next token."""
+        the pending token; None: node j at column j, a chain's or a plain step's; row i keeps its first accepted[i] + 1),
+        staged at the slot of that node's token: the law of the next token."""
         cache = self.target_cache
         # only the kept nodes (~2 a row), listed on the host from the counts it has: no read of the device
         rows, cols = cache.ints([[i for i, a in enumerate(accepted) for _ in range(a + 1)],
                                  [j for a in accepted for j in range(a + 1)]])
         slots = slots[rows, cols]  # [K]
-        sel = logits[rows.to(logits.device), nodes[rows, cols].to(logits.device)]  # [K, V]
+        sel = logits[rows.to(logits.device), (cols if nodes is None else nodes[rows, cols]).to(logits.device)]
         ids, probs, rest = law_top_k(sel, self.params, cache.side["eagle3/dist_ids"].shape[-1])
         slots = slots.to(probs.device)
         cache.write_side("eagle3/dist_ids", slots, ids)
