@@ -194,6 +194,8 @@ def test_a_deterministic_trees_verify_is_a_few_kernels_whatever_its_depth(temper
 def test_a_speculative_steps_launches_outside_the_forward_stay_few():
     """`python -m rlspec.bench kernels`'s step rows, at batch 8, sampled, the draws in torch ops (as on CUDA): a
     4-token n-gram chain step launched 25.5 kernels outside the forward and a tree step of width 2 50.9 when drafts
-    were tested one by one; drawn and matched, ~19 and ~20 (bench_out/kernels.json)."""
-    chain, tree = (bench.step_launches(mode, 8, 1.0)["launches_per_step"] for mode in ("chain", "tree"))
-    assert chain <= 22 and tree <= 24, (chain, tree)
+    were tested one by one; drawn and matched, ~19 and ~20. An EAGLE-3 chain step launched 71 while its features were
+    gathered along a path built for it; staged as they are, 64 (bench_out/kernels.json)."""
+    chain, tree, eagle3 = (bench.step_launches(mode, 8, 1.0)["launches_per_step"]
+                           for mode in ("chain", "tree", "eagle3"))
+    assert chain <= 22 and tree <= 24 and eagle3 <= 66, (chain, tree, eagle3)
