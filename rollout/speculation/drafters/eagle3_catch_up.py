@@ -119,7 +119,7 @@ class CatchUp:
         cache, top = self.target_cache, self.target.rope_cos.shape[0] - 1
         grid, zeros = [], [0] * width
         for s, st, c in zip(seqs, starts, counts):
-            pad = [0] * (width - c)
+            pad = zeros[c:]
             if known:
                 grid += s.ids(st + 1, st + 1 + c) + pad
                 grid += cache.host_slots(id(s), [st + j if j < c else -1 for j in range(width)])

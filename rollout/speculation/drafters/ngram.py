@@ -114,12 +114,12 @@ class NgramIndex:
 
     def find(self, context: list[int], ai: int, limit: int) -> list[int]:
         """Addresses of up to `limit` occurrences of context's last anchors[ai] tokens, newest first."""
-        a = self.anchors[ai]
-        return self.find_key(hash(tuple(context[-a:])), ai, limit) if len(context) >= a else []
+        key = tail_key(context, self.anchors[ai])
+        return [] if key is None else self.find_key(key, ai, limit)
 
     def find_key(self, key: int, ai: int, limit: int) -> list[int]:
-        """find by the n-gram's key, hash(tuple(n-gram)) (a query of several indexes with these anchors hashes
-        once). A chain stops at a removed document: eviction is (mostly) oldest first, so little is lost."""
+        """find by the n-gram's key (`tail_key`: a query of several indexes with these anchors hashes once). A chain
+        stops at a removed document: eviction is (mostly) oldest first, so little is lost."""
         addr = self.head[ai].get(key, -1)
         out, docs = [], self.docs
         while addr >= 0 and len(out) < limit:
@@ -150,6 +150,17 @@ class NgramIndex:
             while len(out) < n:
                 out.append(out[len(out) - period])
         return out
+
+
+def tail_key(context: list[int], a: int) -> int | None:
+    """The index key of context's last a tokens, as `extend` keys each n-gram (None: context is shorter)."""
+    return hash(tuple(context[-a:])) if len(context) >= a else None
+
+
+def measured_far_enough(m: int, spec_factor: float | None, max_match: int) -> int:
+    """How far a match need be measured to size a draft of at most m tokens cut to ceil(spec_factor x its length):
+    a match of ceil(m / spec_factor) tokens already earns all m (0: no spec_factor, the whole budget unmeasured)."""
+    return min(max_match, math.ceil(m / spec_factor)) if spec_factor and spec_factor > 0 else 0
 
 
 def context_tail(seq: Sequence, n: int) -> list[int]:
@@ -235,9 +246,7 @@ class NgramDrafter:
 
     def _draft(self, st: _SeqIndex, m: int, width: int) -> Draft:
         index = st.index
-        # a match of `enough` tokens already earns the whole budget m: measured no further (unmeasured without a
-        # spec_factor: the tail need only hold the longest anchor)
-        enough = min(self.max_match, math.ceil(m / self.spec_factor)) if self.spec_factor else 0
+        enough = measured_far_enough(m, self.spec_factor, self.max_match)
         tail = context_tail(st.seq, max(enough, self.anchors[0]))
         limit = 1 if width == 1 else self.max_matches
         for ai in range(len(index.anchors)):

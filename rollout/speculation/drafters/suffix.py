@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from rlspec.rollout.speculation.checkpoint import pack_arrays, unpack_arrays
 from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
-from rlspec.rollout.speculation.drafters.ngram import NgramIndex, context_tail
+from rlspec.rollout.speculation.drafters.ngram import NgramIndex, context_tail, measured_far_enough, tail_key
 from rlspec.rollout.runtime.sequence import Sequence
 
 
@@ -241,15 +241,15 @@ class SuffixDrafter:
 
     # ---- drafting -----------------------------------------------------------------------------
     def _draft(self, st: _SeqState, m: int, width: int) -> Draft:
-        # a match of `enough` tokens already earns the whole budget m: matches are measured no further, where a long
-        # one (siblings sharing a long stretch) cost a comparison a token up to max_match, for each of the matches
-        enough = min(self.max_match, math.ceil(m / self.spec_factor)) if self.spec_factor > 0 else self.max_match
+        # measured no further than earns the whole budget: a long match (siblings sharing a long stretch) cost a
+        # comparison a token up to max_match, for each of the matches
+        enough = measured_far_enough(m, self.spec_factor, self.max_match)
         tail = context_tail(st.seq, max(enough, self.anchors[0]))
         local, glob = st.store.index, self._global
         for ai, a in enumerate(self.anchors):  # longest first; at one length the prompt's own index first
-            if len(tail) < a:
+            key = tail_key(tail, a)  # both indexes key an n-gram alike: hashed once, looked up in each
+            if key is None:
                 continue
-            key = hash(tuple(tail[-a:]))  # both indexes key an n-gram alike: hashed once, looked up in each
             # no document leaves a prompt's index (only the global window evicts), so a key it holds has matches
             src = local if key in local.head[ai] else glob
             addrs = src.find_key(key, ai, self.max_matches)
