@@ -2,19 +2,20 @@
 
 A tiny random Llama (1 layer, hidden 32, vocab 64) whose forward costs next to nothing, on the CPU, decoded through
 the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain, with an n-gram tree, with a 4-token
-suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token
-chain from an EAGLE-3 drafter (selector "always") and plainly beside that drafter (`eagle3_plain`: every step plain,
-the drafter's features staged), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph
-bookkeeping with emulated graphs (`graph_mode="emulate"`): what a GPU replays as one graph launch is here a call of
-its closure, timed as device work. Per (mode, batch):
+suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token chain from an EAGLE-3 drafter
+(selector "always") and plainly beside that drafter (`eagle3_plain`: every step plain, the drafter's features
+staged), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph bookkeeping with emulated graphs
+(`graph_mode="emulate"`): what a GPU replays as one graph launch is here a call of its closure, timed as device
+work. Per (mode, batch):
 
   * ms_per_step: (t(long call) - t(short call)) / (steps(long) - steps(short)), so prefill and call set-up cancel;
   * forward_ms: the device's work per step, timed the same way: the target forward (ModelRunner.step) and the
     drafter's graphs; host_ms = the rest: scheduling, drafting outside graphs, verification, the host transfer and
     the commit;
   * exposed_ms: the median time from a step's read of its one host transfer to the next device work (the next
-    step's forward, or a learned drafter's first graph of the next proposal): what a GPU idles through between two steps when the host reads a step before it launches the next (every
-    speculative step: drafting needs the committed tokens; a plain step looks ahead on CUDA, docs/runtime.md);
+    step's forward, or a learned drafter's first graph of the next proposal): what a GPU idles through between two
+    steps when the host reads a step before it launches the next (every speculative step: drafting needs the
+    committed tokens; a plain step looks ahead on CUDA, docs/runtime.md);
   * floor_ms: a bare loop of the same forward + sampling of the next token, no engine around it (plain rows only):
     the least a step can cost on this model;
   * host_ops, host_calls: torch ops dispatched and Python calls made per step outside the target forward, counted

@@ -159,9 +159,10 @@ class LearnedDrafter(Drafter, Protocol):
     def observe_verify(self, seqs: list[Sequence], feats, path, accepted, ahead: int = 0, tokens=None) -> None:
         """A verify was launched (the host has not read it): feats [B, N+1, 3H] at every verified node; path [B, N]
         a tree's accepted nodes (-1 after; None: a chain's, 1..accepted, or a plain step's) and accepted [B] their
-        counts, on the device (None: a plain step, which keeps the pending node); ahead: plain steps launched before this one that the host has not committed (the step's
-        positions are each row's cache_len + ahead on); tokens [B, N+1]: the step's emitted tokens (the accepted
-        drafts, then the next one), when the general step verified. Stage, and may start, what the next proposal
+        counts, on the device (None: a plain step, which keeps the pending node); ahead: plain steps launched before
+        this one that the host has not committed (the step's positions are each row's cache_len + ahead on); tokens
+        [B, N+1]: the step's emitted tokens (the accepted drafts, then the next one), when the general step
+        verified. Stage, and may start, what the next proposal
         reads, without reading the device."""
 
     def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits) -> None:

@@ -230,9 +230,9 @@ class Eagle3Drafter(ChainDraws, CatchUp):
 
     def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor | None, accepted: list[int],
                     logits: torch.Tensor) -> None:
-        """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 =
-        the pending token; None: node j at column j, a chain's or a plain step's; row i keeps its first accepted[i] + 1),
-        staged at the slot of that node's token: the law of the next token."""
+        """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 = the pending
+        token; None: node j at column j, a chain's or a plain step's; row i keeps its first accepted[i] + 1), staged
+        at the slot of that node's token: the law of the next token."""
         cache = self.target_cache
         # only the kept nodes (~2 a row), listed on the host from the counts it has: no read of the device
         rows, cols = cache.ints([[i for i, a in enumerate(accepted) for _ in range(a + 1)],
