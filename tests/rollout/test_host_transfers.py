@@ -208,13 +208,22 @@ def test_a_learned_drafter_adds_no_transfer(monkeypatch, graphs):
     assert len(calls) == 1 + steps, f"{len(calls)} transfers for one prefill and {steps} decode steps"
 
 
+def _logged_transfers(monkeypatch) -> list[str]:
+    """A log that notes "send" when a step's transfer is launched and "read" when the host reads it."""
+    from rlspec.rollout.runtime.transfers import Pending, Transfers
+
+    log, rows, send = [], Pending.rows, Transfers.to_host
+    monkeypatch.setattr(Pending, "rows", lambda self: (log.append("read"), rows(self))[1])
+    monkeypatch.setattr(Transfers, "to_host", lambda self, *a: (log.append("send"), send(self, *a))[1])
+    return log
+
+
 def test_a_verifys_features_and_the_next_catch_up_are_queued_behind_its_transfer(monkeypatch):
     """A learned drafter stages a speculative step's features from the verifier's counts on the device, and runs the
     next proposal's catch-up from them (eagle3_catch_up.py), after the step's transfer is launched and before the host
     reads it: on a GPU the host waits for the verify alone, and commits while the device stages and catches up (the
     other way round, the device idles through the staging's and the catch-up's host work after the read)."""
     from rlspec.rollout.runtime.kv_cache import PagedKVCache
-    from rlspec.rollout.runtime.transfers import Pending, Transfers
     from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
     from rlspec.rollout.speculation.selectors.base import Arm
 
@@ -222,13 +231,10 @@ def test_a_verifys_features_and_the_next_catch_up_are_queued_behind_its_transfer
     eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama", seed=3)), None, spec=spec, eos_token_ids=[2])
     eng.speculation.force(Arm("eagle3", 4, 2))
     eng.speculation.learned.early = True  # as on CUDA
-    log, write, rows, send, early = [], PagedKVCache.write_side, Pending.rows, Transfers.to_host, \
-        Eagle3Drafter._catch_up_early
+    log, write, early = _logged_transfers(monkeypatch), PagedKVCache.write_side, Eagle3Drafter._catch_up_early
     monkeypatch.setattr(PagedKVCache, "write_side",
                         lambda self, name, *a: (log.append("stage" if name == "eagle3/features" else name),
                                                 write(self, name, *a)))
-    monkeypatch.setattr(Pending, "rows", lambda self: (log.append("read"), rows(self))[1])
-    monkeypatch.setattr(Transfers, "to_host", lambda self, *a: (log.append("send"), send(self, *a))[1])
     monkeypatch.setattr(Eagle3Drafter, "_catch_up_early", lambda self, *a: (log.append("catch up"), early(self, *a)))
     eng.generate(random_prompts(4, 3, 8, seed=3), SamplingParams(temperature=1.0, max_new_tokens=16, seed=0))
     steps = len(eng.batch_trace)
@@ -246,9 +252,7 @@ def test_a_finished_sample_enters_the_global_window_while_the_device_runs_the_ne
     500-token sample: finish() only queues it, and the engine settles the queue after the next step's launch, before
     its read, on speculative and plain steps (a GPU runs the step meanwhile). The samples' own prompts index them at
     once; the window has every one of them once the call is over, as with indexing at finish."""
-    from rlspec.rollout.runtime.transfers import Pending, Transfers
     from rlspec.rollout.speculation.drafters.suffix import SuffixDrafter
-
     from rlspec.rollout.speculation.selectors.base import OFF
 
     spec = SpecConfig(drafter="suffix", selector="always", num_draft_tokens=3, online_training=False)
@@ -256,9 +260,7 @@ def test_a_finished_sample_enters_the_global_window_while_the_device_runs_the_ne
     if drafter == "none":  # every step plain, the lean path's launches
         eng.speculation.force(OFF)
     suffix = eng.speculation.by_name["suffix"]
-    log, rows, send, finish, add = [], Pending.rows, Transfers.to_host, SuffixDrafter.finish, suffix._global.add
-    monkeypatch.setattr(Pending, "rows", lambda self: (log.append("read"), rows(self))[1])
-    monkeypatch.setattr(Transfers, "to_host", lambda self, *a: (log.append("send"), send(self, *a))[1])
+    log, finish, add = _logged_transfers(monkeypatch), SuffixDrafter.finish, suffix._global.add
     monkeypatch.setattr(SuffixDrafter, "finish", lambda self, seq: (log.append("finish"), finish(self, seq))[1])
     monkeypatch.setattr(suffix._global, "add", lambda *a, **kw: (log.append("index"), add(*a, **kw))[1])
     params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=0, n=2)
