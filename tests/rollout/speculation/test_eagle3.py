@@ -464,6 +464,13 @@ def planting(ref: list[list[int]], rng, vocab: int, planted: Counter | None = No
     return plant
 
 
+def path_moves(monkeypatch) -> Counter:
+    """Counts, under "path", the tree paths whose KV the commit moves into place (PagedKVCache.gather_positions)."""
+    moved, gather = Counter(), PagedKVCache.gather_positions
+    monkeypatch.setattr(PagedKVCache, "gather_positions", lambda *a: (moved.update(["path"]), gather(*a)))
+    return moved
+
+
 @pytest.mark.parametrize("width", [1, 2], ids=["chains", "trees"])
 def test_paths_bank_the_features_and_law_of_the_tokens_kept(monkeypatch, width):
     """The features and the target's law staged at a step's kept nodes, before the host reads the step (the verifier's
@@ -482,8 +489,7 @@ def test_paths_bank_the_features_and_law_of_the_tokens_kept(monkeypatch, width):
     drafter.attach(rec)
     planted = Counter()
     monkeypatch.setattr(Eagle3Drafter, "_draft", planting(ref, random.Random(0), hf.config.vocab_size, planted))
-    moved, gather = Counter(), PagedKVCache.gather_positions
-    monkeypatch.setattr(PagedKVCache, "gather_positions", lambda *a: (moved.update(["path"]), gather(*a)))
+    moved = path_moves(monkeypatch)
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
     if width > 1:
         assert moved["path"] >= 5 and min(planted.values()) >= 5, (moved, planted)
@@ -535,7 +541,7 @@ def test_early_catch_up_gives_the_proposals_own(width, graphs, monkeypatch):
         steps, rng, kinds, outputs = [], random.Random(0), Counter(), []
         arm = Arm("eagle3", 4, width)  # three proposals, then a plain step
         monkeypatch.setattr(Speculation, "choose", lambda self, b: steps.append(b) or (arm if len(steps) % 4 else OFF))
-        catch_up, moved = Eagle3Drafter._catch_up, Counter()
+        catch_up, moved = Eagle3Drafter._catch_up, path_moves(monkeypatch)
 
         def noted(self, seqs):
             ran = self._early[0] if self._early else {}
@@ -545,8 +551,6 @@ def test_early_catch_up_gives_the_proposals_own(width, graphs, monkeypatch):
             outputs.append(out[0].clone())
             return out
 
-        gather = PagedKVCache.gather_positions
-        monkeypatch.setattr(PagedKVCache, "gather_positions", lambda *a: (moved.update(["path"]), gather(*a)))
         monkeypatch.setattr(Eagle3Drafter, "_draft", planting(ref, rng, hf.config.vocab_size))
         monkeypatch.setattr(Eagle3Drafter, "_catch_up", noted)
         assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
