@@ -2,20 +2,23 @@
 
 A tiny random Llama (1 layer, hidden 32, vocab 64) whose forward costs next to nothing, on the CPU, decoded through
 the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain, with an n-gram tree, with a 4-token
-suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token chain from an EAGLE-3 drafter
+suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token n-gram chain looked up on the device (`ngram_device`), with a 4-token chain from an EAGLE-3 drafter
 (selector "always") and plainly beside that drafter (`eagle3_plain`: every step plain, the drafter's features
 staged), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph bookkeeping with emulated graphs
-(`graph_mode="emulate"`): what a GPU replays as one graph launch is here a call of its closure, timed as device
-work. Per (mode, batch):
+(`graph_mode="emulate"`), and so does the device n-gram drafter's lookup: what a GPU replays as one graph launch is
+here a call of its closure, timed as device work. Per (mode, batch):
 
   * ms_per_step: (t(long call) - t(short call)) / (steps(long) - steps(short)), so prefill and call set-up cancel;
   * forward_ms: the device's work per step, timed the same way: the target forward (ModelRunner.step) and the
     drafter's graphs; host_ms = the rest: scheduling, drafting outside graphs, verification, the host transfer and
     the commit;
   * exposed_ms: the median time from a step's read of its one host transfer to the next device work (the next
-    step's forward, or a learned drafter's first graph of the next proposal): what a GPU idles through between two
+    step's forward, or a drafter's first graph of the next proposal): what a GPU idles through between two
     steps when the host reads a step before it launches the next (every speculative step: drafting needs the
     committed tokens; a plain step looks ahead on CUDA, docs/runtime.md);
+  * idle_ms: the median time from a step's read to the next step's forward less the device work between (a
+    drafter's graphs): what a GPU idles through in all when that work does not overlap the host's; exposed_ms
+    where nothing runs between;
   * floor_ms: a bare loop of the same forward + sampling of the next token, no engine around it (plain rows only):
     the least a step can cost on this model;
   * host_ops, host_calls: torch ops dispatched and Python calls made per step outside the target forward, counted
@@ -42,6 +45,8 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
     "plain": None,
     "chain": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=1),
     "tree": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=2),
+    # the same chains where the host drafter drafts, looked up on the device (every row drafts)
+    "ngram_device": dict(drafter="ngram_device", selector="always", num_draft_tokens=4, tree_width=1),
     # the model-free drafter of GRPO recipes: siblings, earlier rollouts, the global window (a 4-token chain)
     "suffix": dict(drafter="suffix", selector="always", num_draft_tokens=4, tree_width=1),
     "eagle3": dict(drafter="eagle3", selector="always", num_draft_tokens=4, tree_width=1),
@@ -51,7 +56,8 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
 }
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1)
-COLUMNS = ["mode", "batch", "ms_per_step", "forward_ms", "host_ms", "exposed_ms", "cpu_ms_per_step", "cpu_forward_ms",
+COLUMNS = ["mode", "batch", "ms_per_step", "forward_ms", "host_ms", "exposed_ms", "idle_ms", "cpu_ms_per_step",
+           "cpu_forward_ms",
            "cpu_host_ms", "host_ops", "host_calls", "steps", "spec_share"]
 INIT = 1.0  # weights drawn wide: peaked logits, so sampled rollouts repeat and the n-gram drafter drafts
 
@@ -65,8 +71,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the host's own cost, no pool wake-ups)")
 
 
-def tiny_model(seed: int = 0):
-    """The negligible-compute target: a 1-layer random Llama in the engine's runtime, float32."""
+def tiny_model(seed: int = 0, device=None):
+    """The negligible-compute target: a 1-layer random Llama in the engine's runtime, float32 (on `device`: the CPU
+    by default)."""
     import torch
     import transformers as tf
 
@@ -75,7 +82,7 @@ def tiny_model(seed: int = 0):
     torch.manual_seed(seed)
     cfg = tf.LlamaConfig(**MODEL, max_position_embeddings=1024, initializer_range=INIT, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)
-    return loader.from_hf_model(tf.LlamaForCausalLM(cfg).float().eval())
+    return loader.from_hf_model(tf.LlamaForCausalLM(cfg).float().eval(), device=device)
 
 
 def build(mode: str, batch: int, seed: int):
@@ -88,50 +95,72 @@ def build(mode: str, batch: int, seed: int):
     spec = SpecConfig(**fields, online_training=False) if fields else None
     engine = RolloutEngine(tiny_model(seed), None, spec=spec, eos_token_ids=[2], max_num_seqs=max(batch, 1),
                            max_model_len=512)
+    for drafter in engine.speculation.by_name.values() if engine.speculation is not None else ():
+        if hasattr(drafter, "graph_mode"):  # the CUDA path's host work (module docstring): graphs, emulated
+            drafter.graph_mode = "emulate"
     if engine.speculation is not None and engine.speculation.learned is not None:
-        # the CUDA path's host work (module docstring): levels from graphs, the catch-up before the verify's read
-        engine.speculation.learned.graph_mode, engine.speculation.learned.early = "emulate", True
+        engine.speculation.learned.early = True  # the catch-up before the verify's read, as on CUDA
     if off:
         engine.speculation.force(OFF)
     return engine
 
 
 class ForwardTimer:
-    """Wraps the engine's ModelRunner.step and a learned drafter's graph replays: wall and CPU seconds of device work
-    (target forwards of decode steps, the drafter's graphs); `inside` is > 0 while one runs (what host_counts leaves
+    """Wraps the engine's ModelRunner.step and the drafters' graph replays: wall and CPU seconds of device work
+    (target forwards of decode steps, the drafters' graphs); `inside` is > 0 while one runs (what host_counts leaves
     out). Wraps its transfers' reads too: `gaps` holds the seconds from each read to the next device work
-    (exposed_ms)."""
+    (exposed_ms), `idles` those to the next target forward less the device work between (idle_ms)."""
 
     def __init__(self, engine):
         self.wall = self.cpu = 0.0
         self.inside = 0
-        self.read_at, self.gaps = None, []
+        self.read_at, self.gaps, self.idles = None, [], []
+        self.first_work = self.between = None  # since the last read: when device work first ran, and its seconds
         runner, inner, to_host = engine.runner, engine.runner.step, engine.runner.transfers.to_host
 
         def send(*columns):
             return _TimedRead(to_host(*columns), self)
 
-        runner.step = lambda *a, **kw: self.device_work(inner, *a, **kw)
+        runner.step = lambda *a, **kw: self.device_work(inner, *a, target=True, **kw)
         runner.transfers.to_host = send
-        learned = engine.speculation.learned if engine.speculation is not None else None
-        graphs = learned.level_graphs() if learned is not None else None
-        if graphs is not None:
-            replay = graphs.graphs.replay
-            graphs.graphs.replay = lambda *a, **kw: self.device_work(replay, *a, **kw)
+        for graphs in _graph_sets(engine):
+            graphs.replay = (lambda replay: lambda *a, **kw: self.device_work(replay, *a, **kw))(graphs.replay)
 
-    def device_work(self, fn, *a, **kw):
-        if self.read_at is not None:  # the first device work since the read: what a GPU idled through ends
-            self.gaps.append(time.perf_counter() - self.read_at)
+    def read(self) -> None:
+        self.read_at, self.first_work, self.between = time.perf_counter(), None, 0.0
+
+    def device_work(self, fn, *a, target: bool = False, **kw):
+        t0 = time.perf_counter()
+        if self.read_at is not None and self.first_work is None:  # the first device work since the read
+            self.first_work = t0
+            self.gaps.append(t0 - self.read_at)
+        if self.read_at is not None and target:  # the next step's forward: the device idled until now but for `between`
+            self.idles.append(t0 - self.read_at - self.between)
             self.read_at = None
         self.inside += 1
         try:
-            t0, c0 = time.perf_counter(), time.process_time()
+            c0 = time.process_time()
             out = fn(*a, **kw)
-            self.wall += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.wall += spent
             self.cpu += time.process_time() - c0
+            if self.read_at is not None:
+                self.between += spent
             return out
         finally:
             self.inside -= 1
+
+
+def _graph_sets(engine) -> list:
+    """The drafters' GraphSets (runtime/graphs.py): an EAGLE-3 drafter's levels, the device n-gram lookup's."""
+    out = []
+    for drafter in engine.speculation.by_name.values() if engine.speculation is not None else ():
+        if hasattr(drafter, "level_graphs"):
+            levels = drafter.level_graphs()
+            out += [] if levels is None else [levels.graphs]
+        elif hasattr(drafter, "graph_set"):
+            out += [drafter.graph_set()]
+    return [g for g in out if g is not None]
 
 
 class _TimedRead:
@@ -142,7 +171,7 @@ class _TimedRead:
 
     def rows(self):
         rows = self.pending.rows()
-        self.timer.read_at = time.perf_counter()
+        self.timer.read()
         return rows
 
 
@@ -152,12 +181,13 @@ def call(engine, timer: ForwardTimer, prompts, tokens: int, temperature: float, 
     params = _params(tokens, temperature, seed)
     engine.batch_trace.clear()
     fw, fc = timer.wall, timer.cpu
-    timer.read_at, timer.gaps = None, []
+    timer.read_at, timer.gaps, timer.idles = None, [], []
     t0, c0 = time.perf_counter(), time.process_time()
     engine.generate(prompts, params)
     out = {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "fwd_wall": timer.wall - fw,
            "fwd_cpu": timer.cpu - fc, "steps": len(engine.batch_trace),
-           "exposed": statistics.median(timer.gaps) if timer.gaps else 0.0}
+           "exposed": statistics.median(timer.gaps) if timer.gaps else 0.0,
+           "idle": statistics.median(timer.idles) if timer.idles else 0.0}
     out["spec_share"] = engine.stats().get("rollout/spec_step_share", 0.0)
     return out
 
@@ -172,7 +202,7 @@ def measure(engine, timer, prompts, args, rep: int) -> dict:
         raise RuntimeError(f"the long call ran {long['steps']} steps, the short one {short['steps']}: raise --tokens")
     per = {k: (long[k] - short[k]) / steps * 1e3 for k in ("wall", "cpu", "fwd_wall", "fwd_cpu")}
     return {"ms_per_step": per["wall"], "forward_ms": per["fwd_wall"], "host_ms": per["wall"] - per["fwd_wall"],
-            "exposed_ms": long["exposed"] * 1e3,
+            "exposed_ms": long["exposed"] * 1e3, "idle_ms": long["idle"] * 1e3,
             "cpu_ms_per_step": per["cpu"], "cpu_forward_ms": per["fwd_cpu"], "cpu_host_ms": per["cpu"] - per["fwd_cpu"],
             "steps": long["steps"], "spec_share": long["spec_share"]}
 
@@ -289,7 +319,7 @@ def run(args) -> dict:
                          "cpu_floor_ms": floor[1] if m == "plain" else None,
                          "reps_host_ms": [r["host_ms"] for r in runs[m]]})
             print(f"[host] batch {batch} {m}: {med['ms_per_step']:.3f} ms/step (forward {med['forward_ms']:.3f}, "
-                  f"host {med['host_ms']:.3f}, exposed {med['exposed_ms']:.3f}; CPU clock: host "
+                  f"host {med['host_ms']:.3f}, exposed {med['exposed_ms']:.3f}, idle {med['idle_ms']:.3f}; CPU clock: host "
                   f"{med['cpu_host_ms']:.3f}; host ops {med['host_ops']:.1f}, Python calls {med['host_calls']:.0f})",
                   flush=True)
     return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "rows": rows,

@@ -348,7 +348,7 @@ def run(args) -> dict:
               f"{r['graph_mode']}: {r['launches_per_proposal']:.1f} launches a proposal ({r['launches_per_level']:.1f} "
               "a level)", flush=True)
     steps = [step_launches(mode, b, t) for b in sorted({args.batch, 64}) for t in (1.0, 0.0)
-             for mode in ("plain", "chain", "tree", "eagle3")]
+             for mode in ("plain", "chain", "ngram_device", "tree", "eagle3")]
     for r in steps:
         print(f"[kernels] decode step, {r['mode']}, batch {r['batch']}, T={r['temperature']:g}: "
               f"{r['launches_per_step']:.1f} launches outside the forward", flush=True)

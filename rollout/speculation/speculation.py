@@ -128,9 +128,13 @@ class Speculation:
 
     # ---- the loop's hooks ----------------------------------------------------------------------
     def start(self, seqs, cache, params, generator, history=None) -> None:
-        """history: the call's TokenHistory when a repetition penalty is on (rollout/runtime/history.py)."""
+        """history: the call's TokenHistory when a repetition penalty is on (rollout/runtime/history.py). Every
+        drafter with a `start` hears of the call (a learned one always; a model-free one that drafts on the device
+        takes the cache's device and funnel from it)."""
+        for d in self.by_name.values():
+            if getattr(d, "start", None) is not None:
+                d.start(seqs, cache, params, generator, history)
         if self.learned is not None:
-            self.learned.start(seqs, cache, params, generator, history)
             self._feed_gate()
         if hasattr(self.selector, "begin_call"):
             self.selector.begin_call()

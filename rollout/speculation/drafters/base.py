@@ -110,7 +110,9 @@ class Drafter(Protocol):
     carries from one generate() call to the next (plain Python values and CPU tensors) and
     `load_state_dict(state)`. A drafter without them is taken to carry nothing. Optional too:
     `abandon(seq)`, a partial round stopped seq unfinished (drop its per-sample state, index nothing); `settle()`,
-    do the work `finish` deferred (the engine calls it once a step's device work is launched)."""
+    do the work `finish` deferred (the engine calls it once a step's device work is launched); `start(seqs, cache,
+    params, generator, history)`, a generate call begins (LearnedDrafter.start: the engine's cache, its device and
+    funnel)."""
 
     name: str
 
