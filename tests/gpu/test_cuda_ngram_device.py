@@ -28,11 +28,11 @@ def test_cuda_graph_lookup_gives_the_eager_drafts_and_greedy_parity(monkeypatch)
     drafter = engine.speculation.by_name["ngram_device"]
     compared, lookup = [0], DeviceNgramDrafter._lookup
 
-    def checked(self, inputs, L, D):  # each graph's drafts against the eager lookup of the same rows
-        got = lookup(self, inputs, L, D)
+X
+        got = lookup(self, rows, L, D)
         self.graph_mode = "off"
         try:
-            eager = lookup(self, inputs, L, D)
+            eager = lookup(self, rows, L, D)
         finally:
             self.graph_mode = "auto"
         assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1])

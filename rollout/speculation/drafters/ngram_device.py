@@ -1,24 +1,29 @@
-"""Prompt lookup on the device: the n-gram drafter's chains, looked up where the model runs (as vLLM's ngram_gpu).
+"""Prompt lookup on the device: n-gram chains looked up where the model runs (as vLLM's ngram_gpu), in the sample's
+own text and its siblings'.
 
-The host n-gram drafter (ngram.py) keeps a hash index per sample in Python and looks a row up after the host has
-read a step: ~10 us a row, so at the batch sizes RL runs (64-512) 1-5 ms a step that the device idles through
-(docs/runtime.md#host-step-budget). Here every live sample's tokens sit in one [slots, length] int32 buffer on the
-engine's device. A proposal sends what the host committed since the last one (a few tokens a row, in one copy through
-the decode loop's funnel, runtime/transfers.py) and looks every row up at once in fixed shapes: on CUDA one graph per
-row bucket, context bucket and draft length. The drafts stay on the device (`DraftTensors`) for the verify.
+The host drafters keep hash indexes in Python and look a row up after the host has read a step: ~10 us a row for
+n-gram, ~30 for suffix, so at the batch sizes RL runs (64-512) milliseconds a step that the device idles through
+(docs/runtime.md#host-step-budget). Here every sample's tokens sit in one [slots, length] int32 buffer on the
+engine's device, with each slot's length and the slots of its group (the samples of its prompt). A proposal sends
+what the host committed since the last one (a few tokens a row, one copy through the decode loop's funnel,
+runtime/transfers.py) and looks every row up at once in fixed shapes: on CUDA one graph per row bucket, context
+bucket, group size and draft length. The drafts stay on the device (`DraftTensors`) for the verify.
 
-The lookup, for a row of n tokens t[0..n-1] and A = max_ngram: each candidate p in [1, n - 1] (a draft starting at
-t[p]) has run(p), how many of t[p-1], t[p-2], .., t[p-A] equal t[n-1], t[n-2], .., t[n-A] in a row (nothing before
-t[0] matches). The row drafts from the p that maximises (min(run(p), A), p): the longest matching suffix, then its
-newest occurrence, which is the host drafter's order (anchors longest first, each newest first). The draft is
-t[p + j mod (n - p)] for j < m: the continuation, periodic where it runs into the row's end, as the host drafter's.
-Where the host drafter drafts (a match of at least min_ngram tokens), the chains are the same
-(tests/rollout/speculation/test_ngram_device.py).
+The lookup, for a row whose own text is t[0..n-1], A = max_ngram, and each document d of its group (its own text and,
+with `siblings`, each sibling's, live or finished, as far as the buffer holds it): each candidate p in [1, len(d) - 1]
+(a draft starting at d[p]) has run(p), how many of d[p-1], d[p-2], .., d[p-A] equal t[n-1], t[n-2], .., t[n-A] in a
+row (nothing before d[0] matches). The row drafts from the candidate that maximises (min(run, A), own text first,
+the later sibling, p): the longest matching suffix, then its newest occurrence. The draft is d[p + j mod (len(d) - p)]
+for j < m: the continuation, periodic where it runs into the document's end. With siblings off, the chain is the
+host n-gram drafter's wherever that one drafts (tests/rollout/speculation/test_ngram_device.py). On 64 SmolLM2 math
+rollouts (8 prompts x 8 samples, T = 1) a 4-token draft at every position was accepted for 0.252 tokens a position
+from the sample's own text and 0.285 with its siblings' (the suffix drafter: 0.186, drafting at 32% of positions).
 
-What differs: the host reads a draft only as the verify's outcome, so it never learns whether a row matched, and
-every row drafts its budget. A row without a match of min_ngram tokens drafts from its best shorter one, a repeat of
-its last token when there is none (which repeated text often continues); verification rejects what is wrong, which
-costs the verify's compute, never exactness. Chains only: a tree needs the matches' counts (ngram.py).
+What differs from the host drafters: the host reads a draft only as the verify's outcome, so it never learns whether
+a row matched, and every row drafts its budget. A row without a match drafts from its best shorter one, a repeat of
+its last token when there is none; verification rejects what is wrong, which costs the verify's compute, never
+exactness. Chains only: a tree needs the matches' counts (ngram.py, suffix.py). A lookup reads rows x group x
+context positions: ~20 bytes each in its intermediates.
 """
 from __future__ import annotations
 
@@ -32,61 +37,78 @@ from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, row_b
 MIN_CONTEXT = 64  # the smallest context bucket a lookup runs over (then powers of two up to the cache's length)
 
 
-def lookup(tokens: torch.Tensor, lens: torch.Tensor, max_ngram: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's draft at once. tokens [B, L] int: row i's tokens at 0..lens[i]-1 (what lies past is never read);
-    lens [B] long, 1 <= lens <= L. Returns (drafts [B, D] long, the matched suffix's length [B], at most max_ngram)."""
-    B, L = tokens.shape
-    A, dev = max_ngram, tokens.device
-    padded = torch.cat([tokens.new_full((B, A), -1), tokens], 1)  # padded[:, A + i] = t[i]; before t[0]: -1
-    p = torch.arange(L + 1, device=dev)  # candidates (p = 0 and p >= n are never chosen, below)
-    run = torch.zeros(B, L + 1, dtype=torch.int32, device=dev)
-    alive = torch.ones(B, L + 1, dtype=torch.bool, device=dev)
-    for k in range(1, A + 1):  # t[p - k] == t[n - k] while every nearer pair matched
-        tail = padded.gather(1, (lens + A - k)[:, None])  # t[n - k]; -1 before t[0], which nothing may match
+def lookup(docs: torch.Tensor, lens: torch.Tensor, own: torch.Tensor, max_ngram: int, D: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's draft at once. docs [B, G, L] int: the row's group's documents, document g's tokens at
+    0..lens[b, g]-1 (what lies past is never read; lens 0: no document); own [B] long: which document is the row's
+    own text (lens >= 1 there), whose end is the query. Returns (drafts [B, D] long, the matched suffix's length [B],
+    at most max_ngram)."""
+    B, G, L = docs.shape
+    A, dev = max_ngram, docs.device
+    lens = lens.clamp(max=L)  # a document past the context the caller gathered is read as far as it reaches
+    padded = torch.cat([docs.new_full((B, G, A), -1), docs], 2)  # padded[..., A + i] = d[i]; before d[0]: -1
+    rows = torch.arange(B, device=dev)
+    n = lens[rows, own]
+    mine = padded[rows, own]  # [B, A + L]: the row's own text
+    p = torch.arange(L + 1, device=dev)  # candidates (p = 0 and p >= len(d) are never chosen, below)
+    run = torch.zeros(B, G, L + 1, dtype=torch.int32, device=dev)
+    alive = torch.ones(B, G, L + 1, dtype=torch.bool, device=dev)
+    for k in range(1, A + 1):  # d[p - k] == t[n - k] while every nearer pair matched
+        tail = mine.gather(1, (n + A - k)[:, None])  # t[n - k]; -1 before t[0], which nothing may match
         tail = tail.masked_fill(tail < 0, -2)
-        alive &= padded[:, A - k:A - k + L + 1] == tail
+        alive &= padded[:, :, A - k:A - k + L + 1] == tail[:, :, None]
         run += alive
-    valid = (p >= 1) & (p < lens[:, None])  # a continuation token exists, and the row's own end is no match
-    score = torch.where(valid, run * (L + 1) + p.int(), -1)  # longest first, then newest (run <= A: no overflow)
-    top, start = score.max(1)
-    matched = torch.div(top, L + 1, rounding_mode="floor").clamp(min=0)
-    start = torch.where(top >= 0, start, lens - 1)  # n = 1, no candidate: the last token repeated
-    period = lens - start
-    at = start[:, None] + torch.arange(D, device=dev) % period[:, None]
-    return tokens.gather(1, at).long(), matched
+    valid = (p >= 1) & (p < lens[:, :, None])  # a continuation token exists (the row's own end is no match)
+    g = torch.arange(G, dtype=torch.int32, device=dev)
+    rank = 2 * G * run.clamp(max=A) + g[:, None] + G * (g == own[:, None])[:, :, None]  # longest, own, later g
+    score = torch.where(valid, rank * (L + 1) + p.int(), -1).view(B, -1)
+    top, at = score.max(1)
+    doc, start = torch.div(at, L + 1, rounding_mode="floor"), at % (L + 1)
+    matched = torch.where(top >= 0, run.view(B, -1).gather(1, at[:, None])[:, 0].clamp(max=A), 0)
+    doc, start = torch.where(top >= 0, doc, own), torch.where(top >= 0, start, n - 1)  # nothing: the last token
+    period = lens[rows, doc] - start
+    pos = start[:, None] + torch.arange(D, device=dev) % period[:, None]
+    return docs[rows, doc].gather(1, pos).long(), matched
 
 
 class DeviceNgramDrafter:
-    """Prompt lookup decoding (chains) with the lookup on the device (module docstring)."""
+    """Prompt lookup decoding (chains) over the sample's own text and its siblings', on the device (module
+    docstring)."""
 
     name = "ngram_device"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, graph_mode: str = "auto"):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, siblings: bool = True, graph_mode: str = "auto"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
-        # min_ngram is what the host drafter needs to draft; here it only tells `matched` rows apart (drafts_matched)
-        self.max_ngram, self.min_ngram, self.graph_mode = max_ngram, min_ngram, graph_mode
+        # min_ngram: what the host drafter needs to draft; here it only tells matched rows apart (`last_matched`)
+        self.max_ngram, self.min_ngram, self.siblings, self.graph_mode = max_ngram, min_ngram, siblings, graph_mode
         self.cache = None  # the engine's PagedKVCache, given at each start(): device, lengths, the funnel
-        self.buf: torch.Tensor | None = None  # [slots, length] int32: each live sample's tokens
-        self._state: dict[int, list] = {}  # id(seq) -> [seq, slot, tokens written]
+        # on the device: each slot's tokens, its length, and its group's slots (-1 past the group); the last slot is
+        # a trash slot the padding rows of a lookup read and write
+        self.buf = self.lens = self.members = None
+        self._state: dict[int, list] = {}  # id(seq) -> [seq, slot, tokens written, its group's record]
         self._free: list[int] = []  # slots released in this call (below _used)
         self._used = 0  # slots handed out in this call
+        self._longest = 0  # the longest text written in this call (every lookup reads that far)
         self.graphs: GraphSet | None = None
         self._frames: dict[tuple, tuple] = {}  # graph key -> static (inputs [2, r], drafts [r, D], matched [r]), long
         self.last_matched: torch.Tensor | None = None  # [B]: the last proposal's matched lengths (tests, metrics)
 
     # ---- the engine's hooks ---------------------------------------------------------------------
     def start(self, seqs, cache, params=None, generator=None, history=None) -> None:
-        """A generate call begins: nothing outlives a call (each sample looks up only its own text)."""
-        self.cache, self._state, self._free, self._used = cache, {}, [], 0
-        if self.buf is None or self.buf.device != cache.table.device or self.buf.shape[1] < cache.length:
-            self._resize(max(cache.rows, 1), cache.length)
+        """A generate call begins: nothing outlives a call (each sample looks up its own group's text)."""
+        self.cache, self._state, self._free, self._used, self._longest = cache, {}, [], 0, 0
+        group = max(map(len, _groups_of(seqs)), default=1) if self.siblings else 1
+        if self.buf is None or self.buf.device != cache.table.device or self.buf.shape[1] < cache.length \
+                or self.members.shape[1] < group:
+            self._resize(max(cache.rows, 1), cache.length, group)
 
     def begin(self, groups: list[list[Sequence]]) -> None:
         for key in [k for k, st in self._state.items() if st[0].finished]:  # finished without finish()
             self._release(key)
+        self._register(groups if self.siblings else [[s] for g in groups for s in g])
 
     def finish(self, seq: Sequence) -> None:
         self._release(id(seq))
@@ -106,18 +128,18 @@ class DeviceNgramDrafter:
     def propose_tensors(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> DraftTensors:
         """Every row's chain of max_tokens[i] tokens, on the device (`width` > 1 drafts chains all the same)."""
         D = max(max_tokens, default=0)
-        if D == 0:
-            return DraftTensors(torch.zeros(len(seqs), 1, 0, dtype=torch.long, device=self._device()), None,
-                                list(max_tokens))
         if self.cache is None:
             raise RuntimeError("ngram_device drafts inside an engine's generate call (its start() gives the device "
                                "and the funnel); use drafter='ngram' to propose outside one")
+        if D == 0:  # no row drafts: what the rows committed is sent with their next proposal
+            self.last_matched = None
+            return DraftTensors(self.buf.new_zeros(len(seqs), 1, 0, dtype=torch.long), None, list(max_tokens))
         r = row_bucket(len(seqs))
         slots, lens, writes = self._sync(seqs, r)
-        top = max(lens)
-        L = bucket_for(top, pow2_buckets(MIN_CONTEXT, self.buf.shape[1])) or top
-        packed = self.cache.ints(slots + lens + [x for w in writes for x in w])
-        W = len(writes[0])
+        self._longest = max(self._longest, *lens)  # a sibling's text is as long as the longest written
+        L = bucket_for(self._longest, pow2_buckets(MIN_CONTEXT, self.buf.shape[1])) or self.buf.shape[1]
+        packed = self.cache.ints(slots + lens + writes)
+        W = len(writes) // 3
         if W:  # the tokens committed since the last proposal
             at = packed[2 * r:].view(3, W)
             self.buf[at[0], at[1]] = at[2].to(self.buf.dtype)
@@ -126,15 +148,16 @@ class DeviceNgramDrafter:
         return DraftTensors(drafts[:len(seqs), None, :], None, list(max_tokens))
 
     # ---- internals ------------------------------------------------------------------------------
-    def _sync(self, seqs: list[Sequence], r: int) -> tuple[list[int], list[int], tuple[list, list, list]]:
-        """Each row's slot and length, padded to r rows (slot 0, length 1: read, never used), and the (slot,
-        position, token) of every token not yet in the buffer."""
+    def _sync(self, seqs: list[Sequence], r: int) -> tuple[list[int], list[int], list[int]]:
+        """Each row's slot and length, padded to r rows (the trash slot, length 1), and the slots, positions and
+        tokens (three runs) of every token not yet in the buffer."""
         slots, lens, ws, wp, wt = [], [], [], [], []
         state = self._state
+        fresh = [[s] for s in seqs if (st := state.get(id(s))) is None or st[0] is not s]
+        if fresh:  # not begun (or a recycled id()): each a group of one
+            self._register(fresh)
         for s in seqs:
-            st = state.get(id(s))
-            if st is None or st[0] is not s:  # first proposal for it (or a recycled id())
-                st = state[id(s)] = [s, self._take_slot(), 0]
+            st = state[id(s)]
             n = s.cache_len + 1
             if st[2] < n:
                 new = s.ids(st[2], n)
@@ -144,31 +167,41 @@ class DeviceNgramDrafter:
                 st[2] = n
             slots.append(st[1])
             lens.append(n)
-        if max(lens) > self.buf.shape[1]:
-            self._resize(self.buf.shape[0], max(lens))
         pad = r - len(seqs)
-        return slots + [0] * pad, lens + [1] * pad, (ws, wp, wt)
+        trash = self.buf.shape[0] - 1
+        return slots + [trash] * pad, lens + [1] * pad, ws + wp + wt
 
-    def _lookup(self, inputs: torch.Tensor, L: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`lookup` over the buffer's rows `inputs[0]` of lengths `inputs[1]`: eagerly, or replayed from a graph."""
+    def _lookup(self, rows: torch.Tensor, L: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' lengths written, then `lookup` over the groups of their slots (rows [2, r]: slots, lengths):
+        eagerly, or replayed from a graph."""
         graphs = self.graph_set()
         if graphs is None:
-            return lookup(self.buf[inputs[0], :L], inputs[1], self.max_ngram, D)
-        key = (inputs.shape[1], L, D)
+            return self._run(rows, L, D)
+        r = rows.shape[1]
+        key = (r, L, self.members.shape[1], D)
         frame = self._frames.get(key)
         if frame is None:  # static buffers outside the graphs' pool: no later capture reuses their memory
-            r = inputs.shape[1]
-            frame = self._frames[key] = (torch.empty_like(inputs), inputs.new_empty(r, D), inputs.new_empty(r))
+            frame = self._frames[key] = (torch.empty_like(rows), rows.new_empty(r, D), rows.new_empty(r))
         static, drafts, matched = frame
-        static.copy_(inputs)
+        static.copy_(rows)
 
-        def run():  # reads only the frame's inputs and the buffer; writes the frame's outputs
-            got = lookup(self.buf[static[0], :L], static[1], self.max_ngram, D)
+        def run():  # reads the frame's input and the buffers; writes the rows' lengths and the frame's outputs
+            got = self._run(static, L, D)
             drafts.copy_(got[0])
             matched.copy_(got[1])
 
         graphs.replay(key, run)
         return drafts, matched
+
+    def _run(self, rows: torch.Tensor, L: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = rows[0]
+        self.lens[slots] = rows[1]
+        group = self.members[slots]  # [r, G] slots of each row's group, -1 past it
+        there = group >= 0
+        group = torch.where(there, group, slots[:, None])
+        lens = torch.where(there, self.lens[group], 0)
+        own = (group == slots[:, None]).int().argmax(1)
+        return lookup(self.buf[group, :L], lens, own, self.max_ngram, D)
 
     def graph_set(self) -> GraphSet | None:
         """The lookup's graphs (made on first use), or None where it runs eagerly."""
@@ -182,15 +215,36 @@ class DeviceNgramDrafter:
                 self.graphs = GraphSet(device, "cuda")
         return self.graphs
 
-    def _resize(self, slots: int, length: int) -> None:
-        """A buffer of at least these slots and positions, keeping what it holds; graphs read the old one's address,
-        so they go with it."""
+    def _register(self, groups: list[list[Sequence]]) -> None:
+        """Slots for each group's samples, their lengths 0 and each one's group table (its group's slots), on the
+        device in one copy. A group's slots stay until all its samples are done (`_release`)."""
+        slots, tables, G = [], [], self.members.shape[1]
+        for g in groups:
+            record = [[], len(g)]  # the group's slots, its samples not yet done
+            for s in g:
+                slot = self._take_slot()
+                record[0].append(slot)
+                self._state[id(s)] = [s, slot, 0, record]
+            slots += record[0]
+            tables += (record[0] + [-1] * (G - len(g))) * len(g)
+        if slots:
+            packed = self.cache.ints(slots + tables)
+            at = packed[:len(slots)]
+            self.lens[at] = 0
+            self.members[at] = packed[len(slots):].view(len(slots), G)
+
+    def _resize(self, slots: int, length: int, group: int) -> None:
+        """Buffers of at least these slots (and a trash slot), positions and group size, keeping what they hold;
+        graphs read the old ones' addresses, so they go with them."""
         device = self.cache.table.device
-        old = self.buf
-        self.buf = torch.zeros(slots, length, dtype=torch.int32, device=device)
-        if old is not None and old.device == device:
-            n, m = min(old.shape[0], slots), min(old.shape[1], length)
-            self.buf[:n, :m] = old[:n, :m]
+        old = (self.buf, self.lens, self.members)
+        self.buf = torch.zeros(slots + 1, length, dtype=torch.int32, device=device)
+        self.lens = torch.ones(slots + 1, dtype=torch.long, device=device)
+        self.members = torch.full((slots + 1, group), -1, dtype=torch.long, device=device)
+        self.members[:, 0] = torch.arange(slots + 1, device=device)  # a slot no group claimed lists itself
+        if old[0] is not None and old[0].device == device:
+            n, m, g = min(old[0].shape[0] - 1, slots), min(old[0].shape[1], length), min(old[2].shape[1], group)
+            self.buf[:n, :m], self.lens[:n], self.members[:n, :g] = old[0][:n, :m], old[1][:n], old[2][:n, :g]
         if self.graphs is not None:
             self.graphs.graphs.clear()
         self._frames = {}
@@ -198,18 +252,31 @@ class DeviceNgramDrafter:
     def _take_slot(self) -> int:
         if self._free:
             return self._free.pop()
-        if self._used == self.buf.shape[0]:  # more samples under way than the cache has rows (preempted ones)
-            self._resize(2 * self._used, self.buf.shape[1])
+        if self._used == self.buf.shape[0] - 1:  # more samples under way than the cache has rows (preempted ones)
+            self._resize(2 * self._used, self.buf.shape[1], self.members.shape[1])
         self._used += 1
         return self._used - 1
 
     def _release(self, key: int) -> None:
+        """A sample is done: its group's slots go once every sample of the group is (siblings read them till then)."""
         st = self._state.pop(key, None)
-        if st is not None:
-            self._free.append(st[1])
+        if st is None:
+            return
+        record = st[3]
+        record[1] -= 1
+        if record[1] <= 0:
+            self._free += record[0]
 
     def _device(self) -> torch.device:
         return self.cache.table.device if self.cache is not None else torch.device("cpu")
+
+
+def _groups_of(seqs: list[Sequence]):
+    """The call's groups: its samples by prompt."""
+    by_prompt: dict[int, list] = {}
+    for s in seqs:
+        by_prompt.setdefault(s.prompt_index, []).append(s)
+    return by_prompt.values()
 
 
 @DRAFTERS.register("ngram_device", learned=False, auto=False)
@@ -217,5 +284,6 @@ def _build(target=None, spec=None, **overrides) -> DeviceNgramDrafter:
     """Model-free; chains only (SpecConfig.tree_width 1)."""
     if spec is not None and spec.tree_width > 1:
         raise ValueError(f"drafter ngram_device drafts chains; tree_width={spec.tree_width} asks for trees: set "
-                         "drafter.tree_width=1, or use drafter=ngram (trees from the matches' counts, on the host)")
+                         "drafter.tree_width=1, or use drafter=ngram or suffix (trees from the matches' counts, on "
+                         "the host)")
     return DeviceNgramDrafter(**overrides)

@@ -19,48 +19,78 @@ from tests.conftest import random_prompts
 from tests.rollout.law_helpers import one_thread  # noqa: F401  (fixture of the law tests)
 
 
-def brute_force(tokens: list[int], A: int, D: int) -> tuple[list[int], int]:
-    """(draft, matched length) by the definition: the longest a <= A whose last-a-token suffix occurred earlier with
-    a token after it, its newest such occurrence, the continuation periodic; none: the last token repeated."""
-    n = len(tokens)
-    for a in range(A, 0, -1):
-        for p in range(n - 1, a - 1, -1):  # newest first; p = n would be the suffix itself
-            if tokens[p - a:p] == tokens[n - a:]:
-                return [tokens[p + j % (n - p)] for j in range(D)], a
-    return [tokens[-1]] * D, 0
+def brute_force(docs: list[list[int]], own: int, A: int, D: int) -> tuple[list[int], int]:
+    """(draft, matched length) by the definition: over every document of the group, the candidate with the longest
+    match (at most A) of the own text's last tokens, then the own text, then the later document, then the newest
+    position, with a token after it; its continuation periodic in its document. None: the own last token repeated."""
+    t = docs[own]
+    n, best = len(t), None
+    for g, d in enumerate(docs):
+        for p in range(1, len(d)):
+            run = 0
+            while run < A and run < p and run < n and d[p - 1 - run] == t[n - 1 - run]:
+                run += 1
+            key = (run, g == own, g, p)
+            best = key if best is None or key > best else best
+    if best is None:
+        return [t[-1]] * D, 0
+    run, _, g, p = best
+    d = docs[g]
+    return [d[p + j % (len(d) - p)] for j in range(D)], run
 
 
-def test_lookup_is_prompt_lookup():
-    """Random rows over a small vocabulary (matches of every length, rows of one token, rows shorter than the anchor,
-    stale tokens past each row's end) against the brute force, drafts and matched lengths."""
-    rng = random.Random(0)
-    A, D, L = 4, 6, 48
-    rows = [[rng.randrange(3) for _ in range(rng.randint(1, L))] for _ in range(400)]
-    tokens = torch.tensor([r + [rng.randrange(3) for _ in range(L - len(r))] for r in rows], dtype=torch.int32)
-    drafts, matched = lookup(tokens, torch.tensor([len(r) for r in rows]), A, D)
-    want = [brute_force(r, A, D) for r in rows]
+def random_groups(rng, B: int, G: int, L: int, vocab: int = 3):
+    """B rows of G documents (lengths 0..L; the own one at least 1) over a small vocabulary, stale tokens past each
+    document's end, as a lookup's inputs and as lists."""
+    docs, owns = [], []
+    for _ in range(B):
+        own = rng.randrange(G)
+        lens = [rng.randint(1 if g == own else 0, L) for g in range(G)]
+        docs.append([[rng.randrange(vocab) for _ in range(n)] for n in lens])
+        owns.append(own)
+    padded = torch.tensor([[d + [rng.randrange(vocab) for _ in range(L - len(d))] for d in row] for row in docs],
+                          dtype=torch.int32)
+    return padded, torch.tensor([[len(d) for d in row] for row in docs]), torch.tensor(owns), docs
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_lookup_is_prompt_lookup(G):
+    """Random groups over a small vocabulary (matches of every length, own texts of one token, documents shorter than
+    the anchor or empty, stale tokens past each end) against the brute force, drafts and matched lengths."""
+    rng = random.Random(G)
+    A, D = 4, 6
+    tokens, lens, own, docs = random_groups(rng, 400, G, 40)
+    drafts, matched = lookup(tokens, lens, own, A, D)
+    want = [brute_force(row, o, A, D) for row, o in zip(docs, own.tolist())]
     assert drafts.tolist() == [w[0] for w in want]
     assert matched.tolist() == [w[1] for w in want]
-    assert set(matched.tolist()) == set(range(A + 1))  # every matched length occurred, none too
+    seen = set(matched.tolist())
+    assert seen <= set(range(A + 1)) and set(range(1, A + 1)) <= seen and (0 in seen or G > 1)  # every length
 
 
-@pytest.mark.parametrize("wrong", ["oldest", "shortest"])
+@pytest.mark.parametrize("wrong", ["oldest", "shortest", "siblings_first"])
 def test_brute_force_tells_wrong_lookups_apart(wrong):
-    """The reference is able to fail: the oldest occurrence, or the shortest suffix, differs from it somewhere."""
+    """The reference is able to fail: the oldest occurrence, the shortest suffix, or a sibling's match preferred to
+    the own text's of the same length, differs from it somewhere."""
     rng = random.Random(1)
-    rows = [[rng.randrange(3) for _ in range(rng.randint(6, 30))] for _ in range(200)]
+    _, _, own, docs = random_groups(rng, 200, 3, 30)
 
-    def variant(t, A, D):
-        n = len(t)
-        order = range(1, A + 1) if wrong == "shortest" else range(A, 0, -1)
-        for a in order:
-            ps = range(a, n) if wrong == "oldest" else range(n - 1, a - 1, -1)
-            for p in ps:
-                if t[p - a:p] == t[n - a:]:
-                    return [t[p + j % (n - p)] for j in range(D)], a
-        return [t[-1]] * D, 0
+    def variant(row, o, A, D):
+        t, best = row[o], None
+        for g, d in enumerate(row):
+            for p in range(1, len(d)):
+                run = 0
+                while run < A and run < p and run < len(t) and d[p - 1 - run] == t[len(t) - 1 - run]:
+                    run += 1
+                key = {"oldest": (run, g == o, g, -p), "shortest": (-run if run else -99, g == o, g, p),
+                       "siblings_first": (run, g != o, g, p)}[wrong]
+                best = (key, g, p, run) if best is None or key > best[0] else best
+        if best is None:
+            return [t[-1]] * D, 0
+        _, g, p, run = best
+        return [row[g][p + j % (len(row[g]) - p)] for j in range(D)], run
 
-    assert any(variant(r, 4, 5) != brute_force(r, 4, 5) for r in rows)
+    assert any(variant(row, o, 4, 5) != brute_force(row, o, 4, 5) for row, o in zip(docs, own.tolist()))
 
 
 def target():
@@ -69,12 +99,11 @@ def target():
     return tiny_model(3)
 
 
-def engine(drafter: str, graph_mode: str = "off", **kw) -> RolloutEngine:
-    spec = SpecConfig(drafter=drafter, selector="always", num_draft_tokens=4, online_training=False)
+def engine(graph_mode: str = "off", siblings: bool = True, **kw) -> RolloutEngine:
+    spec = SpecConfig(drafter="ngram_device", selector="always", num_draft_tokens=4, online_training=False)
     eng = RolloutEngine(target(), None, spec=spec, eos_token_ids=[2], **kw)
-    for d in eng.speculation.by_name.values():
-        if hasattr(d, "graph_mode"):
-            d.graph_mode = graph_mode
+    drafter = eng.speculation.by_name["ngram_device"]
+    drafter.graph_mode, drafter.siblings = graph_mode, siblings
     return eng
 
 
@@ -84,9 +113,9 @@ def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("graph_mode", ["off", "emulate"])
 def test_chains_are_the_host_drafters_where_it_drafts(graph_mode, monkeypatch):
-    """In a sampled rollout, every proposal is compared with the host n-gram drafter's for the same rows at the same
-    moment: where that one drafts (a match of min_ngram tokens), the chains are equal; elsewhere the row still
-    drafts (its best shorter match)."""
+    """Siblings off, in a sampled rollout, every proposal is compared with the host n-gram drafter's for the same
+    rows at the same moment: where that one drafts (a match of min_ngram tokens), the chains are equal; elsewhere
+    the row still drafts (its best shorter match)."""
     seen = {"host": 0, "fallback": 0}
     host = NgramDrafter()
     propose = DeviceNgramDrafter.propose_tensors
@@ -104,13 +133,52 @@ def test_chains_are_the_host_drafters_where_it_drafts(graph_mode, monkeypatch):
         return out
 
     monkeypatch.setattr(DeviceNgramDrafter, "propose_tensors", compared)
-    eng = engine("ngram_device", graph_mode, max_num_seqs=6)
+    eng = engine(graph_mode, siblings=False, max_num_seqs=6)
     params = SamplingParams(temperature=0.5, max_new_tokens=80, n=2, seed=0, ignore_eos=True)
     eng.generate(repetitive_prompts(5, 0), params)
     assert seen["host"] >= 50 and seen["fallback"] >= 10, seen
     if graph_mode == "emulate":
         graphs = eng.speculation.by_name["ngram_device"].graphs
         assert graphs.counts["replays"] > graphs.counts["captures"] > 0
+
+
+@pytest.mark.parametrize("graph_mode", ["off", "emulate"])
+def test_drafts_look_up_the_siblings_texts(graph_mode, monkeypatch):
+    """Groups of three samples, more samples than rows (siblings finish while others of their group run, slots are
+    freed and taken again): every proposal of every row is the brute force over its own text and its siblings' as
+    far as the drafter had seen them (a live sibling: up to this proposal; one done or waiting: up to its last), and
+    drafts came from siblings' texts."""
+    seen = {"rows": 0, "sibling": 0}
+    synced: dict[int, list[int]] = {}  # id(seq) -> its text as of its last proposal
+    groups: dict[int, list] = {}
+    propose = DeviceNgramDrafter.propose_tensors
+
+    def compared(self, seqs, caps, width):
+        out = propose(self, seqs, caps, width)
+        if not max(caps):  # nothing to draft: nothing looked up or sent
+            return out
+        for s in seqs:
+            synced[id(s)] = s.all_ids()
+            groups.setdefault(s.prompt_index, {})[id(s)] = s
+        for i, (s, got) in enumerate(zip(seqs, out.to_drafts())):
+            if not caps[i]:
+                continue
+            # the group's texts in its samples' order (its table's), one never proposed for empty
+            by_sample = {x.sample_index: synced[id(x)] for x in groups[s.prompt_index].values()}
+            docs = [by_sample.get(j, []) for j in range(3)]
+            own = s.sample_index
+            want, run = brute_force(docs, own, self.max_ngram, caps[i])
+            assert got.tokens == want and int(self.last_matched[i]) == run
+            seen["rows"] += 1
+            alone, _ = brute_force([docs[own]], 0, self.max_ngram, caps[i])
+            seen["sibling"] += want != alone
+        return out
+
+    monkeypatch.setattr(DeviceNgramDrafter, "propose_tensors", compared)
+    eng = engine(graph_mode, max_num_seqs=5)
+    params = SamplingParams(temperature=0.5, max_new_tokens=60, n=3, seed=0)
+    eng.generate(repetitive_prompts(4, 2), params)
+    assert seen["rows"] >= 300 and seen["sibling"] >= 20, seen
 
 
 @pytest.mark.parametrize("graph_mode", ["off", "emulate"])
@@ -122,7 +190,7 @@ def test_greedy_exact(graph_mode, rows, kv_gb):
     params = SamplingParams(temperature=0, max_new_tokens=48, n=2, ignore_eos=True)
     plain = RolloutEngine(target(), None, eos_token_ids=[2])
     ref = [r.completion_ids for r in plain.generate(prompts, params)]
-    eng = engine("ngram_device", graph_mode, max_num_seqs=rows, max_model_len=128,
+    eng = engine(graph_mode, max_num_seqs=rows, max_model_len=128,
                  **({"kv_memory_gb": kv_gb} if kv_gb else {}))
     assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
     stats = eng.stats()
@@ -155,18 +223,23 @@ def test_trees_are_refused_before_any_step():
 
 
 def test_slots_grow_past_the_rows_and_are_reused():
-    """Samples under way beyond the cache's rows (preempted ones keep their tokens) get slots of a grown buffer, and
-    a finished sample's slot is the next one handed out."""
-    eng = engine("ngram_device", max_num_seqs=2)
+    """Samples under way beyond the cache's rows (preempted ones keep their text) get slots of a grown buffer, which
+    keeps what it held and its trash slot last; a group's slots are handed out again once all its samples are done."""
+    eng = engine(max_num_seqs=2)
     drafter = eng.speculation.by_name["ngram_device"]
     eng.generate([[3, 4, 5, 3, 4]], SamplingParams(temperature=0, max_new_tokens=4))  # start(): the cache
     drafter.start([], drafter.cache)  # a call begins: every slot free
-    rows = drafter.buf.shape[0]
+    rows = drafter.buf.shape[0] - 1
+    drafter.buf[rows - 1, :3] = torch.tensor([7, 8, 9], dtype=torch.int32)
     slots = [drafter._take_slot() for _ in range(rows + 1)]
-    assert slots == list(range(rows + 1)) and drafter.buf.shape[0] == 2 * rows
-    drafter._state[1] = [None, slots[1], 0]
+    assert slots == list(range(rows + 1)) and drafter.buf.shape[0] == 2 * rows + 1
+    assert drafter.buf[rows - 1, :3].tolist() == [7, 8, 9] and drafter.members[-1, 0] == 2 * rows
+    record = [[slots[0], slots[1]], 2]  # a group of two
+    drafter._state[1], drafter._state[2] = [None, slots[0], 0, record], [None, slots[1], 0, record]
     drafter._release(1)
-    assert drafter._take_slot() == slots[1]
+    assert drafter._take_slot() == rows + 1  # the group's other sample still reads slot 0's text
+    drafter._release(2)
+    assert sorted(drafter._take_slot() for _ in range(2)) == slots[:2]
 
 
 def test_graph_modes_checked():
