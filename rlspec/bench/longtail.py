@@ -20,6 +20,8 @@ CONFIGS = {
     # name: (drafter, k, width, selector); "always" forces speculation at every live batch size
     "engine": ("none", 0, 1, "fixed"),
     "ngram": ("ngram", 4, 1, "fixed"),
+    "ngram_device": ("ngram_device", 4, 1, "fixed"),  # the own and siblings' texts looked up on the device
+    "ngram_device-always": ("ngram_device", 4, 1, "always"),
     "suffix": ("suffix", 4, 1, "fixed"),
     "suffix-k8": ("suffix", 8, 1, "fixed"),
     "suffix-tree": ("suffix", 6, 2, "fixed"),

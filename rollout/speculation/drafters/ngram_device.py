@@ -23,7 +23,7 @@ What differs from the host drafters: the host reads a draft only as the verify's
 a row matched, and every row drafts its budget. A row without a match drafts from its best shorter one, a repeat of
 its last token when there is none; verification rejects what is wrong, which costs the verify's compute, never
 exactness. Chains only: a tree needs the matches' counts (ngram.py, suffix.py). A lookup reads rows x group x
-context positions: ~20 bytes each in its intermediates.
+context positions: ~25 bytes each in its intermediates.
 """
 from __future__ import annotations
 
