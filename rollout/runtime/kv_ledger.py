@@ -70,10 +70,8 @@ class KVLedger:
 
     def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:
         """Blocks for each row's drafted positions while the pool lasts; returns the caps kept."""
-        kept = draft_room(self.cache.alloc, live, caps)
-        tables, bs = self.cache.alloc.tables, self.cache.block_size
-        grow = [(s.row, id(s), n) for s, k in zip(live, kept)
-                if len(tables.get(id(s), ())) * bs < (n := s.cache_len + 1 + k)]
+        kept, short = draft_room(self.cache.alloc, live, caps)
+        grow = [(live[i].row, id(live[i]), live[i].cache_len + 1 + kept[i]) for i in short]
         if grow:
             self.cache.grow(grow)
             self.grown.update(owner for _, owner, _ in grow)

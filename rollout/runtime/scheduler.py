@@ -162,21 +162,21 @@ class Scheduler:
         return moves
 
 
-def draft_room(alloc: BlockAllocator, live: list[Sequence], caps: list[int]) -> list[int]:
+def draft_room(alloc: BlockAllocator, live: list[Sequence], caps: list[int]) -> tuple[list[int], list[int]]:
     """Drafted positions each live sequence may write this step (past its pending token), at most caps[i]:
     what its blocks hold plus the free blocks (a growing pool grows for them first), handed out oldest
     sequence first. Where the pool runs short a draft is shortened (which changes speed, never the law).
-    The caller takes the blocks."""
+    Returns the caps kept and the rows whose kept positions need blocks they do not hold (the caller takes them)."""
     bs, tables = alloc.block_size, alloc.tables
     lens = [s.cache_len for s in live]
     held = [len(tables.get(id(s), ())) for s in live]
-    need = [max(0, -(-(n + 1 + c) // bs) - h) for n, h, c in zip(lens, held, caps)]
-    want = sum(need)
-    if want == 0:  # every draft fits the blocks its row holds (most steps)
-        return caps
-    free, kept = alloc.reserve(min(want, alloc.room)), list(caps)
-    for i in sorted(range(len(live)), key=lambda i: live[i].admit_order):
+    short = [i for i, (n, h, c) in enumerate(zip(lens, held, caps)) if n + 1 + c > h * bs]
+    if not short:  # every draft fits the blocks its row holds (most steps)
+        return caps, short
+    need = {i: -(-(lens[i] + 1 + caps[i]) // bs) - held[i] for i in short}
+    free, kept = alloc.reserve(min(sum(need.values()), alloc.room)), list(caps)
+    for i in sorted(short, key=lambda i: live[i].admit_order):
         extra = min(need[i], free)
         kept[i] = min(caps[i], (held[i] + extra) * bs - lens[i] - 1)
         free -= extra
-    return kept
+    return kept, [i for i in short if lens[i] + 1 + kept[i] > held[i] * bs]

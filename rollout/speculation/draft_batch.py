@@ -51,6 +51,8 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | DraftTensors | N
     (each row's cache length), the step's start positions. Every integer of it travels in one [B, *] long tensor
     (to_device: the decode loop's funnel, runtime/transfers.py; default: a host tensor); a tree's mask travels as one
     bit word per node (ancestors, the node itself included) and is expanded where it lands."""
+    if isinstance(drafts, DraftTensors) and drafts.ids.shape[1] == 1:  # chains: a row's nodes are its draws 0 .. n-1
+        return _chains_on_device(pending, drafts, start, to_device)
     if isinstance(drafts, DraftTensors):
         layout = drafts.layout()  # the rows' trees, their tokens indices into the drafts' ids
         batch = _laid_out(pending, layout if any(map(len, layout)) else None, start, to_device)
@@ -73,6 +75,19 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | DraftTensors | N
         batch.q = _stack_q(drafts, None if all(d.q is None for d in drafts) else _check_q(drafts), len(pending),
                            batch.N, batch.is_chain, batch.num_drafts.device)
     return batch
+
+
+def _chains_on_device(pending: list[int], drafts: DraftTensors, start: list[int] | None, to_device) -> DraftBatch:
+    """build_draft_batch of one chain a row on the device (W = 1): what the host sends is each row's pending token,
+    node count and start (no per-node layout), the nodes are the draws as they are."""
+    counts = drafts.counts()
+    N = max(counts, default=0)
+    starts = start if start is not None else [0] * len(pending)
+    packed = (to_device or torch.tensor)([[p, n, c] for p, n, c in zip(pending, counts, starts)])
+    tokens = packed[:, :1] if N == 0 else torch.cat([packed[:, :1], drafts.ids[:, 0, :N]], 1)
+    q = None if drafts.q is None or N == 0 else drafts.q[:, 0, :N]
+    return DraftBatch(tokens, packed[:, 1], True, q=q, start=packed[:, 2] if start is not None else None,
+                      kv_len=max(starts, default=0) + N + 1)
 
 
 def _laid_out(pending: list[int], drafts: list[Draft] | None, start: list[int] | None, to_device) -> DraftBatch:
