@@ -5,6 +5,7 @@ attended (`paged_kernel`: Triton's paged decode, FlexAttention, or dense off CUD
 with programmatic dependent launch (`pdl`, model/pdl.py); `compare` times a few (context, batch) rows again with the
 other kernel, for the choice of default (docs/gpu.md#paged-decode-attention), and `without_pdl` a few with our
 kernels launched without PDL (its gain, measured).
+`lookup` times the device n-gram drafter's lookup alone at a few (rows, group, context) shapes.
 `attention` times the Triton kernel alone over one layer's pool, at its default launch and at the others listed
 (keys a tile, pipeline stages, programs an SM): the KV it reads a second against the memory's bandwidth, the
 figure each default is set from."""
@@ -50,8 +51,34 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     release(device)
     if cfg.get("attention"):
         out["attention"] = attention_rows(cfg["shape"], cfg["attention"], device, dtype, left, save, out)
+    if cfg.get("lookup"):
+        out["lookup"] = lookup_rows(cfg["lookup"], device, left, save, out)
     save(out)
     return out
+
+
+def lookup_rows(cfg: dict, device, left, save, out) -> list[dict]:
+    """The device n-gram drafter's lookup alone (drafters/ngram_device.py) at rows [(rows, group, context)]: 4-token
+    drafts over texts of random tokens, in microseconds (on CUDA as a step meets it: fused_ops._seconds), beside a
+    plain 7B step's few milliseconds: what drafting on the device costs it."""
+    import torch
+
+    from rlspec.rollout.speculation.drafters.ngram_device import lookup
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for B, G, L in cfg["rows"]:
+        if left() <= 0:
+            break
+        docs = torch.randint(3, 1000, (B, G, L), generator=g, dtype=torch.int32).to(device)
+        lens = torch.randint(L // 2, L + 1, (B, G), generator=g).to(device)
+        own = torch.zeros(B, dtype=torch.long, device=device)
+        secs = _kernel_seconds(lambda: lookup(docs, lens, own, 4, 4), device)
+        rows.append(dict(rows=B, group=G, context=L, us=secs * 1e6))
+        print(f"  ngram_device lookup, {B} rows x {G} texts x {L} positions: {secs * 1e6:.1f} us", flush=True)
+        save({**out, "lookup": rows})
+        del docs
+    return rows
 
 
 def attention_rows(shape: str, cfg: dict, device, dtype, left, save, out) -> list[dict] | dict:

@@ -50,7 +50,9 @@ GPU = {
                      without_pdl=[[256, 1], [256, 32]],  # our kernels launched without PDL: its gain
                      # the paged kernel alone: its default launch, then others [keys, stages, programs an SM]
                      attention=dict(rows=[[256, 1], [2048, 32], [8192, 1], [8192, 32]],
-                                    launches=[[32, 3, 2], [64, 4, 2], [64, 3, 1], [64, 3, 3], [32, 3, 4]])),
+                                    launches=[[32, 3, 2], [64, 4, 2], [64, 3, 1], [64, 3, 3], [32, 3, 4]]),
+                     # the device n-gram drafter's lookup alone: [rows, texts a row (its group), context]
+                     lookup=dict(rows=[[64, 1, 2048], [64, 8, 2048], [256, 8, 2048], [256, 8, 8192]])),
     "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
                    prompt_len=64, new_tokens=[8, 56], repeats=3),
     "compiled": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], context=256, iters=6, repeats=3),
@@ -65,7 +67,7 @@ SMOKE = {
     "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3,
                      compare=dict(kernel="flex", rows=[[64, 2]]), without_pdl=[[16, 1]],
-                     attention=dict(rows=[[64, 2]], launches=[[16, 3, 2]])),
+                     attention=dict(rows=[[64, 2]], launches=[[16, 3, 2]]), lookup=dict(rows=[[4, 2, 64]])),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
                    new_tokens=[8, 24], repeats=3),
     "compiled": dict(shape="tiny", batches=[2], context=16, iters=2, repeats=3),  # one graph family: C++ compiles
