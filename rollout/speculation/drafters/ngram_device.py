@@ -77,13 +77,12 @@ class DeviceNgramDrafter:
 
     name = "ngram_device"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, siblings: bool = True, graph_mode: str = "auto"):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    def __init__(self, max_ngram: int = 4, siblings: bool = True, graph_mode: str = "auto"):
+        if max_ngram < 1:
+            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
-        # min_ngram: what the host drafter needs to draft; here it only tells matched rows apart (`last_matched`)
-        self.max_ngram, self.min_ngram, self.siblings, self.graph_mode = max_ngram, min_ngram, siblings, graph_mode
+        self.max_ngram, self.siblings, self.graph_mode = max_ngram, siblings, graph_mode
         self.cache = None  # the engine's PagedKVCache, given at each start(): device, lengths, the funnel
         # on the device: each slot's tokens, its length, and its group's slots (-1 past the group); the last slot is
         # a trash slot the padding rows of a lookup read and write
