@@ -8,9 +8,13 @@ model-free drafters propose.
          exports the trained drafter (an EAGLE-3 directory for drafter.drafter_path or vLLM).
   speed  proposals per second of ngram and suffix for a batch of live sequences over synthetic phrase text, and
          the suffix index's bytes per token (rlspec/bench/drafter_speed.py).
+  replay what each model-free drafter would be accepted for at every position of GRPO-shaped rollouts of the
+         embedded model (--prompts x --group samples, T = 1): ngram, suffix, and the device lookup over the own text
+         and with the siblings' (rlspec/bench/drafter_replay.py).
 
     python -m rlspec.bench drafter --rounds 6 --train-steps 60
     python -m rlspec.bench drafter --part speed --batch 32 --seq-len 300
+    python -m rlspec.bench drafter --part replay --prompts 8 --group 8 --max-new-tokens 256
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ from rlspec.bench import harness
 from rlspec.bench.common import EMBEDDED, SMOKE_DTYPE, math_prompts, smoke_model, timed_generate
 
 NAME = "drafter"
-HELP = "online EAGLE-3 learning curve and tail speed-up (--part curve), model-free proposal speed (--part speed)"
+HELP = ("online EAGLE-3 learning curve and tail speed-up (--part curve), model-free proposal speed (--part speed), "
+        "model-free acceptance on GRPO-shaped rollouts (--part replay)")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--part", default="curve", choices=["curve", "speed"])
+    p.add_argument("--part", default="curve", choices=["curve", "speed", "replay"])
     p.add_argument("--model", default=EMBEDDED)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=6)
@@ -33,12 +38,20 @@ def add_arguments(p) -> None:
     p.add_argument("--k", type=int, default=4, help="draft tokens per chain")
     p.add_argument("--save", default=None, help="curve: export the trained drafter to this directory")
     p.add_argument("--batch", type=int, default=32, help="speed: live sequences proposed for each step")
-    p.add_argument("--group", type=int, default=4, help="speed: samples per prompt")
+    p.add_argument("--group", type=int, default=4, help="speed, replay: samples per prompt")
+    p.add_argument("--prompts", type=int, default=8, help="replay: prompts (x --group samples)")
     p.add_argument("--seq-len", type=int, default=300, help="speed: prompt + completion tokens at the end")
     p.add_argument("--prompt-len", type=int, default=100, help="speed: prompt tokens")
 
 
 def run(args) -> dict:
+    if args.part == "replay":
+        from rlspec.bench.drafter_replay import run_replay
+
+        if args.smoke:
+            args.dtype, args.prompts, args.group, args.max_new_tokens = SMOKE_DTYPE, 2, 2, 8
+            args.model = smoke_model(args.model, args.out)
+        return run_replay(args)
     if args.part == "speed":
         from rlspec.bench.drafter_speed import run_speed
 

@@ -1,0 +1,101 @@
+"""What the model-free drafters would be accepted for on GRPO-shaped rollouts (`python -m rlspec.bench drafter --part
+replay`).
+
+--prompts prompts of the embedded math data x --group samples at T = 1 until EOS (at most --max-new-tokens), decoded
+plainly once; then every drafter proposes --k tokens at every position of every sample, the samples of a prompt in
+lockstep (position t of each, the siblings at t too, finished ones whole), and a draft counts the tokens it shares
+with what the sample went on to be. Deterministic drafts are verified by drawing and matching
+(docs/verification.md#deterministic-drafts), so with per-sample keys the sample is the same with or without
+speculation, and a verify at that position accepts exactly that prefix. Per drafter: accepted tokens a position, the
+share of positions it drafted at, and accepted tokens per drafted token. The drafters: the host n-gram and suffix
+drafters (their `propose`, fed as the engine feeds them) and the device lookup (drafters/ngram_device.py `lookup`,
+the computation its proposals run) over the sample's own text and with its siblings'.
+"""
+from __future__ import annotations
+
+DRAFTERS = ("ngram", "suffix", "ngram_device_own", "ngram_device")
+
+
+def rollouts(args) -> list[tuple[list[int], list[list[int]]]]:
+    """(prompt, the group's completions) of one plain sampled rollout of the embedded model."""
+    from rlspec.bench.common import math_prompts
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.types import SamplingParams
+
+    engine = RolloutEngine.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=args.prompts * args.group,
+                                           max_model_len=1024)
+    prompts = math_prompts(engine.tokenizer, args.prompts, seed=args.seed)
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group,
+                                                  seed=args.seed))
+    return [(list(p), [out[i * args.group + g].completion_ids for g in range(args.group)])
+            for i, p in enumerate(prompts)]
+
+
+def replay(groups, k: int) -> dict[str, list[float]]:
+    """Per drafter: [accepted tokens, positions, positions drafted, drafted tokens] over every group."""
+    import torch
+
+    from rlspec.rollout.runtime.sequence import Sequence
+    from rlspec.rollout.speculation.drafters.base import make_drafter
+    from rlspec.rollout.speculation.drafters.ngram_device import lookup
+
+    totals = {name: [0.0, 0, 0, 0] for name in DRAFTERS}
+
+    def count(name, draft, cont):
+        t = totals[name]
+        a = 0
+        while a < min(len(draft), len(cont)) and draft[a] == cont[a]:
+            a += 1
+        t[0], t[1], t[2], t[3] = t[0] + a, t[1] + 1, t[2] + (len(draft) > 0), t[3] + len(draft)
+
+    for prompt, comps in groups:
+        G = len(comps)
+        host = {name: make_drafter(name) for name in ("ngram", "suffix")}
+        seqs = {name: [Sequence(0, g, list(prompt), 10**6, completion_ids=[comps[g][0]]) for g in range(G)]
+                for name in host}
+        for name, d in host.items():
+            d.begin([seqs[name]])
+        for t in range(1, max(map(len, comps))):
+            live = [g for g in range(G) if t < len(comps[g])]
+            if not live:
+                break
+            conts = [comps[g][t:t + k] for g in live]
+            for name, d in host.items():
+                for cont, draft in zip(conts, d.propose([seqs[name][g] for g in live], [k] * len(live), 1)):
+                    count(name, draft.tokens, cont)
+            texts = [prompt + c[:t] for c in comps]  # each sample's text at step t (a finished one: whole)
+            L = max(map(len, texts))
+            docs = torch.tensor([[x + [0] * (L - len(x)) for x in texts]], dtype=torch.int32).expand(len(live), -1, -1)
+            lens = torch.tensor([len(x) for x in texts]).expand(len(live), -1)
+            own = torch.tensor(live)
+            drafts, _ = lookup(docs, lens, own, 4, k)
+            rows = torch.arange(len(live))
+            alone, _ = lookup(docs[rows, own][:, None], lens[rows, own][:, None], torch.zeros_like(own), 4, k)
+            for cont, sib, mine in zip(conts, drafts.tolist(), alone.tolist()):
+                count("ngram_device", sib, cont)
+                count("ngram_device_own", mine, cont)
+            for name in host:  # the sample takes its next token; one that ends is finished
+                for g in live:
+                    s = seqs[name][g]
+                    s.completion_ids.append(comps[g][t])
+                    if t + 1 == len(comps[g]):
+                        s.finish_reason = "stop"
+                        host[name].finish(s)
+    return totals
+
+
+def run_replay(args) -> dict:
+    groups = rollouts(args)
+    totals = replay(groups, args.k)
+    rows = []
+    for name, (accepted, positions, drafting, drafted) in totals.items():
+        row = {"drafter": name, "accepted_per_position": accepted / max(positions, 1),
+               "drafted_share": drafting / max(positions, 1), "accepted_per_drafted": accepted / max(drafted, 1),
+               "positions": positions}
+        rows.append(row)
+        print(f"[drafter replay] {name}: {row['accepted_per_position']:.3f} tokens accepted a position, drafting at "
+              f"{row['drafted_share']:.0%} of positions, {row['accepted_per_drafted']:.3f} per drafted token",
+              flush=True)
+    lengths = [len(c) for _, cs in groups for c in cs]
+    return {"part": "replay", "k": args.k, "prompts": args.prompts, "group": args.group,
+            "completion_lengths": lengths, "rows": rows}
