@@ -82,6 +82,10 @@ SMOKE = {
                 and len(r["rows"]) == 3),
     "drafter-speed": (["--part", "speed"],
                       lambda r: len(r["rows"]) == 6 and r["memory"]["indexed_bytes_per_token"] > 0),
+    "drafter-replay": (["--part", "replay"],
+                       lambda r: [x["drafter"] for x in r["rows"]] == ["ngram", "suffix", "ngram_device_own",
+                                                                        "ngram_device"]
+                       and r["rows"][3]["drafted_share"] == 1.0 and r["rows"][0]["positions"] > 0),
     "grpo": ([], lambda r: [x["drafter"] for x in r["rows"]] == ["none", "suffix"] and r["rows"][1]["wall_s"] > 0),
     "ppo": ([], lambda r: [x["run"] for x in r["rows"]] == ["spec_on", "spec_off"]
             and "rollout_speedup" in r["rows"][0]),
@@ -143,3 +147,14 @@ def test_bench_modules_use_no_unbound_name(path):
 
 def test_unbound_name_check_sees_a_lost_import():
     assert undefined_names("import json\n\ndef f(x):\n    return json.dumps(x) + first_line(x)\n") == ["first_line"]
+
+
+def test_drafter_replay_counts_what_a_verify_accepts():
+    """A sample repeating its prompt's period-3 pattern: prompt lookup drafts it exactly, so every position accepts
+    as many tokens as remain, up to k (11 positions of 4, then 3, 2, 1); a sibling's text adds nothing wrong."""
+    from rlspec.bench.drafter_replay import replay
+
+    pattern = [5, 6, 7]
+    totals = replay([(pattern * 2, [pattern * 5, pattern * 5])], k=4)
+    for name in ("ngram", "ngram_device_own", "ngram_device"):
+        assert totals[name][:3] == [2 * 50, 2 * 14, 2 * 14], (name, totals[name])
