@@ -95,7 +95,7 @@ class DeviceNgramDrafter:
         self._longest = 0  # the longest text written in this call (every lookup reads that far)
         self.graphs: GraphSet | None = None
         self._frames: dict[tuple, tuple] = {}  # graph key -> static (inputs [2, r], drafts [r, D], matched [r]), long
-        self.last_matched: torch.Tensor | None = None  # [B]: the last proposal's matched lengths (tests, metrics)
+        self.last_matched: torch.Tensor | None = None  # [B]: the last proposal's matched lengths (tests read them)
 
     # ---- the engine's hooks ---------------------------------------------------------------------
     def start(self, seqs, cache, params=None, generator=None, history=None) -> None:
