@@ -9,11 +9,14 @@ with what the sample went on to be. Deterministic drafts are verified by drawing
 speculation, and a verify at that position accepts exactly that prefix. Per drafter: accepted tokens a position, the
 share of positions it drafted at, and accepted tokens per drafted token. The drafters: the host n-gram and suffix
 drafters (their `propose`, fed as the engine feeds them) and the device lookup (drafters/ngram_device.py `lookup`,
-the computation its proposals run) over the sample's own text and with its siblings'.
+the computation its proposals run) over the sample's own text and with its siblings', and suffix's drafts with the
+lookup's where suffix has none.
 """
 from __future__ import annotations
 
-DRAFTERS = ("ngram", "suffix", "ngram_device_own", "ngram_device")
+# the last: suffix's draft where it drafts, the device lookup's (with siblings) where it does not (a verify pads every
+# row to the step's longest draft, so a row's fallback rides in a step that speculates at no extra nodes)
+DRAFTERS = ("ngram", "suffix", "ngram_device_own", "ngram_device", "suffix_else_ngram_device")
 
 
 def rollouts(args) -> list[tuple[list[int], list[list[int]]]]:
@@ -60,9 +63,11 @@ def replay(groups, k: int) -> dict[str, list[float]]:
             if not live:
                 break
             conts = [comps[g][t:t + k] for g in live]
-            for name, d in host.items():
-                for cont, draft in zip(conts, d.propose([seqs[name][g] for g in live], [k] * len(live), 1)):
-                    count(name, draft.tokens, cont)
+            proposed = {name: [draft.tokens for draft in d.propose([seqs[name][g] for g in live], [k] * len(live), 1)]
+                        for name, d in host.items()}
+            for name, drafts in proposed.items():
+                for cont, draft in zip(conts, drafts):
+                    count(name, draft, cont)
             texts = [prompt + c[:t] for c in comps]  # each sample's text at step t (a finished one: whole)
             L = max(map(len, texts))
             docs = torch.tensor([[x + [0] * (L - len(x)) for x in texts]], dtype=torch.int32).expand(len(live), -1, -1)
@@ -71,9 +76,10 @@ def replay(groups, k: int) -> dict[str, list[float]]:
             drafts, _ = lookup(docs, lens, own, 4, k)
             rows = torch.arange(len(live))
             alone, _ = lookup(docs[rows, own][:, None], lens[rows, own][:, None], torch.zeros_like(own), 4, k)
-            for cont, sib, mine in zip(conts, drafts.tolist(), alone.tolist()):
+            for cont, sib, mine, suffix in zip(conts, drafts.tolist(), alone.tolist(), proposed["suffix"]):
                 count("ngram_device", sib, cont)
                 count("ngram_device_own", mine, cont)
+                count("suffix_else_ngram_device", suffix or sib, cont)
             for name in host:  # the sample takes its next token; one that ends is finished
                 for g in live:
                     s = seqs[name][g]
