@@ -148,7 +148,7 @@ def test_drafts_look_up_the_siblings_texts(graph_mode, monkeypatch):
     freed and taken again): every proposal of every row is the brute force over its own text and its siblings' as
     far as the drafter had seen them (a live sibling: up to this proposal; one done or waiting: up to its last), and
     drafts came from siblings' texts."""
-    seen = {"rows": 0, "sibling": 0}
+    seen = {"rows": 0, "sibling": 0, "sibling_done": 0}
     synced: dict[int, list[int]] = {}  # id(seq) -> its text as of its last proposal
     groups: dict[int, list] = {}
     propose = DeviceNgramDrafter.propose_tensors
@@ -172,13 +172,14 @@ def test_drafts_look_up_the_siblings_texts(graph_mode, monkeypatch):
             seen["rows"] += 1
             alone, _ = brute_force([docs[own]], 0, self.max_ngram, caps[i])
             seen["sibling"] += want != alone
+            seen["sibling_done"] += any(x.finished for x in groups[s.prompt_index].values())
         return out
 
     monkeypatch.setattr(DeviceNgramDrafter, "propose_tensors", compared)
     eng = engine(graph_mode, max_num_seqs=5)
     params = SamplingParams(temperature=0.5, max_new_tokens=60, n=3, seed=0)
     eng.generate(repetitive_prompts(4, 2), params)
-    assert seen["rows"] >= 300 and seen["sibling"] >= 20, seen
+    assert seen["rows"] >= 300 and seen["sibling"] >= 20 and seen["sibling_done"] >= 20, seen
 
 
 @pytest.mark.parametrize("graph_mode", ["off", "emulate"])
