@@ -9,8 +9,8 @@ model-free drafters propose.
   speed  proposals per second of ngram and suffix for a batch of live sequences over synthetic phrase text, and
          the suffix index's bytes per token (rlspec/bench/drafter_speed.py).
   replay what each model-free drafter would be accepted for at every position of GRPO-shaped rollouts of the
-         embedded model (--prompts x --group samples, T = 1): ngram, suffix, and the device lookup over the own text
-         and with the siblings' (rlspec/bench/drafter_replay.py).
+         embedded model (--epochs rollouts of --prompts x --group samples, T = 1): ngram, suffix, and the device
+         lookup over the own text and with the siblings' (rlspec/bench/drafter_replay.py).
 
     python -m rlspec.bench drafter --rounds 6 --train-steps 60
     python -m rlspec.bench drafter --part speed --batch 32 --seq-len 300
@@ -40,6 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=32, help="speed: live sequences proposed for each step")
     p.add_argument("--group", type=int, default=4, help="speed, replay: samples per prompt")
     p.add_argument("--prompts", type=int, default=8, help="replay: prompts (x --group samples)")
+    p.add_argument("--epochs", type=int, default=2, help="replay: rollouts of the same prompts, one after the other")
     p.add_argument("--seq-len", type=int, default=300, help="speed: prompt + completion tokens at the end")
     p.add_argument("--prompt-len", type=int, default=100, help="speed: prompt tokens")
 
@@ -49,7 +50,7 @@ def run(args) -> dict:
         from rlspec.bench.drafter_replay import run_replay
 
         if args.smoke:
-            args.dtype, args.prompts, args.group, args.max_new_tokens = SMOKE_DTYPE, 2, 2, 8
+            args.dtype, args.prompts, args.group, args.max_new_tokens, args.epochs = SMOKE_DTYPE, 2, 2, 8, 1
             args.model = smoke_model(args.model, args.out)
         return run_replay(args)
     if args.part == "speed":

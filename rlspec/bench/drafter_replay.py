@@ -1,16 +1,18 @@
 """What the model-free drafters would be accepted for on GRPO-shaped rollouts (`python -m rlspec.bench drafter --part
 replay`).
 
---prompts prompts of the embedded math data x --group samples at T = 1 until EOS (at most --max-new-tokens), decoded
-plainly once; then every drafter proposes --k tokens at every position of every sample, the samples of a prompt in
-lockstep (position t of each, the siblings at t too, finished ones whole), and a draft counts the tokens it shares
-with what the sample went on to be. Deterministic drafts are verified by drawing and matching
+--epochs rollouts of the same --prompts prompts of the embedded math data x --group samples each, at T = 1 until EOS
+(at most --max-new-tokens), decoded plainly; then every drafter proposes --k tokens at every position of every
+sample, the samples of a prompt in lockstep (position t of each, the siblings at t too, finished ones whole), prompt
+after prompt and epoch after epoch, as a GRPO run meets them, and a draft counts the tokens it shares with what the
+sample went on to be. Deterministic drafts are verified by drawing and matching
 (docs/verification.md#deterministic-drafts), so with per-sample keys the sample is the same with or without
-speculation, and a verify at that position accepts exactly that prefix. Per drafter: accepted tokens a position, the
-share of positions it drafted at, and accepted tokens per drafted token. The drafters: the host n-gram and suffix
-drafters (their `propose`, fed as the engine feeds them) and the device lookup (drafters/ngram_device.py `lookup`,
-the computation its proposals run) over the sample's own text and with its siblings', and suffix's drafts with the
-lookup's where suffix has none.
+speculation, and a verify at that position accepts exactly that prefix. Per epoch and drafter: accepted tokens a position, the share of positions it drafted at,
+and accepted tokens per drafted token. The drafters: the host n-gram and suffix drafters (their `propose`, fed as the
+engine feeds them: one drafter for the whole run, so suffix has the earlier prompts' samples in its global window and
+a prompt's earlier epochs in its history) and the device lookup (drafters/ngram_device.py `lookup`, the computation
+its proposals run: the call's texts only) over the sample's own text and with its siblings', and suffix's drafts
+with the lookup's where suffix has none.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from __future__ import annotations
 DRAFTERS = ("ngram", "suffix", "ngram_device_own", "ngram_device", "suffix_else_ngram_device")
 
 
-def rollouts(args) -> list[tuple[list[int], list[list[int]]]]:
-    """(prompt, the group's completions) of one plain sampled rollout of the embedded model."""
+def rollouts(args) -> list[list[tuple[list[int], list[list[int]]]]]:
+    """Per epoch, (prompt, the group's completions) of a plain sampled rollout of the embedded model."""
     from rlspec.bench.common import math_prompts
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.types import SamplingParams
@@ -28,20 +30,25 @@ def rollouts(args) -> list[tuple[list[int], list[list[int]]]]:
     engine = RolloutEngine.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=args.prompts * args.group,
                                            max_model_len=1024)
     prompts = math_prompts(engine.tokenizer, args.prompts, seed=args.seed)
-    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group,
-                                                  seed=args.seed))
-    return [(list(p), [out[i * args.group + g].completion_ids for g in range(args.group)])
-            for i, p in enumerate(prompts)]
+    epochs = []
+    for epoch in range(args.epochs):
+        out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens,
+                                                      n=args.group, seed=args.seed + epoch))
+        epochs.append([(list(p), [out[i * args.group + g].completion_ids for g in range(args.group)])
+                       for i, p in enumerate(prompts)])
+    return epochs
 
 
-def replay(groups, k: int) -> dict[str, list[float]]:
-    """Per drafter: [accepted tokens, positions, positions drafted, drafted tokens] over every group."""
+def replay(groups, k: int, host: dict | None = None) -> dict[str, list[float]]:
+    """Per drafter: [accepted tokens, positions, positions drafted, drafted tokens] over every group (prompt index,
+    prompt, completions). host: the host drafters by name, kept from one call to the next (new ones by default)."""
     import torch
 
     from rlspec.rollout.runtime.sequence import Sequence
     from rlspec.rollout.speculation.drafters.base import make_drafter
     from rlspec.rollout.speculation.drafters.ngram_device import lookup
 
+    host = host if host is not None else {name: make_drafter(name) for name in ("ngram", "suffix")}
     totals = {name: [0.0, 0, 0, 0] for name in DRAFTERS}
 
     def count(name, draft, cont):
@@ -51,10 +58,9 @@ def replay(groups, k: int) -> dict[str, list[float]]:
             a += 1
         t[0], t[1], t[2], t[3] = t[0] + a, t[1] + 1, t[2] + (len(draft) > 0), t[3] + len(draft)
 
-    for prompt, comps in groups:
+    for index, prompt, comps in groups:
         G = len(comps)
-        host = {name: make_drafter(name) for name in ("ngram", "suffix")}
-        seqs = {name: [Sequence(0, g, list(prompt), 10**6, completion_ids=[comps[g][0]]) for g in range(G)]
+        seqs = {name: [Sequence(index, g, list(prompt), 10**6, completion_ids=[comps[g][0]]) for g in range(G)]
                 for name in host}
         for name, d in host.items():
             d.begin([seqs[name]])
@@ -91,17 +97,20 @@ def replay(groups, k: int) -> dict[str, list[float]]:
 
 
 def run_replay(args) -> dict:
-    groups = rollouts(args)
-    totals = replay(groups, args.k)
-    rows = []
-    for name, (accepted, positions, drafting, drafted) in totals.items():
-        row = {"drafter": name, "accepted_per_position": accepted / max(positions, 1),
-               "drafted_share": drafting / max(positions, 1), "accepted_per_drafted": accepted / max(drafted, 1),
-               "positions": positions}
-        rows.append(row)
-        print(f"[drafter replay] {name}: {row['accepted_per_position']:.3f} tokens accepted a position, drafting at "
-              f"{row['drafted_share']:.0%} of positions, {row['accepted_per_drafted']:.3f} per drafted token",
-              flush=True)
-    lengths = [len(c) for _, cs in groups for c in cs]
-    return {"part": "replay", "k": args.k, "prompts": args.prompts, "group": args.group,
+    from rlspec.rollout.speculation.drafters.base import make_drafter
+
+    host = {name: make_drafter(name) for name in ("ngram", "suffix")}  # the whole run's: suffix remembers
+    rows, lengths = [], []
+    for epoch, groups in enumerate(rollouts(args)):
+        totals = replay([(i, p, cs) for i, (p, cs) in enumerate(groups)], args.k, host)
+        lengths.append([len(c) for _, cs in groups for c in cs])
+        for name, (accepted, positions, drafting, drafted) in totals.items():
+            row = {"epoch": epoch, "drafter": name, "accepted_per_position": accepted / max(positions, 1),
+                   "drafted_share": drafting / max(positions, 1), "accepted_per_drafted": accepted / max(drafted, 1),
+                   "positions": positions}
+            rows.append(row)
+            print(f"[drafter replay] epoch {epoch}, {name}: {row['accepted_per_position']:.3f} tokens accepted a "
+                  f"position, drafting at {row['drafted_share']:.0%} of positions, {row['accepted_per_drafted']:.3f} "
+                  "per drafted token", flush=True)
+    return {"part": "replay", "k": args.k, "prompts": args.prompts, "group": args.group, "epochs": args.epochs,
             "completion_lengths": lengths, "rows": rows}

@@ -155,6 +155,6 @@ def test_drafter_replay_counts_what_a_verify_accepts():
     from rlspec.bench.drafter_replay import replay
 
     pattern = [5, 6, 7]
-    totals = replay([(pattern * 2, [pattern * 5, pattern * 5])], k=4)
+    totals = replay([(0, pattern * 2, [pattern * 5, pattern * 5])], k=4)
     for name in ("ngram", "ngram_device_own", "ngram_device"):
         assert totals[name][:3] == [2 * 50, 2 * 14, 2 * 14], (name, totals[name])
