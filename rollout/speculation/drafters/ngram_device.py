@@ -17,8 +17,8 @@ the later sibling, p): the longest matching suffix, then its newest occurrence. 
 for j < m: the continuation, periodic where it runs into the document's end. With siblings off, the chain is the
 host n-gram drafter's wherever that one drafts (tests/rollout/speculation/test_ngram_device.py). On 64 SmolLM2 math
 rollouts (8 prompts x 8 samples, T = 1) a 4-token draft at every position would be accepted for 0.252 tokens a
-position from the sample's own text and 0.285 with its siblings' (the suffix drafter: 0.186, drafting at 32% of
-positions; `python -m rlspec.bench drafter --part replay`, bench_out/drafter_replay.json).
+position from the sample's own text and 0.285 with its siblings' (the suffix drafter: 0.226, drafting at 45% of
+positions; `python -m rlspec.bench drafter --part replay`, bench_out/drafter_replay.json, which has a second epoch).
 
 What differs from the host drafters: the host reads a draft only as the verify's outcome, so it never learns whether
 a row matched, and every row drafts its budget. A row without a match drafts from its best shorter one, a repeat of
