@@ -79,6 +79,7 @@ class Registry:
 # states), auto (part of drafter="auto")
 DRAFTERS = Registry("drafter", {"ngram": "rlspec.rollout.speculation.drafters.ngram", "suffix": "rlspec.rollout.speculation.drafters.suffix",
                                 "ngram_device": "rlspec.rollout.speculation.drafters.ngram_device",
+                                "suffix_device": "rlspec.rollout.speculation.drafters.suffix_device",
                                 "eagle3": "rlspec.rollout.speculation.drafters.eagle3"})
 # factory(spec, drafter names (the first is the default), learned drafter names) -> Selector
 SELECTORS = Registry("selector", {"fixed": "rlspec.rollout.speculation.selectors.fixed",

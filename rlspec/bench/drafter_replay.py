@@ -16,9 +16,9 @@ with the lookup's where suffix has none.
 """
 from __future__ import annotations
 
-# the last: suffix's draft where it drafts, the device lookup's (with siblings) where it does not (a verify pads every
-# row to the step's longest draft, so a row's fallback rides in a step that speculates at no extra nodes)
-DRAFTERS = ("ngram", "suffix", "ngram_device_own", "ngram_device", "suffix_else_ngram_device")
+# the last: suffix's draft where it drafts, the device lookup's (with siblings) where it does not, as the suffix_device
+# drafter proposes (a verify pads every row to the step's longest draft: the fallback costs no nodes)
+DRAFTERS = ("ngram", "suffix", "ngram_device_own", "ngram_device", "suffix_device")
 
 
 def rollouts(args) -> list[list[tuple[list[int], list[list[int]]]]]:
@@ -85,7 +85,7 @@ def replay(groups, k: int, host: dict | None = None) -> dict[str, list[float]]:
             for cont, sib, mine, suffix in zip(conts, drafts.tolist(), alone.tolist(), proposed["suffix"]):
                 count("ngram_device", sib, cont)
                 count("ngram_device_own", mine, cont)
-                count("suffix_else_ngram_device", suffix or sib, cont)
+                count("suffix_device", suffix or sib, cont)
             for name in host:  # the sample takes its next token; one that ends is finished
                 for g in live:
                     s = seqs[name][g]

@@ -28,9 +28,9 @@ def check_supported(spec: SpecConfig) -> None:
         raise UnsupportedSpec("drafter: auto chooses among drafters per decode step, which vLLM cannot (one "
                               "speculative method per engine); with rollout.backend=vllm pick one of "
                               f"{sorted(METHODS)} or none")
-    if spec.drafter == "ngram_device":
-        raise UnsupportedSpec("drafter: ngram_device is the engine backend's n-gram lookup on its own device; with "
-                              "rollout.backend=vllm use ngram (vLLM runs prompt lookup itself)")
+    if spec.drafter in ("ngram_device", "suffix_device"):
+        raise UnsupportedSpec(f"drafter: {spec.drafter} looks up n-grams on the engine backend's own device; with "
+                              "rollout.backend=vllm use ngram or suffix (vLLM runs those itself)")
     if spec.drafter not in METHODS:
         raise UnsupportedSpec(f"drafter: {spec.drafter!r} is an rlspec plug-in vLLM does not know; with "
                               f"rollout.backend=vllm use one of {sorted(METHODS)} or none")

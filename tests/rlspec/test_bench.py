@@ -84,7 +84,7 @@ SMOKE = {
                       lambda r: len(r["rows"]) == 6 and r["memory"]["indexed_bytes_per_token"] > 0),
     "drafter-replay": (["--part", "replay"],
                        lambda r: [x["drafter"] for x in r["rows"]] == ["ngram", "suffix", "ngram_device_own",
-                                                                        "ngram_device", "suffix_else_ngram_device"]
+                                                                        "ngram_device", "suffix_device"]
                        and r["rows"][3]["drafted_share"] == 1.0 and r["rows"][0]["positions"] > 0),
     "grpo": ([], lambda r: [x["drafter"] for x in r["rows"]] == ["none", "suffix"] and r["rows"][1]["wall_s"] > 0),
     "ppo": ([], lambda r: [x["run"] for x in r["rows"]] == ["spec_on", "spec_off"]

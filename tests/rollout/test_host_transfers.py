@@ -36,7 +36,8 @@ FILES = ["rollout/engine.py", "rollout/decode.py", "rollout/step_layout.py", "ro
          "rollout/lossy/heads.py", "rollout/lossy/router.py", "rollout/runtime/history.py",
          "rollout/speculation/drafters/base.py", "rollout/speculation/drafters/eagle3.py",
          "rollout/speculation/drafters/eagle3_draws.py", "rollout/speculation/drafters/eagle3_graphs.py",
-         "rollout/speculation/drafters/eagle3_catch_up.py", "rollout/speculation/drafters/ngram_device.py"]
+         "rollout/speculation/drafters/eagle3_catch_up.py", "rollout/speculation/drafters/ngram_device.py",
+         "rollout/speculation/drafters/suffix_device.py"]
 
 
 def host_calls(path: str) -> list[tuple[str, int, str]]:

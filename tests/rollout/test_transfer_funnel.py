@@ -28,7 +28,8 @@ LOOP_FILES = ["rollout/decode.py", "rollout/step_layout.py", "rollout/speculatio
               "rollout/runtime/history.py", "rollout/speculation/verify.py", "rollout/speculation/strategies.py",
               "rollout/speculation/drafters/eagle3.py", "rollout/speculation/drafters/eagle3_draws.py",
               "rollout/speculation/drafters/eagle3_graphs.py", "rollout/speculation/drafters/eagle3_catch_up.py",
-              "rollout/speculation/drafters/base.py", "rollout/speculation/drafters/ngram_device.py"]
+              "rollout/speculation/drafters/base.py", "rollout/speculation/drafters/ngram_device.py",
+              "rollout/speculation/drafters/suffix_device.py"]
 # (file, function): host tensors built there on purpose (a fallback without a funnel; a prefill's reset)
 ALLOWED = {("rollout/runtime/kv_cache.py", "ints"), ("rollout/runtime/draws.py", "bind"),
            ("rollout/runtime/draws.py", "__init__"),  # a call's keys, once before its loop
@@ -39,6 +40,7 @@ MODES = {
     "chain": dict(drafter="ngram", selector="always", num_draft_tokens=4),
     "tree": dict(drafter="ngram", selector="always", num_draft_tokens=4, tree_width=2),
     "ngram_device": dict(drafter="ngram_device", selector="always", num_draft_tokens=4),
+    "suffix_device": dict(drafter="suffix_device", selector="always", num_draft_tokens=4),
     "eagle3": dict(drafter="eagle3", selector="always", num_draft_tokens=4),  # its CUDA path's graphs, emulated
 }
 

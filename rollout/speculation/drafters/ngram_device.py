@@ -280,11 +280,16 @@ def _groups_of(seqs: list[Sequence]):
     return by_prompt.values()
 
 
+def chains_only(name: str, spec) -> None:
+    """A clear error, when the engine is built, for a SpecConfig asking a chains-only drafter for trees."""
+    if spec is not None and spec.tree_width > 1:
+        raise ValueError(f"drafter {name} drafts chains; tree_width={spec.tree_width} asks for trees: set "
+                         "drafter.tree_width=1, or use drafter=ngram or suffix (trees from the matches' counts, on "
+                         "the host)")
+
+
 @DRAFTERS.register("ngram_device", learned=False, auto=False)
 def _build(target=None, spec=None, **overrides) -> DeviceNgramDrafter:
     """Model-free; chains only (SpecConfig.tree_width 1)."""
-    if spec is not None and spec.tree_width > 1:
-        raise ValueError(f"drafter ngram_device drafts chains; tree_width={spec.tree_width} asks for trees: set "
-                         "drafter.tree_width=1, or use drafter=ngram or suffix (trees from the matches' counts, on "
-                         "the host)")
+    chains_only("ngram_device", spec)
     return DeviceNgramDrafter(**overrides)

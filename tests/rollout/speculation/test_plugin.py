@@ -50,7 +50,7 @@ def toy_module(tmp_path, monkeypatch):
 
 
 def test_unregistered_name_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="registered: eagle3, ngram, ngram_device, suffix"):
+    with pytest.raises(ValueError, match="registered: eagle3, ngram, ngram_device, suffix, suffix_device"):
         SpecConfig(drafter="toy_never_registered")
 
 
