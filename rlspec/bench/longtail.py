@@ -22,6 +22,7 @@ CONFIGS = {
     "ngram": ("ngram", 4, 1, "fixed"),
     "ngram_device": ("ngram_device", 4, 1, "fixed"),  # the own and siblings' texts looked up on the device
     "ngram_device-always": ("ngram_device", 4, 1, "always"),
+    "suffix_device": ("suffix_device", 4, 1, "fixed"),  # suffix, the device lookup for the rows it leaves empty
     "suffix": ("suffix", 4, 1, "fixed"),
     "suffix-k8": ("suffix", 8, 1, "fixed"),
     "suffix-tree": ("suffix", 6, 2, "fixed"),
