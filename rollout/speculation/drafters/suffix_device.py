@@ -11,8 +11,6 @@ Chains only (the device lookup's). The suffix drafter's history is this drafter'
 """
 from __future__ import annotations
 
-import torch
-
 from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft, DraftTensors
 from rlspec.rollout.speculation.drafters.ngram_device import DeviceNgramDrafter, chains_only
