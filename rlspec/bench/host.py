@@ -2,7 +2,8 @@
 
 A tiny random Llama (1 layer, hidden 32, vocab 64) whose forward costs next to nothing, on the CPU, decoded through
 the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain, with an n-gram tree, with a 4-token
-suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token n-gram chain looked up on the device (`ngram_device`), with a 4-token chain from an EAGLE-3 drafter
+suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token n-gram chain looked up on the device (`ngram_device`), with suffix's chains and the device lookup's for
+the rows suffix leaves empty (`suffix_device`), with a 4-token chain from an EAGLE-3 drafter
 (selector "always") and plainly beside that drafter (`eagle3_plain`: every step plain, the drafter's features
 staged), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph bookkeeping with emulated graphs
 (`graph_mode="emulate"`), and so does the device n-gram drafter's lookup: what a GPU replays as one graph launch is
@@ -49,6 +50,8 @@ MODES = {  # name -> SpecConfig fields (None: plain decoding)
     "ngram_device": dict(drafter="ngram_device", selector="always", num_draft_tokens=4, tree_width=1),
     # the model-free drafter of GRPO recipes: siblings, earlier rollouts, the global window (a 4-token chain)
     "suffix": dict(drafter="suffix", selector="always", num_draft_tokens=4, tree_width=1),
+    # suffix's chains, the device lookup's for the rows suffix leaves empty
+    "suffix_device": dict(drafter="suffix_device", selector="always", num_draft_tokens=4, tree_width=1),
     "eagle3": dict(drafter="eagle3", selector="always", num_draft_tokens=4, tree_width=1),
     # the same engine with every step plain (the selector's arm forced off): what a run with a learned drafter pays on
     # the steps where drafting does not pay (a large batch), its features still staged for the drafter

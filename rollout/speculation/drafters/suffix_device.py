@@ -24,6 +24,18 @@ class SuffixDeviceDrafter:
         self.suffix = suffix or SuffixDrafter()
         self.device = device or DeviceNgramDrafter()
 
+    @property
+    def graph_mode(self) -> str:
+        """The device lookup's graph mode (ngram_device.py)."""
+        return self.device.graph_mode
+
+    @graph_mode.setter
+    def graph_mode(self, mode: str) -> None:
+        self.device.graph_mode = mode
+
+    def graph_set(self):
+        return self.device.graph_set()
+
     # ---- the engine's hooks: both drafters hear of every sample ----------------------------------
     def start(self, seqs, cache, params=None, generator=None, history=None) -> None:
         self.device.start(seqs, cache, params, generator, history)
