@@ -2,12 +2,12 @@
 
 A tiny random Llama (1 layer, hidden 32, vocab 64) whose forward costs next to nothing, on the CPU, decoded through
 the public API (`generate`, EOS ignored) plainly, with a 4-token n-gram chain, with an n-gram tree, with a 4-token
-suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token n-gram chain looked up on the device (`ngram_device`), with suffix's chains and the device lookup's for
-the rows suffix leaves empty (`suffix_device`), with a 4-token chain from an EAGLE-3 drafter
-(selector "always") and plainly beside that drafter (`eagle3_plain`: every step plain, the drafter's features
-staged), at each batch size. The EAGLE-3 drafter runs its CUDA path's graph bookkeeping with emulated graphs
-(`graph_mode="emulate"`), and so does the device n-gram drafter's lookup: what a GPU replays as one graph launch is
-here a call of its closure, timed as device work. Per (mode, batch):
+suffix chain (the GRPO recipes' drafter: siblings and earlier rollouts), with a 4-token n-gram chain looked up on the
+device (`ngram_device`), with suffix's chains and the device lookup's for the rows suffix leaves empty
+(`suffix_device`), with a 4-token chain from an EAGLE-3 drafter (selector "always") and plainly beside that drafter
+(`eagle3_plain`: every step plain, the drafter's features staged), at each batch size. The EAGLE-3 drafter runs its
+CUDA path's graph bookkeeping with emulated graphs (`graph_mode="emulate"`), and so does the device n-gram drafter's
+lookup: what a GPU replays as one graph launch is here a call of its closure, timed as device work. Per (mode, batch):
 
   * ms_per_step: (t(long call) - t(short call)) / (steps(long) - steps(short)), so prefill and call set-up cancel;
   * forward_ms: the device's work per step, timed the same way: the target forward (ModelRunner.step) and the
