@@ -11,14 +11,15 @@ speculation, and a verify at that position accepts exactly that prefix. Per epoc
 and accepted tokens per drafted token. The drafters: the host n-gram and suffix drafters (their `propose`, fed as the
 engine feeds them: one drafter for the whole run, so suffix has the earlier prompts' samples in its global window and
 a prompt's earlier epochs in its history) and the device lookup (drafters/ngram_device.py `lookup`, the computation
-its proposals run: the call's texts only) over the sample's own text and with its siblings', and suffix's drafts
-with the lookup's where suffix has none.
+its proposals run) over the sample's own text, with its siblings', and with its siblings' and the prompt's earlier
+samples (the drafter's default: its `PromptHistory`, kept over the run and filled as samples finish), and suffix's
+drafts with the last one's where suffix has none.
 """
 from __future__ import annotations
 
 # the last: suffix's draft where it drafts, the device lookup's (with siblings) where it does not, as the suffix_device
 # drafter proposes (a verify pads every row to the step's longest draft: the fallback costs no nodes)
-DRAFTERS = ("ngram", "suffix", "ngram_device_own", "ngram_device", "suffix_device")
+DRAFTERS = ("ngram", "suffix", "ngram_device_own", "ngram_device_siblings", "ngram_device", "suffix_device")
 
 
 def rollouts(args) -> list[list[tuple[list[int], list[list[int]]]]]:
@@ -39,16 +40,18 @@ def rollouts(args) -> list[list[tuple[list[int], list[list[int]]]]]:
     return epochs
 
 
-def replay(groups, k: int, host: dict | None = None) -> dict[str, list[float]]:
+def replay(groups, k: int, host: dict | None = None, history=None) -> dict[str, list[float]]:
     """Per drafter: [accepted tokens, positions, positions drafted, drafted tokens] over every group (prompt index,
-    prompt, completions). host: the host drafters by name, kept from one call to the next (new ones by default)."""
+    prompt, completions). host: the host drafters by name, and history: the device lookup's PromptHistory, kept from
+    one call to the next (new ones by default)."""
     import torch
 
     from rlspec.rollout.runtime.sequence import Sequence
     from rlspec.rollout.speculation.drafters.base import make_drafter
-    from rlspec.rollout.speculation.drafters.ngram_device import lookup
+    from rlspec.rollout.speculation.drafters.ngram_device import DeviceNgramDrafter, lookup
 
     host = host if host is not None else {name: make_drafter(name) for name in ("ngram", "suffix")}
+    history = history if history is not None else DeviceNgramDrafter().history
     totals = {name: [0.0, 0, 0, 0] for name in DRAFTERS}
 
     def count(name, draft, cont):
@@ -60,6 +63,7 @@ def replay(groups, k: int, host: dict | None = None) -> dict[str, list[float]]:
 
     for index, prompt, comps in groups:
         G = len(comps)
+        earlier = [t.tolist() for t in history.texts(prompt, history.per_prompt)]  # oldest first, as the drafter
         seqs = {name: [Sequence(index, g, list(prompt), 10**6, completion_ids=[comps[g][0]]) for g in range(G)]
                 for name in host}
         for name, d in host.items():
@@ -74,18 +78,21 @@ def replay(groups, k: int, host: dict | None = None) -> dict[str, list[float]]:
             for name, drafts in proposed.items():
                 for cont, draft in zip(conts, drafts):
                     count(name, draft, cont)
-            texts = [prompt + c[:t] for c in comps]  # each sample's text at step t (a finished one: whole)
+            texts = earlier + [prompt + c[:t] for c in comps]  # each sample's text at step t (a finished one: whole)
             L = max(map(len, texts))
             docs = torch.tensor([[x + [0] * (L - len(x)) for x in texts]], dtype=torch.int32).expand(len(live), -1, -1)
             lens = torch.tensor([len(x) for x in texts]).expand(len(live), -1)
-            own = torch.tensor(live)
+            own = torch.tensor(live) + len(earlier)
             drafts, _ = lookup(docs, lens, own, 4, k)
+            sib, _ = lookup(docs[:, len(earlier):], lens[:, len(earlier):], own - len(earlier), 4, k)
             rows = torch.arange(len(live))
             alone, _ = lookup(docs[rows, own][:, None], lens[rows, own][:, None], torch.zeros_like(own), 4, k)
-            for cont, sib, mine, suffix in zip(conts, drafts.tolist(), alone.tolist(), proposed["suffix"]):
-                count("ngram_device", sib, cont)
+            for cont, both, sibs, mine, suffix in zip(conts, drafts.tolist(), sib.tolist(), alone.tolist(),
+                                                      proposed["suffix"]):
+                count("ngram_device", both, cont)
+                count("ngram_device_siblings", sibs, cont)
                 count("ngram_device_own", mine, cont)
-                count("suffix_device", suffix or sib, cont)
+                count("suffix_device", suffix or both, cont)
             for name in host:  # the sample takes its next token; one that ends is finished
                 for g in live:
                     s = seqs[name][g]
@@ -93,16 +100,22 @@ def replay(groups, k: int, host: dict | None = None) -> dict[str, list[float]]:
                     if t + 1 == len(comps[g]):
                         s.finish_reason = "stop"
                         host[name].finish(s)
+            for g in live:
+                if t + 1 == len(comps[g]):
+                    history.add(prompt, comps[g])
     return totals
 
 
 def run_replay(args) -> dict:
     from rlspec.rollout.speculation.drafters.base import make_drafter
 
+    from rlspec.rollout.speculation.drafters.ngram_device import DeviceNgramDrafter
+
     host = {name: make_drafter(name) for name in ("ngram", "suffix")}  # the whole run's: suffix remembers
+    history = DeviceNgramDrafter().history  # and so does the device lookup, its default bounds
     rows, lengths = [], []
     for epoch, groups in enumerate(rollouts(args)):
-        totals = replay([(i, p, cs) for i, (p, cs) in enumerate(groups)], args.k, host)
+        totals = replay([(i, p, cs) for i, (p, cs) in enumerate(groups)], args.k, host, history)
         lengths.append([len(c) for _, cs in groups for c in cs])
         for name, (accepted, positions, drafting, drafted) in totals.items():
             row = {"epoch": epoch, "drafter": name, "accepted_per_position": accepted / max(positions, 1),

@@ -330,11 +330,14 @@ class PagedKVCache:
             idx = self.ints([rows, cols, blocks])
             self.table[idx[0], idx[1]] = idx[2]
 
-    def ints(self, values: list) -> torch.Tensor:
-        """Host integers (a list, nested for 2-D) as a long tensor on the table's device: through the decode loop's
-        funnel when the runner gave one (to_device, runtime/transfers.py: no blocking copy), else a plain copy."""
+    def ints(self, values) -> torch.Tensor:
+        """Host integers (a list, nested for 2-D, as a long tensor; or a host tensor, as it is) on the table's device:
+        through the decode loop's funnel when the runner gave one (to_device, runtime/transfers.py: no blocking
+        copy), else a plain copy."""
         if self.to_device is not None:
             return self.to_device(values)
+        if isinstance(values, torch.Tensor):
+            return values.to(self.table.device)
         return torch.tensor(values, dtype=torch.long, device=self.table.device)
 
     def host_rows(self, *columns: torch.Tensor) -> list[list[float]]:

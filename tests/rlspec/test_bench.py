@@ -84,8 +84,9 @@ SMOKE = {
                       lambda r: len(r["rows"]) == 6 and r["memory"]["indexed_bytes_per_token"] > 0),
     "drafter-replay": (["--part", "replay"],
                        lambda r: [x["drafter"] for x in r["rows"]] == ["ngram", "suffix", "ngram_device_own",
-                                                                        "ngram_device", "suffix_device"]
-                       and r["rows"][3]["drafted_share"] == 1.0 and r["rows"][0]["positions"] > 0),
+                                                                        "ngram_device_siblings", "ngram_device",
+                                                                        "suffix_device"]
+                       and r["rows"][4]["drafted_share"] == 1.0 and r["rows"][0]["positions"] > 0),
     "grpo": ([], lambda r: [x["drafter"] for x in r["rows"]] == ["none", "suffix"] and r["rows"][1]["wall_s"] > 0),
     "ppo": ([], lambda r: [x["run"] for x in r["rows"]] == ["spec_on", "spec_off"]
             and "rollout_speedup" in r["rows"][0]),
@@ -156,5 +157,20 @@ def test_drafter_replay_counts_what_a_verify_accepts():
 
     pattern = [5, 6, 7]
     totals = replay([(0, pattern * 2, [pattern * 5, pattern * 5])], k=4)
-    for name in ("ngram", "ngram_device_own", "ngram_device"):
+    for name in ("ngram", "ngram_device_own", "ngram_device_siblings", "ngram_device"):
         assert totals[name][:3] == [2 * 50, 2 * 14, 2 * 14], (name, totals[name])
+
+
+def test_drafter_replay_looks_up_the_earlier_epochs():
+    """A sample of unrepeated tokens: nothing in its own text predicts it, so the device lookup accepts nothing in the
+    first epoch; in the second the same completion is in the prompt's history, which predicts every position (4 a
+    position, then 3, 2, 1), while the lookup without history still accepts nothing."""
+    from rlspec.bench.drafter_replay import replay
+    from rlspec.rollout.speculation.drafters.prompt_history import PromptHistory
+
+    history = PromptHistory()
+    group = [(0, [1, 2, 3], [list(range(10, 30))])]
+    first = replay(group, k=4, history=history)
+    assert first["ngram_device"][0] == first["ngram_device_siblings"][0] == 0 and history.count([1, 2, 3]) == 1
+    second = replay(group, k=4, history=history)
+    assert second["ngram_device"][:2] == [4 * 16 + 3 + 2 + 1, 19] and second["ngram_device_siblings"][0] == 0

@@ -34,7 +34,8 @@ import torch
 from rlspec.rollout.runtime.graphs import GraphSet, bucket_for, pow2_buckets
 from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft, DraftTensors
-from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, row_bucket
+from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, pow2_at_least, row_bucket
+from rlspec.rollout.speculation.drafters.prompt_history import PromptHistory
 
 MIN_CONTEXT = 64  # the smallest context bucket a lookup runs over (then powers of two up to the cache's length)
 
@@ -79,12 +80,15 @@ class DeviceNgramDrafter:
 
     name = "ngram_device"
 
-    def __init__(self, max_ngram: int = 4, siblings: bool = True, graph_mode: str = "auto"):
+    def __init__(self, max_ngram: int = 4, siblings: bool = True, history_per_prompt: int = 8,
+                 history_prompts: int = 4096, history_tokens: int = 4_194_304, graph_mode: str = "auto"):
         if max_ngram < 1:
             raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
         self.max_ngram, self.siblings, self.graph_mode = max_ngram, siblings, graph_mode
+        # the prompts' earlier rollouts (finished in earlier calls or this one), looked up beside the group's texts
+        self.history = PromptHistory(history_per_prompt, history_prompts, history_tokens)
         self.cache = None  # the engine's PagedKVCache, given at each start(): device, lengths, the funnel
         # on the device: each slot's tokens, its length, and its group's slots (-1 past the group); the last slot is
         # a trash slot the padding rows of a lookup read and write
@@ -99,29 +103,41 @@ class DeviceNgramDrafter:
 
     # ---- the engine's hooks ---------------------------------------------------------------------
     def start(self, seqs, cache, params=None, generator=None, history=None) -> None:
-        """A generate call begins: nothing outlives a call (each sample looks up its own group's text)."""
+        """A generate call begins: the buffers hold no sample (only the prompts' history outlives a call), and are
+        made wide enough for the call's largest group with its prompt's history."""
         self.cache, self._state, self._free, self._used, self._longest = cache, {}, [], 0, 0
-        group = max(map(len, _groups_of(seqs)), default=1) if self.siblings else 1
+        groups = list(_groups_of(seqs)) if self.siblings else [[s] for s in seqs]
+        earlier = [min(self.history.count(g[0].prompt_ids), self.history.per_prompt) for g in groups]
+        width = max((len(g) + n for g, n in zip(groups, earlier)), default=1)
+        rows = max(cache.rows, 1)
+        # the rows' samples and, for the groups that fill them, their history (more slots, if ever, by growing)
+        slots = rows + max(earlier, default=0) * min(len(groups), rows)
         if self.buf is None or self.buf.device != cache.table.device or self.buf.shape[1] < cache.length \
-                or self.members.shape[1] < group:
-            self._resize(max(cache.rows, 1), cache.length, group)
+                or self.members.shape[1] < width or self.buf.shape[0] - 1 < slots:
+            self._resize(slots, cache.length, width)
 
     def begin(self, groups: list[list[Sequence]]) -> None:
-        for key in [k for k, st in self._state.items() if st[0].finished]:  # finished without finish()
-            self._release(key)
+        for st in [st for st in self._state.values() if st[0].finished]:  # finished without finish()
+            self.finish(st[0])
         self._register(groups if self.siblings else [[s] for g in groups for s in g])
 
     def finish(self, seq: Sequence) -> None:
+        if seq.finished:  # the newest of its prompt's history (from the next group of that prompt on)
+            self.history.add(seq.prompt_ids, seq.completion_ids)
         self._release(id(seq))
 
-    abandon = finish  # a partial round's unfinished sample: its slot goes, as at the end
+    def abandon(self, seq: Sequence) -> None:
+        """A partial round stopped seq unfinished: its slot goes, and its text is no history (a later round ends
+        it)."""
+        self._release(id(seq))
 
     def state_dict(self) -> dict:
-        """Nothing outlives a generate() call (kept so that checkpoints say so explicitly)."""
-        return {}
+        """The prompts' history (no sample outlives a generate() call)."""
+        return {"history": self.history.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._state, self._free, self._used = {}, [], 0
+        self.history.load_state_dict(state.get("history", {}))
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
         return self.propose_tensors(seqs, max_tokens, width).to_drafts()
@@ -217,22 +233,55 @@ class DeviceNgramDrafter:
         return self.graphs
 
     def _register(self, groups: list[list[Sequence]]) -> None:
-        """Slots for each group's samples, their lengths 0 and each one's group table (its group's slots), on the
-        device in one copy. A group's slots stay until all its samples are done (`_release`)."""
-        slots, tables, G = [], [], self.members.shape[1]
+        """Slots for each group's prompt's history (as many of its newest texts as the table has room for) and for its
+        samples (lengths 0), and each sample's group table (the history's slots, oldest first, then the samples'), on
+        the device in one copy, the history's texts in one more. A group's slots stay until all its samples are done
+        (`_release`)."""
+        slots, tables, earlier, G = [], [], [], self.members.shape[1]
         for g in groups:
             record = [[], len(g)]  # the group's slots, its samples not yet done
+            for text in self.history.texts(g[0].prompt_ids, G - len(g)):
+                record[0].append(self._take_slot())
+                earlier.append((record[0][-1], text))
             for s in g:
                 slot = self._take_slot()
                 record[0].append(slot)
                 self._state[id(s)] = [s, slot, 0, record]
             slots += record[0]
-            tables += (record[0] + [-1] * (G - len(g))) * len(g)
-        if slots:
-            packed = self.cache.ints(slots + tables)
-            at = packed[:len(slots)]
-            self.lens[at] = 0
-            self.members[at] = packed[len(slots):].view(len(slots), G)
+            tables += (record[0] + [-1] * (G - len(record[0]))) * len(record[0])
+        if not slots:
+            return
+        texts = self._history_texts(earlier)
+        packed = self.cache.ints(slots + tables + texts)
+        at = packed[:len(slots)]
+        self.lens[at] = 0
+        self.members[at] = packed[len(slots):len(slots) * (1 + G)].view(len(slots), G)
+        if texts:
+            n = len(texts) // 2
+            past = packed[len(slots) * (1 + G):].view(2, n)
+            tokens = self.cache.ints(self._history_tokens([t for _, t in earlier], n))
+            self.buf[past[0], :tokens.shape[1]] = tokens
+            self.lens[past[0]] = past[1]
+
+    def _history_texts(self, earlier: list) -> list[int]:
+        """The history texts' slots and lengths (two runs), padded to a power of two with the trash slot (a handful
+        of copy shapes)."""
+        if not earlier:
+            return []
+        n, trash, length = pow2_at_least(len(earlier)), self.buf.shape[0] - 1, self.buf.shape[1]
+        lens = [min(len(t), length) for _, t in earlier]
+        self._longest = max(self._longest, *lens)
+        return [s for s, _ in earlier] + [trash] * (n - len(earlier)) + lens + [1] * (n - len(earlier))
+
+    def _history_tokens(self, texts: list, n: int) -> torch.Tensor:
+        """The texts as one int32 [n, context bucket] host tensor (rows past them zero)."""
+        L = min(max(map(len, texts)), self.buf.shape[1])
+        L = bucket_for(L, pow2_buckets(MIN_CONTEXT, self.buf.shape[1])) or self.buf.shape[1]
+        out = torch.zeros(n, L, dtype=torch.int32)
+        for row, text in zip(out, texts):
+            k = min(len(text), L)
+            row[:k] = torch.frombuffer(text, dtype=torch.int32)[:k]
+        return out
 
     def _resize(self, slots: int, length: int, group: int) -> None:
         """Buffers of at least these slots (and a trash slot), positions and group size, keeping what they hold;

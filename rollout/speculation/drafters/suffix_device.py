@@ -7,7 +7,7 @@ and the verify nothing more. A row suffix drafts for keeps suffix's draft, cut a
 of GRPO-shaped rollouts (`python -m rlspec.bench drafter --part replay`, bench_out/drafter_replay.json) a draft at
 every position would be accepted for 0.289 / 0.247 tokens a position against suffix's 0.226 / 0.211.
 
-Chains only (the device lookup's). The suffix drafter's history is this drafter's checkpoint state.
+Chains only (the device lookup's). Both drafters' histories are this drafter's checkpoint state.
 """
 from __future__ import annotations
 
@@ -56,11 +56,11 @@ class SuffixDeviceDrafter:
         self.suffix.settle()
 
     def state_dict(self) -> dict:
-        return self.suffix.state_dict()
+        return {"suffix": self.suffix.state_dict(), "device": self.device.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.suffix.load_state_dict(state)
-        self.device.load_state_dict({})
+        self.suffix.load_state_dict(state["suffix"])
+        self.device.load_state_dict(state["device"])
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
         return self.propose_tensors(seqs, max_tokens, width).to_drafts()

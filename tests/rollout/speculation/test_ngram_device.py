@@ -182,6 +182,89 @@ def test_drafts_look_up_the_siblings_texts(graph_mode, monkeypatch):
 
 
 @pytest.mark.parametrize("graph_mode", ["off", "emulate"])
+def test_drafts_look_up_the_prompts_earlier_rollouts(graph_mode, monkeypatch):
+    """Two calls on the same prompts, two texts of history a prompt: every proposal of the second call is the brute
+    force over the prompt's last two finished samples of the first call (oldest first, in the order they finished)
+    and the group's texts; drafts came from the history."""
+    finished: dict[tuple, list[list[int]]] = {}
+    finish = DeviceNgramDrafter.finish
+
+    def logged(self, seq):
+        if seq.finished:
+            finished.setdefault(tuple(seq.prompt_ids), []).append(list(seq.completion_ids))
+        finish(self, seq)
+
+    monkeypatch.setattr(DeviceNgramDrafter, "finish", logged)
+    eng = engine(graph_mode, max_num_seqs=5)
+    eng.speculation.by_name["ngram_device"].history.per_prompt = 2
+    prompts = repetitive_prompts(4, 3)
+    eng.generate(prompts, SamplingParams(temperature=0.5, max_new_tokens=40, n=3, seed=0))
+    earlier = {p: [list(p) + c for c in comps[-2:]] for p, comps in finished.items()}
+    assert all(len(comps) == 3 for comps in finished.values()) and len(earlier) == 4
+
+    seen = {"rows": 0, "history": 0}
+    synced: dict[int, list[int]] = {}
+    groups: dict[int, list] = {}
+    propose = DeviceNgramDrafter.propose_tensors
+
+    def compared(self, seqs, caps, width):
+        out = propose(self, seqs, caps, width)
+        if not max(caps):
+            return out
+        assert self.members.shape[1] == 5  # a group of three and two texts of history
+        for s in seqs:
+            synced[id(s)] = s.all_ids()
+            groups.setdefault(s.prompt_index, {})[id(s)] = s
+        for i, (s, got) in enumerate(zip(seqs, out.to_drafts())):
+            if not caps[i]:
+                continue
+            by_sample = {x.sample_index: synced[id(x)] for x in groups[s.prompt_index].values()}
+            past = earlier[tuple(s.prompt_ids)]
+            docs = past + [by_sample.get(j, []) for j in range(3)]
+            want, run = brute_force(docs, len(past) + s.sample_index, self.max_ngram, caps[i])
+            assert got.tokens == want and int(self.last_matched[i]) == run
+            seen["rows"] += 1
+            seen["history"] += want != brute_force(docs[len(past):], s.sample_index, self.max_ngram, caps[i])[0]
+        return out
+
+    monkeypatch.setattr(DeviceNgramDrafter, "propose_tensors", compared)
+    eng.generate(prompts, SamplingParams(temperature=0.5, max_new_tokens=40, n=3, seed=1))
+    assert seen["rows"] >= 200 and seen["history"] >= 20, seen
+
+
+def test_greedy_exact_with_history():
+    """A second greedy call, the first call's samples looked up as history, is the plain rollout token for token,
+    and accepts more than the first (its drafts are the earlier rollouts' continuations)."""
+    prompts = repetitive_prompts(5, 4)
+    params = SamplingParams(temperature=0, max_new_tokens=40, n=2, ignore_eos=True)
+    ref = [r.completion_ids for r in RolloutEngine(target(), None, eos_token_ids=[2]).generate(prompts, params)]
+    eng = engine("emulate", max_num_seqs=4)
+    accepted = []
+    for _ in range(2):
+        assert [r.completion_ids for r in eng.generate(prompts, params)] == ref
+        accepted.append(eng.stats()["rollout/accept_len"])
+    assert eng.speculation.by_name["ngram_device"].history.count(prompts[0]) == 4  # two samples a call
+    assert accepted[1] > accepted[0], accepted
+
+
+def test_unfinished_samples_are_no_history():
+    """A partial round's unfinished sample (abandon) leaves no history; a finished one does, once."""
+    eng = engine(max_num_seqs=2)
+    drafter = eng.speculation.by_name["ngram_device"]
+    eng.generate([[3, 4, 5, 3, 4]], SamplingParams(temperature=0, max_new_tokens=4))
+    assert drafter.history.count([3, 4, 5, 3, 4]) == 1
+    from rlspec.rollout.runtime.sequence import Sequence
+
+    seq = Sequence(0, 0, [7, 8, 9], 10, completion_ids=[1, 2])
+    drafter.begin([[seq]])
+    drafter.abandon(seq)
+    assert drafter.history.count([7, 8, 9]) == 0
+    seq.finish_reason = "stop"
+    drafter.finish(seq)
+    assert drafter.history.count([7, 8, 9]) == 1
+
+
+@pytest.mark.parametrize("graph_mode", ["off", "emulate"])
 @pytest.mark.parametrize("rows,kv_gb", [(3, None), (16, 2e-5)], ids=["admit_retire", "preempted"])
 def test_greedy_exact(graph_mode, rows, kv_gb):
     """Greedy float32 rollouts drafting on the device are the plain ones, token for token: more samples than rows

@@ -78,18 +78,19 @@ def test_sampled_law_unchanged(one_thread):
     assert multi_accepted(law_of_drafter("suffix_device")) >= 0.005
 
 
-def test_its_checkpoint_is_suffixs_history():
+def test_its_checkpoint_is_both_histories():
     eng = engine()
     eng.generate(random_prompts(2, 8, 16, seed=2, vocab=64), SamplingParams(temperature=1.0, max_new_tokens=20, n=2))
     from tests.rollout.speculation.test_state import same
 
     drafter = eng.speculation.by_name["suffix_device"]
-    state = eng.speculation.state_dict()
-    assert state["drafters"]["suffix_device"]["prompts"]  # the rollout's prompts are history now
-    same(state["drafters"]["suffix_device"], drafter.suffix.state_dict())
+    state = eng.speculation.state_dict()["drafters"]["suffix_device"]
+    assert state["suffix"]["prompts"] and state["device"]["history"]["counts"] == [2, 2]  # the rollout is history
+    same(state["suffix"], drafter.suffix.state_dict())
+    same(state["device"], drafter.device.state_dict())
     fresh = engine()
-    fresh.speculation.load_state_dict(state)
-    same(fresh.speculation.by_name["suffix_device"].suffix.state_dict(), drafter.suffix.state_dict())
+    fresh.speculation.load_state_dict(eng.speculation.state_dict())
+    same(fresh.speculation.by_name["suffix_device"].state_dict(), drafter.state_dict())
 
 
 def test_trees_are_refused_before_any_step():
