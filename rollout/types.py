@@ -84,7 +84,8 @@ class SpecConfig:
 
     drafter: str = _help("none", "none (plain decoding), auto (suffix + ngram + eagle3, chosen per batch), or a "
                                  "registered drafter: ngram, suffix, eagle3 (learned), ngram_device (ngram's chains, "
-                                 "looked up on the engine's device), suffix_device (suffix's chains, ngram_device's "
+                                 "looked up on the engine's device in the sample's, its siblings' and its prompt's "
+                                 "earlier samples' texts), suffix_device (suffix's chains, ngram_device's "
                                  "where suffix has none), or a plug-in", rule=_DRAFTER)
     num_draft_tokens: int = _help(4, "k: tokens drafted per verify along one path", rule=R.AT_LEAST_1)
     tree_width: int = _help(1, "children per draft-tree node; 1 = a chain", rule=R.AT_LEAST_1)

@@ -1,24 +1,27 @@
 """Prompt lookup on the device: n-gram chains looked up where the model runs (as vLLM's ngram_gpu), in the sample's
-own text and its siblings'.
+own text, its siblings' and its prompt's earlier samples'.
 
 The host drafters keep hash indexes in Python and look a row up after the host has read a step: ~10 us a row for
 n-gram, ~30 for suffix, so at the batch sizes RL runs (64-512) milliseconds a step that the device idles through
 (docs/runtime.md#host-step-budget). Here every sample's tokens sit in one [slots, length] int32 buffer on the
-engine's device, with each slot's length and the slots of its group (the samples of its prompt). A proposal sends
-what the host committed since the last one (a few tokens a row, one copy through the decode loop's funnel,
+engine's device, with each slot's length and the slots of its group (the samples of its prompt, behind the prompt's
+history: its last finished samples of earlier calls, `PromptHistory`, written when the group is admitted). A proposal
+sends what the host committed since the last one (a few tokens a row, one copy through the decode loop's funnel,
 runtime/transfers.py) and looks every row up at once in fixed shapes: on CUDA one graph per row bucket, context
 bucket, group size and draft length. The drafts stay on the device (`DraftTensors`) for the verify.
 
 The lookup, for a row whose own text is t[0..n-1], A = max_ngram, and each document d of its group (its own text and,
-with `siblings`, each sibling's, live or finished, as far as the buffer holds it): each candidate p in [1, len(d) - 1]
-(a draft starting at d[p]) has run(p), how many of d[p-1], d[p-2], .., d[p-A] equal t[n-1], t[n-2], .., t[n-A] in a
-row (nothing before d[0] matches). The row drafts from the candidate that maximises (min(run, A), own text first,
-the later sibling, p): the longest matching suffix, then its newest occurrence. The draft is d[p + j mod (len(d) - p)]
-for j < m: the continuation, periodic where it runs into the document's end. With siblings off, the chain is the
-host n-gram drafter's wherever that one drafts (tests/rollout/speculation/test_ngram_device.py). On 64 SmolLM2 math
-rollouts (8 prompts x 8 samples, T = 1) a 4-token draft at every position would be accepted for 0.252 tokens a
-position from the sample's own text and 0.285 with its siblings' (the suffix drafter: 0.226, drafting at 45% of
-positions; `python -m rlspec.bench drafter --part replay`, bench_out/drafter_replay.json, which has a second epoch).
+with `siblings`, each sibling's, live or finished, as far as the buffer holds it, and the history's texts): each
+candidate p in [1, len(d) - 1] (a draft starting at d[p]) has run(p), how many of d[p-1], d[p-2], .., d[p-A] equal
+t[n-1], t[n-2], .., t[n-A] in a row (nothing before d[0] matches). The row drafts from the candidate that maximises
+(min(run, A), own text first, the later document, p): the longest matching suffix, then its newest occurrence (the
+history's texts come first in a group, oldest first, so a sibling's wins a tie). The draft is d[p + j mod (len(d) -
+p)] for j < m: the continuation, periodic where it runs into the document's end. With siblings off and no history,
+the chain is the host n-gram drafter's wherever that one drafts (tests/rollout/speculation/test_ngram_device.py). On
+64 SmolLM2 math rollouts (8 prompts x 8 samples, T = 1, three epochs) a 4-token draft at every position would be
+accepted for 0.252 / 0.192 / 0.224 tokens a position from the sample's own text, 0.285 / 0.212 / 0.243 with its
+siblings' and 0.285 / 0.243 / 0.275 with the prompt's history too (the suffix drafter: 0.226 / 0.211 / 0.251, drafting
+at about half the positions; `python -m rlspec.bench drafter --part replay`, bench_out/drafter_replay.json).
 
 What differs from the host drafters: the host reads a draft only as the verify's outcome, so it never learns whether
 a row matched, and every row drafts its budget. A row without a match drafts from its best shorter one, a repeat of
