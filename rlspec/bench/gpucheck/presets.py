@@ -52,7 +52,7 @@ GPU = {
                      attention=dict(rows=[[256, 1], [2048, 32], [8192, 1], [8192, 32]],
                                     launches=[[32, 3, 2], [64, 4, 2], [64, 3, 1], [64, 3, 3], [32, 3, 4]]),
                      # the device n-gram drafter's lookup alone: [rows, texts a row (its group), context]
-                     lookup=dict(rows=[[64, 1, 2048], [64, 8, 2048], [256, 8, 2048], [256, 8, 8192]])),
+                     lookup=dict(rows=[[64, 1, 2048], [64, 8, 2048], [256, 8, 2048], [256, 16, 2048], [256, 8, 8192]])),
     "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
                    prompt_len=64, new_tokens=[8, 56], repeats=3),
     "compiled": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], context=256, iters=6, repeats=3),
