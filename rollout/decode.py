@@ -16,7 +16,7 @@ keyed draws: each row's uniforms are its key's at its position, whatever else th
 features of a plain step are staged as the step is launched, at the positions it writes, so a call with one looks
 ahead too. A speculative step's are staged behind its transfer, before the host reads it, from the verifier's counts
 on the device, and after a verify of its own drafts the drafter's next catch-up runs there too (CUDA): the host
-waits for the verify alone.
+waits for the verify alone. Chains drafted on the device look ahead too (rollout/chains_ahead.py).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlspec.rollout.chains_ahead import AheadChains
 from rlspec.rollout.nonfinite import nonfinite_error
 from rlspec.rollout.runtime.device import Span
 from rlspec.rollout.runtime.draws import KeyedDraws, bound
@@ -76,7 +77,7 @@ def lean_plain(proposer, verifier, history) -> bool:
     return type(proposer) is SelectorProposer and type(verifier) is ExactVerifier and history is None
 
 
-class DecodeSteps:
+class DecodeSteps(AheadChains):
     """RolloutEngine's decode step (needs its runner, speculation, proposer, verifier and metrics)."""
 
     def _decode_step(self, live: list[Sequence], ctx: Call) -> None:
@@ -86,6 +87,9 @@ class DecodeSteps:
         ctx.steps += 1
         if ctx.lean and not arm.speculative:
             return self._plain_step(live, arm, ctx, time.perf_counter())
+        drafter = self._ahead_drafter(arm, ctx)
+        if drafter is not None:  # a chain drafted on the device: its successors looked ahead (chains_ahead.py)
+            return self._chain_steps(live, arm, ctx, drafter)
         roomy = []  # whether the proposer took draft room (blocks past the pending token) this step
 
         def room(nodes: list[int]) -> list[int]:
@@ -280,13 +284,14 @@ class DecodeSteps:
             self.release_kv()
             raise nonfinite_error(self.model, rows, step, where, seqs)
 
-    def _commit(self, live, step: HostStep, is_chain: bool, ctx: Call) -> int:
+    def _commit(self, live, step: HostStep, is_chain: bool, ctx: Call, going: list[int] | None = None) -> int:
         """Append each row's accepted drafts + the token after them, with their target logprobs and, from a
         lossy verifier, sources and behaviour logprobs (lossless: drafts exact, the last token the target's);
-        move the KV of an accepted tree path to consecutive slots. Returns the number of tokens kept."""
+        move the KV of an accepted tree path to consecutive slots. going: the rows to commit (None: all). Returns
+        the number of tokens kept."""
         kept, prov, stop = 0, step.provenance, ctx.stop_ids
-        for i, s in enumerate(live):
-            a = step.accepted[i]
+        for i in range(len(live)) if going is None else going:
+            s, a = live[i], step.accepted[i]
             if a == 0 and prov is None:  # one token, the target's
                 kept += s.append_one(step.tokens[i][0], step.lps[i][0], stop)
                 continue

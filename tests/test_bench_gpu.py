@@ -132,6 +132,44 @@ def test_oracle_drafter_keeps_each_token_with_probability_a(a):
     assert d.propose([_Seq([7], [3])], [4], 1)[0].tokens == []  # an unknown prompt: no draft
 
 
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_oracle_drafts_on_the_device_and_its_chains_are_looked_ahead(look_ahead, monkeypatch):
+    """In an engine the oracle drafts on the device: its chains are its host proposals (the reference's, replaced
+    where a position's uniform is over a), greedy rollouts stay the plain ones, a verify accepts about E_k tokens,
+    and with the look-ahead on (as on CUDA) most chain steps are launched before the host reads the step in front."""
+    import torch
+
+    from rlspec.bench.gpucheck.common import build_hf, engine_over, make_greedy_stable
+    from rlspec.rollout.chains_ahead import AheadChains
+    from rlspec.rollout.types import SamplingParams, SpecConfig
+
+    hf = build_hf("tiny", torch.float32, torch.device("cpu"))
+    make_greedy_stable(hf)
+    prompts = [list(range(5 + i, 21 + i)) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=48)
+    plain = engine_over(hf, torch.device("cpu"), torch.float32, 4, 96)
+    ref = {tuple(r.prompt_ids): r.completion_ids for r in plain.generate(prompts, params)}
+    drafter = OracleDrafter(ref, hf.config.vocab_size, 0.7)
+    spec = SpecConfig(drafter="ngram", selector="always", num_draft_tokens=4, online_training=False)
+    engine = engine_over(hf, torch.device("cpu"), torch.float32, 4, 96, spec=spec, drafter=drafter)
+    engine.look_ahead = look_ahead
+    seen, real = [], AheadChains._chain_ahead
+    monkeypatch.setattr(AheadChains, "_chain_ahead", lambda self, *a: seen.append(real(self, *a)) or seen[-1])
+    proposed, tensors = [], OracleDrafter.propose_tensors
+
+    def compared(self, seqs, caps, width):
+        out = tensors(self, seqs, caps, width)
+        assert [d.tokens for d in out.to_drafts()] == [d.tokens for d in self.propose(seqs, caps, width)]
+        proposed.append(len(seqs))
+        return out
+
+    monkeypatch.setattr(OracleDrafter, "propose_tensors", compared)
+    assert [r.completion_ids for r in engine.generate(prompts, params)] == [ref[tuple(p)] for p in prompts]
+    assert proposed and abs(engine.stats()["rollout/accept_len"] - expected_tokens(0.7, 4)) < 0.6
+    ahead = [s is not None for s in seen]
+    assert (sum(ahead) > len(ahead) // 2) if look_ahead else not seen
+
+
 def test_tree_mask_sees_ancestors_only():
     depths, mask = tree(7)  # heap order: 0 -> (1, 2), 1 -> (3, 4), 2 -> (5, 6)
     assert depths.tolist() == [0, 1, 1, 2, 2, 2, 2]

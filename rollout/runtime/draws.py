@@ -82,13 +82,14 @@ class KeyedDraws:
     def rows(self) -> int:
         return 0 if self.state is None else self.state.shape[0]
 
-    def bind(self, keys: list[int], positions: list[int]) -> "KeyedDraws":
-        """The rows of the next draws: their keys (of this call's) and completion lengths, one small host-to-device
-        copy."""
+    def bind(self, keys: list[int], positions: list[int], advance: torch.Tensor | None = None) -> "KeyedDraws":
+        """The rows of the next draws: their keys (of this call's) and completion lengths (plus `advance` [R], on the
+        device), one small host-to-device copy."""
         rows = [[self._index[k] for k in keys], positions]
         ids = self.to_device(rows) if self.to_device is not None else \
             torch.tensor(rows, dtype=torch.int64, device=self.device)
-        self.state, self.offset, self._used = row_state(self._keys[ids[0]], ids[1]), 0, set()
+        at = ids[1] if advance is None else ids[1] + advance
+        self.state, self.offset, self._used = row_state(self._keys[ids[0]], at), 0, set()
         return self
 
     def shifted(self, by: int) -> "KeyedDraws":
@@ -152,10 +153,11 @@ def call_draws(gen: torch.Generator | None, sample_keys, seqs, params, device, t
     return draws
 
 
-def bound(draws, seqs, ahead: int = 0):
+def bound(draws, seqs, ahead: int = 0, advance: torch.Tensor | None = None):
     """The uniforms of one draw over these rows: keyed ones bound to the sequences' keys and completion lengths
     (the position: 0 for the prefill's first token; plus `ahead` for a step launched before the host has read the
-    `ahead` steps in front of it), or the call's generator as it is."""
+    `ahead` plain steps in front of it, or plus `advance` [rows] on the device, the tokens the unread speculative step
+    in front of it emits), or the call's generator as it is."""
     if not isinstance(draws, KeyedDraws):
         return draws
-    return draws.bind([s.key for s in seqs], [len(s.completion_ids) + ahead for s in seqs])
+    return draws.bind([s.key for s in seqs], [len(s.completion_ids) + ahead for s in seqs], advance)

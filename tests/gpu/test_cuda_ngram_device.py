@@ -1,6 +1,7 @@
 """The n-gram drafter looked up on the device (drafters/ngram_device.py) on CUDA: its lookup replayed from CUDA
 graphs gives the eager lookup's drafts, and greedy rollouts drafting with it are the plain ones with the target's
-graph pool, rows admitted and retired."""
+graph pool, rows admitted and retired; its chains looked ahead (rollout/chains_ahead.py, on by default on CUDA) give
+the step-by-step rollouts."""
 import pytest
 import torch
 
@@ -44,3 +45,10 @@ def test_cuda_graph_lookup_gives_the_eager_drafts_and_greedy_parity(monkeypatch)
     assert drafter.graphs is not None and drafter.graphs.backend == "cuda"
     assert drafter.graphs.counts["replays"] > drafter.graphs.counts["captures"] > 0 and compared[0] > 20
     assert engine.stats()["rollout/accept_len"] > 1.1
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_cuda_chains_looked_ahead_give_the_step_by_step_rollouts(keyed, monkeypatch):
+    from tests.rollout.test_chains_ahead import assert_same_rollouts
+
+    assert_same_rollouts(keyed, "cuda", monkeypatch)

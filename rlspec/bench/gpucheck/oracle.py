@@ -27,15 +27,20 @@ from rlspec.bench.gpucheck.predict import expected_tokens
 
 class OracleDrafter:
     """Chains from `reference` (prompt tuple -> greedy completion), each position's token kept where its fixed
-    uniform is below `accept` (a replacement drawn once per position otherwise)."""
+    uniform is below `accept` (a replacement drawn once per position otherwise). It drafts on the device as the
+    model-free device drafter does (a table of the chains there, `propose_tensors`), so its chains are looked ahead
+    where the engine's are (rollout/chains_ahead.py: `propose_ahead`)."""
 
     name = "oracle"
 
     def __init__(self, reference: dict[tuple, list[int]], vocab: int, accept: float, seed: int = 0):
         rng = random.Random(seed)
         self.reference = reference
+        self.rows = {p: i for i, p in enumerate(reference)}  # prompt -> its row of the table
         # per prompt and position: the uniform that decides, and the token that replaces the reference's
         self.draws = {p: [(rng.random(), _other(rng, t, vocab)) for t in ref] for p, ref in reference.items()}
+        self.cache = self.table = None
+        self._last = None  # the last proposal's (table rows, positions) on the device
         self.accept = accept
 
     @property
@@ -49,9 +54,45 @@ class OracleDrafter:
         self._accept = a
         self.chains = {p: [t if u < a else other for t, (u, other) in zip(ref, self.draws[p])]
                        for p, ref in self.reference.items()}
+        self.table = None  # made again on the device at the next call's start
+
+    def start(self, seqs, cache, params=None, generator=None, history=None) -> None:
+        import torch
+
+        self.cache = cache
+        if self.table is None or self.table.device != cache.table.device:
+            # past a chain's end 0s (never within a row's budget); a last row of 0s for a prompt without a chain
+            width = max(map(len, self.chains.values())) + 1
+            self.table = torch.tensor([c + [0] * (width - len(c)) for c in self.chains.values()] + [[0] * width],
+                                      dtype=torch.long, device=cache.table.device)
 
     def begin(self, groups) -> None:
         pass
+
+    def propose_tensors(self, seqs, max_tokens: list[int], width: int):
+        """Each row's chain from its position on (the pending token is completion_ids[-1]), gathered on the
+        device."""
+        rows = [self.rows.get(tuple(s.prompt_ids), len(self.rows)) for s in seqs]
+        sent = self.cache.ints(rows + [len(s.completion_ids) for s in seqs])
+        return self._gather(sent[:len(seqs)], sent[len(seqs):], max(max_tokens, default=0), list(max_tokens))
+
+    def propose_ahead(self, seqs, depth: int, emitted, accepted, budget, stops):
+        """The step after one the host has not read: each row's position moved on by that step's accepted drafts
+        and its next token."""
+        rows, at = self._last
+        return self._gather(rows, at + accepted + 1, depth, [depth] * len(seqs))
+
+    def appended(self, seqs) -> None:
+        pass
+
+    def _gather(self, rows, at, D: int, caps: list[int]):
+        import torch
+
+        from rlspec.rollout.speculation.drafters.base import DraftTensors
+
+        self._last = (rows, at)
+        cols = (at[:, None] + torch.arange(D, device=at.device)).clamp(max=self.table.shape[1] - 1)
+        return DraftTensors(self.table[rows[:, None], cols][:, None, :], None, caps)
 
     def finish(self, seq) -> None:
         pass

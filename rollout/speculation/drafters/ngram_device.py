@@ -159,13 +159,44 @@ class DeviceNgramDrafter:
         self._longest = max(self._longest, *lens)  # a sibling's text is as long as the longest written
         L = bucket_for(self._longest, pow2_buckets(MIN_CONTEXT, self.buf.shape[1])) or self.buf.shape[1]
         packed = self.cache.ints(slots + lens + writes)
-        W = len(writes) // 3
-        if W:  # the tokens committed since the last proposal
-            at = packed[2 * r:].view(3, W)
-            self.buf[at[0], at[1]] = at[2].to(self.buf.dtype)
+        self._write(packed[2 * r:])
         drafts, matched = self._lookup(packed[:2 * r].view(2, r), L, D)
         self.last_matched = matched[:len(seqs)]
         return DraftTensors(drafts[:len(seqs), None, :], None, list(max_tokens))
+
+    def propose_ahead(self, seqs: list[Sequence], depth: int, emitted: torch.Tensor, accepted: torch.Tensor,
+                      budget: torch.Tensor, stops: torch.Tensor) -> DraftTensors:
+        """`depth` tokens a row (the verify takes each row's budget of them) for the step after one the host has not
+        read (rollout/chains_ahead.py): each row's text on the device is extended there by that step's emitted tokens
+        (emitted [B, N + 1], the first accepted [B] + 1 of them) as the host will append them (up to a stop token of
+        `stops` or the row's token budget [B], its remaining tokens before that step), then looked up. `appended`
+        tells the host once it has committed that step."""
+        B, r, D = len(seqs), row_bucket(len(seqs)), depth
+        trash, length = self.buf.shape[0] - 1, self.buf.shape[1]
+        slots, lens, writes = self._sync(seqs, r)  # what the host committed and the device lacks (none, mostly)
+        packed = self.cache.ints(slots + lens + writes)
+        self._write(packed[2 * r:])
+        slots, own, n = packed[:r], packed[:B], packed[r:r + B]  # n: each text up to the unread step
+        cols = torch.arange(emitted.shape[1], device=n.device)
+        count = torch.minimum(accepted + 1, budget)
+        ends = torch.isin(emitted, stops) & (cols[None, :] < count[:, None])  # Sequence.append stops at the first
+        count = torch.where(ends.any(1), ends.int().argmax(1) + 1, count)
+        keep = cols[None, :] < count[:, None]
+        self.buf[torch.where(keep, own[:, None], trash), (n[:, None] + cols).clamp(max=length - 1)] = \
+            emitted.to(self.buf.dtype)
+        lens = torch.cat([(n + count).clamp(max=length), n.new_ones(r - B)])
+        # the host's bound of the longest text: its committed length and the unread step's tokens
+        self._longest = min(max(self._longest, max(lens) + emitted.shape[1]), length)
+        L = bucket_for(self._longest, pow2_buckets(MIN_CONTEXT, length)) or length
+        drafts, matched = self._lookup(torch.stack([slots, lens]), L, D)
+        self.last_matched = matched[:B]
+        return DraftTensors(drafts[:B, None, :], None, [D] * B)
+
+    def appended(self, seqs: list[Sequence]) -> None:
+        """The host committed the step whose tokens `propose_ahead` wrote: these rows' texts are on the device as far
+        as the host has them."""
+        for s in seqs:
+            self._state[id(s)][2] = s.cache_len + 1
 
     # ---- internals ------------------------------------------------------------------------------
     def _sync(self, seqs: list[Sequence], r: int) -> tuple[list[int], list[int], list[int]]:
@@ -190,6 +221,12 @@ class DeviceNgramDrafter:
         pad = r - len(seqs)
         trash = self.buf.shape[0] - 1
         return slots + [trash] * pad, lens + [1] * pad, ws + wp + wt
+
+    def _write(self, writes: torch.Tensor) -> None:
+        """Tokens into the buffer: `_sync`'s three runs (slots, positions, tokens) as sent."""
+        if writes.numel():
+            at = writes.view(3, -1)
+            self.buf[at[0], at[1]] = at[2].to(self.buf.dtype)
 
     def _lookup(self, rows: torch.Tensor, L: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' lengths written, then `lookup` over the groups of their slots (rows [2, r]: slots, lengths):

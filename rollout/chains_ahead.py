@@ -1,0 +1,157 @@
+"""Speculative steps looked ahead: a chain drafted on the device launches its successor before the host reads it.
+
+A speculative step's host work (the read, the commit, the selector's statistics, the next proposal's bookkeeping)
+is what a GPU idles through between two verifies, and it grows with the batch (docs/runtime.md#host-step-budget).
+Plain steps already hide theirs (`DecodeSteps._plain_step`). A chain whose drafter can draft from the device alone
+(`propose_ahead`: `ngram_device`, which appends each row's emitted tokens to its texts on the device and looks the
+rows up there) can hide it too: step n + 1 is built from step n's results while they are still on the device (each
+row's next pending token is the one after its accepted drafts, its start moves by accepted + 1) and launched before
+the host reads step n. The host then reads and commits step n while the device verifies step n + 1.
+
+What the host does not know yet it bounds: every row gets the blocks, table room and token budget of step n's
+longest outcome plus step n + 1's drafts, or the successor is not launched (the loop then steps as before). A row
+that step n ended is carried through step n + 1, whose results for it are dropped, as a plain look-ahead drops a
+finished row's token. Each row's draws are its key's at its position (keyed draws, or greedy: `Call.ahead`), so every
+token is the one the step-by-step loop emits; the drafts may differ from the loop's only where a row's draft budget
+would (none here: a successor is launched only when every row can take the arm's full draft).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlspec.rollout.runtime.device import Span
+from rlspec.rollout.runtime.draws import bound
+from rlspec.rollout.runtime.sequence import Sequence
+from rlspec.rollout.runtime.transfers import Pending
+from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
+from rlspec.rollout.speculation.strategies import StepVerdict
+from rlspec.rollout.step_layout import StepLayout
+
+
+@dataclass
+class ChainLaunch:
+    """A chain step in flight: what its successor is built from, and its one host transfer."""
+
+    arm: object
+    batch: DraftBatch
+    verdict: StepVerdict
+    emitted: torch.Tensor  # [B, N + 1] on the device: the accepted drafts, then the next token
+    layout: StepLayout
+    sent: Pending
+    drafted: list[int] | None  # draft nodes per row (None: the host works them out once it has read the step before)
+    span: Span  # its drafting, on the device
+    top: int  # max(start) as the host bounds it
+    fresh: bool  # it captured or compiled first: no measure of a step's cost
+
+
+class AheadChains:
+    """DecodeSteps' chains looked ahead (module docstring); needs its runner, speculation, verifier and metrics."""
+
+    def _ahead_drafter(self, arm, ctx):
+        """The arm's drafter when a chain of it may be looked ahead (None otherwise): a look-ahead call, a chain,
+        no learned drafter to stage features for, and a drafter that drafts from the device alone."""
+        if not (ctx.ahead and arm.speculative and arm.width == 1 and self.speculation.learned is None):
+            return None
+        drafter = self.speculation.by_name[arm.drafter]
+        return drafter if hasattr(drafter, "propose_ahead") else None
+
+    def _chain_steps(self, live: list[Sequence], arm, ctx, drafter) -> None:
+        """A chain step from the host's state, then, while the next arm is a chain of the same drafter with room
+        for it, each step's successor launched before the host reads the step."""
+        t0 = time.perf_counter()
+        caps = ctx.kv.draft_room(live, self._draft_caps(live, [arm.nodes] * len(live)))
+        span = Span(self.runner.device).start()
+        drafts = drafter.propose_tensors(live, caps, 1)
+        span.stop()
+        lens = [s.cache_len for s in live]
+        batch = build_draft_batch([s.pending for s in live], drafts, lens, self.runner.transfers.to_device)
+        step = self._launch_chain(live, arm, batch, drafts.counts(), span, max(lens), bound(ctx.draws, live), ctx)
+        stops = self.runner.transfers.to_device(sorted(ctx.stop_ids) or [-1])  # what ends a row's text
+        while True:
+            nxt = self._chain_ahead(live, step, drafter, stops, ctx)
+            t0 = self._commit_chain(step, live, ctx, t0, drafter if nxt is not None else None)
+            if nxt is None:
+                break
+            ctx.steps += 1
+            step = nxt
+            if ctx.finished:  # the rows still going take this step's tokens; the loop retires the others
+                self._commit_chain(step, live, ctx, t0, None)
+                break
+        ctx.kv.trim(live)
+
+    def _chain_ahead(self, live: list[Sequence], step: ChainLaunch, drafter, stops: torch.Tensor,
+                     ctx) -> ChainLaunch | None:
+        """Step n + 1 launched from step n's results on the device, when the selector's next arm is a chain of the
+        same drafter and every row has the blocks for step n's longest outcome and the arm's whole draft; else None,
+        the arm kept for the loop's next step. Each row's draft budget is the step-by-step loop's (`_draft_caps`
+        after step n), worked out on the device from its token budget and table room and step n's tokens."""
+        arm = self.speculation.choose(len(live))
+        room = self.runner.cache.length - self._draft_slack()
+        # positions past the pending one: step n's tokens, then the drafts, within the table
+        reach = [max(0, min(step.batch.N + 1 + arm.nodes, room - s.cache_len)) for s in live]
+        if self._ahead_drafter(arm, ctx) is not drafter or ctx.kv.draft_room(live, reach) != reach:
+            ctx.chosen = (len(live), arm)
+            return None
+        accepted = step.verdict.accepted  # None: step n drafted nothing (a plain step's verdict)
+        accepted = accepted if accepted is not None else step.emitted.new_zeros(len(live))
+        advance = accepted + 1
+        # a row that ended (a step ago) has no budget: nothing more joins its text on the device
+        budget, space = self.runner.transfers.to_device([[0 if s.finished else s.remaining for s in live],
+                                                         [room - s.cache_len for s in live]])
+        caps = torch.minimum(torch.minimum(budget - advance - 1, space - advance), budget.new_tensor(arm.nodes))
+        span = Span(self.runner.device).start()
+        drafts = drafter.propose_ahead(live, arm.nodes, step.emitted, accepted, budget, stops)
+        span.stop()
+        pending = step.emitted.gather(1, accepted[:, None])
+        batch = DraftBatch(torch.cat([pending, drafts.ids[:, 0]], 1), caps.clamp(min=0), True,
+                           start=step.batch.start + advance)
+        top = min(step.top + step.batch.N + 1, room)  # a bound of max(start): a row's budget ends it before room
+        batch.kv_len = top + batch.N + 1
+        return self._launch_chain(live, arm, batch, None, span, top, bound(ctx.draws, live, advance=advance), ctx)
+
+    def _launch_chain(self, live, arm, batch: DraftBatch, drafted: list[int] | None, span: Span, top: int, draws,
+                      ctx) -> ChainLaunch:
+        """One chain step's verify forward, verification and host transfer, launched (nothing waits for the
+        device)."""
+        logits, hiddens = self.runner.step(batch.tokens, batch.start,
+                                           hidden_layers=self.speculation.aux_layers + self.verifier.hidden_layers,
+                                           top=top)
+        verdict = self.verifier.verify(logits, hiddens, batch, ctx.params, draws, None)
+        emitted = self._emitted(verdict, batch)
+        layout, sent = self._send(logits, verdict, batch, ctx, live, emitted)
+        launched = ChainLaunch(arm, batch, verdict, emitted, layout, sent, drafted, span, top, self.runner.fresh)
+        self.speculation.settle()  # what drafters deferred from finishing samples, while the device runs the step
+        return launched
+
+    def _commit_chain(self, step: ChainLaunch, live: list[Sequence], ctx, since: float, appended) -> float:
+        """Read a chain step (waiting for it), commit each unfinished row's tokens, record the step (its seconds:
+        from `since`, the previous read); `appended`: the drafter that put this step's tokens on the device already
+        (its successor was launched). Returns when the host had the step."""
+        rows = step.sent.rows()
+        read = time.perf_counter()
+        going = [i for i, s in enumerate(live) if s.finish_reason is None]  # a row ended a step ago: dropped
+        bad = step.layout.bad_rows(rows)
+        if bad:
+            self._check_finite([i for i in bad if i in going], live, ctx.steps, f"decode step {ctx.steps}")
+        host = step.layout.read(rows)
+        # a looked-ahead step's budgets, as the device worked them out: the step-by-step loop's from here
+        drafted = step.drafted or self._draft_caps(live, [step.arm.nodes] * len(live))
+        before = [len(s.completion_ids) for s in live]
+        emitted = self._commit(live, host, True, ctx, going)
+        if appended is not None:
+            appended.appended([live[i] for i in going])
+        self.proposer.after_commit(live, before, None, host.kept)
+        ctx.finished = ctx.finished or len(going) < len(live)
+        drafting = step.span.seconds()
+        # the rows a step ago ended ran this step too (its cost), but drafted for nothing the loop would have run
+        drafted, accepted = [drafted[i] for i in going], [host.accepted[i] for i in going]
+        if not step.fresh:
+            self.speculation.observe_step(step.arm, len(live), max(read - since - drafting, 0.0), drafting,
+                                          drafted, accepted)
+        self._metrics.record_verify(step.arm.drafter, drafted, accepted)
+        self._metrics.batch_trace.append((read - ctx.t0, len(live), emitted, True))
+        self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
+        return read
