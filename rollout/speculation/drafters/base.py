@@ -124,7 +124,9 @@ class Drafter(Protocol):
         An empty draft means "no speculation for this sequence this step"."""
 
     # Optional: `propose_tensors(seqs, max_tokens, width) -> DraftTensors`, the same drafts left on the device; the
-    # decode step takes it where a drafter has it (Speculation.draft).
+    # decode step takes it where a drafter has it (Speculation.draft). With it, `propose_ahead(seqs, depth, emitted,
+    # accepted, budget, stops) -> DraftTensors` and `appended(seqs)`: a chain for the step after one the host has not
+    # read, from that step's results on the device; the host has committed that step (rollout/chains_ahead.py).
 
     def finish(self, seq: Sequence) -> None:
         """A sample finished; model-free drafters index it for later prompts and epochs."""
