@@ -8,12 +8,13 @@ rows up there) can hide it too: step n + 1 is built from step n's results while 
 row's next pending token is the one after its accepted drafts, its start moves by accepted + 1) and launched before
 the host reads step n. The host then reads and commits step n while the device verifies step n + 1.
 
-What the host does not know yet it bounds: every row gets the blocks, table room and token budget of step n's
-longest outcome plus step n + 1's drafts, or the successor is not launched (the loop then steps as before). A row
-that step n ended is carried through step n + 1, whose results for it are dropped, as a plain look-ahead drops a
-finished row's token. Each row's draws are its key's at its position (keyed draws, or greedy: `Call.ahead`), so every
-token is the one the step-by-step loop emits; the drafts may differ from the loop's only where a row's draft budget
-would (none here: a successor is launched only when every row can take the arm's full draft).
+What the host does not know yet it bounds or leaves to the device. Every row gets the blocks for step n's longest
+outcome plus step n + 1's drafts, or the successor is not launched (the loop then steps as before). Each row's draft
+budget is the step-by-step loop's (`_draft_caps` after step n), worked out on the device, so the drafts are the
+loop's. Each row's draws are its key's at its position (keyed draws, or greedy: `Call.ahead`), so every token is the
+one the step-by-step loop emits. A row that step n ended is carried through step n + 1, whose results for it are
+dropped, as a plain look-ahead drops a finished row's token; in the long tail it rides along frozen for longer
+(`carry_ended`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ class ChainLaunch:
     fresh: bool  # it captured or compiled first: no measure of a step's cost
 
 
+def carry_ended(live: list[Sequence], ctx) -> bool:
+    """Whether steps go on looking ahead past rows that ended, which ride along frozen (no budget, no room, their
+    position kept) until the loop retires them: while no group waits for their rows (the long tail, where the batch
+    only shrinks and rows end one after another) and for at most an eighth of the batch, or one row (their
+    attention is the device's waste). Plain steps (decode.py) and chains alike."""
+    ended = sum(s.finished for s in live)
+    return not ctx.kv.sched.waiting and ended <= max(1, len(live) // 8) and ended < len(live)
+
+
 class AheadChains:
     """DecodeSteps' chains looked ahead (module docstring); needs its runner, speculation, verifier and metrics."""
 
@@ -77,8 +87,8 @@ class AheadChains:
                 break
             ctx.steps += 1
             step = nxt
-            if ctx.finished:  # the rows still going take this step's tokens; the loop retires the others
-                self._commit_chain(step, live, ctx, t0, None)
+            if ctx.finished and not carry_ended(live, ctx):  # the rows going take this step's tokens; the
+                self._commit_chain(step, live, ctx, t0, None)  # loop retires the others and admits
                 break
         ctx.kv.trim(live)
 
@@ -90,17 +100,17 @@ class AheadChains:
         after step n), worked out on the device from its token budget and table room and step n's tokens."""
         arm = self.speculation.choose(len(live))
         room = self.runner.cache.length - self._draft_slack()
-        # positions past the pending one: step n's tokens, then the drafts, within the table
-        reach = [max(0, min(step.batch.N + 1 + arm.nodes, room - s.cache_len)) for s in live]
+        # positions past the pending one: step n's tokens, then the drafts, within the table (none: a row that ended)
+        reach = [0 if s.finished else max(0, min(step.batch.N + 1 + arm.nodes, room - s.cache_len)) for s in live]
         if self._ahead_drafter(arm, ctx) is not drafter or ctx.kv.draft_room(live, reach) != reach:
             ctx.chosen = (len(live), arm)
             return None
         accepted = step.verdict.accepted  # None: step n drafted nothing (a plain step's verdict)
         accepted = accepted if accepted is not None else step.emitted.new_zeros(len(live))
-        advance = accepted + 1
-        # a row that ended (a step ago) has no budget: nothing more joins its text on the device
+        # a row that ended has no budget: nothing more joins its text, and it stays where it is (`carry_ended`)
         budget, space = self.runner.transfers.to_device([[0 if s.finished else s.remaining for s in live],
                                                          [room - s.cache_len for s in live]])
+        advance = torch.where(budget > 0, accepted + 1, 0)
         caps = torch.minimum(torch.minimum(budget - advance - 1, space - advance), budget.new_tensor(arm.nodes))
         span = Span(self.runner.device).start()
         drafts = drafter.propose_ahead(live, arm.nodes, step.emitted, accepted, budget, stops)
@@ -138,7 +148,7 @@ class AheadChains:
             self._check_finite([i for i in bad if i in going], live, ctx.steps, f"decode step {ctx.steps}")
         host = step.layout.read(rows)
         # a looked-ahead step's budgets, as the device worked them out: the step-by-step loop's from here
-        drafted = step.drafted or self._draft_caps(live, [step.arm.nodes] * len(live))
+        drafted = step.drafted if step.drafted is not None else self._draft_caps(live, [step.arm.nodes] * len(live))
         before = [len(s.completion_ids) for s in live]
         emitted = self._commit(live, host, True, ctx, going)
         if appended is not None:

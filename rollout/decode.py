@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlspec.rollout.chains_ahead import AheadChains
+from rlspec.rollout.chains_ahead import AheadChains, carry_ended
 from rlspec.rollout.nonfinite import nonfinite_error
 from rlspec.rollout.runtime.device import Span
 from rlspec.rollout.runtime.draws import KeyedDraws, bound
@@ -130,23 +130,29 @@ class DecodeSteps(AheadChains):
         transfer and commit as the general step, without its drafting, path and layout objects (what a plain step
         costs the host is what the device waits for between steps: docs/runtime.md#host-step-budget). With
         ctx.ahead, each step's successor is launched before the host reads it (`_look_ahead`), for as long as
-        no row ends and the selector keeps choosing plain steps. The ledger gets the general step's figures:
-        from t0 to t1 its (empty) drafting, from t1 to the commit its step."""
+        the selector keeps choosing plain steps and no row ends (in the long tail: few do, `carry_ended`). The
+        ledger gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its
+        step."""
         t1 = time.perf_counter()
         lens = [s.cache_len for s in live]
         packed = self.runner.transfers.to_device([[s.pending, n] for s, n in zip(live, lens)])
         start, top = packed[:, 1], max(lens)
+        room = self.runner.cache.length - self._draft_slack()  # top: a bound of max(start), within the table
         step = self._launch_plain(packed[:, :1], start, top, live, ctx, 0)
         while True:
             ahead = self._look_ahead(live, ctx)
-            nxt = None if ahead is None else self._launch_plain(step.token[:, None], start + 1, top + 1, live, ctx, 1)
+            if ahead is not None:  # a row that ended stays where it is (`carry_ended`)
+                moved = 1 if not ctx.finished else \
+                    self.runner.transfers.to_device([0 if s.finished else 1 for s in live])
+                start, top = start + moved, min(top + 1, room)
+                nxt = self._launch_plain(step.token[:, None], start, top, live, ctx, 1)
             t1 = self._commit_plain(step, live, arm, ctx, t0, t1)
-            if nxt is None:
+            if ahead is None:
                 break
             ctx.steps += 1
-            step, start, top, arm, t0 = nxt, start + 1, top + 1, ahead, t1
-            if ctx.finished:  # the rows still going take their next token; the loop retires the others
-                self._commit_plain(step, live, arm, ctx, t0, t1)
+            step, arm, t0 = nxt, ahead, t1
+            if ctx.finished and not carry_ended(live, ctx):  # the rows going take their next token; the loop
+                self._commit_plain(step, live, arm, ctx, t0, t1)  # retires the others and admits
                 break
         ctx.kv.trim(live)  # the look-aheads' blocks are the rows' own now: this only forgets it gave them
 
@@ -168,12 +174,13 @@ class DecodeSteps(AheadChains):
 
     def _look_ahead(self, live: list[Sequence], ctx: Call):
         """The arm of the step after the one in flight when that step may be launched now (None otherwise): a
-        look-ahead call, every row with a token to draw after this one (no step past a row's length), the selector
-        choosing a plain step, and a block for each row's next position."""
-        if not ctx.ahead or min(s.remaining for s in live) < 2:
+        look-ahead call, every row still going with a token to draw after this one (no step past a row's length),
+        the selector choosing a plain step, and a block for each such row's next position."""
+        going = [0 if s.finished else 1 for s in live]  # a row that ended needs no token, nor room
+        if not ctx.ahead or min((s.remaining for s in live if not s.finished), default=0) < 2:
             return None
         arm = self.speculation.choose(len(live))
-        if arm.speculative or min(ctx.kv.draft_room(live, [1] * len(live))) < 1:
+        if arm.speculative or ctx.kv.draft_room(live, going) != going:
             ctx.chosen = (len(live), arm)  # the next step's arm, as the loop would have chosen it
             return None
         return arm

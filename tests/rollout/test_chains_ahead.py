@@ -22,13 +22,16 @@ def target(device: str = "cpu"):
     return tiny_model(3, device)
 
 
-def launched_ahead(monkeypatch) -> list[bool]:
-    """Per chain step that could have had a successor: whether one was launched before the host read it."""
+def launched_ahead(monkeypatch, carried: list | None = None) -> list[bool]:
+    """Per chain step that could have had a successor: whether one was launched before the host read it (carried:
+    one entry for each launched with rows that had ended riding along)."""
     seen, real = [], AheadChains._chain_ahead
 
-    def spy(self, *a):
-        out = real(self, *a)
+    def spy(self, live, *a):
+        out = real(self, live, *a)
         seen.append(out is not None)
+        if carried is not None and out is not None and any(s.finished for s in live):
+            carried.append(sum(s.finished for s in live))
         return out
 
     monkeypatch.setattr(AheadChains, "_chain_ahead", spy)
@@ -36,9 +39,9 @@ def launched_ahead(monkeypatch) -> list[bool]:
 
 
 def run(look_ahead: bool, params: SamplingParams, prompts, keys=None, eos=(2,), drafter="ngram_device",
-        device="cpu", **kw):
+        device="cpu", rows: int = 6, **kw):
     spec = SpecConfig(drafter=drafter, selector="always", num_draft_tokens=4, online_training=False)
-    engine = RolloutEngine(target(device), None, spec=spec, eos_token_ids=list(eos), max_num_seqs=6, **kw)
+    engine = RolloutEngine(target(device), None, spec=spec, eos_token_ids=list(eos), max_num_seqs=rows, **kw)
     engine.look_ahead = look_ahead
     out = engine.generate(prompts, params, sample_keys=keys)
     return [(r.completion_ids, r.logprobs, r.finish_reason) for r in out], engine
@@ -56,18 +59,20 @@ def test_chains_looked_ahead_give_the_step_by_step_rollouts(keyed, monkeypatch):
 def assert_same_rollouts(keyed: bool, device: str, monkeypatch) -> None:
     """Rows ending at different steps (a stop token some rows meet, and the length): greedy, or sampled with keyed
     draws, the looked-ahead rollouts equal the step-by-step ones in every token and finish reason, with their
-    logprobs to rounding, one host transfer a step, the same acceptance, and most chain steps launched ahead. After every
+    logprobs to rounding, one host transfer a step, the same acceptance, and most chain steps launched ahead, in the
+tail with rows that ended riding along. After every
     committed step the device holds each row's text as the host does (a stop token or the budget ends it there too).
     (tests/gpu/test_cuda_chains_ahead.py: the same on CUDA, its graphs replayed.)"""
-    prompts = random_prompts(5, 8, 16, seed=0, vocab=64)
+    prompts = random_prompts(10, 8, 16, seed=0, vocab=64)
     params = SamplingParams(temperature=1.0 if keyed else 0.0, max_new_tokens=50, n=2)
-    keys = list(range(100, 110)) if keyed else None
-    free, _ = run(False, params, prompts, keys, eos=(), device=device)
+    keys = list(range(100, 120)) if keyed else None
+    free, _ = run(False, params, prompts, keys, eos=(), device=device, rows=16)
     rows = [ids for ids, _, _ in free]
     # a stop token past the start of some rows and absent from others: rows end early, and by length
     stops = [next(t for t in rows[0][8:] if sum(t in r for r in rows) < len(rows) // 2)]
-    want, plain = run(False, params, prompts, keys, eos=stops, device=device)
-    seen, texts = launched_ahead(monkeypatch), {"rows": 0, "ended": 0}
+    want, plain = run(False, params, prompts, keys, eos=stops, device=device, rows=16)
+    carried = []
+    seen, texts = launched_ahead(monkeypatch, carried), {"rows": 0, "ended": 0}
     appended = DeviceNgramDrafter.appended
 
     def checked(self, seqs):  # every row's text, the ones a step ago ended too (their slots stay for siblings)
@@ -77,7 +82,7 @@ def assert_same_rollouts(keyed: bool, device: str, monkeypatch) -> None:
             texts["rows"] += 1
             texts["ended"] += s.finished
     monkeypatch.setattr(DeviceNgramDrafter, "appended", checked)
-    got, ahead = run(True, params, prompts, keys, eos=stops, device=device)
+    got, ahead = run(True, params, prompts, keys, eos=stops, device=device, rows=16)
     assert [(ids, why) for ids, _, why in got] == [(ids, why) for ids, _, why in want]
     torch.testing.assert_close([lp for _, lp, _ in got], [lp for _, lp, _ in want], rtol=0, atol=1e-5)
     assert {why for _, _, why in got} == {"stop", "length"}
@@ -88,6 +93,7 @@ def assert_same_rollouts(keyed: bool, device: str, monkeypatch) -> None:
     stats = accept_stats(ahead)  # stats() hands the call's figures over once
     assert stats == accept_stats(plain) and stats["rollout/accept_len"] > 1.1
     assert sum(seen) > len(seen) // 2 and texts["rows"] > 100 and texts["ended"] > 0, (seen, texts)
+    assert carried, carried  # in the tail, a row that ended rode along (frozen)
 
 
 def test_no_look_ahead_without_keys_or_with_a_host_drafter(monkeypatch):

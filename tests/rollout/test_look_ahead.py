@@ -21,12 +21,15 @@ def hf():
     return make_tiny_hf("llama", seed=11)
 
 
-def launches(monkeypatch) -> list[int]:
-    """The `ahead` of every plain step launched (1: before the host read the step in front of it)."""
+def launches(monkeypatch, carried: list | None = None) -> list[int]:
+    """The `ahead` of every plain step launched (1: before the host read the step in front of it); carried: the
+    rows that had ended, for each step launched ahead with such rows riding along."""
     seen, real = [], DecodeSteps._launch_plain
 
     def spy(self, tokens, start, top, live, ctx, ahead):
         seen.append(ahead)
+        if carried is not None and ahead and any(s.finished for s in live):
+            carried.append(sum(s.finished for s in live))
         return real(self, tokens, start, top, live, ctx, ahead)
 
     monkeypatch.setattr(DecodeSteps, "_launch_plain", spy)
@@ -62,6 +65,23 @@ def test_look_ahead_gives_the_step_by_step_rollouts(hf, keyed, monkeypatch):
     torch.testing.assert_close([lp for _, lp, _ in got], [lp for _, lp, _ in want], rtol=0, atol=1e-5)
     assert {r for _, _, r in got} == {"stop", "length"}  # rows ended both ways, at different steps
     assert sum(seen) > len(seen) // 2, seen  # the path under test ran: most steps launched ahead
+
+
+def test_rows_that_ended_ride_along_in_the_tail(hf, monkeypatch):
+    """Rows ending one by one (a stop token, keyed draws) with nothing left to admit: steps go on looking ahead
+    with up to an eighth of the batch ended, those rows frozen where they ended (no token, no block), and the
+    rollouts are the step-by-step loop's."""
+    prompts = random_prompts(16, 4, 40, seed=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=24)
+    keys = list(range(200, 216))
+    stops = stop_tokens(hf, prompts, params, keys)
+    want, _ = run(hf, False, params, prompts, keys, eos=stops)
+    carried = []
+    launches(monkeypatch, carried)
+    got, engine = run(hf, True, params, prompts, keys, eos=stops)
+    assert [(ids, why) for ids, _, why in got] == [(ids, why) for ids, _, why in want]
+    assert carried and max(carried) <= 2 and {why for _, _, why in got} == {"stop", "length"}, carried
+    assert engine.runner.cache.alloc.used == 0, "every block came back"
 
 
 def test_no_look_ahead_where_draws_follow_the_batch(hf, monkeypatch):

@@ -27,8 +27,9 @@ What differs from the host drafters: the host reads a draft only as the verify's
 a row matched, and every row drafts its budget. A row without a match drafts from its best shorter one, a repeat of
 its last token when there is none, and verification rejects what is wrong. A verify pads every row to the step's
 longest draft, so such a draft costs nothing the step did not already run once any row drafts; what it costs is the
-steps on which no row would have matched (plain steps for the host drafters). Chains only: a tree needs the matches' counts (ngram.py, suffix.py). A lookup reads rows x group x
-context positions: ~25 bytes each in its intermediates.
+steps on which no row would have matched (plain steps for the host drafters). Chains only: a tree needs the
+matches' counts (ngram.py, suffix.py). A lookup reads rows x group x context positions: ~25 bytes each in its
+intermediates.
 """
 from __future__ import annotations
 
