@@ -42,7 +42,8 @@ class ChainLaunch:
     emitted: torch.Tensor  # [B, N + 1] on the device: the accepted drafts, then the next token
     layout: StepLayout
     sent: Pending
-    drafted: list[int] | None  # draft nodes per row (None: the host works them out once it has read the step before)
+    drafted: list[int] | None  # draft nodes per row (None: launched ahead; the host works them out once it has read
+    # the step before)
     span: Span  # its drafting, on the device
     top: int  # max(start) as the host bounds it
     fresh: bool  # it captured or compiled first: no measure of a step's cost
@@ -54,7 +55,7 @@ def carry_ended(live: list[Sequence], ctx) -> bool:
     only shrinks and rows end one after another) and for at most an eighth of the batch, or one row (their
     attention is the device's waste). Plain steps (decode.py) and chains alike."""
     ended = sum(s.finished for s in live)
-    return not ctx.kv.sched.waiting and ended <= max(1, len(live) // 8) and ended < len(live)
+    return ctx.carry and not ctx.kv.sched.waiting and ended <= max(1, len(live) // 8) and ended < len(live)
 
 
 class AheadChains:
@@ -161,7 +162,7 @@ class AheadChains:
         if not step.fresh:
             self.speculation.observe_step(step.arm, len(live), max(read - since - drafting, 0.0), drafting,
                                           drafted, accepted)
-        self._metrics.record_verify(step.arm.drafter, drafted, accepted)
+        self._metrics.record_verify(step.arm.drafter, drafted, accepted, step.drafted is None)
         self._metrics.batch_trace.append((read - ctx.t0, len(live), emitted, True))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
         return read

@@ -57,6 +57,7 @@ class Call:
     finished: bool = False  # a sample finished since the last retire
     lean: bool = False  # plain steps may take DecodeSteps._plain_step (`lean_plain`)
     ahead: bool = False  # lean plain steps launch their successor before the host reads them (module docstring)
+    carry: bool = True  # look-aheads go on past rows that ended, in the long tail (chains_ahead.carry_ended)
     chosen: tuple = ()  # (live rows, arm) chosen for the next step by a look-ahead that did not launch it
 
 
@@ -67,6 +68,7 @@ class PlainLaunch:
     token: torch.Tensor
     rows: Pending
     fresh: bool  # it captured or compiled its graph first: no measure of a step's cost
+    ahead: bool  # launched before the host read the step in front of it
 
 
 def lean_plain(proposer, verifier, history) -> bool:
@@ -168,7 +170,7 @@ class DecodeSteps(AheadChains):
         if self.speculation.learned is not None:  # the pending node only: a plain step accepts no draft
             self.speculation.observe_verify(live, hiddens, None, None, ahead)
             self.speculation.observe_commit(live, [0] * len(live), logits)
-        launched = PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh)
+        launched = PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh, ahead > 0)
         self.speculation.settle()  # what drafters deferred from finishing samples, while the device runs the step
         return launched
 
@@ -203,7 +205,7 @@ class DecodeSteps(AheadChains):
         zeros = [0] * len(live)  # drafted and accepted per row
         if not step.fresh:
             self.speculation.observe_step(arm, len(live), read - t1, t1 - t0, zeros, zeros)
-        self._metrics.record_verify(arm.drafter, zeros, zeros)
+        self._metrics.record_verify(arm.drafter, zeros, zeros, step.ahead)
         self._metrics.batch_trace.append((read - ctx.t0, len(live), len(going), False))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
         return read

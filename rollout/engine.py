@@ -85,6 +85,8 @@ class RolloutEngine(DecodeSteps):
         # plain steps launch their successor before the host reads them (rollout/decode.py) where the device runs
         # steps while the host works; on a CPU the host is the device and a step looked ahead only costs it
         self.look_ahead = p.device.type == "cuda"
+        # and go on past rows that ended while no group waits for their rows (rollout/chains_ahead.py `carry_ended`)
+        self.carry_ended = True
         self._sync: loader.WriteLedger | None = None  # an open load_weights(..., complete=False) sync
 
     # ---- construction -------------------------------------------------------------------------
@@ -201,7 +203,7 @@ class RolloutEngine(DecodeSteps):
         lean = lean_plain(self.proposer, self.verifier, history)
         ctx = Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history,
                    lean=lean, ahead=lean and self.look_ahead and partial is None and (
-                       params.greedy or isinstance(draws, KeyedDraws)))
+                       params.greedy or isinstance(draws, KeyedDraws)), carry=self.carry_ended)
         # no op of the loop records autograd history: inference mode spares each of them the autograd dispatch
         # (a quarter of a plain step's host time on a small model); state that outlives the call is made outside it
         with torch.inference_mode():

@@ -16,6 +16,9 @@ MEAN_LEN = "rollout/mean_len"  # mean completion length
 MAX_LEN = "rollout/max_len"  # longest completion
 DECODE_STEPS = "rollout/decode_steps"  # target forwards in decode
 SPEC_STEP_SHARE = "rollout/spec_step_share"  # share of them that carried drafts
+# share of them launched before the host read the step in front (a look-ahead, rollout/decode.py, chains_ahead.py):
+# on a GPU the steps the device did not wait for the host before
+AHEAD_SHARE = "rollout/ahead_share"
 KV_BLOCKS_USED = "rollout/kv_blocks_used"  # most KV blocks held at once
 KV_SHARED_BLOCKS = "rollout/kv_shared_blocks"  # block references shared instead of allocated
 PREEMPTIONS = "rollout/preemptions"  # sequences that gave their blocks back
@@ -45,6 +48,7 @@ class RolloutMetrics:
     completion_lens: list[int] = field(default_factory=list)
     steps: int = 0  # target forwards in decode (each verify counts once)
     spec_steps: int = 0  # of which carried drafts
+    ahead_steps: int = 0  # of which were launched before the host read the step in front
     drafted: int = 0
     accepted: int = 0
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per verify -> count
@@ -65,10 +69,11 @@ class RolloutMetrics:
         self.generated_tokens += sum(len(s.completion_ids) - s.carried for s in seqs)
         self.completion_lens.extend(len(s.completion_ids) for s in seqs)
 
-    def record_verify(self, drafter: str, drafted: list[int], accepted: list[int]) -> None:
-        """One decode step: its drafts and their acceptance per row (its seconds are the ledger's to keep:
-        rollout/speculation/ledger.py)."""
+    def record_verify(self, drafter: str, drafted: list[int], accepted: list[int], ahead: bool = False) -> None:
+        """One decode step: its drafts and their acceptance per row, and whether it was launched ahead (its seconds
+        are the ledger's to keep: rollout/speculation/ledger.py)."""
         self.steps += 1
+        self.ahead_steps += ahead
         if sum(drafted) == 0:
             return
         self.spec_steps += 1
@@ -89,6 +94,7 @@ class RolloutMetrics:
             MAX_LEN: float(max(lens)),
             DECODE_STEPS: float(self.steps),
             SPEC_STEP_SHARE: self.spec_steps / self.steps if self.steps else 0.0,
+            AHEAD_SHARE: self.ahead_steps / self.steps if self.steps else 0.0,
             KV_BLOCKS_USED: float(self.kv_blocks_used),
             KV_SHARED_BLOCKS: float(self.kv_shared_blocks),
             PREEMPTIONS: float(self.preemptions),

@@ -38,6 +38,7 @@ REGISTRY = {
     "kernel-checks": "rlspec.bench.kernel_checks",
     "host": "rlspec.bench.host",
     "kernels": "rlspec.bench.kernels",
+    "ahead": "rlspec.bench.ahead",
 }
 
 

@@ -6,8 +6,9 @@ replay`).
 sample, the samples of a prompt in lockstep (position t of each, the siblings at t too, finished ones whole), prompt
 after prompt and epoch after epoch, as a GRPO run meets them, and a draft counts the tokens it shares with what the
 sample went on to be. Deterministic drafts are verified by drawing and matching
-(docs/verification.md#deterministic-drafts), so with per-sample keys the sample is the same with or without
-speculation, and a verify at that position accepts exactly that prefix. Per epoch and drafter: accepted tokens a position, the share of positions it drafted at,
+(docs/verification.md#deterministic-drafts): each position's token is drawn from the target's law given the text before
+it and a draft token is accepted where it equals that draw, so what a verify at that position accepts has the law
+of that common prefix. Per epoch and drafter: accepted tokens a position, the share of positions it drafted at,
 and accepted tokens per drafted token. The drafters: the host n-gram and suffix drafters (their `propose`, fed as the
 engine feeds them: one drafter for the whole run, so suffix has the earlier prompts' samples in its global window and
 a prompt's earlier epochs in its history) and the device lookup (drafters/ngram_device.py `lookup`, the computation

@@ -91,6 +91,11 @@ SMOKE = {
     "ppo": ([], lambda r: [x["run"] for x in r["rows"]] == ["spec_on", "spec_off"]
             and "rollout_speedup" in r["rows"][0]),
     "kv": ([], lambda r: _paged_beats_contiguous(r["runs"])),
+    "ahead": ([], lambda r: [(x["drafter"], x["carry"]) for x in r["rows"]] == [("plain", True), ("plain", False),
+                                                                             ("ngram_device", True),
+                                                                             ("ngram_device", False)]
+              and all(x["same_tokens"] for x in r["rows"]) and r["rows"][0]["ahead_share"] > 0
+              and r["rows"][2]["spec_step_share"] > 0),
     "lossy": ([], lambda r: [x["setting"] for x in r["rows"]] == ["target", "lossless", "prob@0.1", "route@-1"]),
     "vllm": ([], lambda r: [x["config"] for x in r["rows"]][:2] == ["engine", "engine-ngram"]
              and r["rows"][0]["tokens_per_s"] > 0),

@@ -82,6 +82,10 @@ def test_rows_that_ended_ride_along_in_the_tail(hf, monkeypatch):
     assert [(ids, why) for ids, _, why in got] == [(ids, why) for ids, _, why in want]
     assert carried and max(carried) <= 2 and {why for _, _, why in got} == {"stop", "length"}, carried
     assert engine.runner.cache.alloc.used == 0, "every block came back"
+    share = engine.stats()["rollout/ahead_share"]  # steps launched ahead, with the carry and without
+    engine.carry_ended = False
+    engine.generate(prompts, params, sample_keys=keys)
+    assert share > engine.stats()["rollout/ahead_share"] > 0
 
 
 def test_no_look_ahead_where_draws_follow_the_batch(hf, monkeypatch):
