@@ -51,11 +51,17 @@ class ChainLaunch:
 
 def carry_ended(live: list[Sequence], ctx) -> bool:
     """Whether steps go on looking ahead past rows that ended, which ride along frozen (no budget, no room, their
-    position kept) until the loop retires them: while no group waits for their rows (the long tail, where the batch
-    only shrinks and rows end one after another) and for at most an eighth of the batch, or one row (their
-    attention is the device's waste). Plain steps (decode.py) and chains alike."""
+    position kept) until the loop retires them. Plain steps (decode.py) and chains alike. While groups wait, as long
+    as retiring them would admit none (the scheduler admits a waiting group whole, once its rows are free); in the
+    long tail, where nothing waits and rows end one after another, for at most an eighth of the batch, or one row
+    (their attention is the device's waste)."""
     ended = sum(s.finished for s in live)
-    return ctx.carry and not ctx.kv.sched.waiting and ended <= max(1, len(live) // 8) and ended < len(live)
+    if not ctx.carry or ended >= len(live):
+        return False
+    sched = ctx.kv.sched
+    if sched.waiting:
+        return sched.rows - len(live) + ended < len(sched.waiting[0])
+    return ended <= max(1, len(live) // 8)
 
 
 class AheadChains:
