@@ -8,7 +8,10 @@ figure). Rollouts of the embedded model on its math prompts, --prompts x --group
 keys (as the trainers pass them), more samples than rows (--rows), so a full batch with groups waiting is followed
 by the long tail. Arms: plain decoding and `ngram_device` chains (selector "always"), each with the tail's carry of
 rows that ended (`carry_ended`) and without it (every ended row ends a run of looked-ahead steps). The carry
-changes when steps are launched, not what they draw: a drafter's two arms give the same samples (`same_tokens`).
+changes when steps are launched and which rows share them, not what they draw: in float32 a drafter's two arms give
+the same samples (tests/rollout/test_look_ahead.py). In bfloat16 a step's batch and attention width differ between
+them, which can round a logit differently and flip a draw near its boundary: `samples_differing` counts the samples
+that differ from the drafter's first arm.
 
     python -m rlspec.bench ahead                 # ~3 min on 2 cores
 """
@@ -18,7 +21,7 @@ NAME = "ahead"
 HELP = "share of decode steps launched before the host read the one in front (look-aheads), GRPO-shaped rollouts"
 ARMS = [("plain", None, True), ("plain", None, False), ("ngram_device", "ngram_device", True),
         ("ngram_device", "ngram_device", False)]
-COLUMNS = ["drafter", "carry", "decode_steps", "ahead_share", "spec_step_share", "accept_len", "same_tokens"]
+COLUMNS = ["drafter", "carry", "decode_steps", "ahead_share", "spec_step_share", "accept_len", "samples_differing"]
 
 
 def add_arguments(p) -> None:
@@ -57,7 +60,8 @@ def run(args) -> dict:
         stats = engine.stats()
         row = {"drafter": drafter, "carry": carry, "decode_steps": stats["rollout/decode_steps"],
                "ahead_share": stats["rollout/ahead_share"], "spec_step_share": stats["rollout/spec_step_share"],
-               "accept_len": stats.get("rollout/accept_len"), "same_tokens": out == reference[drafter]}
+               "accept_len": stats.get("rollout/accept_len"),
+               "samples_differing": sum(a != b for a, b in zip(out, reference[drafter]))}
         rows.append(row)
         print(f"[ahead] {drafter}, carry {carry}: {row['ahead_share']:.0%} of {row['decode_steps']:.0f} decode steps "
               "launched ahead", flush=True)
