@@ -13,8 +13,8 @@ outcome plus step n + 1's drafts, or the successor is not launched (the loop the
 budget is the step-by-step loop's (`_draft_caps` after step n), worked out on the device, so the drafts are the
 loop's. Each row's draws are its key's at its position (keyed draws, or greedy: `Call.ahead`), so every token is the
 one the step-by-step loop emits. A row that step n ended is carried through step n + 1, whose results for it are
-dropped, as a plain look-ahead drops a finished row's token; in the long tail it rides along frozen for longer
-(`carry_ended`).
+dropped, as a plain look-ahead drops a finished row's token; where retiring it would admit nothing it rides along
+frozen for longer (`carry_ended`).
 """
 from __future__ import annotations
 

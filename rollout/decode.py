@@ -57,7 +57,7 @@ class Call:
     finished: bool = False  # a sample finished since the last retire
     lean: bool = False  # plain steps may take DecodeSteps._plain_step (`lean_plain`)
     ahead: bool = False  # lean plain steps launch their successor before the host reads them (module docstring)
-    carry: bool = True  # look-aheads go on past rows that ended, in the long tail (chains_ahead.carry_ended)
+    carry: bool = True  # look-aheads go on past rows that ended while retiring them admits none (carry_ended)
     chosen: tuple = ()  # (live rows, arm) chosen for the next step by a look-ahead that did not launch it
 
 
@@ -132,8 +132,8 @@ class DecodeSteps(AheadChains):
         transfer and commit as the general step, without its drafting, path and layout objects (what a plain step
         costs the host is what the device waits for between steps: docs/runtime.md#host-step-budget). With
         ctx.ahead, each step's successor is launched before the host reads it (`_look_ahead`), for as long as
-        the selector keeps choosing plain steps and no row ends (in the long tail: few do, `carry_ended`). The
-        ledger gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its
+        the selector keeps choosing plain steps and no row ends whose retiring would admit a group (`carry_ended`).
+        The ledger gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its
         step."""
         t1 = time.perf_counter()
         lens = [s.cache_len for s in live]
