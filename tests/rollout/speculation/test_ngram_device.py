@@ -141,15 +141,12 @@ def test_chains_are_the_host_drafters_where_it_drafts(graph_mode, monkeypatch):
         assert graphs.counts["replays"] > graphs.counts["captures"] > 0
 
 
-@pytest.mark.parametrize("graph_mode", ["off", "emulate"])
-def test_drafts_look_up_the_siblings_texts(graph_mode, monkeypatch):
-    """Groups of three samples, more samples than rows (siblings finish while others of their group run, slots are
-    freed and taken again): every proposal of every row is the brute force over its own text and its siblings' as
-    far as the drafter had seen them (a live sibling: up to this proposal; one done or waiting: up to its last), and
-    drafts came from siblings' texts."""
-    seen = {"rows": 0, "sibling": 0, "sibling_done": 0}
+def compare_proposals(monkeypatch, check, size: int = 3) -> None:
+    """After every proposal, check(drafter, row, seq, its draft's tokens, its group's texts by sample index as far as
+    the drafter had seen them (a live sample: up to this proposal; one done or waiting: up to its last; one never
+    proposed for: empty), its cap, its group's samples) for each row that drafts."""
     synced: dict[int, list[int]] = {}  # id(seq) -> its text as of its last proposal
-    groups: dict[int, list] = {}
+    groups: dict[int, dict] = {}
     propose = DeviceNgramDrafter.propose_tensors
 
     def compared(self, seqs, caps, width):
@@ -160,21 +157,33 @@ def test_drafts_look_up_the_siblings_texts(graph_mode, monkeypatch):
             synced[id(s)] = s.all_ids()
             groups.setdefault(s.prompt_index, {})[id(s)] = s
         for i, (s, got) in enumerate(zip(seqs, out.to_drafts())):
-            if not caps[i]:
-                continue
-            # the group's texts in its samples' order (its table's), one never proposed for empty
-            by_sample = {x.sample_index: synced[id(x)] for x in groups[s.prompt_index].values()}
-            docs = [by_sample.get(j, []) for j in range(3)]
-            own = s.sample_index
-            want, run = brute_force(docs, own, self.max_ngram, caps[i])
-            assert got.tokens == want and int(self.last_matched[i]) == run
-            seen["rows"] += 1
-            alone, _ = brute_force([docs[own]], 0, self.max_ngram, caps[i])
-            seen["sibling"] += want != alone
-            seen["sibling_done"] += any(x.finished for x in groups[s.prompt_index].values())
+            if caps[i]:  # the group's texts in its samples' order (its table's)
+                group = groups[s.prompt_index].values()
+                by_sample = {x.sample_index: synced[id(x)] for x in group}
+                check(self, i, s, got.tokens, [by_sample.get(j, []) for j in range(size)], caps[i], group)
         return out
 
     monkeypatch.setattr(DeviceNgramDrafter, "propose_tensors", compared)
+
+
+@pytest.mark.parametrize("graph_mode", ["off", "emulate"])
+def test_drafts_look_up_the_siblings_texts(graph_mode, monkeypatch):
+    """Groups of three samples, more samples than rows (siblings finish while others of their group run, slots are
+    freed and taken again): every proposal of every row is the brute force over its own text and its siblings' as
+    far as the drafter had seen them (a live sibling: up to this proposal; one done or waiting: up to its last), and
+    drafts came from siblings' texts."""
+    seen = {"rows": 0, "sibling": 0, "sibling_done": 0}
+
+    def check(drafter, i, s, got, docs, cap, group):
+        own = s.sample_index
+        want, run = brute_force(docs, own, drafter.max_ngram, cap)
+        assert got == want and int(drafter.last_matched[i]) == run
+        seen["rows"] += 1
+        alone, _ = brute_force([docs[own]], 0, drafter.max_ngram, cap)
+        seen["sibling"] += want != alone
+        seen["sibling_done"] += any(x.finished for x in group)
+
+    compare_proposals(monkeypatch, check)
     eng = engine(graph_mode, max_num_seqs=5)
     params = SamplingParams(temperature=0.5, max_new_tokens=60, n=3, seed=0)
     eng.generate(repetitive_prompts(4, 2), params)
@@ -203,31 +212,16 @@ def test_drafts_look_up_the_prompts_earlier_rollouts(graph_mode, monkeypatch):
     assert all(len(comps) == 3 for comps in finished.values()) and len(earlier) == 4
 
     seen = {"rows": 0, "history": 0}
-    synced: dict[int, list[int]] = {}
-    groups: dict[int, list] = {}
-    propose = DeviceNgramDrafter.propose_tensors
 
-    def compared(self, seqs, caps, width):
-        out = propose(self, seqs, caps, width)
-        if not max(caps):
-            return out
-        assert self.members.shape[1] == 5  # a group of three and two texts of history
-        for s in seqs:
-            synced[id(s)] = s.all_ids()
-            groups.setdefault(s.prompt_index, {})[id(s)] = s
-        for i, (s, got) in enumerate(zip(seqs, out.to_drafts())):
-            if not caps[i]:
-                continue
-            by_sample = {x.sample_index: synced[id(x)] for x in groups[s.prompt_index].values()}
-            past = earlier[tuple(s.prompt_ids)]
-            docs = past + [by_sample.get(j, []) for j in range(3)]
-            want, run = brute_force(docs, len(past) + s.sample_index, self.max_ngram, caps[i])
-            assert got.tokens == want and int(self.last_matched[i]) == run
-            seen["rows"] += 1
-            seen["history"] += want != brute_force(docs[len(past):], s.sample_index, self.max_ngram, caps[i])[0]
-        return out
+    def check(drafter, i, s, got, docs, cap, group):
+        assert drafter.members.shape[1] == 5  # a group of three and two texts of history
+        past = earlier[tuple(s.prompt_ids)]
+        want, run = brute_force(past + docs, len(past) + s.sample_index, drafter.max_ngram, cap)
+        assert got == want and int(drafter.last_matched[i]) == run
+        seen["rows"] += 1
+        seen["history"] += want != brute_force(docs, s.sample_index, drafter.max_ngram, cap)[0]
 
-    monkeypatch.setattr(DeviceNgramDrafter, "propose_tensors", compared)
+    compare_proposals(monkeypatch, check)
     eng.generate(prompts, SamplingParams(temperature=0.5, max_new_tokens=40, n=3, seed=1))
     assert seen["rows"] >= 200 and seen["history"] >= 20, seen
 
