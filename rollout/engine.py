@@ -85,7 +85,7 @@ class RolloutEngine(DecodeSteps):
         # plain steps launch their successor before the host reads them (rollout/decode.py) where the device runs
         # steps while the host works; on a CPU the host is the device and a step looked ahead only costs it
         self.look_ahead = p.device.type == "cuda"
-        # and go on past rows that ended while no group waits for their rows (rollout/chains_ahead.py `carry_ended`)
+        # and go on past rows that ended while retiring them would admit nothing (rollout/chains_ahead.py `carry_ended`)
         self.carry_ended = True
         self._sync: loader.WriteLedger | None = None  # an open load_weights(..., complete=False) sync
 
