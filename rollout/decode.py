@@ -139,14 +139,14 @@ class DecodeSteps(AheadChains):
         lens = [s.cache_len for s in live]
         packed = self.runner.transfers.to_device([[s.pending, n] for s, n in zip(live, lens)])
         start, top = packed[:, 1], max(lens)
-        room = self.runner.cache.length - self._draft_slack()  # top: a bound of max(start), within the table
         step = self._launch_plain(packed[:, :1], start, top, live, ctx, 0)
         while True:
             ahead = self._look_ahead(live, ctx)
             if ahead is not None:  # a row that ended stays where it is (`carry_ended`)
                 moved = 1 if not ctx.finished else \
                     self.runner.transfers.to_device([0 if s.finished else 1 for s in live])
-                start, top = start + moved, min(top + 1, room)
+                # top: a bound of max(start), within the table
+                start, top = start + moved, min(top + 1, self.runner.cache.length - self._draft_slack())
                 nxt = self._launch_plain(step.token[:, None], start, top, live, ctx, 1)
             t1 = self._commit_plain(step, live, arm, ctx, t0, t1)
             if ahead is None:
@@ -178,9 +178,9 @@ class DecodeSteps(AheadChains):
         """The arm of the step after the one in flight when that step may be launched now (None otherwise): a
         look-ahead call, every row still going with a token to draw after this one (no step past a row's length),
         the selector choosing a plain step, and a block for each such row's next position."""
-        going = [0 if s.finished else 1 for s in live]  # a row that ended needs no token, nor room
         if not ctx.ahead or min((s.remaining for s in live if not s.finished), default=0) < 2:
             return None
+        going = [0 if s.finished else 1 for s in live]  # a row that ended needs no token, nor room
         arm = self.speculation.choose(len(live))
         if arm.speculative or ctx.kv.draft_room(live, going) != going:
             ctx.chosen = (len(live), arm)  # the next step's arm, as the loop would have chosen it
