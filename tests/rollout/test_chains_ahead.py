@@ -118,3 +118,34 @@ def test_look_ahead_stops_where_a_row_lacks_room_and_under_preemption(monkeypatc
     assert [ids for ids, _, _ in got] == ref
     assert engine.stats()["rollout/preemptions"] > 0 and any(seen) and not all(seen), seen
     assert engine.runner.cache.alloc.used == 0, "every block came back"
+
+
+def test_a_look_ahead_reads_nothing_back_from_the_device(monkeypatch):
+    """Launching a successor reads no device value on the host (a GPU would wait there for the step in front): with
+    every way a tensor's value reaches Python made to fail while `_chain_ahead` runs, the looked-ahead rollout still
+    gives the step-by-step one."""
+    reads = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu")
+    real, inside = AheadChains._chain_ahead, [False]
+
+    def trapped(self, *a):
+        inside[0] = True
+        try:
+            return real(self, *a)
+        finally:
+            inside[0] = False
+
+    for name in reads:
+        method = getattr(torch.Tensor, name)
+
+        def guarded(t, *a, _name=name, _method=method, **kw):
+            assert not inside[0], f"Tensor.{_name} read a device value while a successor was launched"
+            return _method(t, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+    prompts = random_prompts(4, 8, 16, seed=3, vocab=64)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, n=2, ignore_eos=True)
+    want, _ = run(False, params, prompts)
+    monkeypatch.setattr(AheadChains, "_chain_ahead", trapped)
+    seen = launched_ahead(monkeypatch)
+    got, _ = run(True, params, prompts)
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in want] and sum(seen) > 10, seen

@@ -30,7 +30,8 @@ DECODE_STAGES = {"_decode_step", "_propose", "_verify", "_send", "_read", "_comm
 ALLOWED = {("rollout/runtime/transfers.py", "rows"): {"tolist"},
            ("rollout/speculation/drafters/base.py", "to_drafts"): {"tolist"},
            ("rollout/speculation/drafters/eagle3.py", "state_dict"): {"to"}}
-FILES = ["rollout/engine.py", "rollout/decode.py", "rollout/step_layout.py", "rollout/runtime/transfers.py",
+FILES = ["rollout/engine.py", "rollout/decode.py", "rollout/chains_ahead.py", "rollout/step_layout.py",
+         "rollout/runtime/transfers.py",
          "rollout/speculation/verify.py", "rollout/runtime/sampling.py", "rollout/speculation/draft_batch.py",
          "rollout/speculation/strategies.py", "rollout/lossy/control.py", "rollout/lossy/judge.py", "rollout/lossy/law.py",
          "rollout/lossy/heads.py", "rollout/lossy/router.py", "rollout/runtime/history.py",

@@ -156,11 +156,7 @@ class DeviceNgramDrafter:
             self.last_matched = None
             return DraftTensors(self.buf.new_zeros(len(seqs), 1, 0, dtype=torch.long), None, list(max_tokens))
         r = row_bucket(len(seqs))
-        slots, lens, writes = self._sync(seqs, r)
-        self._longest = max(self._longest, *lens)  # a sibling's text is as long as the longest written
-        L = bucket_for(self._longest, pow2_buckets(MIN_CONTEXT, self.buf.shape[1])) or self.buf.shape[1]
-        packed = self.cache.ints(slots + lens + writes)
-        self._write(packed[2 * r:])
+        packed, L = self._send(seqs, r)
         drafts, matched = self._lookup(packed[:2 * r].view(2, r), L, D)
         self.last_matched = matched[:len(seqs)]
         return DraftTensors(drafts[:len(seqs), None, :], None, list(max_tokens))
@@ -174,9 +170,7 @@ class DeviceNgramDrafter:
         tells the host once it has committed that step."""
         B, r, D = len(seqs), row_bucket(len(seqs)), depth
         trash, length = self.buf.shape[0] - 1, self.buf.shape[1]
-        slots, lens, writes = self._sync(seqs, r)  # what the host committed and the device lacks (none, mostly)
-        packed = self.cache.ints(slots + lens + writes)
-        self._write(packed[2 * r:])
+        packed, L = self._send(seqs, r, ahead=emitted.shape[1])  # what the host committed and the device lacks
         slots, own, n = packed[:r], packed[:B], packed[r:r + B]  # n: each text up to the unread step
         cols = torch.arange(emitted.shape[1], device=n.device)
         count = torch.minimum(accepted + 1, budget)
@@ -186,9 +180,6 @@ class DeviceNgramDrafter:
         self.buf[torch.where(keep, own[:, None], trash), (n[:, None] + cols).clamp(max=length - 1)] = \
             emitted.to(self.buf.dtype)
         lens = torch.cat([(n + count).clamp(max=length), n.new_ones(r - B)])
-        # the host's bound of the longest text: its committed length and the unread step's tokens
-        self._longest = min(max(self._longest, max(lens) + emitted.shape[1]), length)
-        L = bucket_for(self._longest, pow2_buckets(MIN_CONTEXT, length)) or length
         drafts, matched = self._lookup(torch.stack([slots, lens]), L, D)
         self.last_matched = matched[:B]
         return DraftTensors(drafts[:B, None, :], None, [D] * B)
@@ -223,11 +214,18 @@ class DeviceNgramDrafter:
         trash = self.buf.shape[0] - 1
         return slots + [trash] * pad, lens + [1] * pad, ws + wp + wt
 
-    def _write(self, writes: torch.Tensor) -> None:
-        """Tokens into the buffer: `_sync`'s three runs (slots, positions, tokens) as sent."""
-        if writes.numel():
-            at = writes.view(3, -1)
+    def _send(self, seqs: list[Sequence], r: int, ahead: int = 0) -> tuple[torch.Tensor, int]:
+        """`_sync`'s slots, lengths and writes in one copy (packed [2 * r + 3 * W]), the writes made in the buffer;
+        and the context bucket the lookup reads: the longest text of the call, a sibling's too, as the host bounds it
+        (`ahead`: tokens an unread step may still add to a text)."""
+        slots, lens, writes = self._sync(seqs, r)
+        length = self.buf.shape[1]
+        self._longest = min(max(self._longest, max(lens) + ahead), length)
+        packed = self.cache.ints(slots + lens + writes)
+        if writes:
+            at = packed[2 * r:].view(3, -1)
             self.buf[at[0], at[1]] = at[2].to(self.buf.dtype)
+        return packed, bucket_for(self._longest, pow2_buckets(MIN_CONTEXT, length)) or length
 
     def _lookup(self, rows: torch.Tensor, L: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' lengths written, then `lookup` over the groups of their slots (rows [2, r]: slots, lengths):

@@ -38,7 +38,7 @@ class PromptHistory:
         entry = self._entry(prompt) if limit > 0 else None
         if entry is None:
             return []
-        return [entry[0] + c for c in list(entry[1])[len(entry[1]) - min(limit, len(entry[1])):]]
+        return [entry[0] + c for c in list(entry[1])[-limit:]]
 
     def count(self, prompt: list[int]) -> int:
         """How many completions of the prompt are held (no use: its place in the LRU order stays)."""
