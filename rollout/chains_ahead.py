@@ -28,6 +28,7 @@ from rlspec.rollout.runtime.draws import bound
 from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.runtime.transfers import Pending
 from rlspec.rollout.speculation.draft_batch import DraftBatch, build_draft_batch
+from rlspec.rollout.speculation.drafters.base import Ahead
 from rlspec.rollout.speculation.strategies import StepVerdict
 from rlspec.rollout.step_layout import StepLayout
 
@@ -67,13 +68,19 @@ def carry_ended(live: list[Sequence], ctx) -> bool:
 class AheadChains:
     """DecodeSteps' chains looked ahead (module docstring); needs its runner, speculation, verifier and metrics."""
 
-    def _ahead_drafter(self, arm, ctx):
+    def _ahead_drafter(self, arm, live: list[Sequence], ctx):
         """The arm's drafter when a chain of it may be looked ahead (None otherwise): a look-ahead call, a chain,
-        no learned drafter to stage features for, and a drafter that drafts from the device alone."""
-        if not (ctx.ahead and arm.speculative and arm.width == 1 and self.speculation.learned is None):
+        and a drafter that drafts from the device alone (`propose_ahead`), ready to now (`ahead_ready`: the learned
+        drafter's needs its early catch-up and its level graphs, and no new weights waiting). A chain cut by a stop
+        rule is not: how many drafts each row keeps would be the device's to know, and the host's statistics
+        need them."""
+        if not (ctx.ahead and arm.speculative and arm.width == 1 and arm.stop == "none"):
             return None
         drafter = self.speculation.by_name[arm.drafter]
-        return drafter if hasattr(drafter, "propose_ahead") else None
+        if not hasattr(drafter, "propose_ahead"):
+            return None
+        ready = getattr(drafter, "ahead_ready", None)
+        return drafter if ready is None or ready(live) else None
 
     def _chain_steps(self, live: list[Sequence], arm, ctx, drafter) -> None:
         """A chain step from the host's state, then, while the next arm is a chain of the same drafter with room
@@ -81,7 +88,7 @@ class AheadChains:
         t0 = time.perf_counter()
         caps = ctx.kv.draft_room(live, self._draft_caps(live, [arm.nodes] * len(live)))
         span = Span(self.runner.device).start()
-        drafts = drafter.propose_tensors(live, caps, 1)
+        drafts = self.speculation.draft(arm, live, caps)
         span.stop()
         lens = [s.cache_len for s in live]
         batch = build_draft_batch([s.pending for s in live], drafts, lens, self.runner.transfers.to_device)
@@ -109,7 +116,7 @@ class AheadChains:
         room = self.runner.cache.length - self._draft_slack()
         # positions past the pending one: step n's tokens, then the drafts, within the table (none: a row that ended)
         reach = [0 if s.finished else max(0, min(step.batch.N + 1 + arm.nodes, room - s.cache_len)) for s in live]
-        if self._ahead_drafter(arm, ctx) is not drafter or ctx.kv.draft_room(live, reach) != reach:
+        if self._ahead_drafter(arm, live, ctx) is not drafter or ctx.kv.draft_room(live, reach) != reach:
             ctx.chosen = (len(live), arm)
             return None
         accepted = step.verdict.accepted  # None: step n drafted nothing (a plain step's verdict)
@@ -119,13 +126,17 @@ class AheadChains:
                                                          [room - s.cache_len for s in live]])
         advance = torch.where(budget > 0, accepted + 1, 0)
         caps = torch.minimum(torch.minimum(budget - advance - 1, space - advance), budget.new_tensor(arm.nodes))
+        start = step.batch.start + advance
+        top = min(step.top + step.batch.N + 1, room)  # a bound of max(start): a row's budget ends it before room
         span = Span(self.runner.device).start()
-        drafts = drafter.propose_ahead(live, arm.nodes, step.emitted, accepted, budget, stops)
+        drafts = self.speculation.draft_ahead(arm, live, Ahead(step.emitted, accepted, budget, stops, start, top))
         span.stop()
+        if drafts is None:  # the drafter cannot draft from the device this step: the loop steps (its room is trimmed)
+            ctx.chosen = (len(live), arm)
+            return None
         pending = step.emitted.gather(1, accepted[:, None])
         batch = DraftBatch(torch.cat([pending, drafts.ids[:, 0]], 1), caps.clamp(min=0), True,
-                           start=step.batch.start + advance)
-        top = min(step.top + step.batch.N + 1, room)  # a bound of max(start): a row's budget ends it before room
+                           q=None if drafts.q is None else drafts.q[:, 0], start=start)
         batch.kv_len = top + batch.N + 1
         return self._launch_chain(live, arm, batch, None, span, top, bound(ctx.draws, live, advance=advance), ctx)
 
@@ -139,6 +150,10 @@ class AheadChains:
         verdict = self.verifier.verify(logits, hiddens, batch, ctx.params, draws, None)
         emitted = self._emitted(verdict, batch)
         layout, sent = self._send(logits, verdict, batch, ctx, live, emitted)
+        # a learned drafter's features (and its next catch-up, after its own drafts) staged where the device has the
+        # rows' positions, and its training law read now: the step's logits are the next replay's once it launches
+        self.speculation.observe_verify(live, hiddens, None, verdict.accepted if batch.N else None, tokens=emitted,
+                                        start=batch.start, top=top, logits=logits)
         launched = ChainLaunch(arm, batch, verdict, emitted, layout, sent, drafted, span, top, self.runner.fresh)
         self.speculation.settle()  # what drafters deferred from finishing samples, while the device runs the step
         return launched
@@ -156,6 +171,7 @@ class AheadChains:
         host = step.layout.read(rows)
         # a looked-ahead step's budgets, as the device worked them out: the step-by-step loop's from here
         drafted = step.drafted if step.drafted is not None else self._draft_caps(live, [step.arm.nodes] * len(live))
+        self.speculation.observe_commit([live[i] for i in going], [host.accepted[i] for i in going], None)
         before = [len(s.completion_ids) for s in live]
         emitted = self._commit(live, host, True, ctx, going)
         if appended is not None:

@@ -89,7 +89,7 @@ class DecodeSteps(AheadChains):
         ctx.steps += 1
         if ctx.lean and not arm.speculative:
             return self._plain_step(live, arm, ctx, time.perf_counter())
-        drafter = self._ahead_drafter(arm, ctx)
+        drafter = self._ahead_drafter(arm, live, ctx)
         if drafter is not None:  # a chain drafted on the device: its successors looked ahead (chains_ahead.py)
             return self._chain_steps(live, arm, ctx, drafter)
         roomy = []  # whether the proposer took draft room (blocks past the pending token) this step

@@ -181,6 +181,14 @@ class Speculation:
         on_device = getattr(drafter, "propose_tensors", None)
         return drafter.propose(seqs, caps, arm.width) if on_device is None else on_device(seqs, caps, arm.width)
 
+    def draft_ahead(self, arm: Arm, seqs, ahead) -> DraftTensors | None:
+        """The arm's chains for a step after one the host has not read (`Ahead`, rollout/chains_ahead.py), on the
+        device (None: its drafter cannot this step); the arm's drafter has `propose_ahead`."""
+        drafter = self.by_name[arm.drafter]
+        if drafter is self.learned:
+            drafter.set_stop_rule(arm.stop)
+        return drafter.propose_ahead(seqs, arm.nodes, ahead)
+
     def observe_prefill(self, groups, hiddens: dict) -> None:
         if self.learned is not None and hiddens:
             self.learned.observe_prefill(groups, self._features(hiddens))
@@ -191,12 +199,15 @@ class Speculation:
             self.learned.observe_resume(seqs, self._features(hiddens))
 
     def observe_verify(self, seqs, hiddens: dict, path: torch.Tensor | None, accepted: torch.Tensor | None,
-                       ahead: int = 0, tokens: torch.Tensor | None = None) -> None:
+                       ahead: int = 0, tokens: torch.Tensor | None = None, start: torch.Tensor | None = None,
+                       top: int = 0, logits: torch.Tensor | None = None) -> None:
         """A verify was launched: the learned drafter stages its features (accepted: the counts on the device, None
         for a plain step; tokens: the step's emitted tokens) before the host reads the step; `observe_commit` once
-        it has."""
+        it has. A chain step looked ahead gives its rows' positions on the device (start, with top a host bound of
+        their largest) and its logits, whose training law is staged now (LearnedDrafter.observe_verify)."""
         if self.learned is not None and hiddens:
-            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, ahead, tokens)
+            self.learned.observe_verify(seqs, self._features(hiddens), path, accepted, ahead, tokens, start, top,
+                                        logits)
 
     def observe_commit(self, seqs, accepted: list[int], logits: torch.Tensor) -> None:
         """The host read the step `observe_verify` saw: accepted drafts per row."""

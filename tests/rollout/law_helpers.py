@@ -173,10 +173,12 @@ def one_thread():
 
 
 def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_for, width: int, k: int,
-                   seed: int = 0, **engine_kw):
+                   seed: int = 0, keyed: bool = False, look_ahead: bool = False, **engine_kw):
     """n completions of `length` tokens from the engine with speculation forced on every decode step
     (selector "always"), the drafter built by drafter_for(runtime model; None: no speculation) ->
-    (samples [n, length] long, engine.stats()). engine_kw: more RolloutEngine arguments (a KV budget)."""
+    (samples [n, length] long, engine.stats()). keyed: each sample's draws from its key (0..n-1); look_ahead: the
+    engine's (steps launched before the host reads the one in front, as on CUDA). engine_kw: more RolloutEngine
+    arguments (a KV budget)."""
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.runtime.model import loader
     from rlspec.rollout.types import SamplingParams, SpecConfig
@@ -187,10 +189,11 @@ def engine_samples(hf, prompt: list[int], params, n: int, length: int, drafter_f
     drafter = drafter_for(runtime) if drafter_for is not None else None
     eng = RolloutEngine(runtime, None, spec=spec if drafter is not None else None, eos_token_ids=[], max_num_seqs=n,
                         drafter=drafter, **engine_kw)
+    eng.look_ahead = look_ahead
     run = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                          min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                          max_new_tokens=length, n=n, seed=seed, ignore_eos=True)
-    out = eng.generate([prompt], run)
+    out = eng.generate([prompt], run, sample_keys=list(range(n)) if keyed else None)
     return torch.tensor([r.completion_ids for r in out]), eng.stats()
 
 

@@ -76,11 +76,11 @@ class OracleDrafter:
         sent = self.cache.ints(rows + [len(s.completion_ids) for s in seqs])
         return self._gather(sent[:len(seqs)], sent[len(seqs):], max(max_tokens, default=0), list(max_tokens))
 
-    def propose_ahead(self, seqs, depth: int, emitted, accepted, budget, stops):
-        """The step after one the host has not read: each row's position moved on by that step's accepted drafts
-        and its next token."""
+    def propose_ahead(self, seqs, depth: int, ahead):
+        """The step after one the host has not read (an `Ahead`): each row's position moved on by that step's
+        accepted drafts and its next token."""
         rows, at = self._last
-        return self._gather(rows, at + accepted + 1, depth, [depth] * len(seqs))
+        return self._gather(rows, at + ahead.accepted + 1, depth, [depth] * len(seqs))
 
     def appended(self, seqs) -> None:
         pass

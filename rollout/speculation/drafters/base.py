@@ -101,6 +101,21 @@ def _laid_branches(w: int, n: int, D: int) -> Draft:
     return Draft(*branch_layout(w, n, D))
 
 
+@dataclass
+class Ahead:
+    """A chain step launched but not read yet, as the drafting of its successor sees it (rollout/chains_ahead.py),
+    all on the device but `top`: emitted [B, N + 1] its accepted drafts then its next token, accepted [B], budget
+    [B] each row's tokens still allowed before it (0: a row that ended), stops the stop token ids, start [B] each
+    row's cache length after it (where the successor's pending token sits) and top a host bound of max(start)."""
+
+    emitted: torch.Tensor
+    accepted: torch.Tensor
+    budget: torch.Tensor
+    stops: torch.Tensor
+    start: torch.Tensor
+    top: int
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """What the engine calls on every drafter. One file per drafter, registered with
@@ -124,9 +139,10 @@ class Drafter(Protocol):
         An empty draft means "no speculation for this sequence this step"."""
 
     # Optional: `propose_tensors(seqs, max_tokens, width) -> DraftTensors`, the same drafts left on the device; the
-    # decode step takes it where a drafter has it (Speculation.draft). With it, `propose_ahead(seqs, depth, emitted,
-    # accepted, budget, stops) -> DraftTensors` and `appended(seqs)`: a chain for the step after one the host has not
-    # read, from that step's results on the device; the host has committed that step (rollout/chains_ahead.py).
+    # decode step takes it where a drafter has it (Speculation.draft). With it, `propose_ahead(seqs, depth, ahead:
+    # Ahead) -> DraftTensors | None` and `appended(seqs)`: a chain for the step after one the host has not read, from
+    # that step's results on the device (None: not this step); the host has committed that step
+    # (rollout/chains_ahead.py); and, where a drafter can look ahead only at times, `ahead_ready(seqs) -> bool`.
 
     def finish(self, seq: Sequence) -> None:
         """A sample finished; model-free drafters index it for later prompts and epochs."""
@@ -160,18 +176,22 @@ class LearnedDrafter(Drafter, Protocol):
     def observe_resume(self, seqs: list[Sequence], feats) -> None:
         """Preempted sequences were prefilled again: feats [B, T, 3H] of positions 0..cache_len-1 of each."""
 
-    def observe_verify(self, seqs: list[Sequence], feats, path, accepted, ahead: int = 0, tokens=None) -> None:
+    def observe_verify(self, seqs: list[Sequence], feats, path, accepted, ahead: int = 0, tokens=None, start=None,
+                       top: int = 0, logits=None) -> None:
         """A verify was launched (the host has not read it): feats [B, N+1, 3H] at every verified node; path [B, N]
         a tree's accepted nodes (-1 after; None: a chain's, 1..accepted, or a plain step's) and accepted [B] their
         counts, on the device (None: a plain step, which keeps the pending node); ahead: plain steps launched before
         this one that the host has not committed (the step's positions are each row's cache_len + ahead on); tokens
-        [B, N+1]: the step's emitted tokens (the accepted drafts, then the next one), when the general step
-        verified. Stage, and may start, what the next proposal
-        reads, without reading the device."""
+        [B, N+1]: the step's emitted tokens (the accepted drafts, then the next one), when a chain or the general
+        step verified. A chain step that may have been launched ahead (rollout/chains_ahead.py) gives start [B], the
+        rows' positions on the device (top: a host bound of their largest), and its logits [B, N+1, V], read for a
+        distillation target now (the next step's launch overwrites them), not at `observe_commit`. Stage, and may
+        start, what the next proposal reads, without reading the device."""
 
     def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits) -> None:
         """The host read the step `observe_verify` saw: accepted [B] drafts per row; logits [B, N+1, V] float32: the
-        target's raw logits at every node (a distillation target), valid until the next step is launched."""
+        target's raw logits at every node (a distillation target), valid until the next step is launched (None: the
+        step gave them to `observe_verify`)."""
 
     def evict(self, seq: Sequence) -> None:
         """seq was preempted: its blocks, with the drafter's KV layer and staged data, are gone; rebuild the

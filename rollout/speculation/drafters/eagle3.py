@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft, DraftTensors
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, Ahead, Draft, DraftTensors
 from rlspec.rollout.speculation.drafters.eagle3_catch_up import CatchUp
 from rlspec.rollout.speculation.drafters.eagle3_draws import ChainDraws
 from rlspec.rollout.speculation.drafters.eagle3_fused import FusedDraftLayer
@@ -184,7 +184,8 @@ class Eagle3Drafter(ChainDraws, CatchUp):
             cache.write_side("eagle3/dist_has", slots, torch.zeros(slots.shape, dtype=torch.bool, device=dev))
 
     def observe_verify(self, seqs: list[Sequence], feats: torch.Tensor, path: torch.Tensor | None,
-                       accepted: torch.Tensor | None, ahead: int = 0, tokens: torch.Tensor | None = None) -> None:
+                       accepted: torch.Tensor | None, ahead: int = 0, tokens: torch.Tensor | None = None,
+                       start: torch.Tensor | None = None, top: int = 0, logits: torch.Tensor | None = None) -> None:
         """feats [B, N+1, 3H] at every verified node; the pending node and the accepted path are kept, at
         positions cache_len..cache_len+accepted of each row, `ahead` further on for a plain step launched before the
         host committed the one in front of it (sequence i sits in table row i). path: a tree's accepted nodes [B, N]
@@ -192,14 +193,20 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         on the device (None: a plain step), so the features are staged before the host reads the step, while the
         device still runs it; what needs the counts on the host waits for `observe_commit`. tokens [B, N+1]: the
         step's emitted tokens; with them, a verify of this drafter's own proposal runs the next catch-up now
-        (eagle3_catch_up.py; `early`: on CUDA)."""
+        (eagle3_catch_up.py; `early`: on CUDA). A chain step gives start [B], its rows' positions on the device (a
+        step launched ahead: the host does not know them; top bounds their largest), and its logits, whose
+        training law is staged now (`observe_commit` then stages none)."""
         cache, n = self.target_cache, feats.shape[1]
         # an early run serves the next proposal only, and its seconds this step's
         proposed, self._proposed, self._early, self.early_span = self._proposed, None, None, None
-        starts = [s.cache_len + ahead for s in seqs]
-        # positions cache_len .. cache_len + N as slots from the host lists; nodes past a row's accepted path go to
-        # the trash block below (their blocks, draft room, are the row's until the commit trims them)
-        slots = cache.ints([cache.host_slots(id(s), range(st, st + n)) for s, st in zip(seqs, starts)])
+        if start is None:  # positions cache_len .. cache_len + N as slots from the host lists
+            starts = [s.cache_len + ahead for s in seqs]
+            slots = cache.ints([cache.host_slots(id(s), range(st, st + n)) for s, st in zip(seqs, starts)])
+        else:  # from the table on the device (a row's blocks for its kept nodes are in it: the step wrote them)
+            starts = start
+            slots = cache.slots(self._columns(len(seqs), start.device), start[:, None] + self._columns(n, start.device))
+        # nodes past a row's accepted path go to the trash block (their blocks, draft room, are the row's until the
+        # commit trims them)
         if n > 1:
             slots.masked_fill_(self._columns(n, slots.device)[None, :] > accepted[:, None].to(slots.device),
                                TRASH * cache.block_size)
@@ -210,9 +217,11 @@ class Eagle3Drafter(ChainDraws, CatchUp):
                               1).to(feats.device)
             kept = feats.gather(1, nodes[..., None].expand(-1, -1, feats.shape[-1]))
         cache.write_side("eagle3/features", slots, kept)
-        self._verified = (slots, nodes)
+        self._verified = (slots, nodes) if logits is None else (None, None)
+        if logits is not None and self.stages_dist and self.bank_samples:  # every node: unkept ones to the trash
+            self._stage_dist(slots, nodes, None, logits[:len(seqs), :n])
         if self.early and tokens is not None and accepted is not None and proposed == [id(s) for s in seqs]:
-            self._catch_up_early(seqs, starts, slots, tokens, accepted)
+            self._catch_up_early(seqs, starts, slots, tokens, accepted, top)
 
     def observe_commit(self, seqs: list[Sequence], accepted: list[int], logits: torch.Tensor | None = None) -> None:
         """The host has the step `observe_verify` staged: accepted drafts per row. Each row's committed count (a
@@ -228,15 +237,19 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         if slots is not None and self.stages_dist and self.bank_samples and logits is not None:
             self._stage_dist(slots, nodes, accepted, logits)
 
-    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor | None, accepted: list[int],
+    def _stage_dist(self, slots: torch.Tensor, nodes: torch.Tensor | None, accepted: list[int] | None,
                     logits: torch.Tensor) -> None:
         """The top-k of the target's processed distribution at each kept node (nodes [B, N+1], node 0 = the pending
         token; None: node j at column j, a chain's or a plain step's; row i keeps its first accepted[i] + 1), staged
-        at the slot of that node's token: the law of the next token."""
+        at the slot of that node's token: the law of the next token. accepted None: the counts are the device's,
+        every node is staged, and the slots of those not kept are the trash block's already."""
         cache = self.target_cache
-        # only the kept nodes (~2 a row), listed on the host from the counts it has: no read of the device
-        rows, cols = cache.ints([[i for i, a in enumerate(accepted) for _ in range(a + 1)],
-                                 [j for a in accepted for j in range(a + 1)]])
+        if accepted is None:
+            B, n = slots.shape
+            rows, cols = self._columns(B, slots.device).repeat_interleave(n), self._columns(n, slots.device).repeat(B)
+        else:  # only the kept nodes (~2 a row), listed on the host from the counts it has: no read of the device
+            rows, cols = cache.ints([[i for i, a in enumerate(accepted) for _ in range(a + 1)],
+                                     [j for a in accepted for j in range(a + 1)]])
         slots = slots[rows, cols]  # [K]
         sel = logits[rows.to(logits.device), (cols if nodes is None else nodes[rows, cols]).to(logits.device)]
         ids, probs, rest = law_top_k(sel, self.params, cache.side["eagle3/dist_ids"].shape[-1])
@@ -292,6 +305,36 @@ class Eagle3Drafter(ChainDraws, CatchUp):
             caps = [min(cap, int(k)) for cap, (k,) in zip(caps, self.target_cache.host_rows(kept[:, None]))]
         self._proposed = [id(s) for s in seqs]  # its verify may run the next catch-up early (observe_verify)
         return DraftTensors(ids, q, caps)
+
+    def ahead_ready(self, seqs: list[Sequence]) -> bool:
+        """Whether chains of these rows may be drafted before the host reads the step in front (`propose_ahead`):
+        the catch-up runs early, the levels replay from graphs (they take the rows' lengths from the device), and
+        no newer weights wait (they are taken between steps the host has read)."""
+        return self.early and self.level_graphs() is not None and not self.fused_layer.usable \
+            and not self._weights_waiting()
+
+    def propose_ahead(self, seqs: list[Sequence], depth: int, ahead: Ahead) -> DraftTensors | None:
+        """A chain of `depth` a row for the step after the one in flight (rollout/chains_ahead.py): its levels draw
+        from the early catch-up's outputs, each row at its length after that step (ahead.start, on the device).
+        None where that catch-up did not run over exactly these rows (the step in flight drafted nothing, or
+        another drafter's drafts). Greedy, the drafts are `propose_tensors`' after the host's commit. Sampled,
+        from the same uniforms while every row drafts the whole depth; near a row's budget end the step-by-step
+        loop draws fewer levels than this, whose extra tokens no verify keeps, and the generator's later draws
+        (so the drafts) differ from there: other draws from the same q."""
+        early = self._early
+        if early is None or len(early[0]) != len(seqs) or any(early[0].get(id(s)) != i for i, s in enumerate(seqs)):
+            return None
+        self.fused, self.backlog_seconds = None, 0.0
+        ids, q, _ = self._draft(seqs, early[1], depth, 1, ahead)
+        self._proposed = [id(s) for s in seqs]
+        return DraftTensors(ids, q, [depth] * len(seqs))
+
+    def appended(self, seqs: list[Sequence]) -> None:
+        pass  # what it keeps per row moves on at observe_commit
+
+    def _weights_waiting(self) -> bool:
+        latest = self.trainer.latest() if self.trainer is not None else None
+        return latest is not None and latest[0] > self.version
 
     def level_graphs(self) -> DraftLevelGraphs | None:
         """The draft levels' graphs (made on first use), or None where levels run eagerly."""

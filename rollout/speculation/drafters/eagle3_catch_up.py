@@ -67,25 +67,29 @@ class CatchUp:
             h = torch.where(cache.ints([i >= 0 for i in ran]).bool()[:, None], mine, h)
         return h, ready, backlog
 
-    def _catch_up_early(self, seqs: list[Sequence], starts: list[int], slots: torch.Tensor, tokens: torch.Tensor,
-                        accepted: torch.Tensor) -> None:
+    def _catch_up_early(self, seqs: list[Sequence], starts: list[int] | torch.Tensor, slots: torch.Tensor,
+                        tokens: torch.Tensor, accepted: torch.Tensor, top: int = 0) -> None:
         """The next catch-up, run before the host reads the verify (module docstring): per row the N + 1 verified
         nodes at positions starts.., its staged slots [B, N+1] (unkept nodes: the trash block), the step's emitted
         tokens [B, N+1] (the accepted drafts, then the next token) and accepted counts [B], all on the device. The
-        host lays out the rest (positions, padding) and the device writes those three in."""
+        host lays out the rest (positions, padding) and the device writes those three in. starts on the device (a
+        chain step launched ahead: `top` bounds the largest) are added there to positions laid out from 0."""
         B, n = slots.shape
-        cache = self.target_cache
+        cache, ahead = self.target_cache, isinstance(starts, torch.Tensor)
 
         def inputs(r: int, c: int) -> torch.Tensor:
-            flat = cache.ints(self._grid(seqs, starts, [n] * B, r, c, known=False) + [0] * r)
+            flat = cache.ints(self._grid(seqs, [0] * B if ahead else starts, [n] * B, r, c, known=False) + [0] * r)
             grid = flat[:r * 4 * c].view(r, 4, c)
             grid[:B, 0, :n] = tokens
             grid[:B, 1, :n] = slots
+            if ahead:  # RoPE positions (within the tables) and the last position each query sees
+                grid[:B, 2] = (grid[:B, 2] + starts[:, None]).clamp(max=self.target.rope_cos.shape[0] - 1)
+                grid[:B, 3] += starts[:, None]
             flat[r * 4 * c:r * 4 * c + B] = accepted
             return flat
 
         self.early_span = Span(slots.device).start()
-        h = self._run_catch_up(B, n, max(starts) + n, inputs, False)
+        h = self._run_catch_up(B, n, (top if ahead else max(starts)) + n, inputs, False)
         self.early_span.stop()
         self._early = ({id(s): i for i, s in enumerate(seqs)}, h)
 

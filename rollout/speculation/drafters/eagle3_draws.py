@@ -70,20 +70,23 @@ class ChainDraws:
         tok = sample(q, self.generator) if u is None else inverse_cdf(q, u.reshape(-1, 1))[:, 0]
         return ids[tok].view(len(h), k), q.view(len(h), k, -1), ok
 
-    def _draft(self, seqs, h: torch.Tensor, depth: int, width: int):
+    def _draft(self, seqs, h: torch.Tensor, depth: int, width: int, ahead=None):
         """Chains, `width` of them branching at the root -> (target ids [B, width, depth], q [B, width, depth, V] over
         the target's vocabulary or None for greedy drafts, nodes to keep per row [B] by the stop rule or None without
         one: a chain ends before the first token drawn from an unsure distribution, a tree's branches all at the
-        shortest), all on the device."""
+        shortest), all on the device. ahead (an `Ahead`): chains for a step after one the host has not read, each row
+        at its length on the device, from the level graphs (Eagle3Drafter.propose_ahead)."""
         B, dev = len(seqs), h.device
         with torch.inference_mode():
             # each branch's history: its sequence's tokens (by table row: a lossy proposer may pass a subset of
             # the live rows), then the branch's own drafts
             seen = None if self.history is None else self.history.rows(self.target_cache.ints([s.row for s in seqs]))
             vocab = self._draft_vocab()
-            lens = [s.cache_len for s in seqs for _ in range(width)]
+            lens = [s.cache_len for s in seqs for _ in range(width)] if ahead is None else ahead.start
+            if ahead is not None:  # a chain a row, no history (a look-ahead call has no repetition penalty)
+                ids, q, kept = self._graph_draws(self.level_graphs(), h, depth, 1, vocab, None, lens, ahead.top)
             # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
-            if self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS:
+            elif self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS:
                 inputs = self._chain_inputs([id(s) for s in seqs], torch.arange(B, device=dev), lens, depth)
                 if self._chain_op_serves(seen, len(vocab)):
                     ids, q, kept = self._chain_op(h, depth, vocab, inputs)
@@ -175,11 +178,12 @@ class ChainDraws:
         return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
 
     def _graph_draws(self, graphs, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen,
-                     lens: list[int]):
+                     lens: list[int] | torch.Tensor, longest: int | None = None):
         """`_draw_steps`' chains with their every level replayed from graphs (eagle3_graphs.py), which read the rows'
         context through the block table themselves; the first level draws from h inside a graph too, a tree's
         `width` root children a row among them. The same math on the same uniforms, taken from the generator in
-        the same calls, so the same drafts."""
+        the same calls, so the same drafts. lens: each branch's length, on the host or (a chain's, with `longest`
+        a host bound of the largest) on the device."""
         sig = (None if self.params is None else (self.params.greedy, self.params.temperature, self.params.top_k,
                self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule,
                self.tree_draws)
@@ -202,7 +206,7 @@ class ChainDraws:
             h, seen = h.repeat_interleave(width, 0), None if seen is None else seen.repeat_interleave(width, 0)
         rows = [i for i in range(B) for _ in range(width)]  # branch -> its sequence's table row
         ids, q, oks = graphs.draws(self._held(), self.target_cache.ints, rows, lens, depth, width, h, seen, us, vocab,
-                                   pick, self._embed, sig)
+                                   pick, self._embed, sig, longest)
         return ids, q, None if self.stop_rule == "none" else oks.long().cumprod(1).sum(1)
 
     def _step_rope(self, lens: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:

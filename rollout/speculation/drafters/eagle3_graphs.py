@@ -112,12 +112,16 @@ class _Frame:
         self.shape = (r, s, c, cfg.draft_vocab_size, cfg.vocab_size)
         self.positions = torch.arange(s, device=device)
 
-    def load(self, ints, rows: list[int], lens: list[int], h, us, vocab, seen) -> None:
-        """A proposal's inputs for branches 0..R-1 (see DraftLevelGraphs.draws); padding branches read table row 0
-        at length 1."""
+    def load(self, ints, rows: list[int], lens: list[int] | torch.Tensor, h, us, vocab, seen) -> None:
+        """A proposal's inputs for branches 0..R-1 (see DraftLevelGraphs.draws; lens on the host, or on the device);
+        padding branches read table row 0 at length 1."""
         R = h.shape[0]
         r, s, c, vd, v = self.shape
-        self.index.copy_(ints(rows + [0] * (r - R) + lens + [1] * (r - R)))
+        if isinstance(lens, torch.Tensor):
+            self.index.copy_(ints(rows + [0] * (r - R) + [1] * r))
+            self.lens[:R].copy_(lens)
+        else:
+            self.index.copy_(ints(rows + [0] * (r - R) + lens + [1] * (r - R)))
         self.h[:R].copy_(h[:, None])
         if self.vocab_of is not vocab:
             self.vocab.copy_(vocab)
@@ -221,18 +225,20 @@ class DraftLevelGraphs:
         self.capacity = max(self.capacity, pow2_at_least(depth))
         return row_bucket(-(-rows // width)) * width, min(pow2_at_least(context), length), self.capacity
 
-    def draws(self, held: Held, ints, rows: list[int], lens: list[int], depth: int, width: int, h: torch.Tensor, seen,
-              us, vocab: torch.Tensor, pick, embed, sig: tuple):
+    def draws(self, held: Held, ints, rows: list[int], lens: list[int] | torch.Tensor, depth: int, width: int,
+              h: torch.Tensor, seen, us, vocab: torch.Tensor, pick, embed, sig: tuple, longest: int | None = None):
         """One proposal's `depth` draft levels, each replayed from its graph, for branches of `width` a row (a tree's
         root children; a chain: 1). held: what they read in place; ints(host integers) -> a device tensor (the
         decode loop's funnel, kv_cache.PagedKVCache.ints); rows [R] each branch's table row and lens [R] its length,
         h [R, H] its row's catch-up output, seen [R, V] bool its row's history or None, us [depth, R, 1] the levels'
         uniforms in branch order or None (greedy), vocab [Vd] the draft vocabulary's target ids; pick(h, vocab, seen,
         u, k) -> (tokens [rows * k], q [rows * k, Vd] or None, sure [rows * k] or None) draws k tokens a row of h
-        (ChainDraws), embed(tokens [r, 1]) -> [r, 1, H]; sig: how pick draws (part of each graph's key). -> (target
-        ids [R, depth], q [R, depth, Vd] or None, sure [R, depth]: all True without a stop rule)."""
+        (ChainDraws), embed(tokens [r, 1]) -> [r, 1, H]; sig: how pick draws (part of each graph's key); lens may be
+        on the device, with `longest` a host bound of the largest. -> (target ids [R, depth], q [R, depth, Vd] or
+        None, sure [R, depth]: all True without a stop rule)."""
         self._bind(held)
-        r, s, c = self.key(len(rows), -(-max(lens) // held.block_size) * held.block_size, depth, held.length, width)
+        longest = max(lens) if longest is None else longest
+        r, s, c = self.key(len(rows), -(-longest // held.block_size) * held.block_size, depth, held.length, width)
         frame = self._frame(r, s, c, held.k.shape[2], held.k.shape[3])
         frame.load(ints, rows, lens, h, us, vocab, seen)
         sampling, penalised = us is not None, seen is not None

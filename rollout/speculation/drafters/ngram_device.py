@@ -37,7 +37,7 @@ import torch
 
 from rlspec.rollout.runtime.graphs import GraphSet, bucket_for, pow2_buckets
 from rlspec.rollout.runtime.sequence import Sequence
-from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft, DraftTensors
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, Ahead, Draft, DraftTensors
 from rlspec.rollout.speculation.drafters.eagle3_graphs import GRAPH_MODES, pow2_at_least, row_bucket
 from rlspec.rollout.speculation.drafters.prompt_history import PromptHistory
 
@@ -161,14 +161,14 @@ class DeviceNgramDrafter:
         self.last_matched = matched[:len(seqs)]
         return DraftTensors(drafts[:len(seqs), None, :], None, list(max_tokens))
 
-    def propose_ahead(self, seqs: list[Sequence], depth: int, emitted: torch.Tensor, accepted: torch.Tensor,
-                      budget: torch.Tensor, stops: torch.Tensor) -> DraftTensors:
+    def propose_ahead(self, seqs: list[Sequence], depth: int, ahead: Ahead) -> DraftTensors:
         """`depth` tokens a row (the verify takes each row's budget of them) for the step after one the host has not
         read (rollout/chains_ahead.py): each row's text on the device is extended there by that step's emitted tokens
-        (emitted [B, N + 1], the first accepted [B] + 1 of them) as the host will append them (up to a stop token of
-        `stops` or the row's token budget [B], its remaining tokens before that step), then looked up. `appended`
-        tells the host once it has committed that step."""
+        (the first accepted + 1 of them) as the host will append them (up to a stop token or the row's token budget,
+        its remaining tokens before that step), then looked up. `appended` tells the host once it has committed
+        that step."""
         B, r, D = len(seqs), row_bucket(len(seqs)), depth
+        emitted, accepted, budget, stops = ahead.emitted, ahead.accepted, ahead.budget, ahead.stops
         trash, length = self.buf.shape[0] - 1, self.buf.shape[1]
         packed, L = self._send(seqs, r, ahead=emitted.shape[1])  # what the host committed and the device lacks
         slots, own, n = packed[:r], packed[:B], packed[r:r + B]  # n: each text up to the unread step

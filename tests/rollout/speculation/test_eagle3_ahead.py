@@ -1,0 +1,164 @@
+"""The learned drafter's chains looked ahead (rollout/chains_ahead.py, Eagle3Drafter.propose_ahead; on by default on
+CUDA, switched on here with the CUDA path's emulated graphs and early catch-up): each chain's successor is drafted from
+the early catch-up's outputs at the rows' lengths on the device and launched before the host reads the step. Greedy,
+the rollouts, drafts and acceptance are the step-by-step loop's; sampled, the drafts are drawn from q as ever and the
+samples keep the target's exact law."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlspec.rollout.chains_ahead import AheadChains
+from rlspec.rollout.engine import RolloutEngine
+from rlspec.rollout.runtime.model import loader
+from rlspec.rollout.speculation.drafters.eagle3 import Eagle3Drafter
+from rlspec.rollout.speculation.selectors.base import Arm
+from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
+from rlspec.rollout.types import SamplingParams, SpecConfig
+from tests.conftest import make_tiny_hf, random_prompts
+from tests.rollout.law_helpers import ALPHA, engine_samples, hf_exact_law, make_law_model, sequence_pvalue
+
+PROMPTS = dict(n=8, lo=4, hi=10, seed=9)  # what the drafter below trained on: it accepts ~0.8 tokens a verify
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny target and an EAGLE-3 drafter trained for 150 steps on its greedy rollouts of PROMPTS (~2 s)."""
+    hf = make_tiny_hf("llama", seed=9)
+    eng = engine(hf, None, look_ahead=False, rows=16)
+    drafter = eng.speculation.learned
+    trainer = eng.speculation.attach_trainer(DrafterTrainer(drafter, lr=3e-3, batch=8, window=32, min_tokens=64,
+                                                            publish_every=50))
+    eng.generate(random_prompts(**PROMPTS), SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    trainer.train_steps(150)
+    drafter.swap_latest()
+    return hf, drafter.state_dict()
+
+
+def engine(hf, state, look_ahead: bool, rows: int, eos=()) -> RolloutEngine:
+    spec = SpecConfig(drafter="eagle3", num_draft_tokens=4, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=list(eos), max_num_seqs=rows)
+    drafter = eng.speculation.learned
+    drafter.graph_mode, drafter.early = "emulate", True  # the CUDA path: level graphs, the catch-up before the read
+    if state is not None:
+        drafter.load_state_dict(state)
+    eng.speculation.force(Arm("eagle3", 4))
+    eng.look_ahead = look_ahead
+    return eng
+
+
+def spy_ahead(monkeypatch) -> dict:
+    """Counts, per chain step that could have had a successor, whether one was launched, with rows that had ended
+    riding along, and the learned drafter's proposals for a step launched ahead (not those it declined: a step in
+    front that drafted nothing ran no early catch-up)."""
+    seen = {"launched": 0, "refused": 0, "carried": 0, "proposals": 0}
+    real, propose = AheadChains._chain_ahead, Eagle3Drafter.propose_ahead
+
+    def chain_ahead(self, live, *a):
+        out = real(self, live, *a)
+        seen["launched" if out is not None else "refused"] += 1
+        seen["carried"] += out is not None and any(s.finished for s in live)
+        return out
+
+    def proposed(self, *a):
+        out = propose(self, *a)
+        seen["proposals"] += out is not None
+        return out
+
+    monkeypatch.setattr(AheadChains, "_chain_ahead", chain_ahead)
+    monkeypatch.setattr(Eagle3Drafter, "propose_ahead", proposed)
+    return seen
+
+
+def accept_stats(engine) -> dict:
+    return {k: v for k, v in engine.stats().items() if k.startswith("rollout/accept")}
+
+
+def test_greedy_chains_looked_ahead_give_the_step_by_step_rollouts(trained, monkeypatch):
+    """8 samples on 6 rows (prompts wait), rows ending by a stop token and by length: the looked-ahead rollouts equal
+    the step-by-step ones in every token and finish reason, logprobs to rounding, with the same acceptance
+    statistics (the same drafts), one host transfer a step and no blocking copy; most chain steps were launched
+    ahead, drafted by the learned drafter there, and rows that had ended rode along."""
+    hf, state = trained
+    prompts = random_prompts(**PROMPTS)
+    params = SamplingParams(temperature=0, max_new_tokens=40)
+    free = engine(hf, state, False, 6).generate(prompts, params)
+    rows = [r.completion_ids for r in free]
+    # a stop token past the start of some rows and absent from others: rows end early, and by length
+    stop = next(t for t in rows[0][8:] if sum(t in r for r in rows) < len(rows) // 2)
+    plain = engine(hf, state, False, 6, eos=[stop])
+    want = plain.generate(prompts, params)
+    seen = spy_ahead(monkeypatch)
+    ahead = engine(hf, state, True, 6, eos=[stop])
+    got = ahead.generate(prompts, params)
+    assert [(r.completion_ids, r.finish_reason) for r in got] == [(r.completion_ids, r.finish_reason) for r in want]
+    torch.testing.assert_close([r.logprobs for r in got], [r.logprobs for r in want], rtol=0, atol=1e-5)
+    assert {r.finish_reason for r in got} == {"stop", "length"}
+    steps = len(ahead.batch_trace) - len(plain.batch_trace)  # a row's end is learned a step late
+    assert ahead.runner.transfers.counts["d2h"] - plain.runner.transfers.counts["d2h"] == steps >= 0
+    assert ahead.runner.transfers.counts["h2d_blocking"] == 0
+    stats = accept_stats(ahead)
+    assert stats == accept_stats(plain) and stats["rollout/accept_len"] > 1.5, stats
+    assert seen["launched"] > 2 * seen["refused"] and seen["proposals"] == seen["launched"], seen
+    assert seen["carried"] > 0, seen
+
+
+def test_no_look_ahead_under_a_stop_rule_or_with_new_weights_waiting(trained, monkeypatch):
+    """A chain cut by a stop rule (the kept lengths are the device's) and a drafter with newer weights waiting (taken
+    only between steps the host has read) step one at a time."""
+    hf, state = trained
+    seen = spy_ahead(monkeypatch)
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    eng = engine(hf, state, True, 4)
+    eng.speculation.force(Arm("eagle3", 4, 1, "max_conf"))
+    eng.generate(random_prompts(**PROMPTS)[:3], params)
+    assert seen["launched"] == seen["proposals"] == 0, seen
+    monkeypatch.setattr(Eagle3Drafter, "_weights_waiting", lambda self: True)
+    engine(hf, state, True, 4).generate(random_prompts(**PROMPTS)[:3], params)
+    assert seen["launched"] == seen["proposals"] == 0, seen
+
+
+VOCAB, PROMPT, LENGTH, N = 8, [3, 4, 5, 1], 5, 10_000
+TOP_P = SamplingParams(temperature=0.9, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def law():
+    hf = make_law_model(VOCAB, seed=0, std=0.3)
+    return hf, hf_exact_law(hf, PROMPT, LENGTH, TOP_P)
+
+
+def looked_ahead_pvalue(law, monkeypatch) -> tuple[float, dict, dict]:
+    """10k keyed samples with every chain drafted by the learned drafter (sampled from q) and looked ahead where it
+    can be -> (p-value against the exact law, engine stats, spy counts)."""
+    hf, (seqs, probs, _) = law
+    seen = spy_ahead(monkeypatch)
+
+    def drafter(runtime):
+        d = Eagle3Drafter(runtime, graph_mode="emulate")
+        d.early = True
+        return d
+
+    torch.set_num_threads(1)  # 10k rows of small ops: a second thread only hands off
+    samples, stats = engine_samples(hf, PROMPT, TOP_P, N, LENGTH, drafter, 1, 3, seed=4, keyed=True, look_ahead=True)
+    return sequence_pvalue(samples, seqs, probs), stats, seen
+
+
+def test_sampled_chains_looked_ahead_keep_the_law(law, monkeypatch):
+    """T = 0.9, top-p 0.9, chains of 3: the samples' joint law over all 5 tokens is the target's (computed by
+    transformers alone), with the successors' drafts drawn ahead on the device and multi-token drafts accepted in
+    full among them. With each looked-ahead draft verified against its neighbour level's q, the samples fail it."""
+    p, stats, seen = looked_ahead_pvalue(law, monkeypatch)
+    assert p > ALPHA, p
+    assert seen["launched"] > 0 and seen["proposals"] == seen["launched"], seen
+    assert stats.get("rollout/accept_hist/2", 0.0) >= 0.03 and stats.get("rollout/accept_hist/3", 0.0) >= 0.005, stats
+
+    real = AheadChains._launch_chain
+
+    def q_a_level_off(self, live, arm, batch, drafted, *a):
+        if drafted is None:  # launched ahead
+            batch.q = batch.q.roll(1, dims=1)
+        return real(self, live, arm, batch, drafted, *a)
+
+    monkeypatch.setattr(AheadChains, "_launch_chain", q_a_level_off)
+    assert looked_ahead_pvalue(law, monkeypatch)[0] <= ALPHA
