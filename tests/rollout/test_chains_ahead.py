@@ -124,6 +124,18 @@ def test_a_look_ahead_reads_nothing_back_from_the_device(monkeypatch):
     """Launching a successor reads no device value on the host (a GPU would wait there for the step in front): with
     every way a tensor's value reaches Python made to fail while `_chain_ahead` runs, the looked-ahead rollout still
     gives the step-by-step one."""
+    prompts = random_prompts(4, 8, 16, seed=3, vocab=64)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, n=2, ignore_eos=True)
+    want, _ = run(False, params, prompts)
+    trap_device_reads(monkeypatch)
+    seen = launched_ahead(monkeypatch)
+    got, _ = run(True, params, prompts)
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in want] and sum(seen) > 10, seen
+
+
+def trap_device_reads(monkeypatch) -> None:
+    """Make every way a tensor's value reaches Python fail while `AheadChains._chain_ahead` runs (it builds and
+    launches a successor)."""
     reads = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy", "cpu")
     real, inside = AheadChains._chain_ahead, [False]
 
@@ -142,10 +154,4 @@ def test_a_look_ahead_reads_nothing_back_from_the_device(monkeypatch):
             return _method(t, *a, **kw)
 
         monkeypatch.setattr(torch.Tensor, name, guarded)
-    prompts = random_prompts(4, 8, 16, seed=3, vocab=64)
-    params = SamplingParams(temperature=0.0, max_new_tokens=30, n=2, ignore_eos=True)
-    want, _ = run(False, params, prompts)
     monkeypatch.setattr(AheadChains, "_chain_ahead", trapped)
-    seen = launched_ahead(monkeypatch)
-    got, _ = run(True, params, prompts)
-    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in want] and sum(seen) > 10, seen

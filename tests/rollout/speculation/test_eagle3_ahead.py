@@ -16,6 +16,7 @@ from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
+from tests.rollout.test_chains_ahead import trap_device_reads
 from tests.rollout.law_helpers import ALPHA, engine_samples, hf_exact_law, make_law_model, sequence_pvalue
 
 PROMPTS = dict(n=8, lo=4, hi=10, seed=9)  # what the drafter below trained on: it accepts ~0.8 tokens a verify
@@ -101,6 +102,19 @@ def test_greedy_chains_looked_ahead_give_the_step_by_step_rollouts(trained, monk
     assert stats == accept_stats(plain) and stats["rollout/accept_len"] > 1.5, stats
     assert seen["launched"] > 2 * seen["refused"] and seen["proposals"] == seen["launched"], seen
     assert seen["carried"] > 0, seen
+
+
+def test_drafting_ahead_reads_nothing_back_from_the_device(trained, monkeypatch):
+    """The learned drafter's proposal for a successor, its features' staging and its early catch-up read no device
+    value on the host while the successor is launched (tests/rollout/test_chains_ahead.py's trap), and the rollouts
+    are still the step-by-step ones."""
+    hf, state = trained
+    prompts, params = random_prompts(**PROMPTS), SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    want = [r.completion_ids for r in engine(hf, state, False, 8).generate(prompts, params)]
+    trap_device_reads(monkeypatch)
+    seen = spy_ahead(monkeypatch)
+    assert [r.completion_ids for r in engine(hf, state, True, 8).generate(prompts, params)] == want
+    assert seen["proposals"] > 10, seen
 
 
 def test_no_look_ahead_under_a_stop_rule_or_with_new_weights_waiting(trained, monkeypatch):
