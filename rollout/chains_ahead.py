@@ -4,17 +4,20 @@ A speculative step's host work (the read, the commit, the selector's statistics,
 is what a GPU idles through between two verifies, and it grows with the batch (docs/runtime.md#host-step-budget).
 Plain steps already hide theirs (`DecodeSteps._plain_step`). A chain whose drafter can draft from the device alone
 (`propose_ahead`: `ngram_device`, which appends each row's emitted tokens to its texts on the device and looks the
-rows up there) can hide it too: step n + 1 is built from step n's results while they are still on the device (each
-row's next pending token is the one after its accepted drafts, its start moves by accepted + 1) and launched before
-the host reads step n. The host then reads and commits step n while the device verifies step n + 1.
+rows up there; EAGLE-3, whose catch-up over the step's kept nodes already ran there, `eagle3_catch_up.py`) can hide
+it too: step n + 1 is built from step n's results while they are still on the device (each row's next pending token
+is the one after its accepted drafts, its start moves by accepted + 1) and launched before the host reads step n.
+The host then reads and commits step n while the device verifies step n + 1.
 
 What the host does not know yet it bounds or leaves to the device. Every row gets the blocks for step n's longest
 outcome plus step n + 1's drafts, or the successor is not launched (the loop then steps as before). Each row's draft
 budget is the step-by-step loop's (`_draft_caps` after step n), worked out on the device, so the drafts are the
 loop's. Each row's draws are its key's at its position (keyed draws, or greedy: `Call.ahead`), so every token is the
-one the step-by-step loop emits. A row that step n ended is carried through step n + 1, whose results for it are
-dropped, as a plain look-ahead drops a finished row's token; where retiring it would admit nothing it rides along
-frozen for longer (`carry_ended`).
+one the step-by-step loop emits (of deterministic drafts; a learned drafter's sampled ones can be other draws from
+the same q near a row's budget end, Eagle3Drafter.propose_ahead). A row that step n ended is carried through step
+n + 1, whose results for it are dropped, as a plain look-ahead drops a finished row's token; where retiring it would
+admit nothing it rides along frozen for longer (`carry_ended`). A learned drafter's features of each chain step are
+staged at positions the device lays out (`observe_verify(start=)`), so device chains look ahead beside one too.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ with the look-ahead switched on as on CUDA (on a CPU the host is the device: the
 figure). Rollouts of the embedded model on its math prompts, --prompts x --group samples at T = 1 with per-sample
 keys (as the trainers pass them), more samples than rows (--rows), so a full batch with groups waiting is followed
 by the long tail. Arms: plain decoding and `ngram_device` chains (selector "always"), each with the tail's carry of
-rows that ended (`carry_ended`) and without it (every ended row ends a run of looked-ahead steps). The carry
+rows that ended (`carry_ended`) and without it (every ended row ends a run of looked-ahead steps), and chains of a
+cold EAGLE-3 drafter (its CUDA path: level graphs, emulated, and the catch-up run before the read). The carry
 changes when steps are launched and which rows share them, not what they draw: in float32 a drafter's two arms give
 the same samples (tests/rollout/test_look_ahead.py). In bfloat16 a step's batch and attention width differ between
 them, which can round a logit differently and flip a draw near its boundary: `samples_differing` counts the samples
@@ -20,7 +21,7 @@ from __future__ import annotations
 NAME = "ahead"
 HELP = "share of decode steps launched before the host read the one in front (look-aheads), GRPO-shaped rollouts"
 ARMS = [("plain", None, True), ("plain", None, False), ("ngram_device", "ngram_device", True),
-        ("ngram_device", "ngram_device", False)]
+        ("ngram_device", "ngram_device", False), ("eagle3", "eagle3", True)]
 COLUMNS = ["drafter", "carry", "decode_steps", "ahead_share", "spec_step_share", "accept_len", "samples_differing"]
 
 
@@ -52,6 +53,9 @@ def run(args) -> dict:
         engine = RolloutEngine.from_pretrained(args.model, spec=spec, dtype=args.dtype, max_num_seqs=args.rows,
                                                max_model_len=1024)
         engine.look_ahead, engine.carry_ended = True, carry
+        learned = engine.speculation.learned if engine.speculation is not None else None
+        if learned is not None:  # the CUDA path: level graphs (emulated here) and the catch-up before the read
+            learned.graph_mode, learned.early = "emulate", True
         prompts = math_prompts(engine.tokenizer, args.prompts, seed=args.seed)
         params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, n=args.group, seed=args.seed)
         keys = list(range(1000, 1000 + args.prompts * args.group))

@@ -93,9 +93,10 @@ SMOKE = {
     "kv": ([], lambda r: _paged_beats_contiguous(r["runs"])),
     "ahead": ([], lambda r: [(x["drafter"], x["carry"]) for x in r["rows"]] == [("plain", True), ("plain", False),
                                                                              ("ngram_device", True),
-                                                                             ("ngram_device", False)]
+                                                                             ("ngram_device", False),
+                                                                             ("eagle3", True)]
               and not any(x["samples_differing"] for x in r["rows"]) and r["rows"][0]["ahead_share"] > 0
-              and r["rows"][2]["spec_step_share"] > 0),
+              and r["rows"][2]["spec_step_share"] > 0 and r["rows"][4]["spec_step_share"] > 0),
     "lossy": ([], lambda r: [x["setting"] for x in r["rows"]] == ["target", "lossless", "prob@0.1", "route@-1"]),
     "vllm": ([], lambda r: [x["config"] for x in r["rows"]][:2] == ["engine", "engine-ngram"]
              and r["rows"][0]["tokens_per_s"] > 0),

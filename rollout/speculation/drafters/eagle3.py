@@ -310,8 +310,7 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         """Whether chains of these rows may be drafted before the host reads the step in front (`propose_ahead`):
         the catch-up runs early, the levels replay from graphs (they take the rows' lengths from the device), and
         no newer weights wait (they are taken between steps the host has read)."""
-        return self.early and self.level_graphs() is not None and not self.fused_layer.usable \
-            and not self._weights_waiting()
+        return self.early and self.level_graphs() is not None and not self._weights_waiting()
 
     def propose_ahead(self, seqs: list[Sequence], depth: int, ahead: Ahead) -> DraftTensors | None:
         """A chain of `depth` a row for the step after the one in flight (rollout/chains_ahead.py): its levels draw

@@ -24,6 +24,10 @@ PROMPTS = dict(n=8, lo=4, hi=10, seed=9)  # what the drafter below trained on: i
 
 @pytest.fixture(scope="module")
 def trained():
+    return train_drafter()
+
+
+def train_drafter():
     """A tiny target and an EAGLE-3 drafter trained for 150 steps on its greedy rollouts of PROMPTS (~2 s)."""
     hf = make_tiny_hf("llama", seed=9)
     eng = engine(hf, None, look_ahead=False, rows=16)
@@ -36,11 +40,13 @@ def trained():
     return hf, drafter.state_dict()
 
 
-def engine(hf, state, look_ahead: bool, rows: int, eos=()) -> RolloutEngine:
+def engine(hf, state, look_ahead: bool, rows: int, eos=(), device: str = "cpu") -> RolloutEngine:
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=4, online_training=False)
-    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=list(eos), max_num_seqs=rows)
+    eng = RolloutEngine(loader.from_hf_model(hf, device=device), None, spec=spec, eos_token_ids=list(eos),
+                        max_num_seqs=rows)
     drafter = eng.speculation.learned
-    drafter.graph_mode, drafter.early = "emulate", True  # the CUDA path: level graphs, the catch-up before the read
+    if device == "cpu":  # the CUDA path: level graphs (emulated), the catch-up before the read
+        drafter.graph_mode, drafter.early = "emulate", True
     if state is not None:
         drafter.load_state_dict(state)
     eng.speculation.force(Arm("eagle3", 4))
@@ -76,21 +82,25 @@ def accept_stats(engine) -> dict:
 
 
 def test_greedy_chains_looked_ahead_give_the_step_by_step_rollouts(trained, monkeypatch):
+    assert_greedy_same_rollouts(*trained, "cpu", monkeypatch)
+
+
+def assert_greedy_same_rollouts(hf, state, device: str, monkeypatch) -> None:
     """8 samples on 6 rows (prompts wait), rows ending by a stop token and by length: the looked-ahead rollouts equal
     the step-by-step ones in every token and finish reason, logprobs to rounding, with the same acceptance
     statistics (the same drafts), one host transfer a step and no blocking copy; most chain steps were launched
-    ahead, drafted by the learned drafter there, and rows that had ended rode along."""
-    hf, state = trained
+    ahead, drafted by the learned drafter there, and rows that had ended rode along. (tests/gpu/
+    test_cuda_eagle3_ahead.py: the same on CUDA, its graphs replayed.)"""
     prompts = random_prompts(**PROMPTS)
     params = SamplingParams(temperature=0, max_new_tokens=40)
-    free = engine(hf, state, False, 6).generate(prompts, params)
+    free = engine(hf, state, False, 6, device=device).generate(prompts, params)
     rows = [r.completion_ids for r in free]
     # a stop token past the start of some rows and absent from others: rows end early, and by length
     stop = next(t for t in rows[0][8:] if sum(t in r for r in rows) < len(rows) // 2)
-    plain = engine(hf, state, False, 6, eos=[stop])
+    plain = engine(hf, state, False, 6, eos=[stop], device=device)
     want = plain.generate(prompts, params)
     seen = spy_ahead(monkeypatch)
-    ahead = engine(hf, state, True, 6, eos=[stop])
+    ahead = engine(hf, state, True, 6, eos=[stop], device=device)
     got = ahead.generate(prompts, params)
     assert [(r.completion_ids, r.finish_reason) for r in got] == [(r.completion_ids, r.finish_reason) for r in want]
     torch.testing.assert_close([r.logprobs for r in got], [r.logprobs for r in want], rtol=0, atol=1e-5)
