@@ -376,7 +376,7 @@ def chains_only(name: str, spec) -> None:
                          "the host)")
 
 
-@DRAFTERS.register("ngram_device", learned=False, auto=False)
+@DRAFTERS.register("ngram_device", learned=False, auto=False, chains_only=True)
 def _build(target=None, spec=None, **overrides) -> DeviceNgramDrafter:
     """Model-free; chains only (SpecConfig.tree_width 1)."""
     chains_only("ngram_device", spec)

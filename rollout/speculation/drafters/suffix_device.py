@@ -82,7 +82,7 @@ class SuffixDeviceDrafter:
         return DraftTensors(ids, None, caps)
 
 
-@DRAFTERS.register("suffix_device", learned=False, auto=False)
+@DRAFTERS.register("suffix_device", learned=False, auto=False, chains_only=True)
 def _build(target=None, spec=None, **overrides) -> SuffixDeviceDrafter:
     """Model-free; chains only (SpecConfig.tree_width 1). overrides: `suffix` and `device`, the SuffixDrafter's and
     DeviceNgramDrafter's keyword arguments."""

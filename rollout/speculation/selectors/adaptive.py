@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlspec.rollout.registry import DRAFTERS
 from rlspec.rollout.speculation.buckets import bucket
 from rlspec.rollout.speculation.cost_model import AcceptanceTracker, CostModel
 from rlspec.rollout.speculation.ledger import AcceptanceBook, Ledger
@@ -421,7 +422,10 @@ class AdaptiveSelector:
 def _adaptive(spec, drafters: list[str], learned: tuple[str, ...]) -> AdaptiveSelector:
     """A bandit over every drafter of the set x chain depths x tree widths (x stop rules if learned)."""
     widths = (spec.tree_width,) if spec.tree_width > 1 else (2, 3)
-    arms = default_arms(drafters, max_depth=spec.num_draft_tokens, widths=widths, learned=learned)
+    registered = DRAFTERS.names()  # a drafter given as an instance (the engine's `drafter=`) is not
+    chains = tuple(d for d in drafters if d in registered and DRAFTERS.meta(d).get("chains_only"))
+    arms = default_arms(drafters, max_depth=spec.num_draft_tokens, widths=widths, learned=learned,
+                        chains_only=chains)
     gates = make_gates(learned, trusted=bool(spec.drafter_path))  # a cold learned drafter waits for evidence
     # exploring a losing arm at a large batch costs up to ~2x a plain step on a CPU, so the engine explores at
     # most 3% of steps (docs/selectors.md); the class default stays general

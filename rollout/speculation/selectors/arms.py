@@ -15,10 +15,11 @@ STOP_RULES = ("max_conf", "entropy")
 
 
 def default_arms(drafters: list[str], max_depth: int = 8, widths: tuple[int, ...] = (2, 3),
-                 max_nodes: int | None = None, learned: tuple[str, ...] = ("eagle3",)) -> list[Arm]:
+                 max_nodes: int | None = None, learned: tuple[str, ...] = ("eagle3",),
+                 chains_only: tuple[str, ...] = ()) -> list[Arm]:
     """OFF, then per drafter chains of 1, 2, 4, ... max_depth and trees of each width, depth >= 2
-    and at most max_nodes nodes (default: no limit beyond max_depth * max(widths)); learned drafters
-    also get the stop-rule arms."""
+    and at most max_nodes nodes (default: no limit beyond max_depth * max(widths)), no trees for the `chains_only`
+    drafters (they would draft a chain of the tree's nodes); learned drafters also get the stop-rule arms."""
     max_nodes = max_nodes or max_depth * max(widths, default=1)
     depths, d = [], 1
     while d < max_depth:
@@ -28,7 +29,8 @@ def default_arms(drafters: list[str], max_depth: int = 8, widths: tuple[int, ...
     arms = [OFF]
     for name in drafters:
         arms += [Arm(name, d, 1) for d in depths]
-        arms += [Arm(name, d, w) for w in widths for d in depths if d >= 2 and d * w <= max_nodes]
+        if name not in chains_only:
+            arms += [Arm(name, d, w) for w in widths for d in depths if d >= 2 and d * w <= max_nodes]
         if name in learned:  # confidence/entropy stop rules need the drafter's distribution
             arms += [Arm(name, max_depth, 1, stop) for stop in STOP_RULES]
     return arms

@@ -425,3 +425,16 @@ def test_the_loss_guard_state_survives_a_restore():
     again.load_state_dict(sel.state_dict())
     assert again.guard.state_dict() == sel.guard.state_dict() and sel.ledger.plain_time > 0
     assert (again.ledger.saved, again.ledger.plain_time) == (sel.ledger.saved, sel.ledger.plain_time)
+
+
+def test_adaptive_plays_no_tree_arms_of_a_chains_only_drafter():
+    """`ngram_device` drafts chains only (a tree arm would draft a chain of the tree's nodes): the adaptive selector's
+    arms hold its chains and none of its trees, and the host n-gram drafter's trees beside them."""
+    from rlspec.rollout.registry import SELECTORS
+    from rlspec.rollout.types import SpecConfig
+
+    spec = SpecConfig(drafter="ngram_device", selector="adaptive", num_draft_tokens=4, online_training=False)
+    arms = SELECTORS.build("adaptive", spec, ["ngram_device", "ngram"], ()).arms
+    mine = [a for a in arms if a.drafter == "ngram_device"]
+    assert [a.depth for a in mine] == [1, 2, 4] and {a.width for a in mine} == {1}
+    assert {a.width for a in arms if a.drafter == "ngram"} == {1, 2, 3}
