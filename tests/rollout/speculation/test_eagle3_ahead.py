@@ -127,6 +127,29 @@ def test_drafting_ahead_reads_nothing_back_from_the_device(trained, monkeypatch)
     assert seen["proposals"] > 10, seen
 
 
+def test_the_trainer_banks_the_step_by_step_samples(trained):
+    """With a trainer whose loss reads the target's top-k law (staged as each looked-ahead step is launched, over all
+    its nodes), every finished sample banks the features and laws the step-by-step loop banks."""
+    hf, state = trained
+
+    def banked(look_ahead: bool) -> dict:
+        eng, got = engine(hf, state, look_ahead, 6), {}
+        trainer = DrafterTrainer(eng.speculation.learned, publish_every=10**6)
+        assert trainer.topk > 0  # the default loss distils from the staged law
+        trainer.add = lambda feats, ids, version, dist, temp: got.__setitem__(tuple(ids), (feats, dist))
+        eng.speculation.attach_trainer(trainer)
+        eng.generate(random_prompts(**PROMPTS), SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+        return got
+
+    want, got = banked(False), banked(True)
+    assert got.keys() == want.keys() and len(got) == PROMPTS["n"]
+    for ids, (feats, dist) in got.items():
+        torch.testing.assert_close(feats, want[ids][0], rtol=0, atol=1e-5)
+        assert torch.equal(dist.has, want[ids][1].has) and dist.has[-20:].all()
+        assert torch.equal(dist.ids[dist.has], want[ids][1].ids[dist.has])
+        torch.testing.assert_close(dist.probs[dist.has], want[ids][1].probs[dist.has], rtol=0, atol=1e-3)
+
+
 def test_no_look_ahead_under_a_stop_rule_or_with_new_weights_waiting(trained, monkeypatch):
     """A chain cut by a stop rule (the kept lengths are the device's) and a drafter with newer weights waiting (taken
     only between steps the host has read) step one at a time."""
