@@ -78,7 +78,15 @@ class CatchUp:
         cache, ahead = self.target_cache, isinstance(starts, torch.Tensor)
 
         def inputs(r: int, c: int) -> torch.Tensor:
-            flat = cache.ints(self._grid(seqs, [0] * B if ahead else starts, [n] * B, r, c, known=False) + [0] * r)
+            if ahead:  # positions from 0, the same every step of this shape: laid out once, copied on the device;
+                # every row as a real one (a padding row's outputs are dropped, its slots are the trash block's anyway)
+                key = ("early", n, r, c)
+                if key not in self._consts:
+                    self._consts[key] = cache.ints(self._grid([None] * r, [0] * r, [n] * r, r, c, known=False)
+                                                   + [0] * r)
+                flat = self._consts[key].clone()
+            else:
+                flat = cache.ints(self._grid(seqs, starts, [n] * B, r, c, known=False) + [0] * r)
             grid = flat[:r * 4 * c].view(r, 4, c)
             grid[:B, 0, :n] = tokens
             grid[:B, 1, :n] = slots
