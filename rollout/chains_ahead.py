@@ -75,9 +75,9 @@ class AheadChains:
         """The arm's drafter when a chain of it may be looked ahead (None otherwise): a look-ahead call, a chain,
         and a drafter that drafts from the device alone (`propose_ahead`), ready to now (`ahead_ready`: the learned
         drafter's needs its early catch-up and its level graphs, and no new weights waiting). A chain cut by a stop
-        rule is not: how many drafts each row keeps would be the device's to know, and the host's statistics
-        need them."""
-        if not (ctx.ahead and arm.speculative and arm.width == 1 and arm.stop == "none"):
+        rule too: each row keeps the drafts before its first unsure one, the device's count, which comes back with
+        the step."""
+        if not (ctx.ahead and arm.speculative and arm.width == 1):
             return None
         drafter = self.speculation.by_name[arm.drafter]
         if not hasattr(drafter, "propose_ahead"):
@@ -137,6 +137,8 @@ class AheadChains:
         if drafts is None:  # the drafter cannot draft from the device this step: the loop steps (its room is trimmed)
             ctx.chosen = (len(live), arm)
             return None
+        if drafts.kept is not None:  # a stop rule's: the drafts before each row's first unsure one
+            caps = torch.minimum(caps, drafts.kept)
         pending = step.emitted.gather(1, accepted[:, None])
         batch = DraftBatch(torch.cat([pending, drafts.ids[:, 0]], 1), caps.clamp(min=0), True,
                            q=None if drafts.q is None else drafts.q[:, 0], start=start)
@@ -152,7 +154,9 @@ class AheadChains:
                                            top=top)
         verdict = self.verifier.verify(logits, hiddens, batch, ctx.params, draws, None)
         emitted = self._emitted(verdict, batch)
-        layout, sent = self._send(logits, verdict, batch, ctx, live, emitted)
+        # a successor's draft counts are the device's (its budgets, a stop rule's verdicts): they come back with it
+        layout, sent = self._send(logits, verdict, batch, ctx, live, emitted,
+                                  () if drafted is not None else (batch.num_drafts,))
         # a learned drafter's features (and its next catch-up, after its own drafts) staged where the device has the
         # rows' positions, and its training law read now: the step's logits are the next replay's once it launches
         self.speculation.observe_verify(live, hiddens, None, verdict.accepted if batch.N else None, tokens=emitted,
@@ -172,8 +176,7 @@ class AheadChains:
         if bad:
             self._check_finite([i for i in bad if i in going], live, ctx.steps, f"decode step {ctx.steps}")
         host = step.layout.read(rows)
-        # a looked-ahead step's budgets, as the device worked them out: the step-by-step loop's from here
-        drafted = step.drafted if step.drafted is not None else self._draft_caps(live, [step.arm.nodes] * len(live))
+        drafted = step.drafted if step.drafted is not None else step.layout.drafted(rows)
         self.speculation.observe_commit([live[i] for i in going], [host.accepted[i] for i in going], None)
         before = [len(s.completion_ids) for s in live]
         emitted = self._commit(live, host, True, ctx, going)

@@ -251,10 +251,10 @@ class DecodeSteps(AheadChains):
         return torch.cat([drafts, nxt], 1).scatter_(1, verdict.accepted[:, None], nxt)
 
     def _send(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: Call, live: list[Sequence],
-              emitted: torch.Tensor) -> tuple[StepLayout, Pending]:
+              emitted: torch.Tensor, extra: tuple = ()) -> tuple[StepLayout, Pending]:
         """The step's ONE host transfer (StepLayout), launched: the emitted tokens (`_emitted`) and their target
-        logprobs, computed on the device, with each row's "logits finite" flag and the verifier's own columns (a
-        lossy mode's sources and behaviour logprobs)."""
+        logprobs, computed on the device, with each row's "logits finite" flag, the verifier's own columns (a
+        lossy mode's sources and behaviour logprobs) and `extra` columns after them."""
         tree, dev = not batch.is_chain, logits.device
         layout = StepLayout.of(batch.N, tree)
         path, accepted = (None, None) if batch.N == 0 else (verdict.path, verdict.accepted)
@@ -271,7 +271,8 @@ class DecodeSteps(AheadChains):
             keep = None if accepted is None else \
                 torch.arange(emitted.shape[1], device=dev)[None, :] <= accepted[:, None]
             ctx.history.mark(torch.arange(len(live), device=dev), emitted, keep)
-        return layout, layout.send(self.runner.transfers, accepted, path, emitted, lps, flags, verdict.columns)
+        return layout, layout.send(self.runner.transfers, accepted, path, emitted, lps, flags,
+                                   (*verdict.columns, *extra))
 
     def _read(self, layout: StepLayout, sent: Pending, verdict: StepVerdict, live: list[Sequence],
               ctx: Call) -> HostStep:

@@ -9,7 +9,8 @@ a chain step the same without the path (it is 1..accepted), and a plain step (N 
 accepted count carry nothing the host reads. `emitted` are the accepted drafts and the token after them, `logprobs` their target logprobs,
 `finite` a number that is finite exactly when every logit the row used is (their float64 sum: any NaN or inf makes
 it NaN or inf; it also makes cat pack every column as float64), and the verifier columns what a lossy verifier wants
-back (its token sources and behaviour logprobs, rollout/speculation/strategies.py).
+back (its token sources and behaviour logprobs, rollout/speculation/strategies.py). A chain step launched ahead
+(rollout/chains_ahead.py) sends its rows' draft counts after them, which the device worked out (`drafted`).
 """
 from __future__ import annotations
 
@@ -81,6 +82,12 @@ class StepLayout:
     def columns(self, rows: list[list[float]]) -> list[list[float]]:
         """The verifier's columns of each row."""
         return [r[self.extra:] for r in rows]
+
+    def drafted(self, rows: list[list[float]]) -> list[int]:
+        """A looked-ahead chain step's draft counts per row (its one column after the flag: a lean call's verifier
+        sends none)."""
+        col = self.extra
+        return [int(r[col]) for r in rows]
 
     def read(self, rows: list[list[float]]) -> HostStep:
         """Host rows -> accepted, path, emitted tokens and logprobs per row (the tokens and logprobs up to the accepted

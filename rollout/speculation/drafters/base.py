@@ -56,6 +56,9 @@ class DraftTensors:
     ids: torch.Tensor  # [B, W, D] long: target token ids
     q: torch.Tensor | None  # [B, W, D, V] float: what each token was drawn from, as Draft.q; None: greedy drafts
     caps: list[int]  # most nodes each row keeps (0: the row drafts nothing)
+    # [B] on the device, or None: a further limit the host has not read (a stop rule's, in chains drafted for a step
+    # launched ahead: rollout/chains_ahead.py takes the smaller)
+    kept: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.caps)

@@ -316,7 +316,8 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         """A chain of `depth` a row for the step after the one in flight (rollout/chains_ahead.py): its levels draw
         from the early catch-up's outputs, each row at its length after that step (ahead.start, on the device).
         None where that catch-up did not run over exactly these rows (the step in flight drafted nothing, or
-        another drafter's drafts). Greedy, the drafts are `propose_tensors`' after the host's commit. Sampled,
+        another drafter's drafts). Under a stop rule each row's kept count stays on the device (`DraftTensors.kept`).
+        Greedy, the drafts are `propose_tensors`' after the host's commit. Sampled,
         from the same uniforms while every row drafts the whole depth; near a row's budget end the step-by-step
         loop draws fewer levels than this, whose extra tokens no verify keeps, and the generator's later draws
         (so the drafts) differ from there: other draws from the same q."""
@@ -324,9 +325,9 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         if early is None or len(early[0]) != len(seqs) or any(early[0].get(id(s)) != i for i, s in enumerate(seqs)):
             return None
         self.fused, self.backlog_seconds = None, 0.0
-        ids, q, _ = self._draft(seqs, early[1], depth, 1, ahead)
+        ids, q, kept = self._draft(seqs, early[1], depth, 1, ahead)
         self._proposed = [id(s) for s in seqs]
-        return DraftTensors(ids, q, [depth] * len(seqs))
+        return DraftTensors(ids, q, [depth] * len(seqs), kept)
 
     def appended(self, seqs: list[Sequence]) -> None:
         pass  # what it keeps per row moves on at observe_commit

@@ -150,18 +150,42 @@ def test_the_trainer_banks_the_step_by_step_samples(trained):
         torch.testing.assert_close(dist.probs[dist.has], want[ids][1].probs[dist.has], rtol=0, atol=1e-3)
 
 
-def test_no_look_ahead_under_a_stop_rule_or_with_new_weights_waiting(trained, monkeypatch):
-    """A chain cut by a stop rule (the kept lengths are the device's) and a drafter with newer weights waiting (taken
-    only between steps the host has read) step one at a time."""
+@pytest.mark.parametrize("stop", ["max_conf", "entropy"])
+def test_stop_rule_chains_looked_ahead_give_the_step_by_step_rollouts(trained, stop, monkeypatch):
+    """Chains cut by a stop rule: each looked-ahead row keeps its drafts before the first unsure one, a count the
+    device works out and the step's transfer brings back. The rollouts, and the acceptance statistics over the drafts
+    each row kept, are the step-by-step loop's (which reads the counts before the verify); the rule cut some
+    looked-ahead chains and kept others whole."""
+    hf, state = trained
+    prompts, params = random_prompts(**PROMPTS), SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+
+    def run(look_ahead: bool):
+        eng = engine(hf, state, look_ahead, 6)
+        with torch.no_grad():  # a sharper head: sure of some drafts, unsure of others (the same argmaxes)
+            eng.speculation.learned.model.lm_head.weight.mul_(8.0)
+        eng.speculation.force(Arm("eagle3", 4, 1, stop))
+        return [r.completion_ids for r in eng.generate(prompts, params)], accept_stats(eng)
+
+    want = run(False)
+    seen, kept, propose = spy_ahead(monkeypatch), [], Eagle3Drafter.propose_ahead
+
+    def spied(self, *a):
+        out = propose(self, *a)
+        kept.extend([] if out is None else out.kept.tolist())
+        return out
+
+    monkeypatch.setattr(Eagle3Drafter, "propose_ahead", spied)
+    assert run(True) == want
+    assert seen["launched"] > 10 and min(kept) < 4 and max(kept) == 4, (seen, sorted(set(kept)))
+
+
+def test_no_look_ahead_with_new_weights_waiting(trained, monkeypatch):
+    """A drafter with newer weights waiting (taken only between steps the host has read) steps one at a time."""
     hf, state = trained
     seen = spy_ahead(monkeypatch)
-    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
-    eng = engine(hf, state, True, 4)
-    eng.speculation.force(Arm("eagle3", 4, 1, "max_conf"))
-    eng.generate(random_prompts(**PROMPTS)[:3], params)
-    assert seen["launched"] == seen["proposals"] == 0, seen
     monkeypatch.setattr(Eagle3Drafter, "_weights_waiting", lambda self: True)
-    engine(hf, state, True, 4).generate(random_prompts(**PROMPTS)[:3], params)
+    engine(hf, state, True, 4).generate(random_prompts(**PROMPTS)[:3],
+                                        SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
     assert seen["launched"] == seen["proposals"] == 0, seen
 
 
