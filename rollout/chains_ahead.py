@@ -46,8 +46,7 @@ class ChainLaunch:
     emitted: torch.Tensor  # [B, N + 1] on the device: the accepted drafts, then the next token
     layout: StepLayout
     sent: Pending
-    drafted: list[int] | None  # draft nodes per row (None: launched ahead; the host works them out once it has read
-    # the step before)
+    drafted: list[int] | None  # draft nodes per row (None: launched ahead; they come back in its transfer)
     span: Span  # its drafting, on the device
     top: int  # max(start) as the host bounds it
     fresh: bool  # it captured or compiled first: no measure of a step's cost
