@@ -15,8 +15,8 @@ lookup: what a GPU replays as one graph launch is here a call of its closure, ti
     the commit;
   * exposed_ms: the median time from a step's read of its one host transfer to the next device work (the next
     step's forward, or a drafter's first graph of the next proposal): what a GPU idles through between two
-    steps when the host reads a step before it launches the next (every speculative step: drafting needs the
-    committed tokens; a plain step looks ahead on CUDA, docs/runtime.md);
+    steps when the host reads a step before it launches the next (as here, every step: on CUDA plain steps and
+    chains drafted on the device, `ngram_device`'s and EAGLE-3's, look ahead instead, docs/runtime.md);
   * idle_ms: the median time from a step's read to the next step's forward less the device work between (a
     drafter's graphs): what a GPU idles through in all when that work does not overlap the host's; exposed_ms
     where nothing runs between;
