@@ -40,10 +40,10 @@ def train_drafter():
     return hf, drafter.state_dict()
 
 
-def engine(hf, state, look_ahead: bool, rows: int, eos=(), device: str = "cpu") -> RolloutEngine:
+def engine(hf, state, look_ahead: bool, rows: int, eos=(), device: str = "cpu", **kw) -> RolloutEngine:
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=4, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf, device=device), None, spec=spec, eos_token_ids=list(eos),
-                        max_num_seqs=rows)
+                        max_num_seqs=rows, **kw)
     drafter = eng.speculation.learned
     if device == "cpu":  # the CUDA path: level graphs (emulated), the catch-up before the read
         drafter.graph_mode, drafter.early = "emulate", True
@@ -177,6 +177,20 @@ def test_stop_rule_chains_looked_ahead_give_the_step_by_step_rollouts(trained, s
     monkeypatch.setattr(Eagle3Drafter, "propose_ahead", spied)
     assert run(True) == want
     assert seen["launched"] > 10 and min(kept) < 4 and max(kept) == 4, (seen, sorted(set(kept)))
+
+
+def test_look_ahead_under_preemption(trained, monkeypatch):
+    """A pool so small that rows are preempted (the drafter forgets their KV and catches up again after the
+    re-prefill): successors are launched only where every row has the blocks for them, greedy rollouts stay the
+    plain ones, and every block comes back."""
+    hf, state = trained
+    prompts, params = random_prompts(**PROMPTS), SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    want = [r.completion_ids for r in engine(hf, None, False, 8).generate(prompts, params)]
+    seen = spy_ahead(monkeypatch)
+    eng = engine(hf, state, True, 8, max_model_len=128, kv_memory_gb=2e-4)  # ~a third of what the rows need
+    assert [r.completion_ids for r in eng.generate(prompts, params)] == want
+    assert eng.stats()["rollout/preemptions"] > 0 and seen["proposals"] > 0 and seen["refused"] > 0, seen
+    assert eng.runner.cache.alloc.used == 0, "every block came back"
 
 
 def test_no_look_ahead_with_new_weights_waiting(trained, monkeypatch):
