@@ -116,16 +116,17 @@ class AheadChains:
         after step n), worked out on the device from its token budget and table room and step n's tokens."""
         arm = self.speculation.choose(len(live))
         room = self.runner.cache.length - self._draft_slack()
-        # positions past the pending one: step n's tokens, then the drafts, within the table (none: a row that ended)
-        reach = [0 if s.finished else max(0, min(step.batch.N + 1 + arm.nodes, room - s.cache_len)) for s in live]
+        space = [room - s.cache_len for s in live]  # positions left in the table past the pending one
+        # those step n's tokens and the drafts take (none: a row that ended)
+        far = step.batch.N + 1 + arm.nodes
+        reach = [0 if s.finished else max(0, min(far, r)) for s, r in zip(live, space)]
         if self._ahead_drafter(arm, live, ctx) is not drafter or ctx.kv.draft_room(live, reach) != reach:
             ctx.chosen = (len(live), arm)
             return None
         accepted = step.verdict.accepted  # None: step n drafted nothing (a plain step's verdict)
         accepted = accepted if accepted is not None else step.emitted.new_zeros(len(live))
         # a row that ended has no budget: nothing more joins its text, and it stays where it is (`carry_ended`)
-        budget, space = self.runner.transfers.to_device([[0 if s.finished else s.remaining for s in live],
-                                                         [room - s.cache_len for s in live]])
+        budget, space = self.runner.transfers.to_device([[0 if s.finished else s.remaining for s in live], space])
         advance = torch.where(budget > 0, accepted + 1, 0)
         caps = torch.minimum(torch.minimum(budget - advance - 1, space - advance), budget.new_tensor(arm.nodes))
         start = step.batch.start + advance
