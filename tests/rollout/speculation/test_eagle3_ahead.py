@@ -16,8 +16,8 @@ from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
-from tests.rollout.test_chains_ahead import trap_device_reads
 from tests.rollout.law_helpers import ALPHA, engine_samples, hf_exact_law, make_law_model, sequence_pvalue
+from tests.rollout.test_chains_ahead import trap_device_reads
 
 PROMPTS = dict(n=8, lo=4, hi=10, seed=9)  # what the drafter below trained on: it accepts ~0.8 tokens a verify
 
