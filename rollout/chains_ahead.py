@@ -13,11 +13,11 @@ What the host does not know yet it bounds or leaves to the device. Every row get
 outcome plus step n + 1's drafts, or the successor is not launched (the loop then steps as before). Each row's draft
 budget is the step-by-step loop's (`_draft_caps` after step n), worked out on the device, so the drafts are the
 loop's. Each row's draws are its key's at its position (keyed draws, or greedy: `Call.ahead`), so every token is the
-one the step-by-step loop emits (of deterministic drafts; a learned drafter's sampled ones can be other draws from
-the same q near a row's budget end, Eagle3Drafter.propose_ahead). A row that step n ended is carried through step
-n + 1, whose results for it are dropped, as a plain look-ahead drops a finished row's token; where retiring it would
-admit nothing it rides along frozen for longer (`carry_ended`). A learned drafter's features of each chain step are
-staged at positions the device lays out (`observe_verify(start=)`), so device chains look ahead beside one too.
+one the step-by-step loop emits (a learned drafter's sampled drafts draw from the keys too: ChainDraws._uniforms).
+A row that step n ended is carried through step n + 1, whose results for it are dropped, as a plain look-ahead
+drops a finished row's token; where retiring it would admit nothing it rides along frozen for longer
+(`carry_ended`). A learned drafter's features of each chain step are staged at positions the device lays out
+(`observe_verify(start=)`), so device chains look ahead beside one too.
 """
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ class AheadChains:
         start = step.batch.start + advance
         top = min(step.top + step.batch.N + 1, room)  # a bound of max(start): a row's budget ends it before room
         span = Span(self.runner.device).start()
-        drafts = self.speculation.draft_ahead(arm, live, Ahead(step.emitted, accepted, budget, stops, start, top))
+        drafts = self.speculation.draft_ahead(arm, live, Ahead(step.emitted, accepted, budget, stops, start, top,
+                                                               advance))
         span.stop()
         if drafts is None:  # the drafter cannot draft from the device this step: the loop steps (its room is trimmed)
             ctx.chosen = (len(live), arm)

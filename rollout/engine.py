@@ -196,7 +196,8 @@ class RolloutEngine(DecodeSteps):
         to_device = self.runner.transfers.to_device
         history = TokenHistory(cache.rows, self.model.cfg.vocab_size, self.runner.device, to_device) \
             if params.penalised else None
-        self.speculation.start(seqs, cache, params, gen, history)  # a learned drafter keeps per-call state
+        # a learned drafter keeps per-call state; its sampled drafts draw from the call's keys where it has them
+        self.speculation.start(seqs, cache, params, gen, history, draws if isinstance(draws, KeyedDraws) else None)
         self.proposer.start(seqs, params, gen)
         sched = Scheduler(groups, cache.rows, cache.alloc)
         ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table

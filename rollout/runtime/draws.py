@@ -25,6 +25,7 @@ FINAL = 0  # a token drawn from a distribution: a plain step, the prefill's firs
 ACCEPT = 1  # a chain's acceptance test of draft j (index j)
 TREE = 2  # a tree's acceptance test of child j at depth d (index d * W + j)
 NODE = 3  # a deterministic chain's or tree's draw at position or node j (index j), matched against the drafts
+DRAFT = 4  # a learned drafter's sampled draft at level d, branch j of W (index d * W + j)
 
 KEY_LIMIT = 2**62  # keys are ints in [0, KEY_LIMIT)
 _MASK = 0xFFFFFFFF

@@ -127,12 +127,15 @@ class Speculation:
         return self.learned.version if self.learned is not None else 0
 
     # ---- the loop's hooks ----------------------------------------------------------------------
-    def start(self, seqs, cache, params, generator, history=None) -> None:
-        """history: the call's TokenHistory when a repetition penalty is on (rollout/runtime/history.py). Every
+    def start(self, seqs, cache, params, generator, history=None, draws=None) -> None:
+        """history: the call's TokenHistory when a repetition penalty is on (rollout/runtime/history.py); draws: its
+        KeyedDraws when it has per-sample keys (the learned drafter's sampled drafts draw from them). Every
         drafter with a `start` hears of the call (a learned one always; a model-free one that drafts on the device
         takes the cache's device and funnel from it)."""
         for d in self.by_name.values():
-            if getattr(d, "start", None) is not None:
+            if d is self.learned:
+                d.start(seqs, cache, params, generator, history, draws)
+            elif getattr(d, "start", None) is not None:
                 d.start(seqs, cache, params, generator, history)
         if self.learned is not None:
             self._feed_gate()

@@ -109,7 +109,8 @@ class Ahead:
     """A chain step launched but not read yet, as the drafting of its successor sees it (rollout/chains_ahead.py),
     all on the device but `top`: emitted [B, N + 1] its accepted drafts then its next token, accepted [B], budget
     [B] each row's tokens still allowed before it (0: a row that ended), stops the stop token ids, start [B] each
-    row's cache length after it (where the successor's pending token sits) and top a host bound of max(start)."""
+    row's cache length after it (where the successor's pending token sits), top a host bound of max(start) and
+    advance [B] what each row's completion grows by."""
 
     emitted: torch.Tensor
     accepted: torch.Tensor
@@ -117,6 +118,7 @@ class Ahead:
     stops: torch.Tensor
     start: torch.Tensor
     top: int
+    advance: torch.Tensor  # [B] tokens each row's completion grows by (accepted + 1; 0 for a row that ended)
 
 
 @runtime_checkable
@@ -167,11 +169,13 @@ class LearnedDrafter(Drafter, Protocol):
         """Per-position data it stages in the KV pool's blocks (kv_cache.SideSpec: name -> (shape, dtype)),
         so the data follows the tokens held, is shared with a prompt and freed with the blocks."""
 
-    def start(self, seqs: list[Sequence], cache, params, generator, history=None) -> None:
+    def start(self, seqs: list[Sequence], cache, params, generator, history=None, draws=None) -> None:
         """A generate call begins: its sequences, the engine's PagedKVCache, SamplingParams and generator;
         history: the rows' token sets (rollout/runtime/history.py) when a repetition penalty is on, else
         None. A sampled q should be penalised with them (the row's set plus the draft's own tokens before
-        each position) to stay close to p; exactness only needs q to be the law the draft was drawn from."""
+        each position) to stay close to p; exactness only needs q to be the law the draft was drawn from.
+        draws: the call's KeyedDraws when it has per-sample keys (sampled drafts may draw from them, purpose
+        DRAFT, so a sample's drafts depend on its key, not its batch), else None."""
 
     def observe_prefill(self, groups: list[list[Sequence]], feats) -> None:
         """feats [P, T, 3H]: the target's features at every prompt position of each admitted group."""

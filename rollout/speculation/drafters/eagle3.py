@@ -98,6 +98,7 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         self.params = None  # the call's SamplingParams: drafts are processed like the target
         self.history = None  # the call's TokenHistory when a repetition penalty is on
         self.generator = None
+        self.draws = None  # the call's KeyedDraws when it has per-sample keys (start)
         self.stop_rule = "none"  # set per step from the arm: "none", "max_conf" or "entropy"
         self._rope_of, self._rope_tables = None, ()  # the target's RoPE tables in its dtype (_rope)
         self._vocab_of, self._vocab = None, None  # the draft vocabulary's target ids (_draft_vocab)
@@ -121,8 +122,9 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         """Whether this call's pool has the distribution buffers (side_buffers asked for them)."""
         return "eagle3/dist_ids" in self.target_cache.side
 
-    def start(self, seqs: list[Sequence], cache, params=None, generator=None, history=None) -> None:
+    def start(self, seqs: list[Sequence], cache, params=None, generator=None, history=None, draws=None) -> None:
         self.target_cache, self.params, self.generator, self.history = cache, params, generator, history
+        self.draws = draws  # the call's KeyedDraws, or None: where sampled drafts' uniforms come from (_uniforms)
         self.valid = {id(s): 0 for s in seqs}
         self.committed = {}
 
@@ -317,10 +319,8 @@ class Eagle3Drafter(ChainDraws, CatchUp):
         from the early catch-up's outputs, each row at its length after that step (ahead.start, on the device).
         None where that catch-up did not run over exactly these rows (the step in flight drafted nothing, or
         another drafter's drafts). Under a stop rule each row's kept count stays on the device (`DraftTensors.kept`).
-        Greedy, the drafts are `propose_tensors`' after the host's commit. Sampled,
-        from the same uniforms while every row drafts the whole depth; near a row's budget end the step-by-step
-        loop draws fewer levels than this, whose extra tokens no verify keeps, and the generator's later draws
-        (so the drafts) differ from there: other draws from the same q."""
+        The drafts are `propose_tensors`' after the host's commit: greedy, or sampled from uniforms keyed by each
+        row's key and position (a sampled call looks ahead only with keys; `ChainDraws._uniforms`)."""
         early = self._early
         if early is None or len(early[0]) != len(seqs) or any(early[0].get(id(s)) != i for i, s in enumerate(seqs)):
             return None

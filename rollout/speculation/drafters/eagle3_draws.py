@@ -20,11 +20,13 @@ buffer and the eager and graph levels draw alike; the graphs take the first leve
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from rlspec.rollout.runtime.model.fused import MAX_TOKENS as FUSED_MAX_TOKENS
-from rlspec.rollout.runtime.draws import FINAL
+from rlspec.rollout.runtime.draws import DRAFT, FINAL, bound
 from rlspec.rollout.runtime.sampling import (inverse_cdf, penalise, probs_from_logits, sample,
                                              sample_without_replacement, truncates, uniform)
 
@@ -83,22 +85,23 @@ class ChainDraws:
             seen = None if self.history is None else self.history.rows(self.target_cache.ints([s.row for s in seqs]))
             vocab = self._draft_vocab()
             lens = [s.cache_len for s in seqs for _ in range(width)] if ahead is None else ahead.start
+            u = self._uniforms(seqs, depth, width, None if ahead is None else ahead.advance)
             if ahead is not None:  # a chain a row, no history (a look-ahead call has no repetition penalty)
-                ids, q, kept = self._graph_draws(self.level_graphs(), h, depth, 1, vocab, None, lens, ahead.top)
+                ids, q, kept = self._graph_draws(self.level_graphs(), h, depth, 1, vocab, None, lens, ahead.top, u)
             # fused steps write their keys (eagle3_fused.py); many rows are products oneDNN does better
             elif self.fused is not None and width == 1 and B <= FUSED_MAX_TOKENS:
                 inputs = self._chain_inputs([id(s) for s in seqs], torch.arange(B, device=dev), lens, depth)
                 if self._chain_op_serves(seen, len(vocab)):
-                    ids, q, kept = self._chain_op(h, depth, vocab, inputs)
+                    ids, q, kept = self._chain_op(h, depth, vocab, inputs, u)
                 else:
-                    ids, q, kept = self._draw_steps(h, depth, 1, vocab, seen, self._fused_steps(inputs))
+                    ids, q, kept = self._draw_steps(h, depth, 1, vocab, seen, self._fused_steps(inputs), u)
             elif depth > 1 and (graphs := self.level_graphs()) is not None:
-                ids, q, kept = self._graph_draws(graphs, h, depth, width, vocab, seen, lens)
+                ids, q, kept = self._graph_draws(graphs, h, depth, width, vocab, seen, lens, None, u)
             else:
                 rows = torch.arange(B, device=dev)  # branch -> its sequence's table row
                 rows = rows if width == 1 else rows.repeat_interleave(width)
                 ctx = self.target_cache.gather(self.target.cfg.num_layers, rows, max(lens))
-                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth))
+                ids, q, kept = self._draw_steps(h, depth, width, vocab, seen, self._level_steps(ctx, lens, depth), u)
         if kept is not None and width > 1:  # every branch to the shortest
             kept = kept.view(B, width).amin(-1) * width
         ids, V = ids.view(B, width, depth), self.model.cfg.vocab_size
@@ -106,6 +109,17 @@ class ChainDraws:
             return ids, None if q is None else q.view(B, width, depth, V), kept
         q = q.view(B, width, depth, -1).float()  # over the draft vocabulary
         return ids, q.new_zeros(B, width, depth, V).index_copy_(3, vocab.to(q.device), q), kept
+
+    def _uniforms(self, seqs, depth: int, width: int, advance: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A sampled proposal's uniforms from the call's per-sample keys: [B, depth, width], row b's (d, j) the hash
+        of (its key, its completion length (+ advance [B] on the device, for a step launched ahead), DRAFT, d * width
+        + j) (rollout/runtime/draws.py); None where drafts draw from the call's generator (no keys) or draw
+        nothing (greedy). Keyed, a sample's drafts depend on its key and context alone, not on its batch or on how
+        many levels a proposal draws; the target's uniforms (other purposes) stay independent of them."""
+        if self.draws is None or self.params is None or self.params.greedy:
+            return None
+        mine = bound(copy.copy(self.draws), seqs, advance=advance)  # a binding of its own: the verify binds its own
+        return mine.uniform((len(seqs), depth * width), DRAFT).view(len(seqs), depth, width)
 
     def _draft_vocab(self) -> torch.Tensor:
         """Eagle3Model.draft_vocab, made again only when d2t changed (set_draft_vocab, new weights)."""
@@ -120,38 +134,43 @@ class ChainDraws:
         return seen is None and type(self.target.model.embed_tokens) is nn.Embedding and (
             self.params is None or self.params.greedy or not truncates(self.params, vocab))
 
-    def _chain_op(self, h: torch.Tensor, depth: int, vocab: torch.Tensor, inputs: tuple):
+    def _chain_op(self, h: torch.Tensor, depth: int, vocab: torch.Tensor, inputs: tuple, u: torch.Tensor | None = None):
         """Chains (one per row of h [R, H]) drawn in one op (FusedDraftLayer.chain, kernels/draft_chain.cpp): the
         processed distribution is softmax(logits / T) there (no penalty, no truncation; greedy: the top token).
         -> (target ids [R, depth], q [R, depth, V] over the target's vocabulary or None when greedy, nodes to
         keep [R]: the leading draws that were finite and, with a stop rule, drawn from a sure distribution)."""
         greedy = self.params is None or self.params.greedy
-        # the uniforms of every draw at once, from the call's generator, as sample() takes them
-        r = torch.zeros(depth, len(h)) if greedy else torch.rand(depth, len(h), generator=self.generator)
+        # the uniforms of every draw at once: keyed ([B, depth, 1], `_uniforms`), or from the call's generator as
+        # sample() takes them
+        r = torch.zeros(depth, len(h)) if greedy else torch.rand(depth, len(h), generator=self.generator) \
+            if u is None else u[:, :, 0].T.contiguous()
         ids, q, logits, finite = self.fused.chain(h, self.target.model.embed_tokens.weight, *inputs, vocab, r,
                                                   0.0 if greedy else float(self.params.temperature))
         ok = finite if self.stop_rule == "none" else finite & self._confident(logits)
         return ids, None if greedy else q, ok.long().cumprod(1).sum(1)
 
-    def _first_level(self, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen):
+    def _first_level(self, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen,
+                     u: torch.Tensor | None = None):
         """The first draw below each row of h [B, H], `width` of them, and what the later levels start from:
         (first tokens [B * w], their q [B * w, Vd] or None, sure [B * w] by the stop rule or None without one, the
         history [B * w, V] with them or None, h repeated [B * w, H], the later levels' uniforms [depth - 1, B * w, 1]
-        or None when greedy)."""
-        first, q_first, ok = self._pick(h, width, vocab, seen)  # [B, w]
+        or None when greedy). u: the proposal's keyed uniforms [B, depth, width] (`_uniforms`), or None."""
+        first, q_first, ok = self._pick(h, width, vocab, seen, None if u is None else u[:, 0])  # [B, w]
         tok = first.reshape(-1)  # [B*w]
         if seen is not None:
             seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
         greedy = self.params is None or self.params.greedy
-        us = None if greedy or depth < 2 else uniform(self.generator, (depth - 1, len(tok), 1), h.device, FINAL)
+        us = None if greedy or depth < 2 else \
+            uniform(self.generator, (depth - 1, len(tok), 1), h.device, FINAL) if u is None else _levels(u)[1:]
         return (tok, None if q_first is None else q_first.reshape(len(tok), -1),
                 None if ok is None else ok.repeat_interleave(width), seen, h.repeat_interleave(width, 0), us)
 
-    def _draw_steps(self, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen, step_fn):
+    def _draw_steps(self, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen, step_fn,
+                    u: torch.Tensor | None = None):
         """Chains drawn one token at a time, `width` of them below each row of h [B, H], each draft step through
         step_fn(h, embeds, j) -> (target ids [B * width, depth], q [B * width, depth, Vd] or None when greedy,
-        nodes to keep [B * width] by the stop rule or None without one)."""
-        tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen)
+        nodes to keep [B * width] by the stop rule or None without one); u: keyed uniforms or None (`_uniforms`)."""
+        tok, q_first, alive, seen, h, us = self._first_level(h, depth, width, vocab, seen, u)
         # a stop rule's bookkeeping only where one is on: without, every chain keeps its depth
         kept = None if alive is None else alive.long()
         qs = None if q_first is None else [q_first]
@@ -178,12 +197,12 @@ class ChainDraws:
         return lambda h, embeds, j: self.model(h, embeds, cos[j], sin[j], attend)
 
     def _graph_draws(self, graphs, h: torch.Tensor, depth: int, width: int, vocab: torch.Tensor, seen,
-                     lens: list[int] | torch.Tensor, longest: int | None = None):
+                     lens: list[int] | torch.Tensor, longest: int | None = None, u: torch.Tensor | None = None):
         """`_draw_steps`' chains with their every level replayed from graphs (eagle3_graphs.py), which read the rows'
         context through the block table themselves; the first level draws from h inside a graph too, a tree's
         `width` root children a row among them. The same math on the same uniforms, taken from the generator in
         the same calls, so the same drafts. lens: each branch's length, on the host or (a chain's, with `longest`
-        a host bound of the largest) on the device."""
+        a host bound of the largest) on the device; u: keyed uniforms or None (`_uniforms`)."""
         sig = (None if self.params is None else (self.params.greedy, self.params.temperature, self.params.top_k,
                self.params.top_p, self.params.min_p, self.params.repetition_penalty), seen is None, self.stop_rule,
                self.tree_draws)
@@ -194,8 +213,8 @@ class ChainDraws:
                 None if ok is None else ok.repeat_interleave(k)
 
         B, gen, dev = len(h), self.generator, h.device
-        us = None
-        if not (self.params is None or self.params.greedy):
+        us = None if u is None else _levels(u)
+        if us is None and not (self.params is None or self.params.greedy):
             # the root's uniforms as the eager draw takes them (sample(): one call; without replacement: one call a
             # child; i.i.d. children: one call over the repeated rows), in branch order, then the later levels'
             root = uniform(gen, (1, B, 1), dev, FINAL) if width == 1 else \
@@ -288,6 +307,13 @@ def context_bias(positions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     -inf at and past it (positions [S])."""
     hidden = positions[None, :] >= lens[:, None]
     return torch.zeros(hidden.shape, device=lens.device).masked_fill(hidden, float("-inf"))[:, None, None]
+
+
+def _levels(u: torch.Tensor) -> torch.Tensor:
+    """Keyed uniforms [B, depth, W] (ChainDraws._uniforms) as the levels take them: [depth, B * W, 1], each level's
+    in branch order (row b's branch j at b * W + j), as the generator's draws are laid out."""
+    B, depth, W = u.shape
+    return u.permute(1, 0, 2).reshape(depth, B * W, 1)
 
 
 def attend_apart(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, bias: torch.Tensor, lk: torch.Tensor,
