@@ -17,6 +17,8 @@ A proposal draws `depth` tokens below each row's catch-up output, `width` branch
 Every level after the first draws from uniforms taken for all of them at once, after the first level's draw (the
 same numbers, in the same order, that a draw per level takes from a CPU generator), so a graph reads them from a
 buffer and the eager and graph levels draw alike; the graphs take the first level's in the eager draw's own calls.
+A call with per-sample keys takes all of a proposal's uniforms from them instead (`_uniforms`, purpose DRAFT), the
+same ones on every path.
 """
 from __future__ import annotations
 
@@ -140,10 +142,13 @@ class ChainDraws:
         -> (target ids [R, depth], q [R, depth, V] over the target's vocabulary or None when greedy, nodes to
         keep [R]: the leading draws that were finite and, with a stop rule, drawn from a sure distribution)."""
         greedy = self.params is None or self.params.greedy
-        # the uniforms of every draw at once: keyed ([B, depth, 1], `_uniforms`), or from the call's generator as
-        # sample() takes them
-        r = torch.zeros(depth, len(h)) if greedy else torch.rand(depth, len(h), generator=self.generator) \
-            if u is None else u[:, :, 0].T.contiguous()
+        # the uniforms of every draw at once
+        if greedy:
+            r = torch.zeros(depth, len(h))
+        elif u is None:  # from the call's generator, as sample() takes them
+            r = torch.rand(depth, len(h), generator=self.generator)
+        else:  # keyed (`_uniforms`)
+            r = u[:, :, 0].T.contiguous()
         ids, q, logits, finite = self.fused.chain(h, self.target.model.embed_tokens.weight, *inputs, vocab, r,
                                                   0.0 if greedy else float(self.params.temperature))
         ok = finite if self.stop_rule == "none" else finite & self._confident(logits)
@@ -159,9 +164,12 @@ class ChainDraws:
         tok = first.reshape(-1)  # [B*w]
         if seen is not None:
             seen = seen.repeat_interleave(width, 0).scatter(1, tok[:, None], True)
-        greedy = self.params is None or self.params.greedy
-        us = None if greedy or depth < 2 else \
-            uniform(self.generator, (depth - 1, len(tok), 1), h.device, FINAL) if u is None else _levels(u)[1:]
+        if self.params is None or self.params.greedy or depth < 2:
+            us = None
+        elif u is None:
+            us = uniform(self.generator, (depth - 1, len(tok), 1), h.device, FINAL)
+        else:
+            us = _levels(u)[1:]
         return (tok, None if q_first is None else q_first.reshape(len(tok), -1),
                 None if ok is None else ok.repeat_interleave(width), seen, h.repeat_interleave(width, 0), us)
 
