@@ -223,5 +223,10 @@ class LearnedDrafter(Drafter, Protocol):
 
 def make_drafter(name: str, target=None, spec=None, **overrides) -> Drafter:
     """Build a registered drafter by name; the factory takes what it needs (the target model for a
-    learned drafter, the SpecConfig for its settings) and keyword overrides for its own fields."""
+    learned drafter, the SpecConfig for its settings) and keyword overrides for its own fields. A SpecConfig asking
+    a drafter registered `chains_only` for trees is a clear error here, when the engine is built."""
+    if spec is not None and spec.tree_width > 1 and DRAFTERS.meta(name).get("chains_only"):
+        raise ValueError(f"drafter {name} drafts chains; tree_width={spec.tree_width} asks for trees: set "
+                         "drafter.tree_width=1, or use drafter=ngram or suffix (trees from the matches' counts, on "
+                         "the host)")
     return DRAFTERS.build(name, target=target, spec=spec, **overrides)

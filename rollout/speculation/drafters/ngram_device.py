@@ -368,16 +368,7 @@ def _groups_of(seqs: list[Sequence]):
     return by_prompt.values()
 
 
-def chains_only(name: str, spec) -> None:
-    """A clear error, when the engine is built, for a SpecConfig asking a chains-only drafter for trees."""
-    if spec is not None and spec.tree_width > 1:
-        raise ValueError(f"drafter {name} drafts chains; tree_width={spec.tree_width} asks for trees: set "
-                         "drafter.tree_width=1, or use drafter=ngram or suffix (trees from the matches' counts, on "
-                         "the host)")
-
-
 @DRAFTERS.register("ngram_device", learned=False, auto=False, chains_only=True)
 def _build(target=None, spec=None, **overrides) -> DeviceNgramDrafter:
-    """Model-free; chains only (SpecConfig.tree_width 1)."""
-    chains_only("ngram_device", spec)
+    """Model-free; chains only (SpecConfig.tree_width 1, `make_drafter` checks)."""
     return DeviceNgramDrafter(**overrides)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from rlspec.rollout.runtime.sequence import Sequence
 from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft, DraftTensors
-from rlspec.rollout.speculation.drafters.ngram_device import DeviceNgramDrafter, chains_only
+from rlspec.rollout.speculation.drafters.ngram_device import DeviceNgramDrafter
 from rlspec.rollout.speculation.drafters.suffix import SuffixDrafter
 
 
@@ -84,8 +84,7 @@ class SuffixDeviceDrafter:
 
 @DRAFTERS.register("suffix_device", learned=False, auto=False, chains_only=True)
 def _build(target=None, spec=None, **overrides) -> SuffixDeviceDrafter:
-    """Model-free; chains only (SpecConfig.tree_width 1). overrides: `suffix` and `device`, the SuffixDrafter's and
-    DeviceNgramDrafter's keyword arguments."""
-    chains_only("suffix_device", spec)
+    """Model-free; chains only (SpecConfig.tree_width 1, `make_drafter` checks). overrides: `suffix` and `device`,
+    the SuffixDrafter's and DeviceNgramDrafter's keyword arguments."""
     return SuffixDeviceDrafter(SuffixDrafter(**overrides.get("suffix", {})),
                                DeviceNgramDrafter(**overrides.get("device", {})))

@@ -18,7 +18,8 @@ from rlspec.rollout.speculation.training.drafter_training import DrafterTrainer
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.conftest import make_tiny_hf, random_prompts
 from tests.rollout.law_helpers import ALPHA, engine_samples, hf_exact_law, make_law_model, sequence_pvalue
-from tests.rollout.test_chains_ahead import trap_device_reads
+from tests.rollout.test_chains_ahead import accept_stats, trap_device_reads
+from tests.rollout.test_engine_spec import multi_accepted
 
 PROMPTS = dict(n=8, lo=4, hi=10, seed=9)  # what the drafter below trained on: it accepts ~0.8 tokens a verify
 
@@ -78,10 +79,6 @@ def spy_ahead(monkeypatch) -> dict:
     return seen
 
 
-def accept_stats(engine) -> dict:
-    return {k: v for k, v in engine.stats().items() if k.startswith("rollout/accept")}
-
-
 @pytest.mark.parametrize("keyed", [False, True], ids=["greedy", "keyed-T1"])
 def test_chains_looked_ahead_give_the_step_by_step_rollouts(trained, keyed, monkeypatch):
     assert_same_rollouts(*trained, "cpu", keyed, monkeypatch)
@@ -129,8 +126,8 @@ def test_a_key_draws_the_same_sample_whatever_its_batch(trained, monkeypatch):
     def sample(look_ahead: bool, batch: list, n: int, keys: list[int], at: int) -> list[int]:
         eng = engine(hf, state, look_ahead, 8)
         out = eng.generate(batch, SamplingParams(**{**params.__dict__, "n": n}), sample_keys=keys)
-        hist = {int(k.rsplit("/", 1)[1]): v for k, v in accept_stats(eng).items() if "accept_hist/" in k}
-        assert sum(v for accepted, v in hist.items() if accepted >= 2) > 0, hist
+        stats = accept_stats(eng)
+        assert multi_accepted(stats) > 0, stats
         return out[at].completion_ids
 
     alone = sample(False, [mine], 1, [77], 0)
