@@ -58,6 +58,7 @@ class Call:
     lean: bool = False  # plain steps may take DecodeSteps._plain_step (`lean_plain`)
     ahead: bool = False  # lean plain steps launch their successor before the host reads them (module docstring)
     carry: bool = True  # look-aheads go on past rows that ended while retiring them admits none (carry_ended)
+    again: bool = False  # where they do not, a lean plain step launches the next itself (DecodeSteps._plain_again)
     chosen: tuple = ()  # (live rows, arm) chosen for the next step by a look-ahead that did not launch it
 
 
@@ -150,7 +151,14 @@ class DecodeSteps(AheadChains):
                 nxt = self._launch_plain(step.token[:, None], start, top, live, ctx, 1)
             t1 = self._commit_plain(step, live, arm, ctx, t0, t1)
             if ahead is None:
-                break
+                t0 = time.perf_counter()  # the selector's figures as the loop's step takes them: its choice, then
+                arm = self._plain_again(live, ctx)  # the step from its launch
+                if arm is None:
+                    break
+                ctx.steps += 1  # every row moved on by its token: the loop's [pending, start] without its copy
+                start, top, t1 = start + 1, top + 1, time.perf_counter()
+                step = self._launch_plain(step.token[:, None], start, top, live, ctx, 0)
+                continue
             ctx.steps += 1
             step, arm, t0 = nxt, ahead, t1
             if ctx.finished and not carry_ended(live, ctx):  # the rows going take their next token; the loop
@@ -183,6 +191,24 @@ class DecodeSteps(AheadChains):
         going = [0 if s.finished else 1 for s in live]  # a row that ended needs no token, nor room
         arm = self.speculation.choose(len(live))
         if arm.speculative or ctx.kv.draft_room(live, going) != going:
+            ctx.chosen = (len(live), arm)  # the next step's arm, as the loop would have chosen it
+            return None
+        return arm
+
+    def _plain_again(self, live: list[Sequence], ctx: Call):
+        """After a plain step's commit, where nothing looks ahead: the next step's arm when it is plain and the
+        loop's pass before it would do nothing else (None otherwise): no row ended (none to retire), no waiting
+        group the free rows could hold (none to admit) and each row's next position within its blocks or blocks
+        free without preempting (make_room's usual case). The step is then launched from the drawn tokens still
+        on the device: the step the loop would launch, from the same state, in the same order of draws, with
+        less host work (a CPU's steps, or draws from one generator)."""
+        sched = ctx.kv.sched
+        if not ctx.again or ctx.finished or (sched.waiting and len(live) + len(sched.waiting[0]) <= sched.rows):
+            return None
+        if not ctx.kv.make_room(preempt=False):
+            return None
+        arm = self.speculation.choose(len(live))
+        if arm.speculative:
             ctx.chosen = (len(live), arm)  # the next step's arm, as the loop would have chosen it
             return None
         return arm

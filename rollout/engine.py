@@ -202,9 +202,9 @@ class RolloutEngine(DecodeSteps):
         sched = Scheduler(groups, cache.rows, cache.alloc)
         ledger = KVLedger(cache, sched, () if history is None else (history,))  # history rows move with the table
         lean = lean_plain(self.proposer, self.verifier, history)
+        ahead = lean and self.look_ahead and partial is None and (params.greedy or isinstance(draws, KeyedDraws))
         ctx = Call(params, draws, stop_ids, _progress(len(seqs), use_tqdm), time.perf_counter(), ledger, history,
-                   lean=lean, ahead=lean and self.look_ahead and partial is None and (
-                       params.greedy or isinstance(draws, KeyedDraws)), carry=self.carry_ended)
+                   lean=lean, ahead=ahead, carry=self.carry_ended, again=lean and partial is None and not ahead)
         # no op of the loop records autograd history: inference mode spares each of them the autograd dispatch
         # (a quarter of a plain step's host time on a small model); state that outlives the call is made outside it
         with torch.inference_mode():

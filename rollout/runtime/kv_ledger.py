@@ -47,17 +47,21 @@ class KVLedger:
         """Readmitted preempted sequences get fresh blocks for everything they hold and their pending token."""
         self.cache.grow([(s.row, id(s), s.cache_len + 1) for s in seqs])
 
-    def make_room(self, on_evict: Callable[[Sequence], None] = lambda s: None) -> None:
-        """Preempt the youngest until every live sequence's pending token has a block, then take those."""
+    def make_room(self, on_evict: Callable[[Sequence], None] = lambda s: None, preempt: bool = True) -> bool:
+        """Preempt the youngest until every live sequence's pending token has a block, then take those. With
+        preempt=False, where someone would have to go: False, and no block taken (the caller steps back to the
+        loop, whose make_room preempts)."""
         cache, sched = self.cache, self.sched
         tables, bs = cache.alloc.tables, cache.block_size
         # the rows whose pending position has no block yet: a row crosses into a new block once in block_size steps
         short = [s for s in sched.live if len(tables.get(id(s), ())) * bs <= s.cache_len]
         if not short:
-            return
+            return True
         # only the short rows need blocks, so when theirs fit, Scheduler.make_room would preempt no one: the
         # usual case, checked without its pass over every live row
         if not sched.fits(sum(cache.alloc.needed(id(s), s.cache_len + 1) for s in short)):
+            if not preempt:
+                return False
             if self.spares:
                 self._trim(sched.live, 0)  # spare blocks go back before anyone is preempted
             victims = sched.make_room()
@@ -67,6 +71,7 @@ class KVLedger:
             if victims:
                 cache.clear_rows(len(sched.live))
         cache.grow([(s.row, id(s), s.cache_len + 1) for s in short if s.row >= 0])  # victims hold no row
+        return True
 
     def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:
         """Blocks for each row's drafted positions while the pool lasts; returns the caps kept."""
