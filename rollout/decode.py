@@ -198,12 +198,11 @@ class DecodeSteps(AheadChains):
     def _plain_again(self, live: list[Sequence], ctx: Call):
         """After a plain step's commit, where nothing looks ahead: the next step's arm when it is plain and the
         loop's pass before it would do nothing else (None otherwise): no row ended (none to retire), no waiting
-        group the free rows could hold (none to admit) and each row's next position within its blocks or blocks
+        group that fits (none to admit) and each row's next position within its blocks or blocks
         free without preempting (make_room's usual case). The step is then launched from the drawn tokens still
         on the device: the step the loop would launch, from the same state, in the same order of draws, with
         less host work (a CPU's steps, or draws from one generator)."""
-        sched = ctx.kv.sched
-        if not ctx.again or ctx.finished or (sched.waiting and len(live) + len(sched.waiting[0]) <= sched.rows):
+        if not ctx.again or ctx.finished or ctx.kv.sched.admits():
             return None
         if not ctx.kv.make_room(preempt=False):
             return None

@@ -89,6 +89,17 @@ class Scheduler:
             groups.append(g)
         return groups
 
+    def admits(self) -> bool:
+        """Whether admit() would admit a group now, admitting none (its check of the blocks, which may grow the
+        pool as admit's does: the same pool either way)."""
+        if not self.waiting:
+            return False
+        if not self.live:
+            return True  # an empty engine takes what fits, at least one sample
+        g = self.waiting[0]
+        cost = self.group_blocks(g) + sum(map(self._growth, self.live)) + sum(map(self._growth, g))
+        return len(self.live) + len(g) <= self.rows and self.fits(cost)
+
     def _growth(self, s: Sequence) -> int:
         """Blocks s takes beyond those it holds (its cache and pending position; a fresh one's prompt and first
         position) to hold its next HEADROOM_TOKENS tokens, or a block's worth where blocks are smaller: 1 with blocks
