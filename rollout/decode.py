@@ -17,6 +17,11 @@ features of a plain step are staged as the step is launched, at the positions it
 ahead too. A speculative step's are staged behind its transfer, before the host reads it, from the verifier's counts
 on the device, and after a verify of its own drafts the drafter's next catch-up runs there too (CUDA): the host
 waits for the verify alone. Chains drafted on the device look ahead too (rollout/chains_ahead.py).
+
+Where nothing looks ahead (a CPU, where the host is the device, or draws from the call's generator), a plain step
+still launches its successor from its drawn tokens on the device, after its commit, while the loop's pass between
+two steps would do nothing (no row ended, no group to admit, no block to take by preempting): the same step, without
+that pass and the copy of the rows' pending tokens and lengths.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ class Call:
     ahead: bool = False  # lean plain steps launch their successor before the host reads them (module docstring)
     carry: bool = True  # look-aheads go on past rows that ended while retiring them admits none (carry_ended)
     again: bool = False  # where they do not, a lean plain step launches the next itself (DecodeSteps._plain_again)
+    room: int = 0  # in a run of plain steps: steps every row can still take within its blocks (_plain_again)
     chosen: tuple = ()  # (live rows, arm) chosen for the next step by a look-ahead that did not launch it
 
 
@@ -134,9 +140,11 @@ class DecodeSteps(AheadChains):
         costs the host is what the device waits for between steps: docs/runtime.md#host-step-budget). With
         ctx.ahead, each step's successor is launched before the host reads it (`_look_ahead`), for as long as
         the selector keeps choosing plain steps and no row ends whose retiring would admit a group (`carry_ended`).
-        The ledger gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its
+        Without it, each step launches the next after its commit, for as long as the loop's pass between them would
+        do nothing else (`_plain_again`). The ledger gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its
         step."""
         t1 = time.perf_counter()
+        ctx.room = 0  # the rows' blocks are asked for again
         lens = [s.cache_len for s in live]
         packed = self.runner.transfers.to_device([[s.pending, n] for s, n in zip(live, lens)])
         start, top = packed[:, 1], max(lens)
@@ -172,13 +180,14 @@ class DecodeSteps(AheadChains):
         A learned drafter's features of the step are staged here, while they are the step's (a graph's outputs are
         the next replay's), at the positions the step writes: `ahead` past the rows' committed lengths."""
         logits, hiddens = self.runner.step(tokens, start, hidden_layers=self.speculation.aux_layers, top=top)
-        token, lps, flags = draw_plain(logits[:, 0], ctx.params, bound(ctx.draws, live, ahead))
-        if lps is None:  # greedy, or a truncated law: the logprob of the raw logits (docs/verification.md)
-            lps, flags = logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits)
+        token, row = draw_plain(logits[:, 0], ctx.params, bound(ctx.draws, live, ahead))
+        # the step's transfer as the draw laid it out; greedy, or a truncated law: the logprob of the raw logits
+        sent = (row,) if row is not None else \
+            (token, logprobs_of(logits[:, 0], token, ctx.params), StepLayout.finite(logits))
         if self.speculation.learned is not None:  # the pending node only: a plain step accepts no draft
             self.speculation.observe_verify(live, hiddens, None, None, ahead)
             self.speculation.observe_commit(live, [0] * len(live), logits)
-        launched = PlainLaunch(token, self.runner.transfers.to_host(token, lps, flags), self.runner.fresh, ahead > 0)
+        launched = PlainLaunch(token, self.runner.transfers.to_host(*sent), self.runner.fresh, ahead > 0)
         self.speculation.settle()  # what drafters deferred from finishing samples, while the device runs the step
         return launched
 
@@ -198,13 +207,14 @@ class DecodeSteps(AheadChains):
     def _plain_again(self, live: list[Sequence], ctx: Call):
         """After a plain step's commit, where nothing looks ahead: the next step's arm when it is plain and the
         loop's pass before it would do nothing else (None otherwise): no row ended (none to retire), no waiting
-        group that fits (none to admit) and each row's next position within its blocks or blocks
-        free without preempting (make_room's usual case). The step is then launched from the drawn tokens still
-        on the device: the step the loop would launch, from the same state, in the same order of draws, with
-        less host work (a CPU's steps, or draws from one generator)."""
+        group that fits (none to admit) and each row's next position within its blocks or blocks free without
+        preempting (make_room's usual case, asked only when a row is due for a block: `Call.room`). The step is
+        then launched from the drawn tokens still on the device: the step the loop would launch, from the same
+        state, in the same order of draws, with less host work (a CPU's steps, or draws from one generator)."""
         if not ctx.again or ctx.finished or ctx.kv.sched.admits():
             return None
-        if not ctx.kv.make_room(preempt=False):
+        ctx.room = ctx.room - 1 if ctx.room > 0 else ctx.kv.plain_room()
+        if ctx.room < 0:
             return None
         arm = self.speculation.choose(len(live))
         if arm.speculative:

@@ -73,6 +73,14 @@ class KVLedger:
         cache.grow([(s.row, id(s), s.cache_len + 1) for s in short if s.row >= 0])  # victims hold no row
         return True
 
+    def plain_room(self) -> int:
+        """make_room without preempting (False: -1, nothing taken); then how many more one-token steps every live row
+        can take within the blocks it holds (a run of plain steps asks again only when one is due for a block)."""
+        if not self.make_room(preempt=False):
+            return -1
+        tables, bs = self.cache.alloc.tables, self.cache.block_size
+        return min(len(tables.get(id(s), ())) * bs - 1 - s.cache_len for s in self.sched.live)
+
     def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:
         """Blocks for each row's drafted positions while the pool lasts; returns the caps kept."""
         kept, short = draft_room(self.cache.alloc, live, caps)

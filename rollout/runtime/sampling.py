@@ -143,23 +143,17 @@ def kernel_draws(logits: torch.Tensor, params: SamplingParams) -> bool:
 
 def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws):
     """A plain step's draw from probs_from_logits(logits, params), with its logprob (logprobs_of) and each row's
-    finite column (`finite_column`), as one op (kernels/sample.cpp) -> (tokens [B], logprobs [B], finite [B]);
-    None where it does not serve (`kernel_draws`; with a repetition penalty the caller reads the logprob
-    elsewhere). The same uniforms from the generator as sample().
+    finite column, as one op (kernels/sample.cpp) -> (tokens [B], row [B, 3] float64: the step's host transfer,
+    [token, logprob, finite column] as rollout/step_layout.py lays it out); None where it does not serve
+    (`kernel_draws`; with a repetition penalty the caller reads the logprob elsewhere). The same uniforms from the
+    generator as sample().
 
     logits [B, V] float32. Why: torch's five passes over each row's vocabulary and ~35 small ops were ~0.75 ms of a
     batch-1 CPU step (docs/verification.md#plain-steps-on-the-cpu)."""
     if not kernel_draws(logits, params):
         return None
     r = uniform(generator, (logits.shape[0],), logits.device, FINAL)  # the op draws at 1 - r, in (0, 1], as sample()
-    token, logprob, flags = torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
-    return token, logprob, finite_column(flags)
-
-
-def finite_column(flags: torch.Tensor) -> torch.Tensor:
-    """A kernel's [B] bool finite flags as the step transfer's finite column (rollout/step_layout.py): [B] float64,
-    0 where finite, -inf where not."""
-    return flags.to(torch.float64).log()
+    return torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None,

@@ -122,8 +122,10 @@ class ExactVerifier:
 
     def verify(self, logits, hiddens, batch: DraftBatch, params, generator, routed=None) -> StepVerdict:
         if batch.tokens.shape[1] == 1:  # no row drafted: verify_chain's draws, without a path
-            token, logprob, finite = draw_plain(logits[:, 0], params, generator)
-            return StepVerdict(None, None, token, (), None if logprob is None else logprob[:, None], finite)
+            token, row = draw_plain(logits[:, 0], params, generator)
+            if row is None:
+                return StepVerdict(None, None, token)
+            return StepVerdict(None, None, token, (), row[:, 1:2], row[:, 2])
         if batch.is_chain:
             v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, generator)
             return StepVerdict(None, v.accepted, v.next_token, (), v.logprob, v.finite)

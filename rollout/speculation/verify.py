@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from rlspec.rollout.runtime.draws import ACCEPT, FINAL, NODE, TREE, KeyedDraws
-from rlspec.rollout.runtime.sampling import (Draws, drawn_column, finite_column, inverse_cdf, kernel_draws,
+from rlspec.rollout.runtime.sampling import (Draws, drawn_column, inverse_cdf, kernel_draws,
                                              probs_from_logits, sample, sample_plain, shifted, truncates, uniform)
 from rlspec.rollout.types import SamplingParams
 
@@ -73,7 +73,8 @@ def verify_chain(
         none, zero = torch.zeros(B, 0, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
         drawn = sample_plain(target_logits[:, 0], params, generator) if p is None else None
         if drawn is not None:
-            return Verdict(zero, drawn[0], none, drawn[1][:, None], drawn[2])
+            token, row = drawn
+            return Verdict(zero, token, none, row[:, 1:2], row[:, 2])
         p = probs_from_logits(target_logits, params) if p is None else p
         return Verdict(zero, sample(p[:, 0], generator), none)  # the same draws as below
     drawn = _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) \
@@ -109,17 +110,18 @@ def verify_chain(
 
 
 def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = None):
-    """A step without drafts: the next token from logits [B, V] -> (token [B], logprob [B] or None, finite column
-    [B] float64 or None), the same draws as verify_chain with K = 0.
+    """A step without drafts: the next token from logits [B, V] -> (token [B], row [B, 3] float64 or None), the same
+    draws as verify_chain with K = 0. The row is the step's host transfer, [token, logprob, finite column]
+    (rollout/step_layout.py), where the draw gives the logprob.
 
     Untruncated (no top-k, top-p or min-p) the distribution drawn from is softmax(logits / T), the one logprobs_of
     reads: the token's logprob is the log of its probability and the finite column the row's float64 sum, so a
     plain step needs no second pass over the vocabulary (a log-softmax) after the draw. A caller with a repetition
     penalty passes penalised logits and reads the logprob of the raw ones itself."""
     if params.greedy:
-        return logits.argmax(-1), None, None
+        return logits.argmax(-1), None
     if truncates(params, logits.shape[-1]):
-        return sample(probs_from_logits(logits, params), generator), None, None
+        return sample(probs_from_logits(logits, params), generator), None
     drawn = sample_plain(logits, params, generator)
     if drawn is not None:
         return drawn
@@ -127,7 +129,8 @@ def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = 
     # sixth of the draw's host time
     probs = torch.softmax(logits if params.temperature == 1.0 else logits / params.temperature, dim=-1)
     column = drawn_column(probs, generator)
-    return column.squeeze(1), probs.gather(1, column).log_().squeeze(1), logits.sum(-1, dtype=torch.float64)
+    finite = logits.sum(-1, keepdim=True, dtype=torch.float64)  # cat makes the row float64, as the transfer's own
+    return column.squeeze(1), torch.cat([column, probs.gather(1, column).log_(), finite], 1)  # packing would
 
 
 def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:
@@ -144,7 +147,7 @@ def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, gene
     q = target_logits.new_empty(0) if draft_probs is None else draft_probs.float()  # a no-op for float32 q
     accepted, token, logprob, finite = torch.ops.rlspec_kernels.verify_chain_rows(
         target_logits, draft_tokens, num_drafts, q, u, r, float(params.temperature))
-    return Verdict(accepted, token, None, logprob, finite_column(finite))
+    return Verdict(accepted, token, None, logprob, finite)
 
 
 def _accepted(exact: torch.Tensor, kept: torch.Tensor | None, in_range: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ temperature, a block of logits never read, one uniform reused, the bonus read fr
 swaps its output for the wrongly computed one at the call site (a residual drawn from p). Every flaw must fail
 the law test: this is what shows it has the power to see them.
 """
+import math
+
 import pytest
 import torch
 
@@ -45,14 +47,16 @@ def test_sample_rows_draws_the_softmax_with_its_logprob(temperature):
     """40000 draws of one row against its float64 softmax (every cell kept: rare ones pooled, a draw of a token of
     probability 0 fails), the logprob of each drawn token, and rows with a NaN or an inf flagged."""
     x, r, law = _row_case(temperature)
-    tok, lp, fin = _sample(x, r, temperature)
-    assert tok.dtype == torch.long and fin.all()
+    tok, row = _sample(x, r, temperature)
+    lp, fin = row[:, 1], row[:, 2]
+    assert tok.dtype == torch.long and row.dtype == torch.float64 and (fin == 0).all()
+    assert torch.equal(row[:, 0], tok.double())  # the step's transfer row: [token, logprob, finite column]
     assert not (tok % 7 == 0).any()
     assert chi2_pvalue(torch.bincount(tok, minlength=V), law) > ALPHA
     torch.testing.assert_close(lp.double(), torch.log_softmax(x.double() / temperature, -1)[tok], atol=2e-5, rtol=0)
     bad = torch.stack([x, x, x])
     bad[0, 5], bad[2, 900] = float("nan"), float("inf")
-    assert torch.ops.rlspec_kernels.sample_rows(bad, r[:3], temperature)[2].tolist() == [False, True, False]
+    assert torch.ops.rlspec_kernels.sample_rows(bad, r[:3], temperature)[1][:, 2].tolist() == [-math.inf, 0, -math.inf]
 
 
 @needs_kernel
@@ -126,7 +130,7 @@ def test_verify_chain_rows_has_the_chain_rules_law(sampled):
     the emitted tokens' logprobs, and the finite flag over the positions used only."""
     inputs, law = _chain_case(sampled)
     acc, tok, lp, fin = _verify(**inputs)
-    assert fin.all() and _chain_pvalue(acc, tok, law) > ALPHA
+    assert (fin == 0).all() and _chain_pvalue(acc, tok, law) > ALPHA
     logits, x = inputs["logits"][:1], inputs["x"][:1]
     emitted = torch.cat([x.expand(N, -1), torch.zeros(N, 1, dtype=torch.long)], 1)
     emitted = emitted.scatter(1, acc[:, None], tok[:, None])
@@ -139,7 +143,7 @@ def test_verify_chain_rows_has_the_chain_rules_law(sampled):
     u3 = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1 - 1e-7, 0.0]])  # rows 0 and 1 accept all, row 2 rejects at 0
     q3 = inputs["q"][:3] if sampled else inputs["q"]
     out = _verify(bad, x.expand(3, -1), torch.full((3,), K), q3, u3, inputs["r"][:3])
-    assert out[3].tolist() == [False, False, True]  # row 2 never reads position 1
+    assert out[3].tolist() == [-math.inf, -math.inf, 0]  # row 2 never reads position 1
 
 
 @needs_kernel

@@ -156,8 +156,7 @@ def _build() -> None:
     @torch.library.register_fake("rlspec_kernels::sample_rows")
     def _(logits, u, temperature):
         B = logits.shape[0]
-        return (logits.new_empty(B, dtype=torch.long), logits.new_empty(B),
-                logits.new_empty(B, dtype=torch.bool))
+        return logits.new_empty(B, dtype=torch.long), logits.new_empty(B, 3, dtype=torch.float64)
 
     _loaded = True
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 namespace rlspec_kernels {
 
@@ -146,5 +147,7 @@ struct Draw {
   float total;
 };
 Draw draw_row(const float* x, int64_t V, float u, float temperature, float* e, float* block);
+// A row's finite column in the step's host transfer (rollout/step_layout.py): 0 where finite, -inf where not.
+inline double finite_column(bool finite) { return finite ? 0.0 : -std::numeric_limits<double>::infinity(); }
 
 }  // namespace rlspec_kernels

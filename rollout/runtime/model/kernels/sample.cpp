@@ -2,12 +2,14 @@
 // the row's finiteness, in one op.
 //
 //   sample_rows(logits [B, V] float32, r [B] float32 in [0, 1), temperature) -> (token [B] long,
-//               logprob [B] float32, finite [B] bool)
+//               row [B, 3] float64: token, logprob, finite column)
 //
 // The token inverts the CDF of softmax(logits / T) at u = 1 - r, as sampling.sample does: the first token whose cumulative
 // (unnormalised) mass reaches u times the total, so a token of probability 0 is never drawn. logprob is
-// log softmax(logits / T) at that token (sampling.logprobs_of), finite says every logit of the row is finite
-// (nonfinite.finite_flags; the token is then meaningless and the engine raises).
+// log softmax(logits / T) at that token (sampling.logprobs_of), computed in float32; the finite column is 0 where
+// every logit of the row is finite and -inf where not (the token is then meaningless and the engine raises). The row
+// is the plain step's host transfer as StepLayout lays it out, so the step sends it as it is: the packing and the
+// finite column's conversion were three more ops a step.
 //
 // Why (docs/verification.md#plain-steps-on-the-cpu): torch took five passes over each row's 49k logits (softmax,
 // cumsum, log_softmax, a sum for the finite check, the CDF search) and ~35 small ops around them, ~0.75 ms of a
@@ -195,14 +197,12 @@ void check_sample(const at::Tensor& logits, const at::Tensor& r, double temperat
   check_unit("sample_rows", "r", r.contiguous());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_, const at::Tensor& u_,
-                                                           double temperature) {
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_, const at::Tensor& u_, double temperature) {
   check_sample(logits_, u_, temperature);
   const at::Tensor logits = logits_.contiguous(), u = u_.contiguous();
   const int64_t B = logits.size(0), V = logits.size(1);
   at::Tensor token = at::empty({B}, logits.options().dtype(at::kLong));
-  at::Tensor logprob = at::empty({B}, logits.options());
-  at::Tensor finite = at::empty({B}, logits.options().dtype(at::kBool));
+  at::Tensor row = at::empty({B, 3}, logits.options().dtype(at::kDouble));
   const float* xp = logits.data_ptr<float>();
   const float* up = u.data_ptr<float>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
@@ -210,16 +210,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& log
     for (int64_t b = b0; b < b1; b++) {
       const Draw d = draw_row(xp + b * V, V, 1.f - up[b], static_cast<float>(temperature), e.data(), block.data());
       token.data_ptr<int64_t>()[b] = d.token;
-      logprob.data_ptr<float>()[b] = d.logprob;
-      finite.data_ptr<bool>()[b] = d.finite;
+      double* out = row.data_ptr<double>() + 3 * b;
+      out[0] = static_cast<double>(d.token);
+      out[1] = static_cast<double>(d.logprob);
+      out[2] = finite_column(d.finite);
     }
   });
-  return {token, logprob, finite};
+  return {token, row};
 }
 
 }  // namespace rlspec_kernels
 
 TORCH_LIBRARY_FRAGMENT(rlspec_kernels, m) {
-  m.def("sample_rows(Tensor logits, Tensor r, float temperature) -> (Tensor, Tensor, Tensor)");
+  m.def("sample_rows(Tensor logits, Tensor r, float temperature) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) { m.impl("sample_rows", &rlspec_kernels::sample_rows); }

@@ -3,14 +3,15 @@
 //
 //   verify_chain_rows(logits [B, K+1, V] float32, tokens [B, K] long, num [B] long, q [B, K, V] float32 or empty
 //                     (deterministic drafts: q one-hot at the token), u [B, K] float32, r [B] float32, temperature)
-//     -> (accepted [B] long, next_token [B] long, logprob [B, K+1] float32, finite [B] bool)
+//     -> (accepted [B] long, next_token [B] long, logprob [B, K+1] float32, finite [B] float64)
 //
 // Row b, p_i = softmax(logits[b, i] / T): accept draft i (i < num[b], in order) while u[b, i] * q_i(x_i) < p_i(x_i);
 // at the first rejection a the next token is drawn from norm(max(0, p_a - q_a)) (p_a where that has no mass), after
 // all num[b] from p_num, in both cases by inverting the CDF at 1 - r[b] (sampling.sample). That is verify.py's
 // verify_chain rule with the same uniforms; the bits may differ (the softmax is this file's own). logprob[b, i]
-// is log p_i of the token emitted at i (the accepted drafts, then the next token; 0 after), finite[b] whether every
-// logit at positions 0..accepted was finite (if not, the rest of the row is meaningless and the engine raises).
+// is log p_i of the token emitted at i (the accepted drafts, then the next token; 0 after), finite[b] 0 where every
+// logit at positions 0..accepted was finite and -inf where not (the step transfer's finite column, step_layout.py;
+// if not finite, the rest of the row is meaningless and the engine raises).
 //
 // Why (docs/verification.md#chains-on-the-cpu): in torch a chain's verify took ~40 ops over [B, K+1, V] (softmax of
 // every position, gathers, the residual, its CDF) and the host transfer's logprobs and finite check another
@@ -67,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
                    r = r_.contiguous();
   at::Tensor accepted = at::empty({B}, tokens.options()), next = at::empty({B}, tokens.options());
   at::Tensor logprob = at::zeros({B, K + 1}, logits.options());
-  at::Tensor finite = at::empty({B}, tokens.options().dtype(at::kBool));
+  at::Tensor finite = at::empty({B}, logits.options().dtype(at::kDouble));
   const float* xp = logits.data_ptr<float>();
   const float* qp = sampled ? q.data_ptr<float>() : nullptr;
   const int64_t *tp = tokens.data_ptr<int64_t>(), *np = num.data_ptr<int64_t>();
@@ -96,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
         }
       }
       accepted.data_ptr<int64_t>()[b] = a;
-      finite.data_ptr<bool>()[b] = s.finite;
+      finite.data_ptr<double>()[b] = finite_column(s.finite);
       if (!s.finite) {
         next.data_ptr<int64_t>()[b] = 0;
         continue;
