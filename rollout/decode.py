@@ -64,7 +64,8 @@ class Call:
     ahead: bool = False  # lean plain steps launch their successor before the host reads them (module docstring)
     carry: bool = True  # look-aheads go on past rows that ended while retiring them admits none (carry_ended)
     again: bool = False  # where they do not, a lean plain step launches the next itself (DecodeSteps._plain_again)
-    room: int = 0  # in a run of plain steps: steps every row can still take within its blocks (_plain_again)
+    due: list | None = None  # in a run of plain steps: the steps a row crosses into a new block (_plain_again)
+    run: int = 0  # and the steps launched in it
     chosen: tuple = ()  # (live rows, arm) chosen for the next step by a look-ahead that did not launch it
 
 
@@ -144,7 +145,7 @@ class DecodeSteps(AheadChains):
         do nothing else (`_plain_again`). The ledger gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its
         step."""
         t1 = time.perf_counter()
-        ctx.room = 0  # the rows' blocks are asked for again
+        ctx.due = None  # a new run: the rows' blocks are asked for again
         lens = [s.cache_len for s in live]
         packed = self.runner.transfers.to_device([[s.pending, n] for s, n in zip(live, lens)])
         start, top = packed[:, 1], max(lens)
@@ -208,14 +209,19 @@ class DecodeSteps(AheadChains):
         """After a plain step's commit, where nothing looks ahead: the next step's arm when it is plain and the
         loop's pass before it would do nothing else (None otherwise): no row ended (none to retire), no waiting
         group that fits (none to admit) and each row's next position within its blocks or blocks free without
-        preempting (make_room's usual case, asked only when a row is due for a block: `Call.room`). The step is
+        preempting (make_room's usual case, asked only on the steps a row is due for a block: `Call.due`). The step is
         then launched from the drawn tokens still on the device: the step the loop would launch, from the same
         state, in the same order of draws, with less host work (a CPU's steps, or draws from one generator)."""
         if not ctx.again or ctx.finished or ctx.kv.sched.admits():
             return None
-        ctx.room = ctx.room - 1 if ctx.room > 0 else ctx.kv.plain_room()
-        if ctx.room < 0:
-            return None
+        if ctx.due is None:  # the run's first step: every row's next position, and when rows cross into new blocks
+            if not ctx.kv.make_room(preempt=False):
+                return None
+            ctx.due, ctx.run = ctx.kv.due_for_blocks(), 0
+        else:
+            ctx.run += 1
+            if ctx.due[ctx.run % len(ctx.due)] and not ctx.kv.make_room(preempt=False):
+                return None
         arm = self.speculation.choose(len(live))
         if arm.speculative:
             ctx.chosen = (len(live), arm)  # the next step's arm, as the loop would have chosen it

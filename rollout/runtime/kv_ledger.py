@@ -73,13 +73,15 @@ class KVLedger:
         cache.grow([(s.row, id(s), s.cache_len + 1) for s in short if s.row >= 0])  # victims hold no row
         return True
 
-    def plain_room(self) -> int:
-        """make_room without preempting (False: -1, nothing taken); then how many more one-token steps every live row
-        can take within the blocks it holds (a run of plain steps asks again only when one is due for a block)."""
-        if not self.make_room(preempt=False):
-            return -1
+    def due_for_blocks(self) -> list[bool]:
+        """For a run of one-token steps from now, each row's pending position within its blocks (after make_room):
+        due[k % block_size] says whether some live row's position crosses into a new block k steps on. A row given
+        that block crosses again block_size steps later, so a run asks make_room only on the steps due."""
         tables, bs = self.cache.alloc.tables, self.cache.block_size
-        return min(len(tables.get(id(s), ())) * bs - 1 - s.cache_len for s in self.sched.live)
+        due = [False] * bs
+        for s in self.sched.live:
+            due[(len(tables.get(id(s), ())) * bs - s.cache_len) % bs] = True
+        return due
 
     def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:
         """Blocks for each row's drafted positions while the pool lasts; returns the caps kept."""
