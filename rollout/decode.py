@@ -142,8 +142,8 @@ class DecodeSteps(AheadChains):
         ctx.ahead, each step's successor is launched before the host reads it (`_look_ahead`), for as long as
         the selector keeps choosing plain steps and no row ends whose retiring would admit a group (`carry_ended`).
         Without it, each step launches the next after its commit, for as long as the loop's pass between them would
-        do nothing else (`_plain_again`). The ledger gets the general step's figures: from t0 to t1 its (empty) drafting, from t1 to the commit its
-        step."""
+        do nothing else (`_plain_again`). The ledger gets the general step's figures: from t0 to t1 its (empty)
+        drafting, from t1 to the commit its step."""
         t1 = time.perf_counter()
         ctx.due = None  # a new run: the rows' blocks are asked for again
         lens = [s.cache_len for s in live]
@@ -209,8 +209,8 @@ class DecodeSteps(AheadChains):
         """After a plain step's commit, where nothing looks ahead: the next step's arm when it is plain and the
         loop's pass before it would do nothing else (None otherwise): no row ended (none to retire), no waiting
         group that fits (none to admit) and each row's next position within its blocks or blocks free without
-        preempting (make_room's usual case, asked only on the steps a row is due for a block: `Call.due`). The step is
-        then launched from the drawn tokens still on the device: the step the loop would launch, from the same
+        preempting (make_room's usual case, asked only on the steps a row is due for a block: `Call.due`). The step
+        is then launched from the drawn tokens still on the device: the step the loop would launch, from the same
         state, in the same order of draws, with less host work (a CPU's steps, or draws from one generator)."""
         if not ctx.again or ctx.finished or ctx.kv.sched.admits():
             return None
