@@ -90,3 +90,26 @@ def test_admits_says_whether_admit_would(rows, blocks, live):
     said = sched.admits()
     assert [list(g) for g in sched.waiting] == waiting and len(sched.live) == live  # admitted nothing
     assert said == bool(sched.admit())
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["loop", "again"])
+def test_a_chain_chosen_after_a_plain_step_is_the_next_steps_arm(hf, again, monkeypatch):
+    """A scripted choice (three plain steps, then a 2-token n-gram chain, over and over): a run of plain steps asks
+    for one arm a step, as the loop does, and a chain it is given is the next step's arm (`Call.chosen`), not a
+    second choice. Every step's arm is the script's, in order, with the path and without it."""
+    from rlspec.rollout.speculation.decide import Decision
+    from rlspec.rollout.speculation.selectors.base import OFF, Arm
+    from rlspec.rollout.types import SpecConfig
+
+    script, asked = [OFF, OFF, OFF, Arm("ngram", 2)], []
+    monkeypatch.setattr(Decision, "decide", lambda self, selector, batch: asked.append(1) or
+                        script[(len(asked) - 1) % len(script)])
+    chained, real = [], DecodeSteps._plain_again
+    monkeypatch.setattr(DecodeSteps, "_plain_again", lambda self, live, ctx: (
+        arm := real(self, live, ctx) if again else None) is not None and chained.append(1) or arm)
+    spec = SpecConfig(drafter="ngram", selector="always", num_draft_tokens=2, online_training=False)
+    eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[], kv_block_size=BS)
+    eng.generate(random_prompts(3, 4, 12, seed=7), SamplingParams(temperature=1.0, max_new_tokens=24, seed=1))
+    arms = [spec for *_, spec in eng.batch_trace]  # whether each step was the chain
+    assert len(asked) == len(arms) and arms == [i % 4 == 3 for i in range(len(arms))]
+    assert (len(chained) > len(arms) // 3) == again
