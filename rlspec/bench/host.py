@@ -32,6 +32,7 @@ step is prepared while the current one runs (docs/runtime.md#host-step-budget).
 
     python -m rlspec.bench host                       # ~1 min on 2 cores
     python -m rlspec.bench host --batch-sizes 8 --reps 5
+    python -m rlspec.bench host --modes plain chain --batch-sizes 64 --waves 4   # samples waiting for rows
 """
 from __future__ import annotations
 
@@ -71,6 +72,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, nargs=2, default=[16, 112],
                    help="max_new_tokens of the short and the long call (their difference is what is timed)")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--waves", type=int, default=1,
+                   help="samples in this many waves of batch rows: the later ones wait while the rows are taken, "
+                        "a GRPO rollout's usual state (more samples than rows)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the host's own cost, no pool wake-ups)")
 
 
@@ -306,7 +310,7 @@ def run(args) -> dict:
         args.batch_sizes, args.tokens, args.reps = [2], [4, 12], 1
     rows = []
     for batch in args.batch_sizes:
-        ps = prompts(batch, args.seed)
+        ps = prompts(batch * args.waves, args.seed)  # the engine holds `batch` rows (build): the rest wait
         engines = {m: build(m, batch, args.seed) for m in args.modes}
         timers = {m: ForwardTimer(e) for m, e in engines.items()}
         for m, e in engines.items():  # warm: first calls allocate the pool and build the drafters' state
