@@ -62,6 +62,8 @@ class Scheduler:
         A growing pool grows to hold what is admitted (`fits`): admission is that of a pool at its ceiling."""
         if not self.waiting:  # every decode step asks: the usual answer, without the headroom's pass over the batch
             return []
+        if self.live and len(self.live) + len(self.waiting[0]) > self.rows:
+            return []  # every row a group needs is taken, the usual answer while groups wait: no pass either
         groups, promised = [], 0  # blocks the groups admitted so far will take
         # headroom: the blocks every live sequence grows into over its next HEADROOM_TOKENS tokens (see there),
         # summed once and then kept as groups join (a sum over the live batch for each group was quadratic: 72
@@ -97,8 +99,9 @@ class Scheduler:
         if not self.live:
             return True  # an empty engine takes what fits, at least one sample
         g = self.waiting[0]
-        cost = self.group_blocks(g) + sum(map(self._growth, self.live)) + sum(map(self._growth, g))
-        return len(self.live) + len(g) <= self.rows and self.fits(cost)
+        if len(self.live) + len(g) > self.rows:
+            return False
+        return self.fits(self.group_blocks(g) + sum(map(self._growth, self.live)) + sum(map(self._growth, g)))
 
     def _growth(self, s: Sequence) -> int:
         """Blocks s takes beyond those it holds (its cache and pending position; a fresh one's prompt and first
