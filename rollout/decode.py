@@ -65,7 +65,6 @@ class Call:
     carry: bool = True  # look-aheads go on past rows that ended while retiring them admits none (carry_ended)
     again: bool = False  # where they do not, a lean plain step launches the next itself (DecodeSteps._plain_again)
     due: list | None = None  # in a run of plain steps: the steps a row crosses into a new block (_plain_again)
-    run: int = 0  # and the steps launched in it
     chosen: tuple = ()  # (live rows, arm) chosen for the next step by a look-ahead that did not launch it
 
 
@@ -217,11 +216,9 @@ class DecodeSteps(AheadChains):
         if ctx.due is None:  # the run's first step: every row's next position, and when rows cross into new blocks
             if not ctx.kv.make_room(preempt=False):
                 return None
-            ctx.due, ctx.run = ctx.kv.due_for_blocks(), 0
-        else:
-            ctx.run += 1
-            if ctx.due[ctx.run % len(ctx.due)] and not ctx.kv.make_room(preempt=False):
-                return None
+            ctx.due = ctx.kv.due_for_blocks(ctx.steps)
+        elif ctx.due[ctx.steps % len(ctx.due)] and not ctx.kv.make_room(preempt=False):
+            return None
         arm = self.speculation.choose(len(live))
         if arm.speculative:
             ctx.chosen = (len(live), arm)  # the next step's arm, as the loop would have chosen it

@@ -73,14 +73,15 @@ class KVLedger:
         cache.grow([(s.row, id(s), s.cache_len + 1) for s in short if s.row >= 0])  # victims hold no row
         return True
 
-    def due_for_blocks(self) -> list[bool]:
-        """For a run of one-token steps from now, each row's pending position within its blocks (after make_room):
-        due[k % block_size] says whether some live row's position crosses into a new block k steps on. A row given
-        that block crosses again block_size steps later, so a run asks make_room only on the steps due."""
+    def due_for_blocks(self, step: int) -> list[bool]:
+        """For a run of one-token steps from decode step `step` on, each row's pending position within its blocks
+        (after make_room): due[n % block_size] says whether some live row's position crosses into a new block at
+        step n. A row given that block crosses again block_size steps later, so a run asks make_room only on the
+        steps due."""
         tables, bs = self.cache.alloc.tables, self.cache.block_size
         due = [False] * bs
         for s in self.sched.live:
-            due[(len(tables.get(id(s), ())) * bs - s.cache_len) % bs] = True
+            due[(step + len(tables.get(id(s), ())) * bs - s.cache_len) % bs] = True
         return due
 
     def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:

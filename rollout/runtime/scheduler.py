@@ -60,10 +60,8 @@ class Scheduler:
         """Pop the waiting groups that fit the free rows and blocks; give their sequences rows B, B+1, ...
         Blocks are not taken here: the engine takes them as it prefills (kv_cache.grow / share_prompt).
         A growing pool grows to hold what is admitted (`fits`): admission is that of a pool at its ceiling."""
-        if not self.waiting:  # every decode step asks: the usual answer, without the headroom's pass over the batch
+        if not self.admits():  # every decode step asks: nothing waits, or the first group finds no rows (no pass)
             return []
-        if self.live and len(self.live) + len(self.waiting[0]) > self.rows:
-            return []  # every row a group needs is taken, the usual answer while groups wait: no pass either
         groups, promised = [], 0  # blocks the groups admitted so far will take
         # headroom: the blocks every live sequence grows into over its next HEADROOM_TOKENS tokens (see there),
         # summed once and then kept as groups join (a sum over the live batch for each group was quadratic: 72
@@ -92,8 +90,9 @@ class Scheduler:
         return groups
 
     def admits(self) -> bool:
-        """Whether admit() would admit a group now, admitting none (its check of the blocks, which may grow the
-        pool as admit's does: the same pool either way)."""
+        """Whether admit() would admit a group now, admitting none: its first group's test (the check of the blocks
+        may grow the pool, as admit's does: the same pool either way). The usual answers need no pass over the live
+        batch: nothing waits, or the first group needs more rows than are free (a GRPO rollout's usual state)."""
         if not self.waiting:
             return False
         if not self.live:

@@ -129,8 +129,9 @@ def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = 
     # sixth of the draw's host time
     probs = torch.softmax(logits if params.temperature == 1.0 else logits / params.temperature, dim=-1)
     column = drawn_column(probs, generator)
-    finite = logits.sum(-1, keepdim=True, dtype=torch.float64)  # cat makes the row float64, as the transfer's own
-    return column.squeeze(1), torch.cat([column, probs.gather(1, column).log_(), finite], 1)  # packing would
+    # the row in one op, float64 as the float64 finite column makes it (the transfer's own packing would do the same)
+    finite = logits.sum(-1, keepdim=True, dtype=torch.float64)
+    return column.squeeze(1), torch.cat([column, probs.gather(1, column).log_(), finite], 1)
 
 
 def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:

@@ -21,8 +21,9 @@ def hf():
     return make_tiny_hf("llama", seed=5)
 
 
-def rollouts(hf, again: bool, monkeypatch, params, prompts, eos, **kw):
-    """(rollouts, the batch at every step, preemptions, whether each plain step launched the next one itself)."""
+def chaining(monkeypatch, again: bool) -> list[bool]:
+    """`_plain_again` on (again) or off (the loop's step by step); the list it returns gets, for each time it is
+    asked, whether a plain step launched the next one itself."""
     chained, real = [], DecodeSteps._plain_again
 
     def spy(self, live, ctx):
@@ -30,8 +31,14 @@ def rollouts(hf, again: bool, monkeypatch, params, prompts, eos, **kw):
         chained.append(arm is not None)
         return arm
 
+    monkeypatch.setattr(DecodeSteps, "_plain_again", spy)
+    return chained
+
+
+def rollouts(hf, again: bool, monkeypatch, params, prompts, eos, **kw):
+    """(rollouts, the batch at every step, preemptions, whether each plain step launched the next one itself)."""
     with monkeypatch.context() as m:
-        m.setattr(DecodeSteps, "_plain_again", spy)
+        chained = chaining(m, again)
         eng = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=eos, kv_block_size=BS, **kw)
         out = eng.generate(prompts, params)
     batches = [(rows, going) for _, rows, going, _ in eng.batch_trace]
@@ -104,12 +111,10 @@ def test_a_chain_chosen_after_a_plain_step_is_the_next_steps_arm(hf, again, monk
     script, asked = [OFF, OFF, OFF, Arm("ngram", 2)], []
     monkeypatch.setattr(Decision, "decide", lambda self, selector, batch: asked.append(1) or
                         script[(len(asked) - 1) % len(script)])
-    chained, real = [], DecodeSteps._plain_again
-    monkeypatch.setattr(DecodeSteps, "_plain_again", lambda self, live, ctx: (
-        arm := real(self, live, ctx) if again else None) is not None and chained.append(1) or arm)
+    chained = chaining(monkeypatch, again)
     spec = SpecConfig(drafter="ngram", selector="always", num_draft_tokens=2, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[], kv_block_size=BS)
     eng.generate(random_prompts(3, 4, 12, seed=7), SamplingParams(temperature=1.0, max_new_tokens=24, seed=1))
     arms = [spec for *_, spec in eng.batch_trace]  # whether each step was the chain
     assert len(asked) == len(arms) and arms == [i % 4 == 3 for i in range(len(arms))]
-    assert (len(chained) > len(arms) // 3) == again
+    assert (sum(chained) > len(arms) // 3) == again
