@@ -26,12 +26,11 @@ import torch
 
 from rlspec.rollout.registry import STRATEGIES
 from rlspec.rollout.speculation.draft_batch import DraftBatch
-from rlspec.rollout.speculation.drafters.base import Draft, DraftTensors
+from rlspec.rollout.speculation.drafters.base import NO_DRAFT, Draft, DraftTensors
 from rlspec.rollout.speculation.selectors.base import Arm
 from rlspec.rollout.speculation.verify import draw_plain, verify_chain, verify_tree
 from rlspec.rollout.types import SamplingParams
 
-NO_DRAFT = Draft()  # shared by every row of a step without drafts (drafts are read, never changed)
 
 # room(nodes per row) -> draft nodes each row may carry: within its token budget, the cache table and
 # the KV blocks the pool can give (the engine's; a proposer asks before drafting)

@@ -42,6 +42,9 @@ class Draft:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
 
+NO_DRAFT = Draft()  # the empty draft, shared (drafts are read, never changed)
+
+
 @dataclass
 class DraftTensors:
     """Every row's draft at once with its tokens still on the device, as a learned drafter draws them: W branches of

@@ -1,13 +1,14 @@
 """N-gram drafting: a compact n-gram index over token documents, and prompt lookup decoding.
 
 `NgramIndex` is shared with the suffix drafter. It indexes, for a few anchor lengths a, every a-gram
-of its documents as a zlib-style hash chain: `head[a][hash(a-gram)]` holds the address of the
+of its documents as a zlib-style hash chain: `head[a][key(a-gram)]` holds the address of the
 newest occurrence (the position right after it, where its continuation starts) and `prev[a][p]`
 the address of the previous one. Walking a chain yields matches newest first. Memory is an
 8-byte array slot per token and anchor plus one dict entry per distinct a-gram, with no list per
-occurrence: about 250 bytes a token with four anchors. Keys are Python tuple hashes, not the
-tuples: a (vanishingly rare) collision can only propose a wrong draft, which verification
-rejects; it can never change what is sampled.
+occurrence: about 250 bytes a token with four anchors. A key is the n-gram's tokens packed into one
+integer, 32 bits each, the last token lowest (`gram_key`), so a document carries the key of its last
+tokens from one token to the next with a shift, and every shorter anchor's key is a mask of it: no
+tuple is built or hashed per token. Keys are exact for token ids below 2^32.
 
 `NgramDrafter` is prompt lookup decoding: each sequence looks up its own prompt + completion for
 earlier occurrences of its last n tokens (n from max_ngram down to min_ngram) and proposes what
@@ -19,21 +20,23 @@ import math
 from array import array
 from dataclasses import dataclass
 
-from rlspec.rollout.speculation.drafters.base import DRAFTERS, Draft
+from rlspec.rollout.speculation.drafters.base import DRAFTERS, NO_DRAFT, Draft
 from rlspec.rollout.runtime.sequence import Sequence
 
 _SHIFT = 24  # an address is doc_id << _SHIFT | position: documents up to 16M tokens
 _MASK = (1 << _SHIFT) - 1
-_NONE = array("q", [-1])  # a prev slot with no earlier occurrence
+_BITS = 32  # a key's bits per token (gram_key)
 
 
 class _Doc:
-    __slots__ = ("tokens", "prev", "start")
+    __slots__ = ("tokens", "prev", "start", "key", "levels")
 
-    def __init__(self, num_anchors: int, start: int):
+    def __init__(self, index: "NgramIndex", start: int):
         self.tokens = array("i")  # 4 bytes a token; histories can hold hundreds of thousands
-        self.prev = [array("q") for _ in range(num_anchors)]  # per anchor, one slot per position
+        self.prev = [array("q") for _ in index.anchors]  # per anchor, one slot per position
         self.start = start  # first position whose a-grams are indexed (skips a copied prompt tail)
+        self.key = 0  # gram_key of the last tokens, as many as the longest anchor (fewer at the start)
+        self.levels = tuple(zip(index.head, self.prev, index.masks, index.anchors))  # what extend walks
 
 
 class NgramIndex:
@@ -43,6 +46,7 @@ class NgramIndex:
         self.anchors = tuple(sorted(set(anchors), reverse=True))  # longest first
         if not self.anchors or self.anchors[-1] < 1:
             raise ValueError(f"anchor lengths must be >= 1, got {anchors}")
+        self.masks = tuple((1 << _BITS * a) - 1 for a in self.anchors)  # an a-gram's key: the longest's, masked
         self.head: list[dict[int, int]] = [{} for _ in self.anchors]
         self.docs: dict[int, _Doc] = {}
         self.num_tokens = 0
@@ -63,7 +67,7 @@ class NgramIndex:
         """A new document; positions before `start` only serve as left context of later n-grams."""
         doc_id = self._next_id
         self._next_id += 1
-        self.docs[doc_id] = _Doc(len(self.anchors), start)
+        self.docs[doc_id] = _Doc(self, start)
         self.extend(doc_id, tokens)
         return doc_id
 
@@ -75,51 +79,61 @@ class NgramIndex:
         toks.extend(tokens)
         n = len(toks)
         self.num_tokens += n - old
-        base, first = doc_id << _SHIFT, max(old, doc.start)
+        base, start, key, keep = doc_id << _SHIFT, doc.start, doc.key, self.masks[0]
         # position p is indexed once token p exists: the n-gram ending at the document's last token has no
-        # continuation yet, so a sequence never matches itself at its own end. Per position the longest anchor's
-        # n-gram is read once, the shorter ones are its tails. (Operators rather than calls in this loop: it runs
-        # per token and anchor, every decode step, for every row; a step brings a row one to a few tokens.)
-        for prev in doc.prev:  # one slot per position (-1: no earlier occurrence), filled below
-            if len(prev) < n:
-                prev.extend(_NONE * (n - len(prev)))
-        longest = self.anchors[0]
-        levels = tuple(zip(self.head, doc.prev, self.anchors))
-        for p in range(first, n):
-            gram = tuple(toks[p - longest:p] if p >= longest else toks[:p])
-            for head, prev, a in levels:
-                if p >= a:
-                    key = hash(gram[-a:])
-                    prev[p] = head.get(key, -1)
-                    head[key] = base | p
+        # continuation yet, so a sequence never matches itself at its own end. `key` holds the n-gram before p.
+        # (Operators rather than calls in this loop: it runs per token and anchor, every decode step, for every row;
+        # a step brings a row one to a few tokens.)
+        for p in range(old, n):
+            for head, prev, mask, a in doc.levels:
+                if p >= a and p >= start:
+                    k = key & mask
+                    prev.append(head.get(k, -1))
+                    head[k] = base | p
+                else:  # no earlier occurrence
+                    prev.append(-1)
+            key = (key << _BITS | toks[p]) & keep
+        doc.key = key
 
     def remove(self, doc_id: int) -> None:
         """Drop a document; chain heads pointing into it move to the next live occurrence."""
         doc = self.docs.pop(doc_id)
         self.num_tokens -= len(doc.tokens)
-        toks = doc.tokens
-        for ai, a in enumerate(self.anchors):
-            head, prev = self.head[ai], doc.prev[ai]
-            for p in range(max(doc.start, a), len(toks)):
-                key = hash(tuple(toks[p - a:p]))
-                addr = head.get(key, -1)
+        key, keep = 0, self.masks[0]
+        for p, tok in enumerate(doc.tokens):
+            for head, prev, mask, a in doc.levels:
+                if p < a or p < doc.start:
+                    continue
+                k = key & mask
+                addr = head.get(k, -1)
                 if addr < 0 or addr >> _SHIFT != doc_id:
                     continue
                 while addr >= 0 and addr >> _SHIFT == doc_id:
                     addr = prev[addr & _MASK]
                 if addr >= 0 and addr >> _SHIFT in self.docs:
-                    head[key] = addr
+                    head[k] = addr
                 else:  # older entries sit in removed documents: the chain is gone
-                    del head[key]
+                    del head[k]
+            key = (key << _BITS | tok) & keep
 
     def find(self, context: list[int], ai: int, limit: int) -> list[int]:
         """Addresses of up to `limit` occurrences of context's last anchors[ai] tokens, newest first."""
         key = tail_key(context, self.anchors[ai])
         return [] if key is None else self.find_key(key, ai, limit)
 
+    def find_end(self, doc_id: int, limit: int) -> list[int]:
+        """find for a document's own end, at the longest anchor that has occurred before (its key is at hand: no
+        tail to read): up to `limit` addresses, newest first ([]: none has)."""
+        doc = self.docs[doc_id]
+        n, key = len(doc.tokens), doc.key
+        for ai, (head, mask, a) in enumerate(zip(self.head, self.masks, self.anchors)):
+            if n >= a and (key & mask) in head:
+                return self.find_key(key & mask, ai, limit)
+        return []
+
     def find_key(self, key: int, ai: int, limit: int) -> list[int]:
-        """find by the n-gram's key (`tail_key`: a query of several indexes with these anchors hashes once). A chain
-        stops at a removed document: eviction is (mostly) oldest first, so little is lost."""
+        """find by the n-gram's key (`tail_key`: a query of several indexes with these anchors packs it once). A
+        chain stops at a removed document: eviction is (mostly) oldest first, so little is lost."""
         addr = self.head[ai].get(key, -1)
         out, docs = [], self.docs
         while addr >= 0 and len(out) < limit:
@@ -130,7 +144,7 @@ class NgramIndex:
             addr = doc.prev[ai][addr & _MASK]
         return out
 
-    def match_len(self, addr: int, context: list[int], cap: int) -> int:
+    def match_len(self, addr: int, context, cap: int) -> int:
         """How many tokens before `addr` equal context's last ones (at most cap, at least the anchor)."""
         toks = self.docs[addr >> _SHIFT].tokens
         p, n = addr & _MASK, 0
@@ -152,9 +166,17 @@ class NgramIndex:
         return out
 
 
+def gram_key(tokens) -> int:
+    """The index key of these tokens (an n-gram): 32 bits a token, the last lowest."""
+    key = 0
+    for t in tokens:
+        key = key << _BITS | t
+    return key
+
+
 def tail_key(context: list[int], a: int) -> int | None:
     """The index key of context's last a tokens, as `extend` keys each n-gram (None: context is shorter)."""
-    return hash(tuple(context[-a:])) if len(context) >= a else None
+    return gram_key(context[-a:]) if len(context) >= a else None
 
 
 def measured_far_enough(m: int, spec_factor: float | None, max_match: int) -> int:
@@ -228,7 +250,7 @@ class NgramDrafter:
         self._seqs = {}
 
     def propose(self, seqs: list[Sequence], max_tokens: list[int], width: int) -> list[Draft]:
-        return [self._draft(self._sync(s), m, width) if m > 0 else Draft() for s, m in zip(seqs, max_tokens)]
+        return [self._draft(self._sync(s), m, width) if m > 0 else NO_DRAFT for s, m in zip(seqs, max_tokens)]
 
     # ---- internals ----------------------------------------------------------------------------
     def _new(self, seq: Sequence) -> _SeqIndex:
@@ -246,17 +268,12 @@ class NgramDrafter:
 
     def _draft(self, st: _SeqIndex, m: int, width: int) -> Draft:
         index = st.index
-        enough = measured_far_enough(m, self.spec_factor, self.max_match)
-        tail = context_tail(st.seq, max(enough, self.anchors[0]))
-        limit = 1 if width == 1 else self.max_matches
-        for ai in range(len(index.anchors)):
-            addrs = index.find(tail, ai, limit)
-            if addrs:
-                break
-        else:
-            return Draft()
+        addrs = index.find_end(st.doc, 1 if width == 1 else self.max_matches)  # the document: prompt + completion
+        if not addrs:
+            return NO_DRAFT
         if self.spec_factor:  # a longer match earns a longer draft
-            m = min(m, math.ceil(self.spec_factor * index.match_len(addrs[0], tail, enough)))
+            enough = measured_far_enough(m, self.spec_factor, self.max_match)
+            m = min(m, math.ceil(self.spec_factor * index.match_len(addrs[0], index.tokens_of(st.doc), enough)))
         if width == 1 or m == 1:
             return Draft.chain(index.continuation(addrs[0], m, periodic=True))
         return self._tree(index, addrs, m, width)
