@@ -116,9 +116,9 @@ class DecodeSteps(AheadChains):
                                            top=batch.kv_len - batch.N - 1)
         verdict = self.verifier.verify(self._penalised(logits, batch, ctx), hiddens, batch, ctx.params,
                                        bound(ctx.draws, live), routed)
-        emitted = self._emitted(verdict, batch)
-        layout, sent = self._send(logits, verdict, batch, ctx, live, emitted)  # logprobs from the raw logits
         learned = self.speculation.learned is not None
+        emitted = self._emitted(verdict, batch) if learned else None  # the drafter's to read (else _send's, if any)
+        layout, sent = self._send(logits, verdict, batch, ctx, live, emitted)  # logprobs from the raw logits
         if learned:  # queued behind the transfer, run while the host reads it: features staged, an early catch-up
             accepted = verdict.accepted if batch.N else None
             self.speculation.observe_verify(live, hiddens, None if batch.is_chain else verdict.path, accepted,
@@ -289,16 +289,18 @@ class DecodeSteps(AheadChains):
         return torch.cat([drafts, nxt], 1).scatter_(1, verdict.accepted[:, None], nxt)
 
     def _send(self, logits, verdict: StepVerdict, batch: DraftBatch, ctx: Call, live: list[Sequence],
-              emitted: torch.Tensor, extra: tuple = ()) -> tuple[StepLayout, Pending]:
-        """The step's ONE host transfer (StepLayout), launched: the emitted tokens (`_emitted`) and their target
-        logprobs, computed on the device, with each row's "logits finite" flag, the verifier's own columns (a
-        lossy mode's sources and behaviour logprobs) and `extra` columns after them."""
+              emitted: torch.Tensor | None, extra: tuple = ()) -> tuple[StepLayout, Pending]:
+        """The step's ONE host transfer (StepLayout), launched: the emitted tokens (`_emitted`, None: worked out
+        here if needed) and their target logprobs, computed on the device, with each row's "logits finite" flag, the
+        verifier's own columns (a lossy mode's sources and behaviour logprobs) and `extra` columns after them. Where
+        the draw wrote those first columns (`StepVerdict.row`: a CPU kernel's, un-penalised), they go as they are."""
         tree, dev = not batch.is_chain, logits.device
         layout = StepLayout.of(batch.N, tree)
+        if verdict.row is not None and ctx.history is None:
+            return layout, self.runner.transfers.to_host(verdict.row, *verdict.columns, *extra)
+        emitted = self._emitted(verdict, batch) if emitted is None else emitted
         path, accepted = (None, None) if batch.N == 0 else (verdict.path, verdict.accepted)
-        if verdict.logprob is not None and ctx.history is None:  # the draw gave both (un-penalised)
-            lps, flags = verdict.logprob, verdict.finite
-        elif not tree:  # token j is predicted at node j: the logits as they are, the flag over nodes 0..accepted
+        if not tree:  # token j is predicted at node j: the logits as they are, the flag over nodes 0..accepted
             lps = logprobs_of(logits, emitted, ctx.params)
             flags = layout.finite(logits) if accepted is None else layout.chain_finite(logits, accepted)
         else:  # the flag covers every logit the step used: those at the accepted path's nodes and the last one

@@ -47,9 +47,7 @@ class StepVerdict:
     accepted: torch.Tensor | None  # [B] long
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     columns: tuple[torch.Tensor, ...] = ()  # [B, c] extras for the step's host transfer (provenance)
-    logprob: torch.Tensor | None = None  # [B, N+1]: a kernel's draws came with their logprobs and finite flags
-    # (verify.Verdict)
-    finite: torch.Tensor | None = None
+    row: torch.Tensor | None = None  # the transfer's columns before those, as a kernel's draw wrote them (verify.Verdict)
 
 
 @dataclass
@@ -122,12 +120,10 @@ class ExactVerifier:
     def verify(self, logits, hiddens, batch: DraftBatch, params, generator, routed=None) -> StepVerdict:
         if batch.tokens.shape[1] == 1:  # no row drafted: verify_chain's draws, without a path
             token, row = draw_plain(logits[:, 0], params, generator)
-            if row is None:
-                return StepVerdict(None, None, token)
-            return StepVerdict(None, None, token, (), row[:, 1:2], row[:, 2])
+            return StepVerdict(None, None, token, (), row)
         if batch.is_chain:
             v = verify_chain(logits, batch.tokens[:, 1:], batch.num_drafts, params, batch.q, generator)
-            return StepVerdict(None, v.accepted, v.next_token, (), v.logprob, v.finite)
+            return StepVerdict(None, v.accepted, v.next_token, (), v.row)
         v = verify_tree(logits, batch.tokens, batch.children, params, batch.q, generator, batch.depth)
         return StepVerdict(v.path, v.accepted, v.next_token)
 
@@ -143,7 +139,7 @@ class ExactVerifier:
 
 def chain_verdict(v, N: int, columns: tuple[torch.Tensor, ...] = ()) -> StepVerdict:
     """A chain's Verdict (accepted, next_token) as a StepVerdict: its path is 1..accepted, -1 after."""
-    return StepVerdict(chain_path(v.accepted, N), v.accepted, v.next_token, columns, v.logprob, v.finite)
+    return StepVerdict(chain_path(v.accepted, N), v.accepted, v.next_token, columns, v.row)
 
 
 def chain_path(accepted: torch.Tensor, N: int) -> torch.Tensor:

@@ -46,11 +46,10 @@ class Verdict:
     accepted: torch.Tensor  # [B] long: drafts accepted per sequence (0..num_drafts[b])
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     exact: torch.Tensor | None = None  # [B, K] bool: the exact test's verdict at each draft position
-    # where the draws came with them (a CPU kernel: sampling.sample_plain, _chain_op; an untruncated plain draw):
-    # [B, K+1] log p of each token emitted (the accepted drafts, then the next token) under the logits given, and
-    # each row's finite column (step_layout.py; None otherwise: the engine computes them)
-    logprob: torch.Tensor | None = None
-    finite: torch.Tensor | None = None
+    # where the draw wrote it (a CPU kernel: sampling.sample_plain, _chain_op): the step's host transfer [B, C]
+    # float64 as rollout/step_layout.py lays it out (the emitted tokens, their log p under the logits given and each
+    # row's finite column; a chain's accepted count first); None otherwise: the engine packs it
+    row: torch.Tensor | None = None
 
 
 def verify_chain(
@@ -73,8 +72,7 @@ def verify_chain(
         none, zero = torch.zeros(B, 0, dtype=torch.bool, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
         drawn = sample_plain(target_logits[:, 0], params, generator) if p is None else None
         if drawn is not None:
-            token, row = drawn
-            return Verdict(zero, token, none, row[:, 1:2], row[:, 2])
+            return Verdict(zero, drawn[0], none, drawn[1])
         p = probs_from_logits(target_logits, params) if p is None else p
         return Verdict(zero, sample(p[:, 0], generator), none)  # the same draws as below
     drawn = _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) \
@@ -135,8 +133,8 @@ def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = 
 
 
 def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:
-    """verify_chain's rule as one CPU op (kernels/verify_chain.cpp), with the emitted tokens' logprobs and finite
-    flags; None where it does not serve (sampling.kernel_draws). The same uniforms in the same order as below: u
+    """verify_chain's rule as one CPU op (kernels/verify_chain.cpp), with the step's host transfer (the emitted
+    tokens, their logprobs and finite flags); None where it does not serve (sampling.kernel_draws). The same uniforms in the same order as below: u
     [B, K] for the acceptance tests, then one per row for the next token. No `exact` (the lossless path reads
     none). Why: ~40 small ops over [B, K+1, V] and the host transfer's log-softmax were ~1.2 ms of a ~12 ms batch-1
     CPU step with one draft (docs/verification.md#chains-on-the-cpu)."""
@@ -145,10 +143,13 @@ def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, gene
     B, K = draft_tokens.shape
     u = uniform(generator, (B, K), "cpu", ACCEPT)
     r = uniform(generator, (B,), "cpu", FINAL)
-    q = target_logits.new_empty(0) if draft_probs is None else draft_probs.float()  # a no-op for float32 q
-    accepted, token, logprob, finite = torch.ops.rlspec_kernels.verify_chain_rows(
+    q = _NO_Q if draft_probs is None else draft_probs.float()  # a no-op for float32 q
+    accepted, token, row = torch.ops.rlspec_kernels.verify_chain_rows(
         target_logits, draft_tokens, num_drafts, q, u, r, float(params.temperature))
-    return Verdict(accepted, token, None, logprob, finite)
+    return Verdict(accepted, token, None, row)
+
+
+_NO_Q = torch.empty(0)  # _chain_op's q of deterministic drafts (one tensor: no op a step to make it)
 
 
 def _accepted(exact: torch.Tensor, kept: torch.Tensor | None, in_range: torch.Tensor) -> torch.Tensor:

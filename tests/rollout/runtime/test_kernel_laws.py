@@ -103,10 +103,10 @@ def _verify(logits, x, num, q, u, r):
 
 def _residual_from_p(logits, x, num, q, u, r):
     """After a rejection the next token drawn from p (by the kernel's own uniform r), not from the residual."""
-    acc, tok, lp, fin = _verify(logits, x, num, q, u, r)
+    acc, tok, row = _verify(logits, x, num, q, u, r)
     cdf = torch.softmax(logits.double() / T, -1)[torch.arange(len(acc)), acc].cumsum(-1)
     from_p = torch.searchsorted(cdf, (r.double() * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=VC - 1)
-    return acc, torch.where(acc < num, from_p, tok), lp, fin
+    return acc, torch.where(acc < num, from_p, tok), row
 
 
 VERIFY_FLAWS = {  # name -> the kernel called as the wrong variant would be
@@ -127,23 +127,27 @@ def _chain_pvalue(acc, tok, law) -> float:
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled-q", "one-hot-q"])
 def test_verify_chain_rows_has_the_chain_rules_law(sampled):
     """40000 rows verifying the same two drafts: their (drafts accepted, next token) against the chain rule's law,
-    the emitted tokens' logprobs, and the finite flag over the positions used only."""
+    and each row's host transfer (step_layout.py): the accepted count, the emitted tokens, their logprobs, and the
+    finite flag over the positions used only."""
     inputs, law = _chain_case(sampled)
-    acc, tok, lp, fin = _verify(**inputs)
-    assert (fin == 0).all() and _chain_pvalue(acc, tok, law) > ALPHA
+    acc, tok, row = _verify(**inputs)
+    assert row.dtype == torch.float64 and row.shape == (N, 2 * K + 4)
+    assert (row[:, -1] == 0).all() and _chain_pvalue(acc, tok, law) > ALPHA
     logits, x = inputs["logits"][:1], inputs["x"][:1]
     emitted = torch.cat([x.expand(N, -1), torch.zeros(N, 1, dtype=torch.long)], 1)
     emitted = emitted.scatter(1, acc[:, None], tok[:, None])
     want = torch.log_softmax(logits.double() / T, -1)[0].gather(1, emitted.t()).t()  # [N, K + 1]
     used = torch.arange(K + 1)[None, :] <= acc[:, None]
-    torch.testing.assert_close(lp.double()[used], want[used], atol=2e-5, rtol=0)
+    assert torch.equal(row[:, 0], acc.double())
+    assert torch.equal(row[:, 1:K + 2][used], emitted.double()[used])
+    torch.testing.assert_close(row[:, K + 2:2 * K + 3][used], want[used], atol=2e-5, rtol=0)
 
     bad = logits.expand(3, -1, -1).clone()
     bad[0, 0, 5], bad[1, 2, 1], bad[2, 1, 0] = float("nan"), float("inf"), float("nan")
     u3 = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1 - 1e-7, 0.0]])  # rows 0 and 1 accept all, row 2 rejects at 0
     q3 = inputs["q"][:3] if sampled else inputs["q"]
     out = _verify(bad, x.expand(3, -1), torch.full((3,), K), q3, u3, inputs["r"][:3])
-    assert out[3].tolist() == [-math.inf, -math.inf, 0]  # row 2 never reads position 1
+    assert out[2][:, -1].tolist() == [-math.inf, -math.inf, 0]  # row 2 never reads position 1
 
 
 @needs_kernel

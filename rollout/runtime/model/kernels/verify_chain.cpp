@@ -3,19 +3,22 @@
 //
 //   verify_chain_rows(logits [B, K+1, V] float32, tokens [B, K] long, num [B] long, q [B, K, V] float32 or empty
 //                     (deterministic drafts: q one-hot at the token), u [B, K] float32, r [B] float32, temperature)
-//     -> (accepted [B] long, next_token [B] long, logprob [B, K+1] float32, finite [B] float64)
+//     -> (accepted [B] long, next_token [B] long,
+//         row [B, 2K+4] float64: accepted, emitted (K+1), logprob (K+1), finite column)
 //
 // Row b, p_i = softmax(logits[b, i] / T): accept draft i (i < num[b], in order) while u[b, i] * q_i(x_i) < p_i(x_i);
 // at the first rejection a the next token is drawn from norm(max(0, p_a - q_a)) (p_a where that has no mass), after
 // all num[b] from p_num, in both cases by inverting the CDF at 1 - r[b] (sampling.sample). That is verify.py's
-// verify_chain rule with the same uniforms; the bits may differ (the softmax is this file's own). logprob[b, i]
-// is log p_i of the token emitted at i (the accepted drafts, then the next token; 0 after), finite[b] 0 where every
-// logit at positions 0..accepted was finite and -inf where not (the step transfer's finite column, step_layout.py;
-// if not finite, the rest of the row is meaningless and the engine raises).
+// verify_chain rule with the same uniforms; the bits may differ (the softmax is this file's own). The row is the chain
+// step's host transfer as rollout/step_layout.py lays it out: the accepted count a, the emitted tokens (the accepted
+// drafts, then the next token at column a; 0 after), log p_i of the token emitted at i (0 after), and the finite
+// column: 0 where every logit at positions 0..a was finite and -inf where not (then the rest of the row is
+// meaningless and the engine raises). The step sends it as it is: no op packs it.
 //
 // Why (docs/verification.md#chains-on-the-cpu): in torch a chain's verify took ~40 ops over [B, K+1, V] (softmax of
 // every position, gathers, the residual, its CDF) and the host transfer's logprobs and finite check another
-// log-softmax and sum: ~1.2 ms of a ~12 ms batch-1 step with one draft, here a few passes over the positions used.
+// log-softmax and sum: ~1.2 ms of a ~12 ms batch-1 step with one draft, here a few passes over the positions used;
+// packing the transfer took eight more small ops a step (docs/runtime.md#host-step-budget).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -57,7 +60,7 @@ void check_verify(const at::Tensor& logits, const at::Tensor& tokens, const at::
     TORCH_CHECK(np[b] >= 0, op, ": num[", b, "] = ", np[b], " is a negative draft count");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
     const at::Tensor& logits_, const at::Tensor& tokens_, const at::Tensor& num_, const at::Tensor& q_,
     const at::Tensor& u_, const at::Tensor& r_, double temperature) {
   check_verify(logits_, tokens_, num_, q_, u_, r_, temperature);
@@ -67,8 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
   const at::Tensor num = num_.to(at::kLong).contiguous(), q = q_.contiguous(), u = u_.contiguous(),
                    r = r_.contiguous();
   at::Tensor accepted = at::empty({B}, tokens.options()), next = at::empty({B}, tokens.options());
-  at::Tensor logprob = at::zeros({B, K + 1}, logits.options());
-  at::Tensor finite = at::empty({B}, logits.options().dtype(at::kDouble));
+  at::Tensor out = at::zeros({B, 2 * K + 4}, logits.options().dtype(at::kDouble));  // the row (header)
   const float* xp = logits.data_ptr<float>();
   const float* qp = sampled ? q.data_ptr<float>() : nullptr;
   const int64_t *tp = tokens.data_ptr<int64_t>(), *np = num.data_ptr<int64_t>();
@@ -80,7 +82,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
     std::vector<float> e(lanes * kDrawLanes), block(lanes), res(lanes * kDrawLanes), res_block(lanes);
     for (int64_t b = b0; b < b1; b++) {
       const float* row = xp + b * (K + 1) * V;
-      float* lp = logprob.data_ptr<float>() + b * (K + 1);
+      double* o = out.data_ptr<double>() + b * (2 * K + 4);
+      double* emitted = o + 1;
+      double* lp = o + K + 2;  // float32 values (the softmax's), as the torch path's
       const int64_t n = std::min(np[b], K);
       int64_t a = 0;
       Softmax s{};
@@ -91,13 +95,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
         const int64_t x = tp[b * K + a];
         const float qx = sampled ? qp[(b * K + a) * V + x] : 1.f;
         lp[a] = row[a * V + x] / T - s.max - std::log(s.total);
+        emitted[a] = static_cast<double>(x);
         if (!(up[b * K + a] * qx < e[x] / s.total)) {
           rejected = true;
           break;
         }
       }
       accepted.data_ptr<int64_t>()[b] = a;
-      finite.data_ptr<double>()[b] = finite_column(s.finite);
+      o[0] = static_cast<double>(a);
+      o[2 * K + 3] = finite_column(s.finite);
       if (!s.finite) {
         next.data_ptr<int64_t>()[b] = 0;
         continue;
@@ -123,10 +129,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
       }
       if (token < 0) token = search_row(e.data(), block.data(), V, target * s.total);  // p_a: the bonus
       next.data_ptr<int64_t>()[b] = token;
+      emitted[a] = static_cast<double>(token);
       lp[a] = row[a * V + token] / T - s.max - std::log(s.total);
     }
   });
-  return {accepted, next, logprob, finite};
+  return {accepted, next, out};
 }
 
 }  // namespace rlspec_kernels
@@ -134,6 +141,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
 TORCH_LIBRARY_FRAGMENT(rlspec_kernels, m) {
   m.def(
       "verify_chain_rows(Tensor logits, Tensor tokens, Tensor num, Tensor q, Tensor u, Tensor r, float temperature) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "-> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(rlspec_kernels, CPU, m) { m.impl("verify_chain_rows", &rlspec_kernels::verify_chain_rows); }
