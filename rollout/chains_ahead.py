@@ -88,7 +88,8 @@ class AheadChains:
         """A chain step from the host's state, then, while the next arm is a chain of the same drafter with room
         for it, each step's successor launched before the host reads the step."""
         t0 = time.perf_counter()
-        caps = ctx.kv.draft_room(live, self._draft_caps(live, [arm.nodes] * len(live)))
+        lens = [s.cache_len for s in live]
+        caps = ctx.kv.draft_room(live, self._draft_caps(live, [arm.nodes] * len(live), lens), lens)
         span = Span(self.runner.device).start()
         drafts = self.speculation.draft(arm, live, caps)
         span.stop()

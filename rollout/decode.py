@@ -25,6 +25,7 @@ that pass and the copy of the rows' pending tokens and lengths.
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ from rlspec.rollout.speculation.strategies import ExactVerifier, SelectorPropose
 from rlspec.rollout.speculation.verify import draw_plain
 from rlspec.rollout.step_layout import HostStep, StepLayout
 from rlspec.rollout.types import SamplingParams
+
+_FINISH_REASON = operator.attrgetter("finish_reason")  # None, or a reason (a non-empty str)
 
 
 @dataclass
@@ -100,17 +103,17 @@ class DecodeSteps(AheadChains):
         if drafter is not None:  # a chain drafted on the device: its successors looked ahead (chains_ahead.py)
             return self._chain_steps(live, arm, ctx, drafter)
         roomy = []  # whether the proposer took draft room (blocks past the pending token) this step
+        lens = [s.cache_len for s in live]  # read by the room, its blocks and the verify's layout
 
         def room(nodes: list[int]) -> list[int]:
             roomy.append(True)
-            return ctx.kv.draft_room(live, self._draft_caps(live, nodes))
+            return ctx.kv.draft_room(live, self._draft_caps(live, nodes, lens), lens)
 
         span = Span(self.runner.device).start()  # a learned drafter's drafts are drawn on the device after it returns
         drafts, routed = self.proposer.propose(live, arm, room)
         span.stop()
-        drafted = drafts.counts() if isinstance(drafts, DraftTensors) else [len(d) for d in drafts]
-        batch = build_draft_batch([s.pending for s in live], drafts, [s.cache_len for s in live],
-                                  self.runner.transfers.to_device)
+        drafted = drafts.counts() if isinstance(drafts, DraftTensors) else [len(d.tokens) for d in drafts]
+        batch = build_draft_batch([s.pending for s in live], drafts, lens, self.runner.transfers.to_device)
         logits, hiddens = self.runner.step(batch.tokens, batch.start, batch.depths, batch.tree_mask,
                                            self.speculation.aux_layers + self.verifier.hidden_layers,
                                            top=batch.kv_len - batch.N - 1)
@@ -272,11 +275,12 @@ class DecodeSteps(AheadChains):
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))
 
-    def _draft_caps(self, live: list[Sequence], nodes: list[int]) -> list[int]:
-        """Most draft nodes each row may carry: `nodes`, within its token budget and the cache table."""
+    def _draft_caps(self, live: list[Sequence], nodes: list[int], lens: list[int]) -> list[int]:
+        """Most draft nodes each row may carry: `nodes`, within its token budget and the cache table (lens: the rows'
+        cache lengths)."""
         room = self.runner.cache.length - self._draft_slack()  # padded rows still fit the table
         # a draft longer than the tokens still allowed cannot all be kept: the last one is the target's
-        return [max(0, min(n, s.remaining - 1, room - s.cache_len)) for s, n in zip(live, nodes)]
+        return [max(0, min(n, s.remaining - 1, room - c)) for s, n, c in zip(live, nodes, lens)]
 
     @staticmethod
     def _emitted(verdict: StepVerdict, batch: DraftBatch) -> torch.Tensor:
@@ -345,8 +349,8 @@ class DecodeSteps(AheadChains):
             if a == 0 and prov is None:  # one token, the target's
                 kept += s.append_one(step.tokens[i][0], step.lps[i][0], stop)
                 continue
-            path = step.path[i]
-            if not is_chain and path[:a] != list(range(1, a + 1)):
+            path = None if is_chain else step.path[i]
+            if path is not None and path[:a] != list(range(1, a + 1)):
                 start = s.cache_len
                 # the target's layers: a learned drafter's catch-up writes its own at the kept positions, and may
                 # have run already (eagle3_catch_up.py)
@@ -355,5 +359,5 @@ class DecodeSteps(AheadChains):
             src = [1] * a + [0] if prov is None else prov.sources[i]  # draft-exact..., target
             kept += s.append(step.tokens[i][:a + 1], step.lps[i][:a + 1], stop, src,
                              None if prov is None else prov.behaviour[i])
-        ctx.finished = ctx.finished or any(s.finish_reason is not None for s in live)
+        ctx.finished = ctx.finished or any(map(_FINISH_REASON, live))  # (a C loop: no call a row)
         return kept

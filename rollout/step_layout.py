@@ -26,11 +26,12 @@ from rlspec.rollout.speculation.strategies import Provenance
 
 @dataclass
 class HostStep:
-    """A decode step's result on the host, per row: accepted drafts, their node path (-1 after), the emitted tokens
-    (accepted drafts + the one after) and their target logprobs; provenance from a lossy verifier."""
+    """A decode step's result on the host, per row: accepted drafts, their node path (-1 after; None for a chain or
+    a plain step, whose accepted node j is draft j), the emitted tokens (accepted drafts + the one after) and their
+    target logprobs; provenance from a lossy verifier."""
 
     accepted: list[int]
-    path: list[list[int]]
+    path: list[list[int]] | None
     tokens: list[list[int]]
     lps: list[list[float]]
     provenance: Provenance | None = None
@@ -95,9 +96,9 @@ class StepLayout:
         N, P = self.N, self.P
         if N == 0:
             B = len(rows)
-            return HostStep([0] * B, [[]] * B, [[int(r[0])] for r in rows], [[r[1]] for r in rows])  # paths unread
+            return HostStep([0] * B, None, [[int(r[0])] for r in rows], [[r[1]] for r in rows])
         accepted = [int(r[0]) for r in rows]
-        path = [list(map(int, r[1:1 + P])) for r in rows] if P else [list(range(1, a + 1)) for a in accepted]
+        path = [list(map(int, r[1:1 + P])) for r in rows] if P else None
         t, lp = 1 + P, 2 + N + P  # where the emitted tokens and their logprobs start
         return HostStep(accepted, path, [list(map(int, r[t:t + a + 1])) for r, a in zip(rows, accepted)],
                         [r[lp:lp + a + 1] for r, a in zip(rows, accepted)])

@@ -84,10 +84,12 @@ class KVLedger:
             due[(step + len(tables.get(id(s), ())) * bs - s.cache_len) % bs] = True
         return due
 
-    def draft_room(self, live: list[Sequence], caps: list[int]) -> list[int]:
-        """Blocks for each row's drafted positions while the pool lasts; returns the caps kept."""
-        kept, short = draft_room(self.cache.alloc, live, caps)
-        grow = [(live[i].row, id(live[i]), live[i].cache_len + 1 + kept[i]) for i in short]
+    def draft_room(self, live: list[Sequence], caps: list[int], lens: list[int] | None = None) -> list[int]:
+        """Blocks for each row's drafted positions while the pool lasts; returns the caps kept. lens: the rows' cache
+        lengths, where the caller has them."""
+        lens = [s.cache_len for s in live] if lens is None else lens
+        kept, short = draft_room(self.cache.alloc, live, caps, lens)
+        grow = [(live[i].row, id(live[i]), lens[i] + 1 + kept[i]) for i in short]
         if grow:
             self.cache.grow(grow)
             self.grown.update(owner for _, owner, _ in grow)

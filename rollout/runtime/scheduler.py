@@ -175,13 +175,14 @@ class Scheduler:
         return moves
 
 
-def draft_room(alloc: BlockAllocator, live: list[Sequence], caps: list[int]) -> tuple[list[int], list[int]]:
+def draft_room(alloc: BlockAllocator, live: list[Sequence], caps: list[int],
+               lens: list[int]) -> tuple[list[int], list[int]]:
     """Drafted positions each live sequence may write this step (past its pending token), at most caps[i]:
     what its blocks hold plus the free blocks (a growing pool grows for them first), handed out oldest
     sequence first. Where the pool runs short a draft is shortened (which changes speed, never the law).
-    Returns the caps kept and the rows whose kept positions need blocks they do not hold (the caller takes them)."""
+    lens: the rows' cache lengths. Returns the caps kept and the rows whose kept positions need blocks they do not
+    hold (the caller takes them)."""
     bs, tables = alloc.block_size, alloc.tables
-    lens = [s.cache_len for s in live]
     held = [len(tables.get(id(s), ())) for s in live]
     short = [i for i, (n, h, c) in enumerate(zip(lens, held, caps)) if n + 1 + c > h * bs]
     if not short:  # every draft fits the blocks its row holds (most steps)

@@ -36,7 +36,7 @@ def host_tensor(values, dtype: torch.dtype = torch.long) -> torch.Tensor:
             if not isinstance(first, (list, tuple)):
                 return torch.frombuffer(array(code, values), dtype=dtype)
             n = len(first)
-            if n and all(len(row) == n for row in values):
+            if n and all(map(n.__eq__, map(len, values))):  # (C loops: no call a row)
                 flat = array(code, itertools.chain.from_iterable(values))
                 return torch.frombuffer(flat, dtype=dtype).view(len(values), n)
         except TypeError:  # a list inside a row, or a float for an integer type

@@ -10,6 +10,8 @@ both alike from what it knows, each row's tree, and the tokens of DraftTensors a
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +57,7 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | DraftTensors | N
         return _chains_on_device(pending, drafts, start, to_device)
     if isinstance(drafts, DraftTensors):
         layout = drafts.layout()  # the rows' trees, their tokens indices into the drafts' ids
-        batch = _laid_out(pending, layout if any(map(len, layout)) else None, start, to_device)
+        batch = _laid_out(pending, layout, start, to_device)
         if batch.N:
             B, W, D = drafts.ids.shape
             flat, N = drafts.ids.view(B, W * D), batch.N
@@ -70,10 +72,11 @@ def build_draft_batch(pending: list[int], drafts: list[Draft] | DraftTensors | N
                     nodes = q.gather(1, index[..., None].expand(-1, -1, q.shape[-1]))
                     batch.q = torch.cat([q.new_zeros(B, 1, q.shape[-1]), nodes], 1)
         return batch
-    batch = _laid_out(pending, drafts if drafts is not None and any(map(len, drafts)) else None, start, to_device)
+    batch = _laid_out(pending, drafts, start, to_device)
     if batch.N:
-        batch.q = _stack_q(drafts, None if all(d.q is None for d in drafts) else _check_q(drafts), len(pending),
-                           batch.N, batch.is_chain, batch.num_drafts.device)
+        deterministic = all(map(operator.is_, map(_Q, drafts), itertools.repeat(None)))  # every q None (C loops)
+        batch.q = _stack_q(drafts, None if deterministic else _check_q(drafts), len(pending), batch.N, batch.is_chain,
+                           batch.num_drafts.device)
     return batch
 
 
@@ -91,10 +94,12 @@ def _chains_on_device(pending: list[int], drafts: DraftTensors, start: list[int]
 
 
 def _laid_out(pending: list[int], drafts: list[Draft] | None, start: list[int] | None, to_device) -> DraftBatch:
-    """build_draft_batch's integers: the nodes' tokens, counts, tree structure and starts, in one copy (no q)."""
+    """build_draft_batch's integers: the nodes' tokens, counts, tree structure and starts, in one copy (no q). No
+    drafts, or none with a node: a plain step's."""
     to_device = to_device or torch.tensor
     B = len(pending)
-    N = max((len(d) for d in drafts), default=0) if drafts is not None else 0
+    lens = [] if drafts is None else [len(d.tokens) for d in drafts]  # (len(d) is a Python call a row)
+    N = max(lens, default=0)
     starts = start if start is not None else [0] * B
     kv_len = max(starts, default=0) + N + 1
     if N == 0:  # plain decoding: [pending, num (0), start]
@@ -102,17 +107,17 @@ def _laid_out(pending: list[int], drafts: list[Draft] | None, start: list[int] |
         return DraftBatch(packed[:, :1], packed[:, 1], True, start=packed[:, 2] if start is not None else None,
                           kv_len=kv_len)
     zeros = [0] * N  # a short draft's padding: drafts[i] + zeros[len:] (one list for every row)
-    chain = all(d.parents == _chain_parents(len(d)) for d in drafts)
+    chain = all(map(operator.eq, map(_PARENTS, drafts), map(_chain_parents, lens)))  # C loops: no call a row
     if chain:  # [pending, drafts (N), num, start]
-        packed = to_device([[p, *d.tokens, *zeros[len(d):], len(d), c] for p, d, c in zip(pending, drafts, starts)])
+        packed = to_device([[p, *d.tokens, *zeros[n:], n, c] for p, d, n, c in zip(pending, drafts, lens, starts)])
         batch = DraftBatch(packed[:, :N + 1], packed[:, N + 1], True)
     else:
         # a row's tree columns depend on its parents alone: worked out once per shape (most rows share a few)
         shapes = [tuple(d.parents) for d in drafts]
         W = max(map(_width, set(shapes)))
         N1 = N + 1
-        packed = to_device([[p, *d.tokens, *zeros[len(d):], *_tree_columns(t, N, W), c]
-                            for p, d, t, c in zip(pending, drafts, shapes, starts)])
+        packed = to_device([[p, *d.tokens, *zeros[n:], *_tree_columns(t, N, W), c]
+                            for p, d, n, t, c in zip(pending, drafts, lens, shapes, starts)])
         bits = packed[:, 2 * N1 + 1:3 * N1 + 1]
         mask = (bits[:, :, None] >> torch.arange(N1, device=packed.device)) & 1 == 1  # [B, N+1, N+1]
         batch = DraftBatch(packed[:, :N1], packed[:, N1], False, packed[:, N1 + 1:2 * N1 + 1], mask,
@@ -120,6 +125,9 @@ def _laid_out(pending: list[int], drafts: list[Draft] | None, start: list[int] |
                            depth=max(max(_tree_columns(t, N, W)[1:N1 + 1]) for t in set(shapes)))
     batch.start, batch.kv_len = (packed[:, -1] if start is not None else None), kv_len
     return batch
+
+
+_PARENTS, _Q = operator.attrgetter("parents"), operator.attrgetter("q")
 
 
 @functools.lru_cache(maxsize=None)

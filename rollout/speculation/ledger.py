@@ -94,7 +94,7 @@ class Ledger:
         b = bucket(batch)
         spent = seconds + draft_seconds
         if arm.speculative:
-            advanced = sum(a + 1 for a in accepted) / max(len(accepted), 1)  # positions the rows moved on average
+            advanced = (sum(accepted) + len(accepted)) / max(len(accepted), 1)  # positions the rows moved on average
             plain = self.plain_seconds(b)
             if plain is None:  # nothing to compare with yet: the step counts as breaking even
                 plain = spent / max(advanced, 1e-9)
@@ -117,11 +117,12 @@ class Ledger:
         key, level = (name, b), draft_seconds / arm.depth
         old = self.draft_level.get(key)
         self.draft_level[key] = level if old is None else (1 - EMA) * old + EMA * level
-        rows = [(n, a) for n, a in zip(drafted, accepted) if n > 0]
-        if rows:
-            self.window_drafters.setdefault(name, Window()).add(len(rows), sum(n for n, _ in rows),
-                                                                sum(a for _, a in rows), draft_seconds, arm.depth,
-                                                                self.plain_seconds(b))
+        busy = len(drafted) - drafted.count(0)  # rows that carried a draft (a row without one accepted none)
+        if busy:
+            window = self.window_drafters.get(name)
+            if window is None:
+                window = self.window_drafters[name] = Window()
+            window.add(busy, sum(drafted), sum(accepted), draft_seconds, arm.depth, self.plain_seconds(b))
         acc, rej = path_evidence(arm, drafted, accepted)
         self.trials[name] = self.trials.get(name, 0.0) + acc + rej
         fa, fr = self.fresh.get(name, (0.0, 0.0))
@@ -132,7 +133,7 @@ class Ledger:
         tr = self.acceptance[name]
         tr.accepts = tr.accepts * ACCEPT_DECAY + acc
         tr.rejects = tr.rejects * ACCEPT_DECAY + rej
-        share = sum(1 for n in drafted if n > 0) / max(len(drafted), 1)
+        share = busy / max(len(drafted), 1)
         tr.drafted_share = (1 - EMA) * tr.drafted_share + EMA * share
 
     def forget(self, drafter: str) -> None:

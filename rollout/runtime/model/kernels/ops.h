@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 namespace rlspec_kernels {
 
@@ -112,9 +113,11 @@ void check_head(const char* op, const at::Tensor& x, const at::Tensor& norm, con
                 int64_t vocab);
 // sample_rows' logits [B, V] float32 (V > 0), r [B] float32, temperature > 0 (sample.cpp).
 void check_sample(const at::Tensor& logits, const at::Tensor& r, double temperature);
-// verify_chain_rows' arguments (verify_chain.cpp): shapes and dtypes, draft ids in [0, V), counts >= 0.
-void check_verify(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& num, const at::Tensor& q,
-                  const at::Tensor& u, const at::Tensor& r, double temperature);
+// verify_chain_rows' arguments (verify_chain.cpp): shapes and dtypes, draft ids in [0, V), counts >= 0. Returns the
+// ids and counts as int64, contiguous: what it checked, as the op reads them.
+std::pair<at::Tensor, at::Tensor> check_verify(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& num,
+                                               const at::Tensor& q, const at::Tensor& u, const at::Tensor& r,
+                                               double temperature);
 // Everything draft_chain reads or writes, before its first draw (draft_chain.cpp): the layer's and the head's
 // arguments (every draft step's cos, sin, slots and mask are slices of one tensor each), every step's slots inside
 // the pool, the id map inside the embedding table, the uniforms.

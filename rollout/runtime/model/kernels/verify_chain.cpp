@@ -31,8 +31,9 @@
 
 namespace rlspec_kernels {
 
-void check_verify(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& num, const at::Tensor& q,
-                  const at::Tensor& u, const at::Tensor& r, double temperature) {
+std::pair<at::Tensor, at::Tensor> check_verify(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& num,
+                                               const at::Tensor& q, const at::Tensor& u, const at::Tensor& r,
+                                               double temperature) {
   constexpr const char* op = "verify_chain_rows";
   check_tensor(op, "logits", logits, at::kFloat);
   TORCH_CHECK(logits.dim() == 3 && logits.size(1) >= 2 && logits.size(2) > 0, op,
@@ -53,22 +54,21 @@ void check_verify(const at::Tensor& logits, const at::Tensor& tokens, const at::
   TORCH_CHECK(temperature > 0, op, ": temperature must be > 0 (greedy chains take argmax), got ", temperature);
   check_unit(op, "u", u.contiguous());
   check_unit(op, "r", r.contiguous());
-  check_range(op, "tokens", tokens.to(at::kLong).contiguous(), V, "the vocabulary");
-  const at::Tensor counts = num.to(at::kLong).contiguous();
+  const at::Tensor ids = tokens.to(at::kLong).contiguous(), counts = num.to(at::kLong).contiguous();
+  check_range(op, "tokens", ids, V, "the vocabulary");
   const int64_t* np = counts.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; b++)  // a count past K means all K (verify_chain's rule); a negative one is a bug
     TORCH_CHECK(np[b] >= 0, op, ": num[", b, "] = ", np[b], " is a negative draft count");
+  return {ids, counts};  // as the op reads them (the drafts come as a slice of the step's layout: copied once)
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
     const at::Tensor& logits_, const at::Tensor& tokens_, const at::Tensor& num_, const at::Tensor& q_,
     const at::Tensor& u_, const at::Tensor& r_, double temperature) {
-  check_verify(logits_, tokens_, num_, q_, u_, r_, temperature);
+  const auto [tokens, num] = check_verify(logits_, tokens_, num_, q_, u_, r_, temperature);
   const int64_t B = logits_.size(0), K = logits_.size(1) - 1, V = logits_.size(2);
   const bool sampled = q_.numel() > 0;
-  const at::Tensor logits = logits_.contiguous(), tokens = tokens_.to(at::kLong).contiguous();
-  const at::Tensor num = num_.to(at::kLong).contiguous(), q = q_.contiguous(), u = u_.contiguous(),
-                   r = r_.contiguous();
+  const at::Tensor logits = logits_.contiguous(), q = q_.contiguous(), u = u_.contiguous(), r = r_.contiguous();
   at::Tensor accepted = at::empty({B}, tokens.options()), next = at::empty({B}, tokens.options());
   at::Tensor out = at::zeros({B, 2 * K + 4}, logits.options().dtype(at::kDouble));  // the row (header)
   const float* xp = logits.data_ptr<float>();
