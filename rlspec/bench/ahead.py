@@ -44,7 +44,7 @@ def run(args) -> dict:
     from rlspec.rollout.types import SamplingParams, SpecConfig
 
     if args.smoke:
-        args.dtype, args.prompts, args.group, args.rows, args.max_new_tokens = SMOKE_DTYPE, 3, 2, 4, 12
+        args.dtype, args.prompts, args.group, args.rows, args.max_new_tokens = SMOKE_DTYPE, 2, 2, 2, 8
     torch.set_num_threads(2)
     rows, reference = [], {}
     for drafter, name, carry in ARMS:

@@ -114,16 +114,19 @@ def law_setup(temperature, top_p, n, prompt=LAW_PROMPT, length=LAW_LENGTH):
     return (hf, params, *hf_exact_law(hf, prompt, length, params))
 
 
-def law_of_drafter(drafter: str, k: int = 3) -> dict:
-    """A registered drafter drafting on every step (selector "always", chains of k), LAW_N samples at T = 1: their
-    joint law checked against transformers' exact law (chi-square); returns the engine's stats."""
+def law_of_drafter(drafter: str, k: int = 3, groups: int = 100) -> dict:
+    """A registered drafter drafting on every step (selector "always", chains of k), LAW_N samples at T = 1 in
+    `groups` groups of the law prompt (a GRPO batch's shape: siblings drafted from; one group of 3000 made a device
+    lookup over siblings read 3000 x 3000 texts a step): their joint law checked against transformers' exact law
+    (chi-square); returns the engine's stats."""
     from tests.rollout.law_helpers import ALPHA, sequence_pvalue
 
-    hf, params, seqs, probs, _ = law_setup(1.0, 1.0, LAW_N)
+    hf, params, seqs, probs, _ = law_setup(1.0, 1.0, LAW_N // groups)
     spec = SpecConfig(drafter=drafter, selector="always", num_draft_tokens=k, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf), None, spec=spec, eos_token_ids=[2], max_num_seqs=LAW_N)
     eng.eos_token_ids = set()
-    samples = torch.tensor([r.completion_ids for r in eng.generate([LAW_PROMPT], params)])
+    samples = torch.tensor([r.completion_ids for r in eng.generate([LAW_PROMPT] * groups, params)])
+    assert len(samples) == LAW_N
     assert sequence_pvalue(samples, seqs, probs) > ALPHA
     return eng.stats()
 

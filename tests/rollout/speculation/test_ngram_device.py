@@ -282,8 +282,8 @@ def test_sampled_law_unchanged(one_thread):
     from tests.rollout.test_engine_spec import law_of_drafter, multi_accepted
 
     stats = law_of_drafter("ngram_device")
-    # every step with a token to spare drafted (the last of the four has none), several drafts accepted at once
-    assert stats["rollout/spec_step_share"] == 0.75 and multi_accepted(stats) >= 0.005, stats
+    # the steps with a token to spare drafted (a wave's last step has none), several drafts accepted at once
+    assert stats["rollout/spec_step_share"] >= 0.75 and multi_accepted(stats) >= 0.005, stats
 
 
 def test_trees_are_refused_before_any_step():
