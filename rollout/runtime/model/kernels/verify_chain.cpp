@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_chain_rows(
   const bool sampled = q_.numel() > 0;
   const at::Tensor logits = logits_.contiguous(), q = q_.contiguous(), u = u_.contiguous(), r = r_.contiguous();
   at::Tensor accepted = at::empty({B}, tokens.options()), next = at::empty({B}, tokens.options());
-  at::Tensor out = at::zeros({B, 2 * K + 4}, logits.options().dtype(at::kDouble));  // the row (header)
+  at::Tensor out = at::zeros({B, 2 * K + 4}, logits.options().dtype(at::kDouble));  // the rows (this file's header)
   const float* xp = logits.data_ptr<float>();
   const float* qp = sampled ? q.data_ptr<float>() : nullptr;
   const int64_t *tp = tokens.data_ptr<int64_t>(), *np = num.data_ptr<int64_t>();
