@@ -47,7 +47,8 @@ class StepVerdict:
     accepted: torch.Tensor | None  # [B] long
     next_token: torch.Tensor  # [B] long: the token emitted after the accepted drafts
     columns: tuple[torch.Tensor, ...] = ()  # [B, c] extras for the step's host transfer (provenance)
-    row: torch.Tensor | None = None  # the transfer's columns before those, as a kernel's draw wrote them (verify.Verdict)
+    # the transfer's columns before those, as a kernel's draw wrote them (verify.Verdict)
+    row: torch.Tensor | None = None
 
 
 @dataclass

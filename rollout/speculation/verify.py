@@ -136,8 +136,8 @@ def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, gene
     """verify_chain's rule as one CPU op (kernels/verify_chain.cpp), with the step's host transfer (the emitted
     tokens, their logprobs and finite flags); None where it does not serve (sampling.kernel_draws). The same
     uniforms in the same order as below: u [B, K] for the acceptance tests, then one per row for the next token. No
-    `exact` (the lossless path reads none). Why: ~40 small ops over [B, K+1, V] and the host transfer's log-softmax were ~1.2 ms of a ~12 ms batch-1
-    CPU step with one draft (docs/verification.md#chains-on-the-cpu)."""
+    `exact` (the lossless path reads none). Why: ~40 small ops over [B, K+1, V] and the host transfer's log-softmax
+    were ~1.2 ms of a ~12 ms batch-1 CPU step with one draft (docs/verification.md#chains-on-the-cpu)."""
     if not kernel_draws(target_logits, params):
         return None
     B, K = draft_tokens.shape

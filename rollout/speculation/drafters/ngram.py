@@ -122,13 +122,14 @@ class NgramIndex:
         return [] if key is None else self.find_key(key, ai, limit)
 
     def find_end(self, doc_id: int, limit: int) -> list[int]:
-        """find for a document's own end, at the longest anchor that has occurred before (its key is at hand: no
-        tail to read): up to `limit` addresses, newest first ([]: none has)."""
+        """find for a document's own end, at the longest anchor that occurred before (its key is at hand: no tail
+        to read): up to `limit` addresses, newest first ([]: none has)."""
         doc = self.docs[doc_id]
         n, key = len(doc.tokens), doc.key
-        for ai, (head, mask, a) in enumerate(zip(self.head, self.masks, self.anchors)):
-            if n >= a and (key & mask) in head:
-                return self.find_key(key & mask, ai, limit)
+        for ai, (mask, a) in enumerate(zip(self.masks, self.anchors)):
+            addrs = self.find_key(key & mask, ai, limit) if n >= a else None
+            if addrs:
+                return addrs
         return []
 
     def find_key(self, key: int, ai: int, limit: int) -> list[int]:
