@@ -70,7 +70,7 @@ def random_prompts(n: int, lo: int = 3, hi: int = 20, seed: int = 0, vocab: int 
 
 def cache_with_the_machines_kernels(cache: Path) -> Path:
     """A fresh RLSPEC_CACHE at `cache` (for a test whose drafter warm start or calibration must start cold) whose
-    kernels/ is the machine's: the fused CPU kernels are built once per machine (~100 s of C++ on 2 cores), and a
+    kernels/ is the machine's: the fused CPU kernels are built once per machine (~20 s of C++), and a
     bf16 engine in a process that has not loaded them yet would otherwise build them again into `cache`. The build's
     own lock and trust checks apply as ever (the link resolves to the machine's private directory)."""
     from rlspec.rollout.runtime.model.fetch import cache_root

@@ -18,10 +18,10 @@ twice a decode step's time, and speculation had to accept two tokens a step just
 each weight once for all rows (docs/runtime.md#verify-steps-on-the-cpu). Attention through inductor's fused
 kernel read the cache at ~5 GB/s and once per query: half of a long rollout's step.
 
-Built once per machine with torch's extension builder (about 30 s; ninja and a C++ compiler) under
+Built once per machine with torch's extension builder (about 20 s; ninja and a C++ compiler) under
 $RLSPEC_CACHE/kernels/<source hash>, and loaded from there afterwards (build.py: a killed build never blocks a
 later one; a cache directory that other users can write is not loaded from). Only where the CPU has AVX-512 BF16
-(`available`); anywhere else the draws alone (`draws_available`: portable flags, ~20 s to build), which take a
+(`available`); anywhere else the draws alone (`draws_available`: portable flags, ~15 s to build), which take a
 chain's verification from ~25 small torch ops to one (on the CPU those ops were half of a chain step's host time:
 `python -m rlspec.bench host`). When a build fails (one warning), or with RLSPEC_CPU_KERNELS=0, nothing changes:
 steps run as before. The ops are real torch ops (`torch.ops.rlspec_kernels.*`), so inductor calls them from a
