@@ -45,7 +45,8 @@ def run(args) -> dict:
 
     if args.smoke:
         args.dtype, args.prompts, args.group, args.rows, args.max_new_tokens = SMOKE_DTYPE, 2, 2, 2, 8
-    torch.set_num_threads(2)
+    else:  # the machine's two cores; a smoke run keeps its caller's count (a test worker's one thread)
+        torch.set_num_threads(2)
     rows, reference = [], {}
     for drafter, name, carry in ARMS:
         spec = None if name is None else SpecConfig(drafter=name, selector="always", num_draft_tokens=4,

@@ -95,7 +95,8 @@ def longtail(args, hf, tok, params) -> dict:
 
     kw = dict(max_model_len=args.max_model_len, max_num_seqs=args.prompts * args.group, dtype=args.dtype)
     pool = RayPool(hf, tok, None, workers=2, groups_per_task=args.groups_per_task, **kw)
-    torch.set_num_threads(2)
+    if not args.smoke:  # one engine on the two cores the pool's workers share; a smoke run keeps its caller's count
+        torch.set_num_threads(2)
     engine = RolloutEngine.from_hf_model(hf, tok, **kw)
     warm = math_prompts(tok, 2, seed=8)
     pool.generate(warm, params), engine.generate(warm, params), pool.stats(), engine.stats()

@@ -111,7 +111,8 @@ def tiny_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     return ["config=grpo_math.yaml", f"model={model_dir}", f"output_dir={tmp_path / 'out'}",
             "grpo.save_steps=1", "grpo.max_completion_length=8", "data.num_examples=16",
-            "rollout.max_model_len=256", "rollout.max_num_seqs=8", "grpo.extra.disable_tqdm=true"]
+            "rollout.max_model_len=256", "rollout.max_num_seqs=8", "grpo.extra.disable_tqdm=true",
+            "rollout.compile=off"]  # compiled steps are tests/rollout/runtime/test_compiled.py's; here seconds of C++
 
 
 def test_cli_end_to_end_on_a_tiny_model(tiny_run, tmp_path, capsys):
