@@ -39,12 +39,13 @@ def add_arguments(p) -> None:
 def run(args) -> dict:
     import torch
 
-    from rlspec.bench.common import SMOKE_DTYPE, math_prompts
+    from rlspec.bench.common import SMOKE_DTYPE, math_prompts, smoke_model
     from rlspec.rollout.engine import RolloutEngine
     from rlspec.rollout.types import SamplingParams, SpecConfig
 
     if args.smoke:
         args.dtype, args.prompts, args.group, args.rows, args.max_new_tokens = SMOKE_DTYPE, 2, 2, 2, 8
+        args.model = smoke_model(args.model, args.out)
     else:  # the machine's two cores; a smoke run keeps its caller's count (a test worker's one thread)
         torch.set_num_threads(2)
     rows, reference = [], {}
