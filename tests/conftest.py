@@ -91,6 +91,25 @@ def smollm2_dir():
     return fetch_model("smollm2-135m-instruct")
 
 
+@pytest.fixture
+def dynamo_only(monkeypatch):
+    """torch.compile without inductor's code generation (dynamo's "eager" backend) for this test: dynamo still
+    traces, guards, recompiles and counts frames as it does for the real backend, which is what tests of when
+    steps compile look at; each graph then costs milliseconds where inductor's costs seconds of C++. Tests of
+    what compiled code computes (test_compiled.py, the law's compiled case) keep inductor."""
+    from rlspec.rollout.runtime import compiled
+    from rlspec.rollout.runtime.model import attention
+
+    real = torch.compile
+    # the compiled calls (layers, FlexAttention) are built afresh through the patch, and dropped afterwards
+    monkeypatch.setattr(compiled, "_LAYER_CALLS", {})
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: real(fn, **{**kw, "backend": "eager"}))
+    attention._compiled_flex.cache_clear()
+    yield
+    attention._compiled_flex.cache_clear()
+    torch._dynamo.reset()
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """Code a test runs in this process may change torch's thread count (a benchmark's 2-thread arm): the tests

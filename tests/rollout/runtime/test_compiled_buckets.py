@@ -36,7 +36,7 @@ class Layer(torch.nn.Module):
         return h + self.mlp(h).sigmoid()
 
 
-def test_one_compile_serves_every_batch_bucket_below_a_graph_break():
+def test_one_compile_serves_every_batch_bucket_below_a_graph_break(dynamo_only):
     layer, call = Layer(), captured_layer_call()
     compiled = []
     try:

@@ -190,7 +190,7 @@ def test_emulated_pool_greedy_decode_with_shrinking_batch_matches_eager():
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor's CPU backend needs a C++ compiler")
-def test_compiled_layer_graphs_serve_every_pool_size(monkeypatch):
+def test_compiled_layer_graphs_serve_every_pool_size(monkeypatch, dynamo_only):
     """CUDA's pairing emulated on the CPU: captured graphs of the compiled layer, attending through FlexAttention
     over the paged pool. Over pools of three sizes (the engine re-sizes its pool between rollouts) the layer's
     graphs compile for the first and serve the others (FlexAttention, kept outside them, recompiles on its own),

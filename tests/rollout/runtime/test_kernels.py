@@ -116,7 +116,7 @@ def test_float32_steps_never_take_the_kernel():
 
 
 @needs_kernel
-def test_which_cpu_steps_compile():
+def test_which_cpu_steps_compile(dynamo_only):
     """Up to 16 tokens in all over up to 8 rows (batch 1 up to 16 tokens, 8 rows of one or two); more tokens, or
     more than 8 rows, stay eager."""
     runner, lens = _bf16_runner()
@@ -183,7 +183,7 @@ def test_fast_linear_follows_the_drafters_weight_changes():
 
 
 @needs_kernel
-def test_warm_compiles_every_graph_the_steps_will_use():
+def test_warm_compiles_every_graph_the_steps_will_use(dynamo_only):
     """Graphs compiled ahead (Speculation.calibrate calls it with 1 + each draft size): no step of those sizes
     compiles afterwards, so no compilation lands inside a rollout (or a selector's timing). Contexts of two
     blocks or more, as every chat prompt has: dynamo gives a one-block context a graph of its own."""
