@@ -64,7 +64,8 @@ def _trainer(model, tokenizer, tmp_path, **args):
                             save_strategy="no", disable_tqdm=True, **args)
     return SpecGRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                            args=config, train_dataset=make_math_dataset(8, seed=0), processing_class=tokenizer,
-                           engine_kwargs=dict(max_model_len=128, max_num_seqs=4, compile_mode="off"))  # no C++ of steps here
+                           engine_kwargs=dict(max_model_len=128, max_num_seqs=4,
+                                              compile_mode="off"))  # no C++ of compiled steps here
 
 
 def test_the_drop_in_samples_a_float32_model_in_bf16_under_bf16_mixed_precision(tiny_llama, char_tokenizer, native_bf16,

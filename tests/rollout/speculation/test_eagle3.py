@@ -232,7 +232,8 @@ def test_bf16_catch_up_attends_through_the_kernel(monkeypatch):
     hf = make_tiny_hf("llama", seed=7, head_dim=32)
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=3, online_training=False)
     # the target's steps eager: the catch-up is the drafter's, and compiling the target's would be seconds of C++
-    eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, spec=spec, eos_token_ids=[2], compile_mode="off")
+    eng = RolloutEngine(loader.from_hf_model(hf, torch.bfloat16), None, spec=spec, eos_token_ids=[2],
+                        compile_mode="off")
     eng.speculation.force(Arm("eagle3", 3, 1))
     real, usable, pairs = Eagle3Drafter._run_catch_up, kernels.attention_usable, []
 
