@@ -258,7 +258,8 @@ def build_trainer(cfg: Config, out: Path):
         train_dataset=load_data(cfg, load_dataset_by_name),
         processing_class=tokenizer,
         spec_config=cfg.drafter,  # the drafter section is the engine's SpecConfig
-        engine_kwargs=dict(dtype=cfg.dtype, **cfg.rollout.engine_kwargs()),
+        # the training pass's precision (float32 where the CPU has no native bf16: trainer_args._bf16)
+        engine_kwargs=dict(dtype="bfloat16" if args.bf16 else "float32", **cfg.rollout.engine_kwargs()),
         callbacks=[summary_cb, drafter_cb, _wandb_config_callback(cfg)],
         on_nonfinite=cfg.on_nonfinite,
         drop_long_prompts=cfg.data.drop_long_prompts,

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from pathlib import Path
 
 from rlspec.config import Config, ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def build_trainer_args(cfg: Config, out: Path):
@@ -46,7 +49,7 @@ def _build(cfg: Config, out: Path, cls):
         output_dir=str(out),
         use_cpu=not torch.cuda.is_available(),
         # bf16 = autocast over float32 master weights: pure bf16 weights would round lr~1e-6 updates to zero.
-        bf16=cfg.dtype == "bfloat16",
+        bf16=_bf16(cfg),
         model_init_kwargs={"dtype": "float32"},
         report_to="none" if cfg.wandb.mode == "disabled" else ["wandb"],
         run_name=cfg.wandb.run_name or out.name,
@@ -56,3 +59,20 @@ def _build(cfg: Config, out: Path, cls):
         return cls(**{**section, **managed, **section_cfg.extra})
     except ValueError as exc:  # PPOConfig's own validation: report it as the config error it is
         raise ConfigError(f"{name}: {exc}") from None
+
+
+def _bf16(cfg: Config) -> bool:
+    """Whether training autocasts to bf16: dtype bfloat16, on a GPU or a CPU with native bf16 arithmetic. Elsewhere
+    oneDNN emulates it: a forward and backward took 22x as long as in float32 (docs/sampling_dtype.md), so the run
+    trains in float32, and rlspec.train samples in the training pass's precision."""
+    import torch
+
+    from rlspec.trainers.sampling_dtype import cpu_supports
+
+    if cfg.dtype != "bfloat16":
+        return False
+    if torch.cuda.is_available() or cpu_supports(torch.bfloat16):
+        return True
+    logger.warning("rlspec.train: dtype bfloat16, but this CPU has no native bf16 arithmetic (bf16 would be emulated, "
+                   "many times slower than float32): training and rollouts run in float32")
+    return False

@@ -4,10 +4,12 @@ TRL runs the policy over every completion of a batch up to the batch's longest, 
 loss's forward and backward; SpecGRPOTrainer cuts the right padding in chunks of similar length
 (trainers/trimmed_logps.py). One batch of the embedded model's shape, completion lengths of a long-tail GRPO batch
 (--lengths: one sample at the cap, the rest spread below it, as the partial benchmark's runs), float32 weights
-under bf16 autocast (GRPOConfig(bf16=True), as `dropin`); each pass timed --reps times, alternating: a no-grad
-pass (the old logprobs) and a forward + backward of a masked sum (the loss's shape).
+under bf16 autocast (GRPOConfig(bf16=True), as `dropin`; --precision fp32: none); each pass timed --reps times,
+alternating: a no-grad pass (the old logprobs) and a forward + backward of a masked sum (the loss's shape).
 
     python -m rlspec.bench passes
+    # a CPU without native bf16, as oneDNN and ATen see one with their ISA capped (docs/sampling_dtype.md)
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python -m rlspec.bench passes --precision fp32 ...
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 410, 330, 260, 210, 160, 120, 80],
                    help="completion lengths of the batch's rows (the longest sets TRL's padded width)")
     p.add_argument("--prompt-len", type=int, default=80)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="bf16: float32 weights under bf16 autocast (GRPOConfig(bf16=True)); fp32: no autocast")
 
 
 def run(args) -> dict:
@@ -43,7 +47,7 @@ def run(args) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as out:
-        cfg = trl.GRPOConfig(output_dir=out, bf16=not args.smoke, use_cpu=True,
+        cfg = trl.GRPOConfig(output_dir=out, bf16=args.precision == "bf16" and not args.smoke, use_cpu=True,
                              per_device_train_batch_size=len(lengths),
                              num_generations=len(lengths), max_completion_length=max(lengths), report_to="none")
         trainer = SpecGRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],

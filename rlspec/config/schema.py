@@ -49,7 +49,8 @@ class Config:
                                              "'smollm2-135m-instruct'", rule=NON_EMPTY)
     dtype: Literal["bfloat16", "float32"] = _f(
         "bfloat16", "bfloat16: rollouts in bf16, training under bf16 autocast with float32 master weights "
-                    "(pure bf16 weights would round lr=1e-6 updates away); float32: everything in fp32")
+                    "(pure bf16 weights would round lr=1e-6 updates away; float32 on a CPU without native bf16, "
+                    "which would emulate it); float32: everything in fp32")
     seed: int = _f(0, "global seed", rule=SEED)
     output_dir: str = _f("outputs/run", "checkpoints, final model, summary.json and W&B files go here",
                          rule=NON_EMPTY)

@@ -71,15 +71,39 @@ def test_help_lists_keys(capsys):
 
 def test_grpo_args_follow_the_config(tmp_path):
     pytest.importorskip("trl")
+    import torch
+
     from rlspec.trainer_args import build_trainer_args
+    from rlspec.trainers.sampling_dtype import cpu_supports
 
     cfg = load_config("grpo_math.yaml", ["grpo.max_steps=5", "grpo.extra.warmup_steps=2", "wandb.mode=disabled"])
     args = build_trainer_args(cfg, tmp_path)
     assert args.max_steps == 5 and args.num_generations == 4 and args.warmup_steps == 2
     assert args.output_dir == str(tmp_path) and args.seed == cfg.seed
-    assert args.bf16 is True and args.model_init_kwargs == {"dtype": "float32"}  # fp32 master weights
+    assert args.bf16 is (cpu_supports(torch.bfloat16) or torch.cuda.is_available())  # native bf16 (next test)
+    assert args.model_init_kwargs == {"dtype": "float32"}  # fp32 master weights
     assert args.report_to in ("none", [], ["none"])
     assert build_trainer_args(load_config("grpo_math.yaml", []), tmp_path).report_to == ["wandb"]
+
+
+def test_a_cpu_without_native_bf16_trains_and_samples_in_float32(tiny_run, tmp_path, monkeypatch, caplog):
+    """dtype bfloat16 where oneDNN would emulate bf16 (a training pass 22x slower than float32,
+    bench_out/passes_no_native_bf16_*.json): the run trains without autocast and its engine samples in float32,
+    with a warning; where the CPU has native bf16 both stay bf16."""
+    import torch
+
+    import rlspec.train as train
+    from rlspec.trainers import sampling_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for native in (False, True):
+        monkeypatch.setattr(sampling_dtype, "cpu_supports", lambda dtype: native or dtype == torch.float32)
+        caplog.clear()
+        trainer, _ = train.build_trainer(load_config("grpo_math.yaml", tiny_run[1:]), tmp_path / f"out{native}")
+        assert trainer.args.bf16 is native
+        engine_dtype = next(trainer.engine.runner.model.parameters()).dtype
+        assert engine_dtype == (torch.bfloat16 if native else torch.float32)
+        assert ("no native bf16" in caplog.text) is not native
 
 
 def test_grpo_extra_is_checked_against_grpoconfig(tmp_path):
