@@ -33,6 +33,7 @@ step is prepared while the current one runs (docs/runtime.md#host-step-budget).
     python -m rlspec.bench host                       # ~1 min on 2 cores
     python -m rlspec.bench host --batch-sizes 8 --reps 5
     python -m rlspec.bench host --modes plain chain --batch-sizes 64 --waves 4   # samples waiting for rows
+    python -m rlspec.bench host --modes plain suffix --batch-sizes 64 --group 8  # GRPO groups: siblings to draft from
 """
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ def add_arguments(p) -> None:
     p.add_argument("--waves", type=int, default=1,
                    help="samples in this many waves of batch rows: the later ones wait while the rows are taken, "
                         "a GRPO rollout's usual state (more samples than rows)")
+    p.add_argument("--group", type=int, default=1,
+                   help="samples per prompt (SamplingParams.n): a GRPO group's siblings, what the suffix drafter "
+                        "drafts from; the batch's rows hold batch / group prompts")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the host's own cost, no pool wake-ups)")
 
 
@@ -182,10 +186,10 @@ class _TimedRead:
         return rows
 
 
-def call(engine, timer: ForwardTimer, prompts, tokens: int, temperature: float, seed: int) -> dict:
+def call(engine, timer: ForwardTimer, prompts, tokens: int, args, seed: int) -> dict:
     """Wall and CPU seconds of one generate call and of its forwards, its decode steps, and the share of them
     that carried drafts."""
-    params = _params(tokens, temperature, seed)
+    params = _params(tokens, args, seed)
     engine.batch_trace.clear()
     fw, fc = timer.wall, timer.cpu
     timer.read_at, timer.gaps, timer.idles = None, [], []
@@ -203,7 +207,7 @@ def measure(engine, timer, prompts, args, rep: int) -> dict:
     """One repetition of a (mode, batch): per-step figures from the long call minus the short one, in ms. The CPU
     clock (one torch thread: every op runs in this thread) is what other processes on a shared machine disturb
     least; the wall clock is what a device would wait."""
-    short, long = (call(engine, timer, prompts, n, args.temperature, args.seed + rep) for n in args.tokens)
+    short, long = (call(engine, timer, prompts, n, args, args.seed + rep) for n in args.tokens)
     steps = long["steps"] - short["steps"]
     if steps <= 0:
         raise RuntimeError(f"the long call ran {long['steps']} steps, the short one {short['steps']}: raise --tokens")
@@ -241,11 +245,11 @@ def host_counts(engine, timer: ForwardTimer, prompts, args) -> dict:
         engine.batch_trace.clear()
         if what == "ops":
             with Ops():
-                engine.generate(prompts, _params(n, args.temperature, args.seed))
+                engine.generate(prompts, _params(n, args, args.seed))
         else:
             sys.setprofile(profile)
             try:
-                engine.generate(prompts, _params(n, args.temperature, args.seed))
+                engine.generate(prompts, _params(n, args, args.seed))
             finally:
                 sys.setprofile(None)
         return len(engine.batch_trace), seen[what]
@@ -257,10 +261,11 @@ def host_counts(engine, timer: ForwardTimer, prompts, args) -> dict:
     return out
 
 
-def _params(tokens: int, temperature: float, seed: int):
+def _params(tokens: int, args, seed: int):
     from rlspec.rollout.types import SamplingParams
 
-    return SamplingParams(temperature=temperature, max_new_tokens=tokens, ignore_eos=True, seed=seed)
+    return SamplingParams(temperature=args.temperature, max_new_tokens=tokens, ignore_eos=True, seed=seed,
+                          n=args.group)
 
 
 def floor_ms(batch: int, steps: int, seed: int, temperature: float) -> tuple[float, float]:
@@ -310,11 +315,14 @@ def run(args) -> dict:
         args.batch_sizes, args.tokens, args.reps = [2], [4, 12], 1
     rows = []
     for batch in args.batch_sizes:
-        ps = prompts(batch * args.waves, args.seed)  # the engine holds `batch` rows (build): the rest wait
+        if batch * args.waves % args.group:
+            raise SystemExit(f"--group {args.group} must divide the samples (batch {batch} x --waves {args.waves})")
+        # the engine holds `batch` rows (build): the rest wait
+        ps = prompts(batch * args.waves // args.group, args.seed)
         engines = {m: build(m, batch, args.seed) for m in args.modes}
         timers = {m: ForwardTimer(e) for m, e in engines.items()}
         for m, e in engines.items():  # warm: first calls allocate the pool and build the drafters' state
-            call(e, timers[m], ps, args.tokens[0], args.temperature, args.seed)
+            call(e, timers[m], ps, args.tokens[0], args, args.seed)
         runs = harness.alternate({m: (lambda rep, m=m: measure(engines[m], timers[m], ps, args, rep))
                                   for m in args.modes}, args.reps)
         floor = floor_ms(batch, max(args.tokens), args.seed, args.temperature)
@@ -329,5 +337,6 @@ def run(args) -> dict:
                   f"host {med['host_ms']:.3f}, exposed {med['exposed_ms']:.3f}, idle {med['idle_ms']:.3f}; CPU clock: host "
                   f"{med['cpu_host_ms']:.3f}; host ops {med['host_ops']:.1f}, Python calls {med['host_calls']:.0f})",
                   flush=True)
-    return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "rows": rows,
+    return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "group": args.group,
+            "rows": rows,
             "columns": COLUMNS + ["floor_ms", "cpu_floor_ms"]}
