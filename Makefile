@@ -41,7 +41,7 @@ VLLM_PACKAGE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vll
 VLLM_PIP_ARGS ?= $(TORCH_PIP_ARGS)
 VLLM_STAMP := $(VLLM_VENV)/.rlspec-vllm-installed
 
-.PHONY: help venv model train test bench gpu-check gpu-rehearsal vllm-venv test-vllm clean distclean
+.PHONY: help venv model train test bench gpu-check gpu-carry gpu-rehearsal vllm-venv test-vllm clean distclean
 
 help:
 	@echo "make train      venv + embedded model + python -m rlspec.train config=$(CONFIG) [ARGS='key=value ...']"
@@ -49,6 +49,7 @@ help:
 	@echo "make bench      python -m rlspec.bench rollout: HF generate vs RolloutEngine [BENCH_ARGS='--batch-sizes 1 8']"
 	@echo "               (every benchmark: python -m rlspec.bench --help; docs/benchmarks.md)"
 	@echo "make gpu-check  on an NVIDIA GPU box, no venv/pip/hub: python -m rlspec.bench.gpu -> bench_out/gpu/report.json"
+	@echo "make gpu-carry  what gpu-check's machine lacks (tokenizer, TRL as wheels) -> .cache/gpu_carry/, to carry there"
 	@echo "make gpu-rehearsal  the same check at tiny shapes on the CPU (~2 min) -> bench_out/gpu_rehearsal/"
 	@echo "make vllm-venv  create $(VLLM_VENV): $(VLLM_PACKAGE) + rlspec (editable) for rollout.backend=vllm"
 	@echo "make test-vllm  vllm-venv + embedded model + the vLLM backend's tests (tests/vllm, the EAGLE-3 export check)"
@@ -121,6 +122,11 @@ gpu-check:
 	    tests/rlspec/test_vllm_export.py tests/vllm -p no:cacheprovider -q -rs || status=$$?; \
 	else echo "gpu-check: no vLLM in $(PYTHON): the vLLM backend's CUDA tests were not run"; fi; \
 	exit $$status
+
+# What the device check's GPU machine lacks (the embedded tokenizer; TRL and datasets as unpacked wheels for its
+# Python), prepared in .cache/gpu_carry/ for the run to carry (rlspec/bench/gpucheck/carry.py, docs/gpu.md).
+gpu-carry: venv model
+	$(PY) -m rlspec.bench.gpucheck.carry
 
 # The device check's rehearsal: the same script and report at tiny shapes on the CPU (tests/test_bench_gpu.py runs
 # it in `make test`, so the check cannot rot where no GPU is at hand).
