@@ -313,10 +313,12 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     if args.smoke:
         args.batch_sizes, args.tokens, args.reps = [2], [4, 12], 1
+    undivided = [b for b in args.batch_sizes if args.group < 1 or b * args.waves % args.group]
+    if undivided:
+        raise SystemExit(f"--group {args.group} must be >= 1 and divide every batch's samples (batch x --waves "
+                         f"{args.waves}); it does not for batch {', '.join(map(str, undivided))}")
     rows = []
     for batch in args.batch_sizes:
-        if batch * args.waves % args.group:
-            raise SystemExit(f"--group {args.group} must divide the samples (batch {batch} x --waves {args.waves})")
         # the engine holds `batch` rows (build): the rest wait
         ps = prompts(batch * args.waves // args.group, args.seed)
         engines = {m: build(m, batch, args.seed) for m in args.modes}

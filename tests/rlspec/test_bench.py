@@ -120,6 +120,13 @@ SMOKE = {
 }
 
 
+def test_host_groups_that_do_not_divide_the_batch_are_refused_before_any_run(tmp_path):
+    with pytest.raises(SystemExit, match=r"--group 4 must .* divide .* for batch 2, 6"):
+        main(["host", "--batch-sizes", "2", "8", "6", "--group", "4", "--modes", "plain", "--out",
+              str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists()
+
+
 @pytest.mark.parametrize("case", sorted(SMOKE))
 def test_smoke_run_writes_its_report(case, tmp_path, smollm2_dir):
     flags, check = SMOKE[case]
