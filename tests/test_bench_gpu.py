@@ -84,6 +84,11 @@ def test_rehearsal_writes_every_section(tmp_path):
         assert set(arms) == {"trl", "spec", "spec-oracle"} and all(r["step_s"] > 0 for r in arms.values())
         assert all(r["phases_s_per_step"]["rollout"] > 0 for r in arms.values())
         assert arms["spec-oracle"]["accept_len"] > 1.5  # the oracle's drafts are the model's own continuation
+        # which TRL and datasets the arms ran, and where from (the carried site when there is one)
+        carried = (ROOT / ".cache" / "gpu_carry" / "site").resolve()
+        for name in ("trl", "datasets"):
+            ran = e2e["packages"][name]
+            assert ran["version"] and (Path(ran["from"]) == carried) == carried.is_dir(), ran
 
 
 def test_hung_and_crashed_tests_are_recorded_and_the_rest_still_run(tmp_path):

@@ -132,8 +132,13 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
         return {"skipped": why}
     from transformers import AutoTokenizer
 
+    import datasets
+    import trl
+
     tok = AutoTokenizer.from_pretrained(cfg["tokenizer"])
-    out = {"shape": cfg["shape"], "vocab": len(tok), "accept": cfg["accept"], "rows": []}
+    # which TRL the arms ran: the machine's own, or the carried one (.cache/gpu_carry/site, `make gpu-carry`)
+    ran = {m.__name__: {"version": m.__version__, "from": str(Path(m.__file__).parent.parent)} for m in (trl, datasets)}
+    out = {"shape": cfg["shape"], "vocab": len(tok), "accept": cfg["accept"], "packages": ran, "rows": []}
     for arm in cfg["arms"]:
         if left() <= 0:
             break
