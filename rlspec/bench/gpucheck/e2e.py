@@ -130,10 +130,9 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
     if why:
         print(f"e2e: skipped: {why}", flush=True)
         return {"skipped": why}
-    from transformers import AutoTokenizer
-
     import datasets
     import trl
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg["tokenizer"])
     # which TRL the arms ran: the machine's own, or the carried one (.cache/gpu_carry/site, `make gpu-carry`)
