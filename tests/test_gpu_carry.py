@@ -64,7 +64,7 @@ def test_what_cannot_be_carried_is_an_error_that_says_why(tmp_path, model_dir):
     (tmp_path / "c2" / "site").mkdir(parents=True)  # a carry made before stays as it was
     with pytest.raises(SystemExit, match="holds compiled code"):
         carry.prepare(tmp_path / "c2", model_dir, "3.12", wheels)
-    assert [p.name for p in (tmp_path / "c2").iterdir()] == ["site"]
+    assert [p.name for p in (tmp_path / "c2").iterdir()] == ["site"] and not (tmp_path / "c2.new").exists()
     (model_dir / "tokenizer_config.json").unlink()
     with pytest.raises(SystemExit, match="no tokenizer in .*make model"):
         carry.prepare(tmp_path / "c3", model_dir, "3.12", wheels)

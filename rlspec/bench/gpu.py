@@ -40,13 +40,13 @@ from pathlib import Path
 
 from rlspec.bench import harness
 from rlspec.bench.gpucheck import predict, presets
+from rlspec.bench.gpucheck.carry import CARRY  # what a GPU machine gets carried: tokenizer/, site/ (make gpu-carry)
 
 NAME = "gpu"
 HELP = ("the device check: CUDA tests, plain decode, speculation costs, profile, long contexts, oracle rollouts, "
         "GRPO end to end (--smoke: CPU)")
 ROOT = harness.ROOT  # where rlspec is imported from: its tests/ are there in a checkout
 SECTIONS = presets.SECTIONS
-CARRY = Path(".cache") / "gpu_carry"  # what a GPU machine gets carried: tokenizer/, site/ (docs/gpu.md)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -339,6 +339,5 @@ def run(args) -> dict:
                   f"host {med['host_ms']:.3f}, exposed {med['exposed_ms']:.3f}, idle {med['idle_ms']:.3f}; CPU clock: host "
                   f"{med['cpu_host_ms']:.3f}; host ops {med['host_ops']:.1f}, Python calls {med['host_calls']:.0f})",
                   flush=True)
-    return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "group": args.group,
-            "rows": rows,
+    return {"model": MODEL, "threads": args.threads, "temperature": args.temperature, "rows": rows,
             "columns": COLUMNS + ["floor_ms", "cpu_floor_ms"]}

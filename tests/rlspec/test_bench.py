@@ -100,7 +100,7 @@ SMOKE = {
     # samples waiting for rows: two waves of the batch's rows, GRPO groups of two siblings (suffix drafts from them)
     "host-waves": (["--modes", "plain", "suffix", "--waves", "2", "--group", "2"],
                    lambda r: [x["mode"] for x in r["rows"]] == ["plain", "suffix"] and r["args"]["waves"] == 2
-                   and r["group"] == 2 and r["rows"][0]["steps"] > 12 and r["rows"][0]["host_calls"] > 0
+                   and r["args"]["group"] == 2 and r["rows"][0]["steps"] > 12 and r["rows"][0]["host_calls"] > 0
                    and r["rows"][1]["spec_share"] > 0),
     "lossy": ([], lambda r: [x["setting"] for x in r["rows"]] == ["target", "lossless", "prob@0.1", "route@-1"]),
     "vllm": ([], lambda r: [x["config"] for x in r["rows"]][:2] == ["engine", "engine-ngram"]

@@ -63,13 +63,19 @@ def wheels_for(requirements: list[str], folder: Path) -> list[Path]:
     return found
 
 
-def unpack(wheels: list[Path], site: Path) -> None:
-    """Install pure-Python wheels into `site` by unpacking them (what pip does for a purelib wheel)."""
+def check_pure(wheels: list[Path]) -> None:
+    """Only pure-Python wheels are unpacked: one with compiled code needs the GPU machine's own pip."""
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as zf:
             if any(n.endswith((".so", ".pyd")) for n in zf.namelist()):
                 raise SystemExit(f"{wheel.name} holds compiled code: it must be installed for the GPU machine's "
                                  "platform by its own pip, not unpacked")
+
+
+def unpack(wheels: list[Path], site: Path) -> None:
+    """Install pure-Python wheels into `site` by unpacking them (what pip does for a purelib wheel)."""
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
             zf.extractall(site)
 
 
@@ -87,6 +93,7 @@ def prepare(carry: Path, model_dir: Path, python_version: str, wheels: Path | No
     tokenizer = tokenizer_files(model_dir)
     found = wheels_for(requirements, wheels) if wheels else download(requirements, carry.parent / "gpu_wheels",
                                                                      python_version)
+    check_pure(found)  # before anything is written: a refusal leaves nothing half made
     new = carry.with_name(carry.name + ".new")
     shutil.rmtree(new, ignore_errors=True)
     (new / "tokenizer").mkdir(parents=True)
