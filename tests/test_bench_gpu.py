@@ -40,6 +40,12 @@ def test_rehearsal_writes_every_section(tmp_path):
     assert all(report[s]["status"] in ("ok", "skipped") for s in gpu.SECTIONS), logs
     assert report["commit"] and report["dirty"] in (True, False)  # written from the tree it ran
     assert report["triton"] == _installed("triton")  # our kernels' compiler, beside torch's version
+    # each measuring section says what Triton compiled in it (counted through Triton's hooks where it has them; its
+    # interpreter, here, compiles nothing), and each timed call how many compiles it held
+    for s in ("plain", "spec_costs", "profile", "contexts", "oracle", "e2e"):
+        if report[s]["status"] != "skipped":
+            assert report[s]["triton_compiles"] == dict(counted=bool(report["triton"]), count=0, seconds=0.0,
+                                                        kernels={}), s
     # the CUDA tests ran (and skipped themselves on a CPU): one row per test in report.json, core and rest apart
     core, rest = report["tests"]["tests"], report["tests_rest"]["tests"]
     assert core and rest and all({"test", "outcome", "seconds"} <= r.keys() for r in core + rest)
@@ -49,14 +55,15 @@ def test_rehearsal_writes_every_section(tmp_path):
     plain = report["plain"]["rows"]
     assert {(r["model"], r["batch"]) for r in plain} == {("tiny", 1), ("tiny", 2)}
     assert all(r["engine_tok_s"] > 0 and r["step_graph_ms"] > 0 and len(r["step_graph_ms_all"]) == 3 for r in plain)
-    assert all(r["timed_captures"] == 0 and len(r["decode_steps"]) == 3 and min(r["decode_steps"]) > 0 for r in plain)
+    assert all(r["timed_captures"] == r["timed_compiles"] == 0 and len(r["decode_steps"]) == 3 and
+               min(r["decode_steps"]) > 0 for r in plain)
     assert all(r["bytes_moved"] > 0 and r["limit_ms"] is None for r in plain)  # no bandwidth figure for a CPU
     verify = report["spec_costs"]["verify"]
     assert {(r["kind"], r["tokens"]) for r in verify} == {("chain", 1), ("chain", 2), ("chain", 5), ("tree", 4)}
     draft = report["spec_costs"]["eagle3_draft"]
     assert [r["batch"] for r in draft] == [1, 2] and all(r["draft_level_ms"] > 0 for r in draft)
     assert draft[-1]["level_graphs"]["captures"] > 0  # the drafter's levels went through the graph bookkeeping
-    assert all(r["timed_captures"] == 0 for r in draft)
+    assert all(r["timed_captures"] == r["timed_compiles"] == 0 for r in draft)
     prof = report["profile"]["rows"]
     assert [p["batch"] for p in prof] == [1, 2] and all(p["decode_steps"] > 0 and p["top_host_ops"] for p in prof)
     # the default pass, FlexAttention's compare row and the row without PDL (on a CPU none of them took it)
@@ -72,7 +79,7 @@ def test_rehearsal_writes_every_section(tmp_path):
     assert [r["accept"] for r in rows if r["batch"] == 1] == [0.5, 0.7, 0.9]
     assert [r["accept"] for r in rows if r["batch"] == 2] == [0.7, 0.9, 0.5]  # rotated: not always low to high
     # the fixed chains: the warm-up met every graph key, and each length's repetitions ran the same steps
-    assert all(r["timed_captures"] == 0 and len(r["seconds_all_24"]) == 3 for r in rows)
+    assert all(r["timed_captures"] == r["timed_compiles"] == 0 and len(r["seconds_all_24"]) == 3 for r in rows)
     assert all(len(set(r[f"decode_steps_{n}"])) == 1 for r in rows for n in (8, 24))
     assert all(r["decode_speedup"] > 0 and r["step_ms"] > 0 and r["accept_len"] >= 1 for r in rows)
     # greedy speculation is exact: the oracle's rollouts are the plain ones, token for token (float32 on CPU)
@@ -354,6 +361,65 @@ def test_a_timed_call_that_captured_is_flagged():
     got = timed_calls(eng, lambda: eng.generate(next(calls)), torch.device("cpu"), 3)
     assert got["captures"] == [1, 0, 0] and got["timed_captures"] == 1 and got["decode_steps"] == [7, 7, 7]
     assert got["value"] == "done" and len(got["seconds_all"]) == 3
+    assert got["timed_compiles"] == 0 and got["compiles"] == [0, 0, 0]
+
+
+@pytest.fixture
+def fresh_compiles(monkeypatch):
+    """gpucheck/compiles.py with its counts at zero and Triton's hooks as a test sets them (restored after)."""
+    import importlib
+
+    knobs = pytest.importorskip("triton").knobs
+    from rlspec.bench.gpucheck import compiles
+
+    for hook in ("jit_cache_hook", "jit_post_compile_hook"):
+        monkeypatch.setattr(knobs.runtime, hook, None)
+    importlib.reload(compiles)
+    yield compiles, knobs.runtime
+    importlib.reload(compiles)
+
+
+def _compile(runtime, kernel: str):
+    """What Triton's JIT does around one compile (runtime/jit.py, _do_compile): the cache hook (a truthy answer
+    skips the compile), the compile, then the post-compile hook."""
+    info = dict(key=kernel, repr=kernel, fn=type("Info", (), {"name": kernel})(), compile={}, is_manual_warmup=False,
+                already_compiled=False)
+    if runtime.jit_cache_hook(**info):
+        return "skipped"
+    runtime.jit_post_compile_hook(**info)
+    return "compiled"
+
+
+def test_triton_compiles_are_counted_through_its_hooks_and_the_hooks_before_still_answer(fresh_compiles):
+    compiles, runtime = fresh_compiles
+    seen = []
+    runtime.jit_cache_hook = lambda **kw: seen.append(kw["key"]) or kw["key"] == "_cached_elsewhere"
+    assert compiles.since(compiles.mark())["counted"] is False  # nothing installed: nothing counted
+    assert compiles.install() and compiles.install()  # once: a second install adds no second count
+    start = compiles.mark()
+    assert [_compile(runtime, k) for k in ("_few_rows", "_split", "_few_rows")] == ["compiled"] * 3
+    # the hook set before ours still sees every compile, and its answer (skip this one) is Triton's answer
+    assert _compile(runtime, "_cached_elsewhere") == "skipped" and seen[-1] == "_cached_elsewhere"
+    got = compiles.since(start)
+    assert got["counted"] and got["count"] == 3 and got["kernels"] == {"_few_rows": 2, "_split": 1}
+    assert got["seconds"] >= 0
+    later = compiles.mark()
+    _compile(runtime, "_combine")
+    assert compiles.since(later)["kernels"] == {"_combine": 1} and compiles.count() == 4
+
+
+def test_a_timed_call_that_compiled_is_flagged(fresh_compiles):
+    import torch
+
+    from rlspec.bench.gpucheck.common import timed_calls
+
+    compiles, runtime = fresh_compiles
+    compiles.install()
+    eng = _Counting()
+    compiled = iter([False, True, False])
+    got = timed_calls(eng, lambda: (next(compiled) and _compile(runtime, "_few_rows"), eng.generate(False))[1],
+                      torch.device("cpu"), 3)
+    assert got["compiles"] == [0, 1, 0] and got["timed_compiles"] == 1 and got["timed_captures"] == 0
 
 
 def test_the_e2e_oracle_drafts_the_successor_chain_with_probability_a():

@@ -105,18 +105,23 @@ def write_json(path: Path, payload: dict) -> None:
 def run_child(args) -> dict:
     """This process is the child of one section (or, in the rehearsal, of several in a row: "a,b"): run each,
     saving partial results to <folder>/<section>.json and, when it completes, its seconds."""
+    from rlspec.bench.gpucheck import compiles
     from rlspec.bench.gpucheck.common import device_and_dtype
 
     _, folder = paths(args)
     device, dtype = device_and_dtype(args.smoke)
+    compiles.install()
     result = {}
     for name in args.section.split(","):
         cfg = presets.config(name, args.smoke, tokenizer=tokenizer_dir(args))
         budget = presets.timeouts(args.smoke, args.timeout_s)[name] * 0.8  # stop starting measurements before the kill
-        t0 = time.perf_counter()
-        result = presets.module(name).run(cfg, device, dtype, lambda: budget - (time.perf_counter() - t0),
-                                          lambda partial, name=name: write_json(folder / f"{name}.json", partial))
-        write_json(folder / f"{name}.json", {**result, "complete_s": round(time.perf_counter() - t0, 2)})
+        t0, start = time.perf_counter(), compiles.mark()
+
+        def save(partial: dict, name=name, start=start, **extra) -> None:  # each save says what compiled so far
+            write_json(folder / f"{name}.json", {**partial, "triton_compiles": compiles.since(start), **extra})
+
+        result = presets.module(name).run(cfg, device, dtype, lambda: budget - (time.perf_counter() - t0), save)
+        save(result, complete_s=round(time.perf_counter() - t0, 2))
     return result
 
 

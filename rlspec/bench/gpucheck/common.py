@@ -147,24 +147,27 @@ def graph_captures(engine) -> int:
 
 def timed_calls(engine, fn, device, repeats: int) -> dict:
     """fn() (a generate call of `engine`) timed `repeats` times: the median seconds, every repetition's seconds,
-    decode steps and graph captures, the engine's stats of the last; `timed_captures` > 0 flags a timed call that captured (its time then holds
-    warm-ups and a capture: no step's cost)."""
+    decode steps, graph captures and Triton compiles, the engine's stats of the last; `timed_captures` or
+    `timed_compiles` > 0 flags a timed call that captured or compiled (its time then holds warm-ups and a capture,
+    or a kernel's compile: no step's cost)."""
     import statistics
 
+    from rlspec.bench.gpucheck import compiles as triton_compiles
     from rlspec.rollout.metrics import DECODE_STEPS
 
-    seconds, steps, captures, value, stats = [], [], [], None, {}
+    seconds, steps, captures, compiles, value, stats = [], [], [], [], None, {}
     for _ in range(repeats):
         engine.stats()  # the counters restart: the stats after the call are this call's
-        pool, before = engine.runner.steps, graph_captures(engine)
+        pool, before, compiled = engine.runner.steps, graph_captures(engine), triton_compiles.count()
         value, secs = timed(fn, device)
         seconds.append(secs)
         stats = engine.stats()
         steps.append(int(stats.get(DECODE_STEPS, 0)))
         # a new step pool (the KV pool was reallocated) starts counting again: all its captures are this call's
         captures.append(graph_captures(engine) - (before if engine.runner.steps is pool else 0))
+        compiles.append(triton_compiles.count() - compiled)
     return dict(value=value, stats=stats, seconds=statistics.median(seconds), seconds_all=seconds, decode_steps=steps,
-                captures=captures, timed_captures=sum(captures))
+                captures=captures, timed_captures=sum(captures), compiles=compiles, timed_compiles=sum(compiles))
 
 
 def median_time(run, iters: int, device, repeats: int) -> tuple[float, list[float]]:

@@ -208,4 +208,5 @@ def _row(b: int, a: float, k: int, lengths, base: dict, call: dict, reference: d
                 **{f"plain_seconds_all_{n}": base[n]["seconds_all"] for n in lengths},
                 **{f"plain_decode_steps_{n}": base[n]["decode_steps"] for n in lengths},
                 decode_steps=call[long]["decode_steps"],
-                timed_captures=sum(call[n]["timed_captures"] + base[n]["timed_captures"] for n in lengths))
+                **{f"timed_{what}": sum(call[n][f"timed_{what}"] + base[n][f"timed_{what}"] for n in lengths)
+                   for what in ("captures", "compiles")})

@@ -90,13 +90,14 @@ def engine_rows(engine, prompts, batches: list[int], new: int, device, cfg: dict
         rows.append(dict(batch=b, context=ctx, engine_tok_s=b * new / call["seconds"], call_s=call["seconds_all"],
                          engine_step_ms=engine_ms, host_gap_ms=engine_ms - graph_s * 1e3,
                          decode_steps=call["decode_steps"], captures=call["captures"],
-                         timed_captures=call["timed_captures"], step_graph_ms=graph_s * 1e3,
+                         timed_captures=call["timed_captures"], timed_compiles=call["timed_compiles"],
+                         step_graph_ms=graph_s * 1e3,
                          step_graph_ms_all=[t * 1e3 for t in graph_all], step_eager_ms=eager_s * 1e3,
                          graph_speedup=eager_s / graph_s, achieved_gbs=bound["bytes_moved"] / graph_s / 1e9,
                          **bound, of_limit=bound["limit_ms"] / (graph_s * 1e3) if bound["limit_ms"] else None))
         print(f"  batch {b}: engine {rows[-1]['engine_tok_s']:.0f} tok/s ({engine_ms:.2f} ms a step), graph step "
-              f"{graph_s * 1e3:.2f} ms, eager {eager_s * 1e3:.2f} ms, captures in timed calls "
-              f"{call['timed_captures']}", flush=True)
+              f"{graph_s * 1e3:.2f} ms, eager {eager_s * 1e3:.2f} ms, captures / compiles in timed calls "
+              f"{call['timed_captures']} / {call['timed_compiles']}", flush=True)
     return rows
 
 

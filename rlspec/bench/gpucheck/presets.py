@@ -125,11 +125,14 @@ def print_summary(report: dict) -> None:
         if sec is None:
             continue
         extra = sec.get("counts") or sec.get("skipped") or ""
+        compiled = sec.get("triton_compiles") or {}
+        if compiled.get("count"):
+            extra = f"{extra} (Triton compiles: {compiled['count']}, {compiled['seconds']} s)".lstrip()
         print(f"  {name:<11} {sec['status']:<18} {sec.get('seconds', '')} s {extra}")
     for r in report.get("plain", {}).get("rows", []):
         print(f"  plain  {r['model']:<13} batch {r['batch']:>3}: engine {r['engine_tok_s']:8.0f} tok/s, graph step "
-              f"{r['step_graph_ms']:.2f} ms (limit {r.get('limit_ms')}), captures in timed calls "
-              f"{r['timed_captures']}")
+              f"{r['step_graph_ms']:.2f} ms (limit {r.get('limit_ms')}), captures / compiles in timed calls "
+              f"{r['timed_captures']} / {r.get('timed_compiles')}")
     for c in report.get("plain", {}).get("products", []):
         print(f"  product {c['weight']} x {c['rows']} rows: ours {c['ours_us']} us, torch {c['torch_us']} us"
               f"{' (ours serves)' if c['ours'] else ''}")

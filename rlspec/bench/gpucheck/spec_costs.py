@@ -101,7 +101,7 @@ def draft_rows(hf, device, dtype, cfg: dict, left, graph_mode: str = "auto") -> 
                          draft_cost=stats.get(f"{M.DRAFT_COST}/eagle3"),
                          draft_ms_per_token=stats.get(f"{M.DRAFT_MS_PER_TOKEN}/eagle3"),
                          plain_step_ms=stats.get(M.PLAIN_STEP_MS), rollout_s=call["seconds"],
-                         timed_captures=call["timed_captures"],
+                         timed_captures=call["timed_captures"], timed_compiles=call["timed_compiles"],
                          **proposal_graphs_ms(engine.speculation.learned.level_graphs(), DEPTH, device)))
         print(f"  eagle3 batch {b}: a level {rows[-1]['draft_level_ms']} ms, {rows[-1]['draft_cost']} of a plain "
               f"step; the proposal's graphs alone {rows[-1]['graphs_ms']} ms", flush=True)
