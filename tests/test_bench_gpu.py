@@ -44,8 +44,14 @@ def test_rehearsal_writes_every_section(tmp_path):
     # interpreter, here, compiles nothing), and each timed call how many compiles it held
     for s in ("plain", "spec_costs", "profile", "contexts", "oracle", "e2e"):
         if report[s]["status"] != "skipped":
-            assert report[s]["triton_compiles"] == dict(counted=bool(report["triton"]), count=0, seconds=0.0,
-                                                        kernels={}), s
+            assert report[s]["triton_compiles"] == dict(counted=bool(report["triton"]), count=0, built=0,
+                                                        seconds=0.0, kernels={}), s
+    # the compile-ahead child ran beside the tests over the measuring sections that compile, and was stopped with
+    # them (or had finished); its log is kept
+    early = report["ahead"]
+    assert early["sections"] == ["plain", "spec_costs", "contexts", "oracle"], early
+    assert early["status"] in ("stopped with the tests", "finished") and (tmp_path / early["log"]).is_file(), early
+    assert early["triton_compiles"] == dict(count=0, built=0, seconds=0)
     # the CUDA tests ran (and skipped themselves on a CPU): one row per test in report.json, core and rest apart
     core, rest = report["tests"]["tests"], report["tests_rest"]["tests"]
     assert core and rest and all({"test", "outcome", "seconds"} <= r.keys() for r in core + rest)
@@ -406,6 +412,40 @@ def test_triton_compiles_are_counted_through_its_hooks_and_the_hooks_before_stil
     later = compiles.mark()
     _compile(runtime, "_combine")
     assert compiles.since(later)["kernels"] == {"_combine": 1} and compiles.count() == 4
+
+
+def test_the_compile_ahead_child_is_stopped_with_the_tests_and_its_log_counted(tmp_path):
+    """ahead.py: the child starts over the asked sections that compile, runs until the tests end, and is then
+    killed; the report counts the compiles its log lists, built apart from loaded (under compiles.LOAD_S)."""
+    import argparse
+    import time
+
+    from rlspec.bench.gpucheck import ahead, compiles
+
+    started = {}
+
+    def child(names, args, folder, log, timeouts, ahead=False):  # gpu.child's face: a stand-in that compiles two
+        started.update(names=names, folder=folder, ahead=ahead)
+        lines = f"print('{compiles.LOG_PREFIX} _few_rows 0.500', flush=True); " \
+                f"print('{compiles.LOG_PREFIX} _split 0.004', flush=True); import time; time.sleep(60)"
+        return subprocess.Popen([sys.executable, "-c", lines], stdout=log, start_new_session=True)
+
+    args = argparse.Namespace(sections=["tests", "plain", "profile", "oracle", "e2e", "tests_rest"])
+    early = ahead.start(args, tmp_path, child)
+    assert started == dict(names=["plain", "oracle"], folder=tmp_path / "ahead", ahead=True)
+    deadline = time.monotonic() + 30
+    while (tmp_path / "ahead.log").read_text().count(compiles.LOG_PREFIX) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    got = early.stop()
+    assert time.monotonic() - t0 < 5 and early.proc.poll() is not None  # killed, not waited out
+    assert got["status"] == "stopped with the tests" and got["sections"] == ["plain", "oracle"]
+    assert got["triton_compiles"] == dict(count=2, built=1, seconds=0.5) and got["log"] == "ahead.log"
+    assert ahead.start(argparse.Namespace(sections=["tests", "profile", "e2e"]), tmp_path, child) is None
+    # the light form: the same shapes, batches and launches (what compiles), timed once, no transformers baseline
+    light, full = presets.config("plain", False, ahead=True), presets.config("plain", False)
+    assert light == {**full, "repeats": 1, "iters": 1, "hf_batches": []}
+    assert presets.config("oracle", False, ahead=True) == {**presets.config("oracle", False), "repeats": 1}
 
 
 def test_a_timed_call_that_compiled_is_flagged(fresh_compiles):

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from rlspec.bench import harness
-from rlspec.bench.gpucheck import predict, presets
+from rlspec.bench.gpucheck import ahead, predict, presets
 from rlspec.bench.gpucheck.carry import CARRY  # what a GPU machine gets carried: tokenizer/, site/ (make gpu-carry)
 
 NAME = "gpu"
@@ -67,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", nargs="*", default=None, metavar="SECTION=S",
                         help="override section limits, e.g. tests=120 oracle=200 (seconds)")
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: run this section here
+    parser.add_argument("--ahead", action="store_true", help=argparse.SUPPRESS)  # ... in its compile-ahead form
 
 
 def paths(args) -> tuple[Path, Path]:
@@ -110,10 +111,10 @@ def run_child(args) -> dict:
 
     _, folder = paths(args)
     device, dtype = device_and_dtype(args.smoke)
-    compiles.install()
+    compiles.install(log=args.ahead)
     result = {}
     for name in args.section.split(","):
-        cfg = presets.config(name, args.smoke, tokenizer=tokenizer_dir(args))
+        cfg = presets.config(name, args.smoke, tokenizer=tokenizer_dir(args), ahead=args.ahead)
         budget = presets.timeouts(args.smoke, args.timeout_s)[name] * 0.8  # stop starting measurements before the kill
         t0, start = time.perf_counter(), compiles.mark()
 
@@ -125,27 +126,34 @@ def run_child(args) -> dict:
     return result
 
 
-def child_sections(names: list[str], args, folder: Path, timeout: float) -> dict[str, dict]:
-    """Run sections `names` in one child with a timeout (one section on a GPU; the rehearsal runs its measuring
-    sections in one child, paying the imports once); each one's saved result plus status, seconds and log. A lone
-    section's own limit is the timeout (what it stops starting measurements by: its limit and what earlier
-    sections left)."""
-    log_name = f"{names[0]}.log"
+def child(names: list[str], args, folder: Path, log, timeouts: list[str], ahead: bool = False) -> subprocess.Popen:
+    """Start the child that runs sections `names` (their results saved to `folder`, its output to `log`) in a
+    process group of its own (what a timeout kills); ahead: their compile-ahead form (gpucheck/ahead.py)."""
     cmd = [sys.executable, "-m", "rlspec.bench.gpu", "--section", ",".join(names), "--out", str(folder.resolve())]
     cmd += (["--smoke"] if args.smoke else []) + (["--tokenizer", args.tokenizer] if args.tokenizer else [])
-    given = [f"{names[0]}={timeout:.1f}"] if len(names) == 1 else []
-    cmd += ["--timeout-s", *(args.timeout_s or []), *given] if args.timeout_s or given else []
+    cmd += ["--timeout-s", *(args.timeout_s or []), *timeouts] if args.timeout_s or timeouts else []
+    cmd += ["--ahead"] if ahead else []
     # the rehearsal checks the GPU path's plumbing: the CPU's own C++ kernels (built once per machine, minutes)
     # are no part of it, and tiny shapes run fastest on one thread (several fight over a shared CI machine)
     smoke_env = {"RLSPEC_CPU_KERNELS": os.environ.get("RLSPEC_CPU_KERNELS", "0"),
                  "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if args.smoke else {}
     env = harness.child_env({**smoke_env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
                             path=[site_dir(args)] if site_dir(args) else [])
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def child_sections(names: list[str], args, folder: Path, timeout: float) -> dict[str, dict]:
+    """Run sections `names` in one child with a timeout (one section on a GPU; the rehearsal runs its measuring
+    sections in one child, paying the imports once); each one's saved result plus status, seconds and log. A lone
+    section's own limit is the timeout (what it stops starting measurements by: its limit and what earlier
+    sections left)."""
+    log_name = f"{names[0]}.log"
+    given = [f"{names[0]}={timeout:.1f}"] if len(names) == 1 else []
     for name in names:
         (folder / f"{name}.json").unlink(missing_ok=True)
     t0 = time.perf_counter()
     with open(folder / log_name, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = child(names, args, folder, log, given)
         try:
             status = "ok" if proc.wait(timeout=timeout) == 0 else f"failed (exit {proc.returncode})"
         except subprocess.TimeoutExpired:
@@ -198,22 +206,29 @@ def run(args) -> dict:
     limits = presets.timeouts(args.smoke, args.timeout_s)
     report = {**header(args), "sections_run": args.sections, "timeouts_s": limits, "given_s": {}}
     t0, planned = time.perf_counter(), 0.0
-    for group in groups(args.sections, args.smoke):
-        # a group may take what the ones before it left of their limits: the check still ends within the sum of
-        # its limits, and the core within the core's (given_s: the seconds each group had)
-        planned += sum(limits[n] for n in group)
-        given = planned - (time.perf_counter() - t0)
-        report["given_s"]["+".join(group)] = round(given, 1)
-        print(f"[gpu] {'+'.join(group)} (limit {given:.0f} s) ...", flush=True)
-        if group[0] in presets.TEST_SECTIONS:
-            report[group[0]] = test_section(group[0], args, given, folder)
-        else:
-            report.update(child_sections(group, args, folder, given))
-        report["elapsed_s"] = round(time.perf_counter() - t0, 2)
-        predict.annotate(report)  # the formula's speedup beside each oracle row, from this run's verify costs
-        write_json(report_path, report)
-        print(f"[gpu] {', '.join(n + ': ' + report[n]['status'] for n in group)} "
-              f"({report['elapsed_s']:.0f} s so far)", flush=True)
+    compiling = ahead.start(args, folder, child) if args.sections[0] in presets.TEST_SECTIONS else None
+    try:
+        for group in groups(args.sections, args.smoke):
+            # a group may take what the ones before it left of their limits: the check still ends within the sum
+            # of its limits, and the core within the core's (given_s: the seconds each group had)
+            planned += sum(limits[n] for n in group)
+            given = planned - (time.perf_counter() - t0)
+            report["given_s"]["+".join(group)] = round(given, 1)
+            print(f"[gpu] {'+'.join(group)} (limit {given:.0f} s) ...", flush=True)
+            if group[0] in presets.TEST_SECTIONS:
+                report[group[0]] = test_section(group[0], args, given, folder)
+                if compiling is not None:  # what the sections after will launch was compiled beside the tests
+                    report["ahead"], compiling = compiling.stop(), None
+            else:
+                report.update(child_sections(group, args, folder, given))
+            report["elapsed_s"] = round(time.perf_counter() - t0, 2)
+            predict.annotate(report)  # the formula's speedup beside each oracle row, from this run's verify costs
+            write_json(report_path, report)
+            print(f"[gpu] {', '.join(n + ': ' + report[n]['status'] for n in group)} "
+                  f"({report['elapsed_s']:.0f} s so far)", flush=True)
+    finally:  # a check cut short by an error leaves no compile-ahead child behind
+        if compiling is not None:
+            compiling.stop()
     report["ok"] = not failed(report)  # the harness's exit status reads it
     presets.print_summary(report)
     print(f"wrote {report_path}", flush=True)

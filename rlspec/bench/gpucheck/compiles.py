@@ -3,8 +3,10 @@
 The first launch of each variant of our kernels (a kernel, its constants and its arguments' alignments) compiles
 it: about a second of the host's each (tests/rollout/runtime/triton_aot.py compiles 27 variants in ~20 s on one
 core), paid by the section that meets it first. The report says how many each section compiled and what they
-cost (`triton_compiles`; a variant found in Triton's cache on disk counts too, at a few milliseconds), so a section that ran out of time can tell compiles from measurements, and each timed
-call counts the compiles inside it (`timed_compiles` > 0: its seconds hold a compile, not a step's cost).
+cost (`triton_compiles`), so a section that ran out of time can tell compiles from measurements, and each timed
+call counts the compiles inside it (`timed_compiles` > 0: its seconds hold a compile, not a step's cost). A
+variant another process already built is loaded from Triton's cache on disk, in milliseconds: it counts, but not
+among those `built` (under LOAD_S; what the compile-ahead child of gpucheck/ahead.py saves the sections).
 
 Nothing is counted where Triton is not installed, where its hooks are not there (before 3.4), or in its interpreter
 (the CPU rehearsal), which compiles nothing."""
@@ -12,16 +14,20 @@ from __future__ import annotations
 
 import time
 
+LOAD_S = 0.1  # a "compile" shorter than this was a load from Triton's cache on disk (a build takes ~0.3 s or more)
+LOG_PREFIX = "[triton compiled]"
 _count = 0
+_built = 0
 _seconds = 0.0
 _kernels: dict[str, int] = {}
 _started: list[float] = []  # the compile under way (compiles do not nest: one at a time per process)
 _installed = False
 
 
-def install() -> bool:
-    """Count this process's compiles from now on (once; the hooks already set are still called). Whether Triton's
-    hooks are there to count through."""
+def install(log: bool = False) -> bool:
+    """Count this process's compiles from now on (once; the hooks already set are still called); log: print a
+    line per compile (LOG_PREFIX, the kernel, its seconds), what a process that is killed leaves to count. Whether
+    Triton's hooks are there to count through."""
     global _installed
     if _installed:
         return True
@@ -40,7 +46,10 @@ def install() -> bool:
         return before(**kw) if before else None
 
     def on_end(**kw):
-        finished(getattr(kw.get("fn"), "name", "?"))
+        kernel = getattr(kw.get("fn"), "name", "?")
+        seconds = finished(kernel)
+        if log:
+            print(f"{LOG_PREFIX} {kernel} {seconds:.3f}", flush=True)
         return after(**kw) if after else None
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_start, on_end
@@ -48,13 +57,21 @@ def install() -> bool:
     return True
 
 
-def finished(kernel: str) -> None:
-    """One compile of `kernel` ended (what the post-compile hook records)."""
-    global _count, _seconds
+def finished(kernel: str) -> float:
+    """One compile of `kernel` ended (what the post-compile hook records); its seconds."""
+    global _count, _built, _seconds
+    seconds = time.perf_counter() - _started.pop() if _started else 0.0
     _count += 1
-    if _started:
-        _seconds += time.perf_counter() - _started.pop()
+    _built += seconds >= LOAD_S
+    _seconds += seconds
     _kernels[kernel] = _kernels.get(kernel, 0) + 1
+    return seconds
+
+
+def logged(text: str) -> dict:
+    """The compiles a log holds (the lines `install(log=True)` printed): how many, how many built, their seconds."""
+    seconds = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(LOG_PREFIX)]
+    return dict(count=len(seconds), built=sum(s >= LOAD_S for s in seconds), seconds=round(sum(seconds), 2))
 
 
 def count() -> int:
@@ -62,14 +79,14 @@ def count() -> int:
     return _count
 
 
-def mark() -> tuple[int, float, dict[str, int]]:
+def mark() -> tuple[int, int, float, dict[str, int]]:
     """Where the counts stand now, for `since`."""
-    return _count, _seconds, dict(_kernels)
+    return _count, _built, _seconds, dict(_kernels)
 
 
-def since(start: tuple[int, float, dict[str, int]]) -> dict:
-    """Compiles since `start` (a `mark()`): how many, their seconds and how many of each kernel; `counted` False
-    where nothing could be counted (no hooks installed)."""
-    n, secs, kernels = start
-    return dict(counted=_installed, count=_count - n, seconds=round(_seconds - secs, 2),
+def since(start: tuple[int, int, float, dict[str, int]]) -> dict:
+    """Compiles since `start` (a `mark()`): how many, how many were built (not loaded from disk), their seconds
+    and how many of each kernel; `counted` False where nothing could be counted (no hooks installed)."""
+    n, built, secs, kernels = start
+    return dict(counted=_installed, count=_count - n, built=_built - built, seconds=round(_seconds - secs, 2),
                 kernels={k: v - kernels.get(k, 0) for k, v in _kernels.items() if v != kernels.get(k, 0)})

@@ -85,8 +85,15 @@ SMOKE_LIMITS = dict(tests=120, plain=120, spec_costs=120, profile=120, contexts=
 HBM_BYTES_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12}
 
 
-def config(name: str, smoke: bool, tokenizer: str | None = None) -> dict:
+# the sections' light form for the compile-ahead child (ahead.py): the same shapes, batches and launches, each
+# timed once, without transformers' baseline
+AHEAD = dict(repeats=1, iters=1, hf_batches=[])
+
+
+def config(name: str, smoke: bool, tokenizer: str | None = None, ahead: bool = False) -> dict:
     cfg = dict((SMOKE if smoke else GPU)[name])
+    if ahead:
+        cfg.update({k: v for k, v in AHEAD.items() if k in cfg})
     if name == "e2e":
         cfg["tokenizer"] = tokenizer
     return cfg
@@ -129,6 +136,11 @@ def print_summary(report: dict) -> None:
         if compiled.get("count"):
             extra = f"{extra} (Triton compiles: {compiled['count']}, {compiled['seconds']} s)".lstrip()
         print(f"  {name:<11} {sec['status']:<18} {sec.get('seconds', '')} s {extra}")
+    early = report.get("ahead")
+    if early:
+        c = early["triton_compiles"]
+        print(f"  ahead       {early['status']:<18} {early['seconds']} s ({', '.join(early['sections'])}: Triton "
+              f"compiles {c['count']}, {c['built']} built, {c['seconds']} s)")
     for r in report.get("plain", {}).get("rows", []):
         print(f"  plain  {r['model']:<13} batch {r['batch']:>3}: engine {r['engine_tok_s']:8.0f} tok/s, graph step "
               f"{r['step_graph_ms']:.2f} ms (limit {r.get('limit_ms')}), captures / compiles in timed calls "
