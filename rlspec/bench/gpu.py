@@ -19,6 +19,8 @@ that ends early leaves its seconds to the ones after it):
               per step and per phase (skipped, and why, where TRL is not importable)
   tests_rest  every other CUDA test
 An extra, run only when named (--sections compiled): the plain step with eager and with compiled layers (7B).
+Beside the tests a compile-ahead child runs the measuring sections' light form, for the kernels they will compile
+(gpucheck/ahead.py), and is stopped when the tests end.
 Every section but the tests runs in a child process with a timeout (a hung CUDA call cannot take the report
 down; the rehearsal runs its measuring sections in one child); every CUDA test's outcome is a row of report.json.
 
