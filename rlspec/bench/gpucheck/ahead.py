@@ -36,7 +36,7 @@ class Ahead:
             os.killpg(self.proc.pid, 9)
         self.proc.wait()
         self.log.close()
-        status = "stopped with the tests" if running else \
+        status = "stopped" if running else \
             "finished" if self.proc.returncode == 0 else f"failed (exit {self.proc.returncode})"
         return dict(sections=self.names, status=status, seconds=round(time.perf_counter() - self.t0, 2),
                     triton_compiles=compiles.logged(Path(self.log.name).read_text(errors="replace")),
