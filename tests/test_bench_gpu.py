@@ -46,6 +46,7 @@ def test_rehearsal_writes_every_section(tmp_path):
         if report[s]["status"] != "skipped":
             assert report[s]["triton_compiles"] == dict(counted=bool(report["triton"]), count=0, built=0,
                                                         seconds=0.0, kernels={}), s
+    assert report["aims"] == {"skipped": "the aims are set for an H200; this report is from cpu"}
     # the compile-ahead child ran beside the tests over the measuring sections that compile, and was stopped with
     # them (or had finished); its log is kept
     early = report["ahead"]
@@ -496,3 +497,51 @@ def test_a_failing_drafter_keeps_the_verify_rows_and_fails_the_section(tmp_path,
     saved = json.loads((tmp_path / "spec_costs.json").read_text())
     assert saved["eagle3_error"] == "ValueError: planted drafter failure" and saved["eagle3_draft"] == []
     assert {r["tokens"] for r in saved["verify"]} >= {1, 2, 5} and "complete_s" not in saved
+
+
+def _h200_report(**changes) -> dict:
+    """A report of the whole check on an H200, every section complete, its figures meeting every aim; `changes`
+    replaces sections."""
+    ok = dict(status="ok", seconds=50.0)
+    report = dict(device="NVIDIA H200", sections_run=list(presets.SECTIONS), elapsed_s=560.0,
+                  **{s: dict(ok) for s in presets.SECTIONS})
+    report["tests"]["seconds"] = 140.0  # the core: 140 + 50 + 50
+    report["contexts"] = dict(ok, rows=[
+        dict(context=256, batch=1, step_ms=3.9), dict(context=256, batch=8, step_ms=4.5),
+        dict(context=256, batch=32, step_ms=5.4), dict(context=8192, batch=32, over_limit=1.25),
+        dict(context=256, batch=1, step_ms=9.0, kernel="flex")])  # a comparison row after the default pass
+    report["spec_costs"] = dict(ok, verify=[dict(batch=128, kind="chain", tokens=5, step_ms=20.0),
+                                            dict(batch=128, kind="chain", tokens=1, step_ms=7.9)],
+                                eagle3_draft=[dict(batch=b, vs_plain_step=0.09) for b in (1, 8, 32)])
+    report["oracle"] = dict(ok, rows=[dict(batch=b, accept=a, vs_predicted_at_measured=0.95 if a == 0.7 else 0.1)
+                                      for b in (1, 8, 32) for a in (0.5, 0.7, 0.9)])
+    report.update(changes)
+    return report
+
+
+def test_the_aims_are_judged_on_the_figures_they_name():
+    from rlspec.bench.gpucheck import aims
+
+    got = aims.evaluate(_h200_report())
+    assert got["met"] == got["of"] == 12, [r for r in got["rows"] if not r["met"]]
+    values = {r["aim"]: r["value"] for r in got["rows"]}
+    assert values["plain step ms, context 256, batch 1"] == 3.9  # the default pass, not the comparison after it
+    assert values["plain step ms, context 256, batch 128"] == 7.9  # spec_costs' plain step: a chain of 1
+    assert values["the core's seconds (tests, plain, spec_costs)"] == 240.0
+    # each figure past its aim is not met; a figure the report lacks is not measured (None), never met
+    slow = _h200_report(oracle=dict(status="ok", rows=[dict(batch=1, accept=0.7, vs_predicted_at_measured=0.85)]))
+    slow["spec_costs"]["eagle3_draft"][1]["vs_plain_step"] = 0.39
+    slow["contexts"]["rows"][3]["over_limit"] = 1.92
+    verdict = {r["aim"]: r["met"] for r in aims.evaluate(slow)["rows"]}
+    assert [k for k, met in verdict.items() if met is False] == [
+        "plain step over its limit, context 8192, batch 32", "EAGLE-3 level over a plain step, batch 8",
+        "oracle a = 0.7, batch 1: decode speedup over the formula's"]
+    assert verdict["oracle a = 0.7, batch 8: decode speedup over the formula's"] is None
+    # the budget is judged on the whole check with every section completed: a section cut short judges nothing
+    cut = aims.evaluate(_h200_report(e2e=dict(status="timeout (100 s)", seconds=100.0)))["rows"]
+    assert [r["value"] for r in cut[-2:]] == [None, None] and [r["met"] for r in cut[-2:]] == [None, None]
+    over = aims.evaluate(_h200_report(elapsed_s=610.0))["rows"]
+    assert over[-2]["met"] is False and over[-1]["met"] is True
+    assert "not measured" in "\n".join(aims.lines(aims.evaluate(slow)))
+    assert aims.evaluate({**_h200_report(), "device": "NVIDIA H100 80GB HBM3"}) == {
+        "skipped": "the aims are set for an H200; this report is from NVIDIA H100 80GB HBM3"}

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from rlspec.bench import harness
-from rlspec.bench.gpucheck import ahead, predict, presets
+from rlspec.bench.gpucheck import ahead, aims, predict, presets
 from rlspec.bench.gpucheck.carry import CARRY  # what a GPU machine gets carried: tokenizer/, site/ (make gpu-carry)
 
 NAME = "gpu"
@@ -232,7 +232,10 @@ def run(args) -> dict:
         if compiling is not None:
             compiling.stop()
     report["ok"] = not failed(report)  # the harness's exit status reads it
+    report["aims"] = aims.evaluate(report)  # what the check steers by, judged on this run (an H200's)
+    write_json(report_path, report)
     presets.print_summary(report)
+    print("\n".join(aims.lines(report["aims"])), flush=True)
     print(f"wrote {report_path}", flush=True)
     args.out = str(report_path)  # the harness writes its copy of the report to args.out: the same file
     return report
