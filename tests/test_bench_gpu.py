@@ -428,14 +428,15 @@ def test_the_compile_ahead_child_is_stopped_with_the_tests_and_its_log_counted(t
     def child(names, args, folder, log, timeouts, ahead=False):  # gpu.child's face: a stand-in that compiles two
         started.update(names=names, folder=folder, ahead=ahead)
         lines = f"print('{compiles.LOG_PREFIX} _few_rows 0.500', flush=True); " \
-                f"print('{compiles.LOG_PREFIX} _split 0.004', flush=True); import time; time.sleep(60)"
+                f"print('{compiles.LOG_PREFIX} _split 0.004', flush=True); " \
+                f"print('{compiles.LOG_PREFIX} _comb', end='', flush=True); import time; time.sleep(60)"  # cut off
         return subprocess.Popen([sys.executable, "-c", lines], stdout=log, start_new_session=True)
 
     args = argparse.Namespace(sections=["tests", "plain", "profile", "oracle", "e2e", "tests_rest"])
     early = ahead.start(args, tmp_path, child)
     assert started == dict(names=["plain", "oracle"], folder=tmp_path / "ahead", ahead=True)
     deadline = time.monotonic() + 30
-    while (tmp_path / "ahead.log").read_text().count(compiles.LOG_PREFIX) < 2 and time.monotonic() < deadline:
+    while (tmp_path / "ahead.log").read_text().count(compiles.LOG_PREFIX) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     t0 = time.monotonic()
     got = early.stop()

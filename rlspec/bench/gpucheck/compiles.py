@@ -69,8 +69,13 @@ def finished(kernel: str) -> float:
 
 
 def logged(text: str) -> dict:
-    """The compiles a log holds (the lines `install(log=True)` printed): how many, how many built, their seconds."""
-    seconds = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(LOG_PREFIX)]
+    """The compiles a log holds (the lines `install(log=True)` printed): how many, how many built, their seconds. A
+    line cut off by the kill is not counted."""
+    seconds = []
+    for line in text.splitlines():
+        fields = line[len(LOG_PREFIX):].split() if line.startswith(LOG_PREFIX) else []
+        if len(fields) == 2 and fields[1].replace(".", "", 1).isdigit():
+            seconds.append(float(fields[1]))
     return dict(count=len(seconds), built=sum(s >= LOAD_S for s in seconds), seconds=round(sum(seconds), 2))
 
 
