@@ -19,6 +19,13 @@ ORACLE = (0.7, (1, 8), 0.9)  # acceptance, batches: the decode loop's speedup at
 CHECK_S, CORE_S = 600, 300  # the whole check and its core (presets.CORE), every section completed
 
 
+def _rows(report: dict, section: str, key: str) -> list[dict]:
+    """report[section][key] as a list of rows; [] where a section did not run, was cut short or failed before
+    writing them (the check still ends with its judgement)."""
+    rows = (report.get(section) or {}).get(key) if isinstance(report.get(section), dict) else None
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
 def _first(rows: list[dict], **match) -> dict | None:
     """The first row with these values: the contexts section's default pass comes before its comparisons."""
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
@@ -32,10 +39,8 @@ def evaluate(report: dict) -> dict:
     """{"rows": [{aim, value, target, met, source}]} for an H200's report, else {"skipped": why}."""
     if DEVICE not in str(report.get("device")):
         return {"skipped": f"the aims are set for an {DEVICE}; this report is from {report.get('device')}"}
-    contexts = (report.get("contexts") or {}).get("rows", [])
-    costs = report.get("spec_costs") or {}
-    verify, levels = costs.get("verify", []), costs.get("eagle3_draft", [])
-    oracle = (report.get("oracle") or {}).get("rows", [])
+    contexts, oracle = _rows(report, "contexts", "rows"), _rows(report, "oracle", "rows")
+    verify, levels = _rows(report, "spec_costs", "verify"), _rows(report, "spec_costs", "eagle3_draft")
     rows = []
 
     def aim(name: str, value, target: float, at_most: bool, source: str, completed: bool = True) -> None:
