@@ -550,7 +550,8 @@ def test_the_aims_are_judged_on_the_figures_they_name():
     assert [r["met"] for r in some[-2:]] == [None, None] and some[0]["met"] is True
     assert "not measured" in "\n".join(aims.lines(aims.evaluate(slow)))
     # sections that failed before writing their rows, or wrote something else, leave their aims unmeasured
-    broken = aims.evaluate(_h200_report(contexts=dict(status="failed (exit 1)", seconds=3.0), oracle="failed",
+    broken = aims.evaluate(_h200_report(profile="failed", contexts=dict(status="failed (exit 1)", seconds=3.0),
+                                        oracle="failed",
                                         spec_costs=dict(status="ok", verify=None, eagle3_draft={"error": "x"})))
     assert sum(r["value"] is None for r in broken["rows"]) == 10
     assert [r["met"] for r in broken["rows"][-2:]] == [False, True]  # the core's three sections completed

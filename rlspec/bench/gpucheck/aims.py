@@ -31,8 +31,8 @@ def _first(rows: list[dict], **match) -> dict | None:
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
 
 
-def _get(row: dict | None, key: str):
-    return None if row is None else row.get(key)
+def _get(row, key: str):
+    return row.get(key) if isinstance(row, dict) else None
 
 
 def evaluate(report: dict) -> dict:
@@ -68,12 +68,12 @@ def evaluate(report: dict) -> dict:
     whole = set(SECTIONS) <= set(report.get("sections_run", []))
 
     def completed(names) -> bool:
-        return all((report.get(s) or {}).get("status") in ("ok", "skipped") for s in names)
+        return all(isinstance(report.get(s), dict) and report[s].get("status") in ("ok", "skipped") for s in names)
 
     aim("the whole check's seconds, every section completed", report.get("elapsed_s") if whole else None, CHECK_S,
         True, "elapsed_s and each section's status", completed(SECTIONS))
     aim("the core's seconds (tests, plain, spec_costs), each completed",
-        sum((report.get(s) or {}).get("seconds") or 0 for s in CORE) if whole else None, CORE_S, True,
+        sum(_get(report.get(s), "seconds") or 0 for s in CORE) if whole else None, CORE_S, True,
         "its sections' seconds and status", completed(CORE))
     return {"rows": rows, "met": sum(r["met"] is True for r in rows), "of": len(rows)}
 
