@@ -19,20 +19,20 @@ ORACLE = (0.7, (1, 8), 0.9)  # acceptance, batches: the decode loop's speedup at
 CHECK_S, CORE_S = 600, 300  # the whole check and its core (presets.CORE), every section completed
 
 
+def _get(row, key: str):
+    return row.get(key) if isinstance(row, dict) else None
+
+
 def _rows(report: dict, section: str, key: str) -> list[dict]:
     """report[section][key] as a list of rows; [] where a section did not run, was cut short or failed before
     writing them (the check still ends with its judgement)."""
-    rows = (report.get(section) or {}).get(key) if isinstance(report.get(section), dict) else None
+    rows = _get(report.get(section), key)
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
 
 def _first(rows: list[dict], **match) -> dict | None:
     """The first row with these values: the contexts section's default pass comes before its comparisons."""
     return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
-
-
-def _get(row, key: str):
-    return row.get(key) if isinstance(row, dict) else None
 
 
 def evaluate(report: dict) -> dict:
