@@ -301,15 +301,28 @@ def test_a_section_that_ends_early_leaves_its_seconds_to_the_ones_after(tmp_path
     monkeypatch.setattr(gpu, "child_sections", lambda names, args, folder, limit: {names[0]: spend(names[0], limit)})
     monkeypatch.setattr(gpu.predict, "annotate", lambda report: None)
     monkeypatch.setattr(presets, "print_summary", lambda report: None)
+    events = []  # the compile-ahead child: started before the tests, stopped when they end
+
+    class Ahead:
+        def stop(self):
+            events.append(("stop", sorted(given)))
+            return {"status": "stopped"}
+
+    monkeypatch.setattr(gpu.ahead, "start", lambda args, folder, child: events.append("start") or Ahead())
     parser = __import__("argparse").ArgumentParser()
     gpu.add_arguments(parser)
     report = gpu.run(parser.parse_args(["--out", str(tmp_path)]))
+    assert events == ["start", ("stop", ["tests"])] and report["ahead"] == {"status": "stopped"}
     limits = presets.GPU_LIMITS
     assert given["tests"] == limits["tests"] and given["plain"] == limits["plain"] + limits["tests"] - 90
     assert given["spec_costs"] == 300 - 90 - 65 and report["spec_costs"]["status"] == "timeout"  # the core: 300 s
     assert given["profile"] == limits["profile"]  # spec_costs used all it had: nothing left over
     assert given["tests_rest"] == 600 - (300 + 10 + 20 + 65 + 100) and clock[0] == 600
     assert report["given_s"]["tests_rest"] == given["tests_rest"]
+    events.clear(), given.clear()
+    clock[0] = 0.0
+    report = gpu.run(parser.parse_args(["--out", str(tmp_path), "--no-ahead"]))  # the tests alone
+    assert events == [] and "ahead" not in report and len(given) == len(presets.SECTIONS)
 
 
 def test_the_tests_named_last_run_after_the_others(tmp_path):

@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"extra import path for the sections (carried trl/datasets; default "
                              f"{CARRY}/site where it exists)")
     parser.add_argument("--per-test-timeout-s", type=float, default=None, help="one CUDA test's limit")
+    parser.add_argument("--no-ahead", action="store_true",
+                        help="run the CUDA tests alone: no child compiling the later sections' kernels beside them")
     parser.add_argument("--timeout-s", nargs="*", default=None, metavar="SECTION=S",
                         help="override section limits, e.g. tests=120 oracle=200 (seconds)")
     parser.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child: run this section here
@@ -208,7 +210,8 @@ def run(args) -> dict:
     limits = presets.timeouts(args.smoke, args.timeout_s)
     report = {**header(args), "sections_run": args.sections, "timeouts_s": limits, "given_s": {}}
     t0, planned = time.perf_counter(), 0.0
-    compiling = ahead.start(args, folder, child) if args.sections[0] in presets.TEST_SECTIONS else None
+    beside_tests = args.sections[0] in presets.TEST_SECTIONS and not args.no_ahead
+    compiling = ahead.start(args, folder, child) if beside_tests else None
     try:
         for group in groups(args.sections, args.smoke):
             # a group may take what the ones before it left of their limits: the check still ends within the sum
