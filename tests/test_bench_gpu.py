@@ -319,7 +319,8 @@ def test_a_section_that_ends_early_leaves_its_seconds_to_the_ones_after(tmp_path
     assert given["profile"] == limits["profile"]  # spec_costs used all it had: nothing left over
     assert given["tests_rest"] == 600 - (300 + 10 + 20 + 65 + 100) and clock[0] == 600
     assert report["given_s"]["tests_rest"] == given["tests_rest"]
-    events.clear(), given.clear()
+    events.clear()
+    given.clear()
     clock[0] = 0.0
     report = gpu.run(parser.parse_args(["--out", str(tmp_path), "--no-ahead"]))  # the tests alone
     assert events == [] and "ahead" not in report and len(given) == len(presets.SECTIONS)
