@@ -8,7 +8,8 @@ call counts the compiles inside it (`timed_compiles` > 0: its seconds hold a com
 variant another process already built is loaded from Triton's cache on disk, in milliseconds: it counts, but not
 among those `built` (under LOAD_S; what the compile-ahead child of gpucheck/ahead.py saves the sections).
 
-Nothing is counted where Triton is not installed, where its hooks are not there (before 3.4), or in its interpreter
+Inductor's kernels (FlexAttention's, a compiled layer's) are built through Triton's compiler directly, not through
+its JIT, and are not counted. Nothing is counted where Triton is not installed, where its hooks are not there (before 3.4), or in its interpreter
 (the CPU rehearsal), which compiles nothing."""
 from __future__ import annotations
 
