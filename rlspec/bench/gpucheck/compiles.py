@@ -1,7 +1,7 @@
 """Triton's JIT compiles in this process, counted through its compile hooks (`triton.knobs.runtime`).
 
 The first launch of each variant of our kernels (a kernel, its constants and its arguments' alignments) compiles
-it: about a second of the host's each (tests/rollout/runtime/triton_aot.py compiles 27 variants in ~20 s on one
+it: about a second of the host's each (tests/rollout/runtime/triton_aot.py compiles 27 variants in ~23 s on one
 core), paid by the section that meets it first. The report says how many each section compiled and what they
 cost (`triton_compiles`), so a section that ran out of time can tell compiles from measurements, and each timed
 call counts the compiles inside it (`timed_compiles` > 0: its seconds hold a compile, not a step's cost). A
