@@ -47,7 +47,8 @@ def test_the_carry_holds_the_installed_versions_unpacked_and_the_tokenizer(tmp_p
                                                                      "tokenizer_config.json"]
     assert not (out / "site" / "stale").exists()
     # the carried packages import from site/ alone, at the installed versions
-    probe = "import sys; sys.path.insert(0, sys.argv[1]); import trl, multiprocess; print(trl.ORIGIN, multiprocess.ORIGIN)"
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import trl, multiprocess; "
+             "print(trl.ORIGIN, multiprocess.ORIGIN)")
     got = subprocess.run([sys.executable, "-c", probe, str(out / "site")], capture_output=True, text=True, check=True)
     assert got.stdout.split() == ["carried", versions["trl"], "carried", versions["multiprocess"]]
 

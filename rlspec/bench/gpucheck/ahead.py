@@ -38,9 +38,9 @@ class Ahead:
         self.log.close()
         status = "stopped" if running else \
             "finished" if self.proc.returncode == 0 else f"failed (exit {self.proc.returncode})"
+        log = Path(self.log.name)
         return dict(sections=self.names, status=status, seconds=round(time.perf_counter() - self.t0, 2),
-                    triton_compiles=compiles.logged(Path(self.log.name).read_text(errors="replace")),
-                    log=Path(self.log.name).name)
+                    triton_compiles=compiles.logged(log.read_text(errors="replace")), log=log.name)
 
 
 def start(args, folder: Path, child) -> Ahead | None:

@@ -49,9 +49,11 @@ def evaluate(report: dict) -> dict:
                          source=source))
 
     for b, ms in PLAIN_MS.items():  # batch 128 is spec_costs' plain row (contexts stops at 32)
-        row = _first(contexts, context=256, batch=b) if b <= 32 else _first(verify, batch=b, kind="chain", tokens=1)
-        aim(f"plain step ms, context 256, batch {b}", _get(row, "step_ms"), ms, True,
-            "contexts" if b <= 32 else "spec_costs verify (chain of 1)")
+        if b <= 32:
+            row, source = _first(contexts, context=256, batch=b), "contexts"
+        else:
+            row, source = _first(verify, batch=b, kind="chain", tokens=1), "spec_costs verify (chain of 1)"
+        aim(f"plain step ms, context 256, batch {b}", _get(row, "step_ms"), ms, True, source)
     ctx, b, over = LONG
     aim(f"plain step over its limit, context {ctx}, batch {b}", _get(_first(contexts, context=ctx, batch=b),
                                                                      "over_limit"), over, True, "contexts")

@@ -34,7 +34,8 @@ def pins(packages=PACKAGES) -> list[str]:
         try:
             out.append(f"{name}=={importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
-            raise SystemExit(f"{name} is not installed here, so its version is unknown: run `make venv` first") from None
+            raise SystemExit(f"{name} is not installed here, so its version is unknown: "
+                             "run `make venv` first") from None
     return out
 
 

@@ -9,8 +9,8 @@ variant another process already built is loaded from Triton's cache on disk, in 
 among those `built` (under LOAD_S; what the compile-ahead child of gpucheck/ahead.py saves the sections).
 
 Inductor's kernels (FlexAttention's, a compiled layer's) are built through Triton's compiler directly, not through
-its JIT, and are not counted. Nothing is counted where Triton is not installed, where its hooks are not there (before 3.4), or in its interpreter
-(the CPU rehearsal), which compiles nothing."""
+its JIT, and are not counted. Nothing is counted where Triton is not installed, where its hooks are not there
+(before 3.4), or in its interpreter (the CPU rehearsal), which compiles nothing."""
 from __future__ import annotations
 
 import time

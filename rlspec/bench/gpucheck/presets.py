@@ -6,9 +6,10 @@ call). Each is sized from the H200 run's section times (bench_out/gpu/report.jso
 112 s, plain 58 s, spec_costs' verify rows 72 s, profile 24 s, contexts 16 s, oracle 56 s, e2e's two first arms
 ~40 s); contexts has 15 s more for the paged kernel's launches timed alone (a compile each, ~1 s), taken from
 tests_rest, the last. That run predates our Triton kernels: the compiles of their first launches are mostly paid
-beside the CUDA tests, by the compile-ahead child (ahead.py), and each section reports what it still compiled. A section stops starting measurements at 0.8 of its limit, so what it measured comes back
-either way; what a section leaves of its limit goes to the ones after it (gpu.run), so tests_rest, which ran out in
-that run, gets what the measuring sections did not use."""
+beside the CUDA tests, by the compile-ahead child (ahead.py), and each section reports what it still compiled. A
+section stops starting measurements at 0.8 of its limit, so what it measured comes back either way; what a section
+leaves of its limit goes to the ones after it (gpu.run), so tests_rest, which ran out in that run, gets what the
+measuring sections did not use."""
 from __future__ import annotations
 
 import importlib
