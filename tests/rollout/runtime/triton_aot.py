@@ -105,4 +105,5 @@ def main(archs: list[int]) -> None:
 
 
 if __name__ == "__main__":
+    print(f"triton {triton.__version__} from {Path(triton.__file__).parent}", file=sys.stderr)
     main([int(a) for a in sys.argv[1:]] or [80, 90])
