@@ -16,6 +16,7 @@ from collections.abc import Callable
 import rlspec.rollout.metrics as M
 from rlspec.rollout.types import PartialRound, RolloutResult, SamplingParams, SpecConfig
 from rlspec.trainers.peft_sync import engine_source, is_peft_model
+from rlspec.trainers.policy_attention import eager_where_capped
 from rlspec.trainers.weight_sync import DEFAULT_BUCKET_MB, WeightSyncer, gathered_model
 
 
@@ -42,6 +43,8 @@ def for_trainer(trainer, policy, tokenizer, spec_config: SpecConfig | None, engi
     TRL's profiling around sync and generation."""
     from trl.extras.profiling import profiling_context
 
+    # the trainer's forwards compute the attention the engine does (a Gemma 2 on SDPA would drop its soft-cap)
+    eager_where_capped(policy, getattr(trainer, "ref_model", None), getattr(trainer, "ref_policy", None))
     engine_kwargs = dict(engine_kwargs)
     bucket_mb = engine_kwargs.pop("sync_bucket_mb", None) or DEFAULT_BUCKET_MB
     built_here = engine is None

@@ -26,7 +26,8 @@ def _configs(kind: str):
         return tf.GemmaConfig(**COMMON, tie_word_embeddings=True), tf.GemmaForCausalLM
     if kind == "gemma2":
         return tf.Gemma2Config(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                               final_logit_softcapping=4.0, tie_word_embeddings=True), tf.Gemma2ForCausalLM
+                               final_logit_softcapping=4.0, tie_word_embeddings=True,
+                               attn_implementation="eager"), tf.Gemma2ForCausalLM  # SDPA would drop the cap (5.17)
     if kind == "gemma3":
         rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
