@@ -5,7 +5,7 @@ SDPA path cannot, and the releases that run Gemma 2 on SDPA by default (5.17 amo
 a word; later ones run Gemma 2 on eager attention only (its `_supports_sdpa` is False). The engine always applies
 the cap. A policy left on SDPA would score the tokens the engine sampled under another law: TRL's importance
 ratios away from 1 at step 1, and a KL to a reference that computes otherwise. `eager_where_capped` moves such a
-policy and its reference to eager attention, as later transformers do, and says so once.
+policy and its reference to eager attention, as later transformers do, and says so.
 """
 from __future__ import annotations
 
