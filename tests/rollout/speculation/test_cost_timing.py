@@ -96,4 +96,6 @@ def test_a_step_charges_the_drafting_its_span_and_the_verify_the_rest(monkeypatc
     monkeypatch.setattr(eng.speculation, "observe_step", observed)
     eng.generate(random_prompts(2, 4, 8, seed=1, vocab=64), SamplingParams(temperature=0, max_new_tokens=12))
     assert len(seen) >= 5 and all(d == 0.05 for _, d, _ in seen)
-    assert all(abs(s + d - wall) < 2e-4 for s, d, wall in seen), seen
+    # the wall clock read here, after the engine's: later by the host's time in between (a loaded machine's
+    # milliseconds), far below the 50 ms the drafting would add were it charged the host's clock instead of its span
+    assert all(-2e-4 < wall - (s + d) < 5e-3 for s, d, wall in seen), seen
