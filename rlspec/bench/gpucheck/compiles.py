@@ -17,10 +17,9 @@ import time
 
 LOAD_S = 0.1  # a "compile" shorter than this was a load from Triton's cache on disk (a build takes ~0.3 s or more)
 LOG_PREFIX = "[triton compiled]"
-_count = 0
 _built = 0
 _seconds = 0.0
-_kernels: dict[str, int] = {}
+_kernels: dict[str, int] = {}  # compiles per kernel (their sum: the count)
 _started: list[float] = []  # the compile under way (compiles do not nest: one at a time per process)
 _installed = False
 
@@ -60,9 +59,8 @@ def install(log: bool = False) -> bool:
 
 def finished(kernel: str) -> float:
     """One compile of `kernel` ended (what the post-compile hook records); its seconds."""
-    global _count, _built, _seconds
+    global _built, _seconds
     seconds = time.perf_counter() - _started.pop() if _started else 0.0
-    _count += 1
     _built += seconds >= LOAD_S
     _seconds += seconds
     _kernels[kernel] = _kernels.get(kernel, 0) + 1
@@ -82,17 +80,17 @@ def logged(text: str) -> dict:
 
 def count() -> int:
     """Compiles so far in this process."""
-    return _count
+    return sum(_kernels.values())
 
 
-def mark() -> tuple[int, int, float, dict[str, int]]:
+def mark() -> tuple[int, float, dict[str, int]]:
     """Where the counts stand now, for `since`."""
-    return _count, _built, _seconds, dict(_kernels)
+    return _built, _seconds, dict(_kernels)
 
 
-def since(start: tuple[int, int, float, dict[str, int]]) -> dict:
+def since(start: tuple[int, float, dict[str, int]]) -> dict:
     """Compiles since `start` (a `mark()`): how many, how many were built (not loaded from disk), their seconds
     and how many of each kernel; `counted` False where nothing could be counted (no hooks installed)."""
-    n, built, secs, kernels = start
-    return dict(counted=_installed, count=_count - n, built=_built - built, seconds=round(_seconds - secs, 2),
+    built, secs, kernels = start
+    return dict(counted=_installed, count=count() - sum(kernels.values()), built=_built - built, seconds=round(_seconds - secs, 2),
                 kernels={k: v - kernels.get(k, 0) for k, v in _kernels.items() if v != kernels.get(k, 0)})
