@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlspec.trainers import checkpointing
 from rlspec.trainers.trimmed_logps import text_only
 
 PASS_ARGS = ("batch_size", "num_images", "num_tiles")  # what TRL's first pass passes besides the model's inputs
@@ -102,11 +103,11 @@ def first_pass(trainer, run, model, input_ids, attention_mask, logits_to_keep) -
 def loss_checkpointing(trainer, model):
     """Gradient checkpointing on, as the loss's forward runs, when the user asked for it (TRL turns it off around
     its no-grad pass, which keeps no graph); back off afterwards, for TRL to restore."""
-    off = trainer.args.gradient_checkpointing and not getattr(model, "is_gradient_checkpointing", True)
+    off = trainer.args.gradient_checkpointing and not checkpointing.is_on(model)
     if off:
-        model.gradient_checkpointing_enable(trainer.args.gradient_checkpointing_kwargs)
+        checkpointing.enable(model, trainer.args.gradient_checkpointing_kwargs)
     try:
         yield
     finally:
         if off:
-            model.gradient_checkpointing_disable()
+            checkpointing.disable(model)

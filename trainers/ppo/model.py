@@ -19,6 +19,8 @@ import os
 import torch
 from torch import nn
 
+from rlspec.trainers import checkpointing
+
 VALUE_FILE = "value_model.safetensors"
 
 
@@ -67,10 +69,14 @@ class PolicyAndValue(nn.Module):
     def tie_weights(self) -> None:
         self.policy.tie_weights()
 
-    def gradient_checkpointing_enable(self, **kwargs) -> None:
-        self.policy.gradient_checkpointing_enable(**kwargs)
-        if self.critic is not None:
-            self.critic.gradient_checkpointing_enable(**kwargs)
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **options) -> None:
+        for model in (self.policy, self.critic):
+            if model is not None:
+                checkpointing.enable(model, activation_checkpointing_kwargs, **options)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **options) -> None:
+        """The name the Trainer calls before transformers 5.24 (trainers/checkpointing.py)."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **options)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
                 value_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
