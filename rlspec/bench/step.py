@@ -67,15 +67,16 @@ def hf_step_ms(model, batch: int, ctx: int, steps: int) -> float:
     import torch
     from transformers import DynamicCache
 
+    from rlspec.rollout.runtime.model.loader import hf_cache_arg
+
     ids = torch.randint(100, 1000, (batch, ctx))
     with torch.inference_mode():
-        cache = DynamicCache()
-        model(ids, past_key_values=cache, use_cache=True)
+        cache = {hf_cache_arg(model): DynamicCache()}
+        model(ids, **cache, use_cache=True)
         tok = ids[:, -1:]
         for _ in range(2):  # warm-up
-            model(tok, past_key_values=cache, use_cache=True)
-        return harness.timed(lambda: [model(tok, past_key_values=cache, use_cache=True)
-                                      for _ in range(steps)])[1] / steps * 1e3
+            model(tok, **cache, use_cache=True)
+        return harness.timed(lambda: [model(tok, **cache, use_cache=True) for _ in range(steps)])[1] / steps * 1e3
 
 
 def engine_step_ms(engine, prompts, steps: int) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from rlspec.rollout.runtime.model.loader import hf_cache_arg
 from rlspec.rollout.speculation.drafters.base import Draft
 
 
@@ -26,6 +27,7 @@ class DraftModelSource:
         tok = AutoTokenizer.from_pretrained(path)
         check_same_tokenizer(path, tok, target_tokenizer, target_vocab)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        self._cache_arg = hf_cache_arg(self.model)
         self.vocab = target_vocab
         self._caches: dict[int, tuple[object, int]] = {}  # id(seq) -> (DynamicCache, tokens it holds)
 
@@ -46,7 +48,7 @@ class DraftModelSource:
         feed = torch.tensor([ctx[held:]], device=dev)
         tokens = []
         for _ in range(cap):
-            logits = self.model(input_ids=feed, past_key_values=cache, use_cache=True).logits[0, -1].float()
+            logits = self.model(input_ids=feed, **{self._cache_arg: cache}, use_cache=True).logits[0, -1].float()
             logits = _to_vocab(logits, self.vocab)
             # the processed law's argmax: top-k/top-p keep the most likely token, so this is logits' argmax
             x = int(logits.argmax())

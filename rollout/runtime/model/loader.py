@@ -10,6 +10,7 @@ tensors (`_expert_slot`), the fused tensor counting as written once all its slic
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Iterable
@@ -174,6 +175,12 @@ def load_named_tensors(model: LlamaForCausalLM, named_tensors: Iterable[tuple[st
     if own:
         ledger.finish()
     return count
+
+
+def hf_cache_arg(hf_model) -> str:
+    """The name of the KV cache argument of a transformers model's forward: `cache` from transformers 5.24, which
+    still takes `past_key_values` with a FutureWarning until 5.40; `past_key_values` before it."""
+    return "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
 
 
 def build_model(hf_config, dtype: torch.dtype, device: str | torch.device,

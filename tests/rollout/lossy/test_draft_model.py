@@ -1,11 +1,15 @@
 """step_source=draft_model=<dir>: a smaller model with the target's tokenizer writes whole steps."""
 import math
 
+import pytest
+
 from rlspec.rollout.lossy.judge import ROUTED, TARGET
 from rlspec.rollout.types import SamplingParams, SpecConfig
 from tests.trainers.conftest import build_char_tokenizer, build_tiny_llama
 
 
+# transformers 5.24 renamed forward's past_key_values to cache, and drops the old name in 5.40 (loader.hf_cache_arg)
+@pytest.mark.filterwarnings("error:`past_key_values` is deprecated:FutureWarning")
 def test_draft_model_writes_greedy_steps_recorded_as_point_masses(tmp_path):
     """A routed step is the draft model's argmax chain, so given the context it is emitted with
     probability 1 (behaviour log 1 = 0): both samples of a prompt open with the same kept step."""
