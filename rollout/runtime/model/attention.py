@@ -287,15 +287,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttnMask, sc
     return attend_flex(q, k, v, mask, scale)
 
 
-@functools.cache
 def _flex_outside_graph():
     """attend_flex from inside a compiled layer (runtime/compiled.py), behind a graph break. Traced into the
     layer, FlexAttention's block mask carries the paged pool's length as Python ints, which the layer graph
     (compiled with static shapes) specialised on: every new pool size compiled each captured shape again (3-8
     s each on an H100; docs/gpu.md). Out here flex compiles on its own, once per query
     bucket and dtype, its KV length dynamic from the second size on, and the layer's graphs take any pool size.
-    Made on first use: torch.compiler.disable imports dynamo (~2 s), which a process that never compiles (the
-    drafter trainer's child, a CPU rollout) need not pay."""
+    Made where it is called, while Dynamo traces (Dynamo is loaded then): torch.compiler.disable imports it (~2 s),
+    which a process that never compiles (the drafter trainer's child, a CPU rollout) need not pay at import. Not
+    cached: Dynamo traces through a cache's wrapper anyway, and warns that it did."""
     return torch.compiler.disable(attend_flex)
 
 

@@ -187,6 +187,8 @@ def test_emulated_pool_greedy_decode_with_shrinking_batch_matches_eager():
     assert outs[0] == outs[1]
 
 
+# FlexAttention behind its graph break is made as Dynamo traces, not through a cache Dynamo would trace past (and warn)
+@pytest.mark.filterwarnings("error:Dynamo detected a call:UserWarning")
 def test_compiled_layer_graphs_serve_every_pool_size(monkeypatch, dynamo_only):
     """CUDA's pairing emulated on the CPU: captured graphs of the compiled layer, attending through FlexAttention
     over the paged pool. Over pools of three sizes (the engine re-sizes its pool between rollouts) the layer's
