@@ -41,7 +41,7 @@ VLLM_PACKAGE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==0.33.0,vll
 VLLM_PIP_ARGS ?= $(TORCH_PIP_ARGS)
 VLLM_STAMP := $(VLLM_VENV)/.rlspec-vllm-installed
 
-.PHONY: help venv model train test bench gpu-check gpu-carry gpu-rehearsal vllm-venv test-vllm clean distclean
+.PHONY: help venv model train test bench gpu-check gpu-carry gpu-rehearsal gpu-compat vllm-venv test-vllm clean distclean
 
 help:
 	@echo "make train      venv + embedded model + python -m rlspec.train config=$(CONFIG) [ARGS='key=value ...']"
@@ -51,6 +51,7 @@ help:
 	@echo "make gpu-check  on an NVIDIA GPU box, no venv/pip/hub: python -m rlspec.bench.gpu -> bench_out/gpu/report.json"
 	@echo "make gpu-carry  what gpu-check's machine lacks (tokenizer, TRL as wheels) -> .cache/gpu_carry/, to carry there"
 	@echo "make gpu-rehearsal  the same check at tiny shapes on the CPU (~2 min) -> bench_out/gpu_rehearsal/"
+	@echo "make gpu-compat the device check's tests and the trainers' under the GPU machine's transformers (~2 min)"
 	@echo "make vllm-venv  create $(VLLM_VENV): $(VLLM_PACKAGE) + rlspec (editable) for rollout.backend=vllm"
 	@echo "make test-vllm  vllm-venv + embedded model + the vLLM backend's tests (tests/vllm, the EAGLE-3 export check)"
 	@echo "make venv       create $(VENV) (torch==$(TORCH_VERSION) first, then pip install -e .[$(EXTRAS)])"
@@ -132,6 +133,17 @@ gpu-carry: venv model
 # it in `make test`, so the check cannot rot where no GPU is at hand).
 gpu-rehearsal: venv model
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRITON_INTERPRET=1 $(PY) -m rlspec.bench.gpu --smoke $(GPU_BENCH_ARGS)
+
+# The GPU machine's transformers is older than make venv's (docs/gpu.md): installed apart (pip --target, first on
+# PYTHONPATH), it runs the device check's tests (its rehearsal included) and the trainers', so code that needs a
+# newer transformers fails here and not in a device call. Its Triton: tests/rollout/runtime/test_triton_aot.py.
+GPU_TRANSFORMERS ?= transformers==5.17.0 huggingface_hub==1.33.0
+GPU_COMPAT := .cache/gpu_compat
+gpu-compat: venv model
+	rm -rf $(GPU_COMPAT) && $(PY) -m pip install -q --no-deps --target $(GPU_COMPAT) $(GPU_TRANSFORMERS)
+	PYTHONPATH=$(GPU_COMPAT) $(PY) -c "import transformers as t; print('transformers', t.__version__, 'from', t.__file__)"
+	PYTHONPATH=$(GPU_COMPAT) HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest tests/test_bench_gpu.py tests/trainers \
+		-n $(TEST_WORKERS) $(TEST_DIST) $(PYTEST_ARGS)
 
 vllm-venv: $(VLLM_STAMP)
 
