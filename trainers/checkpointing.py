@@ -12,6 +12,13 @@ from __future__ import annotations
 from torch import nn
 
 
+def asked(args) -> tuple[bool, dict | None]:
+    """(on, kwargs) as the training arguments ask: `activation_checkpointing(_kwargs)` from 5.24 (which keeps the
+    old names as copies of the new until v6), `gradient_checkpointing(_kwargs)` before."""
+    name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    return bool(getattr(args, name)), getattr(args, f"{name}_kwargs", None)
+
+
 def is_on(model: nn.Module) -> bool:
     """Whether checkpointing is on (a module without either name: True, so that nothing turns it on)."""
     on = getattr(model, "is_activation_checkpointing", None)

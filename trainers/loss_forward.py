@@ -103,9 +103,10 @@ def first_pass(trainer, run, model, input_ids, attention_mask, logits_to_keep) -
 def loss_checkpointing(trainer, model):
     """Gradient checkpointing on, as the loss's forward runs, when the user asked for it (TRL turns it off around
     its no-grad pass, which keeps no graph); back off afterwards, for TRL to restore."""
-    off = trainer.args.gradient_checkpointing and not checkpointing.is_on(model)
+    asked, kwargs = checkpointing.asked(trainer.args)
+    off = asked and not checkpointing.is_on(model)
     if off:
-        checkpointing.enable(model, trainer.args.gradient_checkpointing_kwargs)
+        checkpointing.enable(model, kwargs)
     try:
         yield
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,6 +41,15 @@ def test_on_and_off_by_the_installed_name_and_the_trainers_keys_kept_apart(tiny_
         assert not checkpointing.is_on(model) and _layers_on(model) == [False, False]
     _no_checkpointing_warning(caught)
     assert checkpointing.is_on(torch.nn.Linear(2, 2))  # a module that cannot checkpoint is never turned on
+
+
+def test_what_the_arguments_ask_is_read_by_either_name():
+    assert checkpointing.asked(SimpleNamespace(activation_checkpointing=True,  # 5.24 on (v6: the new names only)
+                                               activation_checkpointing_kwargs={"use_reentrant": True})) == \
+        (True, {"use_reentrant": True})
+    assert checkpointing.asked(SimpleNamespace(gradient_checkpointing=False)) == (False, None)  # before 5.24
+    args = transformers.TrainingArguments(output_dir="unused", **{FIELD: True}, use_cpu=True, report_to=[])
+    assert checkpointing.asked(args) == (True, None)
 
 
 @pytest.mark.parametrize("value_model", ["head", "separate"])
