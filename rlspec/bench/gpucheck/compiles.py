@@ -92,5 +92,6 @@ def since(start: tuple[int, float, dict[str, int]]) -> dict:
     """Compiles since `start` (a `mark()`): how many, how many were built (not loaded from disk), their seconds
     and how many of each kernel; `counted` False where nothing could be counted (no hooks installed)."""
     built, secs, kernels = start
-    return dict(counted=_installed, count=count() - sum(kernels.values()), built=_built - built, seconds=round(_seconds - secs, 2),
-                kernels={k: v - kernels.get(k, 0) for k, v in _kernels.items() if v != kernels.get(k, 0)})
+    new = {k: v - kernels.get(k, 0) for k, v in _kernels.items() if v != kernels.get(k, 0)}
+    return dict(counted=_installed, count=sum(new.values()), built=_built - built, seconds=round(_seconds - secs, 2),
+                kernels=new)
