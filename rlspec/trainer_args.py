@@ -30,13 +30,15 @@ def build_trainer_args(cfg: Config, out: Path):
 def _build(cfg: Config, out: Path, cls):
     import torch
 
+    from rlspec.trainers import checkpointing
+
     name = cfg.trainer
     section_cfg = cfg.algorithm
     valid = {f.name for f in dataclasses.fields(cls)}
     section = {k: v for k, v in dataclasses.asdict(section_cfg).items() if k != "extra" and v is not None}
-    if "activation_checkpointing" in section and "activation_checkpointing" not in valid:
+    if "activation_checkpointing" in section:
         # transformers < 5.24 (the one vLLM pins, .venv-vllm) calls it gradient_checkpointing
-        section["gradient_checkpointing"] = section.pop("activation_checkpointing")
+        section[checkpointing.args_name(cls)] = section.pop("activation_checkpointing")
     for key in section_cfg.extra:
         if key in section:
             raise ConfigError(f"{name}.extra.{key}: {key} is a {name} key; set {name}.{key} instead")

@@ -12,10 +12,15 @@ from __future__ import annotations
 from torch import nn
 
 
+def args_name(args) -> str:
+    """The training arguments' name for it (a TrainingArguments class or instance): `activation_checkpointing` from
+    5.24 (which keeps the old name as a copy of the new until v6), `gradient_checkpointing` before."""
+    return "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+
+
 def asked(args) -> tuple[bool, dict | None]:
-    """(on, kwargs) as the training arguments ask: `activation_checkpointing(_kwargs)` from 5.24 (which keeps the
-    old names as copies of the new until v6), `gradient_checkpointing(_kwargs)` before."""
-    name = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    """(on, kwargs) as the training arguments ask, by the name they give it."""
+    name = args_name(args)
     return bool(getattr(args, name)), getattr(args, f"{name}_kwargs", None)
 
 
