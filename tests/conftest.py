@@ -17,6 +17,16 @@ import torch  # noqa: E402
 # be on before triton is first imported (torch does not import it on a CPU).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# there every load and store of a kernel launch must lie inside the launch's tensors (tests/triton_bounds.py); a test
+# whose kernels reached past one fails (`_triton_in_bounds`)
+_bounds = None
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        from tests import triton_bounds as _bounds
+
+        _bounds.install()
+    except ImportError:  # no triton: nothing is interpreted
+        _bounds = None
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,6 +65,14 @@ def pytest_collection_modifyitems(items):
     from tests.schedule import order
 
     items[:] = order(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+@pytest.fixture(autouse=True)
+def _triton_in_bounds():
+    yield
+    if _bounds is not None:
+        bad = _bounds.take()
+        assert not bad, "a Triton kernel reached outside its tensors:\n" + "\n".join(bad[:5])
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3"])

@@ -101,6 +101,21 @@ def test_the_gated_product_is_silu_times_up_then_one_rounding_of_the_product(M):
         few_rows.product(gate_up[:, :K], w, None, r, gated=True)
 
 
+def test_wide_products_take_tiles_of_32_outputs():
+    """Past 16,384 outputs (a 7B layer's gate|up, an LM head) each program takes 32 rows of W: the same one rounding,
+    with the norm inside and the last tile cut by N (every access inside the tensors: tests/triton_bounds.py)."""
+    N, K = 16384 + 40, 96
+    assert few_rows.tiles(N, K) == (32, 128) and few_rows.tiles(16384, K)[0] == 16
+    x, w, b, r = _inputs(torch.bfloat16, 3, N, K, bias=True, residual=True, seed=5)
+    got = few_rows.product(x, w, b, r)
+    exact = _exact(x, w, b, r)
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-3))))
+    assert ((got.double() - exact).abs() <= ulp + K * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T)).all()
+    nw = torch.full((K,), 1.5, dtype=torch.bfloat16, device=DEVICE)
+    normed = few_rows.product(x, w, None, None, nw, 1e-6)
+    assert (normed == few_rows.product(torch.nn.functional.rms_norm(x, (K,), nw, 1e-6), w)).double().mean() > 0.97
+
+
 def test_more_rows_than_a_tile_are_refused():
     x, w, _, _ = _inputs(torch.bfloat16, few_rows.MAX_ROWS + 1, 16, 64)
     with pytest.raises(ValueError, match="at most 64 rows"):
