@@ -10,6 +10,7 @@ import torch
 
 from rlspec.rollout.runtime.draws import FINAL, KeyedDraws
 from rlspec.rollout.runtime.model import kernels
+from rlspec.rollout.runtime.model.attention import triton_available, with_fallback
 from rlspec.rollout.types import SamplingParams
 
 # a draw site's source of uniforms: the call's torch.Generator (None: torch's global one), or a call's per-sample
@@ -143,17 +144,50 @@ def kernel_draws(logits: torch.Tensor, params: SamplingParams) -> bool:
 
 def sample_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws):
     """A plain step's draw from probs_from_logits(logits, params), with its logprob (logprobs_of) and each row's
-    finite column, as one op (kernels/sample.cpp) -> (tokens [B], row [B, 3] float64: the step's host transfer,
-    [token, logprob, finite column] as rollout/step_layout.py lays it out); None where it does not serve
-    (`kernel_draws`; with a repetition penalty the caller reads the logprob elsewhere). The same uniforms from the
-    generator as sample().
+    finite column, as one op on a CPU (kernels/sample.cpp) and two Triton kernels on CUDA (model/sample_rows.py, the
+    same contract) -> (tokens [B], row [B, 3] float64: the step's host transfer, [token, logprob, finite column] as
+    rollout/step_layout.py lays it out); None where neither serves (`kernel_draws`, `device_draws`; with a
+    repetition penalty the caller reads the logprob elsewhere). The same uniforms from the generator as sample().
 
     logits [B, V] float32. Why: torch's five passes over each row's vocabulary and ~35 small ops were ~0.75 ms of a
-    batch-1 CPU step (docs/verification.md#plain-steps-on-the-cpu)."""
-    if not kernel_draws(logits, params):
+    batch-1 CPU step (docs/verification.md#plain-steps-on-the-cpu); on a GPU ~9 kernels and five passes over [B, V]
+    float32 (docs/gpu.md#the-draw)."""
+    on_cpu = kernel_draws(logits, params)
+    if not (on_cpu or device_draws(logits, params)):
         return None
     r = uniform(generator, (logits.shape[0],), logits.device, FINAL)  # the op draws at 1 - r, in (0, 1], as sample()
-    return torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
+    if on_cpu:
+        return torch.ops.rlspec_kernels.sample_rows(logits, r, float(params.temperature))
+    return _device_sample_rows(logits, r, float(params.temperature))
+
+
+def device_draws(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether our Triton kernels draw this step (model/sample_rows.py): sampling with no top-k, top-p or min-p,
+    float32 logits on CUDA, outside compiled code, with Triton installed and the kernels not failed in this process.
+    Their law is probs_from_logits' there."""
+    return not (params.greedy or truncates(params, logits.shape[-1]) or not logits.is_cuda
+                or logits.dtype != torch.float32 or torch.compiler.is_compiling() or _draw_error) and triton_available()
+
+
+def torch_sample_rows(logits: torch.Tensor, r: torch.Tensor, temperature: float):
+    """sample_plain's draw in torch's ops, where no kernel serves (and the Triton kernels' fallback): softmax(logits /
+    T), its CDF inverted at 1 - r (`inverse_cdf`), the token's log-probability and the row's float64 sum for its
+    finite column (NaN or inf where a logit is) -> (token [B], row [B, 3] float64)."""
+    probs = torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+    column = inverse_cdf(probs, r[:, None])
+    finite = logits.sum(-1, keepdim=True, dtype=torch.float64)
+    return column.squeeze(1), torch.cat([column, probs.gather(1, column).log_(), finite], 1)
+
+
+def _triton_sample_rows(*args):
+    from rlspec.rollout.runtime.model.sample_rows import sample_rows  # imports triton: on first use
+
+    return sample_rows(*args)
+
+
+_draw_error: list[str] = []  # the Triton draw's first failure in this process
+_device_sample_rows = with_fallback(_triton_sample_rows, torch_sample_rows, _draw_error, "the Triton draw kernels",
+                                    "plain steps draw with torch's ops from now on")
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None,

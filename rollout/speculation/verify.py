@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from rlspec.rollout.runtime.draws import ACCEPT, FINAL, NODE, TREE, KeyedDraws
-from rlspec.rollout.runtime.sampling import (Draws, drawn_column, inverse_cdf, kernel_draws,
-                                             probs_from_logits, sample, sample_plain, shifted, truncates, uniform)
+from rlspec.rollout.runtime.sampling import (Draws, inverse_cdf, kernel_draws,
+                                             probs_from_logits, sample, sample_plain, shifted, torch_sample_rows,
+                                             truncates, uniform)
 from rlspec.rollout.types import SamplingParams
 
 
@@ -123,13 +124,8 @@ def draw_plain(logits: torch.Tensor, params: SamplingParams, generator: Draws = 
     drawn = sample_plain(logits, params, generator)
     if drawn is not None:
         return drawn
-    # probs_from_logits and sample() inline (the same ops, so the same bits): once a decode step, their calls were a
-    # sixth of the draw's host time
-    probs = torch.softmax(logits if params.temperature == 1.0 else logits / params.temperature, dim=-1)
-    column = drawn_column(probs, generator)
-    # the row in one op, float64 as the float64 finite column makes it (the transfer's own packing would do the same)
-    finite = logits.sum(-1, keepdim=True, dtype=torch.float64)
-    return column.squeeze(1), torch.cat([column, probs.gather(1, column).log_(), finite], 1)
+    return torch_sample_rows(logits, uniform(generator, (logits.shape[0],), logits.device, FINAL),
+                             params.temperature)
 
 
 def _chain_op(target_logits, draft_tokens, num_drafts, params, draft_probs, generator) -> Verdict | None:

@@ -3,7 +3,8 @@ reference at Qwen2.5-7B's heads over the pool's 128-position blocks, in bf16 and
 at contexts that split into many chunks; and replayed from a CUDA graph captured at one context, at others (each
 row's chunks follow its live length inside the kernel). The rotation with the KV writes (model/rope_write.py):
 the torch ops' bits, and the engine's steps take it (and a drafter's q and k rotation). SiLU times up (model/silu_mul.py): torch's two ops to a last
-bit, and the MLPs of 16-bit CUDA steps take it. A product of a few rows (model/few_rows.py): one rounding of the
+bit, and the MLPs of 16-bit CUDA steps take it. A plain step's draw (model/sample_rows.py): the inverse CDF of the
+float64 softmax at Qwen2.5's vocabulary, batch 1 (a row over every SM) and 128, and the engine's draw takes it. A product of a few rows (model/few_rows.py): one rounding of the
 float32 sum at Qwen2.5-7B's products, each row its own, the norm inside it torch's, chosen by timing against cuBLAS
 before a graph captures it and replayed from the graph. And all of them at once in a bf16 engine replaying its steps
 from graphs, plain and verifying drafts: its logprobs as close to the exact ones as the engine's with torch's ops
@@ -91,6 +92,22 @@ def test_cuda_silu_times_up_is_torchs_two_ops_to_a_last_bit(dtype):
     silu_cases.test_one_kernel_is_torchs_two_to_a_last_bit(dtype, 18944)  # Qwen2.5-7B's intermediate width
     with torch.inference_mode():
         assert fused_ops.triton_serves(silu_cases._gate_up(dtype, rows=2), fused_ops._silu_error)  # what a CUDA MLP takes
+
+
+def test_cuda_draw_inverts_the_cdf_at_qwens_vocabulary():
+    from rlspec.rollout.runtime import sampling
+    from tests.rollout.runtime import test_sample_rows as draw_cases
+
+    for B, seed in ((1, 5), (128, 6)):  # the device's own split: one row over every SM, and one chunk a row
+        x, r = draw_cases._case(max(B, 2), 152064, seed)
+        x, r = x[:B], r[:B]
+        tok, row = (t.cpu() for t in draw_cases._draw(x, r, 0.7))
+        assert draw_cases._check(x, r, 0.7, tok, row) == []
+    x = x.cuda()
+    params = sampling.SamplingParams(temperature=0.7)
+    assert sampling.device_draws(x, params)
+    tok, row = sampling.sample_plain(x, params, torch.Generator("cuda").manual_seed(0))
+    assert tok.is_cuda and row.shape == (128, 3) and not sampling._draw_error  # the kernels drew, nothing fell back
 
 
 def test_cuda_products_of_a_few_rows_round_once_and_replay_from_a_graph():

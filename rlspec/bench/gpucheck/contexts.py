@@ -5,7 +5,8 @@ attended (`paged_kernel`: Triton's paged decode, FlexAttention, or dense off CUD
 with programmatic dependent launch (`pdl`, model/pdl.py); `compare` times a few (context, batch) rows again with the
 other kernel, for the choice of default (docs/gpu.md#paged-decode-attention), and `without_pdl` a few with our
 kernels launched without PDL (its gain, measured).
-`lookup` times the device n-gram drafter's lookup alone at a few (rows, group, context) shapes.
+`lookup` times the device n-gram drafter's lookup alone at a few (rows, group, context) shapes, and `draw` a plain
+step's draw (its Triton kernels against torch's ops) at a few batches of Qwen2.5's vocabulary.
 `attention` times the Triton kernel alone over one layer's pool, at its default launch and at the others listed
 (keys a tile, pipeline stages, programs an SM): the KV it reads a second against the memory's bandwidth, the
 figure each default is set from."""
@@ -53,6 +54,8 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
         out["attention"] = attention_rows(cfg["shape"], cfg["attention"], device, dtype, left, save, out)
     if cfg.get("lookup"):
         out["lookup"] = lookup_rows(cfg["lookup"], device, left, save, out)
+    if cfg.get("draw"):
+        out["draw"] = draw_rows(cfg["draw"], device, left, save, out)
     save(out)
     return out
 
@@ -78,6 +81,36 @@ def lookup_rows(cfg: dict, device, left, save, out) -> list[dict]:
         print(f"  ngram_device lookup, {B} rows x {G} texts x {L} positions: {secs * 1e6:.1f} us", flush=True)
         save({**out, "lookup": rows})
         del docs
+    return rows
+
+
+def draw_rows(cfg: dict, device, left, save, out) -> list[dict] | dict:
+    """A plain step's draw from softmax(logits / T) with its logprob and finite column at batches cfg["rows"] of a
+    cfg["vocab"] vocabulary: model/sample_rows.py's two kernels against sampling.torch_sample_rows (what the engine
+    ran before them, and runs where they do not serve), microseconds each (docs/gpu.md#the-draw)."""
+    import torch
+
+    from rlspec.rollout.runtime import sampling
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "the kernels run on a CPU only in Triton's interpreter (TRITON_INTERPRET=1)"}
+    if not sampling.triton_available():
+        return {"skipped": "Triton is not installed"}
+    from rlspec.rollout.runtime.model.sample_rows import sample_rows
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for B in cfg["rows"]:
+        if left() <= 0:
+            break
+        x = (torch.randn(B, cfg["vocab"], generator=g) * 3).to(device)
+        r = torch.rand(B, generator=g).to(device)
+        us = {name: _kernel_seconds(lambda fn=fn: fn(x, r, 0.8), device) * 1e6
+              for name, fn in (("triton_us", sample_rows), ("torch_us", sampling.torch_sample_rows))}
+        rows.append(dict(batch=B, vocab=cfg["vocab"], **us, gain=us["torch_us"] / us["triton_us"]))
+        print(f"  draw, batch {B} x {cfg['vocab']}: kernels {us['triton_us']:.1f} us, torch {us['torch_us']:.1f} us",
+              flush=True)
+        save({**out, "draw": rows})
     return rows
 
 

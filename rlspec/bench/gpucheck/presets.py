@@ -54,7 +54,8 @@ GPU = {
                      attention=dict(rows=[[256, 1], [2048, 32], [8192, 1], [8192, 32]],
                                     launches=[[32, 3, 2], [64, 4, 2], [64, 3, 1], [64, 3, 3], [32, 3, 4]]),
                      # the device n-gram drafter's lookup alone: [rows, texts a row (its group), context]
-                     lookup=dict(rows=[[64, 1, 2048], [64, 8, 2048], [256, 8, 2048], [256, 16, 2048], [256, 8, 8192]])),
+                     lookup=dict(rows=[[64, 1, 2048], [64, 8, 2048], [256, 8, 2048], [256, 16, 2048], [256, 8, 8192]]),
+                     draw=dict(rows=[1, 32, 128, 512], vocab=152064)),  # a plain step's draw alone
     "oracle": dict(shape="qwen2.5-7b", batches=[1, 8, 32], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4,
                    prompt_len=64, new_tokens=[8, 56], repeats=3),
     "compiled": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], context=256, iters=6, repeats=3),
@@ -69,7 +70,8 @@ SMOKE = {
     "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3,
                      compare=dict(kernel="flex", rows=[[64, 2]]), without_pdl=[[16, 1]],
-                     attention=dict(rows=[[64, 2]], launches=[[16, 3, 2]]), lookup=dict(rows=[[4, 2, 64]])),
+                     attention=dict(rows=[[64, 2]], launches=[[16, 3, 2]]), lookup=dict(rows=[[4, 2, 64]]),
+                     draw=dict(rows=[1, 2], vocab=300)),
     "oracle": dict(shape="tiny", batches=[1, 2], accepts=[0.5, 0.7, 0.9], num_draft_tokens=4, prompt_len=8,
                    new_tokens=[8, 24], repeats=3),
     "compiled": dict(shape="tiny", batches=[2], context=16, iters=2, repeats=3),  # one graph family: C++ compiles

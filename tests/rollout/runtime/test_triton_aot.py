@@ -44,6 +44,7 @@ def test_every_kernel_variant_compiles_for_sm90(version):
     compiled = [line.split()[0] for line in lines]
     assert compiled.count("_split") == 5 and compiled.count("_combine") == compiled.count("_halves") == 1 and compiled.count("_rope_write") == 2
     assert compiled.count("_silu_mul") == 2 and compiled.count("_rope_pair") == 2 and compiled.count("_few_rows") == 14
+    assert compiled.count("_chunk_stats") == compiled.count("_draw") == 1
     assert all(line.endswith("STACK:0") for line in lines), lines  # no register spills
     assert all(", pdl," in line for line in lines), lines  # each waits for the kernel before, as launched on sm_90
     streaming = [line for line in lines if line.startswith(("_split", "_few_rows"))]  # the kernels bandwidth bounds

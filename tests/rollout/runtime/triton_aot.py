@@ -17,7 +17,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rlspec.rollout.runtime.model import few_rows, fused_ops, paged_decode, pdl, rope_write, silu_mul  # noqa: E402
+from rlspec.rollout.runtime.model import (few_rows, fused_ops, paged_decode, pdl, rope_write,  # noqa: E402
+                                         sample_rows, silu_mul)
 
 
 def compile_one(fn, pointers: dict, constexprs: dict, target, floats=(), num_warps: int = 4, aligned=(),
@@ -86,6 +87,12 @@ def main(archs: list[int]) -> None:
                         dict(NH=28, D=128, DP=128, BF16=dtype == "bf16"), target)
             compile_one(silu_mul._silu_mul, dict(GU=f"*{dtype}", Out=f"*{dtype}"),
                         dict(BF16=dtype == "bf16", BLOCK=silu_mul.BLOCK), target)
+        # a plain step's draw (sampling.sample_plain on CUDA): its chunks' statistics, then a row's token
+        compile_one(sample_rows._chunk_stats, dict(X="*fp32", Stats="*fp32"), dict(BLOCK=sample_rows.BLOCK), target,
+                    floats=("temperature",), num_warps=8, aligned=["X", "s_x"])
+        compile_one(sample_rows._draw, dict(X="*fp32", Stats="*fp32", R="*fp32", Tok="*i64", Row="*fp64"),
+                    dict(SP=128, BLOCK=sample_rows.BLOCK), target, floats=("temperature",), num_warps=8,
+                    aligned=["X", "s_x"])
         # Qwen2.5-7B's products at a decode step: q|k|v (bias), o and down (the residual), gate|up (the LM head's
         # variant), then q|k|v and gate|up with their norms inside, and down with SiLU times up inside
         for N, K, bias, res, norm, gated in ((4608, 3584, True, False, False, False),
