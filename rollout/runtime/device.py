@@ -70,6 +70,11 @@ class Span:
             self.events[1].record()
         self.t1 = time.perf_counter()
 
+    def done(self) -> bool:
+        """Whether the device ran the span's work, so that `seconds()` reads without waiting (a CUDA event's
+        elapsed time raises before then)."""
+        return self.events is None or self.events[1].query()
+
     def seconds(self) -> float:
         if self.events is not None:
             return self.events[0].elapsed_time(self.events[1]) / 1e3

@@ -228,9 +228,12 @@ class _CudaGraph:
 
 class _CallGraph:
     """CPU stand-in for a CUDA graph: replay re-runs the closure, which reads only the static buffers,
-    so CPU tests exercise the pool's padding, bucketing and buffer plumbing."""
+    so CPU tests exercise the pool's padding, bucketing and buffer plumbing. Its capture runs the closure's
+    warm-ups as a CUDA capture does, so that a closure which changes its own inputs fails its tests here too."""
 
     def capture(self, fn, pool, stream) -> None:
+        for _ in range(WARMUP_RUNS):
+            fn()
         self.fn = fn
 
     def replay(self) -> None:
@@ -254,13 +257,26 @@ class GraphSet:
         self.graphs: dict = {}
         self.counts = {"captures": 0, "replays": 0}
 
-    def replay(self, key, fn) -> bool:
-        """Replay the graph of `key`, capturing `fn` first when there is none; True when this call captured."""
+    def clear(self) -> None:
+        """Forget every graph (what they read was reallocated), and their memory pool with them: a pool whose last
+        graph is gone is released, and a capture into its old handle fails (CUDACachingAllocator's use_count
+        assertion), so later captures take a new one."""
+        self.graphs.clear()
+        if self.backend == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
+
+    def replay(self, key, fn, keep=None) -> bool:
+        """Replay the graph of `key`, capturing `fn` first when there is none; True when this call captured.
+        keep: for a closure that changes what it reads (a draft level advances its hidden state), keep() saves
+        that state and returns what puts it back, which runs between the capture's warm-ups and the replay."""
         graph = self.graphs.get(key)
         fresh = graph is None
         if fresh:
             graph = _CudaGraph() if self.backend == "cuda" else _CallGraph()
+            restore = keep() if keep is not None else None
             graph.capture(fn, self.pool, self.stream)
+            if restore is not None:
+                restore()
             self.graphs[key] = graph
             self.counts["captures"] += 1
         graph.replay()

@@ -59,6 +59,7 @@ class Speculation:
         if trainer is not None:
             self.attach_trainer(trainer)
         self._seen_version = self.version()
+        self._early: list = []  # the learned drafter's catch-up spans whose device seconds are not known yet
         self._gate_version = self.version()  # the drafter version the selector's gate last heard of
         self._admitted = None  # the trainer's (version, estimate) last handed to the selector
         self.decision = Decision(speculating=bool(drafters), max_spec_batch=max_spec_batch)
@@ -229,10 +230,16 @@ class Speculation:
             self._feed_gate()
         if self.learned is not None and arm.drafter == self.learned.name:
             draft_seconds = max(draft_seconds - self.learned.backlog_seconds, 0.0)
-            early, self.learned.early_span = self.learned.early_span, None
-            if early is not None:  # the next proposal's catch-up, run before this step's read: drafting, not verify
-                moved = early.seconds()
-                seconds, draft_seconds = max(seconds - moved, 0.0), draft_seconds + moved
+            # the next proposal's catch-up, launched before this step's read: drafting, not verify. It was queued
+            # after the step's transfer, so its device seconds are known only once it ran: those not yet known are
+            # counted at a later step of the drafter (the sum is the same; the host does not wait for them)
+            if self.learned.early_span is not None:
+                self._early.append(self.learned.early_span)
+                self.learned.early_span = None
+            moved = 0.0
+            while self._early and self._early[0].done():
+                moved += self._early.pop(0).seconds()
+            seconds, draft_seconds = max(seconds - moved, 0.0), draft_seconds + moved
         self.selector.observe(arm, batch, seconds, draft_seconds, drafted, accepted)
 
     def evict(self, seq) -> None:

@@ -76,6 +76,24 @@ def test_graph_replay_equals_eager_at_any_context_length(shape):
     assert pool.counts == {"replays": 15, "captures": 3, "eager": 0}  # one graph per batch bucket, any context
 
 
+def test_a_graph_set_captures_again_after_it_was_cleared():
+    """A drafter's graphs (GraphSet: the n-gram lookup's, the EAGLE-3 levels') all dropped when their buffers are
+    reallocated, then captured again: the new captures take a new memory pool (into the released one's handle the
+    allocator refuses them), and replay what they now read."""
+    from rlspec.rollout.runtime.graphs import GraphSet
+
+    graphs = GraphSet("cuda")
+    for n in (4, 8):  # buffers of a new size: their graphs go, then capture again
+        x = torch.arange(n, dtype=torch.float32, device="cuda")
+        out = torch.empty_like(x)
+        graphs.clear()
+        assert graphs.replay("double", lambda: out.copy_(x * 2))
+        x += 1
+        graphs.replay("double", lambda: None)  # the graph replays; this closure is not called
+        assert torch.equal(out, (torch.arange(n, device="cuda") + 1.0) * 2)
+    assert graphs.counts == {"captures": 2, "replays": 4}
+
+
 def test_lazy_capture_neither_synchronises_nor_empties_the_cache(monkeypatch):
     model, cache = _model_and_cache()
     pool = GraphPool(model, cache, "cuda", max_t=1)

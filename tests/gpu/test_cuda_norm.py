@@ -1,6 +1,6 @@
 """RMSNorm on CUDA is torch's fused kernel (llama.fused_norm): one kernel a norm (two at most) where HF's arithmetic
-launches seven, HF's result to one bf16 ulp (float32: to rounding); a residual sum is inside its product (one addmm,
-llama.plus_product); autograd keeps HF's arithmetic."""
+launches seven, HF's result to one bf16 ulp (float32: to rounding); a residual sum is inside its product
+(llama.plus_product); autograd keeps HF's arithmetic."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,19 +33,24 @@ def test_cuda_rmsnorm_is_one_fused_kernel_and_hf_to_a_last_bit(dtype, rtol):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2**-7), (torch.float32, 1e-5)])
 def test_cuda_residual_sum_is_inside_its_product(dtype, tol):
-    """llama.plus_product on CUDA: residual + linear(x) as one addmm kernel (two: the product, then the sum), the
-    separate sum to one rounding; under autograd, the separate sum."""
+    """llama.plus_product on CUDA: residual + linear(x) with the sum inside the product (our few-rows kernel or
+    torch's addmm, whichever fused_ops measured faster on the first call; cuBLAS may copy the residual to the output
+    and split the sum over K), no separate elementwise sum; the separate sum's result to one rounding; under
+    autograd, the separate sum."""
     from rlspec.rollout.runtime.model.llama import plus_product
 
     g = torch.Generator(device="cuda").manual_seed(1)
     lin = torch.nn.Linear(3584, 512, bias=False).to("cuda", dtype)
     x = torch.randn(8, 1, 3584, generator=g, device="cuda").to(dtype)
     res = torch.randn(8, 1, 512, generator=g, device="cuda").to(dtype)
+    with torch.inference_mode():
+        plus_product(res, x, lin)  # the first call of a shape times the two products (fused_ops._faster_here)
+        torch.cuda.synchronize()
     with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         joined = plus_product(res, x, lin)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) == 1, [e.name for e in kernels]
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert names and not any("elementwise" in n for n in names), names  # torch's separate sum: an elementwise add
     with torch.no_grad():
         torch.testing.assert_close(joined.float(), (res + lin(x)).float(), rtol=tol, atol=tol)
     xg = x.clone().requires_grad_(True)

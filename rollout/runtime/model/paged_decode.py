@@ -184,6 +184,9 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     NB, BS, KV, Dk = k_pool.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
+    # the kernel reads a row's start and its table entries side by side: a step's start may be a column of the
+    # host's packed transfer (stride 2), which read as if contiguous gives every row but the first another's length
+    start, table = start.contiguous(), table if table.stride(-1) == 1 else table.contiguous()
     DP = max(16, triton.next_power_of_2(D))
     G = H // KV if KV and H % KV == 0 else 1
     M = max(16, min(triton.next_power_of_2(G * T), MAX_ROWS))

@@ -110,7 +110,7 @@ def rotate_and_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
     x, c, s = qkv.reshape(B * T, heads, D), cos.reshape(B * T, D), sin.reshape(B * T, D)
     if x.stride(2) != 1 or c.stride(1) != 1 or s.stride(1) != 1:
         x, c, s = x.contiguous(), c.contiguous(), s.contiguous()
-    slot = slots.reshape(-1)
+    slot = slots.reshape(-1).contiguous()  # read side by side (a [B, 1] column of a wider tensor views with a stride)
     kf, vf = k_pool.view(-1, nkv, D), v_pool.view(-1, nkv, D)  # the pools by flat slot
     q = torch.empty(B, T, nh, D, dtype=qkv.dtype, device=qkv.device)
     _rope_write[(B * T, heads)](x, c, s, slot, kf, vf, q, x.stride(0), x.stride(1), c.stride(0), s.stride(0),

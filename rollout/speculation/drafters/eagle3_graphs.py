@@ -136,6 +136,17 @@ class _Frame:
                     self.seen = torch.zeros(r, v, dtype=torch.bool, device=h.device)
                 self.seen[:R].copy_(seen)
 
+    def kept(self):
+        """What a level's draw changes of its own inputs (h, embeds and the history), saved, and the function that
+        puts it back (GraphSet.replay's keep: a capture's warm-ups run the draw and would advance them)."""
+        saved = [(t, t.clone()) for t in (self.h, self.embeds, self.seen) if t is not None]
+
+        def restore() -> None:
+            with torch.inference_mode():
+                for t, copy in saved:
+                    t.copy_(copy)
+        return restore
+
     def draw(self, model, held: Held, d: int, width: int, pick, embed, sampling: bool, penalised: bool) -> None:
         """Draft level d's draw, from the static inputs into the static outputs (what a graph captures). Level 0
         reads the rows' context first and draws from h as it is (the catch-up's output, each row's in its `width`
@@ -245,7 +256,7 @@ class DraftLevelGraphs:
         for d in range(depth):  # level 0's graph draws `width` tokens a row: part of its key
             w = width if d == 0 else 1
             self.graphs.replay((r, s, c, d, sig, w), lambda d=d, w=w: frame.draw(self.model, held, d, w, pick, embed,
-                                                                                sampling, penalised))
+                                                                                sampling, penalised), frame.kept)
         R = len(rows)
         return (frame.ids[:R, :depth].clone(), frame.q[:R, :depth].clone() if sampling else None,
                 frame.ok[:R, :depth].clone())
@@ -284,7 +295,7 @@ class DraftLevelGraphs:
         cache or new RoPE tables)."""
         binding = held.binding()
         if binding != self.binding:
-            self.graphs.graphs.clear()
+            self.graphs.clear()
             self.frames.clear()
             self.catch_ups.clear()
             self.binding = binding

@@ -335,7 +335,7 @@ class DeviceNgramDrafter:
             n, m, g = min(old[0].shape[0] - 1, slots), min(old[0].shape[1], length), min(old[2].shape[1], group)
             self.buf[:n, :m], self.lens[:n], self.members[:n, :g] = old[0][:n, :m], old[1][:n], old[2][:n, :g]
         if self.graphs is not None:
-            self.graphs.graphs.clear()
+            self.graphs.clear()
         self._frames = {}
 
     def _take_slot(self) -> int:

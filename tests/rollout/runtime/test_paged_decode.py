@@ -102,6 +102,45 @@ def test_scale_and_bad_shapes():
         paged_decode.paged_decode(q[:, :3], k_pool, v_pool, table, start, None)
 
 
+def test_start_and_table_read_through_their_strides():
+    """A step's start as the engine may hand it, a column of the host's packed transfer (stride 2), and a table whose
+    entries are not side by side: the same output as from contiguous ones (read as contiguous, every row but the
+    first took another row's length)."""
+    args, ref = _case(len(STARTS), 4, 2, 32, 1, STARTS, torch.float32, False)
+    q, k_pool, v_pool, table, start, tree = args
+    start = torch.stack([torch.zeros_like(start), start], 1)[:, 1]
+    table = torch.stack([table, table], 2)[..., 0]
+    assert start.stride(0) == 2 and table.stride(1) == 2
+    got = paged_decode.paged_decode(q, k_pool, v_pool, table, start, tree)
+    torch.testing.assert_close(got.double().cpu(), ref, atol=2e-5, rtol=0)
+
+
+def test_an_eager_engine_through_the_kernel_is_greedy_transformers(monkeypatch):
+    """The CUDA engine's eager path (graph_mode off, or a shape no graph holds): FlexAttention's layout and the paged
+    kernel for every step, on CPU tensors through the interpreter; greedy rollouts of six prompts equal transformers'
+    generate token for token, and the kernel attended."""
+    from rlspec.rollout.engine import RolloutEngine
+    from rlspec.rollout.runtime import graphs
+    from rlspec.rollout.runtime.model import attention, llama, loader
+    from rlspec.rollout.types import SamplingParams
+    from tests.conftest import make_tiny_hf, random_prompts
+
+    calls = []
+    monkeypatch.setattr(attention, "use_paged_decode", lambda device: True)
+    monkeypatch.setattr(graphs, "use_flex", lambda device: True)
+    monkeypatch.setattr(llama, "attend_paged", lambda *a: calls.append(1) or attention.attend_paged(*a))
+    hf = make_tiny_hf("llama")
+    prompts = random_prompts(6, 2, 25, seed=3)
+    engine = RolloutEngine(loader.from_hf_model(hf), None, eos_token_ids=[2], graph_mode="off", kv_block_size=128)
+    got = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    for prompt, out in zip(prompts, got):
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=2,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.completion_ids == (ids[: ids.index(2) + 1] if 2 in ids else ids)
+    assert calls and not attention._paged_error
+
+
 # ---- in the model: llama.Attention's paged branch --------------------------------------------------------------
 def _paged_step(monkeypatch, T):
     from rlspec.rollout.runtime.graphs import EagerRunner, build_step_batch, head_group

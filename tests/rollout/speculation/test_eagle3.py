@@ -433,6 +433,35 @@ def test_catch_up_over_skipped_steps_is_kept_out_of_the_selectors_drafting_cost(
     assert all(b == 0.0 and told[i] == pytest.approx(d + e) for i, d, b, e in later)
 
 
+def test_a_catch_up_still_running_is_counted_once_it_ran(monkeypatch):
+    """On CUDA the next proposal's catch-up may still run when the step's transfer is read: its seconds move from
+    the verify to drafting at a later step of the drafter, once it ran, and are never read before (a CUDA event's
+    elapsed time raises then)."""
+    eng = eagle_engine(make_tiny_hf("llama", seed=5), k=3, force=False)
+    spec = eng.speculation
+    told = []
+    monkeypatch.setattr(spec.selector, "observe", lambda arm, batch, s, d, *rest: told.append((s, d)))
+
+    class Running:
+        ran = False
+
+        def done(self):
+            return self.ran
+
+        def seconds(self):
+            assert self.ran, "read before its work ran"
+            return 0.25
+
+    span, arm = Running(), Arm("eagle3", 3, 1)
+    spec.learned.early_span = span
+    spec.observe_step(arm, 1, 1.0, 0.5, [3], [1])
+    span.ran = True
+    spec.observe_step(arm, 1, 1.0, 0.5, [3], [1])
+    spec.observe_step(arm, 1, 1.0, 0.5, [3], [1])
+    backlog = spec.learned.backlog_seconds
+    assert told == [(1.0, 0.5 - backlog), (0.75, 0.75 - backlog), (1.0, 0.5 - backlog)]
+
+
 class _Banked:
     """Stands in for the drafter's trainer: keeps what finished samples bank (features, tokens, the target's law)."""
     topk = 4
