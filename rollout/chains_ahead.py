@@ -189,9 +189,10 @@ class AheadChains:
         drafting = step.span.seconds()
         # the rows a step ago ended ran this step too (its cost), but drafted for nothing the loop would have run
         drafted, accepted = [drafted[i] for i in going], [host.accepted[i] for i in going]
-        if not step.fresh:
-            self.speculation.observe_step(step.arm, len(live), max(read - since - drafting, 0.0), drafting,
-                                          drafted, accepted)
+        # a step that captured its graph first is no measure of its cost: its acceptance alone
+        seconds = None if step.fresh else max(read - since - drafting, 0.0)
+        self.speculation.observe_step(step.arm, len(live), seconds, None if step.fresh else drafting, drafted,
+                                      accepted)
         self._metrics.record_verify(step.arm.drafter, drafted, accepted, step.drafted is None)
         self._metrics.batch_trace.append((read - ctx.t0, len(live), emitted, True))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))

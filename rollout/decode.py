@@ -244,7 +244,7 @@ class DecodeSteps(AheadChains):
             ctx.finished = ctx.finished or s.finish_reason is not None
         ctx.finished = ctx.finished or len(going) < len(live)  # or a row that ended a step ago
         zeros = [0] * len(live)  # drafted and accepted per row
-        if not step.fresh:
+        if not step.fresh:  # nothing drafted: a step that captured its graph first tells nothing
             self.speculation.observe_step(arm, len(live), read - t1, t1 - t0, zeros, zeros)
         self._metrics.record_verify(arm.drafter, zeros, zeros, step.ahead)
         self._metrics.batch_trace.append((read - ctx.t0, len(live), len(going), False))
@@ -269,8 +269,10 @@ class DecodeSteps(AheadChains):
             # whole drafted steps are not the arm's drafts: keep them, and this step's time, out of its statistics
             drafted, accepted = [0 if r else n for n, r in zip(drafted, routed)], \
                 [0 if r else a for a, r in zip(accepted, routed)]
-        elif not self.runner.fresh:  # a step that compiled its shape first is no measure of its cost
-            self.speculation.observe_step(arm, len(live), rest, drafting, drafted, accepted)
+        else:  # a step that captured its shape first is no measure of its cost: its acceptance alone
+            fresh = self.runner.fresh
+            self.speculation.observe_step(arm, len(live), None if fresh else rest, None if fresh else drafting,
+                                          drafted, accepted)
         self._metrics.record_verify(arm.drafter, drafted, accepted)
         self._metrics.batch_trace.append((time.perf_counter() - ctx.t0, len(live), emitted, arm.speculative))
         self._signal_idle(len(live) <= max(1, self.runner.cache.rows // 4))

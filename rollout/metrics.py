@@ -121,8 +121,8 @@ def ledger_metrics(window: dict) -> dict[str, float]:
     for name, w in window["drafters"].items():
         out[f"{ACCEPT_RATE}/{name}"] = w.accepted / max(w.drafted, 1)
         out[f"{ACCEPT_LEN}/{name}"] = 1.0 + w.accepted / max(w.verifies, 1)
-        if w.drafted:
-            out[f"{DRAFT_MS_PER_TOKEN}/{name}"] = w.draft_s / w.drafted * 1e3
+        if w.timed_drafted:
+            out[f"{DRAFT_MS_PER_TOKEN}/{name}"] = w.draft_s / w.timed_drafted * 1e3
         if w.levels:
             out[f"{DRAFT_LEVEL_MS}/{name}"] = w.draft_s / w.levels * 1e3
         if w.costed_levels:

@@ -268,12 +268,12 @@ def level_launches(batch: int, graph_mode: str, depth: int = 4, width: int = 1) 
         with ops:
             return early(self, *a)
 
-    def noted_draft(self, seqs, h, d, w):
+    def noted_draft(self, seqs, h, d, w, *rest):
         seen.append(d)
-        return draft(self, seqs, h, d, w)
+        return draft(self, seqs, h, d, w, *rest)
 
-    def one_launch(self, key, fn):  # a CUDA graph's kernels are one launch, counted as such
-        return ops.as_one("graph", replay, self, key, fn)
+    def one_launch(self, key, fn, keep=None):  # a CUDA graph's kernels are one launch, counted as such
+        return ops.as_one("graph", replay, self, key, fn, keep)
 
     Eagle3Drafter.propose_tensors, Eagle3Drafter._draft, GraphSet.replay = counted_propose, noted_draft, one_launch
     Eagle3Drafter._catch_up_early = counted_early
@@ -303,7 +303,7 @@ def step_launches(mode: str, batch: int, temperature: float) -> dict:
     step = engine.runner.step
     engine.runner.step = lambda *a, **kw: ops.as_one(None, step, *a, **kw)  # the forward: a graph of its own
     replay, draws = graphs.GraphSet.replay, (sampling.kernel_draws, verify.kernel_draws)
-    graphs.GraphSet.replay = lambda self, key, fn: ops.as_one("graph", replay, self, key, fn)
+    graphs.GraphSet.replay = lambda self, key, fn, keep=None: ops.as_one("graph", replay, self, key, fn, keep)
     sampling.kernel_draws = verify.kernel_draws = lambda *a: False
     counts = {}
     try:

@@ -29,7 +29,7 @@ from rlspec.rollout.runtime.sequence import Sequence
 # positions of growth kept free per live sequence at admission (a block's worth where blocks are smaller):
 # admitting into the last free blocks would only preempt someone a few steps later. Counted in positions, not
 # blocks: with FlexAttention's 128-position blocks (CUDA) a block of headroom per row halved the rows that a pool of
-# one block a row admits (bench_out/gpu/: 7B, 128 rows of 96 positions ran as two waves of 64)
+# one block a row admits (bench_out/gpu_2026-11-30/: 7B, 128 rows of 96 positions ran as two waves of 64)
 HEADROOM_TOKENS = 16
 
 

@@ -48,6 +48,7 @@ class Window:
     accepted: int = 0  # of which accepted
     verifies: int = 0  # rows that carried a draft
     draft_s: float = 0.0  # seconds spent proposing
+    timed_drafted: int = 0  # draft tokens of the steps whose seconds were measured (draft_s's)
     levels: int = 0  # draft levels run for the whole live batch (a step of depth d runs d)
     level_steps: float = 0.0  # those levels' seconds, each over the plain step at its live-batch bucket
     costed_levels: int = 0  # levels with a plain step to compare with
@@ -59,6 +60,8 @@ class Window:
         self.accepted += accepted
         self.draft_s += draft_s
         self.levels += levels
+        if levels:
+            self.timed_drafted += drafted
         if plain_s:
             self.level_steps += draft_s / plain_s
             self.costed_levels += levels
@@ -90,8 +93,13 @@ class Ledger:
         """One decode step of `arm` over `batch` live rows: `seconds` forward to commit, `draft_seconds` proposing,
         per row the draft tokens offered and accepted. changed(drafter, accepts, rejects): the selector's change
         detector over the fresh view; True (it has reset the drafter's tracker) makes the fresh evidence all
-        there is of the drafter."""
+        there is of the drafter. seconds None: a step whose time measures no cost (it captured its CUDA graph
+        first): its drafts and their acceptance count, nothing of its time."""
         b = bucket(batch)
+        if seconds is None:
+            if arm.speculative:
+                self._drafter(arm, b, None, drafted, accepted, changed)
+            return
         spent = seconds + draft_seconds
         if arm.speculative:
             advanced = (sum(accepted) + len(accepted)) / max(len(accepted), 1)  # positions the rows moved on average
@@ -114,15 +122,17 @@ class Ledger:
     def _drafter(self, arm: Arm, b: int, draft_seconds: float, drafted: list[int], accepted: list[int],
                  changed) -> None:
         name = arm.drafter
-        key, level = (name, b), draft_seconds / arm.depth
-        old = self.draft_level.get(key)
-        self.draft_level[key] = level if old is None else (1 - EMA) * old + EMA * level
+        timed = () if draft_seconds is None else (draft_seconds, arm.depth, self.plain_seconds(b))
+        if timed:
+            key, level = (name, b), draft_seconds / arm.depth
+            old = self.draft_level.get(key)
+            self.draft_level[key] = level if old is None else (1 - EMA) * old + EMA * level
         busy = len(drafted) - drafted.count(0)  # rows that carried a draft (a row without one accepted none)
         if busy:
             window = self.window_drafters.get(name)
             if window is None:
                 window = self.window_drafters[name] = Window()
-            window.add(busy, sum(drafted), sum(accepted), draft_seconds, arm.depth, self.plain_seconds(b))
+            window.add(busy, sum(drafted), sum(accepted), *timed)
         acc, rej = path_evidence(arm, drafted, accepted)
         self.trials[name] = self.trials.get(name, 0.0) + acc + rej
         fa, fr = self.fresh.get(name, (0.0, 0.0))

@@ -218,17 +218,19 @@ class Speculation:
         if self.learned is not None:
             self.learned.observe_commit(seqs, accepted, logits)
 
-    def observe_step(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
+    def observe_step(self, arm: Arm, batch: int, seconds: float | None, draft_seconds: float | None,
                      drafted: list[int], accepted: list[int]) -> None:
         """Feed the selector; new drafter weights make the acceptance it measured partly stale. A learned
         drafter's catch-up over steps it sat out (its backlog) is kept out of the drafting seconds: drafting on
         every step never pays it, and counted in, a probe after a long gap made the drafter's levels look several
-        times dearer than they are, so the selector dropped it again at once (docs/selectors.md)."""
+        times dearer than they are, so the selector dropped it again at once (docs/selectors.md). seconds and
+        draft_seconds None: the step captured its graph first, its time no measure of a cost; its acceptance
+        counts."""
         if self.version() != self._seen_version:
             self._seen_version = self.version()
             self.selector.reset_acceptance(self.learned.name, keep=UPDATE_KEEP)
             self._feed_gate()
-        if self.learned is not None and arm.drafter == self.learned.name:
+        if self.learned is not None and arm.drafter == self.learned.name and seconds is not None:
             draft_seconds = max(draft_seconds - self.learned.backlog_seconds, 0.0)
             # the next proposal's catch-up, launched before this step's read: drafting, not verify. It was queued
             # after the step's transfer, so its device seconds are known only once it ran: those not yet known are

@@ -35,12 +35,12 @@ def test_cuda_graph_levels_give_the_eager_drafts_and_stay_exact(width, monkeypat
     eng = _engine(hf, width, "auto")
     draft, compared = Eagle3Drafter._draft, []
 
-    def both(self, seqs, h, depth, w):
+    def both(self, seqs, h, depth, w, *rest):  # rest: a chain looked ahead's (Eagle3Drafter.draft_ahead)
         graphs = self._graphs
         self._graphs, self.graph_mode = None, "off"
-        eager = draft(self, seqs, h, depth, w)
+        eager = draft(self, seqs, h, depth, w, *rest)
         self._graphs, self.graph_mode = graphs, "auto"
-        got = draft(self, seqs, h, depth, w)
+        got = draft(self, seqs, h, depth, w, *rest)
         assert torch.equal(got[0], eager[0]), "graph levels drafted other tokens than eager ones"
         compared.append(depth)
         return got

@@ -65,3 +65,29 @@ def test_the_engine_reports_each_drafters_cost():
     s = eng.stats()
     assert s[M.PLAIN_STEP_MS] > 0
     assert 0 < s[f"{M.DRAFT_COST}/suffix"] < 10
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["step_by_step", "looked_ahead"])
+def test_steps_that_captured_their_graph_count_their_acceptance_not_their_time(monkeypatch, ahead):
+    """A step whose shape was captured first (on CUDA, each bucket's first step) measures no cost, but its drafts
+    were verified like any other's: the drafter's acceptance counts it, so with every step such a step the
+    drafter's figures are the call's (as with none), and nothing of its time is read (no plain step, no draft
+    cost). Step by step and with chains looked ahead (ngram_device)."""
+    from rlspec.rollout.runtime.graphs import EagerRunner
+
+    def run(fresh: bool) -> dict:
+        monkeypatch.setattr(EagerRunner, "fresh", fresh)
+        eng = RolloutEngine(loader.from_hf_model(make_tiny_hf("llama")), None, eos_token_ids=[2],
+                            spec=SpecConfig(drafter="ngram_device", num_draft_tokens=3, selector="always",
+                                            online_training=False), compile_mode="off")
+        eng.look_ahead = ahead
+        eng.generate(random_prompts(4, 3, 12, seed=1), SamplingParams(temperature=0, max_new_tokens=24))
+        return eng.stats()
+
+    timed, untimed = run(False), run(True)
+    for s in (timed, untimed):
+        assert s[M.ACCEPT_RATE] > 0 and s[f"{M.ACCEPT_RATE}/ngram_device"] == pytest.approx(s[M.ACCEPT_RATE])
+        assert s[f"{M.ACCEPT_LEN}/ngram_device"] == pytest.approx(s[M.ACCEPT_LEN])
+    assert untimed[M.ACCEPT_RATE] == timed[M.ACCEPT_RATE] and (timed[M.AHEAD_SHARE] > 0) == ahead
+    assert f"{M.DRAFT_COST}/ngram_device" in timed and f"{M.DRAFT_MS_PER_TOKEN}/ngram_device" in timed
+    assert not any(k.startswith((M.DRAFT_COST, M.DRAFT_MS_PER_TOKEN, M.PLAIN_STEP_MS)) for k in untimed)

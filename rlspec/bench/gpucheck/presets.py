@@ -2,7 +2,7 @@
 (--smoke), and the summary it prints. Stdlib only.
 
 Limits: the core (the CUDA smoke subset, plain, spec_costs) adds up to 300 s and everything to 600 s (one device
-call). Each is sized from the H200 run's section times (bench_out/gpu/report.json: the smoke subset's 16 tests
+call). Each is sized from the H200 run's section times (bench_out/gpu_2026-11-30/report.json: the smoke subset's 16 tests
 112 s, plain 58 s, spec_costs' verify rows 72 s, profile 24 s, contexts 16 s, oracle 56 s, e2e's two first arms
 ~40 s); contexts has 15 s more for the paged kernel's launches timed alone (a compile each, ~1 s), taken from
 tests_rest, the last. That run predates our Triton kernels: the compiles of their first launches are mostly paid
@@ -80,7 +80,7 @@ SMOKE = {
     "e2e": dict(shape="tiny", steps=1, batch=4, generations=2, max_completion_length=8, accept=0.7,
                 num_draft_tokens=4, arms=["trl", "spec", "spec-oracle"], temperature=0.25),
 }
-# seconds per section; the core's add up to 300, all to 600 (sized from bench_out/gpu/report.json's seconds)
+# seconds per section; the core's add up to 300, all to 600 (sized from bench_out/gpu_2026-11-30/report.json's seconds)
 GPU_LIMITS = dict(tests=140, plain=65, spec_costs=95, profile=30, contexts=45, oracle=65, e2e=100, tests_rest=60)
 EXTRA_LIMITS = dict(compiled=180)
 SMOKE_LIMITS = dict(tests=120, plain=120, spec_costs=120, profile=120, contexts=120, oracle=120, e2e=200,

@@ -217,7 +217,7 @@ def _flex_mask(start: torch.Tensor, T: int, S: int, tree: torch.Tensor, table: t
     Grouped heads (group > 1): the query axis holds the group's heads one after another (group * t queries per
     KV head; query q is new token q % t), so one program reads a KV block once for all the heads that share it.
     With torch's own GQA every query head reads the whole context: a 7B step at 8k positions and batch 32 read
-    its KV 7 times (the `contexts` rows of bench_out/gpu/). Every query of a row sees the same KV blocks, so
+    its KV 7 times (the `contexts` rows of bench_out/gpu_2026-11-30/). Every query of a row sees the same KV blocks, so
     each query block gets the same block lists.
 
     Paged (table given): the same logical blocks, mapped through each row's table to physical blocks

@@ -191,6 +191,9 @@ class AdaptiveSelector:
 
     def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                 drafted: list[int], accepted: list[int]) -> None:
+        if seconds is None:  # no cost measured: the acceptance alone (the ledger's)
+            self.ledger.record(arm, batch, None, None, drafted, accepted, changed=self._changed)
+            return
         b = bucket(batch)
         st = self._bucket(b)
         self.regret.record(b, batch, sum(a + 1 for a in accepted), seconds + draft_seconds)

@@ -92,7 +92,8 @@ class Selector(Protocol):
     def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                 drafted: list[int], accepted: list[int]) -> None:
         """What the step cost (verify forward, drafting) and what each row drafted and accepted: recorded in the
-        ledger (`self.ledger.record(...)`), then whatever the selector learns from it."""
+        ledger (`self.ledger.record(...)`), then whatever the selector learns from it. seconds and draft_seconds
+        None: the step's time measures no cost (it captured its graph first); its acceptance still counts."""
 
     def reset_acceptance(self, drafter: str, keep: float = 0.0) -> None:
         """The drafter's weights changed: acceptance measured on the old weights is stale. keep: the

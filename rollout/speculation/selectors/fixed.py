@@ -133,7 +133,8 @@ class FixedSelector:
 
     def observe(self, arm: Arm, batch: int, seconds: float, draft_seconds: float,
                 drafted: list[int], accepted: list[int]) -> None:
-        self.regret.record(bucket(batch), batch, sum(a + 1 for a in accepted), seconds + draft_seconds)
+        if seconds is not None:
+            self.regret.record(bucket(batch), batch, sum(a + 1 for a in accepted), seconds + draft_seconds)
         self.ledger.record(arm, batch, seconds, draft_seconds, drafted, accepted)
 
     def gated(self) -> bool:
