@@ -19,6 +19,9 @@ def _engine(hf, width: int, graph_mode: str):
     spec = SpecConfig(drafter="eagle3", num_draft_tokens=4, tree_width=width, online_training=False)
     eng = RolloutEngine(loader.from_hf_model(hf, torch.float32, "cuda"), None, spec=spec, eos_token_ids=[2])
     eng.speculation.learned.graph_mode = graph_mode
+    # step by step: a chain looked ahead (CUDA's default) drafts through the graphs alone, with no eager levels to
+    # compare with (tests/gpu/test_cuda_eagle3_ahead.py: its rollouts against step-by-step ones)
+    eng.look_ahead = False
     with torch.no_grad():
         eng.speculation.learned.model.lm_head.weight.mul_(8.0)
     eng.speculation.force(Arm("eagle3", 4, width))
@@ -35,12 +38,12 @@ def test_cuda_graph_levels_give_the_eager_drafts_and_stay_exact(width, monkeypat
     eng = _engine(hf, width, "auto")
     draft, compared = Eagle3Drafter._draft, []
 
-    def both(self, seqs, h, depth, w, *rest):  # rest: a chain looked ahead's (Eagle3Drafter.draft_ahead)
+    def both(self, seqs, h, depth, w):
         graphs = self._graphs
         self._graphs, self.graph_mode = None, "off"
-        eager = draft(self, seqs, h, depth, w, *rest)
+        eager = draft(self, seqs, h, depth, w)
         self._graphs, self.graph_mode = graphs, "auto"
-        got = draft(self, seqs, h, depth, w, *rest)
+        got = draft(self, seqs, h, depth, w)
         assert torch.equal(got[0], eager[0]), "graph levels drafted other tokens than eager ones"
         compared.append(depth)
         return got

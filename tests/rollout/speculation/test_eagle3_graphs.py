@@ -42,12 +42,12 @@ def test_graph_levels_give_the_eager_drafts(width, monkeypatch):
     drafter: Eagle3Drafter = eng.speculation.learned
     draft, compared = Eagle3Drafter._draft, []
 
-    def both(self, seqs, h, depth, w, *rest):  # rest: a chain looked ahead's
+    def both(self, seqs, h, depth, w):
         graphs = self._graphs
         self._graphs, self.graph_mode = None, "off"
-        eager = draft(self, seqs, h, depth, w, *rest)
+        eager = draft(self, seqs, h, depth, w)
         self._graphs, self.graph_mode = graphs, "emulate"
-        got = draft(self, seqs, h, depth, w, *rest)
+        got = draft(self, seqs, h, depth, w)
         assert torch.equal(got[0], eager[0]) and kept_of(got) == kept_of(eager)
         compared.append((len(seqs), depth))
         return got
@@ -195,13 +195,13 @@ def drafted_both_ways(monkeypatch, graph_mode: str) -> list:
     Returns the list the proposals' (rows, depth, kept) go to."""
     draft, compared = Eagle3Drafter._draft, []
 
-    def both(self, seqs, h, depth, w, *rest):  # rest: a chain looked ahead's
+    def both(self, seqs, h, depth, w):
         graphs, state = self._graphs, self.generator.get_state()
         self._graphs, self.graph_mode = None, "off"
-        eager = draft(self, seqs, h, depth, w, *rest)
+        eager = draft(self, seqs, h, depth, w)
         self._graphs, self.graph_mode = graphs, graph_mode
         self.generator.set_state(state)
-        got = draft(self, seqs, h, depth, w, *rest)
+        got = draft(self, seqs, h, depth, w)
         assert torch.equal(got[0], eager[0]) and kept_of(got) == kept_of(eager)
         torch.testing.assert_close(got[1], eager[1], rtol=1e-5, atol=1e-6)
         compared.append((len(seqs), depth, kept_of(got)))
