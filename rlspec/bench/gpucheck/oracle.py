@@ -160,7 +160,8 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
             r = out["rows"][-1]
             print(f"  batch {b} a={a}: decode x{r['decode_speedup']:.2f} plain (whole call x{r['speedup']:.2f}), "
                   f"accept_len {r['accept_len']:.2f} (expected {r['expected_accept_len']:.2f}), step "
-                  f"{r['step_ms']:.2f} ms (plain {r['plain_step_ms']:.2f}), steps {r['decode_steps']}, captures in "
+                  f"{r['step_ms']:.2f} ms (plain {r['plain_step_ms']:.2f}), steps {r['decode_steps']}, the loop's "
+                  f"tokens a step {r['loop_accept_len']:.2f}, launched ahead {r['ahead_share']}, captures in "
                   f"timed calls {r['timed_captures']}", flush=True)
         save(out)
     return out
@@ -181,7 +182,7 @@ def _row(b: int, a: float, k: int, lengths, base: dict, call: dict, reference: d
     """One (batch, a): the decode loop's figures from the difference of the two lengths, the long call's whole."""
     from statistics import median
 
-    from rlspec.rollout.metrics import ACCEPT_LEN
+    from rlspec.rollout.metrics import ACCEPT_LEN, AHEAD_SHARE
 
     short, long = lengths
     spec_s = call[long]["seconds"] - call[short]["seconds"]
@@ -198,6 +199,10 @@ def _row(b: int, a: float, k: int, lengths, base: dict, call: dict, reference: d
                 tok_s=tokens / call[long]["seconds"], plain_tok_s=tokens / base[long]["seconds"],
                 accept_len=b * (long - short) / (verifies[1] - verifies[0]),
                 accept_len_call=call[long]["stats"][ACCEPT_LEN],
+                # tokens a row gained per step of the loop, which runs until its slowest row is done: below
+                # accept_len by what the rows' spread costs a batch of fixed lengths, not the engine
+                loop_accept_len=(long - short) / steps if steps > 0 else None,
+                ahead_share=call[long]["stats"].get(AHEAD_SHARE),  # the steps launched before the host read the last
                 step_ms=spec_s / steps * 1e3 if steps > 0 else None,
                 plain_step_ms=plain_s / plain_steps * 1e3 if plain_steps > 0 else None,
                 call_overhead_ms=(call[long]["seconds"] - spec_s / steps * median(call[long]["decode_steps"])) * 1e3

@@ -2,8 +2,8 @@
 (--smoke), and the summary it prints. Stdlib only.
 
 Limits: the core (the CUDA smoke subset, plain, spec_costs) adds up to 300 s and everything to 600 s (one device
-call). Each is sized from the H200 run's section times (bench_out/gpu_2026-11-30/report.json: the smoke subset's 16 tests
-112 s, plain 58 s, spec_costs' verify rows 72 s, profile 24 s, contexts 16 s, oracle 56 s, e2e's two first arms
+call). Each is sized from the H200 run's section times (bench_out/gpu_2026-11-30/report.json: the smoke subset's
+16 tests 112 s, plain 58 s, spec_costs' verify rows 72 s, profile 24 s, contexts 16 s, oracle 56 s, e2e's two first arms
 ~40 s); contexts has 15 s more for the paged kernel's launches timed alone (a compile each, ~1 s), taken from
 tests_rest, the last. That run predates our Triton kernels: the compiles of their first launches are mostly paid
 beside the CUDA tests, by the compile-ahead child (ahead.py), and each section reports what it still compiled. A

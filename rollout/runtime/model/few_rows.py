@@ -5,7 +5,7 @@ gate|up product (before its down product): one kernel where two were.
 
 Why: at 1-64 rows a product streams its weight once and does little else, so its time is the weight's bytes over
 the bandwidth it reaches. On the H200 cuBLAS reached 59-63% of the bandwidth for a Qwen2.5-7B layer's two small
-products (q|k|v, 33 MB; o, 26 MB) and 78-80% for its MLP's (bench_out/gpu_2026-11-30/profile.json, 2026-11-30): 3.8 ms of a
+products (q|k|v, 33 MB; o, 26 MB) and 78-80% for its MLP's (bench_out/gpu_2026-11-30/profile.json): 3.8 ms of a
 6.3 ms step against 2.95 ms at the full bandwidth. Here each program streams BN whole rows of W, BK columns at a
 time, so a product of N outputs runs N / BN programs a tile of 16 rows and no second pass (K is not split, whose
 partial sums would need another kernel). The row tiles of more than 16 rows (up to four) are adjacent programs,

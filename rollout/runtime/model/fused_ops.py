@@ -242,8 +242,11 @@ def _seconds(fn, *args, **launch) -> float:
     microseconds it would decide the comparison). Each timed run follows a read of a buffer twice the cache's size
     (clean lines: a write would leave the run the cache's write-backs) and a spin that keeps the device busy while
     the host launches the run; CUDA events around the run alone; the median of TIMED, after one run outside them (a
-    kernel's compile)."""
+    kernel's compile). The run is a replay of fn captured in a CUDA graph, as a step runs it (`_graphed`): one
+    launch, whatever fn launches and however slow its launchers (Triton's, a Python function's two ops), which the
+    spin covers; where fn cannot be captured, it is launched as it is."""
     fn(*args, **launch)
+    run = _graphed(fn, args, launch) or (lambda: fn(*args, **launch))
     device = torch.cuda.current_device()
     # read to evict the cache (its values are never used); freed when the timing ends, for the allocator to reuse
     flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.float16, device=device)
@@ -253,10 +256,29 @@ def _seconds(fn, *args, **launch) -> float:
         flush.max()
         torch.cuda._sleep(SPIN_CYCLES)
         start.record()
-        fn(*args, **launch)
+        run()
         end.record()
         times.append((start, end))
     torch.cuda.synchronize()
     seconds = sorted(start.elapsed_time(end) / 1e3 for start, end in times)
     return seconds[len(seconds) // 2]
 
+
+def _graphed(fn, args: tuple, launch: dict):
+    """fn(*args, **launch) captured in a CUDA graph (on a side stream, as graphs.py captures: no synchronisation or
+    cache emptying), its replay; None inside another capture or where fn cannot be captured."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                fn(*args, **launch)
+            finally:
+                graph.capture_end()
+    except Exception:  # noqa: BLE001 - an op that refuses capture: timed as launched
+        return None
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph.replay
