@@ -72,7 +72,9 @@ def test_rehearsal_writes_every_section(tmp_path):
     assert draft[-1]["level_graphs"]["captures"] > 0  # the drafter's levels went through the graph bookkeeping
     assert all(r["timed_captures"] == r["timed_compiles"] == 0 for r in draft)
     prof = report["profile"]["rows"]
-    assert [p["batch"] for p in prof] == [1, 2] and all(p["decode_steps"] > 0 and p["top_host_ops"] for p in prof)
+    assert [(p["batch"], p["arm"]) for p in prof] == [(1, "plain"), (2, "plain"), (2, "oracle a=0.7 k=4")]
+    assert all(p["decode_steps"] > 0 and p["top_host_ops"] for p in prof)
+    assert prof[-1]["accept_len"] > 1.5  # the speculative rollout profiled drafted, and the target took its drafts
     # the default pass, FlexAttention's compare row and the row without PDL (on a CPU none of them took it)
     assert [(r["context"], r["batch"]) for r in report["contexts"]["rows"]] == \
         [(c, b) for c in (16, 64) for b in (1, 2)] + [(64, 2), (16, 1)]

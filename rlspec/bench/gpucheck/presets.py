@@ -46,7 +46,8 @@ GPU = {
     "spec_costs": dict(shape="qwen2.5-7b", batches=[1, 8, 32, 128], verify_tokens=[2, 3, 4, 5, 8],
                        tree_tokens=[5], ctx=256, iters=6, repeats=3, draft_batches=[1, 8, 32],
                        draft_new_tokens=24, prompt_len=64),
-    "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12),
+    "profile": dict(shape="qwen2.5-7b", batches=[1, 128], prompt_len=64, new_tokens=16, top=12,
+                    oracle=dict(batch=8, accept=0.7, k=4)),
     "contexts": dict(shape="qwen2.5-7b", batches=[1, 8, 32], contexts=[256, 2048, 8192], iters=6, repeats=3,
                      compare=dict(kernel="flex", rows=[[256, 1], [8192, 1], [8192, 32]]),
                      without_pdl=[[256, 1], [256, 32]],  # our kernels launched without PDL: its gain
@@ -67,7 +68,8 @@ SMOKE = {
                   hf_batches=[1]),
     "spec_costs": dict(shape="tiny", batches=[1, 2], verify_tokens=[2, 5], tree_tokens=[4], ctx=16, iters=2,
                        repeats=3, draft_batches=[1, 2], draft_new_tokens=8, prompt_len=8),
-    "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8),
+    "profile": dict(shape="tiny", batches=[1, 2], prompt_len=8, new_tokens=6, top=8,
+                    oracle=dict(batch=2, accept=0.7, k=4)),
     "contexts": dict(shape="tiny", batches=[1, 2], contexts=[16, 64], iters=2, repeats=3,
                      compare=dict(kernel="flex", rows=[[64, 2]]), without_pdl=[[16, 1]],
                      attention=dict(rows=[[64, 2]], launches=[[16, 3, 2]]), lookup=dict(rows=[[4, 2, 64]]),
@@ -81,7 +83,7 @@ SMOKE = {
                 num_draft_tokens=4, arms=["trl", "spec", "spec-oracle"], temperature=0.25),
 }
 # seconds per section; the core's add up to 300, all to 600 (sized from bench_out/gpu_2026-11-30/report.json's seconds)
-GPU_LIMITS = dict(tests=140, plain=65, spec_costs=95, profile=30, contexts=45, oracle=65, e2e=100, tests_rest=60)
+GPU_LIMITS = dict(tests=140, plain=65, spec_costs=95, profile=40, contexts=45, oracle=55, e2e=100, tests_rest=60)
 EXTRA_LIMITS = dict(compiled=180)
 SMOKE_LIMITS = dict(tests=120, plain=120, spec_costs=120, profile=120, contexts=120, oracle=120, e2e=200,
                     tests_rest=120)
