@@ -31,7 +31,7 @@ def run(cfg: dict, device, dtype, left, save) -> dict:
         drafter = OracleDrafter({tuple(r.prompt_ids): list(r.completion_ids) for r in ref}, hf.config.vocab_size,
                                 o["accept"])
         spec = SpecConfig(drafter="ngram", selector="always", num_draft_tokens=o["k"], online_training=False)
-        arms.append((engine_over(hf, device, dtype, B, length, spec=spec, drafter=drafter), o["batch"],
+        arms.append((engine_over(hf, device, dtype, o["batch"], length, spec=spec, drafter=drafter), o["batch"],
                      f"oracle a={o['accept']} k={o['k']}"))
     del hf
     release(device)
