@@ -102,7 +102,7 @@ def main(archs: list[int]) -> None:
                                              (4608, 3584, True, False, True, False),
                                              (37888, 3584, False, False, True, False),
                                              (3584, 18944, False, True, False, True)):
-            BN, BK = few_rows.tiles(N, K, gated)
+            BN, BK = few_rows.tiles(N, K, gated, norm)
             pointers = dict(X="*bf16", W="*bf16", Bias="*bf16", Res="*bf16", Norm="*bf16", Y="*bf16")
             for stages in fused_ops.DEPTHS:  # each pipeline depth the engine times
                 compile_one(few_rows._few_rows, pointers,
