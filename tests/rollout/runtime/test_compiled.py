@@ -122,5 +122,6 @@ def test_the_selector_never_learns_a_compiling_steps_time(monkeypatch):
     monkeypatch.setattr(eng.runner, "step", slow_first_steps)
     eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))
     assert eng.stats()["rollout/decode_steps"] == len(fresh) and sum(fresh) >= 2
-    assert [t is None for t in seen] == fresh  # every step, the fresh ones without a time
-    assert max(t for t in seen if t is not None) < 0.2  # only real steps' times: milliseconds
+    timed = [t for t in seen if t is not None]  # a drafted step that compiled: its acceptance alone (None)
+    assert len(timed) == len(fresh) - sum(fresh)  # every step that did not compile gave its time, and only those
+    assert max(timed) < 0.2  # only real steps' times: milliseconds
