@@ -115,6 +115,9 @@ def build_step_batch(tokens, start, cache: PagedKVCache, S: int, depths=None, tr
     the flex mask folds into its query axis (attention._flex_mask).
     """
     B, T = tokens.shape
+    # every layer's kernels read start side by side (a column of the host's packed transfer has a stride): one copy
+    # here, not one a layer in paged_decode's
+    start = start.contiguous()
     steps = torch.arange(T, device=tokens.device)
     offs = steps.expand(B, T) if depths is None else depths
     write = start[:, None] + steps

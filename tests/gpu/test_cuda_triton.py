@@ -4,8 +4,8 @@ at contexts that split into many chunks; and replayed from a CUDA graph captured
 row's chunks follow its live length inside the kernel). The rotation with the KV writes (model/rope_write.py):
 the torch ops' bits, and the engine's steps take it (and a drafter's q and k rotation). SiLU times up (model/silu_mul.py): torch's two ops to a last
 bit, and the MLPs of 16-bit CUDA steps take it. A plain step's draw (model/sample_rows.py): the inverse CDF of the
-float64 softmax at Qwen2.5's vocabulary, batch 1 (a row over every SM) and 128, and the engine's draw takes it. A product of a few rows (model/few_rows.py): one rounding of the
-float32 sum at Qwen2.5-7B's products, each row its own, the norm inside it torch's, chosen by timing against cuBLAS
+float64 softmax at Qwen2.5's vocabulary, batch 1 (a row over every SM) and 128, and the engine's draw takes it. A
+product of a few rows (model/few_rows.py): one rounding of the float32 sum at Qwen2.5-7B's products, each row its own, the norm inside it torch's, chosen by timing against cuBLAS
 before a graph captures it and replayed from the graph. And all of them at once in a bf16 engine replaying its steps
 from graphs, plain and verifying drafts: its logprobs as close to the exact ones as the engine's with torch's ops
 (tests/rollout/runtime/test_kernels_engine.py; the engine with torch's ops attends densely over the gathered blocks,

@@ -84,6 +84,16 @@ def lookup_rows(cfg: dict, device, left, save, out) -> list[dict]:
     return rows
 
 
+def _without_triton(device, what: str) -> dict | None:
+    """Why our Triton kernels cannot be timed here ({"skipped": ...}), or None: on a CPU they run only in Triton's
+    interpreter."""
+    from rlspec.rollout.runtime.model.attention import triton_available
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": f"{what} on a CPU only in Triton's interpreter (TRITON_INTERPRET=1)"}
+    return None if triton_available() else {"skipped": "Triton is not installed"}
+
+
 def draw_rows(cfg: dict, device, left, save, out) -> list[dict] | dict:
     """A plain step's draw from softmax(logits / T) with its logprob and finite column at batches cfg["rows"] of a
     cfg["vocab"] vocabulary: model/sample_rows.py's two kernels against sampling.torch_sample_rows (what the engine
@@ -92,10 +102,9 @@ def draw_rows(cfg: dict, device, left, save, out) -> list[dict] | dict:
 
     from rlspec.rollout.runtime import sampling
 
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return {"skipped": "the kernels run on a CPU only in Triton's interpreter (TRITON_INTERPRET=1)"}
-    if not sampling.triton_available():
-        return {"skipped": "Triton is not installed"}
+    skipped = _without_triton(device, "the kernels run")
+    if skipped:
+        return skipped
     from rlspec.rollout.runtime.model.sample_rows import sample_rows
 
     rows = []
@@ -122,12 +131,10 @@ def attention_rows(shape: str, cfg: dict, device, dtype, left, save, out) -> lis
     import torch
 
     from rlspec.bench.gpucheck.presets import hbm_bytes_s
-    from rlspec.rollout.runtime.model import attention
 
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return {"skipped": "the kernel runs on a CPU only in Triton's interpreter (TRITON_INTERPRET=1)"}
-    if not attention.triton_available():
-        return {"skipped": "Triton is not installed"}
+    skipped = _without_triton(device, "the kernel runs")
+    if skipped:
+        return skipped
     from rlspec.rollout.runtime.model import paged_decode
 
     fields = SHAPES[shape][1]

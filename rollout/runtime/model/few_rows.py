@@ -90,7 +90,8 @@ def tiles(N: int, K: int, gated: bool = False, normed: bool = False) -> tuple[in
     once K allows (16-32 KB of W a load), 256 gated (SiLU of a 16 x 512 gate tile and its up tile took more
     registers than a thread has, spilling: tests/rollout/runtime/triton_aot.py) and normed (the norm's weight tile
     beside x's and W's made a program of 32 outputs 114 KB of shared memory at 512, one program an SM on an H200
-    where the plain product runs two: it timed 161 us against the plain product's 70 there, 2026-12-04; 57 KB at 256)."""
+    where the plain product runs two: it timed 161 us against the plain product's 70 there, 2026-12-04; 57 KB at
+    256)."""
     return (16 if N <= 16384 else 32), min(256 if gated or normed else 512, max(64, triton.next_power_of_2(K)))
 
 

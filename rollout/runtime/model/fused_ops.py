@@ -269,8 +269,9 @@ def _seconds(fn, *args, **launch) -> float:
 
 
 def _graphed(fn, args: tuple, launch: dict):
-    """fn(*args, **launch) captured in a CUDA graph (on a side stream, as graphs.py captures: no synchronisation or
-    cache emptying), its replay; None inside another capture or where fn cannot be captured."""
+    """fn(*args, **launch) captured in a CUDA graph (on a side stream, as graphs._CudaGraph captures the engine's
+    steps: no synchronisation or cache emptying; not that class itself, which sits above this module), its replay;
+    None inside another capture or where fn cannot be captured."""
     if torch.cuda.is_current_stream_capturing():
         return None
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
